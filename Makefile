@@ -1,0 +1,34 @@
+# Entry points for a fresh machine. `make demo` sets everything up and runs the demo;
+# `make test` sets everything up and runs the tests.
+CARGO ?= cargo
+BIN := target/release/dflash-tui
+
+.PHONY: setup libtorch build demo-assets demo test lint carry
+
+libtorch:
+	bash scripts/setup-libtorch.sh
+
+build: libtorch
+	$(CARGO) build --release --locked
+
+demo-assets: build
+	bash scripts/setup-demo.sh $(BIN)
+
+setup: demo-assets
+
+demo: setup
+	$(BIN) doctor
+	$(BIN) generate --prompt "What is the capital of France?" --max-new-tokens 64
+
+test: setup
+	$(CARGO) test --release --locked
+
+lint: libtorch
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --release --all-targets --locked -- -D warnings
+
+# A stripped release binary in .carry/ for the GPU machine (see README, "GPU use").
+carry: build
+	mkdir -p .carry
+	cp $(BIN) .carry/dflash-tui
+	strip .carry/dflash-tui

@@ -1,0 +1,86 @@
+//! `doctor`: what this installation can use.
+
+use anyhow::Result;
+
+use crate::paths::Locations;
+use crate::runtime::{libtorch_version, CudaSupport, TorchRuntime};
+use crate::telemetry::gpu::{nvml_status, NvmlStatus};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn presence(path: &std::path::Path) -> &'static str {
+    if path.exists() {
+        "present"
+    } else {
+        "missing"
+    }
+}
+
+pub fn run(runtime: &TorchRuntime) -> Result<()> {
+    println!("dflash-tui {}", env!("CARGO_PKG_VERSION"));
+    let dir = runtime.libtorch_dir.as_deref();
+    println!(
+        "libtorch: {} at {}",
+        libtorch_version(dir).unwrap_or_else(|| "version unknown".into()),
+        dir.map(|d| d.display().to_string())
+            .unwrap_or_else(|| "(not found in this process)".into())
+    );
+    println!("  CPU threads: {}", tch::get_num_threads());
+    match &runtime.cuda {
+        CudaSupport::Loaded { library, devices } => {
+            println!("CUDA: {devices} device(s) ({} loaded)", library.display());
+            for i in 0..*devices {
+                println!("  cuda:{i}");
+            }
+        }
+        CudaSupport::LibraryNotFound => {
+            println!("CUDA: not available (libtorch_cuda.so not found beside libtorch or on LD_LIBRARY_PATH); running on CPU")
+        }
+        CudaSupport::LoadFailed { library, error } => println!(
+            "CUDA: not available ({} failed to load: {error}); running on CPU",
+            library.display()
+        ),
+    }
+    match nvml_status() {
+        NvmlStatus::Available {
+            driver_version,
+            gpus,
+        } => {
+            println!("NVML: driver {driver_version}, {} GPU(s)", gpus.len());
+            for g in gpus {
+                println!(
+                    "  GPU {}: {}, memory {:.1}/{:.1} GiB, utilisation {}%",
+                    g.index,
+                    g.name,
+                    g.memory_used_bytes.unwrap_or(0) as f64 / GIB,
+                    g.memory_total_bytes.unwrap_or(0) as f64 / GIB,
+                    g.utilization_pct
+                        .map(|u| u.to_string())
+                        .unwrap_or_else(|| "?".into())
+                );
+            }
+        }
+        NvmlStatus::Unavailable { reason } => println!("NVML: unavailable ({reason})"),
+    }
+    let loc = Locations::from_env();
+    println!("Locations:");
+    println!(
+        "  demo assets: {} ({})",
+        loc.demo_dir.display(),
+        presence(&loc.demo_dir)
+    );
+    println!(
+        "    demo model: {} ({})",
+        loc.demo_model().display(),
+        presence(&loc.demo_model())
+    );
+    println!(
+        "    demo conversations: {} ({})",
+        loc.demo_conversations().display(),
+        presence(&loc.demo_conversations())
+    );
+    println!("  models: {}", loc.models_dir.display());
+    println!("  datasets: {}", loc.datasets_dir.display());
+    println!("  runs: {}", loc.runs_dir.display());
+    Ok(())
+}

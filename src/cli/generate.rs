@@ -1,0 +1,91 @@
+//! `generate`: a greedy answer from a model, through its chat template.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use tch::Kind;
+
+use crate::model::generate::greedy_generate;
+use crate::model::LlamaModel;
+use crate::paths::Locations;
+use crate::runtime::TorchRuntime;
+use crate::text::{Message, TextTokenizer};
+
+pub struct GenerateArgs {
+    pub model: Option<PathBuf>,
+    pub prompt: String,
+    pub system: Option<String>,
+    pub max_new_tokens: usize,
+    pub device: String,
+    pub dtype: String,
+    pub raw: bool,
+}
+
+/// Resolves a dtype name; `auto` is bf16 on GPU and f32 on CPU.
+pub fn parse_kind(name: &str, device: tch::Device) -> Result<Kind> {
+    Ok(match name {
+        "auto" => {
+            if device.is_cuda() {
+                Kind::BFloat16
+            } else {
+                Kind::Float
+            }
+        }
+        "f32" | "float32" => Kind::Float,
+        "bf16" | "bfloat16" => Kind::BFloat16,
+        "f16" | "float16" => Kind::Half,
+        other => bail!("dtype {other:?} is not one of auto, f32, bf16, f16"),
+    })
+}
+
+pub fn run(runtime: &TorchRuntime, args: GenerateArgs) -> Result<()> {
+    let model_dir = args
+        .model
+        .unwrap_or_else(|| Locations::from_env().demo_model());
+    let device = runtime.device(&args.device)?;
+    let kind = parse_kind(&args.dtype, device)?;
+    let started = std::time::Instant::now();
+    let model = LlamaModel::load(&model_dir, device, kind)?;
+    let tokenizer = TextTokenizer::from_model_dir(&model_dir)?;
+    log::info!(
+        "loaded {} ({:.1} M parameters, {} layers) on {:?} as {:?} in {:.2} s",
+        model_dir.display(),
+        model.parameter_count() as f64 / 1e6,
+        model.num_layers(),
+        device,
+        kind,
+        started.elapsed().as_secs_f64()
+    );
+    let prompt_ids = if args.raw {
+        tokenizer.encode(&args.prompt)?
+    } else {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(Message::new("system", system));
+        }
+        messages.push(Message::new("user", &args.prompt));
+        tokenizer
+            .apply_chat_template(&messages, true)
+            .with_context(|| format!("{}: cannot build the prompt", model_dir.display()))?
+    };
+    let mut eos = model.config.eos_ids();
+    if let Some(id) = tokenizer
+        .eos_token
+        .as_deref()
+        .and_then(|t| tokenizer.token_to_id(t))
+    {
+        eos.push(id);
+    }
+    let started = std::time::Instant::now();
+    let output = greedy_generate(&model, &prompt_ids, args.max_new_tokens, &eos);
+    let seconds = started.elapsed().as_secs_f64();
+    println!("{}", tokenizer.decode_skip_special(&output)?.trim());
+    log::info!(
+        "{} prompt tokens, {} new tokens in {:.2} s ({:.1} tokens/s)",
+        prompt_ids.len(),
+        output.len(),
+        seconds,
+        output.len() as f64 / seconds.max(1e-9)
+    );
+    Ok(())
+}

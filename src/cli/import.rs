@@ -1,0 +1,61 @@
+//! `import-gguf` and `import-sharegpt`.
+
+use std::path::Path;
+
+use anyhow::Result;
+
+use crate::data::sharegpt;
+use crate::gguf::{self, OutputDtype};
+
+pub fn import_gguf(file: &Path, out_dir: &Path, dtype: OutputDtype) -> Result<()> {
+    let started = std::time::Instant::now();
+    let summary = gguf::import_gguf(file, out_dir, dtype)?;
+    let hp = &summary.hparams;
+    let types: Vec<String> = summary
+        .source_types
+        .iter()
+        .map(|(t, n)| format!("{n} {t}"))
+        .collect();
+    println!(
+        "imported {} -> {}\n  {} tensors ({}), {:.1} M parameters, written as {:?}\n  llama: {} layers, hidden {}, {} heads ({} KV), head_dim {}, vocab {}, tied embeddings: {}\n  took {:.1} s",
+        file.display(),
+        summary.out_dir.display(),
+        summary.tensors,
+        types.join(", "),
+        summary.parameters as f64 / 1e6,
+        dtype,
+        hp.layers,
+        hp.hidden,
+        hp.heads,
+        hp.kv_heads,
+        hp.head_dim,
+        summary.vocab_size,
+        hp.tied_embeddings,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+pub fn import_sharegpt(file: &Path, out: &Path) -> Result<()> {
+    let (conversations, report) = sharegpt::read_conversations(file)?;
+    sharegpt::write_jsonl(&conversations, out)?;
+    println!(
+        "recovered {} conversations from {} -> {}",
+        conversations.len(),
+        file.display(),
+        out.display()
+    );
+    if let Some(at) = report.truncated_at {
+        println!("  the input is cut off at byte {at}: the incomplete last record was dropped");
+    }
+    if report.skipped_count > 0 {
+        println!(
+            "  skipped {} records that are not ShareGPT conversations, e.g.:",
+            report.skipped_count
+        );
+        for (index, reason) in &report.skipped {
+            println!("    record {index}: {reason}");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,135 @@
+//! The command line: argument parsing and one function per subcommand.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::gguf::OutputDtype;
+use crate::runtime::TorchRuntime;
+
+mod doctor;
+mod generate;
+mod import;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "dflash-tui",
+    version,
+    about = "Train DFlash speculative-decoding drafters and steer the training live"
+)]
+pub struct Cli {
+    /// Log level for messages on stderr (error, warn, info, debug, trace).
+    #[arg(long, global = true, default_value = "info", env = "DFLASH_LOG")]
+    pub log_level: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Report libtorch, CUDA devices, NVML and where models, data and runs are looked for.
+    Doctor,
+    /// Convert a GGUF (llama.cpp) Llama-family model into a Hugging Face model folder.
+    ImportGguf {
+        /// The .gguf file.
+        file: PathBuf,
+        /// The model folder to create (must not exist yet, or be empty).
+        out_dir: PathBuf,
+        /// Element type of the written weights.
+        #[arg(long, value_enum, default_value = "f32")]
+        dtype: OutputDtype,
+    },
+    /// Recover every complete conversation from a (possibly cut-off) ShareGPT JSON file and
+    /// write them as JSON lines.
+    ImportSharegpt {
+        /// The ShareGPT .json file (a JSON array of {"id", "conversations"} records).
+        file: PathBuf,
+        /// The .jsonl file to write.
+        out: PathBuf,
+    },
+    /// Answer a prompt with a model: renders the chat template, then decodes greedily.
+    Generate {
+        /// Hugging Face model folder (default: the demo model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// The user message.
+        #[arg(long)]
+        prompt: String,
+        /// A system message (otherwise the template's default, if any).
+        #[arg(long)]
+        system: Option<String>,
+        #[arg(long, default_value_t = 128)]
+        max_new_tokens: usize,
+        /// auto, cpu, cuda or cuda:N.
+        #[arg(long, default_value = "auto")]
+        device: String,
+        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
+        #[arg(long, default_value = "auto")]
+        dtype: String,
+        /// Use the prompt text as is, without the chat template.
+        #[arg(long)]
+        raw: bool,
+    },
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(&cli.log_level);
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line naming what went wrong, with its causes.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(level: &str) {
+    let mut builder = env_logger::Builder::new();
+    builder
+        .parse_filters(level)
+        .format_timestamp_secs()
+        .target(env_logger::Target::Stderr);
+    let _ = builder.try_init();
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Doctor => {
+            let runtime = TorchRuntime::init();
+            doctor::run(&runtime)
+        }
+        Command::ImportGguf {
+            file,
+            out_dir,
+            dtype,
+        } => import::import_gguf(&file, &out_dir, dtype),
+        Command::ImportSharegpt { file, out } => import::import_sharegpt(&file, &out),
+        Command::Generate {
+            model,
+            prompt,
+            system,
+            max_new_tokens,
+            device,
+            dtype,
+            raw,
+        } => {
+            let runtime = TorchRuntime::init();
+            generate::run(
+                &runtime,
+                generate::GenerateArgs {
+                    model,
+                    prompt,
+                    system,
+                    max_new_tokens,
+                    device,
+                    dtype,
+                    raw,
+                },
+            )
+        }
+    }
+}

@@ -1,0 +1,3 @@
+//! Data: chat datasets and their readers.
+
+pub mod sharegpt;

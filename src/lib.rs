@@ -1,0 +1,11 @@
+//! dflash-tui: train DFlash speculative-decoding drafters and steer the training live.
+
+pub mod cli;
+pub mod data;
+pub mod fsutil;
+pub mod gguf;
+pub mod model;
+pub mod paths;
+pub mod runtime;
+pub mod telemetry;
+pub mod text;

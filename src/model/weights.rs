@@ -1,0 +1,121 @@
+//! Reading Hugging Face safetensors weights (single file or sharded with an index) into tch
+//! tensors of a chosen dtype and device.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use tch::{Device, Kind, Tensor};
+
+/// The weight files of one model folder, memory-mapped.
+pub struct WeightFiles {
+    dir: PathBuf,
+    files: Vec<(PathBuf, Mmap)>,
+    /// tensor name -> index into `files`
+    index: HashMap<String, usize>,
+}
+
+impl WeightFiles {
+    /// Opens `model.safetensors`, or the shards listed in `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index_path = dir.join("model.safetensors.index.json");
+        let shard_names: Vec<String> = if single.is_file() {
+            vec!["model.safetensors".into()]
+        } else if index_path.is_file() {
+            let text = std::fs::read_to_string(&index_path)
+                .with_context(|| format!("{}: cannot read", index_path.display()))?;
+            let index: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not valid JSON", index_path.display()))?;
+            let map = index
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .with_context(|| format!("{}: no \"weight_map\" object", index_path.display()))?;
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect();
+            names.sort();
+            names.dedup();
+            names
+        } else {
+            bail!(
+                "{}: no model.safetensors or model.safetensors.index.json",
+                dir.display()
+            );
+        };
+
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        for name in shard_names {
+            let path = dir.join(&name);
+            let file =
+                File::open(&path).with_context(|| format!("{}: cannot open", path.display()))?;
+            // SAFETY: read-only map of a weights file that is not modified while we run.
+            let map = unsafe { Mmap::map(&file) }
+                .with_context(|| format!("{}: cannot map", path.display()))?;
+            let names = SafeTensors::read_metadata(&map)
+                .with_context(|| format!("{}: not a valid safetensors file", path.display()))?
+                .1
+                .tensors()
+                .into_keys()
+                .collect::<Vec<_>>();
+            for tensor in names {
+                index.insert(tensor, files.len());
+            }
+            files.push((path, map));
+        }
+        Ok(WeightFiles {
+            dir: dir.to_path_buf(),
+            files,
+            index,
+        })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// Loads one tensor, checks its shape, converts it to `kind` on `device`.
+    pub fn load(&self, name: &str, shape: &[i64], kind: Kind, device: Device) -> Result<Tensor> {
+        let &file = self.index.get(name).with_context(|| {
+            format!(
+                "{}: the weights have no tensor {name:?}",
+                self.dir.display()
+            )
+        })?;
+        let (path, map) = &self.files[file];
+        let st = SafeTensors::deserialize(map)
+            .with_context(|| format!("{}: not a valid safetensors file", path.display()))?;
+        let view = st
+            .tensor(name)
+            .with_context(|| format!("{}: cannot read tensor {name:?}", path.display()))?;
+        let found: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        if found != shape {
+            bail!(
+                "{}: tensor {name:?} has shape {found:?}, the config implies {shape:?}",
+                path.display()
+            );
+        }
+        let src_kind = match view.dtype() {
+            Dtype::F32 => Kind::Float,
+            Dtype::F16 => Kind::Half,
+            Dtype::BF16 => Kind::BFloat16,
+            Dtype::F64 => Kind::Double,
+            other => bail!(
+                "{}: tensor {name:?} has dtype {other:?}; weights must be floating point",
+                path.display()
+            ),
+        };
+        let tensor = Tensor::f_from_data_size(view.data(), &found, src_kind)
+            .with_context(|| format!("{}: tensor {name:?}", path.display()))?;
+        Ok(tensor.to_device(device).to_kind(kind))
+    }
+}

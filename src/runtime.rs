@@ -1,0 +1,167 @@
+//! libtorch at run time: where it was loaded from, whether CUDA is usable, device selection.
+//!
+//! The binary links only the CPU libraries of libtorch. CUDA support lives in
+//! `libtorch_cuda.so`, which registers itself with libtorch when loaded; so at start-up we look
+//! for it beside the loaded `libtorch_cpu.so` and on the library path and dlopen it with
+//! RTLD_GLOBAL. Without it (or without a driver) everything runs on the CPU.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+
+const CUDA_LIBRARY: &str = "libtorch_cuda.so";
+
+/// What start-up found out about CUDA.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CudaSupport {
+    /// `libtorch_cuda.so` loaded from this path; `devices` CUDA devices are usable.
+    Loaded { library: PathBuf, devices: usize },
+    /// No `libtorch_cuda.so` beside libtorch or on the library path.
+    LibraryNotFound,
+    /// Found but failed to load (for example its CUDA dependencies are missing).
+    LoadFailed { library: PathBuf, error: String },
+}
+
+/// The libtorch this process runs on.
+#[derive(Debug, Clone)]
+pub struct TorchRuntime {
+    /// The directory of the loaded `libtorch_cpu.so`.
+    pub libtorch_dir: Option<PathBuf>,
+    pub cuda: CudaSupport,
+}
+
+impl TorchRuntime {
+    /// Call once, before the first tensor operation.
+    pub fn init() -> Self {
+        let libtorch_dir = loaded_library_dir("libtorch_cpu.so");
+        let cuda = load_cuda(libtorch_dir.as_deref());
+        let runtime = TorchRuntime { libtorch_dir, cuda };
+        runtime.log();
+        runtime
+    }
+
+    pub fn cuda_devices(&self) -> usize {
+        match self.cuda {
+            CudaSupport::Loaded { devices, .. } => devices,
+            _ => 0,
+        }
+    }
+
+    fn log(&self) {
+        match &self.cuda {
+            CudaSupport::Loaded { library, devices } => log::info!(
+                "CUDA: {devices} device(s) available ({} loaded)",
+                library.display()
+            ),
+            CudaSupport::LibraryNotFound => log::info!(
+                "CUDA: {CUDA_LIBRARY} not found beside libtorch or on LD_LIBRARY_PATH; running on CPU"
+            ),
+            CudaSupport::LoadFailed { library, error } => log::info!(
+                "CUDA: {} could not be loaded ({error}); running on CPU",
+                library.display()
+            ),
+        }
+    }
+
+    /// Resolves a device name: `auto` (first GPU if any, else CPU), `cpu`, `cuda`, `cuda:N`.
+    pub fn device(&self, name: &str) -> Result<tch::Device> {
+        let gpus = self.cuda_devices();
+        let device = match name.trim() {
+            "auto" => {
+                if gpus > 0 {
+                    tch::Device::Cuda(0)
+                } else {
+                    tch::Device::Cpu
+                }
+            }
+            "cpu" => tch::Device::Cpu,
+            "cuda" | "gpu" => tch::Device::Cuda(0),
+            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(i)) => tch::Device::Cuda(i),
+                _ => bail!("device {other:?} is not one of auto, cpu, cuda, cuda:N"),
+            },
+        };
+        if let tch::Device::Cuda(i) = device {
+            if i >= gpus {
+                bail!(
+                    "device {name:?} asked for, but {} CUDA device(s) are usable ({})",
+                    gpus,
+                    match &self.cuda {
+                        CudaSupport::Loaded { .. } => "check CUDA_VISIBLE_DEVICES".to_string(),
+                        CudaSupport::LibraryNotFound =>
+                            format!("{CUDA_LIBRARY} was not found; see `dflash-tui doctor`"),
+                        CudaSupport::LoadFailed { error, .. } =>
+                            format!("{CUDA_LIBRARY} failed to load: {error}"),
+                    }
+                );
+            }
+        }
+        Ok(device)
+    }
+}
+
+/// The directory of a shared library this process has loaded, from /proc/self/maps.
+fn loaded_library_dir(name: &str) -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .map(Path::new)
+        .find(|p| p.file_name().is_some_and(|f| f == name))
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+}
+
+fn cuda_candidates(libtorch_dir: Option<&Path>) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = libtorch_dir.into_iter().map(Path::to_path_buf).collect();
+    if let Some(paths) = std::env::var_os("LD_LIBRARY_PATH") {
+        dirs.extend(std::env::split_paths(&paths));
+    }
+    dirs.into_iter()
+        .map(|d| d.join(CUDA_LIBRARY))
+        .filter(|p| p.is_file())
+        .collect()
+}
+
+fn load_cuda(libtorch_dir: Option<&Path>) -> CudaSupport {
+    let candidates = cuda_candidates(libtorch_dir);
+    let Some(first) = candidates.first().cloned() else {
+        return CudaSupport::LibraryNotFound;
+    };
+    let mut last_error = String::new();
+    for path in candidates {
+        // SAFETY: loading libtorch_cuda runs its static initialisers, which register the CUDA
+        // backend with the libtorch already in this process; nothing else runs yet.
+        let flags = libc::RTLD_NOW | libc::RTLD_GLOBAL;
+        match unsafe { libloading::os::unix::Library::open(Some(&path), flags) } {
+            Ok(lib) => {
+                // Kept loaded for the life of the process: unloading CUDA kernels is not safe.
+                std::mem::forget(lib);
+                let devices = if tch::Cuda::is_available() {
+                    tch::Cuda::device_count().max(0) as usize
+                } else {
+                    0
+                };
+                return CudaSupport::Loaded {
+                    library: path,
+                    devices,
+                };
+            }
+            Err(e) => last_error = e.to_string(),
+        }
+    }
+    CudaSupport::LoadFailed {
+        library: first,
+        error: last_error,
+    }
+}
+
+/// The libtorch version compiled into torch-sys' headers, from the link folder's marker or the
+/// Python package's version file.
+pub fn libtorch_version(libtorch_dir: Option<&Path>) -> Option<String> {
+    let dir = libtorch_dir?;
+    // torch/lib/../version.py holds `__version__ = '2.11.0+cu130'`.
+    let version_py = dir.parent()?.join("version.py");
+    let text = std::fs::read_to_string(version_py).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("__version__ = "))
+        .map(|v| v.trim().trim_matches('\'').trim_matches('"').to_string())
+}

@@ -1,0 +1,90 @@
+//! GPU readings through NVML. On a machine without an NVIDIA driver NVML is unavailable and
+//! every caller shows that instead of GPU rows.
+
+use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
+use nvml_wrapper::Nvml;
+
+/// One GPU as NVML reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuReading {
+    pub index: u32,
+    pub name: String,
+    pub utilization_pct: Option<u32>,
+    pub memory_used_bytes: Option<u64>,
+    pub memory_total_bytes: Option<u64>,
+    pub power_watts: Option<f64>,
+    pub power_limit_watts: Option<f64>,
+    pub temperature_c: Option<u32>,
+}
+
+/// The NVML view of the machine.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NvmlStatus {
+    Available {
+        driver_version: String,
+        gpus: Vec<GpuReading>,
+    },
+    Unavailable {
+        reason: String,
+    },
+}
+
+/// A connection to NVML, kept open by samplers.
+pub struct GpuMonitor {
+    nvml: Nvml,
+}
+
+impl GpuMonitor {
+    pub fn open() -> Result<Self, String> {
+        Nvml::init()
+            .map(|nvml| GpuMonitor { nvml })
+            .map_err(|e| e.to_string())
+    }
+
+    pub fn driver_version(&self) -> String {
+        self.nvml
+            .sys_driver_version()
+            .unwrap_or_else(|e| format!("unknown ({e})"))
+    }
+
+    /// Reads every GPU; a reading NVML cannot give is left empty.
+    pub fn sample(&self) -> Result<Vec<GpuReading>, String> {
+        let count = self.nvml.device_count().map_err(|e| e.to_string())?;
+        let mut out = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let device = self
+                .nvml
+                .device_by_index(index)
+                .map_err(|e| e.to_string())?;
+            let memory = device.memory_info().ok();
+            out.push(GpuReading {
+                index,
+                name: device.name().unwrap_or_else(|_| "unknown GPU".into()),
+                utilization_pct: device.utilization_rates().ok().map(|u| u.gpu),
+                memory_used_bytes: memory.as_ref().map(|m| m.used),
+                memory_total_bytes: memory.as_ref().map(|m| m.total),
+                power_watts: device.power_usage().ok().map(|mw| mw as f64 / 1000.0),
+                power_limit_watts: device
+                    .enforced_power_limit()
+                    .ok()
+                    .map(|mw| mw as f64 / 1000.0),
+                temperature_c: device.temperature(TemperatureSensor::Gpu).ok(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// One-shot status for reports such as `doctor`.
+pub fn nvml_status() -> NvmlStatus {
+    match GpuMonitor::open() {
+        Err(reason) => NvmlStatus::Unavailable { reason },
+        Ok(monitor) => match monitor.sample() {
+            Ok(gpus) => NvmlStatus::Available {
+                driver_version: monitor.driver_version(),
+                gpus,
+            },
+            Err(reason) => NvmlStatus::Unavailable { reason },
+        },
+    }
+}

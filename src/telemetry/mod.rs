@@ -1,0 +1,3 @@
+//! Telemetry: what the machine and the run are doing (GPU readings from NVML for now).
+
+pub mod gpu;
