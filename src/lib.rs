@@ -2,6 +2,7 @@
 
 pub mod cli;
 pub mod data;
+pub mod eval;
 pub mod fsutil;
 pub mod gguf;
 pub mod model;

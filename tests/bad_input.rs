@@ -138,7 +138,7 @@ fn model_folder_without_config_is_refused() {
 fn config_without_tokenizer_or_with_bad_fields_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_llama_dir(&tmp.path().join("m"), true, 1);
-    let err = dflash_tui::model::LlamaModel::load(
+    let err = dflash_tui::model::TargetModel::load(
         &model.join("nope"),
         tch::Device::Cpu,
         tch::Kind::Float,
@@ -149,7 +149,7 @@ fn config_without_tokenizer_or_with_bad_fields_is_named() {
         "{err:#}"
     );
     std::fs::write(model.join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
-    let err = dflash_tui::model::LlamaModel::load(&model, tch::Device::Cpu, tch::Kind::Float)
+    let err = dflash_tui::model::TargetModel::load(&model, tch::Device::Cpu, tch::Kind::Float)
         .unwrap_err();
     let msg = format!("{err:#}");
     assert!(

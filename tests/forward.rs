@@ -3,13 +3,13 @@
 mod common;
 
 use common::tiny_llama_dir;
-use dflash_tui::model::{KvCache, LlamaModel};
+use dflash_tui::model::{KvCache, TargetModel};
 use tch::{Device, Kind, Tensor};
 
-fn model(tied: bool) -> (tempfile::TempDir, LlamaModel) {
+fn model(tied: bool) -> (tempfile::TempDir, TargetModel) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tiny_llama_dir(&tmp.path().join("m"), tied, 42);
-    let model = LlamaModel::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let model = TargetModel::load(&dir, Device::Cpu, Kind::Float).unwrap();
     (tmp, model)
 }
 
@@ -75,8 +75,9 @@ fn weights_are_frozen() {
     let (_tmp, m) = model(true);
     let out = m.forward(&ids(&[1, 2, 3]), None);
     assert!(!out.requires_grad());
+    // embedding + final norm + 4 layers of (2 norms, q, o, k, v, gate, up, down)
     assert_eq!(
         m.parameter_count(),
-        50 * 32 + 32 + 2 * (2 * 32 + 32 * 32 * 2 + 16 * 32 * 2 + 3 * 64 * 32)
+        50 * 32 + 32 + 4 * (2 * 32 + 32 * 32 * 2 + 16 * 32 * 2 + 3 * 64 * 32)
     );
 }

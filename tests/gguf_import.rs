@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use common::*;
 use dflash_tui::gguf::{import_gguf, GgufFile, OutputDtype};
-use dflash_tui::model::LlamaModel;
+use dflash_tui::model::TargetModel;
 use dflash_tui::text::{Message, TextTokenizer};
 use safetensors::{Dtype, SafeTensors};
 
@@ -135,7 +135,7 @@ fn imported_model_loads_and_runs() {
     let gguf = write_file(tmp.path(), "tiny.gguf", &bytes);
     let out = tmp.path().join("tiny-hf");
     import_gguf(&gguf, &out, OutputDtype::F32).unwrap();
-    let model = LlamaModel::load(&out, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let model = TargetModel::load(&out, tch::Device::Cpu, tch::Kind::Float).unwrap();
     let logits = model.forward(&tch::Tensor::from_slice(&[2i64, 3, 4]).unsqueeze(0), None);
     assert_eq!(logits.size(), vec![1, 3, tiny_vocab().len() as i64]);
     assert!(bool::try_from(logits.isfinite().all()).unwrap());

@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use tch::Kind;
 
 use crate::model::generate::greedy_generate;
-use crate::model::LlamaModel;
+use crate::model::TargetModel;
 use crate::paths::Locations;
 use crate::runtime::TorchRuntime;
 use crate::text::{Message, TextTokenizer};
@@ -45,7 +45,7 @@ pub fn run(runtime: &TorchRuntime, args: GenerateArgs) -> Result<()> {
     let device = runtime.device(&args.device)?;
     let kind = parse_kind(&args.dtype, device)?;
     let started = std::time::Instant::now();
-    let model = LlamaModel::load(&model_dir, device, kind)?;
+    let model = TargetModel::load(&model_dir, device, kind)?;
     let tokenizer = TextTokenizer::from_model_dir(&model_dir)?;
     log::info!(
         "loaded {} ({:.1} M parameters, {} layers) on {:?} as {:?} in {:.2} s",

@@ -11,6 +11,7 @@ use crate::runtime::TorchRuntime;
 mod doctor;
 mod generate;
 mod import;
+mod models;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -71,6 +72,55 @@ pub enum Command {
         #[arg(long)]
         raw: bool,
     },
+    /// Write a freshly initialised, servable DFlash drafter for a target model.
+    InitDrafter {
+        /// The target's Hugging Face model folder.
+        #[arg(long)]
+        target: PathBuf,
+        /// The drafter folder to create.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 5)]
+        layers: i64,
+        #[arg(long, default_value_t = 16)]
+        block_size: i64,
+        /// Token id fed in the masked block slots; its embedding row stays frozen. Pick a
+        /// token that never occurs in the data (SmolLM2: 16, `<empty_output>`; Qwen3: 151669).
+        #[arg(long)]
+        mask_token_id: i64,
+        /// Tapped target layers, comma separated (default: the DFlash formula).
+        #[arg(long, value_delimiter = ',')]
+        target_layer_ids: Option<Vec<usize>>,
+        /// Number of tapped layers when --target-layer-ids is not given.
+        #[arg(long, default_value_t = 5)]
+        num_taps: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
+    },
+    /// Perplexity of a model over a tokenised dataset (Arrow IPC, save_to_disk folder or
+    /// Parquet with an input_ids column); prints one JSON object.
+    Perplexity {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        data: PathBuf,
+        /// The token column.
+        #[arg(long, default_value = "input_ids")]
+        column: String,
+        /// Use at most this many sequences.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Cut sequences to this many tokens.
+        #[arg(long, default_value_t = 1024)]
+        max_len: usize,
+        /// Padded tokens per forward batch.
+        #[arg(long, default_value_t = 8192)]
+        batch_tokens: usize,
+        #[arg(long, default_value = "auto")]
+        device: String,
+        #[arg(long, default_value = "auto")]
+        dtype: String,
+    },
 }
 
 /// Entry point of the binary.
@@ -108,6 +158,50 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             dtype,
         } => import::import_gguf(&file, &out_dir, dtype),
         Command::ImportSharegpt { file, out } => import::import_sharegpt(&file, &out),
+        Command::InitDrafter {
+            target,
+            out,
+            layers,
+            block_size,
+            mask_token_id,
+            target_layer_ids,
+            num_taps,
+            seed,
+        } => models::init_drafter(models::InitDrafterArgs {
+            target,
+            out,
+            layers,
+            block_size,
+            mask_token_id,
+            target_layer_ids,
+            num_taps,
+            seed,
+        }),
+        Command::Perplexity {
+            model,
+            data,
+            column,
+            limit,
+            max_len,
+            batch_tokens,
+            device,
+            dtype,
+        } => {
+            let runtime = TorchRuntime::init();
+            models::run_perplexity(
+                &runtime,
+                models::PerplexityArgs {
+                    model,
+                    data,
+                    column,
+                    limit,
+                    max_len,
+                    batch_tokens,
+                    device,
+                    dtype,
+                },
+            )
+        }
         Command::Generate {
             model,
             prompt,

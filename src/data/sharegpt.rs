@@ -25,6 +25,27 @@ pub struct Conversation {
     pub conversations: Vec<Turn>,
 }
 
+impl Conversation {
+    /// The turns as chat messages: `human` -> user, `gpt` (and the other assistant names
+    /// found in ShareGPT dumps: `chatgpt`, `bing`, `bard`, `assistant`) -> assistant,
+    /// `system` -> system. Turns from any other speaker make the record unusable.
+    pub fn to_messages(&self) -> std::result::Result<Vec<crate::text::Message>, String> {
+        self.conversations
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let role = match t.from.as_str() {
+                    "human" | "user" => "user",
+                    "gpt" | "chatgpt" | "bing" | "bard" | "assistant" => "assistant",
+                    "system" => "system",
+                    other => return Err(format!("turn {i} is from unknown speaker {other:?}")),
+                };
+                Ok(crate::text::Message::new(role, &t.value))
+            })
+            .collect()
+    }
+}
+
 /// How reading a ShareGPT array went.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecoveryReport {

@@ -10,6 +10,24 @@ use serde::Deserialize;
 pub enum Family {
     /// Llama, Mistral-style and SmolLM models (`model_type` "llama" or "mistral").
     Llama,
+    /// Qwen2 / Qwen2.5: biases on the q, k and v projections.
+    Qwen2,
+    /// Qwen3: per-head RMSNorm on queries and keys ("QK-norm") before RoPE.
+    Qwen3,
+}
+
+impl Family {
+    /// Whether q/k/v projections carry biases.
+    pub fn qkv_bias(self, config_attention_bias: bool) -> bool {
+        match self {
+            Family::Qwen2 => true,
+            Family::Llama | Family::Qwen3 => config_attention_bias,
+        }
+    }
+
+    pub fn qk_norm(self) -> bool {
+        self == Family::Qwen3
+    }
 }
 
 /// A token id or a list of them, as `eos_token_id` may be either.
@@ -100,7 +118,11 @@ impl TargetConfig {
     pub fn family(&self) -> Result<Family> {
         match self.model_type.as_str() {
             "llama" | "mistral" => Ok(Family::Llama),
-            other => bail!("model_type {other:?} is not supported (supported: llama, mistral)"),
+            "qwen2" => Ok(Family::Qwen2),
+            "qwen3" => Ok(Family::Qwen3),
+            other => bail!(
+                "field model_type = {other:?} is not a supported architecture (supported: llama, mistral, qwen2, qwen3)"
+            ),
         }
     }
 
@@ -151,11 +173,9 @@ impl TargetConfig {
                 bail!("field hidden_act = {act:?} is not supported (only \"silu\")");
             }
         }
-        if let Some(scaling) = &self.rope_scaling {
-            if !scaling.is_null() {
-                bail!("field rope_scaling = {scaling} is not supported yet");
-            }
-        }
+        // rope_scaling is checked where the rotary embedding is built (layers::Rope).
+        crate::model::layers::Rope::new(self, tch::Device::Cpu)
+            .map_err(|e| anyhow::anyhow!("field rope_scaling: {e}"))?;
         Ok(())
     }
 }

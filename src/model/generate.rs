@@ -2,12 +2,12 @@
 
 use tch::{Kind, Tensor};
 
-use super::llama::{KvCache, LlamaModel};
+use super::target::{KvCache, TargetModel};
 
 /// The tokens greedy decoding produces after `prompt` (stopping after an `eos_ids` token, which
 /// is included, or after `max_new_tokens`).
 pub fn greedy_generate(
-    model: &LlamaModel,
+    model: &TargetModel,
     prompt: &[u32],
     max_new_tokens: usize,
     eos_ids: &[u32],

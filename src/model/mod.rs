@@ -1,9 +1,15 @@
-//! Models: the frozen target (Llama family) and what it needs (config, weights, decoding).
+//! Models: the frozen target (Llama, Qwen2, Qwen3 families) and what it needs (config,
+//! weights, decoding), and the DFlash drafter.
 
 pub mod config;
+pub mod drafter;
+pub mod drafter_config;
 pub mod generate;
-pub mod llama;
+pub mod layers;
+pub mod target;
 pub mod weights;
 
-pub use config::TargetConfig;
-pub use llama::{KvCache, LlamaModel};
+pub use config::{Family, TargetConfig};
+pub use drafter::{AnchorBatch, Drafter, FrozenHead};
+pub use drafter_config::{default_target_layer_ids, DrafterConfig, DrafterShape};
+pub use target::{ForwardRequest, KvCache, TargetModel, TargetOutput};

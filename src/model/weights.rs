@@ -119,3 +119,55 @@ impl WeightFiles {
         Ok(tensor.to_device(device).to_kind(kind))
     }
 }
+
+/// Bytes of a tensor for writing, with its safetensors dtype.
+struct TensorBytes {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl safetensors::View for &TensorBytes {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Writes tensors to a safetensors file with the `{"format": "pt"}` metadata that
+/// `transformers` expects.
+pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let mut prepared = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let dtype = match t.kind() {
+            Kind::Float => Dtype::F32,
+            Kind::BFloat16 => Dtype::BF16,
+            Kind::Half => Dtype::F16,
+            Kind::Double => Dtype::F64,
+            Kind::Int64 => Dtype::I64,
+            Kind::Int => Dtype::I32,
+            other => bail!("tensor {name:?}: cannot save dtype {other:?}"),
+        };
+        let cpu = t.detach().to_device(Device::Cpu).contiguous();
+        let numel = cpu.numel();
+        let mut data = vec![0u8; numel * dtype.bitsize() / 8];
+        cpu.f_copy_data_u8(&mut data, numel)
+            .with_context(|| format!("tensor {name:?}: cannot copy to host"))?;
+        let shape = cpu.size().iter().map(|&d| d as usize).collect();
+        prepared.push((name.as_str(), TensorBytes { dtype, shape, data }));
+    }
+    safetensors::serialize_to_file(
+        prepared.iter().map(|(n, t)| (*n, t)),
+        Some(HashMap::from([("format".to_string(), "pt".to_string())])),
+        path,
+    )
+    .with_context(|| format!("{}: cannot write", path.display()))
+}

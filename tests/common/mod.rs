@@ -389,24 +389,37 @@ pub fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 
 /// A tiny random Llama model folder (config.json + model.safetensors), as a test fixture.
 pub fn tiny_llama_dir(dir: &Path, tied: bool, seed: i64) -> PathBuf {
+    tiny_target_dir(dir, "llama", tied, None, seed)
+}
+
+/// A tiny random target of a family ("llama", "qwen2" with q/k/v biases, "qwen3" with q/k
+/// norms), optionally with a `rope_scaling` entry.
+pub fn tiny_target_dir(
+    dir: &Path,
+    model_type: &str,
+    tied: bool,
+    rope_scaling: Option<serde_json::Value>,
+    seed: i64,
+) -> PathBuf {
     tch::manual_seed(seed);
-    let (h, i, layers, heads, kv, d, v) = (32i64, 64i64, 2i64, 4i64, 2i64, 8i64, 50i64);
+    let (h, i, layers, heads, kv, d, v) = (32i64, 64i64, 4i64, 4i64, 2i64, 8i64, 50i64);
     let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": ["TinyForCausalLM"], "model_type": model_type,
         "hidden_size": h, "intermediate_size": i, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": v,
         "tie_word_embeddings": tied, "max_position_embeddings": 128, "hidden_act": "silu",
-        "eos_token_id": 2
+        "eos_token_id": 2, "rope_scaling": rope_scaling
     });
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let randn = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, tch::Device::Cpu)) * 0.2;
+    let cpu = (Kind::Float, tch::Device::Cpu);
+    let randn = |shape: &[i64]| Tensor::randn(shape, cpu) * 0.2;
     let mut tensors: Vec<(String, Tensor)> = vec![
         ("model.embed_tokens.weight".into(), randn(&[v, h])),
         (
             "model.norm.weight".into(),
-            Tensor::ones([h], (Kind::Float, tch::Device::Cpu)) + randn(&[h]),
+            Tensor::ones([h], cpu) + randn(&[h]),
         ),
     ];
     if !tied {
@@ -414,7 +427,7 @@ pub fn tiny_llama_dir(dir: &Path, tied: bool, seed: i64) -> PathBuf {
     }
     for l in 0..layers {
         let p = format!("model.layers.{l}");
-        for (name, shape) in [
+        let mut parts = vec![
             ("input_layernorm.weight", vec![h]),
             ("post_attention_layernorm.weight", vec![h]),
             ("self_attn.q_proj.weight", vec![heads * d, h]),
@@ -424,8 +437,23 @@ pub fn tiny_llama_dir(dir: &Path, tied: bool, seed: i64) -> PathBuf {
             ("mlp.gate_proj.weight", vec![i, h]),
             ("mlp.up_proj.weight", vec![i, h]),
             ("mlp.down_proj.weight", vec![h, i]),
-        ] {
-            tensors.push((format!("{p}.{name}"), randn(&shape)));
+        ];
+        if model_type == "qwen2" {
+            parts.push(("self_attn.q_proj.bias", vec![heads * d]));
+            parts.push(("self_attn.k_proj.bias", vec![kv * d]));
+            parts.push(("self_attn.v_proj.bias", vec![kv * d]));
+        }
+        if model_type == "qwen3" {
+            parts.push(("self_attn.q_norm.weight", vec![d]));
+            parts.push(("self_attn.k_norm.weight", vec![d]));
+        }
+        for (name, shape) in parts {
+            let t = if name.ends_with("norm.weight") {
+                Tensor::ones(&shape[..], cpu) + randn(&shape)
+            } else {
+                randn(&shape)
+            };
+            tensors.push((format!("{p}.{name}"), t));
         }
     }
     Tensor::write_safetensors(&tensors, dir.join("model.safetensors")).unwrap();

@@ -1,0 +1,3 @@
+//! Evaluation: perplexity of a target model (and, later, acceptance length of a drafter).
+
+pub mod perplexity;

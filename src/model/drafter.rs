@@ -1,0 +1,516 @@
+//! The DFlash drafter (dflash spec §1-2): Qwen3-style layers with the target's dimensions,
+//! `fc` + `hidden_norm` fusion of the tapped target features, KV injection of that context in
+//! every layer, the target's frozen embedding and LM head, its own final norm.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::drafter_config::DrafterConfig;
+use super::layers::{attention, rms_norm, AttentionWeights, Mlp, Rope};
+use super::target::{KvCache, TargetModel};
+use super::weights::WeightFiles;
+use crate::fsutil::StagedDir;
+
+/// The target's frozen input embedding and LM head, on the drafter's device.
+#[derive(Debug)]
+pub struct FrozenHead {
+    pub embed_tokens: Tensor,
+    pub lm_head: Tensor,
+}
+
+impl FrozenHead {
+    /// Shares the target's tensors when the devices and dtypes match, copies otherwise.
+    pub fn from_target(target: &TargetModel, device: Device, kind: Kind) -> Self {
+        let take = |t: &Tensor| t.to_device(device).to_kind(kind).detach();
+        FrozenHead {
+            embed_tokens: take(target.embed_tokens()),
+            lm_head: take(target.lm_head()),
+        }
+    }
+}
+
+struct DrafterLayer {
+    input_norm: Tensor,
+    attn: AttentionWeights,
+    post_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// A DFlash drafter.
+pub struct Drafter {
+    pub config: DrafterConfig,
+    pub device: Device,
+    pub kind: Kind,
+    layers: Vec<DrafterLayer>,
+    fc: Tensor,
+    hidden_norm: Tensor,
+    norm: Tensor,
+    rope: Rope,
+}
+
+impl std::fmt::Debug for Drafter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drafter")
+            .field("layers", &self.layers.len())
+            .field("block_size", &self.config.block_size)
+            .field("device", &self.device)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+/// Training input: sequences and the anchors of their blocks (spec §2).
+#[derive(Debug)]
+pub struct AnchorBatch {
+    /// [B, S] int64 token ids.
+    pub input_ids: Tensor,
+    /// [B, N] int64 anchor positions, sorted ascending per row; padded entries may hold any
+    /// position in 0..S.
+    pub anchors: Tensor,
+    /// [B, N] bool: false for padding blocks (zero loss weight).
+    pub valid: Tensor,
+}
+
+/// The public tensor names of a drafter with `layers` layers (spec §6), in a fixed order.
+pub fn tensor_names(layers: i64) -> Vec<String> {
+    let mut names = Vec::new();
+    for i in 0..layers {
+        for part in [
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+        ] {
+            names.push(format!("layers.{i}.{part}"));
+        }
+    }
+    names.extend(["fc.weight", "hidden_norm.weight", "norm.weight"].map(String::from));
+    names
+}
+
+impl Drafter {
+    /// The shape of every tensor, by public name.
+    pub fn tensor_shape(config: &DrafterConfig, name: &str) -> Option<Vec<i64>> {
+        let h = config.hidden_size;
+        let d = config.head_dim;
+        let q = config.num_attention_heads * d;
+        let kv = config.num_key_value_heads * d;
+        let i = config.intermediate_size;
+        let k = config.num_taps() as i64;
+        let part = match name.strip_prefix("layers.") {
+            Some(rest) => rest.split_once('.')?.1,
+            None => name,
+        };
+        Some(match part {
+            "self_attn.q_proj.weight" => vec![q, h],
+            "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => vec![kv, h],
+            "self_attn.o_proj.weight" => vec![h, q],
+            "self_attn.q_norm.weight" | "self_attn.k_norm.weight" => vec![d],
+            "mlp.gate_proj.weight" | "mlp.up_proj.weight" => vec![i, h],
+            "mlp.down_proj.weight" => vec![h, i],
+            "input_layernorm.weight" | "post_attention_layernorm.weight" => vec![h],
+            "fc.weight" => vec![h, k * h],
+            "hidden_norm.weight" | "norm.weight" => vec![h],
+            _ => return None,
+        })
+    }
+
+    /// Builds the drafter from a source of tensors by name.
+    fn build(
+        config: DrafterConfig,
+        device: Device,
+        kind: Kind,
+        mut get: impl FnMut(&str, &[i64]) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let mut take = |name: String| -> Result<Tensor> {
+            let shape = Self::tensor_shape(&config, &name)
+                .with_context(|| format!("no shape for {name}"))?;
+            get(&name, &shape)
+        };
+        let mut layers = Vec::new();
+        for l in 0..config.num_hidden_layers {
+            let p = |s: &str| format!("layers.{l}.{s}");
+            layers.push(DrafterLayer {
+                attn: AttentionWeights {
+                    q_proj: take(p("self_attn.q_proj.weight"))?,
+                    k_proj: take(p("self_attn.k_proj.weight"))?,
+                    v_proj: take(p("self_attn.v_proj.weight"))?,
+                    o_proj: take(p("self_attn.o_proj.weight"))?,
+                    q_bias: None,
+                    k_bias: None,
+                    v_bias: None,
+                    q_norm: Some(take(p("self_attn.q_norm.weight"))?),
+                    k_norm: Some(take(p("self_attn.k_norm.weight"))?),
+                },
+                mlp: Mlp {
+                    gate_proj: take(p("mlp.gate_proj.weight"))?,
+                    up_proj: take(p("mlp.up_proj.weight"))?,
+                    down_proj: take(p("mlp.down_proj.weight"))?,
+                },
+                input_norm: take(p("input_layernorm.weight"))?,
+                post_norm: take(p("post_attention_layernorm.weight"))?,
+            });
+        }
+        let fc = take("fc.weight".into())?;
+        let hidden_norm = take("hidden_norm.weight".into())?;
+        let norm = take("norm.weight".into())?;
+        let rope = Rope::new(&config.as_rope_config(), device)?;
+        Ok(Drafter {
+            config,
+            device,
+            kind,
+            layers,
+            fc,
+            hidden_norm,
+            norm,
+            rope,
+        })
+    }
+
+    /// A freshly initialised drafter: weights N(0, 0.02), norms at 1 (spec §4). Seed the
+    /// generator with `tch::manual_seed` first for a reproducible draw.
+    pub fn init(config: DrafterConfig, device: Device, kind: Kind) -> Result<Self> {
+        Self::build(config, device, kind, |_name, shape| {
+            let t = if shape.len() == 1 {
+                Tensor::ones(shape, (Kind::Float, device))
+            } else {
+                Tensor::randn(shape, (Kind::Float, device)) * 0.02
+            };
+            Ok(t.to_kind(kind).set_requires_grad(true))
+        })
+    }
+
+    /// Loads a drafter folder (config.json + model.safetensors), checking that the file holds
+    /// exactly the public tensors with the right shapes.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
+        Self::load_checked(dir, None, device, kind)
+    }
+
+    /// Like [`Drafter::load`], and first checks that the drafter fits `target` (hidden size,
+    /// vocabulary, layer count).
+    pub fn load_for_target(
+        dir: &Path,
+        target: &super::config::TargetConfig,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self> {
+        Self::load_checked(dir, Some(target), device, kind)
+    }
+
+    fn load_checked(
+        dir: &Path,
+        target: Option<&super::config::TargetConfig>,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self> {
+        let config = DrafterConfig::from_dir(dir)?;
+        if let Some(target) = target {
+            config.check_against(target).with_context(|| {
+                format!(
+                    "{}: the drafter does not fit the target",
+                    dir.join("config.json").display()
+                )
+            })?;
+        }
+        let weights = WeightFiles::open(dir)?;
+        let file = dir.join("model.safetensors");
+        let expected: BTreeSet<String> =
+            tensor_names(config.num_hidden_layers).into_iter().collect();
+        let found: BTreeSet<String> = weights.names().map(str::to_string).collect();
+        if let Some(extra) = found.difference(&expected).next() {
+            bail!(
+                "{}: unexpected tensor {extra:?}: not part of a {}-layer DFlash drafter",
+                file.display(),
+                config.num_hidden_layers
+            );
+        }
+        if let Some(missing) = expected.difference(&found).next() {
+            bail!("{}: tensor {missing:?} is missing", file.display());
+        }
+        let drafter = Self::build(config, device, kind, |name, shape| {
+            Ok(weights
+                .load(name, shape, kind, device)?
+                .set_requires_grad(true))
+        })?;
+        log::info!("{}: {}", dir.display(), drafter.describe());
+        Ok(drafter)
+    }
+
+    /// Every parameter with its public name, in [`tensor_names`] order.
+    pub fn named_parameters(&self) -> Vec<(String, &Tensor)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            let a = &l.attn;
+            let norms = (a.q_norm.as_ref(), a.k_norm.as_ref());
+            let (Some(q_norm), Some(k_norm)) = norms else {
+                continue;
+            };
+            for (part, t) in [
+                ("self_attn.q_proj.weight", &a.q_proj),
+                ("self_attn.k_proj.weight", &a.k_proj),
+                ("self_attn.v_proj.weight", &a.v_proj),
+                ("self_attn.o_proj.weight", &a.o_proj),
+                ("self_attn.q_norm.weight", q_norm),
+                ("self_attn.k_norm.weight", k_norm),
+                ("mlp.gate_proj.weight", &l.mlp.gate_proj),
+                ("mlp.up_proj.weight", &l.mlp.up_proj),
+                ("mlp.down_proj.weight", &l.mlp.down_proj),
+                ("input_layernorm.weight", &l.input_norm),
+                ("post_attention_layernorm.weight", &l.post_norm),
+            ] {
+                out.push((format!("layers.{i}.{part}"), t));
+            }
+        }
+        out.push(("fc.weight".into(), &self.fc));
+        out.push(("hidden_norm.weight".into(), &self.hidden_norm));
+        out.push(("norm.weight".into(), &self.norm));
+        out
+    }
+
+    pub fn parameter_count(&self) -> i64 {
+        self.named_parameters()
+            .iter()
+            .map(|(_, t)| t.numel() as i64)
+            .sum()
+    }
+
+    /// One line for logs: size and memory estimate.
+    pub fn describe(&self) -> String {
+        let n = self.parameter_count() as f64;
+        let bytes = match self.kind {
+            Kind::Float => 4.0,
+            Kind::Double => 8.0,
+            _ => 2.0,
+        };
+        format!(
+            "DFlash drafter: {} layers, block size {}, taps {:?}, mask token {}, {:.2} M parameters; weights {:.1} MiB as {:?}, training state about {:.1} MiB (fp32 master weights, AdamW moments, gradients)",
+            self.config.num_hidden_layers,
+            self.config.block_size,
+            self.config.target_layer_ids(),
+            self.config.mask_token_id(),
+            n / 1e6,
+            n * bytes / (1u64 << 20) as f64,
+            self.kind,
+            n * 16.0 / (1u64 << 20) as f64,
+        )
+    }
+
+    /// Writes a servable checkpoint: config.json + model.safetensors (bf16, public names). The
+    /// folder appears only when complete.
+    pub fn save(&self, dir: &Path) -> Result<PathBuf> {
+        let staged = StagedDir::create(dir)?;
+        self.config.write(&staged.path().join("config.json"))?;
+        let tensors: Vec<(String, Tensor)> = self
+            .named_parameters()
+            .into_iter()
+            .map(|(n, t)| (n, t.detach().to_kind(Kind::BFloat16)))
+            .collect();
+        super::weights::save_safetensors(&staged.path().join("model.safetensors"), &tensors)?;
+        staged.commit()
+    }
+
+    /// `ctx = hidden_norm(fc(features))`: [B, S, K*H] -> [B, S, H].
+    fn fuse_context(&self, features: &Tensor) -> Tensor {
+        let f = features.to_device(self.device).to_kind(self.kind);
+        rms_norm(
+            &f.linear::<&Tensor>(&self.fc, None),
+            &self.hidden_norm,
+            self.config.rms_norm_eps,
+        )
+    }
+
+    fn layer_forward(
+        &self,
+        layer: &DrafterLayer,
+        h: &Tensor,
+        ctx_kv: (&Tensor, &Tensor),
+        q_rope: (&Tensor, &Tensor),
+        k_rope: (&Tensor, &Tensor),
+        mask: Option<&Tensor>,
+    ) -> Tensor {
+        let c = &self.config;
+        let (heads, kv_heads, d, eps) = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+        );
+        let x = rms_norm(h, &layer.input_norm, eps);
+        let q = Rope::apply(&layer.attn.queries(&x, heads, d, eps), q_rope.0, q_rope.1);
+        let k_block = Rope::apply(&layer.attn.keys(&x, kv_heads, d, eps), k_rope.0, k_rope.1);
+        let v_block = layer.attn.values(&x, kv_heads, d);
+        let k = Tensor::cat(&[ctx_kv.0, &k_block], 2);
+        let v = Tensor::cat(&[ctx_kv.1, &v_block], 2);
+        let a = attention(&q, &k, &v, mask, false);
+        let h = h + layer.attn.output(&a);
+        let m = layer.mlp.forward(&rms_norm(&h, &layer.post_norm, eps));
+        h + m
+    }
+
+    /// Keys (normed, rotated) and values of the context for one layer: [B, kv_heads, S, d].
+    fn context_kv(
+        &self,
+        layer: &DrafterLayer,
+        ctx: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> (Tensor, Tensor) {
+        let c = &self.config;
+        let k = layer
+            .attn
+            .keys(ctx, c.num_key_value_heads, c.head_dim, c.rms_norm_eps);
+        (
+            Rope::apply(&k, cos, sin),
+            layer.attn.values(ctx, c.num_key_value_heads, c.head_dim),
+        )
+    }
+
+    /// Training forward over N anchor blocks per sequence (spec §2). `features` [B, S, K*H] are
+    /// the tapped target features. Returns the final-normed hidden states [B, N, block, H].
+    ///
+    /// Visibility: a query in block j sees context positions p < a_j and all positions of its
+    /// own block, nothing of any other block. A padding block still sees its own block, so no
+    /// row of the attention is empty (no NaN).
+    pub fn forward_train(
+        &self,
+        head: &FrozenHead,
+        features: &Tensor,
+        batch: &AnchorBatch,
+    ) -> Tensor {
+        let bs = self.config.block_size;
+        let dev = self.device;
+        let (b, s) = batch.input_ids.size2().unwrap_or((0, 0));
+        let n = batch.anchors.size()[1];
+        let ids = batch.input_ids.to_device(dev);
+        let anchors = batch.anchors.to_device(dev).to_kind(Kind::Int64);
+
+        // Block inputs: [x[a_j], MASK, ..., MASK]
+        let first = ids.gather(1, &anchors, false).unsqueeze(-1); // [B, N, 1]
+        let masks = Tensor::full(
+            [b, n, bs - 1],
+            self.config.mask_token_id(),
+            (Kind::Int64, dev),
+        );
+        let block_ids = Tensor::cat(&[first, masks], -1).view([b, n * bs]);
+        let mut h =
+            Tensor::embedding(&head.embed_tokens, &block_ids, -1, false, false).to_kind(self.kind);
+
+        // Positions: slot k of block j at a_j + k; context position p at p.
+        let offsets = Tensor::arange(bs, (Kind::Int64, dev));
+        let block_pos = (anchors.unsqueeze(-1) + &offsets).view([b, n * bs]);
+        let ctx_pos = Tensor::arange(s, (Kind::Int64, dev))
+            .unsqueeze(0)
+            .expand([b, s], false);
+        let (q_cos, q_sin) = self.rope.cos_sin(&block_pos, self.kind);
+        let (q_cos, q_sin) = (q_cos.unsqueeze(1), q_sin.unsqueeze(1));
+        let (c_cos, c_sin) = self.rope.cos_sin(&ctx_pos, self.kind);
+        let (c_cos, c_sin) = (c_cos.unsqueeze(1), c_sin.unsqueeze(1));
+
+        // Mask [B, 1, N*bs, S + N*bs]
+        let query_anchor = anchors
+            .unsqueeze(-1)
+            .expand([b, n, bs], false)
+            .reshape([b, n * bs]);
+        let sees_ctx = Tensor::arange(s, (Kind::Int64, dev))
+            .view([1, 1, s])
+            .lt_tensor(&query_anchor.unsqueeze(-1)); // [B, N*bs, S]
+        let block_of = Tensor::arange(n * bs, (Kind::Int64, dev)).divide_scalar_mode(bs, "floor");
+        let sees_block = block_of
+            .unsqueeze(1)
+            .eq_tensor(&block_of.unsqueeze(0))
+            .unsqueeze(0)
+            .expand([b, n * bs, n * bs], false);
+        let mask = Tensor::cat(&[sees_ctx, sees_block], -1).unsqueeze(1);
+
+        let ctx = self.fuse_context(features);
+        for layer in &self.layers {
+            let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin);
+            h = self.layer_forward(
+                layer,
+                &h,
+                (&ck, &cv),
+                (&q_cos, &q_sin),
+                (&q_cos, &q_sin),
+                Some(&mask),
+            );
+        }
+        rms_norm(&h, &self.norm, self.config.rms_norm_eps).view([b, n, bs, -1])
+    }
+
+    /// Inference forward for speculative decoding (spec §5): appends the features of newly
+    /// accepted tokens (`new_features` [1, c, K*H], positions `cache.len()..`) to the drafter's
+    /// context cache, then runs one block `block_ids` [1, block] at positions
+    /// `block_start..block_start+block` that sees the whole context. Returns the final-normed
+    /// hidden states [1, block, H]. Roll the cache back with `cache.truncate(len)`.
+    pub fn forward_block(
+        &self,
+        head: &FrozenHead,
+        new_features: Option<&Tensor>,
+        cache: &mut KvCache,
+        block_ids: &Tensor,
+        block_start: i64,
+    ) -> Tensor {
+        tch::no_grad(|| {
+            let dev = self.device;
+            let start = cache.len();
+            let new_ctx = new_features.map(|f| {
+                let ctx = self.fuse_context(f);
+                let c = ctx.size()[1];
+                let pos = Tensor::arange_start(start, start + c, (Kind::Int64, dev));
+                let (cos, sin) = self.rope.cos_sin(&pos, self.kind);
+                (ctx, cos, sin, c)
+            });
+            let ids = block_ids.to_device(dev).to_kind(Kind::Int64);
+            let bs = ids.size()[1];
+            let mut h =
+                Tensor::embedding(&head.embed_tokens, &ids, -1, false, false).to_kind(self.kind);
+            let pos = Tensor::arange_start(block_start, block_start + bs, (Kind::Int64, dev));
+            let (q_cos, q_sin) = self.rope.cos_sin(&pos, self.kind);
+            for (idx, layer) in self.layers.iter().enumerate() {
+                let (ck, cv) = match &new_ctx {
+                    Some((ctx, cos, sin, _)) => {
+                        let (k, v) = self.context_kv(layer, ctx, cos, sin);
+                        cache.append(idx, k, v)
+                    }
+                    None => cache.layer(idx).unwrap_or_else(|| {
+                        let c = &self.config;
+                        let empty = Tensor::zeros(
+                            [1, c.num_key_value_heads, 0, c.head_dim],
+                            (self.kind, dev),
+                        );
+                        (empty.shallow_clone(), empty)
+                    }),
+                };
+                h = self.layer_forward(
+                    layer,
+                    &h,
+                    (&ck, &cv),
+                    (&q_cos, &q_sin),
+                    (&q_cos, &q_sin),
+                    None,
+                );
+            }
+            if let Some((_, _, _, c)) = new_ctx {
+                cache.set_len(start + c);
+            }
+            rms_norm(&h, &self.norm, self.config.rms_norm_eps)
+        })
+    }
+
+    /// Logits through the target's frozen LM head, in float32.
+    pub fn logits(&self, head: &FrozenHead, hidden: &Tensor) -> Tensor {
+        hidden
+            .linear::<&Tensor>(&head.lm_head, None)
+            .to_kind(Kind::Float)
+    }
+}

@@ -1,0 +1,223 @@
+//! Building blocks shared by the target and the drafter: RMSNorm, rotary position embedding,
+//! the projections of one attention layer, the SwiGLU MLP.
+
+use anyhow::{bail, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::config::TargetConfig;
+
+/// `weight * x / sqrt(mean(x^2) + eps)`, computed in float32 like Hugging Face does.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let x32 = x.to_kind(Kind::Float);
+    let var = x32.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    (x32 * (var + eps).rsqrt()).to_kind(x.kind()) * weight
+}
+
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size()[x.dim() - 1] / 2;
+    let x1 = x.narrow(-1, 0, half);
+    let x2 = x.narrow(-1, half, half);
+    Tensor::cat(&[x2.neg(), x1], -1)
+}
+
+/// Rotary position embedding (the rotate-half layout of Hugging Face Llama / Qwen).
+#[derive(Debug)]
+pub struct Rope {
+    inv_freq: Tensor,
+}
+
+impl Rope {
+    /// Inverse frequencies from `rope_theta` and `head_dim`, with Llama 3 `rope_scaling` or
+    /// `linear` scaling applied when the config asks for it.
+    pub fn new(config: &TargetConfig, device: Device) -> Result<Self> {
+        let d = config.head_dim();
+        let theta = config.rope_theta;
+        let mut inv_freq: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d as f64))
+            .collect();
+        if let Some(scaling) = config.rope_scaling.as_ref().filter(|s| !s.is_null()) {
+            let get = |k: &str| scaling.get(k).and_then(|v| v.as_f64());
+            let kind = scaling
+                .get("rope_type")
+                .or_else(|| scaling.get("type"))
+                .and_then(|v| v.as_str())
+                .unwrap_or("default");
+            match kind {
+                "default" => {}
+                "linear" => {
+                    let factor = get("factor").unwrap_or(1.0);
+                    inv_freq.iter_mut().for_each(|f| *f /= factor);
+                }
+                "llama3" => {
+                    let (Some(factor), Some(low), Some(high), Some(original)) = (
+                        get("factor"),
+                        get("low_freq_factor"),
+                        get("high_freq_factor"),
+                        get("original_max_position_embeddings"),
+                    ) else {
+                        bail!("rope_scaling of type llama3 needs factor, low_freq_factor, high_freq_factor and original_max_position_embeddings");
+                    };
+                    let low_wavelen = original / low;
+                    let high_wavelen = original / high;
+                    for f in inv_freq.iter_mut() {
+                        let wavelen = 2.0 * std::f64::consts::PI / *f;
+                        if wavelen > low_wavelen {
+                            *f /= factor;
+                        } else if wavelen >= high_wavelen {
+                            let smooth = (original / wavelen - low) / (high - low);
+                            *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                        }
+                    }
+                }
+                other => {
+                    bail!("rope_scaling type {other:?} is not supported (default, linear, llama3)")
+                }
+            }
+        }
+        let inv_freq: Vec<f32> = inv_freq.into_iter().map(|f| f as f32).collect();
+        Ok(Rope {
+            inv_freq: Tensor::from_slice(&inv_freq).to_device(device),
+        })
+    }
+
+    /// cos and sin for `positions` (any shape [..., L], int64): [..., L, head_dim] of `kind`.
+    pub fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+        let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
+        (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+    }
+
+    /// Applies the rotation; `cos`/`sin` broadcast against `x` [..., L, head_dim].
+    pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        x * cos + rotate_half(x) * sin
+    }
+}
+
+/// The weights of one attention layer. Biases exist for Qwen2; q/k norms for Qwen3 and the
+/// drafter.
+#[derive(Debug)]
+pub struct AttentionWeights {
+    pub q_proj: Tensor,
+    pub k_proj: Tensor,
+    pub v_proj: Tensor,
+    pub o_proj: Tensor,
+    pub q_bias: Option<Tensor>,
+    pub k_bias: Option<Tensor>,
+    pub v_bias: Option<Tensor>,
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+}
+
+impl AttentionWeights {
+    /// `x` [B, L, H] -> [B, heads, L, head_dim], with the per-head norm when present.
+    fn project(
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        norm: Option<&Tensor>,
+        heads: i64,
+        d: i64,
+        eps: f64,
+    ) -> Tensor {
+        let (batch, len) = (x.size()[0], x.size()[1]);
+        let y = x.linear(w, b).view([batch, len, heads, d]);
+        let y = match norm {
+            Some(n) => rms_norm(&y, n, eps),
+            None => y,
+        };
+        y.transpose(1, 2)
+    }
+
+    pub fn queries(&self, x: &Tensor, heads: i64, d: i64, eps: f64) -> Tensor {
+        Self::project(
+            x,
+            &self.q_proj,
+            self.q_bias.as_ref(),
+            self.q_norm.as_ref(),
+            heads,
+            d,
+            eps,
+        )
+    }
+
+    pub fn keys(&self, x: &Tensor, kv_heads: i64, d: i64, eps: f64) -> Tensor {
+        Self::project(
+            x,
+            &self.k_proj,
+            self.k_bias.as_ref(),
+            self.k_norm.as_ref(),
+            kv_heads,
+            d,
+            eps,
+        )
+    }
+
+    pub fn values(&self, x: &Tensor, kv_heads: i64, d: i64) -> Tensor {
+        Self::project(
+            x,
+            &self.v_proj,
+            self.v_bias.as_ref(),
+            None,
+            kv_heads,
+            d,
+            0.0,
+        )
+    }
+
+    /// [B, heads, L, head_dim] attention output -> [B, L, H].
+    pub fn output(&self, attn: &Tensor) -> Tensor {
+        let (batch, heads, len, d) = attn.size4().unwrap_or((0, 0, 0, 0));
+        attn.transpose(1, 2)
+            .contiguous()
+            .view([batch, len, heads * d])
+            .linear::<&Tensor>(&self.o_proj, None)
+    }
+
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        let mut out = vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
+        out.extend(
+            [
+                &self.q_bias,
+                &self.k_bias,
+                &self.v_bias,
+                &self.q_norm,
+                &self.k_norm,
+            ]
+            .into_iter()
+            .flatten(),
+        );
+        out
+    }
+}
+
+/// SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug)]
+pub struct Mlp {
+    pub gate_proj: Tensor,
+    pub up_proj: Tensor,
+    pub down_proj: Tensor,
+}
+
+impl Mlp {
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let gated = x.linear::<&Tensor>(&self.gate_proj, None).silu()
+            * x.linear::<&Tensor>(&self.up_proj, None);
+        gated.linear::<&Tensor>(&self.down_proj, None)
+    }
+
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        vec![&self.gate_proj, &self.up_proj, &self.down_proj]
+    }
+}
+
+/// Fused attention (libtorch's `scaled_dot_product_attention`) with grouped-query heads.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    causal: bool,
+) -> Tensor {
+    let gqa = q.size()[1] != k.size()[1];
+    Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, None, gqa)
+}

@@ -1,0 +1,349 @@
+//! The frozen target model: Llama (incl. Llama 3 rope scaling), Qwen2/2.5 (q/k/v biases) and
+//! Qwen3 (per-head q/k RMSNorm). Attention runs through libtorch's fused
+//! `scaled_dot_product_attention` with grouped-query heads. Weights carry no gradients and every
+//! forward runs without autograd; one loaded model is shared (`Arc`) by the workers of a device.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::config::{Family, TargetConfig};
+use super::layers::{attention, rms_norm, AttentionWeights, Mlp, Rope};
+use super::weights::WeightFiles;
+
+struct DecoderLayer {
+    input_norm: Tensor,
+    attn: AttentionWeights,
+    post_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// Keys and values of past positions, per layer: [batch, kv_heads, len, head_dim].
+#[derive(Debug, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: i64,
+}
+
+impl KvCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Rolls back to the first `len` positions (used when draft tokens are rejected).
+    pub fn truncate(&mut self, len: i64) {
+        if len >= self.len {
+            return;
+        }
+        let len = len.max(0);
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.narrow(2, 0, len);
+            *v = v.narrow(2, 0, len);
+        }
+        self.len = len;
+    }
+
+    /// The cached keys and values of one layer.
+    pub(crate) fn layer(&self, layer: usize) -> Option<(Tensor, Tensor)> {
+        self.layers
+            .get(layer)
+            .and_then(|l| l.as_ref())
+            .map(|(k, v)| (k.shallow_clone(), v.shallow_clone()))
+    }
+
+    pub(crate) fn set_len(&mut self, len: i64) {
+        self.len = len;
+    }
+
+    /// Appends keys and values of new positions to a layer; returns all of that layer's.
+    pub(crate) fn append(&mut self, layer: usize, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
+        if self.layers.len() <= layer {
+            self.layers.resize_with(layer + 1, || None);
+        }
+        let merged = match self.layers[layer].take() {
+            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2), Tensor::cat(&[pv, v], 2)),
+            None => (k, v),
+        };
+        self.layers[layer] = Some((merged.0.shallow_clone(), merged.1.shallow_clone()));
+        merged
+    }
+}
+
+/// What a forward pass should return.
+#[derive(Debug, Clone, Default)]
+pub struct ForwardRequest {
+    /// Decoder layer ids whose outputs (residual stream after the layer, before any final
+    /// norm; `hidden_states[id + 1]` in Hugging Face terms) are returned, concatenated on the
+    /// hidden axis in this order.
+    pub tap_layers: Vec<usize>,
+    /// Return the final-normed hidden states.
+    pub final_hidden: bool,
+    /// Return float32 logits.
+    pub logits: bool,
+}
+
+/// The outputs a [`ForwardRequest`] asked for.
+#[derive(Debug, Default)]
+pub struct TargetOutput {
+    /// [batch, seq, K * hidden]
+    pub features: Option<Tensor>,
+    /// [batch, seq, hidden]
+    pub final_hidden: Option<Tensor>,
+    /// [batch, seq, vocab], float32
+    pub logits: Option<Tensor>,
+}
+
+/// A loaded target model.
+pub struct TargetModel {
+    pub config: TargetConfig,
+    pub family: Family,
+    pub device: Device,
+    pub kind: Kind,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    rope: Rope,
+}
+
+impl std::fmt::Debug for TargetModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TargetModel")
+            .field("family", &self.family)
+            .field("layers", &self.layers.len())
+            .field("device", &self.device)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+impl TargetModel {
+    /// Loads config.json and the safetensors weights of a Hugging Face model folder.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
+        let config = TargetConfig::from_model_dir(dir)?;
+        let weights = WeightFiles::open(dir)?;
+        Self::from_weights(config, &weights, device, kind)
+            .with_context(|| format!("{}: cannot load the model", dir.display()))
+    }
+
+    pub fn from_weights(
+        config: TargetConfig,
+        weights: &WeightFiles,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self> {
+        let family = config.family()?;
+        let h = config.hidden_size;
+        let i = config.intermediate_size;
+        let d = config.head_dim();
+        let q_dim = config.num_attention_heads * d;
+        let kv_dim = config.kv_heads() * d;
+        let v = config.vocab_size;
+        let load = |name: &str, shape: &[i64]| weights.load(name, shape, kind, device);
+        let embed_tokens = load("model.embed_tokens.weight", &[v, h])?;
+        let lm_head = if config.tie_word_embeddings {
+            embed_tokens.shallow_clone()
+        } else if weights.contains("lm_head.weight") {
+            load("lm_head.weight", &[v, h])?
+        } else {
+            bail!("tie_word_embeddings is false but the weights have no lm_head.weight");
+        };
+        let with_bias = family.qkv_bias(config.attention_bias);
+        let mut layers = Vec::with_capacity(config.num_hidden_layers as usize);
+        for l in 0..config.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let bias = |name: &str, len: i64| -> Result<Option<Tensor>> {
+                let full = format!("{p}.self_attn.{name}.bias");
+                if with_bias || weights.contains(&full) {
+                    Ok(Some(load(&full, &[len])?))
+                } else {
+                    Ok(None)
+                }
+            };
+            let norm = |name: &str| -> Result<Option<Tensor>> {
+                if family.qk_norm() {
+                    Ok(Some(load(&format!("{p}.self_attn.{name}.weight"), &[d])?))
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(DecoderLayer {
+                input_norm: load(&format!("{p}.input_layernorm.weight"), &[h])?,
+                attn: AttentionWeights {
+                    q_proj: load(&format!("{p}.self_attn.q_proj.weight"), &[q_dim, h])?,
+                    k_proj: load(&format!("{p}.self_attn.k_proj.weight"), &[kv_dim, h])?,
+                    v_proj: load(&format!("{p}.self_attn.v_proj.weight"), &[kv_dim, h])?,
+                    o_proj: load(&format!("{p}.self_attn.o_proj.weight"), &[h, q_dim])?,
+                    q_bias: bias("q_proj", q_dim)?,
+                    k_bias: bias("k_proj", kv_dim)?,
+                    v_bias: bias("v_proj", kv_dim)?,
+                    q_norm: norm("q_norm")?,
+                    k_norm: norm("k_norm")?,
+                },
+                post_norm: load(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                mlp: Mlp {
+                    gate_proj: load(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
+                    up_proj: load(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+                    down_proj: load(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                },
+            });
+        }
+        let norm = load("model.norm.weight", &[h])?;
+        let rope = Rope::new(&config, device)?;
+        Ok(TargetModel {
+            config,
+            family,
+            device,
+            kind,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn parameter_count(&self) -> i64 {
+        let mut n = self.embed_tokens.numel() + self.norm.numel();
+        if !self.config.tie_word_embeddings {
+            n += self.lm_head.numel();
+        }
+        for l in &self.layers {
+            let mut tensors = vec![&l.input_norm, &l.post_norm];
+            tensors.extend(l.attn.tensors());
+            tensors.extend(l.mlp.tensors());
+            n += tensors.iter().map(|t| t.numel()).sum::<usize>();
+        }
+        n as i64
+    }
+
+    /// The frozen input embedding [vocab, hidden] (shared storage).
+    pub fn embed_tokens(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+
+    /// The frozen LM head [vocab, hidden] (the embedding when tied).
+    pub fn lm_head(&self) -> &Tensor {
+        &self.lm_head
+    }
+
+    /// Next-token logits [batch, seq, vocab] in float32.
+    pub fn forward(&self, input_ids: &Tensor, cache: Option<&mut KvCache>) -> Tensor {
+        let req = ForwardRequest {
+            logits: true,
+            ..Default::default()
+        };
+        self.run(input_ids, cache, &req)
+            .logits
+            .unwrap_or_else(|| Tensor::zeros([0], (Kind::Float, self.device)))
+    }
+
+    /// LM head over final-normed hidden states, in float32.
+    pub fn logits(&self, hidden: &Tensor) -> Tensor {
+        tch::no_grad(|| {
+            hidden
+                .linear::<&Tensor>(&self.lm_head, None)
+                .to_kind(Kind::Float)
+        })
+    }
+
+    /// One forward over `input_ids` [batch, seq] continuing the positions held in `cache` (or
+    /// starting at 0 without one). Layers after the last one needed are skipped when neither
+    /// final states nor logits are requested and no cache must be filled.
+    pub fn run(
+        &self,
+        input_ids: &Tensor,
+        mut cache: Option<&mut KvCache>,
+        req: &ForwardRequest,
+    ) -> TargetOutput {
+        tch::no_grad(|| {
+            let size = input_ids.size();
+            let (batch, seq) = (size[0], size[size.len() - 1]);
+            let past = cache.as_ref().map_or(0, |c| c.len);
+            let cfg = &self.config;
+            let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+            let eps = cfg.rms_norm_eps;
+            let positions = Tensor::arange_start(past, past + seq, (Kind::Int64, self.device));
+            let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
+            // Queries sit at positions past..past+seq; key j is visible to query i when
+            // j <= past + i. Without past keys that is the plain causal mask.
+            let mask = if past > 0 && seq > 1 {
+                let k_pos = Tensor::arange(past + seq, (Kind::Int64, self.device));
+                Some(k_pos.unsqueeze(0).le_tensor(&positions.unsqueeze(1)))
+            } else {
+                None
+            };
+            let causal = past == 0 && seq > 1;
+            let needs_all = req.final_hidden || req.logits || cache.is_some();
+            let last_layer = if needs_all {
+                self.layers.len()
+            } else {
+                req.tap_layers.iter().map(|&l| l + 1).max().unwrap_or(0)
+            };
+
+            let ids = input_ids.to_device(self.device).view([batch, seq]);
+            let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
+            let mut taps: Vec<Option<Tensor>> = req.tap_layers.iter().map(|_| None).collect();
+            for (idx, layer) in self.layers.iter().enumerate().take(last_layer) {
+                let h = rms_norm(&x, &layer.input_norm, eps);
+                let q = Rope::apply(&layer.attn.queries(&h, heads, d, eps), &cos, &sin);
+                let k = Rope::apply(&layer.attn.keys(&h, kv_heads, d, eps), &cos, &sin);
+                let v = layer.attn.values(&h, kv_heads, d);
+                let (k, v) = match cache.as_deref_mut() {
+                    Some(c) => c.append(idx, k, v),
+                    None => (k, v),
+                };
+                let a = attention(&q, &k, &v, mask.as_ref(), causal);
+                x += layer.attn.output(&a);
+                x += layer.mlp.forward(&rms_norm(&x, &layer.post_norm, eps));
+                for (slot, &tap) in taps.iter_mut().zip(&req.tap_layers) {
+                    if tap == idx {
+                        *slot = Some(x.copy());
+                    }
+                }
+            }
+            if let Some(c) = cache {
+                c.len = past + seq;
+            }
+            let features = if req.tap_layers.is_empty() {
+                None
+            } else {
+                let taps: Vec<Tensor> = taps
+                    .into_iter()
+                    .map(|t| t.unwrap_or_else(|| x.zeros_like()))
+                    .collect();
+                Some(Tensor::cat(&taps, -1))
+            };
+            let (final_hidden, logits) = if req.final_hidden || req.logits {
+                let hidden = rms_norm(&x, &self.norm, eps);
+                let logits = req.logits.then(|| {
+                    hidden
+                        .linear::<&Tensor>(&self.lm_head, None)
+                        .to_kind(Kind::Float)
+                });
+                (req.final_hidden.then_some(hidden), logits)
+            } else {
+                (None, None)
+            };
+            TargetOutput {
+                features,
+                final_hidden,
+                logits,
+            }
+        })
+    }
+}

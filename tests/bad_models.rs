@@ -1,0 +1,229 @@
+//! Bad model input: missing or mismatched tensors (name, shape, dtype), unsupported
+//! architectures, drafters that do not fit their target, mask tokens outside the vocabulary.
+//! Each gets one error naming the file and the tensor or field.
+
+mod common;
+
+use std::path::Path;
+
+use common::tiny_target_dir;
+use dflash_tui::model::{Drafter, DrafterConfig, DrafterShape, TargetModel};
+use tch::{Device, Kind, Tensor};
+
+fn err_of<T: std::fmt::Debug>(r: anyhow::Result<T>) -> String {
+    format!("{:#}", r.unwrap_err())
+}
+
+fn rewrite_tensors(file: &Path, edit: impl FnOnce(&mut Vec<(String, Tensor)>)) {
+    let mut tensors = Tensor::read_safetensors(file).unwrap();
+    edit(&mut tensors);
+    Tensor::write_safetensors(&tensors, file).unwrap();
+}
+
+fn load_target(dir: &Path) -> String {
+    err_of(TargetModel::load(dir, Device::Cpu, Kind::Float))
+}
+
+#[test]
+fn target_with_a_missing_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_target_dir(&tmp.path().join("m"), "qwen3", false, None, 1);
+    rewrite_tensors(&dir.join("model.safetensors"), |t| {
+        t.retain(|(n, _)| n != "model.layers.2.self_attn.k_norm.weight")
+    });
+    let msg = load_target(&dir);
+    assert!(msg.contains(&dir.display().to_string()), "{msg}");
+    assert!(
+        msg.contains("model.layers.2.self_attn.k_norm.weight"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn target_with_a_mismatched_shape_or_dtype() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_target_dir(&tmp.path().join("m"), "llama", false, None, 1);
+    let file = dir.join("model.safetensors");
+    rewrite_tensors(&file, |t| {
+        for (n, x) in t.iter_mut() {
+            if n == "model.layers.1.mlp.up_proj.weight" {
+                *x = Tensor::zeros([64, 31], (Kind::Float, Device::Cpu));
+            }
+        }
+    });
+    let msg = load_target(&dir);
+    assert!(msg.contains("model.safetensors"), "{msg}");
+    assert!(
+        msg.contains("model.layers.1.mlp.up_proj.weight") && msg.contains("[64, 31]"),
+        "{msg}"
+    );
+
+    rewrite_tensors(&file, |t| {
+        for (n, x) in t.iter_mut() {
+            if n == "model.layers.1.mlp.up_proj.weight" {
+                *x = Tensor::zeros([64, 32], (Kind::Int64, Device::Cpu));
+            }
+        }
+    });
+    let msg = load_target(&dir);
+    assert!(
+        msg.contains("model.layers.1.mlp.up_proj.weight") && msg.contains("I64"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn unsupported_architecture_names_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny_target_dir(&tmp.path().join("m"), "gpt2", false, None, 1);
+    let msg = load_target(&dir);
+    assert!(
+        msg.contains("config.json") && msg.contains("model_type") && msg.contains("gpt2"),
+        "{msg}"
+    );
+    // an unsupported rope scaling is a config error too
+    let dir = tiny_target_dir(
+        &tmp.path().join("y"),
+        "llama",
+        false,
+        Some(serde_json::json!({"rope_type": "yarn", "factor": 4.0})),
+        1,
+    );
+    let msg = load_target(&dir);
+    assert!(
+        msg.contains("config.json") && msg.contains("rope_scaling") && msg.contains("yarn"),
+        "{msg}"
+    );
+}
+
+fn drafter_for(target_dir: &Path, out: &Path, mask: i64) -> anyhow::Result<std::path::PathBuf> {
+    let target = TargetModel::load(target_dir, Device::Cpu, Kind::Float).unwrap();
+    let config = DrafterConfig::for_target(
+        &target.config,
+        &DrafterShape {
+            layers: 1,
+            block_size: 4,
+            mask_token_id: mask,
+            target_layer_ids: None,
+            num_taps: 2,
+        },
+    )?;
+    Drafter::init(config, Device::Cpu, Kind::Float)?.save(out)
+}
+
+#[test]
+fn drafter_that_does_not_fit_the_target() {
+    let tmp = tempfile::tempdir().unwrap();
+    let small = tiny_target_dir(&tmp.path().join("small"), "llama", false, None, 1);
+    let drafter = drafter_for(&small, &tmp.path().join("d"), 3).unwrap();
+    // another target with a different hidden size
+    let other = tmp.path().join("other");
+    tiny_target_dir(&other, "llama", false, None, 1);
+    let cfg_path = other.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["hidden_size"] = 48.into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let target_cfg = dflash_tui::model::TargetConfig::from_model_dir(&other).unwrap();
+    let msg = err_of(Drafter::load_for_target(
+        &drafter,
+        &target_cfg,
+        Device::Cpu,
+        Kind::Float,
+    ));
+    assert!(
+        msg.contains(&drafter.join("config.json").display().to_string()),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("hidden_size = 32") && msg.contains("48"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn drafter_with_missing_extra_or_misshapen_tensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tiny_target_dir(&tmp.path().join("t"), "llama", false, None, 1);
+    let drafter = drafter_for(&target, &tmp.path().join("d"), 3).unwrap();
+    let file = drafter.join("model.safetensors");
+    let original = std::fs::read(&file).unwrap();
+
+    rewrite_tensors(&file, |t| t.retain(|(n, _)| n != "hidden_norm.weight"));
+    let msg = err_of(Drafter::load(&drafter, Device::Cpu, Kind::Float));
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("\"hidden_norm.weight\" is missing"),
+        "{msg}"
+    );
+
+    std::fs::write(&file, &original).unwrap();
+    rewrite_tensors(&file, |t| {
+        t.push((
+            "model.layers.0.self_attn.q_proj.weight".into(),
+            Tensor::zeros([2], (Kind::Float, Device::Cpu)),
+        ))
+    });
+    let msg = err_of(Drafter::load(&drafter, Device::Cpu, Kind::Float));
+    assert!(
+        msg.contains("unexpected tensor \"model.layers.0.self_attn.q_proj.weight\""),
+        "{msg}"
+    );
+
+    std::fs::write(&file, &original).unwrap();
+    rewrite_tensors(&file, |t| {
+        for (n, x) in t.iter_mut() {
+            if n == "fc.weight" {
+                *x = Tensor::zeros([32, 96], (Kind::BFloat16, Device::Cpu));
+            }
+        }
+    });
+    let msg = err_of(Drafter::load(&drafter, Device::Cpu, Kind::Float));
+    assert!(
+        msg.contains("\"fc.weight\"") && msg.contains("[32, 96]") && msg.contains("[32, 64]"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn mask_token_outside_the_vocabulary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tiny_target_dir(&tmp.path().join("t"), "llama", false, None, 1);
+    let msg = err_of(drafter_for(&target, &tmp.path().join("d"), 50));
+    assert!(
+        msg.contains("mask_token_id = 50") && msg.contains("vocabulary"),
+        "{msg}"
+    );
+    assert!(!tmp.path().join("d").exists());
+
+    // through the command line, and in an existing drafter's config.json
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args([
+            "init-drafter",
+            "--target",
+            target.to_str().unwrap(),
+            "--out",
+        ])
+        .arg(tmp.path().join("d2"))
+        .args(["--mask-token-id", "500"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("mask_token_id = 500") && stderr.contains("config.json"),
+        "{stderr}"
+    );
+    assert!(!tmp.path().join("d2").exists());
+
+    let drafter = drafter_for(&target, &tmp.path().join("d3"), 3).unwrap();
+    let cfg_path = drafter.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path)
+        .unwrap()
+        .replace("\"mask_token_id\": 3", "\"mask_token_id\": 77");
+    std::fs::write(&cfg_path, text).unwrap();
+    let msg = err_of(Drafter::load(&drafter, Device::Cpu, Kind::Float));
+    assert!(
+        msg.contains(&cfg_path.display().to_string()) && msg.contains("mask_token_id = 77"),
+        "{msg}"
+    );
+}
