@@ -3,7 +3,7 @@
 CARGO ?= cargo
 BIN := target/release/dflash-tui
 
-.PHONY: setup libtorch build demo-assets demo test lint carry
+.PHONY: setup libtorch pytools build demo-assets demo test lint carry
 
 libtorch:
 	bash scripts/setup-libtorch.sh
@@ -14,7 +14,10 @@ build: libtorch
 demo-assets: build
 	bash scripts/setup-demo.sh $(BIN)
 
-setup: demo-assets
+pytools:
+	bash scripts/setup-pytools.sh
+
+setup: demo-assets pytools
 
 demo: setup
 	$(BIN) doctor

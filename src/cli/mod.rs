@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 use crate::gguf::OutputDtype;
 use crate::runtime::TorchRuntime;
 
+mod data;
 mod doctor;
 mod generate;
 mod import;
@@ -96,6 +97,56 @@ pub enum Command {
         num_taps: usize,
         #[arg(long, default_value_t = 0)]
         seed: i64,
+    },
+    /// Tokenise chat data (ShareGPT JSON/JSONL, {"messages"} JSONL, {"text"} JSONL) with a
+    /// model's chat template into a Hugging Face dataset (save_to_disk layout, train and
+    /// validation splits) with input_ids and loss_mask.
+    PrepareData {
+        /// Model folder whose tokenizer.json and chat template are used.
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// Input files (several allowed).
+        #[arg(long, num_args = 1.., required = true)]
+        input: Vec<PathBuf>,
+        /// The dataset folder to create.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 3072)]
+        max_len: usize,
+        /// Rows per Arrow shard.
+        #[arg(long, default_value_t = 50_000)]
+        shard_rows: usize,
+        /// Share of conversations held out for validation.
+        #[arg(long, default_value_t = 0.01)]
+        val_fraction: f64,
+        /// Seed of the validation split.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Counts, length histogram, loss-mask share and one decoded sample of a dataset.
+    InspectData {
+        path: PathBuf,
+        /// Split of a dataset with splits (default: train).
+        #[arg(long)]
+        split: Option<String>,
+        /// Model folder to decode the sample with.
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+        /// Which sample to show.
+        #[arg(long, default_value_t = 0)]
+        sample: usize,
+    },
+    /// Benchmark of the data loader: random access per sample, batches per second, and the
+    /// same access through pyarrow.
+    BenchData {
+        path: PathBuf,
+        #[arg(long, default_value_t = 1_000_000)]
+        samples: usize,
+        #[arg(long, default_value_t = 2_000)]
+        batches: usize,
+        /// Python with pyarrow, for the comparison.
+        #[arg(long, default_value = "python3")]
+        python: String,
     },
     /// Perplexity of a model over a tokenised dataset (Arrow IPC, save_to_disk folder or
     /// Parquet with an input_ids column); prints one JSON object.
@@ -202,6 +253,38 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 },
             )
         }
+        Command::PrepareData {
+            tokenizer,
+            input,
+            out,
+            max_len,
+            shard_rows,
+            val_fraction,
+            seed,
+        } => data::prepare(
+            &tokenizer,
+            &input,
+            &out,
+            &crate::data::prepare_run::PrepareOptions {
+                max_len,
+                shard_rows,
+                val_fraction,
+                seed,
+                progress: true,
+            },
+        ),
+        Command::InspectData {
+            path,
+            split,
+            tokenizer,
+            sample,
+        } => data::inspect(&path, split.as_deref(), tokenizer.as_deref(), sample),
+        Command::BenchData {
+            path,
+            samples,
+            batches,
+            python,
+        } => data::bench(&path, samples, batches, &python),
         Command::Generate {
             model,
             prompt,

@@ -47,8 +47,46 @@ impl TokenColumn {
     }
 }
 
+/// A `DatasetDict` folder (with `dataset_dict.json`) stands for one of its splits: `split`, or
+/// "train" when none is named. Any other path stands for itself.
+pub fn resolve_split(path: &Path, split: Option<&str>) -> Result<PathBuf> {
+    let dict = path.join("dataset_dict.json");
+    if !dict.is_file() {
+        if let Some(s) = split {
+            bail!(
+                "{}: not a dataset with splits (no dataset_dict.json), cannot pick split {s:?}",
+                path.display()
+            );
+        }
+        return Ok(path.to_path_buf());
+    }
+    let text = std::fs::read_to_string(&dict)
+        .with_context(|| format!("{}: cannot read", dict.display()))?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not valid JSON", dict.display()))?;
+    let splits: Vec<String> = value
+        .get("splits")
+        .and_then(|s| s.as_array())
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    let want = split.unwrap_or("train");
+    if !splits.iter().any(|s| s == want) {
+        bail!(
+            "{}: no split {want:?} (splits: {})",
+            dict.display(),
+            splits.join(", ")
+        );
+    }
+    Ok(path.join(want))
+}
+
 /// The files that make up a dataset at `path`, in order.
 pub fn dataset_files(path: &Path) -> Result<Vec<PathBuf>> {
+    let path = &resolve_split(path, None)?;
     if path.is_file() {
         return Ok(vec![path.to_path_buf()]);
     }
@@ -128,88 +166,273 @@ pub fn read_batches(path: &Path) -> Result<Vec<RecordBatch>> {
     batches.with_context(|| format!("{}: cannot read record batches", path.display()))
 }
 
-fn append_lists<O: arrow::array::OffsetSizeTrait>(
-    list: &arrow::array::GenericListArray<O>,
-    out: &mut TokenColumn,
-    where_: &dyn Fn(usize) -> String,
-) -> Result<()> {
-    let values: &ArrayRef = list.values();
-    let as_u32: Vec<Option<u32>> = match values.data_type() {
-        DataType::Int32 => values
-            .as_primitive::<Int32Type>()
-            .iter()
-            .map(|v| v.and_then(|x| u32::try_from(x).ok()))
-            .collect(),
-        DataType::Int64 => values
-            .as_primitive::<Int64Type>()
-            .iter()
-            .map(|v| v.and_then(|x| u32::try_from(x).ok()))
-            .collect(),
-        DataType::UInt32 => values.as_primitive::<UInt32Type>().iter().collect(),
-        other => bail!(
-            "{}: the list items are {other}, expected int32, int64 or uint32",
-            where_(0)
-        ),
-    };
-    let offsets = list.value_offsets();
-    for row in 0..list.len() {
-        if list.is_null(row) {
-            bail!("{}: the list is null", where_(row));
-        }
-        let (start, end) = (offsets[row].as_usize(), offsets[row + 1].as_usize());
-        for (k, v) in as_u32[start..end].iter().enumerate() {
-            match v {
-                Some(t) => out.tokens.push(*t),
-                None => bail!(
-                    "{}: item {k} is null or negative or too large for a token id",
-                    where_(row)
-                ),
-            }
-        }
-        out.offsets.push(out.tokens.len());
-    }
-    Ok(())
+/// A list column of one record batch: row offsets into `values`.
+struct ListColumn {
+    offsets: Vec<usize>,
+    values: ArrayRef,
 }
 
-/// Reads the list column `column` of the dataset at `path` (file or folder).
-pub fn read_token_column(path: &Path, column: &str) -> Result<TokenColumn> {
-    let mut out = TokenColumn::new();
+fn list_column(batch: &RecordBatch, file: &Path, column: &str) -> Result<ListColumn> {
+    let col = batch.column_by_name(column).with_context(|| {
+        let names: Vec<String> = batch
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.name().clone())
+            .collect();
+        format!(
+            "{}: no column {column:?} (columns: {})",
+            file.display(),
+            names.join(", ")
+        )
+    })?;
+    let nulls = |row: Option<usize>| match row {
+        Some(r) => bail!(
+            "{}: column {column:?}, row {r}: the list is null",
+            file.display()
+        ),
+        None => Ok(()),
+    };
+    if let Some(list) = col.as_list_opt::<i32>() {
+        nulls((0..list.len()).find(|&r| list.is_null(r)))?;
+        Ok(ListColumn {
+            offsets: list.value_offsets().iter().map(|&o| o as usize).collect(),
+            values: list.values().clone(),
+        })
+    } else if let Some(list) = col.as_list_opt::<i64>() {
+        nulls((0..list.len()).find(|&r| list.is_null(r)))?;
+        Ok(ListColumn {
+            offsets: list.value_offsets().iter().map(|&o| o as usize).collect(),
+            values: list.values().clone(),
+        })
+    } else {
+        bail!(
+            "{}: column {column:?} has type {}, expected a list of integers",
+            file.display(),
+            col.data_type()
+        )
+    }
+}
+
+/// Integer list items as i64 (None for nulls).
+fn items_i64(values: &ArrayRef, file: &Path, column: &str) -> Result<Vec<Option<i64>>> {
+    use arrow::datatypes::{Int8Type, UInt8Type};
+    Ok(match values.data_type() {
+        DataType::Int8 => values.as_primitive::<Int8Type>().iter().map(|v| v.map(i64::from)).collect(),
+        DataType::UInt8 => values.as_primitive::<UInt8Type>().iter().map(|v| v.map(i64::from)).collect(),
+        DataType::Int32 => values.as_primitive::<Int32Type>().iter().map(|v| v.map(i64::from)).collect(),
+        DataType::Int64 => values.as_primitive::<Int64Type>().iter().collect(),
+        DataType::UInt32 => values.as_primitive::<UInt32Type>().iter().map(|v| v.map(i64::from)).collect(),
+        DataType::Boolean => values.as_boolean().iter().map(|v| v.map(i64::from)).collect(),
+        other => bail!(
+            "{}: column {column:?} holds lists of {other}, expected int8, int32, int64, uint32 or bool",
+            file.display()
+        ),
+    })
+}
+
+/// Token sequences and, when asked for, their loss masks, stored flat.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TokenData {
+    pub ids: TokenColumn,
+    /// Same length as `ids.tokens` when a mask column was read.
+    pub masks: Option<Vec<u8>>,
+    /// The files read, each with the index of its first row.
+    pub sources: Vec<(PathBuf, usize)>,
+}
+
+impl TokenData {
+    /// `file: row r` for a global row index.
+    pub fn locate(&self, row: usize) -> String {
+        match self.sources.iter().rev().find(|(_, first)| *first <= row) {
+            Some((file, first)) => format!("{}: row {}", file.display(), row - first),
+            None => format!("row {row}"),
+        }
+    }
+}
+
+/// Reads the token list column `ids_column` (and the 0/1 list column `mask_column`, which must
+/// have the same lengths) of the dataset at `path` (file or folder).
+pub fn read_token_data(
+    path: &Path,
+    ids_column: &str,
+    mask_column: Option<&str>,
+) -> Result<TokenData> {
+    let mut out = TokenData {
+        ids: TokenColumn::new(),
+        masks: mask_column.map(|_| Vec::new()),
+        sources: Vec::new(),
+    };
     for file in dataset_files(path)? {
+        out.sources.push((file.clone(), out.ids.len()));
         let mut row_base = 0usize;
         for batch in read_batches(&file)? {
-            let col = batch.column_by_name(column).with_context(|| {
-                let names: Vec<String> = batch
-                    .schema()
-                    .fields()
-                    .iter()
-                    .map(|f| f.name().clone())
-                    .collect();
-                format!(
-                    "{}: no column {column:?} (columns: {})",
-                    file.display(),
-                    names.join(", ")
-                )
-            })?;
-            let where_ = |row: usize| {
-                format!(
-                    "{}: column {column:?}, row {}",
-                    file.display(),
-                    row_base + row
-                )
+            let ids = list_column(&batch, &file, ids_column)?;
+            let id_items = items_i64(&ids.values, &file, ids_column)?;
+            let mask = match mask_column {
+                Some(m) => {
+                    let col = list_column(&batch, &file, m)?;
+                    let items = items_i64(&col.values, &file, m)?;
+                    Some((m, col, items))
+                }
+                None => None,
             };
-            if let Some(list) = col.as_list_opt::<i32>() {
-                append_lists(list, &mut out, &where_)?;
-            } else if let Some(list) = col.as_list_opt::<i64>() {
-                append_lists(list, &mut out, &where_)?;
-            } else {
-                bail!(
-                    "{}: column {column:?} has type {}, expected a list of integers",
-                    file.display(),
-                    col.data_type()
-                );
+            for row in 0..batch.num_rows() {
+                let at = || format!("{}: row {}", file.display(), row_base + row);
+                let (start, end) = (ids.offsets[row], ids.offsets[row + 1]);
+                for (k, v) in id_items[start..end].iter().enumerate() {
+                    match v.and_then(|x| u32::try_from(x).ok()) {
+                        Some(t) => out.ids.tokens.push(t),
+                        None => bail!(
+                            "{}, column {ids_column:?}: item {k} is {} (token ids must be non-negative integers)",
+                            at(),
+                            v.map(|x| x.to_string()).unwrap_or_else(|| "null".into())
+                        ),
+                    }
+                }
+                out.ids.offsets.push(out.ids.tokens.len());
+                if let (Some((name, col, items)), Some(masks)) = (&mask, out.masks.as_mut()) {
+                    let (ms, me) = (col.offsets[row], col.offsets[row + 1]);
+                    if me - ms != end - start {
+                        bail!(
+                            "{}: column {name:?} has {} items but {ids_column:?} has {}",
+                            at(),
+                            me - ms,
+                            end - start
+                        );
+                    }
+                    for (k, v) in items[ms..me].iter().enumerate() {
+                        match v {
+                            Some(0) => masks.push(0),
+                            Some(1) => masks.push(1),
+                            other => bail!(
+                                "{}, column {name:?}: item {k} is {other:?}, expected 0 or 1",
+                                at()
+                            ),
+                        }
+                    }
+                }
             }
             row_base += batch.num_rows();
         }
     }
     Ok(out)
+}
+
+/// Reads only the token list column `column` of the dataset at `path`.
+pub fn read_token_column(path: &Path, column: &str) -> Result<TokenColumn> {
+    Ok(read_token_data(path, column, None)?.ids)
+}
+
+/// One row to write: id, token ids, loss mask.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenRow<'a> {
+    pub id: &'a str,
+    pub input_ids: &'a [u32],
+    pub loss_mask: &'a [u8],
+}
+
+fn rows_batch(rows: &[TokenRow<'_>]) -> Result<RecordBatch> {
+    use arrow::array::{Int32Builder, Int8Builder, ListBuilder, StringBuilder};
+    use std::sync::Arc;
+    let mut ids = StringBuilder::new();
+    let mut tokens = ListBuilder::new(Int32Builder::new());
+    let mut masks = ListBuilder::new(Int8Builder::new());
+    for r in rows {
+        ids.append_value(r.id);
+        for &t in r.input_ids {
+            let t = i32::try_from(t).context("token id above i32::MAX")?;
+            tokens.values().append_value(t);
+        }
+        tokens.append(true);
+        for &m in r.loss_mask {
+            masks.values().append_value(m as i8);
+        }
+        masks.append(true);
+    }
+    Ok(RecordBatch::try_from_iter([
+        ("id", Arc::new(ids.finish()) as ArrayRef),
+        ("input_ids", Arc::new(tokens.finish()) as ArrayRef),
+        ("loss_mask", Arc::new(masks.finish()) as ArrayRef),
+    ])?)
+}
+
+/// What was written for one split.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SplitSummary {
+    pub rows: usize,
+    pub shards: usize,
+    pub bytes: u64,
+}
+
+/// Writes one split in the `datasets` `save_to_disk` layout into the existing folder `dir`:
+/// Arrow stream shards `data-0000i-of-0000n.arrow`, `dataset_info.json`, `state.json`.
+pub fn write_split(
+    dir: &Path,
+    split: &str,
+    rows: &[TokenRow<'_>],
+    shard_rows: usize,
+) -> Result<SplitSummary> {
+    let shard_rows = shard_rows.max(1);
+    let shards = rows.len().div_ceil(shard_rows).max(1);
+    let mut files = Vec::new();
+    let mut bytes = 0u64;
+    for s in 0..shards {
+        let name = format!("data-{s:05}-of-{shards:05}.arrow");
+        let path = dir.join(&name);
+        let chunk = &rows[(s * shard_rows).min(rows.len())..((s + 1) * shard_rows).min(rows.len())];
+        let batch = rows_batch(chunk)?;
+        let file =
+            File::create(&path).with_context(|| format!("{}: cannot write", path.display()))?;
+        let mut writer = arrow::ipc::writer::StreamWriter::try_new(
+            std::io::BufWriter::new(file),
+            &batch.schema(),
+        )
+        .with_context(|| format!("{}: cannot write", path.display()))?;
+        // Record batches of at most 1000 rows, as `datasets` writes them.
+        if batch.num_rows() == 0 {
+            writer.write(&batch)?;
+        }
+        for start in (0..batch.num_rows()).step_by(1000) {
+            writer.write(&batch.slice(start, 1000.min(batch.num_rows() - start)))?;
+        }
+        writer
+            .finish()
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+        bytes += std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        files.push(serde_json::json!({"filename": name}));
+    }
+    let info = serde_json::json!({
+        "builder_name": null, "citation": "", "config_name": null, "dataset_name": null,
+        "description": "Tokenised chat data written by dflash-tui prepare-data",
+        "homepage": "", "license": "",
+        "splits": {split: {"name": split, "num_bytes": bytes, "num_examples": rows.len(), "dataset_name": null}},
+        "dataset_size": bytes, "size_in_bytes": bytes,
+        "supervised_keys": null, "version": null,
+    });
+    crate::fsutil::write_json(&dir.join("dataset_info.json"), &info)?;
+    let fingerprint = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for r in rows {
+            r.id.hash(&mut h);
+            r.input_ids.hash(&mut h);
+        }
+        format!("{:016x}", h.finish())
+    };
+    let state = serde_json::json!({
+        "_data_files": files,
+        "_fingerprint": fingerprint,
+        "_format_columns": null,
+        "_format_kwargs": {},
+        "_format_type": null,
+        "_output_all_columns": false,
+        "_split": split,
+    });
+    crate::fsutil::write_json(&dir.join("state.json"), &state)?;
+    Ok(SplitSummary {
+        rows: rows.len(),
+        shards,
+        bytes,
+    })
 }

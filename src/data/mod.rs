@@ -1,4 +1,11 @@
-//! Data: chat datasets and their readers.
+//! Data: chat datasets in, tokenised datasets out, and the loader that feeds the trainer
+//! (in-memory token store, resumable sampler, token-budget packer).
 
 pub mod arrow_io;
+pub mod chat;
+pub mod packer;
+pub mod prepare;
+pub mod prepare_run;
+pub mod sampler;
 pub mod sharegpt;
+pub mod store;

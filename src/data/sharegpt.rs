@@ -68,17 +68,17 @@ fn skip_ws(bytes: &[u8], mut pos: usize) -> usize {
     pos
 }
 
-/// Reads every complete conversation from the JSON array in `bytes`. `source` names the input
-/// in messages.
-pub fn parse_conversations(
+/// Reads every complete element of the JSON array in `bytes`, stopping cleanly where the input
+/// is cut off. `source` names the input in messages.
+pub fn parse_values(
     bytes: &[u8],
     source: &str,
-) -> Result<(Vec<Conversation>, RecoveryReport)> {
+) -> Result<(Vec<serde_json::Value>, RecoveryReport)> {
     let mut report = RecoveryReport::default();
     let mut out = Vec::new();
     let mut pos = skip_ws(bytes, 0);
     if bytes.get(pos) != Some(&b'[') {
-        bail!("{source}: not a ShareGPT file: expected a JSON array ('[') at byte {pos}");
+        bail!("{source}: expected a JSON array ('[') at byte {pos}");
     }
     pos += 1;
     loop {
@@ -95,17 +95,8 @@ pub fn parse_conversations(
             serde_json::Deserializer::from_slice(&bytes[pos..]).into_iter::<serde_json::Value>();
         match stream.next() {
             Some(Ok(value)) => {
-                let index = report.records_seen;
                 report.records_seen += 1;
-                match serde_json::from_value::<Conversation>(value) {
-                    Ok(c) => out.push(c),
-                    Err(e) => {
-                        report.skipped_count += 1;
-                        if report.skipped.len() < SKIP_EXAMPLES {
-                            report.skipped.push((index, e.to_string()));
-                        }
-                    }
-                }
+                out.push(value);
                 pos += stream.byte_offset();
             }
             Some(Err(e)) if e.is_eof() => {
@@ -134,6 +125,29 @@ pub fn parse_conversations(
                 report.records_seen - 1,
                 other as char
             ),
+        }
+    }
+    Ok((out, report))
+}
+
+/// Reads every complete conversation from the JSON array in `bytes`; elements that are not
+/// ShareGPT records are skipped and counted.
+pub fn parse_conversations(
+    bytes: &[u8],
+    source: &str,
+) -> Result<(Vec<Conversation>, RecoveryReport)> {
+    let (values, mut report) =
+        parse_values(bytes, source).map_err(|e| anyhow::anyhow!("not a ShareGPT file: {e}"))?;
+    let mut out = Vec::with_capacity(values.len());
+    for (index, value) in values.into_iter().enumerate() {
+        match serde_json::from_value::<Conversation>(value) {
+            Ok(c) => out.push(c),
+            Err(e) => {
+                report.skipped_count += 1;
+                if report.skipped.len() < SKIP_EXAMPLES {
+                    report.skipped.push((index, e.to_string()));
+                }
+            }
         }
     }
     Ok((out, report))

@@ -187,7 +187,10 @@ pub fn tokenizer_config(info: &VocabInfo, model_max_length: u64) -> serde_json::
         "chat_template": info.chat_template,
         "clean_up_tokenization_spaces": false,
         "model_max_length": model_max_length,
-        "tokenizer_class": "GPT2Tokenizer",
+        // Not "GPT2Tokenizer": transformers 5 rebuilds that class with GPT-2's own
+        // pre-tokenizer and drops the digit splitting of tokenizer.json; the generic fast
+        // class loads tokenizer.json as it is, in transformers 4 and 5 alike.
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "vocab_size": info.tokens.len(),
     })
 }

@@ -120,6 +120,11 @@ impl TextTokenizer {
         })
     }
 
+    /// The underlying Hugging Face tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -1,0 +1,292 @@
+//! `prepare-data`, `inspect-data`, `bench-data`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+
+use crate::data::arrow_io::{dataset_files, read_token_data, resolve_split};
+use crate::data::packer::{collate, Packer, PackerConfig};
+use crate::data::prepare_run::{prepare_data, PrepareOptions};
+use crate::data::store::{DataColumns, StoreOptions, TokenStore};
+use crate::text::TextTokenizer;
+
+pub fn prepare(
+    tokenizer: &Path,
+    inputs: &[PathBuf],
+    out: &Path,
+    opts: &PrepareOptions,
+) -> Result<()> {
+    let summary = prepare_data(tokenizer, inputs, out, opts)?;
+    println!("{summary}");
+    Ok(())
+}
+
+/// Length histogram with power-of-two buckets.
+fn histogram(lengths: &[usize]) -> Vec<(usize, usize, usize)> {
+    let mut buckets: Vec<(usize, usize, usize)> = Vec::new();
+    let mut lo = 0;
+    let mut hi = 64;
+    let max = lengths.iter().copied().max().unwrap_or(0);
+    while lo <= max {
+        let n = lengths.iter().filter(|&&l| l >= lo && l < hi).count();
+        buckets.push((lo, hi, n));
+        lo = hi;
+        hi *= 2;
+    }
+    buckets
+}
+
+pub fn inspect(
+    path: &Path,
+    split: Option<&str>,
+    tokenizer: Option<&Path>,
+    sample: usize,
+) -> Result<()> {
+    let path = resolve_split(path, split)?;
+    let files = dataset_files(&path)?;
+    let data = read_token_data(&path, "input_ids", Some("loss_mask"))
+        .or_else(|_| read_token_data(&path, "input_ids", None))?;
+    let rows = data.ids.len();
+    let lengths: Vec<usize> = data.ids.iter().map(|s| s.len()).collect();
+    let tokens: usize = lengths.iter().sum();
+    println!(
+        "{}: {} file(s), {rows} rows, {tokens} tokens",
+        path.display(),
+        files.len()
+    );
+    if rows == 0 {
+        return Ok(());
+    }
+    let mut sorted = lengths.clone();
+    sorted.sort_unstable();
+    println!(
+        "  length: min {}, mean {:.0}, p50 {}, p90 {}, max {}",
+        sorted[0],
+        tokens as f64 / rows as f64,
+        sorted[rows / 2],
+        sorted[(rows - 1) * 9 / 10],
+        sorted[rows - 1]
+    );
+    match &data.masks {
+        Some(m) => {
+            let ones: usize = m.iter().map(|&x| x as usize).sum();
+            println!(
+                "  loss-mask share: {:.1} % ({ones} tokens)",
+                100.0 * ones as f64 / tokens.max(1) as f64
+            );
+        }
+        None => println!("  no loss_mask column: every token counts"),
+    }
+    println!("  length histogram:");
+    let widest = histogram(&lengths)
+        .iter()
+        .map(|b| b.2)
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    for (lo, hi, n) in histogram(&lengths) {
+        let bar = "#".repeat((n * 40).div_ceil(widest));
+        println!("    {lo:>6}-{:<6} {n:>8} {bar}", hi - 1);
+    }
+    let i = sample.min(rows - 1);
+    let ids = data.ids.get(i);
+    let mask: Vec<u8> = match &data.masks {
+        Some(m) => m[data.ids.offsets[i]..data.ids.offsets[i + 1]].to_vec(),
+        None => vec![1; ids.len()],
+    };
+    println!(
+        "  sample {i} ({}), trained part between \u{27e6} and \u{27e7}:",
+        data.locate(i)
+    );
+    let text = match tokenizer {
+        Some(dir) => {
+            let tok = TextTokenizer::from_model_dir(dir)?;
+            // Decode runs of equal mask value, so multi-byte characters stay whole.
+            let mut out = String::new();
+            let mut start = 0;
+            while start < ids.len() {
+                let mut end = start;
+                while end < ids.len() && mask[end] == mask[start] {
+                    end += 1;
+                }
+                let piece = tok.decode(&ids[start..end])?;
+                if mask[start] == 1 {
+                    out.push_str(&format!("\u{27e6}{piece}\u{27e7}"));
+                } else {
+                    out.push_str(&piece);
+                }
+                start = end;
+            }
+            out
+        }
+        None => ids
+            .iter()
+            .zip(&mask)
+            .map(|(t, m)| {
+                if *m == 1 {
+                    format!("\u{27e6}{t}\u{27e7}")
+                } else {
+                    t.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    println!("{text}");
+    Ok(())
+}
+
+/// Random-access latency of the token store and batches per second of the packer, and the
+/// same single-row access through pyarrow for comparison. Prints one JSON object.
+pub fn bench(path: &Path, samples: usize, batches: usize, python: &str) -> Result<()> {
+    let path = resolve_split(path, None)?;
+    let started = Instant::now();
+    let (store, report) = TokenStore::load(
+        &path,
+        &DataColumns::default(),
+        &StoreOptions {
+            vocab_size: u32::MAX as usize,
+            max_len: usize::MAX,
+            min_loss_tokens: 0,
+        },
+    )?;
+    let load_s = started.elapsed().as_secs_f64();
+    anyhow::ensure!(!store.is_empty(), "{}: no samples", path.display());
+    let n = store.len();
+
+    // Random indices from a fixed LCG, so both sides read the same rows.
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let indices: Vec<usize> = (0..samples)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n as u64) as usize
+        })
+        .collect();
+    let mut buf: Vec<u32> = Vec::with_capacity(8192);
+    let mut checksum = 0u64;
+    let t = Instant::now();
+    for &i in &indices {
+        let s = store.get(i);
+        buf.clear();
+        buf.extend_from_slice(s.input_ids);
+        checksum = checksum.wrapping_add(buf.len() as u64 + s.loss_mask.len() as u64);
+    }
+    let access_ns = t.elapsed().as_nanos() as f64 / samples as f64;
+
+    let store = Arc::new(store);
+    let mut packer = Packer::new(store.clone(), PackerConfig::default());
+    let t = Instant::now();
+    for _ in 0..batches {
+        let b = packer.next().context("the packer produced no batch")?;
+        let c = collate(&store, &b, false);
+        checksum = checksum.wrapping_add(c.lengths.len() as u64);
+    }
+    let pack_s = t.elapsed().as_secs_f64();
+
+    let files: Vec<String> = dataset_files(&path)?
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    let pyarrow = pyarrow_take(python, &files, &indices[..indices.len().min(20_000)]);
+    let mut out = serde_json::json!({
+        "dataset": path.display().to_string(),
+        "samples": n,
+        "tokens": report.tokens,
+        "store_mib": store.memory_bytes() as f64 / (1u64 << 20) as f64,
+        "load_s": load_s,
+        "random_access_ns_per_sample": access_ns,
+        "random_accesses": samples,
+        "batches_per_s": batches as f64 / pack_s,
+        "batches": batches,
+        "padding_fraction": packer.stats.padding_fraction(),
+        "token_budget": PackerConfig::default().token_budget,
+        "checksum": checksum,
+    });
+    match pyarrow {
+        Ok((take_us, take_pylist_us, n_take, n_pylist, combined_us, n_combined)) => {
+            out["pyarrow_combined_take_us_per_sample"] = combined_us.into();
+            out["pyarrow_combined_take_samples"] = n_combined.into();
+            out["speedup_vs_pyarrow_combined_take"] = (combined_us * 1000.0 / access_ns).into();
+            out["pyarrow_take_us_per_sample"] = take_us.into();
+            out["pyarrow_take_samples"] = n_take.into();
+            out["pyarrow_take_to_pylist_us_per_sample"] = take_pylist_us.into();
+            out["pyarrow_take_to_pylist_samples"] = n_pylist.into();
+            out["speedup_vs_pyarrow_take"] = (take_us * 1000.0 / access_ns).into();
+            out["speedup_vs_pyarrow_take_to_pylist"] = (take_pylist_us * 1000.0 / access_ns).into();
+        }
+        Err(e) => out["pyarrow"] = format!("not measured: {e:#}").into(),
+    }
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(())
+}
+
+/// Microseconds per single-row `Table.take` (and take + `to_pylist`) in pyarrow, each measured
+/// over as many of `indices` as fit in 10 s, and those counts; then `take` on the table with its
+/// chunks combined into one.
+fn pyarrow_take(
+    python: &str,
+    files: &[String],
+    indices: &[usize],
+) -> Result<(f64, f64, u64, u64, f64, u64)> {
+    const SCRIPT: &str = r#"
+import json, sys, time
+import pyarrow as pa
+args = json.loads(sys.stdin.read())
+tables = []
+for f in args["files"]:
+    with open(f, "rb") as fh:
+        magic = fh.read(6)
+    reader = pa.ipc.open_file(f) if magic == b"ARROW1" else pa.ipc.open_stream(f)
+    tables.append(reader.read_all())
+t = pa.concat_tables(tables)
+idx = args["indices"]
+budget = args["seconds"]
+for i in idx[:10]:
+    t.take([i])
+def timed(fn):
+    # per-sample mean over as many indices as fit the time budget
+    s = time.perf_counter()
+    n = 0
+    for i in idx:
+        fn(i)
+        n += 1
+        if time.perf_counter() - s > budget:
+            break
+    return (time.perf_counter() - s) / n * 1e6, n
+take, n1 = timed(lambda i: t.take([i]))
+pylist, n2 = timed(lambda i: t.take([i]).to_pylist())
+# The same table as one contiguous chunk (the fastest layout pyarrow can be given).
+c = t.combine_chunks()
+for i in idx[:10]:
+    c.take([i])
+ctake, n3 = timed(lambda i: c.take([i]))
+print(json.dumps([take, pylist, n1, n2, ctake, n3]))
+"#;
+    use std::io::Write;
+    let mut child = std::process::Command::new(python)
+        .args(["-c", SCRIPT])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start {python}"))?;
+    let input =
+        serde_json::json!({"files": files, "indices": indices, "seconds": 10.0}).to_string();
+    child
+        .stdin
+        .take()
+        .context("no stdin")?
+        .write_all(input.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        anyhow::bail!("{python} failed: {}", err.lines().last().unwrap_or(""));
+    }
+    let v: (f64, f64, u64, u64, f64, u64) =
+        serde_json::from_slice(&out.stdout).context("unexpected pyarrow output")?;
+    Ok(v)
+}

@@ -1,0 +1,177 @@
+//! Chat dataset inputs: ShareGPT JSON arrays or JSON lines (`{"conversations": [{"from",
+//! "value"}]}`), chat-message JSON lines (`{"messages": [{"role", "content"}]}`) and plain text
+//! JSON lines (`{"text"}`). Every record is named by file and row so that skips and errors can
+//! say where they come from.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use super::sharegpt::{self, Conversation};
+use crate::text::Message;
+
+/// What one input record holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RecordBody {
+    Chat(Vec<Message>),
+    Text(String),
+}
+
+/// One input record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatRecord {
+    /// The record's own id when it has one, else `file:row`.
+    pub id: String,
+    /// `file:row` (row counted from 0 in JSON arrays, from 1 as a line number in JSONL).
+    pub origin: String,
+    pub body: RecordBody,
+}
+
+/// A record that could not be used, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skip {
+    pub origin: String,
+    pub reason: String,
+}
+
+/// Records read from the inputs, and the ones skipped on the way.
+#[derive(Debug, Default)]
+pub struct ReadOutcome {
+    pub records: Vec<ChatRecord>,
+    pub skipped: Vec<Skip>,
+    /// Inputs that ended inside a record (e.g. the cut-off ShareGPT dump).
+    pub truncated: Vec<String>,
+}
+
+fn parse_value(value: serde_json::Value, origin: &str) -> std::result::Result<ChatRecord, String> {
+    let id_of = |v: &serde_json::Value| match v.get("id") {
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(serde_json::Value::Number(n)) => Some(n.to_string()),
+        _ => None,
+    };
+    let id = id_of(&value).unwrap_or_else(|| origin.to_string());
+    let body = if value.get("conversations").is_some() {
+        let conv: Conversation =
+            serde_json::from_value(value).map_err(|e| format!("not a ShareGPT record: {e}"))?;
+        RecordBody::Chat(conv.to_messages()?)
+    } else if let Some(messages) = value.get("messages") {
+        let messages: Vec<Message> = serde_json::from_value(messages.clone())
+            .map_err(|e| format!("\"messages\" is not a list of {{role, content}}: {e}"))?;
+        RecordBody::Chat(messages)
+    } else if let Some(text) = value.get("text") {
+        RecordBody::Text(
+            text.as_str()
+                .ok_or_else(|| "\"text\" is not a string".to_string())?
+                .to_string(),
+        )
+    } else {
+        return Err("has none of \"conversations\", \"messages\", \"text\"".into());
+    };
+    Ok(ChatRecord {
+        id,
+        origin: origin.to_string(),
+        body,
+    })
+}
+
+/// Reads one input file (JSON array or JSON lines), appending to `out`.
+pub fn read_input(path: &Path, out: &mut ReadOutcome) -> Result<()> {
+    let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let name = path.display().to_string();
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    match first {
+        None => bail!("{name}: the file is empty"),
+        Some(b'[') => {
+            let (values, report) = sharegpt::parse_values(&bytes, &name)?;
+            for (row, value) in values.into_iter().enumerate() {
+                let origin = format!("{name}:{row}");
+                match parse_value(value, &origin) {
+                    Ok(r) => out.records.push(r),
+                    Err(reason) => out.skipped.push(Skip { origin, reason }),
+                }
+            }
+            if let Some(at) = report.truncated_at {
+                out.truncated.push(format!(
+                    "{name}: cut off at byte {at}; the incomplete last record was dropped"
+                ));
+            }
+        }
+        Some(_) => {
+            let text = String::from_utf8_lossy(&bytes);
+            for (i, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let origin = format!("{name}:{}", i + 1);
+                let parsed = serde_json::from_str::<serde_json::Value>(line)
+                    .map_err(|e| format!("malformed JSON line: {e}"))
+                    .and_then(|v| parse_value(v, &origin));
+                match parsed {
+                    Ok(r) => out.records.push(r),
+                    Err(reason) => out.skipped.push(Skip { origin, reason }),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads all inputs in order.
+pub fn read_inputs(paths: &[std::path::PathBuf]) -> Result<ReadOutcome> {
+    let mut out = ReadOutcome::default();
+    for p in paths {
+        read_input(p, &mut out)?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_three_formats_and_bad_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("in.jsonl");
+        std::fs::write(
+            &path,
+            concat!(
+                "{\"id\": \"s1\", \"conversations\": [{\"from\": \"human\", \"value\": \"hi\"}, {\"from\": \"gpt\", \"value\": \"yo\"}]}\n",
+                "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}]}\n",
+                "\n",
+                "{\"text\": \"plain\"}\n",
+                "{\"text\": \n",
+                "{\"other\": 1}\n",
+                "{\"conversations\": [{\"from\": \"alien\", \"value\": \"x\"}]}\n",
+            ),
+        )
+        .unwrap();
+        let mut out = ReadOutcome::default();
+        read_input(&path, &mut out).unwrap();
+        assert_eq!(out.records.len(), 3);
+        assert_eq!(out.records[0].id, "s1");
+        assert_eq!(
+            out.records[0].body,
+            RecordBody::Chat(vec![
+                Message::new("user", "hi"),
+                Message::new("assistant", "yo")
+            ])
+        );
+        assert!(out.records[1].id.ends_with("in.jsonl:2"));
+        assert_eq!(out.records[2].body, RecordBody::Text("plain".into()));
+        assert_eq!(out.skipped.len(), 3);
+        assert!(
+            out.skipped[0].origin.ends_with(":5") && out.skipped[0].reason.contains("malformed")
+        );
+        assert!(out.skipped[2].reason.contains("alien"));
+    }
+
+    #[test]
+    fn empty_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("empty.json");
+        std::fs::write(&path, "  \n").unwrap();
+        let err = read_input(&path, &mut ReadOutcome::default()).unwrap_err();
+        assert!(err.to_string().contains("empty.json: the file is empty"));
+    }
+}

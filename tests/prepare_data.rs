@@ -1,0 +1,256 @@
+//! prepare-data against Hugging Face: token ids equal `apply_chat_template` for every
+//! conversation of the committed fixture, loss masks equal transformers' assistant masks, and
+//! `datasets.load_from_disk` reads the output. Bad input gets one message naming file and row.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{demo_dir, require_demo};
+use dflash_tui::data::arrow_io::{read_batches, read_token_data};
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn tokenizer_dir() -> PathBuf {
+    require_demo(&demo_dir().join("SmolLM2-135M-Instruct"))
+}
+
+fn dflash(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args(args)
+        .env("DFLASH_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn prepare(inputs: &[&Path], out: &Path, extra: &[&str]) -> (bool, String, String) {
+    let tok = tokenizer_dir();
+    let mut args = vec![
+        "prepare-data",
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--input",
+    ];
+    args.extend(inputs.iter().map(|p| p.to_str().unwrap()));
+    args.extend(extra);
+    dflash(&args)
+}
+
+#[derive(serde::Deserialize)]
+struct Expected {
+    id: String,
+    input_ids: Vec<u32>,
+    assistant_mask: Vec<u8>,
+}
+
+/// (id, input_ids, loss_mask)
+type Row = (String, Vec<u32>, Vec<u8>);
+
+/// Rows of a split.
+fn rows(split: &Path) -> Vec<Row> {
+    let data = read_token_data(split, "input_ids", Some("loss_mask")).unwrap();
+    let mut ids = Vec::new();
+    for f in dflash_tui::data::arrow_io::dataset_files(split).unwrap() {
+        for b in read_batches(&f).unwrap() {
+            let col = b.column_by_name("id").unwrap();
+            let strings = arrow::array::AsArray::as_string::<i32>(col.as_ref());
+            ids.extend(strings.iter().map(|s| s.unwrap().to_string()));
+        }
+    }
+    let masks = data.masks.unwrap();
+    (0..data.ids.len())
+        .map(|i| {
+            let (s, e) = (data.ids.offsets[i], data.ids.offsets[i + 1]);
+            (
+                ids[i].clone(),
+                data.ids.get(i).to_vec(),
+                masks[s..e].to_vec(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn token_ids_and_masks_equal_hugging_face_for_the_fixture() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("chat20");
+    let (ok, stdout, stderr) = prepare(
+        &[&fixtures().join("chat20.jsonl")],
+        &out,
+        &["--val-fraction", "0"],
+    );
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("20 records in, 20 kept"), "{stdout}");
+    let expected: Vec<Expected> = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("chat20.expected.json")).unwrap(),
+    )
+    .unwrap();
+    let got = rows(&out.join("train"));
+    assert_eq!(got.len(), 20);
+    for (e, (id, ids, mask)) in expected.iter().zip(&got) {
+        assert_eq!(&e.id, id);
+        assert_eq!(
+            &e.input_ids, ids,
+            "conversation {id}: token ids differ from apply_chat_template"
+        );
+        assert_eq!(
+            &e.assistant_mask, mask,
+            "conversation {id}: loss mask differs from the assistant mask"
+        );
+    }
+    assert!(read_token_data(&out.join("validation"), "input_ids", None)
+        .unwrap()
+        .ids
+        .is_empty());
+}
+
+fn python_with_datasets() -> Option<(String, String)> {
+    let tools = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".deps/pytools");
+    let path = std::env::var("PYTHONPATH").unwrap_or_default();
+    let pythonpath = format!("{}:{path}", tools.display());
+    let ok = Command::new("python3")
+        .args(["-c", "import datasets"])
+        .env("PYTHONPATH", &pythonpath)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    ok.then(|| ("python3".to_string(), pythonpath))
+}
+
+#[test]
+fn datasets_load_from_disk_reads_the_same_rows() {
+    let Some((python, pythonpath)) = python_with_datasets() else {
+        eprintln!("Python `datasets` is not installed (make setup installs it into .deps/pytools): not run");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ds");
+    let (ok, _, stderr) = prepare(
+        &[&fixtures().join("chat20.jsonl")],
+        &out,
+        &["--val-fraction", "0.2", "--shard-rows", "7"],
+    );
+    assert!(ok, "{stderr}");
+    let script = r#"
+import json, sys, datasets
+d = datasets.load_from_disk(sys.argv[1])
+print(json.dumps({s: [[r["id"], r["input_ids"], r["loss_mask"]] for r in d[s]] for s in d}))
+"#;
+    let res = Command::new(&python)
+        .args(["-c", script, out.to_str().unwrap()])
+        .env("PYTHONPATH", &pythonpath)
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let py: std::collections::BTreeMap<String, Vec<Row>> =
+        serde_json::from_slice(&res.stdout).unwrap();
+    assert_eq!(py.keys().collect::<Vec<_>>(), ["train", "validation"]);
+    assert_eq!(py["train"], rows(&out.join("train")));
+    assert_eq!(py["validation"], rows(&out.join("validation")));
+    assert_eq!(py["train"].len(), 16);
+    assert_eq!(py["validation"].len(), 4);
+}
+
+#[test]
+fn skippable_rows_are_counted_with_file_and_row() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("mixed.jsonl");
+    std::fs::write(
+        &input,
+        concat!(
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"Hello there, how can I help?\"}]}\n",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"only a question\"}]}\n",
+            "{\"messages\": [{\"role\": \"user\"\n",
+            "{\"text\": \"Plain text trains on every token.\"}\n",
+        ),
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let (ok, stdout, stderr) = prepare(&[&input], &out, &["--val-fraction", "0"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("4 records in, 2 kept"), "{stdout}");
+    assert!(stdout.contains("no assistant turn: 1"), "{stdout}");
+    assert!(stdout.contains("malformed JSON line: 1"), "{stdout}");
+    assert!(
+        stdout.contains("mixed.jsonl:2: no assistant turn"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("mixed.jsonl:3: malformed JSON line"),
+        "{stdout}"
+    );
+    let r = rows(&out.join("train"));
+    // the plain text row is all loss
+    assert!(r[1].2.iter().all(|&m| m == 1));
+    // the chat row: system prompt and user turn are not trained, the answer is
+    let mask = &r[0].2;
+    assert_eq!(mask[0], 0);
+    assert!(mask.contains(&1));
+}
+
+#[test]
+fn unusable_inputs_fail_without_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let empty = tmp.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let out = tmp.path().join("out");
+    let (ok, _, stderr) = prepare(&[&empty], &out, &[]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("empty.jsonl: the file is empty"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"x\": 1}\nnot json\n").unwrap();
+    let (ok, _, stderr) = prepare(&[&bad], &out, &[]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("bad.jsonl") && stderr.contains("no usable records"),
+        "{stderr}"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("out"))
+        .collect();
+    assert!(leftovers.is_empty());
+}
+
+#[test]
+fn demo_dataset_was_prepared_by_the_setup() {
+    let ds = require_demo(&demo_dir().join("sharegpt-smollm2"));
+    let (ok, stdout, stderr) = dflash(&[
+        "inspect-data",
+        ds.to_str().unwrap(),
+        "--tokenizer",
+        tokenizer_dir().to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("rows"), "{stdout}");
+    assert!(stdout.contains("loss-mask share"), "{stdout}");
+    assert!(
+        stdout.contains("\u{27e6}"),
+        "no trained part marked: {stdout}"
+    );
+    let train = read_token_data(&ds.join("train"), "input_ids", Some("loss_mask")).unwrap();
+    let val = read_token_data(&ds.join("validation"), "input_ids", Some("loss_mask")).unwrap();
+    assert!(train.ids.len() > 17_000, "{}", train.ids.len());
+    assert!(!val.ids.is_empty());
+    assert!(train.ids.iter().all(|s| s.len() <= 3072));
+}
