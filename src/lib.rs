@@ -1,12 +1,15 @@
 //! dflash-tui: train DFlash speculative-decoding drafters and steer the training live.
 
 pub mod cli;
+pub mod config;
 pub mod data;
 pub mod eval;
 pub mod fsutil;
 pub mod gguf;
 pub mod model;
 pub mod paths;
+pub mod pipeline;
 pub mod runtime;
 pub mod telemetry;
 pub mod text;
+pub mod train;

@@ -13,6 +13,7 @@ mod doctor;
 mod generate;
 mod import;
 mod models;
+mod train;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -148,6 +149,24 @@ pub enum Command {
         #[arg(long, default_value = "python3")]
         python: String,
     },
+    /// Train a DFlash drafter (staged pipeline in background threads).
+    Train {
+        /// The TOML configuration (see configs/).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override a config field, e.g. --set train.lr=1e-4 (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// The run directory (default: RUNS_DIR/NAME-DATE-TIME).
+        #[arg(long)]
+        run_dir: Option<PathBuf>,
+        /// Continue the run in this directory from its latest checkpoint.
+        #[arg(long)]
+        resume: Option<PathBuf>,
+        /// Headless: human lines and metrics.jsonl, commands from stdin.
+        #[arg(long)]
+        no_tui: bool,
+    },
     /// Perplexity of a model over a tokenised dataset (Arrow IPC, save_to_disk folder or
     /// Parquet with an input_ids column); prints one JSON object.
     Perplexity {
@@ -177,7 +196,9 @@ pub enum Command {
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(&cli.log_level);
+    if !matches!(cli.command, Command::Train { .. }) {
+        init_logging(&cli.log_level, None);
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -188,17 +209,63 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn init_logging(level: &str) {
+/// Log lines go to stderr, and to `log_file` as well when given (a run's train.log).
+fn init_logging(level: &str, log_file: Option<&std::path::Path>) {
     let mut builder = env_logger::Builder::new();
-    builder
-        .parse_filters(level)
-        .format_timestamp_secs()
-        .target(env_logger::Target::Stderr);
+    builder.parse_filters(level).format_timestamp_secs();
+    match log_file.and_then(|p| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .ok()
+    }) {
+        Some(file) => {
+            builder.target(env_logger::Target::Pipe(Box::new(Tee { file })));
+        }
+        None => {
+            builder.target(env_logger::Target::Stderr);
+        }
+    }
     let _ = builder.try_init();
 }
 
+/// Writes to a file and to stderr.
+struct Tee {
+    file: std::fs::File,
+}
+
+impl std::io::Write for Tee {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        self.file.write_all(buf)?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        self.file.flush()
+    }
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
+    let level = cli.log_level.clone();
     match cli.command {
+        Command::Train {
+            config,
+            set,
+            run_dir,
+            resume,
+            no_tui,
+        } => train::run(
+            train::TrainArgs {
+                config,
+                set,
+                run_dir,
+                resume,
+                no_tui,
+            },
+            |log_file| init_logging(&level, log_file),
+        ),
         Command::Doctor => {
             let runtime = TorchRuntime::init();
             doctor::run(&runtime)

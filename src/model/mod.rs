@@ -12,4 +12,4 @@ pub mod weights;
 pub use config::{Family, TargetConfig};
 pub use drafter::{AnchorBatch, Drafter, FrozenHead};
 pub use drafter_config::{default_target_layer_ids, DrafterConfig, DrafterShape};
-pub use target::{ForwardRequest, KvCache, TargetModel, TargetOutput};
+pub use target::{ForwardRequest, KvCache, SharedTarget, TargetModel, TargetOutput};

@@ -347,3 +347,28 @@ impl TargetModel {
         })
     }
 }
+
+/// A target model shared by the workers of one device.
+///
+/// libtorch tensors are not `Sync` in tch because in general they can be mutated in place.
+/// A target's weights never are: they are loaded once, carry no gradient, and every forward
+/// runs under `no_grad` and only reads them, which libtorch supports from several threads at
+/// once (as PyTorch's own multi-threaded inference does).
+pub struct SharedTarget(TargetModel);
+
+// SAFETY: see the type's documentation: only read-only forwards reach the tensors, and
+// `TargetModel` exposes no method that mutates its weights.
+unsafe impl Sync for SharedTarget {}
+
+impl SharedTarget {
+    pub fn new(model: TargetModel) -> Self {
+        SharedTarget(model)
+    }
+}
+
+impl std::ops::Deref for SharedTarget {
+    type Target = TargetModel;
+    fn deref(&self) -> &TargetModel {
+        &self.0
+    }
+}

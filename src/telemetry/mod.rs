@@ -1,3 +1,5 @@
 //! Telemetry: what the machine and the run are doing (GPU readings from NVML for now).
 
 pub mod gpu;
+pub mod profile;
+pub mod records;

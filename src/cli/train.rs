@@ -1,0 +1,120 @@
+//! `train`: a training run in this process, headless for now.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use crate::config::{self, TrainConfig};
+use crate::paths::Locations;
+use crate::pipeline::{headless, trainer};
+use crate::runtime::TorchRuntime;
+use crate::telemetry::records::Phase;
+
+pub struct TrainArgs {
+    pub config: Option<PathBuf>,
+    pub set: Vec<String>,
+    pub run_dir: Option<PathBuf>,
+    pub resume: Option<PathBuf>,
+    pub no_tui: bool,
+}
+
+fn timestamp() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    // UTC date and time from the Unix time (civil-from-days).
+    let days = secs / 86_400;
+    let rem = secs % 86_400;
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// Loads the configuration: `--config` with overrides, or the resolved config of the run
+/// being resumed.
+pub fn load_config(args: &TrainArgs) -> Result<TrainConfig> {
+    match (&args.config, &args.resume) {
+        (Some(path), _) => config::load(path, &args.set),
+        (None, Some(run)) => config::load(&run.join("config.toml"), &args.set),
+        (None, None) => bail!("train needs --config FILE (or --resume RUN_DIR)"),
+    }
+}
+
+/// Creates the run directory and checks that it can be written, before any model is loaded.
+pub fn prepare_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<PathBuf> {
+    let dir = match (&args.resume, &args.run_dir) {
+        (Some(r), _) => r.clone(),
+        (None, Some(d)) => d.clone(),
+        (None, None) => {
+            let root = if config.run.runs_dir.is_empty() {
+                Locations::from_env().runs_dir
+            } else {
+                PathBuf::from(&config.run.runs_dir)
+            };
+            root.join(format!("{}-{}", config.run.name, timestamp()))
+        }
+    };
+    std::fs::create_dir_all(&dir)
+        .with_context(|| format!("{}: cannot create the run directory", dir.display()))?;
+    let resolved = dir.join("config.toml");
+    if args.resume.is_none() || args.config.is_some() {
+        std::fs::write(&resolved, config.to_toml_string()?)
+            .with_context(|| format!("{}: the run directory is not writable", dir.display()))?;
+    }
+    Ok(dir)
+}
+
+pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>)) -> Result<()> {
+    let config = load_config(&args)?;
+    let run_dir = prepare_run_dir(&config, &args)?;
+    init_logging(Some(&run_dir.join("train.log")));
+    if !args.no_tui {
+        log::info!("the control room screen is not available yet: running headless");
+    }
+    let runtime = TorchRuntime::init();
+    let handle = trainer::start(&runtime, &config, &run_dir, args.resume.is_some())?;
+    let outcome = headless::run(
+        handle,
+        config.telemetry.log_every_steps,
+        config.telemetry.gpu_sample_interval_s,
+    );
+    match (&outcome.phase, &outcome.error) {
+        (Phase::Finished, None) => {
+            let last = outcome.final_step.as_ref();
+            println!(
+                "run finished: {} steps, loss {}, accuracy {}, tau_train {}, last checkpoint {}, run dir {}",
+                outcome.steps,
+                last.map_or("-".into(), |l| format!("{:.4}", l.loss)),
+                last.map_or("-".into(), |l| format!("{:.3}", l.accuracy)),
+                last.map_or("-".into(), |l| format!("{:.2}", l.tau_train)),
+                outcome
+                    .last_checkpoint
+                    .as_ref()
+                    .map_or("none".into(), |p| p.display().to_string()),
+                run_dir.display()
+            );
+            Ok(())
+        }
+        (_, error) => bail!(
+            "the run failed at step {}: {}; last checkpoint: {}",
+            outcome.steps,
+            error.clone().unwrap_or_else(|| "stopped".into()),
+            outcome
+                .last_checkpoint
+                .as_ref()
+                .map_or("none".into(), |p| p.display().to_string())
+        ),
+    }
+}

@@ -1,0 +1,568 @@
+//! The training configuration: what `dflash-tui train --config FILE [--set key=value ...]`
+//! reads.
+//!
+//! # File format
+//!
+//! A TOML file with up to nine sections, each a table of plain fields:
+//!
+//! ```toml
+//! [run]          # name, runs folder, seed
+//! [model]        # target model folder, drafter shape, mask token, tapped layers, dtype
+//! [data]         # tokenised dataset, columns, lengths, token-budget batching
+//! [train]        # steps/epochs, anchors, optimiser, schedule, loss
+//! [devices]      # where the target and the drafter run
+//! [pipeline]     # queue depths between the background stages
+//! [checkpoint]   # how often to save and how many checkpoints to keep
+//! [telemetry]    # logging, profiling and GPU sampling intervals
+//! [debug]        # fault injection for tests of the failure handling
+//! ```
+//!
+//! Every field has a default (see the section types and `configs/*.toml`), so a section or a
+//! field may be left out; only `model.target`, `model.mask_token_id` and `data.path` have no
+//! usable default and must be given. An unknown section or field is an error naming it, so a
+//! misspelt key never goes unnoticed.
+//!
+//! # Overrides
+//!
+//! `--set section.field=value` replaces one field after the file is read and before it is
+//! checked. The value is read as a TOML value (`train.lr=1e-4`, `model.dtype="bf16"`,
+//! `devices.drafter_devices=["cpu","cpu"]`); a value that is not valid TOML is taken as a plain
+//! string (`run.name=my-run`). For a string field any value is taken literally
+//! (`run.name=123` is the name "123"), and for a list field a value that is not a TOML array is
+//! read as a comma-separated list (`devices.target_devices=cuda:0,cuda:1`,
+//! `model.target_layer_ids=1,8,15`; an empty value is the empty list).
+//!
+//! # Checks
+//!
+//! [`TrainConfig::validate`] checks every range and reports the first problem as
+//! `config: section.field = VALUE is out of range (must be ...)`. Checks that need the target
+//! model (the mask token against the vocabulary, tapped layers against the layer count) are
+//! made where the model is loaded.
+//!
+//! [`TrainConfig::to_toml_string`] writes the resolved configuration with every field spelled
+//! out (a run keeps it as `RUN_DIR/config.toml`); reading it back gives the same configuration.
+
+mod validate;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Result};
+use serde::{Deserialize, Serialize};
+
+/// The whole training configuration, one field per TOML section.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    pub run: RunSection,
+    pub model: ModelSection,
+    pub data: DataSection,
+    pub train: TrainSection,
+    pub devices: DevicesSection,
+    pub pipeline: PipelineSection,
+    pub checkpoint: CheckpointSection,
+    pub telemetry: TelemetrySection,
+    pub debug: DebugSection,
+}
+
+/// `[run]`: naming and seeding of the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunSection {
+    /// Name of the run (its folder is named after it). Default "dflash".
+    pub name: String,
+    /// Folder holding the runs; "" means the `runs` folder of the platform data directory.
+    pub runs_dir: String,
+    /// Seed for initialisation and data order. Default 0.
+    pub seed: u64,
+}
+
+impl Default for RunSection {
+    fn default() -> Self {
+        RunSection {
+            name: "dflash".into(),
+            runs_dir: String::new(),
+            seed: 0,
+        }
+    }
+}
+
+/// `[model]`: the frozen target and the shape of the drafter trained for it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSection {
+    /// Hugging Face model folder of the target (required).
+    pub target: String,
+    /// "" trains a freshly initialised drafter; otherwise a drafter folder to start from.
+    pub drafter_init: String,
+    /// Drafter decoder layers, 1..=64. Default 5.
+    pub drafter_layers: i64,
+    /// Tokens per drafted block, 2..=64. Default 16.
+    pub block_size: i64,
+    /// Token id of the mask token (required, >= 0; checked against the vocabulary elsewhere).
+    pub mask_token_id: i64,
+    /// Target layers whose hidden states the drafter reads; [] takes the DFlash default
+    /// formula for `num_taps` layers. A non-empty list is used as given.
+    pub target_layer_ids: Vec<usize>,
+    /// Number of tapped target layers when `target_layer_ids` is [], 1..=16. Default 5.
+    pub num_taps: usize,
+    /// Compute dtype: "auto" (bf16 on a GPU, f32 on the CPU), "f32" or "bf16".
+    pub dtype: String,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        ModelSection {
+            target: String::new(),
+            drafter_init: String::new(),
+            drafter_layers: 5,
+            block_size: 16,
+            mask_token_id: -1,
+            target_layer_ids: Vec::new(),
+            num_taps: 5,
+            dtype: "auto".into(),
+        }
+    }
+}
+
+/// `[data]`: the tokenised dataset and how it is batched.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataSection {
+    /// Tokenised dataset (a `save_to_disk` folder, Arrow or Parquet file; required).
+    pub path: String,
+    /// Split of a `DatasetDict` folder. Default "train".
+    pub split: String,
+    /// Column of token ids. Default "input_ids".
+    pub input_ids_column: String,
+    /// Column of the 0/1 loss mask; "" makes every token count. Default "loss_mask".
+    pub loss_mask_column: String,
+    /// Longest sequence in tokens (longer ones are cut), >= 8. Default 3072.
+    pub max_len: usize,
+    /// Tokens per batch (padded length times rows), >= 1. Default 8192.
+    pub token_budget: usize,
+    /// Most sequences per batch, >= 1. Default 64.
+    pub max_batch: usize,
+    /// Sequences sorted together by length when forming batches, >= 1. Default 1024.
+    pub bucket_window: usize,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        DataSection {
+            path: String::new(),
+            split: "train".into(),
+            input_ids_column: "input_ids".into(),
+            loss_mask_column: "loss_mask".into(),
+            max_len: 3072,
+            token_budget: 8192,
+            max_batch: 64,
+            bucket_window: 1024,
+        }
+    }
+}
+
+/// `[train]`: length of training, optimiser, schedule and loss.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainSection {
+    /// Optimiser steps; 0 derives them from `epochs`. Default 0.
+    pub total_steps: u64,
+    /// Passes over the data when `total_steps` is 0, > 0. Default 6.
+    pub epochs: f64,
+    /// Anchor positions (block starts) sampled per sequence, >= 1. Default 512.
+    pub num_anchors: usize,
+    /// Batches accumulated per optimiser step, 1..=1024. Default 1.
+    pub grad_accum: usize,
+    /// Peak learning rate, > 0 and <= 1. Default 6e-4.
+    pub lr: f64,
+    /// AdamW beta1, in [0, 1). Default 0.9.
+    pub beta1: f64,
+    /// AdamW beta2, in [0, 1). Default 0.999.
+    pub beta2: f64,
+    /// AdamW epsilon, > 0. Default 1e-8.
+    pub eps: f64,
+    /// AdamW decoupled weight decay, >= 0. Default 0.
+    pub weight_decay: f64,
+    /// Share of the steps spent warming the learning rate up, in [0, 1). Default 0.04.
+    pub warmup_ratio: f64,
+    /// Final learning rate of the cosine decay as a share of `lr`, in [0, 1]. Default 0.
+    pub min_lr_ratio: f64,
+    /// Gradient-norm clipping threshold, >= 0 (0 = off). Default 1.
+    pub clip_grad_norm: f64,
+    /// Decay of the loss weight along the block, >= 0; 0 takes the default for the block size
+    /// (see [`TrainSection::effective_gamma`]). Default 0.
+    pub loss_decay_gamma: f64,
+    /// Weight of the KL term against the target's distribution, in [0, 1]. Default 0.
+    pub kl_weight: f64,
+    /// Softmax temperature of the KL term, > 0. Default 1.
+    pub kl_temperature: f64,
+    /// Weight of the accepted-streak term, in [0, 1]. Default 0.
+    pub streak_alpha: f64,
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        TrainSection {
+            total_steps: 0,
+            epochs: 6.0,
+            num_anchors: 512,
+            grad_accum: 1,
+            lr: 6e-4,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            warmup_ratio: 0.04,
+            min_lr_ratio: 0.0,
+            clip_grad_norm: 1.0,
+            loss_decay_gamma: 0.0,
+            kl_weight: 0.0,
+            kl_temperature: 1.0,
+            streak_alpha: 0.0,
+        }
+    }
+}
+
+impl TrainSection {
+    /// The loss-decay gamma in use: `loss_decay_gamma` when set (> 0), otherwise the DFlash
+    /// default for the block size: 7 for 16, 5 for 10, 4 for 8, else `block_size * 7 / 16`.
+    pub fn effective_gamma(&self, block_size: i64) -> f64 {
+        if self.loss_decay_gamma > 0.0 {
+            return self.loss_decay_gamma;
+        }
+        match block_size {
+            16 => 7.0,
+            10 => 5.0,
+            8 => 4.0,
+            b => b as f64 * 7.0 / 16.0,
+        }
+    }
+}
+
+/// `[devices]`: where the target and the drafter run. Each entry is "auto", "cpu", "cuda" or
+/// "cuda:N".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DevicesSection {
+    /// Devices running target forwards (one worker each). Default ["auto"].
+    pub target_devices: Vec<String>,
+    /// Devices training the drafter (one replica each). Default ["auto"].
+    pub drafter_devices: Vec<String>,
+}
+
+impl Default for DevicesSection {
+    fn default() -> Self {
+        DevicesSection {
+            target_devices: vec!["auto".into()],
+            drafter_devices: vec!["auto".into()],
+        }
+    }
+}
+
+/// `[pipeline]`: capacities of the queues between the background stages.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineSection {
+    /// Batches waiting between the data loader and the target, 1..=1024. Default 4.
+    pub batch_queue_depth: usize,
+    /// Target features waiting for the drafter, 1..=1024. Default 2.
+    pub feature_queue_depth: usize,
+}
+
+impl Default for PipelineSection {
+    fn default() -> Self {
+        PipelineSection {
+            batch_queue_depth: 4,
+            feature_queue_depth: 2,
+        }
+    }
+}
+
+/// `[checkpoint]`: when checkpoints are saved and how many are kept.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Save every N optimiser steps (0 = off). Default 500.
+    pub save_every_steps: u64,
+    /// Save every N minutes of training, >= 0 (0 = off). Default 30.
+    pub save_every_minutes: f64,
+    /// Checkpoints kept on disk (older ones are removed), >= 1. Default 3.
+    pub keep_checkpoints: usize,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection {
+            save_every_steps: 500,
+            save_every_minutes: 30.0,
+            keep_checkpoints: 3,
+        }
+    }
+}
+
+/// `[telemetry]`: logging and measurement intervals.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetrySection {
+    /// Log metrics every N optimiser steps, >= 1. Default 10.
+    pub log_every_steps: u64,
+    /// Seconds between stage-profile reports, >= 0 (0 = off). Default 30.
+    pub profile_interval_s: f64,
+    /// Seconds between GPU utilisation and memory samples, > 0. Default 1.
+    pub gpu_sample_interval_s: f64,
+}
+
+impl Default for TelemetrySection {
+    fn default() -> Self {
+        TelemetrySection {
+            log_every_steps: 10,
+            profile_interval_s: 30.0,
+            gpu_sample_interval_s: 1.0,
+        }
+    }
+}
+
+/// `[debug]`: fault injection, for tests of the failure handling only. When `fail_at_step` is
+/// set, the stage named by `fail_stage` fails on purpose at that step, so that tests can check
+/// that the run stops cleanly and reports the failure. Leave `fail_at_step` at 0 for real runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DebugSection {
+    /// Step at which to inject a failure (0 = never). Default 0.
+    pub fail_at_step: u64,
+    /// Stage that fails: "loader", "target", "drafter" or "checkpoint". Default "drafter".
+    pub fail_stage: String,
+}
+
+impl Default for DebugSection {
+    fn default() -> Self {
+        DebugSection {
+            fail_at_step: 0,
+            fail_stage: "drafter".into(),
+        }
+    }
+}
+
+/// Reads the configuration file `path`, applies the `--set key=value` overrides and checks the
+/// result.
+pub fn load(path: &Path, overrides: &[String]) -> Result<TrainConfig> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow!("config: cannot read {}: {e}", path.display()))?;
+    from_toml_str(&text, &path.display().to_string(), overrides)
+}
+
+/// Parses configuration text (`source` names it in messages, usually the file path), applies
+/// the `--set key=value` overrides and checks the result.
+pub fn from_toml_str(text: &str, source: &str, overrides: &[String]) -> Result<TrainConfig> {
+    let mut table: toml::Table = toml::from_str(text).map_err(|e| {
+        let at = e
+            .span()
+            .map(|span| format!(" ({})", position(text, span.start)))
+            .unwrap_or_default();
+        anyhow!(
+            "config: {source} is not valid TOML{at}: {}",
+            e.message().trim()
+        )
+    })?;
+    let schema = schema()?;
+    let mut applied = Vec::with_capacity(overrides.len());
+    for spec in overrides {
+        applied.push((apply_override(&mut table, &schema, spec)?, spec.as_str()));
+    }
+    let config: TrainConfig = toml::Value::Table(table)
+        .try_into()
+        .map_err(|e| deserialize_error(&e, text, source, &applied))?;
+    config.validate()?;
+    Ok(config)
+}
+
+impl TrainConfig {
+    /// The configuration as TOML with every field written out; [`from_toml_str`] reads it back
+    /// to an equal configuration.
+    pub fn to_toml_string(&self) -> Result<String> {
+        let body = toml::to_string(self).map_err(|e| anyhow!("config: cannot write TOML: {e}"))?;
+        Ok(format!(
+            "# dflash-tui training configuration, resolved (every field written out)\n\n{body}"
+        ))
+    }
+}
+
+/// The default configuration as a TOML table: the sections and fields that exist, and the
+/// kind of value each field takes.
+fn schema() -> Result<toml::Table> {
+    match toml::Value::try_from(TrainConfig::default()) {
+        Ok(toml::Value::Table(table)) => Ok(table),
+        Ok(_) => bail!("config: internal error: the default configuration is not a table"),
+        Err(e) => bail!("config: internal error: cannot represent the defaults: {e}"),
+    }
+}
+
+/// A message for a value of the wrong type or an unknown field, naming the field and where it
+/// came from: the override that set it, or the file with the position.
+fn deserialize_error(
+    e: &toml::de::Error,
+    text: &str,
+    source: &str,
+    applied: &[(String, &str)],
+) -> anyhow::Error {
+    let key = error_key(e);
+    let message = e.message().trim();
+    let field = key
+        .as_ref()
+        .map(|key| format!(" (in `{key}`)"))
+        .unwrap_or_default();
+    if let Some((_, spec)) = applied
+        .iter()
+        .rev()
+        .find(|(k, _)| key.as_deref() == Some(k.as_str()))
+    {
+        return anyhow!("config: override `{spec}`: {message}{field}");
+    }
+    let at = locate(text, key.as_deref(), message)
+        .map(|offset| format!(" ({})", position(text, offset)))
+        .unwrap_or_default();
+    anyhow!("config: {source}{at}: {message}{field}")
+}
+
+/// Applies one `section.field=value` override to the parsed file; returns its dotted key.
+fn apply_override(table: &mut toml::Table, schema: &toml::Table, spec: &str) -> Result<String> {
+    let Some((key, raw)) = spec.split_once('=') else {
+        bail!("config: override `{spec}` is not key=value (for example train.lr=1e-4)");
+    };
+    let (key, raw) = (key.trim(), raw.trim());
+    let sections = || {
+        schema
+            .keys()
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let Some((section, field)) = key.split_once('.') else {
+        bail!(
+            "config: override key `{key}` is not section.field (sections: {})",
+            sections()
+        );
+    };
+    let Some(fields) = schema.get(section).and_then(toml::Value::as_table) else {
+        bail!(
+            "config: override key `{key}`: there is no section [{section}] (sections: {})",
+            sections()
+        );
+    };
+    let Some(default) = fields.get(field) else {
+        bail!(
+            "config: override key `{key}`: section [{section}] has no field `{field}` (fields: {})",
+            fields
+                .keys()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    };
+    let value = override_value(raw, default);
+    let entry = table
+        .entry(section)
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let Some(section_table) = entry.as_table_mut() else {
+        bail!(
+            "config: override key `{key}`: `{section}` in the file is a {}, not a section",
+            entry.type_str()
+        );
+    };
+    section_table.insert(field.to_string(), value);
+    Ok(format!("{section}.{field}"))
+}
+
+/// Reads an override value for a field whose default is `default` (which gives its kind).
+fn override_value(raw: &str, default: &toml::Value) -> toml::Value {
+    let parsed = parse_value(raw);
+    match (default, parsed) {
+        (toml::Value::String(_), Some(v @ toml::Value::String(_))) => v,
+        (toml::Value::String(_), _) => toml::Value::String(raw.to_string()),
+        (toml::Value::Array(_), Some(v @ toml::Value::Array(_))) => v,
+        (toml::Value::Array(_), _) if raw.is_empty() => toml::Value::Array(Vec::new()),
+        (toml::Value::Array(_), _) => toml::Value::Array(
+            raw.split(',')
+                .map(|item| {
+                    let item = item.trim();
+                    parse_value(item).unwrap_or_else(|| toml::Value::String(item.to_string()))
+                })
+                .collect(),
+        ),
+        (_, Some(v)) => v,
+        (_, None) => toml::Value::String(raw.to_string()),
+    }
+}
+
+/// `raw` as one TOML value, or `None` when it is not exactly one valid value.
+fn parse_value(raw: &str) -> Option<toml::Value> {
+    let mut table: toml::Table = toml::from_str(&format!("v = {raw}")).ok()?;
+    if table.len() != 1 {
+        return None;
+    }
+    table.remove("v")
+}
+
+/// The dotted key a deserialisation error is about, as toml's message gives it (`in `a.b``).
+fn error_key(e: &toml::de::Error) -> Option<String> {
+    e.to_string().lines().rev().find_map(|l| {
+        l.trim()
+            .strip_prefix("in `")?
+            .strip_suffix('`')
+            .map(String::from)
+    })
+}
+
+/// Byte offset in `text` of what a deserialisation error is about: the value at `key`, or for
+/// an unknown field (named in `message`) that field's key inside the table at `key`.
+fn locate(text: &str, key: Option<&str>, message: &str) -> Option<usize> {
+    let document = toml::de::DeTable::parse(text).ok()?;
+    let root = toml::Spanned::new(
+        document.span(),
+        toml::de::DeValue::Table(document.into_inner()),
+    );
+    let mut node = &root;
+    for part in key.into_iter().flat_map(|k| k.split('.')) {
+        node = child(node.get_ref(), part)?.1;
+    }
+    match message.strip_prefix("unknown field `") {
+        Some(rest) => {
+            let name = rest.split('`').next()?;
+            child(node.get_ref(), name).map(|(key_start, _)| key_start)
+        }
+        None => Some(node.span().start),
+    }
+}
+
+type DeNode<'i> = toml::Spanned<toml::de::DeValue<'i>>;
+
+/// Entry `name` of a table with the offset of its key, or element `name` of an array with its
+/// own offset.
+fn child<'a, 'i>(value: &'a toml::de::DeValue<'i>, name: &str) -> Option<(usize, &'a DeNode<'i>)> {
+    match value {
+        toml::de::DeValue::Table(table) => table
+            .iter()
+            .find(|(k, _)| k.get_ref().as_ref() == name)
+            .map(|(k, v)| (k.span().start, v)),
+        toml::de::DeValue::Array(items) => {
+            let item = items.get(name.parse::<usize>().ok()?)?;
+            Some((item.span().start, item))
+        }
+        _ => None,
+    }
+}
+
+/// "line L, column C" (1-based) of byte offset `at` in `text`.
+fn position(text: &str, at: usize) -> String {
+    let mut at = at.min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    let before = &text[..at];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    format!("line {line}, column {column}")
+}

@@ -1,0 +1,216 @@
+//! Range checks of a [`TrainConfig`]; each message names the field in dotted form, the value
+//! found and what is allowed.
+
+use std::fmt::Display;
+
+use anyhow::{bail, Result};
+
+use super::TrainConfig;
+
+const DTYPES: &[&str] = &["auto", "f32", "bf16"];
+const FAIL_STAGES: &[&str] = &["loader", "target", "drafter", "checkpoint"];
+
+impl TrainConfig {
+    /// Checks every field against its allowed range; returns the first problem found, in
+    /// section order and field order.
+    pub fn validate(&self) -> Result<()> {
+        let run = &self.run;
+        let name = run.name.as_str();
+        if name.trim().is_empty() {
+            bail!("config: run.name is required (it names the run's folder)");
+        }
+        if name == "." || name == ".." || name.contains(['/', '\\']) {
+            bail!("config: run.name = {name:?} is not allowed (it names a folder: no '/', '\\', '.' or '..')");
+        }
+
+        let model = &self.model;
+        if model.target.trim().is_empty() {
+            bail!("config: model.target is required (a Hugging Face model folder)");
+        }
+        int_between("model.drafter_layers", model.drafter_layers, 1, 64)?;
+        int_between("model.block_size", model.block_size, 2, 64)?;
+        if model.mask_token_id < 0 {
+            bail!(
+                "config: model.mask_token_id = {} is out of range (must be >= 0; it is required: \
+                 the id of a token the training data never contains)",
+                model.mask_token_id
+            );
+        }
+        int_between("model.num_taps", model.num_taps, 1, 16)?;
+        one_of("model.dtype", &model.dtype, DTYPES)?;
+
+        let data = &self.data;
+        if data.path.trim().is_empty() {
+            bail!("config: data.path is required (a tokenised dataset: a save_to_disk folder, Arrow or Parquet file)");
+        }
+        if data.split.trim().is_empty() {
+            bail!("config: data.split is required (e.g. \"train\")");
+        }
+        if data.input_ids_column.trim().is_empty() {
+            bail!("config: data.input_ids_column is required (e.g. \"input_ids\")");
+        }
+        at_least("data.max_len", data.max_len, 8)?;
+        at_least("data.token_budget", data.token_budget, 1)?;
+        at_least("data.max_batch", data.max_batch, 1)?;
+        at_least("data.bucket_window", data.bucket_window, 1)?;
+
+        let t = &self.train;
+        float("train.epochs", t.epochs, t.epochs > 0.0, "> 0")?;
+        at_least("train.num_anchors", t.num_anchors, 1)?;
+        int_between("train.grad_accum", t.grad_accum, 1, 1024)?;
+        float("train.lr", t.lr, t.lr > 0.0 && t.lr <= 1.0, "> 0 and <= 1")?;
+        float(
+            "train.beta1",
+            t.beta1,
+            (0.0..1.0).contains(&t.beta1),
+            ">= 0 and < 1",
+        )?;
+        float(
+            "train.beta2",
+            t.beta2,
+            (0.0..1.0).contains(&t.beta2),
+            ">= 0 and < 1",
+        )?;
+        float("train.eps", t.eps, t.eps > 0.0, "> 0")?;
+        float(
+            "train.weight_decay",
+            t.weight_decay,
+            t.weight_decay >= 0.0,
+            ">= 0",
+        )?;
+        float(
+            "train.warmup_ratio",
+            t.warmup_ratio,
+            (0.0..1.0).contains(&t.warmup_ratio),
+            ">= 0 and < 1",
+        )?;
+        unit("train.min_lr_ratio", t.min_lr_ratio)?;
+        float(
+            "train.clip_grad_norm",
+            t.clip_grad_norm,
+            t.clip_grad_norm >= 0.0,
+            ">= 0; 0 = off",
+        )?;
+        float(
+            "train.loss_decay_gamma",
+            t.loss_decay_gamma,
+            t.loss_decay_gamma >= 0.0,
+            ">= 0; 0 = the default for the block size",
+        )?;
+        unit("train.kl_weight", t.kl_weight)?;
+        float(
+            "train.kl_temperature",
+            t.kl_temperature,
+            t.kl_temperature > 0.0,
+            "> 0",
+        )?;
+        unit("train.streak_alpha", t.streak_alpha)?;
+
+        devices("devices.target_devices", &self.devices.target_devices)?;
+        devices("devices.drafter_devices", &self.devices.drafter_devices)?;
+
+        let p = &self.pipeline;
+        int_between("pipeline.batch_queue_depth", p.batch_queue_depth, 1, 1024)?;
+        int_between(
+            "pipeline.feature_queue_depth",
+            p.feature_queue_depth,
+            1,
+            1024,
+        )?;
+
+        let c = &self.checkpoint;
+        float(
+            "checkpoint.save_every_minutes",
+            c.save_every_minutes,
+            c.save_every_minutes >= 0.0,
+            ">= 0; 0 = off",
+        )?;
+        at_least("checkpoint.keep_checkpoints", c.keep_checkpoints, 1)?;
+
+        let tel = &self.telemetry;
+        at_least("telemetry.log_every_steps", tel.log_every_steps, 1)?;
+        float(
+            "telemetry.profile_interval_s",
+            tel.profile_interval_s,
+            tel.profile_interval_s >= 0.0,
+            ">= 0; 0 = off",
+        )?;
+        float(
+            "telemetry.gpu_sample_interval_s",
+            tel.gpu_sample_interval_s,
+            tel.gpu_sample_interval_s > 0.0,
+            "> 0",
+        )?;
+
+        one_of("debug.fail_stage", &self.debug.fail_stage, FAIL_STAGES)?;
+        Ok(())
+    }
+}
+
+fn out_of_range(field: &str, value: impl Display, rule: &str) -> anyhow::Error {
+    anyhow::anyhow!("config: {field} = {value} is out of range (must be {rule})")
+}
+
+fn int_between<T: PartialOrd + Display>(field: &str, value: T, lo: T, hi: T) -> Result<()> {
+    if value < lo || value > hi {
+        return Err(out_of_range(
+            field,
+            &value,
+            &format!("between {lo} and {hi}"),
+        ));
+    }
+    Ok(())
+}
+
+fn at_least<T: PartialOrd + Display>(field: &str, value: T, lo: T) -> Result<()> {
+    if value < lo {
+        return Err(out_of_range(field, &value, &format!(">= {lo}")));
+    }
+    Ok(())
+}
+
+/// A float check: `ok` must hold and the value must be finite (which also rules out NaN).
+fn float(field: &str, value: f64, ok: bool, rule: &str) -> Result<()> {
+    if !ok || !value.is_finite() {
+        return Err(out_of_range(field, value, rule));
+    }
+    Ok(())
+}
+
+/// A float in [0, 1].
+fn unit(field: &str, value: f64) -> Result<()> {
+    float(field, value, (0.0..=1.0).contains(&value), ">= 0 and <= 1")
+}
+
+fn one_of(field: &str, value: &str, allowed: &[&str]) -> Result<()> {
+    if !allowed.contains(&value) {
+        bail!(
+            "config: {field} = {value:?} is not allowed (must be one of {})",
+            allowed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+fn devices(field: &str, list: &[String]) -> Result<()> {
+    if list.is_empty() {
+        bail!("config: {field} is empty (must list at least one device, e.g. [\"auto\"])");
+    }
+    for (i, device) in list.iter().enumerate() {
+        if !is_device(device) {
+            bail!(
+                "config: {field}[{i}] = {device:?} is not a device (must be auto, cpu, cuda or cuda:N)"
+            );
+        }
+    }
+    Ok(())
+}
+
+fn is_device(spec: &str) -> bool {
+    match spec {
+        "auto" | "cpu" | "cuda" => true,
+        _ => spec.strip_prefix("cuda:").is_some_and(|n| {
+            !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && n.parse::<usize>().is_ok()
+        }),
+    }
+}

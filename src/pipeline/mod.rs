@@ -1,0 +1,8 @@
+//! The staged trainer: loader -> batch_q -> target workers -> feature_q -> drafter workers ->
+//! gradient averaging and AdamW, in background threads joined by resizable queues, steered by
+//! commands.
+
+pub mod command;
+pub mod headless;
+pub mod queue;
+pub mod trainer;

@@ -1,0 +1,1356 @@
+//! The staged trainer (control-room spec §1): a loader thread, one target worker per target
+//! device, one drafter worker per drafter device, joined by resizable queues. Drafter worker 0
+//! coordinates: it averages the replicas' flat gradients, clips, runs AdamW on the fp32 master
+//! weights, hands the new weights back, writes metrics and checkpoints. Everything is steered
+//! through [`TrainerHandle::command`] and observed through [`TrainerHandle::snapshot`].
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use crossbeam_channel::{Receiver, Sender};
+use tch::{Device, Kind, Tensor};
+
+use super::command::Command;
+use super::queue::{QueueClosed, QueueLevel, ResizableQueue};
+use crate::config::TrainConfig;
+use crate::data::packer::{collate, Packer, PackerConfig, PackerState};
+use crate::data::store::{DataColumns, StoreOptions, TokenStore};
+use crate::model::{
+    AnchorBatch, Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, SharedTarget,
+    TargetModel,
+};
+use crate::runtime::TorchRuntime;
+use crate::telemetry::profile::{Event, ProfileReport, ProfileStats};
+use crate::telemetry::records::{MetricsRecord, MetricsWriter, Phase, Snapshot, StepRecord};
+use crate::train::checkpoint::{
+    latest_checkpoint, read_state, save_checkpoint, CheckpointFault, TrainerState,
+};
+use crate::train::loss::{block_targets, loss_and_backward, sample_anchors, LossOptions, LossSums};
+use crate::train::optim::{lr_at, AdamW, AdamWConfig};
+
+/// Steps kept for the charts.
+const HISTORY: usize = 20_000;
+
+/// A batch on its way to a target worker.
+struct BatchItem {
+    seq: u64,
+    resume: PackerState,
+    epoch: u64,
+    samples: Vec<usize>,
+    lengths: Vec<usize>,
+    stride: usize,
+    ids: Vec<i64>,
+    mask: Vec<i64>,
+    input_ids: Tensor,
+}
+
+/// Target features on their way to a drafter worker.
+struct FeatureItem {
+    batch: BatchItem,
+    features: Tensor,
+    teacher_hidden: Option<Tensor>,
+}
+
+/// What the coordinator sends replicas after a step.
+enum ParamsMsg {
+    Weights(Tensor),
+    Stop,
+}
+
+/// A replica's contribution to a step.
+struct GradMsg {
+    grad: Tensor,
+    sums: LossSums,
+    tokens: u64,
+    samples: u64,
+    last: Option<(u64, PackerState, u64)>,
+}
+
+#[derive(Debug, Default)]
+struct Status {
+    phase: Option<Phase>,
+    step: u64,
+    epoch: u64,
+    tokens_seen: u64,
+    samples_seen: u64,
+    history: Vec<StepRecord>,
+    error: Option<String>,
+    last_checkpoint: Option<PathBuf>,
+    tokens_per_s: f64,
+    samples_per_s: f64,
+    last_profile: Option<ProfileReport>,
+    stage_devices: Vec<(String, String)>,
+}
+
+/// State shared by the stages and the front ends.
+pub struct Shared {
+    pub stop: Arc<AtomicBool>,
+    paused: AtomicBool,
+    pause_lock: Mutex<()>,
+    pause_cv: Condvar,
+    checkpoint_requested: AtomicBool,
+    /// 0: run on; 1: stop with checkpoint; 2: stop without.
+    stop_requested: AtomicU8,
+    pub profile: ProfileStats,
+    profile_interval_s: Mutex<f64>,
+    batch_q: ResizableQueue<BatchItem>,
+    feature_q: ResizableQueue<FeatureItem>,
+    status: Mutex<Status>,
+    metrics: MetricsWriter,
+    /// How often each sample reached a drafter worker (store index).
+    pub sample_visits: Vec<AtomicU32>,
+    started: Instant,
+    pub run_dir: PathBuf,
+    pub run_name: String,
+    total_steps: u64,
+}
+
+impl Shared {
+    fn status(&self) -> std::sync::MutexGuard<'_, Status> {
+        self.status.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
+
+    /// Blocks while paused; false once the pipeline stops.
+    fn wait_if_paused(&self) -> bool {
+        let mut guard = self.pause_lock.lock().unwrap_or_else(|e| e.into_inner());
+        while self.paused.load(Ordering::Relaxed) && !self.stopping() {
+            guard = self
+                .pause_cv
+                .wait_timeout(guard, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        !self.stopping()
+    }
+
+    fn event(&self, kind: &str, message: String) {
+        log::info!("{message}");
+        self.metrics.write(&MetricsRecord::Event {
+            elapsed_s: self.started.elapsed().as_secs_f64(),
+            kind: kind.to_string(),
+            message,
+        });
+    }
+
+    fn set_phase(&self, phase: Phase) {
+        self.status().phase = Some(phase);
+    }
+
+    /// Records the first error and stops every stage.
+    fn fail(&self, stage: &str, error: &anyhow::Error) {
+        let message = format!("{stage} failed: {error:#}");
+        {
+            let mut st = self.status();
+            if st.error.is_none() {
+                st.error = Some(message.clone());
+                st.phase = Some(Phase::Failed);
+            }
+        }
+        log::error!("{message}");
+        self.metrics.write(&MetricsRecord::Event {
+            elapsed_s: self.started.elapsed().as_secs_f64(),
+            kind: "error".into(),
+            message,
+        });
+        self.stop.store(true, Ordering::Relaxed);
+        self.batch_q.wake_all();
+        self.feature_q.wake_all();
+    }
+
+    pub fn queue_levels(&self) -> Vec<QueueLevel> {
+        vec![self.batch_q.level(), self.feature_q.level()]
+    }
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunOutcome {
+    pub phase: Phase,
+    pub steps: u64,
+    pub error: Option<String>,
+    pub last_checkpoint: Option<PathBuf>,
+    pub final_step: Option<StepRecord>,
+}
+
+/// A running trainer.
+pub struct TrainerHandle {
+    pub shared: Arc<Shared>,
+    threads: Vec<(String, JoinHandle<()>)>,
+}
+
+fn resolve_kind(name: &str, device: Device) -> Result<Kind> {
+    Ok(match name {
+        "auto" if device.is_cuda() => Kind::BFloat16,
+        "auto" | "f32" => Kind::Float,
+        "bf16" => Kind::BFloat16,
+        other => bail!("config: model.dtype = {other:?} is not one of auto, f32, bf16"),
+    })
+}
+
+fn seed_for(seed: u64, step: u64, replica: usize, micro: usize) -> u64 {
+    // SplitMix-style mixing: distinct streams per (step, replica, micro-batch).
+    let mut x = seed
+        ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ ((replica as u64) << 40)
+        ^ ((micro as u64) << 20);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Everything the stages need, prepared before any thread starts (so configuration and input
+/// errors are reported before training begins).
+struct Prepared {
+    config: TrainConfig,
+    store: Arc<TokenStore>,
+    targets: Vec<Arc<SharedTarget>>,
+    drafters: Vec<Drafter>,
+    heads: Vec<FrozenHead>,
+    optimizer: AdamW,
+    packer_state: PackerState,
+    start_step: u64,
+    start_epoch: u64,
+    tokens_seen: u64,
+    samples_seen: u64,
+    total_steps: u64,
+    target_devices: Vec<Device>,
+    drafter_devices: Vec<Device>,
+}
+
+fn prepare(
+    runtime: &TorchRuntime,
+    config: &TrainConfig,
+    resume: Option<&Path>,
+) -> Result<Prepared> {
+    let target_dir = PathBuf::from(&config.model.target);
+    let target_devices = config
+        .devices
+        .target_devices
+        .iter()
+        .map(|d| {
+            runtime
+                .device(d)
+                .with_context(|| "config: devices.target_devices".to_string())
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let drafter_devices = config
+        .devices
+        .drafter_devices
+        .iter()
+        .map(|d| {
+            runtime
+                .device(d)
+                .with_context(|| "config: devices.drafter_devices".to_string())
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let target_kind = resolve_kind(&config.model.dtype, target_devices[0])?;
+    let drafter_kind = resolve_kind(&config.model.dtype, drafter_devices[0])?;
+
+    // Targets: loaded once per device.
+    let mut targets: Vec<Arc<SharedTarget>> = Vec::new();
+    for &dev in &target_devices {
+        if let Some(t) = targets.iter().find(|t| t.device == dev) {
+            targets.push(t.clone());
+            continue;
+        }
+        let started = Instant::now();
+        let t = TargetModel::load(&target_dir, dev, target_kind)?;
+        log::info!(
+            "target {} ({:?}, {:.1} M parameters) on {dev:?} as {target_kind:?} in {:.1} s",
+            target_dir.display(),
+            t.family,
+            t.parameter_count() as f64 / 1e6,
+            started.elapsed().as_secs_f64()
+        );
+        targets.push(Arc::new(SharedTarget::new(t)));
+    }
+    let target_cfg = &targets[0].config;
+
+    // Drafter configuration: from drafter_init, the resume checkpoint, or fresh.
+    let shape = DrafterShape {
+        layers: config.model.drafter_layers,
+        block_size: config.model.block_size,
+        mask_token_id: config.model.mask_token_id,
+        target_layer_ids: (!config.model.target_layer_ids.is_empty())
+            .then(|| config.model.target_layer_ids.clone()),
+        num_taps: config.model.num_taps,
+    };
+    let drafter_config = DrafterConfig::for_target(target_cfg, &shape).with_context(|| {
+        format!(
+            "config: model section does not fit the target {}",
+            target_dir.display()
+        )
+    })?;
+    let init_dir =
+        (!config.model.drafter_init.is_empty()).then(|| PathBuf::from(&config.model.drafter_init));
+
+    // Data.
+    let data_path = crate::data::arrow_io::resolve_split(
+        Path::new(&config.data.path),
+        Path::new(&config.data.path)
+            .join("dataset_dict.json")
+            .is_file()
+            .then_some(config.data.split.as_str()),
+    )?;
+    let columns = DataColumns {
+        input_ids: config.data.input_ids_column.clone(),
+        loss_mask: (!config.data.loss_mask_column.is_empty())
+            .then(|| config.data.loss_mask_column.clone()),
+    };
+    let block = config.model.block_size as usize;
+    let (store, report) = TokenStore::load(
+        &data_path,
+        &columns,
+        &StoreOptions {
+            vocab_size: target_cfg.vocab_size as usize,
+            max_len: config.data.max_len,
+            min_loss_tokens: 2 * block,
+        },
+    )?;
+    log::info!(
+        "data {}: {} samples kept of {} ({} cut to {}, {} with fewer than {} loss tokens dropped), {} tokens, {:.1} MiB in memory",
+        data_path.display(),
+        report.kept,
+        report.rows,
+        report.cut,
+        config.data.max_len,
+        report.dropped_short,
+        2 * block,
+        report.tokens,
+        store.memory_bytes() as f64 / (1u64 << 20) as f64
+    );
+    if store.is_empty() {
+        bail!(
+            "{}: no sample has {} or more loss tokens",
+            data_path.display(),
+            2 * block
+        );
+    }
+    let store = Arc::new(store);
+    let packer_config = packer_config(config);
+
+    // Drafter replicas and the optimizer.
+    let mut drafters = Vec::new();
+    for &dev in &drafter_devices {
+        let d = match &init_dir {
+            Some(dir) => Drafter::load_for_target(dir, target_cfg, dev, drafter_kind)?,
+            None => {
+                tch::manual_seed(config.run.seed as i64);
+                Drafter::init(drafter_config.clone(), dev, drafter_kind)?
+            }
+        };
+        drafters.push(d);
+    }
+    if init_dir.is_some() {
+        // A released drafter decides its own shape; the config must agree on the block size.
+        let c = &drafters[0].config;
+        if c.block_size != config.model.block_size {
+            bail!(
+                "config: model.block_size = {} but the drafter in {} has block_size {}",
+                config.model.block_size,
+                config.model.drafter_init,
+                c.block_size
+            );
+        }
+    }
+    log::info!("{}", drafters[0].describe());
+    let adam = AdamWConfig {
+        beta1: config.train.beta1,
+        beta2: config.train.beta2,
+        eps: config.train.eps,
+        weight_decay: config.train.weight_decay,
+    };
+    let mut optimizer = AdamW::new(&drafters[0].named_parameters(), drafter_devices[0], adam);
+
+    let replicas = drafter_devices.len() as u64;
+    let per_step = config.train.grad_accum as u64 * replicas;
+    let total_steps = if config.train.total_steps > 0 {
+        config.train.total_steps
+    } else {
+        let batches = batches_per_epoch(&store, &packer_config);
+        ((batches as f64 * config.train.epochs) / per_step as f64)
+            .ceil()
+            .max(1.0) as u64
+    };
+
+    let mut packer_state = PackerState::default();
+    let (mut start_step, mut start_epoch, mut tokens_seen, mut samples_seen) = (0, 0, 0, 0);
+    if let Some(run_dir) = resume {
+        let ckpt = latest_checkpoint(run_dir)?;
+        let state = read_state(&ckpt)?;
+        optimizer
+            .load(&ckpt.join("optimizer.safetensors"), state.step)
+            .with_context(|| format!("cannot resume from {}", ckpt.display()))?;
+        packer_state = state.packer;
+        start_step = state.step;
+        start_epoch = state.epoch;
+        tokens_seen = state.tokens_seen;
+        samples_seen = state.samples_seen;
+        log::info!("resuming from {} at step {}", ckpt.display(), state.step);
+    }
+    // Every replica starts from the master weights (exactly those saved, on resume).
+    for d in &drafters {
+        optimizer.write_params(&d.named_parameters())?;
+    }
+    let heads = drafter_devices
+        .iter()
+        .map(|&d| FrozenHead::from_target(&targets[0], d, drafter_kind))
+        .collect();
+    Ok(Prepared {
+        config: config.clone(),
+        heads,
+        store,
+        targets,
+        drafters,
+        optimizer,
+        packer_state,
+        start_step,
+        start_epoch,
+        tokens_seen,
+        samples_seen,
+        total_steps,
+        target_devices,
+        drafter_devices,
+    })
+}
+
+fn packer_config(config: &TrainConfig) -> PackerConfig {
+    PackerConfig {
+        token_budget: config.data.token_budget,
+        max_batch: config.data.max_batch,
+        window: config.data.bucket_window,
+        seed: config.run.seed,
+    }
+}
+
+/// Batches in the first epoch (the count is the same in every epoch up to window effects).
+fn batches_per_epoch(store: &Arc<TokenStore>, config: &PackerConfig) -> u64 {
+    let p = Packer::new(store.clone(), config.clone());
+    let mut n = 0;
+    for b in p {
+        if b.epoch > 0 {
+            break;
+        }
+        n += 1;
+    }
+    n
+}
+
+/// Starts a run: loads everything, then the stage threads. Errors before the threads start
+/// (configuration, inputs, models) come back here.
+pub fn start(
+    runtime: &TorchRuntime,
+    config: &TrainConfig,
+    run_dir: &Path,
+    resume: bool,
+) -> Result<TrainerHandle> {
+    let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"))?;
+    let prepared = prepare(runtime, config, resume.then_some(run_dir))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let shared = Arc::new(Shared {
+        batch_q: ResizableQueue::new("batch_q", config.pipeline.batch_queue_depth, stop.clone()),
+        feature_q: ResizableQueue::new(
+            "feature_q",
+            config.pipeline.feature_queue_depth,
+            stop.clone(),
+        ),
+        stop,
+        paused: AtomicBool::new(false),
+        pause_lock: Mutex::new(()),
+        pause_cv: Condvar::new(),
+        checkpoint_requested: AtomicBool::new(false),
+        stop_requested: AtomicU8::new(0),
+        profile: ProfileStats::new(),
+        profile_interval_s: Mutex::new(config.telemetry.profile_interval_s),
+        status: Mutex::new(Status {
+            phase: Some(Phase::WarmingUp),
+            step: prepared.start_step,
+            epoch: prepared.start_epoch,
+            tokens_seen: prepared.tokens_seen,
+            samples_seen: prepared.samples_seen,
+            stage_devices: prepared
+                .target_devices
+                .iter()
+                .map(|d| ("target".to_string(), device_name(*d)))
+                .chain(
+                    prepared
+                        .drafter_devices
+                        .iter()
+                        .map(|d| ("drafter".to_string(), device_name(*d))),
+                )
+                .collect(),
+            ..Default::default()
+        }),
+        metrics,
+        sample_visits: (0..prepared.store.len())
+            .map(|_| AtomicU32::new(0))
+            .collect(),
+        started: Instant::now(),
+        run_dir: run_dir.to_path_buf(),
+        run_name: config.run.name.clone(),
+        total_steps: prepared.total_steps,
+    });
+    shared.event(
+        "start",
+        format!(
+            "run {} in {}: {} steps from step {}, targets on {:?}, drafters on {:?}",
+            config.run.name,
+            run_dir.display(),
+            prepared.total_steps,
+            prepared.start_step,
+            prepared.target_devices,
+            prepared.drafter_devices
+        ),
+    );
+    spawn_stages(shared, prepared)
+}
+
+fn device_name(d: Device) -> String {
+    match d {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}"),
+    }
+}
+
+fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
+    let mut threads = Vec::new();
+    let spawn = |name: String, f: Box<dyn FnOnce() + Send>| -> Result<(String, JoinHandle<()>)> {
+        let h = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(f)
+            .with_context(|| format!("cannot start thread {name}"))?;
+        Ok((name, h))
+    };
+    let config = Arc::new(p.config.clone());
+
+    // Loader.
+    {
+        let shared = shared.clone();
+        let store = p.store.clone();
+        let cfg = config.clone();
+        let state = p.packer_state;
+        let pin = p.target_devices.iter().any(|d| d.is_cuda());
+        threads.push(spawn(
+            "loader".into(),
+            Box::new(move || {
+                if let Err(e) = loader(&shared, store, &cfg, state, pin) {
+                    shared.fail("loader", &e);
+                }
+                shared.batch_q.close();
+            }),
+        )?);
+    }
+    // Target workers.
+    let n_targets = p.targets.len();
+    let finished_targets = Arc::new(AtomicU32::new(0));
+    for (i, target) in p.targets.into_iter().enumerate() {
+        let shared = shared.clone();
+        let cfg = config.clone();
+        let taps = p.drafters[0].config.target_layer_ids().to_vec();
+        let done = finished_targets.clone();
+        threads.push(spawn(
+            format!("target-{i}"),
+            Box::new(move || {
+                if let Err(e) = target_worker(&shared, &target, &taps, &cfg) {
+                    shared.fail(&format!("target worker {i}"), &e);
+                }
+                if done.fetch_add(1, Ordering::SeqCst) + 1 == n_targets as u32 {
+                    shared.feature_q.close();
+                }
+            }),
+        )?);
+    }
+    // Drafter workers: 0 coordinates.
+    let replicas = p.drafters.len();
+    let (grad_tx, grad_rx) = crossbeam_channel::unbounded::<GradMsg>();
+    let mut param_txs = Vec::new();
+    let mut param_rxs = Vec::new();
+    for _ in 1..replicas {
+        let (tx, rx) = crossbeam_channel::unbounded::<ParamsMsg>();
+        param_txs.push(tx);
+        param_rxs.push(rx);
+    }
+    let mut drafters = p.drafters.into_iter();
+    let mut heads = p.heads.into_iter();
+    let coordinator = Coordinator {
+        shared: shared.clone(),
+        config: config.clone(),
+        drafter: drafters
+            .next()
+            .ok_or_else(|| anyhow!("no drafter device"))?,
+        head: heads.next().ok_or_else(|| anyhow!("no drafter device"))?,
+        optimizer: p.optimizer,
+        grad_rx,
+        param_txs,
+        step: p.start_step,
+        total_steps: p.total_steps,
+        last_seen: None,
+        tokens_seen: p.tokens_seen,
+        samples_seen: p.samples_seen,
+        last_save: Instant::now(),
+    };
+    {
+        let shared = shared.clone();
+        threads.push(spawn(
+            "drafter-0".into(),
+            Box::new(move || {
+                let mut c = coordinator;
+                let result = c.run();
+                if let Err(e) = result {
+                    shared.fail("drafter worker 0", &e);
+                }
+                for tx in &c.param_txs {
+                    let _ = tx.send(ParamsMsg::Stop);
+                }
+                shared.stop.store(true, Ordering::Relaxed);
+                shared.batch_q.wake_all();
+                shared.feature_q.wake_all();
+            }),
+        )?);
+    }
+    for (r, (drafter, (head, rx))) in drafters.zip(heads.zip(param_rxs)).enumerate() {
+        let r = r + 1;
+        let shared = shared.clone();
+        let cfg = config.clone();
+        let tx = grad_tx.clone();
+        let dev0 = p.drafter_devices[0];
+        threads.push(spawn(
+            format!("drafter-{r}"),
+            Box::new(move || {
+                if let Err(e) = replica(&shared, &cfg, r, drafter, head, tx, rx, dev0) {
+                    shared.fail(&format!("drafter worker {r}"), &e);
+                }
+            }),
+        )?);
+    }
+    shared.set_phase(Phase::WarmingUp);
+    Ok(TrainerHandle { shared, threads })
+}
+
+fn loader(
+    shared: &Shared,
+    store: Arc<TokenStore>,
+    cfg: &TrainConfig,
+    state: PackerState,
+    pin: bool,
+) -> Result<()> {
+    let mut packer = Packer::resume(store.clone(), packer_config(cfg), state);
+    let mut seq = 0u64;
+    loop {
+        if !shared.wait_if_paused() {
+            return Ok(());
+        }
+        let batch = shared
+            .profile
+            .time(Event::LOADER_FETCH, || packer.next())
+            .ok_or_else(|| anyhow!("the data set yields no batch"))?;
+        let resume = packer.state();
+        let item = shared.profile.time(Event::LOADER_PACK, || {
+            let c = collate(&store, &batch, pin);
+            let stride = batch.max_len;
+            let ids = Vec::<i64>::try_from(&c.input_ids.view([-1])).unwrap_or_default();
+            let mask = Vec::<i64>::try_from(&c.loss_mask.view([-1])).unwrap_or_default();
+            BatchItem {
+                seq,
+                resume,
+                epoch: batch.epoch,
+                samples: batch.indices.clone(),
+                lengths: c.lengths,
+                stride,
+                ids,
+                mask,
+                input_ids: c.input_ids,
+            }
+        });
+        if cfg.debug.fail_stage == "loader"
+            && cfg.debug.fail_at_step > 0
+            && seq + 1 == cfg.debug.fail_at_step
+        {
+            bail!("batch {seq}: injected failure (debug.fail_stage = \"loader\")");
+        }
+        seq += 1;
+        match shared.batch_q.push(item) {
+            Ok(()) => {}
+            Err((_, QueueClosed::Stopped)) | Err((_, QueueClosed::Drained)) => return Ok(()),
+        }
+    }
+}
+
+fn target_worker(
+    shared: &Shared,
+    target: &TargetModel,
+    taps: &[usize],
+    cfg: &TrainConfig,
+) -> Result<()> {
+    let soft = cfg.train.kl_weight > 0.0;
+    let req = ForwardRequest {
+        tap_layers: taps.to_vec(),
+        final_hidden: soft,
+        logits: false,
+    };
+    let mut count = 0u64;
+    loop {
+        if !shared.wait_if_paused() {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let batch = match shared.batch_q.pop() {
+            Ok(b) => b,
+            Err(_) => return Ok(()),
+        };
+        shared.profile.record(Event::BATCH_Q_WAIT, t.elapsed());
+        let ids = shared.profile.time(Event::TARGET_H2D, || {
+            batch.input_ids.to_device(target.device)
+        });
+        let out = shared.profile.time(Event::TARGET_FORWARD, || {
+            let out = target.run(&ids, None, &req);
+            if let Device::Cuda(i) = target.device {
+                tch::Cuda::synchronize(i as i64);
+            }
+            out
+        });
+        count += 1;
+        if cfg.debug.fail_stage == "target"
+            && cfg.debug.fail_at_step > 0
+            && count == cfg.debug.fail_at_step
+        {
+            bail!(
+                "batch {}: injected failure (debug.fail_stage = \"target\")",
+                batch.seq
+            );
+        }
+        let features = out
+            .features
+            .ok_or_else(|| anyhow!("the target returned no features"))?;
+        let item = FeatureItem {
+            batch,
+            features,
+            teacher_hidden: out.final_hidden,
+        };
+        let t = Instant::now();
+        let pushed = shared.feature_q.push(item);
+        shared.profile.record(Event::TARGET_HANDOFF, t.elapsed());
+        if pushed.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+/// Forward and backward of one replica over `grad_accum` micro-batches.
+struct MicroResult {
+    sums: LossSums,
+    tokens: u64,
+    samples: u64,
+    /// (seq, resume state, epoch) of the newest batch consumed
+    last: Option<(u64, PackerState, u64)>,
+}
+
+fn accumulate(
+    shared: &Shared,
+    cfg: &TrainConfig,
+    drafter: &Drafter,
+    head: &FrozenHead,
+    replica: usize,
+    step: u64,
+) -> Result<Option<MicroResult>> {
+    let block = drafter.config.block_size as usize;
+    let gamma = cfg.train.effective_gamma(drafter.config.block_size);
+    let opts = LossOptions {
+        kl_weight: cfg.train.kl_weight,
+        kl_temperature: cfg.train.kl_temperature,
+        streak_alpha: cfg.train.streak_alpha,
+        chunk_rows: 8192,
+    };
+    let mut out = MicroResult {
+        sums: LossSums::default(),
+        tokens: 0,
+        samples: 0,
+        last: None,
+    };
+    let micro_batches = cfg.train.grad_accum.max(1);
+    for micro in 0..micro_batches {
+        if !shared.wait_if_paused() {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        let item = match shared.feature_q.pop() {
+            Ok(i) => i,
+            Err(QueueClosed::Stopped) => return Ok(None),
+            Err(QueueClosed::Drained) => bail!("the target workers ended before training did"),
+        };
+        shared.profile.record(Event::FEATURE_Q_WAIT, t.elapsed());
+        let b = &item.batch;
+        let (plan, targets) = shared.profile.time(Event::DRAFTER_ANCHORS, || {
+            let plan = sample_anchors(
+                &b.mask,
+                &b.lengths,
+                b.stride,
+                block,
+                cfg.train.num_anchors,
+                seed_for(cfg.run.seed, step, replica, micro),
+            );
+            let targets = block_targets(&b.ids, &b.mask, &b.lengths, b.stride, &plan, block, gamma);
+            (plan, targets)
+        });
+        let dev = drafter.device;
+        let rows = plan.rows as i64;
+        let batch = AnchorBatch {
+            input_ids: Tensor::from_slice(&b.ids).view([rows, b.stride as i64]),
+            anchors: Tensor::from_slice(&plan.anchors).view([rows, plan.per_row as i64]),
+            valid: Tensor::from_slice(&plan.valid).view([rows, plan.per_row as i64]),
+        };
+        let hidden = shared.profile.time(Event::DRAFTER_FORWARD, || {
+            drafter.forward_train(head, &item.features.to_device(dev), &batch)
+        });
+        let teacher = item.teacher_hidden.as_ref().map(|t| t.to_device(dev));
+        let (sums, pending) = shared.profile.time(Event::DRAFTER_LOSS, || {
+            loss_and_backward(
+                &hidden,
+                &head.lm_head,
+                &targets,
+                &plan.valid,
+                teacher.as_ref(),
+                &opts,
+                1.0 / micro_batches as f64,
+            )
+        });
+        if let Some(p) = pending {
+            shared.profile.time(Event::DRAFTER_BACKWARD, || p.run());
+        }
+        out.sums.add(&sums);
+        out.tokens += b.lengths.iter().map(|&l| l as u64).sum::<u64>();
+        out.samples += b.samples.len() as u64;
+        for &s in &b.samples {
+            if let Some(v) = shared.sample_visits.get(s) {
+                v.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if out.last.is_none_or(|(seq, _, _)| b.seq > seq) {
+            out.last = Some((b.seq, b.resume, b.epoch));
+        }
+    }
+    Ok(Some(out))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn replica(
+    shared: &Shared,
+    cfg: &TrainConfig,
+    r: usize,
+    drafter: Drafter,
+    head: FrozenHead,
+    tx: Sender<GradMsg>,
+    rx: Receiver<ParamsMsg>,
+    dev0: Device,
+) -> Result<()> {
+    let mut step = shared.status().step;
+    loop {
+        let Some(res) = accumulate(shared, cfg, &drafter, &head, r, step)? else {
+            return Ok(());
+        };
+        let params = drafter.named_parameters();
+        let grad = shared.profile.time(Event::GRAD_SYNC, || {
+            AdamW::flatten_grads(&params).to_device(dev0)
+        });
+        if tx
+            .send(GradMsg {
+                grad,
+                sums: res.sums,
+                tokens: res.tokens,
+                samples: res.samples,
+                last: res.last,
+            })
+            .is_err()
+        {
+            return Ok(());
+        }
+        match rx.recv() {
+            Ok(ParamsMsg::Weights(flat)) => {
+                tch::no_grad(|| write_flat(&flat, &params));
+            }
+            Ok(ParamsMsg::Stop) | Err(_) => return Ok(()),
+        }
+        step += 1;
+    }
+}
+
+/// Copies a flat master buffer into parameters (one transfer to their device).
+fn write_flat(flat: &Tensor, params: &[(String, &Tensor)]) {
+    let Some((_, first)) = params.first() else {
+        return;
+    };
+    let local = flat.to_device(first.device()).to_kind(first.kind());
+    let mut offset = 0i64;
+    for (_, p) in params {
+        let n = p.numel() as i64;
+        let mut p = p.shallow_clone();
+        p.copy_(&local.narrow(0, offset, n).view(p.size().as_slice()));
+        offset += n;
+    }
+}
+
+struct Coordinator {
+    shared: Arc<Shared>,
+    config: Arc<TrainConfig>,
+    drafter: Drafter,
+    head: FrozenHead,
+    optimizer: AdamW,
+    grad_rx: Receiver<GradMsg>,
+    param_txs: Vec<Sender<ParamsMsg>>,
+    step: u64,
+    total_steps: u64,
+    /// (seq, resume, epoch) of the newest batch consumed
+    last_seen: Option<(u64, PackerState, u64)>,
+    tokens_seen: u64,
+    samples_seen: u64,
+    last_save: Instant,
+}
+
+impl Coordinator {
+    fn run(&mut self) -> Result<()> {
+        let cfg = self.config.clone();
+        let warmup = (cfg.train.warmup_ratio * self.total_steps as f64).round() as u64;
+        let mut tokens_ema = 0.0f64;
+        let mut samples_ema = 0.0f64;
+        let mut last_step_end = Instant::now();
+        while self.step < self.total_steps {
+            if self.handle_requests()? {
+                return Ok(());
+            }
+            let step_started = Instant::now();
+            let Some(res) =
+                accumulate(&self.shared, &cfg, &self.drafter, &self.head, 0, self.step)?
+            else {
+                return Ok(());
+            };
+            let params = self.drafter.named_parameters();
+            let t = Instant::now();
+            let mut grad = AdamW::flatten_grads(&params);
+            let mut sums = res.sums;
+            let (mut tokens, mut samples) = (res.tokens, res.samples);
+            let mut newest = res.last;
+            for _ in 0..self.param_txs.len() {
+                let msg = self
+                    .grad_rx
+                    .recv()
+                    .map_err(|_| anyhow!("a drafter replica stopped"))?;
+                grad += &msg.grad;
+                sums.add(&msg.sums);
+                tokens += msg.tokens;
+                samples += msg.samples;
+                if msg
+                    .last
+                    .is_some_and(|(s, _, _)| newest.is_none_or(|(n, _, _)| s > n))
+                {
+                    newest = msg.last;
+                }
+            }
+            if !self.param_txs.is_empty() {
+                grad /= (self.param_txs.len() + 1) as f64;
+            }
+            self.shared.profile.record(Event::GRAD_SYNC, t.elapsed());
+            let lr = lr_at(
+                self.step,
+                self.total_steps,
+                warmup,
+                cfg.train.lr,
+                cfg.train.min_lr_ratio,
+            );
+            let grad_norm = self
+                .shared
+                .profile
+                .time(Event::OPTIM_STEP, || -> Result<f64> {
+                    let norm = AdamW::clip(&mut grad, cfg.train.clip_grad_norm);
+                    self.optimizer.update(&grad, lr);
+                    self.optimizer.write_params(&params)?;
+                    Ok(norm)
+                })?;
+            if !self.param_txs.is_empty() {
+                let flat = self.master_flat();
+                for tx in &self.param_txs {
+                    let _ = tx.send(ParamsMsg::Weights(flat.shallow_clone()));
+                }
+            }
+            self.step += 1;
+            if newest.is_some() {
+                self.last_seen = newest;
+            }
+            self.tokens_seen += tokens;
+            self.samples_seen += samples;
+            let now = Instant::now();
+            let step_s = now.duration_since(last_step_end).as_secs_f64().max(1e-9);
+            last_step_end = now;
+            self.shared
+                .profile
+                .record(Event::STEP_TOTAL, now.duration_since(step_started));
+            let alpha = if tokens_ema == 0.0 { 1.0 } else { 0.1 };
+            tokens_ema = alpha * tokens as f64 / step_s + (1.0 - alpha) * tokens_ema;
+            samples_ema = alpha * samples as f64 / step_s + (1.0 - alpha) * samples_ema;
+            let epoch = self.last_seen.map_or(0, |(_, _, e)| e);
+            let record = StepRecord {
+                step: self.step,
+                epoch,
+                loss: sums.loss(),
+                accuracy: sums.accuracy(),
+                tau_train: sums.tau_train(),
+                lr,
+                grad_norm,
+                tokens,
+                samples,
+                step_s,
+                tokens_per_s: tokens_ema,
+                samples_per_s: samples_ema,
+                elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+            };
+            if !record.loss.is_finite() {
+                bail!("step {}: the loss is {} (diverged)", self.step, record.loss);
+            }
+            self.shared
+                .metrics
+                .write(&MetricsRecord::Step(record.clone()));
+            {
+                let mut st = self.shared.status();
+                st.step = self.step;
+                st.epoch = epoch;
+                st.tokens_seen = self.tokens_seen;
+                st.samples_seen = self.samples_seen;
+                st.tokens_per_s = tokens_ema;
+                st.samples_per_s = samples_ema;
+                if st.history.len() >= HISTORY {
+                    st.history.remove(0);
+                }
+                st.history.push(record.clone());
+                if st.phase == Some(Phase::WarmingUp) {
+                    st.phase = Some(Phase::Training);
+                }
+            }
+            if cfg.debug.fail_stage == "drafter"
+                && cfg.debug.fail_at_step > 0
+                && self.step == cfg.debug.fail_at_step
+            {
+                bail!(
+                    "step {}: injected failure (debug.fail_stage = \"drafter\")",
+                    self.step
+                );
+            }
+            let periodic_steps = cfg.checkpoint.save_every_steps > 0
+                && self.step.is_multiple_of(cfg.checkpoint.save_every_steps);
+            let periodic_time = cfg.checkpoint.save_every_minutes > 0.0
+                && self.last_save.elapsed().as_secs_f64()
+                    >= cfg.checkpoint.save_every_minutes * 60.0;
+            if periodic_steps || periodic_time {
+                self.checkpoint("periodic")?;
+            }
+        }
+        self.checkpoint("final")?;
+        self.shared.set_phase(Phase::Finished);
+        self.shared
+            .event("finished", format!("finished after {} steps", self.step));
+        Ok(())
+    }
+
+    fn master_flat(&self) -> Tensor {
+        let params = self.drafter.named_parameters();
+        Tensor::cat(
+            &params
+                .iter()
+                .map(|(_, p)| p.detach().to_kind(Kind::Float).reshape([-1]))
+                .collect::<Vec<_>>(),
+            0,
+        )
+    }
+
+    /// Checkpoint and stop requests at a step boundary; true when the run should end.
+    fn handle_requests(&mut self) -> Result<bool> {
+        if self
+            .shared
+            .checkpoint_requested
+            .swap(false, Ordering::SeqCst)
+        {
+            self.checkpoint("command")?;
+        }
+        match self.shared.stop_requested.load(Ordering::SeqCst) {
+            1 => {
+                self.shared.set_phase(Phase::Stopping);
+                self.checkpoint("stop")?;
+                self.shared.set_phase(Phase::Finished);
+                self.shared.event(
+                    "stopped",
+                    format!("stopped at step {} by command", self.step),
+                );
+                Ok(true)
+            }
+            2 => {
+                self.shared.set_phase(Phase::Finished);
+                self.shared.event(
+                    "stopped",
+                    format!("stopped at step {} without checkpoint", self.step),
+                );
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    fn checkpoint(&mut self, why: &str) -> Result<()> {
+        if self.step == 0 {
+            return Ok(());
+        }
+        let previous = self.shared.status().phase;
+        self.shared.set_phase(Phase::Checkpointing);
+        let cfg = &self.config;
+        let fault = if cfg.debug.fail_stage == "checkpoint"
+            && cfg.debug.fail_at_step > 0
+            && self.step >= cfg.debug.fail_at_step
+        {
+            CheckpointFault::DiskFullAfterDrafter
+        } else {
+            CheckpointFault::None
+        };
+        let (packer, epoch) = self
+            .last_seen
+            .map(|(_, s, e)| (s, e))
+            .unwrap_or((PackerState::default(), 0));
+        let last = self.shared.status().history.last().cloned();
+        let state = TrainerState {
+            step: self.step,
+            epoch,
+            packer,
+            total_steps: self.total_steps,
+            tokens_seen: self.tokens_seen,
+            samples_seen: self.samples_seen,
+            seed: cfg.run.seed,
+            lr: last.as_ref().map_or(0.0, |l| l.lr),
+            loss: last.as_ref().map_or(f64::NAN, |l| l.loss),
+            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+            saved_at_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        };
+        let t = Instant::now();
+        let saved = save_checkpoint(
+            &self.shared.run_dir,
+            &self.drafter,
+            &self.optimizer,
+            &state,
+            cfg.checkpoint.keep_checkpoints,
+            fault,
+        );
+        self.shared
+            .profile
+            .record(Event::CHECKPOINT_SAVE, t.elapsed());
+        let path = saved.with_context(|| {
+            format!(
+                "checkpoint at step {} failed; the previous checkpoint is kept",
+                self.step
+            )
+        })?;
+        self.last_save = Instant::now();
+        self.shared.status().last_checkpoint = Some(path.clone());
+        self.shared.event(
+            "checkpoint",
+            format!(
+                "checkpoint ({why}) at step {}: {} in {:.2} s",
+                self.step,
+                path.display(),
+                t.elapsed().as_secs_f64()
+            ),
+        );
+        if let Some(p) = previous {
+            self.shared.set_phase(p);
+        }
+        Ok(())
+    }
+}
+
+impl TrainerHandle {
+    /// Applies a command; the reply says what happened or why it could not apply.
+    pub fn command(&self, cmd: &Command) -> std::result::Result<String, String> {
+        let s = &self.shared;
+        let phase = s.status().phase;
+        if matches!(phase, Some(Phase::Finished) | Some(Phase::Failed)) {
+            return Err(format!(
+                "the run has ended ({}); {cmd} ignored",
+                phase.unwrap_or(Phase::Finished)
+            ));
+        }
+        let reply = match cmd {
+            Command::Pause => {
+                s.paused.store(true, Ordering::SeqCst);
+                s.set_phase(Phase::Paused);
+                "paused: stages stop at the next item boundary".to_string()
+            }
+            Command::Resume => {
+                s.paused.store(false, Ordering::SeqCst);
+                s.pause_cv.notify_all();
+                let step = s.status().step;
+                s.set_phase(if step > 0 {
+                    Phase::Training
+                } else {
+                    Phase::WarmingUp
+                });
+                "resumed".to_string()
+            }
+            Command::Queue { name, depth } => {
+                let q = match name.as_str() {
+                    "batch_q" => s.batch_q.set_capacity(*depth),
+                    "feature_q" => s.feature_q.set_capacity(*depth),
+                    other => {
+                        return Err(format!(
+                            "unknown queue {other:?} (queues: batch_q, feature_q)"
+                        ))
+                    }
+                };
+                q?;
+                format!("{name} depth set to {depth}")
+            }
+            Command::Checkpoint => {
+                s.checkpoint_requested.store(true, Ordering::SeqCst);
+                "checkpoint requested for the next step boundary".to_string()
+            }
+            Command::Profile { seconds } => {
+                *s.profile_interval_s
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = *seconds;
+                if *seconds > 0.0 {
+                    format!("profile interval {seconds} s")
+                } else {
+                    "profile reports off".to_string()
+                }
+            }
+            Command::Stop { checkpoint } => {
+                s.stop_requested
+                    .store(if *checkpoint { 1 } else { 2 }, Ordering::SeqCst);
+                // Paused stages must wake up to reach the step boundary.
+                s.paused.store(false, Ordering::SeqCst);
+                s.pause_cv.notify_all();
+                if *checkpoint {
+                    "stopping after a checkpoint at the next step boundary".to_string()
+                } else {
+                    "stopping without checkpoint".to_string()
+                }
+            }
+        };
+        s.metrics.write(&MetricsRecord::Event {
+            elapsed_s: s.started.elapsed().as_secs_f64(),
+            kind: "command".into(),
+            message: format!("{cmd}: {reply}"),
+        });
+        Ok(reply)
+    }
+
+    /// Stops every stage at once (second signal, or a front end that gives up).
+    pub fn abort(&self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.pause_cv.notify_all();
+        self.shared.batch_q.wake_all();
+        self.shared.feature_q.wake_all();
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.threads.iter().all(|(_, h)| h.is_finished())
+    }
+
+    pub fn profile_interval_s(&self) -> f64 {
+        *self
+            .shared
+            .profile_interval_s
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Closes the current ProfileStats interval, records and returns the report.
+    pub fn profile_report(&self) -> ProfileReport {
+        let report = self.shared.profile.report();
+        self.shared
+            .metrics
+            .write(&MetricsRecord::Profile(report.clone()));
+        self.shared.status().last_profile = Some(report.clone());
+        report
+    }
+
+    pub fn write_record(&self, record: &MetricsRecord) {
+        self.shared.metrics.write(record);
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        let s = &self.shared;
+        let st = s.status();
+        let last = st.history.last().cloned();
+        let eta_s = last.as_ref().and_then(|l| {
+            let remaining = s.total_steps.saturating_sub(st.step) as f64;
+            let per_step = l.elapsed_s / (st.history.len().max(1)) as f64;
+            (st.history.len() > 1).then_some(remaining * per_step)
+        });
+        Snapshot {
+            run_name: s.run_name.clone(),
+            run_dir: s.run_dir.display().to_string(),
+            phase: st.phase.unwrap_or(Phase::LoadingModel),
+            step: st.step,
+            total_steps: s.total_steps,
+            epoch: st.epoch,
+            elapsed_s: s.started.elapsed().as_secs_f64(),
+            eta_s,
+            tokens_per_s: st.tokens_per_s,
+            samples_per_s: st.samples_per_s,
+            last,
+            history: st.history.clone(),
+            queues: s.queue_levels(),
+            profile: st.last_profile.clone(),
+            profile_interval_s: *s
+                .profile_interval_s
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+            gpus: None,
+            gpu_error: None,
+            stage_devices: st.stage_devices.clone(),
+            last_checkpoint: st.last_checkpoint.as_ref().map(|p| p.display().to_string()),
+            error: st.error.clone(),
+        }
+    }
+
+    /// Waits for every stage and writes the summary record.
+    pub fn join(self) -> RunOutcome {
+        for (name, h) in self.threads {
+            if h.join().is_err() {
+                let e = anyhow!("thread {name} panicked");
+                self.shared.fail(&name, &e);
+            }
+        }
+        let st = self.shared.status();
+        let phase = if st.error.is_some() {
+            Phase::Failed
+        } else {
+            Phase::Finished
+        };
+        let last = st.history.last().cloned();
+        self.shared.metrics.write(&MetricsRecord::Summary {
+            phase,
+            steps: st.step,
+            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+            tokens_seen: st.tokens_seen,
+            samples_seen: st.samples_seen,
+            final_loss: last.as_ref().map(|l| l.loss),
+            final_accuracy: last.as_ref().map(|l| l.accuracy),
+            final_tau_train: last.as_ref().map(|l| l.tau_train),
+            last_checkpoint: st.last_checkpoint.as_ref().map(|p| p.display().to_string()),
+            error: st.error.clone(),
+        });
+        RunOutcome {
+            phase,
+            steps: st.step,
+            error: st.error.clone(),
+            last_checkpoint: st.last_checkpoint.clone(),
+            final_step: last,
+        }
+    }
+}

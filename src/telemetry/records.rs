@@ -1,0 +1,190 @@
+//! Typed telemetry: the snapshot front ends render, and the `metrics.jsonl` records of a run
+//! (control-room spec §6).
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+use super::gpu::GpuReading;
+use super::profile::ProfileReport;
+use crate::pipeline::queue::QueueLevel;
+
+/// What the run is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    LoadingModel,
+    WarmingUp,
+    Training,
+    Paused,
+    Checkpointing,
+    Stopping,
+    Finished,
+    Failed,
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            Phase::LoadingModel => "loading model",
+            Phase::WarmingUp => "warming up",
+            Phase::Training => "training",
+            Phase::Paused => "paused",
+            Phase::Checkpointing => "checkpointing",
+            Phase::Stopping => "stopping",
+            Phase::Finished => "finished",
+            Phase::Failed => "failed",
+        };
+        f.write_str(s)
+    }
+}
+
+/// One optimizer step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    pub epoch: u64,
+    pub loss: f64,
+    pub accuracy: f64,
+    pub tau_train: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    /// Target tokens (non-padding) in this step.
+    pub tokens: u64,
+    pub samples: u64,
+    pub step_s: f64,
+    /// Smoothed throughput.
+    pub tokens_per_s: f64,
+    pub samples_per_s: f64,
+    pub elapsed_s: f64,
+}
+
+/// A GPU reading with the time it was taken.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuRecord {
+    pub elapsed_s: f64,
+    pub index: u32,
+    pub name: String,
+    pub utilization_pct: Option<u32>,
+    pub memory_used_bytes: Option<u64>,
+    pub memory_total_bytes: Option<u64>,
+    pub power_watts: Option<f64>,
+    pub temperature_c: Option<u32>,
+}
+
+impl GpuRecord {
+    pub fn from_reading(elapsed_s: f64, g: &GpuReading) -> Self {
+        GpuRecord {
+            elapsed_s,
+            index: g.index,
+            name: g.name.clone(),
+            utilization_pct: g.utilization_pct,
+            memory_used_bytes: g.memory_used_bytes,
+            memory_total_bytes: g.memory_total_bytes,
+            power_watts: g.power_watts,
+            temperature_c: g.temperature_c,
+        }
+    }
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum MetricsRecord {
+    Step(StepRecord),
+    Gpu(GpuRecord),
+    Queues {
+        elapsed_s: f64,
+        queues: Vec<QueueLevel>,
+    },
+    Profile(ProfileReport),
+    Event {
+        elapsed_s: f64,
+        kind: String,
+        message: String,
+    },
+    Summary {
+        phase: Phase,
+        steps: u64,
+        elapsed_s: f64,
+        tokens_seen: u64,
+        samples_seen: u64,
+        final_loss: Option<f64>,
+        final_accuracy: Option<f64>,
+        final_tau_train: Option<f64>,
+        last_checkpoint: Option<String>,
+        error: Option<String>,
+    },
+}
+
+/// Appends records to `metrics.jsonl`, one JSON object a line, flushed per record.
+pub struct MetricsWriter {
+    file: Mutex<BufWriter<File>>,
+}
+
+impl MetricsWriter {
+    pub fn open(path: &Path) -> anyhow::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| anyhow::anyhow!("{}: cannot write: {e}", path.display()))?;
+        Ok(MetricsWriter {
+            file: Mutex::new(BufWriter::new(file)),
+        })
+    }
+
+    pub fn write(&self, record: &MetricsRecord) {
+        let mut f = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        if let Ok(line) = serde_json::to_string(record) {
+            // Telemetry must never stop training: a failed write is logged, not raised.
+            if writeln!(f, "{line}").and_then(|_| f.flush()).is_err() {
+                log::warn!("metrics.jsonl: write failed");
+            }
+        }
+    }
+}
+
+/// Reads `metrics.jsonl` back into records.
+pub fn read_metrics(path: &Path) -> anyhow::Result<Vec<MetricsRecord>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l)
+                .map_err(|e| anyhow::anyhow!("{}: line {}: {e}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// Everything a front end shows, at one moment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub run_name: String,
+    pub run_dir: String,
+    pub phase: Phase,
+    pub step: u64,
+    pub total_steps: u64,
+    pub epoch: u64,
+    pub elapsed_s: f64,
+    pub eta_s: Option<f64>,
+    pub tokens_per_s: f64,
+    pub samples_per_s: f64,
+    pub last: Option<StepRecord>,
+    /// Recent steps for the charts (bounded).
+    pub history: Vec<StepRecord>,
+    pub queues: Vec<QueueLevel>,
+    pub profile: Option<ProfileReport>,
+    pub profile_interval_s: f64,
+    pub gpus: Option<Vec<GpuReading>>,
+    pub gpu_error: Option<String>,
+    /// Devices each stage runs on, e.g. ("target", "cuda:0").
+    pub stage_devices: Vec<(String, String)>,
+    pub last_checkpoint: Option<String>,
+    pub error: Option<String>,
+}

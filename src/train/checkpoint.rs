@@ -1,0 +1,164 @@
+//! Checkpoints of a run (control-room spec §6):
+//!
+//! ```text
+//! RUN_DIR/checkpoints/step-000100/   drafter/ (servable HF dir), optimizer.safetensors, trainer_state.json
+//! RUN_DIR/checkpoints/latest         -> the newest complete checkpoint
+//! ```
+//! A checkpoint is written into a temporary folder and renamed when complete; `latest` (a
+//! relative symbolic link) is replaced atomically after that, and only then are old
+//! checkpoints beyond `keep` removed. A failure at any point leaves the previous checkpoint
+//! and `latest` as they were.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::data::packer::PackerState;
+use crate::fsutil::StagedDir;
+use crate::model::Drafter;
+
+use super::optim::AdamW;
+
+/// Everything besides weights and moments that a resume needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps completed.
+    pub step: u64,
+    pub epoch: u64,
+    /// Where the data stream continues.
+    pub packer: PackerState,
+    pub total_steps: u64,
+    pub tokens_seen: u64,
+    pub samples_seen: u64,
+    pub seed: u64,
+    /// Learning rate of the last step.
+    pub lr: f64,
+    /// Last step's loss, for the record.
+    pub loss: f64,
+    pub elapsed_s: f64,
+    pub saved_at_unix: u64,
+}
+
+pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("checkpoints")
+}
+
+pub fn step_name(step: u64) -> String {
+    format!("step-{step:06}")
+}
+
+/// Injected failure points (tests of failure handling).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointFault {
+    None,
+    /// Fail with "no space left on device" after the drafter was written.
+    DiskFullAfterDrafter,
+}
+
+/// Writes a checkpoint for `state.step`, then points `latest` at it and prunes old ones.
+pub fn save_checkpoint(
+    run_dir: &Path,
+    drafter: &Drafter,
+    optimizer: &AdamW,
+    state: &TrainerState,
+    keep: usize,
+    fault: CheckpointFault,
+) -> Result<PathBuf> {
+    let dir = checkpoints_dir(run_dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+    let dest = dir.join(step_name(state.step));
+    if dest.exists() {
+        // The same step saved twice (command right after a periodic save): keep the first.
+        return Ok(dest);
+    }
+    let staged = StagedDir::create(&dest)?;
+    drafter.save(&staged.path().join("drafter"))?;
+    if fault == CheckpointFault::DiskFullAfterDrafter {
+        bail!(
+            "{}: cannot write optimizer.safetensors: No space left on device (os error 28, injected by debug.fail_stage = \"checkpoint\")",
+            staged.path().display()
+        );
+    }
+    optimizer.save(&staged.path().join("optimizer.safetensors"))?;
+    let text = serde_json::to_string_pretty(state)?;
+    std::fs::write(staged.path().join("trainer_state.json"), text).with_context(|| {
+        format!(
+            "{}: cannot write trainer_state.json",
+            staged.path().display()
+        )
+    })?;
+    let dest = staged.commit()?;
+    point_latest(&dir, &step_name(state.step))?;
+    prune(&dir, keep)?;
+    Ok(dest)
+}
+
+fn point_latest(dir: &Path, name: &str) -> Result<()> {
+    let tmp = dir.join(format!(".latest.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(name, &tmp)
+        .with_context(|| format!("{}: cannot create link", tmp.display()))?;
+    std::fs::rename(&tmp, dir.join("latest"))
+        .with_context(|| format!("{}: cannot update latest", dir.display()))
+}
+
+/// Complete checkpoints, oldest first.
+pub fn list_checkpoints(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            let path = e.path();
+            path.join("trainer_state.json")
+                .is_file()
+                .then_some((step, path))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn prune(dir: &Path, keep: usize) -> Result<()> {
+    let all = list_checkpoints(dir);
+    let latest = std::fs::read_link(dir.join("latest")).ok();
+    for (_, path) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
+        if latest.as_deref() == path.file_name().map(Path::new) {
+            continue;
+        }
+        std::fs::remove_dir_all(path)
+            .with_context(|| format!("{}: cannot remove", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The checkpoint `latest` points to.
+pub fn latest_checkpoint(run_dir: &Path) -> Result<PathBuf> {
+    let dir = checkpoints_dir(run_dir);
+    let link = dir.join("latest");
+    let target = std::fs::read_link(&link).with_context(|| {
+        format!(
+            "{}: no checkpoint to resume from (no checkpoints/latest)",
+            run_dir.display()
+        )
+    })?;
+    let path = dir.join(target);
+    if !path.join("trainer_state.json").is_file() {
+        bail!(
+            "{}: the latest checkpoint {} is incomplete",
+            run_dir.display(),
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+pub fn read_state(checkpoint: &Path) -> Result<TrainerState> {
+    let path = checkpoint.join("trainer_state.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("{}: cannot read", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", path.display()))
+}

@@ -1,0 +1,371 @@
+//! DFlash training maths (dflash spec §2-3): anchors, block labels and weights, the
+//! decay-weighted cross-entropy with optional soft labels and streak weighting, and the
+//! metrics (loss, weighted accuracy, tau_train).
+//!
+//! The LM head is applied in row chunks and its gradient is accumulated into a detached copy
+//! of the hidden states, so the full-vocabulary logits of a batch never exist at once.
+
+use rand::seq::index::sample;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tch::{Kind, Reduction, Tensor};
+
+/// Anchors of a batch: [B, N] positions and validity, N = the largest count of any row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnchorPlan {
+    pub rows: usize,
+    pub per_row: usize,
+    pub anchors: Vec<i64>,
+    pub valid: Vec<bool>,
+}
+
+/// Draws anchors for every row (spec §2.2): candidates are positions p with
+/// `loss_mask[p] == 1` and `p <= len - block`; `min(num_anchors, #candidates)` of them uniformly
+/// without replacement, sorted; shorter rows padded with invalid blocks at position 0.
+pub fn sample_anchors(
+    loss_mask: &[i64],
+    lengths: &[usize],
+    stride: usize,
+    block: usize,
+    num_anchors: usize,
+    seed: u64,
+) -> AnchorPlan {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut per_row: Vec<Vec<i64>> = Vec::with_capacity(lengths.len());
+    for (r, &len) in lengths.iter().enumerate() {
+        let row = &loss_mask[r * stride..r * stride + len];
+        let candidates: Vec<i64> = if len >= block {
+            (0..=len - block)
+                .filter(|&p| row[p] == 1)
+                .map(|p| p as i64)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let n = num_anchors.min(candidates.len());
+        let mut chosen: Vec<i64> = sample(&mut rng, candidates.len(), n)
+            .into_iter()
+            .map(|i| candidates[i])
+            .collect();
+        chosen.sort_unstable();
+        per_row.push(chosen);
+    }
+    let n = per_row.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut anchors = vec![0i64; lengths.len() * n];
+    let mut valid = vec![false; lengths.len() * n];
+    for (r, chosen) in per_row.iter().enumerate() {
+        for (j, &a) in chosen.iter().enumerate() {
+            anchors[r * n + j] = a;
+            valid[r * n + j] = true;
+        }
+    }
+    AnchorPlan {
+        rows: lengths.len(),
+        per_row: n,
+        anchors,
+        valid,
+    }
+}
+
+/// Labels and weights of every block slot: [B, N, block].
+#[derive(Debug, Clone)]
+pub struct BlockTargets {
+    pub labels: Vec<i64>,
+    pub weights: Vec<f32>,
+    /// Teacher position a_j + k - 1 of each slot (for soft labels).
+    pub teacher_pos: Vec<i64>,
+}
+
+/// `w[j,k] = valid_j * [k >= 1] * [a_j + k < len] * loss_mask[a_j + k] * exp(-(k - 1) / gamma)`
+/// and label `x[a_j + k]` (no shift) (spec §2.5, §3).
+pub fn block_targets(
+    ids: &[i64],
+    loss_mask: &[i64],
+    lengths: &[usize],
+    stride: usize,
+    plan: &AnchorPlan,
+    block: usize,
+    gamma: f64,
+) -> BlockTargets {
+    let total = plan.rows * plan.per_row * block;
+    let mut labels = vec![0i64; total];
+    let mut weights = vec![0f32; total];
+    let mut teacher_pos = vec![0i64; total];
+    for r in 0..plan.rows {
+        for j in 0..plan.per_row {
+            let slot = r * plan.per_row + j;
+            let a = plan.anchors[slot] as usize;
+            for k in 0..block {
+                let i = slot * block + k;
+                let p = a + k;
+                if p < lengths[r] {
+                    labels[i] = ids[r * stride + p];
+                    teacher_pos[i] = (p.max(1) - 1) as i64;
+                    if plan.valid[slot] && k >= 1 && loss_mask[r * stride + p] == 1 {
+                        weights[i] = (-((k - 1) as f64) / gamma).exp() as f32;
+                    }
+                }
+            }
+        }
+    }
+    BlockTargets {
+        labels,
+        weights,
+        teacher_pos,
+    }
+}
+
+/// Loss options.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossOptions {
+    pub kl_weight: f64,
+    pub kl_temperature: f64,
+    pub streak_alpha: f64,
+    /// Rows of LM-head output computed at once.
+    pub chunk_rows: i64,
+}
+
+/// Metrics of one micro-batch (sums, so that they can be combined).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LossSums {
+    /// sum of w * loss
+    pub weighted_loss: f64,
+    /// sum of w (decay and mask; streak weights excluded)
+    pub weight: f64,
+    /// sum of w * correct
+    pub weighted_correct: f64,
+    /// sum over valid blocks of the accepted-prefix length
+    pub accepted: f64,
+    pub blocks: f64,
+}
+
+impl LossSums {
+    pub fn add(&mut self, o: &LossSums) {
+        self.weighted_loss += o.weighted_loss;
+        self.weight += o.weight;
+        self.weighted_correct += o.weighted_correct;
+        self.accepted += o.accepted;
+        self.blocks += o.blocks;
+    }
+    pub fn loss(&self) -> f64 {
+        self.weighted_loss / self.weight.max(1e-12)
+    }
+    pub fn accuracy(&self) -> f64 {
+        self.weighted_correct / self.weight.max(1e-12)
+    }
+    /// `1 + mean_j sum_k prod_{i<=k} [argmax == label]`
+    pub fn tau_train(&self) -> f64 {
+        1.0 + self.accepted / self.blocks.max(1.0)
+    }
+}
+
+/// The last part of the backward pass: from the hidden states into the drafter.
+pub struct PendingBackward {
+    selected: Tensor,
+    grad: Tensor,
+}
+
+impl PendingBackward {
+    pub fn run(self) {
+        (self.selected * self.grad).sum(Kind::Float).backward();
+    }
+}
+
+/// Loss of one micro-batch, and its backward pass scaled by `grad_scale / sum(w)`: through the
+/// LM head here, into the drafter when the returned [`PendingBackward`] runs.
+///
+/// `hidden` [B, N, block, H] from `Drafter::forward_train`; `lm_head` [V, H] frozen;
+/// `teacher_hidden` [B, S, H] final-normed target states when soft labels are on.
+pub fn loss_and_backward(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &BlockTargets,
+    valid: &[bool],
+    teacher_hidden: Option<&Tensor>,
+    opts: &LossOptions,
+    grad_scale: f64,
+) -> (LossSums, Option<PendingBackward>) {
+    let size = hidden.size();
+    let (b, n, block, h) = (size[0], size[1], size[2], size[3]);
+    let device = hidden.device();
+    // Rows that matter: slots k >= 1 of valid blocks (block-major, k contiguous).
+    let mut rows: Vec<i64> = Vec::new();
+    for (slot, &ok) in valid.iter().enumerate() {
+        if ok {
+            rows.extend((1..block).map(|k| slot as i64 * block + k));
+        }
+    }
+    let blocks = rows.len() as i64 / (block - 1).max(1);
+    if rows.is_empty() {
+        return (LossSums::default(), None);
+    }
+    let idx = Tensor::from_slice(&rows).to_device(device);
+    let pick = |v: Tensor| v.to_device(device).index_select(0, &idx);
+    let labels = pick(Tensor::from_slice(&targets.labels));
+    let base_w = pick(Tensor::from_slice(&targets.weights));
+    let selected = hidden.reshape([b * n * block, h]).index_select(0, &idx);
+    let teacher = teacher_hidden.map(|t| {
+        let s = t.size()[1];
+        let flat = t.reshape([b * s, h]);
+        // teacher position of slot (r, j, k) lives in row r of the teacher states
+        let mut pos = Vec::with_capacity(rows.len());
+        for &row in &rows {
+            let r = row / (n * block);
+            pos.push(r * s + targets.teacher_pos[row as usize]);
+        }
+        flat.index_select(0, &Tensor::from_slice(&pos).to_device(device))
+    });
+
+    let m = rows.len() as i64;
+    let chunk = opts.chunk_rows.max(1);
+    let t = opts.kl_temperature;
+    let row_losses = |hd: &Tensor, start: i64, len: i64| -> (Tensor, Tensor) {
+        let logits = hd
+            .narrow(0, start, len)
+            .linear::<&Tensor>(lm_head, None)
+            .to_kind(Kind::Float);
+        let lab = labels.narrow(0, start, len);
+        let ce = logits.cross_entropy_loss::<Tensor>(&lab, None, Reduction::None, -100, 0.0);
+        let correct = logits
+            .argmax(-1, false)
+            .eq_tensor(&lab)
+            .to_kind(Kind::Float);
+        let loss = match (&teacher, opts.kl_weight > 0.0) {
+            (Some(th), true) => {
+                let tl = tch::no_grad(|| {
+                    th.narrow(0, start, len)
+                        .linear::<&Tensor>(lm_head, None)
+                        .to_kind(Kind::Float)
+                });
+                let p_t = (tl / t).softmax(-1, Kind::Float);
+                let log_p_t = p_t.clamp_min(1e-30).log();
+                let log_p_d = (&logits / t).log_softmax(-1, Kind::Float);
+                let kl = (&p_t * (log_p_t - log_p_d)).sum_dim_intlist(-1, false, Kind::Float);
+                &ce * (1.0 - opts.kl_weight) + kl * (opts.kl_weight * t * t)
+            }
+            _ => ce.shallow_clone(),
+        };
+        (loss, correct)
+    };
+
+    // Streak weighting needs every slot's CE before any weight is final: a first pass without
+    // gradients.
+    let weights = if opts.streak_alpha > 0.0 {
+        let ce_all = tch::no_grad(|| {
+            let mut parts = Vec::new();
+            let mut s = 0;
+            while s < m {
+                let len = chunk.min(m - s);
+                let logits = selected
+                    .narrow(0, s, len)
+                    .linear::<&Tensor>(lm_head, None)
+                    .to_kind(Kind::Float);
+                parts.push(logits.cross_entropy_loss::<Tensor>(
+                    &labels.narrow(0, s, len),
+                    None,
+                    Reduction::None,
+                    -100,
+                    0.0,
+                ));
+                s += len;
+            }
+            Tensor::cat(&parts, 0)
+        });
+        let a = opts.streak_alpha;
+        let q = (ce_all.neg().exp() * (1.0 - a) + a).view([blocks, block - 1]);
+        let c = q.cumprod(1, Kind::Float);
+        // s_k = sum_{m >= k} C_m: a reversed cumulative sum
+        let s = c.flip([1]).cumsum(1, Kind::Float).flip([1]).view([m]);
+        &base_w * s
+    } else {
+        base_w.shallow_clone()
+    };
+    let w_sum = weights.sum(Kind::Float).double_value(&[]);
+    let base_sum = base_w.sum(Kind::Float).double_value(&[]);
+
+    let hd = selected.detach().set_requires_grad(true);
+    let mut weighted_loss = Tensor::zeros([], (Kind::Float, device));
+    let mut weighted_correct = Tensor::zeros([], (Kind::Float, device));
+    let mut correct_all = Vec::new();
+    let mut s = 0;
+    while s < m {
+        let len = chunk.min(m - s);
+        let (loss, correct) = row_losses(&hd, s, len);
+        let w = weights.narrow(0, s, len);
+        let part = (&loss * &w).sum(Kind::Float);
+        if w_sum > 0.0 {
+            (&part * (grad_scale / w_sum)).backward();
+        }
+        weighted_loss += part.detach() * base_sum / w_sum.max(1e-12);
+        weighted_correct += (&correct * base_w.narrow(0, s, len)).sum(Kind::Float);
+        correct_all.push(correct);
+        s += len;
+    }
+    let grad = hd.grad();
+    let pending = (w_sum > 0.0 && grad.defined()).then(|| PendingBackward { selected, grad });
+    let correct = Tensor::cat(&correct_all, 0).view([blocks, block - 1]);
+    let accepted = correct
+        .cumprod(1, Kind::Float)
+        .sum(Kind::Float)
+        .double_value(&[]);
+    let sums = LossSums {
+        weighted_loss: weighted_loss.double_value(&[]) * if w_sum > 0.0 { 1.0 } else { 0.0 },
+        weight: base_sum,
+        weighted_correct: weighted_correct.double_value(&[]),
+        accepted,
+        blocks: blocks as f64,
+    };
+    (sums, pending)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn anchors_follow_the_candidate_rule() {
+        // row 0: length 10, loss on 3..10; row 1: length 6, loss everywhere
+        let stride = 10;
+        let mut mask = vec![0i64; 20];
+        mask[3..10].fill(1);
+        mask[10..16].fill(1);
+        let plan = sample_anchors(&mask, &[10, 6], stride, 4, 100, 1);
+        assert_eq!(plan.per_row, 4); // row 0: p in 3..=6 -> 4 candidates; row 1: 0..=2 -> 3
+        assert_eq!(&plan.anchors[..4], &[3, 4, 5, 6]);
+        assert_eq!(&plan.anchors[4..7], &[0, 1, 2]);
+        assert_eq!(
+            plan.valid,
+            vec![true, true, true, true, true, true, true, false]
+        );
+        let few = sample_anchors(&mask, &[10, 6], stride, 4, 2, 1);
+        assert_eq!(few.per_row, 2);
+        assert!(few.anchors[..2].windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(
+            few,
+            sample_anchors(&mask, &[10, 6], stride, 4, 2, 1),
+            "seeded"
+        );
+    }
+
+    #[test]
+    fn targets_have_no_shift_and_decay() {
+        let ids: Vec<i64> = (100..110).collect();
+        let mask = vec![1i64; 10];
+        let plan = AnchorPlan {
+            rows: 1,
+            per_row: 2,
+            anchors: vec![2, 0],
+            valid: vec![true, false],
+        };
+        let t = block_targets(&ids, &mask, &[10], 10, &plan, 4, 7.0);
+        assert_eq!(&t.labels[..4], &[102, 103, 104, 105]);
+        assert_eq!(t.weights[0], 0.0, "slot 0 has no loss");
+        assert_eq!(t.weights[1], 1.0);
+        assert!((t.weights[2] - (-1.0f64 / 7.0).exp() as f32).abs() < 1e-7);
+        assert!(t.weights[4..].iter().all(|&w| w == 0.0), "invalid block");
+        assert_eq!(
+            t.teacher_pos[1], 2,
+            "slot k is taught by position a + k - 1"
+        );
+    }
+}

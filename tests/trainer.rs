@@ -1,0 +1,418 @@
+//! The staged trainer end to end on CPU with a tiny random target: learning, pause/resume,
+//! queue resizing without losing or duplicating samples, bit-identical resume, failures, and a
+//! storm of commands.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::{ArrayRef, Int32Builder, Int8Builder, ListBuilder, RecordBatch};
+use common::tiny_target_dir;
+use dflash_tui::config::{self, TrainConfig};
+use dflash_tui::pipeline::command::Command;
+use dflash_tui::pipeline::trainer::{self, RunOutcome, TrainerHandle};
+use dflash_tui::runtime::TorchRuntime;
+use dflash_tui::telemetry::records::{read_metrics, MetricsRecord, Phase, StepRecord};
+
+/// A small repeated data set with a learnable rule: each token follows from the previous one.
+fn write_data(path: &Path, rows: usize) {
+    let mut ids = ListBuilder::new(Int32Builder::new());
+    let mut masks = ListBuilder::new(Int8Builder::new());
+    for r in 0..rows {
+        let len = 24 + (r * 7) % 40;
+        let mut t = (r * 11 % 45 + 3) as i32;
+        for k in 0..len {
+            ids.values().append_value(t);
+            t = (t * 7 + 3) % 45 + 3; // tokens 3..48, never the mask token 1
+            masks.values().append_value((k >= 4) as i8);
+        }
+        ids.append(true);
+        masks.append(true);
+    }
+    let batch = RecordBatch::try_from_iter([
+        ("input_ids", Arc::new(ids.finish()) as ArrayRef),
+        ("loss_mask", Arc::new(masks.finish()) as ArrayRef),
+    ])
+    .unwrap();
+    let mut w = arrow::ipc::writer::StreamWriter::try_new(
+        std::fs::File::create(path).unwrap(),
+        &batch.schema(),
+    )
+    .unwrap();
+    w.write(&batch).unwrap();
+    w.finish().unwrap();
+}
+
+struct Setup {
+    tmp: tempfile::TempDir,
+    target: PathBuf,
+    data: PathBuf,
+}
+
+fn setup(rows: usize) -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tiny_target_dir(&tmp.path().join("target"), "llama", false, None, 5);
+    let data = tmp.path().join("data.arrow");
+    write_data(&data, rows);
+    Setup { tmp, target, data }
+}
+
+fn tiny_config(s: &Setup, extra: &[&str]) -> TrainConfig {
+    let mut overrides = vec![
+        format!("model.target={}", s.target.display()),
+        format!("data.path={}", s.data.display()),
+    ];
+    overrides.extend(extra.iter().map(|e| e.to_string()));
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
+    config::load(&path, &overrides).unwrap()
+}
+
+fn start(cfg: &TrainConfig, run_dir: &Path, resume: bool) -> TrainerHandle {
+    std::fs::create_dir_all(run_dir).unwrap();
+    trainer::start(&TorchRuntime::init(), cfg, run_dir, resume).unwrap()
+}
+
+fn wait_for(
+    handle: &TrainerHandle,
+    what: &str,
+    limit: Duration,
+    cond: impl Fn(&TrainerHandle) -> bool,
+) {
+    let t = Instant::now();
+    while !cond(handle) {
+        assert!(t.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Joins with a deadline: a hang fails the test instead of blocking it.
+fn join_within(handle: TrainerHandle, limit: Duration) -> RunOutcome {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(handle.join());
+    });
+    rx.recv_timeout(limit)
+        .expect("the trainer did not finish: deadlock")
+}
+
+fn steps(run_dir: &Path) -> Vec<StepRecord> {
+    read_metrics(&run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            MetricsRecord::Step(s) => Some(s),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn loss_falls_on_a_small_repeated_dataset() {
+    let s = setup(24);
+    let cfg = tiny_config(
+        &s,
+        &[
+            "train.total_steps=80",
+            "train.lr=1e-2",
+            "checkpoint.save_every_steps=0",
+        ],
+    );
+    let run = s.tmp.path().join("run");
+    let out = join_within(start(&cfg, &run, false), Duration::from_secs(240));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    let st = steps(&run);
+    assert_eq!(st.len(), 80);
+    let mean = |xs: &[StepRecord], f: fn(&StepRecord) -> f64| {
+        xs.iter().map(f).sum::<f64>() / xs.len() as f64
+    };
+    let (first, last) = (&st[..10], &st[70..]);
+    let (l0, l1) = (mean(first, |x| x.loss), mean(last, |x| x.loss));
+    let (a0, a1) = (mean(first, |x| x.accuracy), mean(last, |x| x.accuracy));
+    let (t0, t1) = (mean(first, |x| x.tau_train), mean(last, |x| x.tau_train));
+    eprintln!("loss {l0:.3} -> {l1:.3}, accuracy {a0:.3} -> {a1:.3}, tau_train {t0:.2} -> {t1:.2}");
+    assert!(l1 < 0.5 * l0, "loss {l0} -> {l1}");
+    assert!(a1 > a0 + 0.2, "accuracy {a0} -> {a1}");
+    assert!(t1 > t0 + 0.5, "tau_train {t0} -> {t1}");
+    // the final checkpoint is a servable drafter folder
+    let ckpt = out.last_checkpoint.unwrap();
+    assert!(ckpt.join("drafter/config.json").is_file());
+    assert!(ckpt.join("drafter/model.safetensors").is_file());
+}
+
+#[test]
+fn pause_stops_progress_and_resume_continues() {
+    let s = setup(24);
+    let cfg = tiny_config(
+        &s,
+        &["train.total_steps=100000", "checkpoint.save_every_steps=0"],
+    );
+    let run = s.tmp.path().join("run");
+    let h = start(&cfg, &run, false);
+    wait_for(&h, "step 3", Duration::from_secs(60), |h| {
+        h.snapshot().step >= 3
+    });
+    h.command(&Command::Pause).unwrap();
+    std::thread::sleep(Duration::from_millis(500)); // the step in flight completes
+    let paused_at = h.snapshot().step;
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(h.snapshot().step, paused_at, "steps advanced while paused");
+    assert_eq!(h.snapshot().phase, Phase::Paused);
+    h.command(&Command::Resume).unwrap();
+    wait_for(&h, "progress after resume", Duration::from_secs(60), |h| {
+        h.snapshot().step >= paused_at + 3
+    });
+    h.command(&Command::Stop { checkpoint: true }).unwrap();
+    let out = join_within(h, Duration::from_secs(60));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    assert!(out.last_checkpoint.is_some(), "stop writes a checkpoint");
+}
+
+#[test]
+fn resizing_queues_neither_loses_nor_duplicates_samples() {
+    let s = setup(400);
+    // Batches of one epoch: the run ends exactly at the epoch boundary.
+    let probe = tiny_config(&s, &[]);
+    let store = Arc::new(
+        dflash_tui::data::store::TokenStore::load(
+            &s.data,
+            &dflash_tui::data::store::DataColumns::default(),
+            &dflash_tui::data::store::StoreOptions {
+                vocab_size: 50,
+                max_len: probe.data.max_len,
+                min_loss_tokens: 8,
+            },
+        )
+        .unwrap()
+        .0,
+    );
+    let mut packer = dflash_tui::data::packer::Packer::new(
+        store.clone(),
+        dflash_tui::data::packer::PackerConfig {
+            token_budget: probe.data.token_budget,
+            max_batch: probe.data.max_batch,
+            window: probe.data.bucket_window,
+            seed: probe.run.seed,
+        },
+    );
+    let mut epoch_batches = 0;
+    while packer.next().unwrap().epoch == 0 {
+        epoch_batches += 1;
+    }
+    let cfg = tiny_config(
+        &s,
+        &[
+            &format!("train.total_steps={epoch_batches}"),
+            "checkpoint.save_every_steps=0",
+        ],
+    );
+    let run = s.tmp.path().join("run");
+    let h = start(&cfg, &run, false);
+    let mut k = 0;
+    while !h.is_finished() {
+        let depth = 1 + (k * 7) % 5;
+        let name = if k % 2 == 0 { "batch_q" } else { "feature_q" };
+        let _ = h.command(&Command::Queue {
+            name: name.into(),
+            depth,
+        });
+        if k == 3 {
+            let levels = h.shared.queue_levels();
+            assert!(
+                levels.iter().any(|q| q.capacity == depth),
+                "capacity change visible"
+            );
+        }
+        k += 1;
+        std::thread::sleep(Duration::from_millis(30));
+    }
+    let visits: Vec<u32> = h
+        .shared
+        .sample_visits
+        .iter()
+        .map(|v| v.load(Ordering::Relaxed))
+        .collect();
+    let out = join_within(h, Duration::from_secs(60));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    assert!(k > 5, "the queues were resized while running");
+    assert_eq!(visits.len(), store.len());
+    assert!(
+        visits.iter().all(|&v| v == 1),
+        "each sample exactly once: {visits:?}"
+    );
+}
+
+#[test]
+fn checkpoint_and_resume_give_bit_identical_losses() {
+    let s = setup(24);
+    let base = [
+        "train.total_steps=40",
+        "checkpoint.save_every_steps=20",
+        "telemetry.profile_interval_s=0",
+    ];
+    // A: uninterrupted
+    let run_a = s.tmp.path().join("a");
+    let out = join_within(
+        start(&tiny_config(&s, &base), &run_a, false),
+        Duration::from_secs(240),
+    );
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    // B: the same run dies at step 21 (after the checkpoint at 20), then resumes
+    let run_b = s.tmp.path().join("b");
+    let mut failing: Vec<&str> = base.to_vec();
+    failing.extend(["debug.fail_at_step=21", "debug.fail_stage=drafter"]);
+    let out = join_within(
+        start(&tiny_config(&s, &failing), &run_b, false),
+        Duration::from_secs(240),
+    );
+    assert_eq!(out.phase, Phase::Failed);
+    let out = join_within(
+        start(&tiny_config(&s, &base), &run_b, true),
+        Duration::from_secs(240),
+    );
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    let a = steps(&run_a);
+    let b: Vec<StepRecord> = steps(&run_b).into_iter().skip(21).collect(); // 1..=21 from the first attempt
+    assert_eq!(b.first().map(|r| r.step), Some(21));
+    let a_tail: Vec<(u64, u64, u64)> = a[20..]
+        .iter()
+        .map(|r| (r.step, r.loss.to_bits(), r.accuracy.to_bits()))
+        .collect();
+    let b_tail: Vec<(u64, u64, u64)> = b
+        .iter()
+        .map(|r| (r.step, r.loss.to_bits(), r.accuracy.to_bits()))
+        .collect();
+    assert_eq!(a_tail.len(), 20);
+    assert_eq!(
+        a_tail, b_tail,
+        "losses after resume differ from the uninterrupted run"
+    );
+}
+
+#[test]
+fn a_failing_stage_stops_cleanly_and_keeps_the_last_checkpoint() {
+    // The loader runs ahead of training by the queue depths: it fails at a later batch.
+    for (stage, at) in [("target", 12), ("drafter", 8), ("loader", 24)] {
+        let s = setup(24);
+        let cfg = tiny_config(
+            &s,
+            &[
+                "train.total_steps=1000",
+                "checkpoint.save_every_steps=3",
+                &format!("debug.fail_at_step={at}"),
+                &format!("debug.fail_stage={stage}"),
+            ],
+        );
+        let run = s.tmp.path().join("run");
+        let out = join_within(start(&cfg, &run, false), Duration::from_secs(120));
+        assert_eq!(out.phase, Phase::Failed, "{stage}");
+        let err = out.error.unwrap();
+        assert!(
+            err.contains("injected failure") && err.contains(stage),
+            "{err}"
+        );
+        let latest = dflash_tui::train::checkpoint::latest_checkpoint(&run).unwrap();
+        let state = dflash_tui::train::checkpoint::read_state(&latest).unwrap();
+        assert!(
+            state.step >= 3 && state.step.is_multiple_of(3),
+            "{stage}: {state:?}"
+        );
+        dflash_tui::model::Drafter::load(
+            &latest.join("drafter"),
+            tch::Device::Cpu,
+            tch::Kind::Float,
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn disk_full_during_a_checkpoint_keeps_the_previous_one() {
+    let s = setup(24);
+    let cfg = tiny_config(
+        &s,
+        &[
+            "train.total_steps=1000",
+            "checkpoint.save_every_steps=4",
+            "debug.fail_at_step=6",
+            "debug.fail_stage=checkpoint",
+        ],
+    );
+    let run = s.tmp.path().join("run");
+    let out = join_within(start(&cfg, &run, false), Duration::from_secs(120));
+    assert_eq!(out.phase, Phase::Failed);
+    let err = out.error.unwrap();
+    assert!(
+        err.contains("No space left on device") && err.contains("previous checkpoint is kept"),
+        "{err}"
+    );
+    let latest = dflash_tui::train::checkpoint::latest_checkpoint(&run).unwrap();
+    assert!(latest.ends_with("step-000004"), "{}", latest.display());
+    let leftovers: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("partial"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // and the run resumes from it
+    let resumed = tiny_config(
+        &s,
+        &["train.total_steps=10", "checkpoint.save_every_steps=4"],
+    );
+    let out = join_within(start(&resumed, &run, true), Duration::from_secs(120));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+}
+
+#[test]
+fn a_storm_of_random_commands_ends_without_deadlock() {
+    let s = setup(24);
+    let cfg = tiny_config(
+        &s,
+        &[
+            "train.total_steps=1000000",
+            "checkpoint.save_every_steps=0",
+            "checkpoint.keep_checkpoints=2",
+        ],
+    );
+    let run = s.tmp.path().join("run");
+    let h = start(&cfg, &run, false);
+    let mut rng = common::Lcg(99);
+    let t = Instant::now();
+    let mut sent = 0;
+    while t.elapsed() < Duration::from_secs(30) {
+        let cmd = match rng.next_u32() % 9 {
+            0 | 1 => Command::Pause,
+            2 | 3 => Command::Resume,
+            4 => Command::Queue {
+                name: "batch_q".into(),
+                depth: 1 + (rng.next_u32() % 6) as usize,
+            },
+            5 => Command::Queue {
+                name: "feature_q".into(),
+                depth: 1 + (rng.next_u32() % 6) as usize,
+            },
+            6 => Command::Checkpoint,
+            7 => Command::Profile {
+                seconds: (rng.next_u32() % 3) as f64,
+            },
+            _ => Command::Queue {
+                name: "nope".into(),
+                depth: 2,
+            },
+        };
+        let _ = h.command(&cmd);
+        if rng.next_u32().is_multiple_of(10) {
+            let _ = h.profile_report();
+            let _ = h.snapshot();
+        }
+        sent += 1;
+        std::thread::sleep(Duration::from_millis((rng.next_u32() % 20) as u64));
+    }
+    assert!(h.snapshot().step > 0, "training advanced during the storm");
+    h.command(&Command::Stop { checkpoint: true }).unwrap();
+    let out = join_within(h, Duration::from_secs(60));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    assert!(sent > 500);
+}
