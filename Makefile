@@ -19,9 +19,13 @@ pytools:
 
 setup: demo-assets pytools
 
+# The demo: a drafter for SmolLM2-135M-Instruct trained on ShareGPT, on the CPU. Ctrl-C stops
+# with a checkpoint; `:` commands (pause, resume, queue NAME DEPTH, checkpoint, profile S,
+# stop) can be typed on stdin.
 demo: setup
 	$(BIN) doctor
 	$(BIN) generate --prompt "What is the capital of France?" --max-new-tokens 64
+	$(BIN) train --config configs/demo-cpu.toml
 
 test: setup
 	$(CARGO) test --release --locked

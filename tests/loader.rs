@@ -104,7 +104,7 @@ fn packer_respects_the_budget_covers_each_epoch_and_buckets() {
         for &i in &b.indices {
             seen[i] += 1;
         }
-        let c = collate(&store, &b, false);
+        let c = collate(&store, &b);
         assert_eq!(
             c.input_ids.size(),
             vec![b.indices.len() as i64, b.max_len as i64]

@@ -182,7 +182,7 @@ pub fn bench(path: &Path, samples: usize, batches: usize, python: &str) -> Resul
     let t = Instant::now();
     for _ in 0..batches {
         let b = packer.next().context("the packer produced no batch")?;
-        let c = collate(&store, &b, false);
+        let c = collate(&store, &b);
         checksum = checksum.wrapping_add(c.lengths.len() as u64);
     }
     let pack_s = t.elapsed().as_secs_f64();

@@ -228,9 +228,10 @@ pub struct CollatedBatch {
     pub lengths: Vec<usize>,
 }
 
-/// Lays a batch out as padded tensors (`pin` pins them in page-locked memory for fast
-/// host-to-GPU copies; only possible with CUDA).
-pub fn collate(store: &TokenStore, batch: &Batch, pin: bool) -> CollatedBatch {
+/// Lays a batch out as padded tensors. (Pinned memory is not used: tch's `pin_memory` passes
+/// a device argument that libtorch 2.11 deprecates with a warning per call, and the id tensors
+/// are small next to the features, which stay on the GPU.)
+pub fn collate(store: &TokenStore, batch: &Batch) -> CollatedBatch {
     let (b, l) = (batch.indices.len(), batch.max_len);
     let mut ids = vec![0i64; b * l];
     let mut mask = vec![0i64; b * l];
@@ -244,12 +245,8 @@ pub fn collate(store: &TokenStore, batch: &Batch, pin: bool) -> CollatedBatch {
         lengths.push(s.input_ids.len());
     }
     let shape = [b as i64, l as i64];
-    let mut input_ids = Tensor::from_slice(&ids).view(shape);
-    let mut loss_mask = Tensor::from_slice(&mask).view(shape);
-    if pin {
-        input_ids = input_ids.pin_memory(tch::Device::Cuda(0));
-        loss_mask = loss_mask.pin_memory(tch::Device::Cuda(0));
-    }
+    let input_ids = Tensor::from_slice(&ids).view(shape);
+    let loss_mask = Tensor::from_slice(&mask).view(shape);
     debug_assert_eq!(input_ids.kind(), Kind::Int64);
     CollatedBatch {
         input_ids,

@@ -538,11 +538,10 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         let store = p.store.clone();
         let cfg = config.clone();
         let state = p.packer_state;
-        let pin = p.target_devices.iter().any(|d| d.is_cuda());
         threads.push(spawn(
             "loader".into(),
             Box::new(move || {
-                if let Err(e) = loader(&shared, store, &cfg, state, pin) {
+                if let Err(e) = loader(&shared, store, &cfg, state) {
                     shared.fail("loader", &e);
                 }
                 shared.batch_q.close();
@@ -641,7 +640,6 @@ fn loader(
     store: Arc<TokenStore>,
     cfg: &TrainConfig,
     state: PackerState,
-    pin: bool,
 ) -> Result<()> {
     let mut packer = Packer::resume(store.clone(), packer_config(cfg), state);
     let mut seq = 0u64;
@@ -655,7 +653,7 @@ fn loader(
             .ok_or_else(|| anyhow!("the data set yields no batch"))?;
         let resume = packer.state();
         let item = shared.profile.time(Event::LOADER_PACK, || {
-            let c = collate(&store, &batch, pin);
+            let c = collate(&store, &batch);
             let stride = batch.max_len;
             let ids = Vec::<i64>::try_from(&c.input_ids.view([-1])).unwrap_or_default();
             let mask = Vec::<i64>::try_from(&c.loss_mask.view([-1])).unwrap_or_default();

@@ -1,0 +1,269 @@
+//! `dflash-tui train` through the real binary: bad configuration and inputs get one clear
+//! message and a non-zero exit; headless commands from stdin and signals steer a run.
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::tiny_target_dir;
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_dflash-tui")
+}
+
+fn tiny_config() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml")
+}
+
+/// A tiny target and data set (made with prepare-data's layout by the loader tests' writer).
+struct Inputs {
+    tmp: tempfile::TempDir,
+    target: PathBuf,
+    data: PathBuf,
+}
+
+fn inputs() -> Inputs {
+    use arrow::array::{ArrayRef, Int32Builder, Int8Builder, ListBuilder, RecordBatch};
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tiny_target_dir(&tmp.path().join("target"), "llama", false, None, 3);
+    let data = tmp.path().join("data.arrow");
+    let mut ids = ListBuilder::new(Int32Builder::new());
+    let mut masks = ListBuilder::new(Int8Builder::new());
+    for r in 0..32i32 {
+        for k in 0..40i32 {
+            ids.values().append_value((r + k * 5) % 45 + 3);
+            masks.values().append_value((k >= 4) as i8);
+        }
+        ids.append(true);
+        masks.append(true);
+    }
+    let batch = RecordBatch::try_from_iter([
+        ("input_ids", Arc::new(ids.finish()) as ArrayRef),
+        ("loss_mask", Arc::new(masks.finish()) as ArrayRef),
+    ])
+    .unwrap();
+    let mut w = arrow::ipc::writer::StreamWriter::try_new(
+        std::fs::File::create(&data).unwrap(),
+        &batch.schema(),
+    )
+    .unwrap();
+    w.write(&batch).unwrap();
+    w.finish().unwrap();
+    Inputs { tmp, target, data }
+}
+
+fn base_args<'a>(i: &'a Inputs, run_dir: &'a Path) -> Vec<String> {
+    vec![
+        "train".into(),
+        "--config".into(),
+        tiny_config().display().to_string(),
+        "--set".into(),
+        format!("model.target={}", i.target.display()),
+        "--set".into(),
+        format!("data.path={}", i.data.display()),
+        "--run-dir".into(),
+        run_dir.display().to_string(),
+        "--no-tui".into(),
+    ]
+}
+
+fn run(args: &[String]) -> (i32, String, String) {
+    let out = Command::new(bin())
+        .args(args)
+        .env("DFLASH_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn config_errors_name_the_field() {
+    let i = inputs();
+    let run_dir = i.tmp.path().join("run");
+    let bad = i.tmp.path().join("bad.toml");
+    std::fs::write(&bad, "[train]\nlearning_rate = 1\n").unwrap();
+    let (code, _, err) = run(&["train".into(), "--config".into(), bad.display().to_string()]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("bad.toml") && err.contains("learning_rate"),
+        "{err}"
+    );
+
+    let mut args = base_args(&i, &run_dir);
+    args.extend(["--set".into(), "train.lr=-1".into()]);
+    let (code, _, err) = run(&args);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("train.lr = -1") && err.contains("must be > 0"),
+        "{err}"
+    );
+    assert!(!run_dir.exists(), "nothing is created for a bad config");
+
+    let mut args = base_args(&i, &run_dir);
+    args.extend(["--set".into(), "model.mask_token_id=50".into()]);
+    let (code, _, err) = run(&args);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("mask_token_id = 50") && err.contains("vocabulary"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_drafter_that_does_not_match_the_target_is_refused() {
+    let i = inputs();
+    // a drafter for another target (hidden size 32 -> a different vocabulary here)
+    let other = i.tmp.path().join("other");
+    tiny_target_dir(&other, "llama", false, None, 4);
+    let cfg_path = other.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["vocab_size"] = 40.into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let t = dflash_tui::model::TargetConfig::from_model_dir(&other).unwrap();
+    let dc = dflash_tui::model::DrafterConfig::for_target(
+        &t,
+        &dflash_tui::model::DrafterShape {
+            layers: 1,
+            block_size: 4,
+            mask_token_id: 1,
+            target_layer_ids: None,
+            num_taps: 2,
+        },
+    )
+    .unwrap();
+    let drafter = dflash_tui::model::Drafter::init(dc, tch::Device::Cpu, tch::Kind::Float)
+        .unwrap()
+        .save(&i.tmp.path().join("drafter"))
+        .unwrap();
+    let run_dir = i.tmp.path().join("run");
+    let mut args = base_args(&i, &run_dir);
+    args.extend([
+        "--set".into(),
+        format!("model.drafter_init={}", drafter.display()),
+    ]);
+    let (code, _, err) = run(&args);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains(&drafter.join("config.json").display().to_string())
+            && err.contains("vocab_size = 40"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_unwritable_run_directory_is_refused() {
+    let i = inputs();
+    let blocker = i.tmp.path().join("blocker");
+    std::fs::write(&blocker, b"").unwrap();
+    let (code, _, err) = run(&base_args(&i, &blocker.join("run")));
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("blocker") && err.contains("cannot create the run directory"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_failing_stage_exits_non_zero_with_the_error() {
+    let i = inputs();
+    let run_dir = i.tmp.path().join("run");
+    let mut args = base_args(&i, &run_dir);
+    for s in [
+        "train.total_steps=100",
+        "checkpoint.save_every_steps=2",
+        "debug.fail_at_step=5",
+        "debug.fail_stage=target",
+    ] {
+        args.extend(["--set".into(), s.into()]);
+    }
+    let (code, _, err) = run(&args);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("target worker 0 failed") && err.contains("injected failure"),
+        "{err}"
+    );
+    assert!(err.contains("last checkpoint"), "{err}");
+    assert!(run_dir.join("checkpoints/latest").exists());
+}
+
+#[test]
+fn stdin_commands_and_signals_steer_a_headless_run() {
+    let i = inputs();
+    let run_dir = i.tmp.path().join("run");
+    let mut args = base_args(&i, &run_dir);
+    args.extend([
+        "--set".into(),
+        "train.total_steps=1000000".into(),
+        "--set".into(),
+        "checkpoint.save_every_steps=0".into(),
+    ]);
+    let mut child = Command::new(bin())
+        .args(&args)
+        .env("DFLASH_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let metrics = run_dir.join("metrics.jsonl");
+    let t = Instant::now();
+    while !std::fs::read_to_string(&metrics)
+        .unwrap_or_default()
+        .contains("\"type\":\"step\"")
+    {
+        assert!(t.elapsed() < Duration::from_secs(60), "no step within 60 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for line in [
+        "pause",
+        "resume",
+        "queue feature_q 1",
+        "queue nowhere 2",
+        "checkpoint",
+        "profile 1",
+        "bogus",
+    ] {
+        writeln!(stdin, "{line}").unwrap();
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // SIGTERM: stop with a checkpoint, exit 0
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("ok: paused") && stdout.contains("ok: resumed"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("ok: feature_q depth set to 1"), "{stdout}");
+    assert!(
+        stdout.contains("error: unknown queue \"nowhere\""),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("error: unknown command \"bogus\""),
+        "{stdout}"
+    );
+    assert!(stdout.contains("run finished"), "{stdout}");
+    let ckpts = dflash_tui::train::checkpoint::list_checkpoints(&run_dir.join("checkpoints"));
+    assert!(!ckpts.is_empty());
+    let records = dflash_tui::telemetry::records::read_metrics(&metrics).unwrap();
+    assert!(records.iter().any(|r| matches!(
+        r,
+        dflash_tui::telemetry::records::MetricsRecord::Summary { .. }
+    )));
+}
