@@ -416,3 +416,25 @@ fn a_storm_of_random_commands_ends_without_deadlock() {
     assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
     assert!(sent > 500);
 }
+
+#[test]
+fn two_drafter_replicas_average_gradients_and_learn() {
+    let s = setup(24);
+    let cfg = tiny_config(
+        &s,
+        &[
+            "train.total_steps=40",
+            "train.lr=1e-2",
+            "checkpoint.save_every_steps=0",
+            "devices.drafter_devices=[\"cpu\", \"cpu\"]",
+        ],
+    );
+    let run = s.tmp.path().join("run");
+    let out = join_within(start(&cfg, &run, false), Duration::from_secs(240));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    let st = steps(&run);
+    assert_eq!(st.len(), 40);
+    let first: f64 = st[..5].iter().map(|r| r.loss).sum::<f64>() / 5.0;
+    let last: f64 = st[35..].iter().map(|r| r.loss).sum::<f64>() / 5.0;
+    assert!(last < 0.7 * first, "loss {first} -> {last}");
+}
