@@ -3,7 +3,7 @@
 CARGO ?= cargo
 BIN := target/release/dflash-tui
 
-.PHONY: setup libtorch pytools build demo-assets demo test lint carry
+.PHONY: setup libtorch pytools tools build demo-assets demo test lint carry
 
 libtorch:
 	bash scripts/setup-libtorch.sh
@@ -17,7 +17,10 @@ demo-assets: build
 pytools:
 	bash scripts/setup-pytools.sh
 
-setup: demo-assets pytools
+tools:
+	bash scripts/setup-tools.sh
+
+setup: demo-assets pytools tools
 
 # The demo: a drafter for SmolLM2-135M-Instruct trained on ShareGPT, on the CPU. Ctrl-C stops
 # with a checkpoint; `:` commands (pause, resume, queue NAME DEPTH, checkpoint, profile S,

@@ -13,3 +13,4 @@ pub mod runtime;
 pub mod telemetry;
 pub mod text;
 pub mod train;
+pub mod ui;

@@ -167,6 +167,26 @@ pub enum Command {
         #[arg(long)]
         no_tui: bool,
     },
+    /// Send a command to a running trainer through RUN_DIR/control.sock and print the reply.
+    Ctl {
+        run_dir: PathBuf,
+        /// pause, resume, queue NAME DEPTH, checkpoint, profile SECONDS, stop
+        #[arg(required = true, num_args = 1.., allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
+    /// Benchmark of the control room: time to render one 120x40 frame with a full chart
+    /// history, and the UI thread's CPU use at 10 frames per second.
+    BenchUi {
+        /// Steps of chart history.
+        #[arg(long, default_value_t = 20_000)]
+        history: usize,
+        /// Frames timed back to back.
+        #[arg(long, default_value_t = 500)]
+        frames: usize,
+        /// Seconds of the 10 fps loop whose CPU time is measured.
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+    },
     /// Perplexity of a model over a tokenised dataset (Arrow IPC, save_to_disk folder or
     /// Parquet with an input_ids column); prints one JSON object.
     Perplexity {
@@ -230,6 +250,19 @@ fn init_logging(level: &str, log_file: Option<&std::path::Path>) {
     let _ = builder.try_init();
 }
 
+/// The control room's logger: tui-logger (shown in the screen's log pane) and the run log.
+fn init_tui_logging(level: &str, log_file: Option<&std::path::Path>) {
+    let filter = level
+        .parse::<log::LevelFilter>()
+        .unwrap_or(log::LevelFilter::Info);
+    if tui_logger::init_logger(log::LevelFilter::Trace).is_ok() {
+        tui_logger::set_default_level(filter);
+        if let Some(path) = log_file.and_then(|p| p.to_str()) {
+            tui_logger::set_log_file(tui_logger::TuiLoggerFile::new(path));
+        }
+    }
+}
+
 /// Writes to a file and to stderr.
 struct Tee {
     file: std::fs::File,
@@ -264,7 +297,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 resume,
                 no_tui,
             },
-            |log_file| init_logging(&level, log_file),
+            |log_file, tui| {
+                if tui {
+                    init_tui_logging(&level, log_file)
+                } else {
+                    init_logging(&level, log_file)
+                }
+            },
         ),
         Command::Doctor => {
             let runtime = TorchRuntime::init();
@@ -319,6 +358,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     dtype,
                 },
             )
+        }
+        Command::BenchUi {
+            history,
+            frames,
+            seconds,
+        } => bench_ui(history, frames, seconds),
+        Command::Ctl { run_dir, command } => {
+            let reply = crate::pipeline::control::send(&run_dir, &command.join(" "))?;
+            if reply.ok {
+                println!("{}", reply.message);
+                Ok(())
+            } else {
+                anyhow::bail!("{}", reply.message)
+            }
         }
         Command::PrepareData {
             tokenizer,
@@ -376,4 +429,60 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             )
         }
     }
+}
+
+/// CPU time of the calling thread, in seconds.
+fn thread_cpu_s() -> f64 {
+    // SAFETY: getrusage fills the struct it is given.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(usage.ru_utime) + tv(usage.ru_stime)
+}
+
+fn bench_ui(history: usize, frames: usize, seconds: f64) -> anyhow::Result<()> {
+    use ratatui::backend::TestBackend;
+    use std::time::{Duration, Instant};
+    let mut state = crate::ui::sample::synthetic_state(history, 2);
+    let mut terminal = ratatui::Terminal::new(TestBackend::new(120, 40))?;
+    terminal.draw(|f| crate::ui::render::render(f, &state))?;
+    let mut times = Vec::with_capacity(frames);
+    for _ in 0..frames.max(1) {
+        let t = Instant::now();
+        terminal.draw(|f| crate::ui::render::render(f, &state))?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let mean = times.iter().sum::<f64>() / times.len() as f64;
+    // The UI loop at 10 fps: a frame every 100 ms, with new telemetry each time.
+    let cpu0 = thread_cpu_s();
+    let wall0 = Instant::now();
+    let mut drawn = 0u64;
+    while wall0.elapsed().as_secs_f64() < seconds {
+        let t = Instant::now();
+        state.snapshot.step += 1;
+        terminal.draw(|f| crate::ui::render::render(f, &state))?;
+        drawn += 1;
+        if let Some(rest) = Duration::from_millis(100).checked_sub(t.elapsed()) {
+            std::thread::sleep(rest);
+        }
+    }
+    let cpu = thread_cpu_s() - cpu0;
+    let wall = wall0.elapsed().as_secs_f64();
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&serde_json::json!({
+            "size": "120x40",
+            "history_steps": history,
+            "frames": times.len(),
+            "frame_ms_mean": mean,
+            "frame_ms_p50": times[times.len() / 2],
+            "frame_ms_p99": times[(times.len() - 1) * 99 / 100],
+            "frame_ms_max": times[times.len() - 1],
+            "loop_fps": drawn as f64 / wall,
+            "loop_seconds": wall,
+            "ui_thread_cpu_percent_of_a_core": 100.0 * cpu / wall,
+        }))?
+    );
+    Ok(())
 }

@@ -76,20 +76,25 @@ pub fn prepare_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<PathBuf
     Ok(dir)
 }
 
-pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>)) -> Result<()> {
+/// `init_logging(log_file, tui)`: the screen shows logs in its own pane, so with `tui` the
+/// logger must not write to the terminal.
+pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>, bool)) -> Result<()> {
+    use std::io::IsTerminal;
     let config = load_config(&args)?;
     let run_dir = prepare_run_dir(&config, &args)?;
-    init_logging(Some(&run_dir.join("train.log")));
-    if !args.no_tui {
-        log::info!("the control room screen is not available yet: running headless");
-    }
+    let tui = !args.no_tui && std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
+    init_logging(Some(&run_dir.join("train.log")), tui);
     let runtime = TorchRuntime::init();
     let handle = trainer::start(&runtime, &config, &run_dir, args.resume.is_some())?;
-    let outcome = headless::run(
-        handle,
-        config.telemetry.log_every_steps,
-        config.telemetry.gpu_sample_interval_s,
-    );
+    let outcome = if tui {
+        crate::ui::app::run(handle, config.telemetry.gpu_sample_interval_s)?
+    } else {
+        headless::run(
+            handle,
+            config.telemetry.log_every_steps,
+            config.telemetry.gpu_sample_interval_s,
+        )
+    };
     match (&outcome.phase, &outcome.error) {
         (Phase::Finished, None) => {
             let last = outcome.final_step.as_ref();

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::command::Command;
+use super::control::Request;
 use super::trainer::{RunOutcome, TrainerHandle};
 use crate::telemetry::gpu::GpuMonitor;
 use crate::telemetry::records::{GpuRecord, MetricsRecord, Snapshot};
@@ -79,22 +80,63 @@ pub fn human_line(s: &Snapshot) -> String {
     }
 }
 
-/// Runs the headless front end until the trainer ends.
-pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> RunOutcome {
-    let signals = SignalFlags::install();
-    let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded::<String>();
-    // stdin commands; the thread ends at EOF (no stdin, as in CI).
+/// Reads commands from stdin lines until EOF (no stdin, as in CI, ends it at once).
+pub fn spawn_stdin_reader(requests: crossbeam_channel::Sender<Request>) {
     let _ = std::thread::Builder::new()
         .name("stdin".into())
         .spawn(move || {
             let stdin = std::io::stdin();
             for line in stdin.lock().lines() {
                 let Ok(line) = line else { break };
-                if cmd_tx.send(line).is_err() {
-                    break;
+                if line.trim().is_empty() {
+                    continue;
+                }
+                match Command::parse(&line) {
+                    Ok(command) => {
+                        if requests
+                            .send(Request {
+                                command,
+                                reply: None,
+                            })
+                            .is_err()
+                        {
+                            break;
+                        }
+                    }
+                    Err(e) => println!("error: {e}"),
                 }
             }
         });
+}
+
+/// Applies queued requests; replies go back to their sender, or to stdout.
+pub fn apply_requests(handle: &TrainerHandle, requests: &crossbeam_channel::Receiver<Request>) {
+    while let Ok(req) = requests.try_recv() {
+        let reply = handle.command(&req.command);
+        match req.reply {
+            Some(tx) => {
+                let _ = tx.send(reply);
+            }
+            None => match reply {
+                Ok(r) => println!("ok: {r}"),
+                Err(e) => println!("error: {e}"),
+            },
+        }
+    }
+}
+
+/// Runs the headless front end until the trainer ends.
+pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> RunOutcome {
+    let signals = SignalFlags::install();
+    let (req_tx, req_rx) = super::control::channel();
+    spawn_stdin_reader(req_tx.clone());
+    let _socket = match super::control::serve(&handle.shared.run_dir, req_tx) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            log::warn!("control socket unavailable: {e:#}");
+            None
+        }
+    };
     let gpu = GpuMonitor::open().ok();
     let mut last_logged = u64::MAX;
     let mut last_profile = Instant::now();
@@ -104,16 +146,7 @@ pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> 
     let mut checkpoints_seen = 0;
     let started = Instant::now();
     while !handle.is_finished() {
-        while let Ok(line) = cmd_rx.try_recv() {
-            if line.trim().is_empty() {
-                continue;
-            }
-            let reply = Command::parse(&line).and_then(|c| handle.command(&c));
-            match reply {
-                Ok(r) => println!("ok: {r}"),
-                Err(e) => println!("error: {e}"),
-            }
-        }
+        apply_requests(&handle, &req_rx);
         let stops = signals.stop.load(Ordering::SeqCst);
         if stops > stops_seen {
             stops_seen = stops;

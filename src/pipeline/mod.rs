@@ -3,6 +3,7 @@
 //! commands.
 
 pub mod command;
+pub mod control;
 pub mod headless;
 pub mod queue;
 pub mod trainer;

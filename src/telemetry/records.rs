@@ -188,3 +188,86 @@ pub struct Snapshot {
     pub last_checkpoint: Option<String>,
     pub error: Option<String>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_record_type_parses_back() {
+        let step = StepRecord {
+            step: 3,
+            epoch: 0,
+            loss: 2.5,
+            accuracy: 0.25,
+            tau_train: 1.5,
+            lr: 1e-4,
+            grad_norm: 0.7,
+            tokens: 1000,
+            samples: 4,
+            step_s: 0.2,
+            tokens_per_s: 5000.0,
+            samples_per_s: 20.0,
+            elapsed_s: 1.0,
+        };
+        let records = vec![
+            MetricsRecord::Step(step),
+            MetricsRecord::Gpu(GpuRecord {
+                elapsed_s: 1.0,
+                index: 0,
+                name: "H200".into(),
+                utilization_pct: Some(90),
+                memory_used_bytes: Some(1 << 30),
+                memory_total_bytes: None,
+                power_watts: Some(500.0),
+                temperature_c: None,
+            }),
+            MetricsRecord::Queues {
+                elapsed_s: 2.0,
+                queues: vec![QueueLevel {
+                    name: "batch_q".into(),
+                    len: 1,
+                    capacity: 4,
+                    pushed: 9,
+                    popped: 8,
+                }],
+            },
+            MetricsRecord::Profile(crate::telemetry::profile::ProfileStats::new().report()),
+            MetricsRecord::Event {
+                elapsed_s: 3.0,
+                kind: "checkpoint".into(),
+                message: "saved".into(),
+            },
+            MetricsRecord::Summary {
+                phase: Phase::Finished,
+                steps: 3,
+                elapsed_s: 4.0,
+                tokens_seen: 3000,
+                samples_seen: 12,
+                final_loss: Some(2.5),
+                final_accuracy: None,
+                final_tau_train: Some(1.5),
+                last_checkpoint: Some("/r/checkpoints/step-000003".into()),
+                error: None,
+            },
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let w = MetricsWriter::open(&path).unwrap();
+        for r in &records {
+            w.write(r);
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text
+            .lines()
+            .next()
+            .unwrap()
+            .starts_with("{\"type\":\"step\""));
+        assert_eq!(read_metrics(&path).unwrap(), records);
+        std::fs::write(&path, "{\"type\":\"nope\"}\n").unwrap();
+        assert!(read_metrics(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("line 1"));
+    }
+}

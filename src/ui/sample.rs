@@ -1,0 +1,113 @@
+//! A synthetic, deterministic control-room state (a run of N steps on two GPUs), for the render
+//! benchmark.
+
+use crate::pipeline::queue::QueueLevel;
+use crate::telemetry::gpu::GpuReading;
+use crate::telemetry::profile::{EventStats, ProfileReport, ProfileRow, EVENTS};
+use crate::telemetry::records::{Phase, Snapshot, StepRecord};
+
+use super::state::AppState;
+
+/// A training run `steps` long, with smooth curves and full telemetry.
+pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
+    let history: Vec<StepRecord> = (1..=steps as u64)
+        .map(|s| {
+            let x = s as f64;
+            StepRecord {
+                step: s,
+                epoch: s / 5000,
+                loss: 2.0 + 8.0 / (1.0 + x / 300.0) + 0.1 * (x / 7.0).sin(),
+                accuracy: 0.6 * (1.0 - (-x / 4000.0).exp()),
+                tau_train: 1.0 + 2.5 * (1.0 - (-x / 5000.0).exp()),
+                lr: 6e-4 * (x / 800.0).min(1.0),
+                grad_norm: 1.0,
+                tokens: 16_000,
+                samples: 9,
+                step_s: 0.2,
+                tokens_per_s: 80_000.0 + 5_000.0 * (x / 50.0).sin(),
+                samples_per_s: 45.0,
+                elapsed_s: x * 0.2,
+            }
+        })
+        .collect();
+    let profile = ProfileReport {
+        interval_s: 30.0,
+        elapsed_s: steps as f64 * 0.2,
+        rows: EVENTS
+            .iter()
+            .enumerate()
+            .map(|(i, e)| ProfileRow {
+                event: e.to_string(),
+                interval: EventStats {
+                    count: 150,
+                    total_s: 30.0 / (i + 2) as f64,
+                    mean_s: 0.01,
+                    min_s: 0.001,
+                    max_s: 0.05,
+                },
+                cumulative: EventStats {
+                    count: 15_000,
+                    total_s: 3000.0 / (i + 2) as f64,
+                    mean_s: 0.01,
+                    min_s: 0.001,
+                    max_s: 0.09,
+                },
+                share: 1.0 / (i + 2) as f64,
+            })
+            .collect(),
+    };
+    let snapshot = Snapshot {
+        run_name: "bench".into(),
+        run_dir: "/tmp/bench".into(),
+        phase: Phase::Training,
+        step: steps as u64,
+        total_steps: steps as u64 * 2,
+        epoch: 0,
+        elapsed_s: steps as f64 * 0.2,
+        eta_s: Some(steps as f64 * 0.2),
+        tokens_per_s: 80_000.0,
+        samples_per_s: 45.0,
+        last: history.last().cloned(),
+        history,
+        queues: vec![
+            QueueLevel {
+                name: "batch_q".into(),
+                len: 3,
+                capacity: 4,
+                pushed: 100,
+                popped: 97,
+            },
+            QueueLevel {
+                name: "feature_q".into(),
+                len: 2,
+                capacity: 2,
+                pushed: 97,
+                popped: 95,
+            },
+        ],
+        profile: Some(profile),
+        profile_interval_s: 30.0,
+        gpus: Some(
+            (0..gpus as u32)
+                .map(|i| GpuReading {
+                    index: i,
+                    name: "NVIDIA H200".into(),
+                    utilization_pct: Some(90 + i % 10),
+                    memory_used_bytes: Some(60 << 30),
+                    memory_total_bytes: Some(141 << 30),
+                    power_watts: Some(600.0),
+                    power_limit_watts: Some(700.0),
+                    temperature_c: Some(60),
+                })
+                .collect(),
+        ),
+        gpu_error: None,
+        stage_devices: vec![
+            ("target".into(), "cuda:0".into()),
+            ("drafter".into(), "cuda:1".into()),
+        ],
+        last_checkpoint: Some("/tmp/bench/checkpoints/step-001000".into()),
+        error: None,
+    };
+    AppState::new(snapshot)
+}

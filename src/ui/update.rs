@@ -1,0 +1,413 @@
+//! The control room's pure update: one `Action` type for every control path (keys, the `:`
+//! line, stdin, the control socket, signals), turned into state changes and effects.
+
+use crate::pipeline::command::Command;
+use crate::telemetry::records::{Phase, Snapshot};
+
+use super::state::{AppState, Mode, ZOOM_LEVELS};
+
+/// A key, independent of the terminal library.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Key {
+    Char(char),
+    Enter,
+    Esc,
+    Backspace,
+    Tab,
+    BackTab,
+    Up,
+    Down,
+    Left,
+    Right,
+    /// Ctrl-C
+    Interrupt,
+}
+
+/// Everything that can happen to the control room.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    Key(Key),
+    /// A command from stdin, the socket or a signal.
+    Command(Command),
+    /// New telemetry.
+    Telemetry(Box<Snapshot>),
+    /// The reply to a command that was sent.
+    Reply(Result<String, String>),
+    /// A second stop signal: leave at once.
+    Abort,
+}
+
+/// What the front end must do after an update.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    /// Send a command to the trainer (its reply comes back as `Action::Reply`).
+    Send(Command),
+    /// Stop every stage now.
+    Abort,
+}
+
+const PROFILE_STEPS: [f64; 5] = [0.0, 5.0, 10.0, 30.0, 60.0];
+
+fn run_ended(phase: Phase) -> bool {
+    matches!(phase, Phase::Finished | Phase::Failed)
+}
+
+/// Applies one action.
+pub fn update(state: &mut AppState, action: Action) -> Vec<Effect> {
+    match action {
+        Action::Telemetry(snapshot) => {
+            let ended = run_ended(snapshot.phase);
+            state.snapshot = *snapshot;
+            let queues = state.snapshot.queues.len();
+            if queues > 0 && state.selected_queue >= queues {
+                state.selected_queue = queues - 1;
+            }
+            if ended && state.mode != Mode::Ended {
+                state.mode = Mode::Ended;
+            }
+            vec![]
+        }
+        Action::Reply(reply) => {
+            state.status = Some(match reply {
+                Ok(m) => (m, false),
+                Err(e) => (e, true),
+            });
+            vec![]
+        }
+        Action::Command(cmd) => vec![Effect::Send(cmd)],
+        Action::Abort => {
+            state.quit = true;
+            vec![Effect::Abort]
+        }
+        Action::Key(key) => on_key(state, key),
+    }
+}
+
+fn on_key(state: &mut AppState, key: Key) -> Vec<Effect> {
+    match state.mode.clone() {
+        Mode::Ended => {
+            state.quit = true;
+            vec![]
+        }
+        Mode::Help => {
+            state.mode = Mode::Normal;
+            vec![]
+        }
+        Mode::CommandLine(mut text) => match key {
+            Key::Esc | Key::Interrupt => {
+                state.mode = Mode::Normal;
+                vec![]
+            }
+            Key::Enter => {
+                state.mode = Mode::Normal;
+                if text.trim().is_empty() {
+                    return vec![];
+                }
+                match Command::parse(&text) {
+                    Ok(cmd) => vec![Effect::Send(cmd)],
+                    Err(e) => {
+                        state.status = Some((e, true));
+                        vec![]
+                    }
+                }
+            }
+            Key::Backspace => {
+                text.pop();
+                state.mode = Mode::CommandLine(text);
+                vec![]
+            }
+            Key::Char(c) => {
+                text.push(c);
+                state.mode = Mode::CommandLine(text);
+                vec![]
+            }
+            _ => vec![],
+        },
+        Mode::QuitDialog { selected } => match key {
+            Key::Left | Key::Up | Key::BackTab => {
+                state.mode = Mode::QuitDialog {
+                    selected: (selected + 2) % 3,
+                };
+                vec![]
+            }
+            Key::Right | Key::Down | Key::Tab => {
+                state.mode = Mode::QuitDialog {
+                    selected: (selected + 1) % 3,
+                };
+                vec![]
+            }
+            Key::Esc | Key::Char('n') => {
+                state.mode = Mode::Normal;
+                vec![]
+            }
+            Key::Enter | Key::Char('y') => {
+                state.mode = Mode::Normal;
+                match selected {
+                    0 => vec![Effect::Send(Command::Stop { checkpoint: true })],
+                    1 => vec![Effect::Send(Command::Stop { checkpoint: false })],
+                    _ => vec![],
+                }
+            }
+            Key::Interrupt => vec![Effect::Send(Command::Stop { checkpoint: true })],
+            _ => vec![],
+        },
+        Mode::Normal => normal_key(state, key),
+    }
+}
+
+fn normal_key(state: &mut AppState, key: Key) -> Vec<Effect> {
+    let queues = state.snapshot.queues.len();
+    match key {
+        Key::Char('p') => {
+            if state.snapshot.phase == Phase::Paused {
+                vec![Effect::Send(Command::Resume)]
+            } else {
+                vec![Effect::Send(Command::Pause)]
+            }
+        }
+        Key::Char('c') => vec![Effect::Send(Command::Checkpoint)],
+        Key::Tab | Key::Char(']') => {
+            if queues > 0 {
+                state.selected_queue = (state.selected_queue + 1) % queues;
+            }
+            vec![]
+        }
+        Key::BackTab | Key::Char('[') => {
+            if queues > 0 {
+                state.selected_queue = (state.selected_queue + queues - 1) % queues;
+            }
+            vec![]
+        }
+        Key::Char('+') | Key::Char('=') | Key::Char('-') => {
+            let Some(q) = state.snapshot.queues.get(state.selected_queue) else {
+                return vec![];
+            };
+            let depth = if key == Key::Char('-') {
+                q.capacity.saturating_sub(1)
+            } else {
+                q.capacity + 1
+            };
+            if depth == 0 {
+                state.status = Some((format!("{}: depth must stay at least 1", q.name), true));
+                return vec![];
+            }
+            vec![Effect::Send(Command::Queue {
+                name: q.name.clone(),
+                depth,
+            })]
+        }
+        Key::Char('i') => {
+            // Cycle the profile interval through a few useful values.
+            let now = state.snapshot.profile_interval_s;
+            let next = PROFILE_STEPS
+                .iter()
+                .copied()
+                .find(|&s| s > now)
+                .unwrap_or(PROFILE_STEPS[0]);
+            vec![Effect::Send(Command::Profile { seconds: next })]
+        }
+        Key::Char('z') => {
+            state.zoom = (state.zoom + 1).min(ZOOM_LEVELS.len() - 1);
+            vec![]
+        }
+        Key::Char('x') => {
+            state.zoom = state.zoom.saturating_sub(1);
+            vec![]
+        }
+        Key::Char(':') => {
+            state.mode = Mode::CommandLine(String::new());
+            vec![]
+        }
+        Key::Char('?') => {
+            state.mode = Mode::Help;
+            vec![]
+        }
+        Key::Char('q') | Key::Interrupt => {
+            state.mode = Mode::QuitDialog { selected: 0 };
+            vec![]
+        }
+        _ => vec![],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::queue::QueueLevel;
+
+    fn snapshot(phase: Phase) -> Snapshot {
+        Snapshot {
+            run_name: "t".into(),
+            run_dir: "/tmp/r".into(),
+            phase,
+            step: 3,
+            total_steps: 10,
+            epoch: 0,
+            elapsed_s: 1.0,
+            eta_s: None,
+            tokens_per_s: 0.0,
+            samples_per_s: 0.0,
+            last: None,
+            history: vec![],
+            queues: vec![
+                QueueLevel {
+                    name: "batch_q".into(),
+                    len: 1,
+                    capacity: 4,
+                    pushed: 0,
+                    popped: 0,
+                },
+                QueueLevel {
+                    name: "feature_q".into(),
+                    len: 0,
+                    capacity: 1,
+                    pushed: 0,
+                    popped: 0,
+                },
+            ],
+            profile: None,
+            profile_interval_s: 30.0,
+            gpus: None,
+            gpu_error: None,
+            stage_devices: vec![],
+            last_checkpoint: None,
+            error: None,
+        }
+    }
+
+    fn state(phase: Phase) -> AppState {
+        AppState::new(snapshot(phase))
+    }
+
+    #[test]
+    fn p_toggles_by_phase_and_c_checkpoints() {
+        let mut s = state(Phase::Training);
+        assert_eq!(
+            update(&mut s, Action::Key(Key::Char('p'))),
+            vec![Effect::Send(Command::Pause)]
+        );
+        let mut s = state(Phase::Paused);
+        assert_eq!(
+            update(&mut s, Action::Key(Key::Char('p'))),
+            vec![Effect::Send(Command::Resume)]
+        );
+        assert_eq!(
+            update(&mut s, Action::Key(Key::Char('c'))),
+            vec![Effect::Send(Command::Checkpoint)]
+        );
+    }
+
+    #[test]
+    fn queue_selection_and_resizing() {
+        let mut s = state(Phase::Training);
+        assert_eq!(
+            update(&mut s, Action::Key(Key::Char('+'))),
+            vec![Effect::Send(Command::Queue {
+                name: "batch_q".into(),
+                depth: 5
+            })]
+        );
+        update(&mut s, Action::Key(Key::Tab));
+        assert_eq!(s.selected_queue, 1);
+        // feature_q is at depth 1: '-' would reach 0 and is refused with a message
+        assert_eq!(update(&mut s, Action::Key(Key::Char('-'))), vec![]);
+        assert!(s
+            .status
+            .as_ref()
+            .is_some_and(|(m, err)| *err && m.contains("feature_q")));
+        update(&mut s, Action::Key(Key::Char(']')));
+        assert_eq!(s.selected_queue, 0);
+        update(&mut s, Action::Key(Key::BackTab));
+        assert_eq!(s.selected_queue, 1);
+    }
+
+    #[test]
+    fn command_line_sends_parsed_commands_and_reports_bad_ones() {
+        let mut s = state(Phase::Training);
+        update(&mut s, Action::Key(Key::Char(':')));
+        for c in "queue feature_q 2".chars() {
+            update(&mut s, Action::Key(Key::Char(c)));
+        }
+        assert_eq!(s.mode, Mode::CommandLine("queue feature_q 2".into()));
+        let fx = update(&mut s, Action::Key(Key::Enter));
+        assert_eq!(
+            fx,
+            vec![Effect::Send(Command::Queue {
+                name: "feature_q".into(),
+                depth: 2
+            })]
+        );
+        assert_eq!(s.mode, Mode::Normal);
+        update(&mut s, Action::Key(Key::Char(':')));
+        for c in "explode!".chars() {
+            update(&mut s, Action::Key(Key::Char(c)));
+        }
+        update(&mut s, Action::Key(Key::Backspace));
+        assert_eq!(s.mode, Mode::CommandLine("explode".into()));
+        assert_eq!(update(&mut s, Action::Key(Key::Enter)), vec![]);
+        assert!(s
+            .status
+            .as_ref()
+            .is_some_and(|(m, err)| *err && m.contains("unknown command")));
+    }
+
+    #[test]
+    fn quit_dialog_choices() {
+        for (moves, want) in [
+            (0, vec![Effect::Send(Command::Stop { checkpoint: true })]),
+            (1, vec![Effect::Send(Command::Stop { checkpoint: false })]),
+            (2, vec![]),
+        ] {
+            let mut s = state(Phase::Training);
+            update(&mut s, Action::Key(Key::Char('q')));
+            for _ in 0..moves {
+                update(&mut s, Action::Key(Key::Right));
+            }
+            assert_eq!(update(&mut s, Action::Key(Key::Enter)), want);
+            assert_eq!(s.mode, Mode::Normal);
+        }
+        let mut s = state(Phase::Training);
+        update(&mut s, Action::Key(Key::Char('q')));
+        assert_eq!(update(&mut s, Action::Key(Key::Esc)), vec![]);
+        assert_eq!(s.mode, Mode::Normal);
+    }
+
+    #[test]
+    fn end_of_run_waits_for_a_key_then_quits() {
+        let mut s = state(Phase::Training);
+        update(
+            &mut s,
+            Action::Telemetry(Box::new(snapshot(Phase::Finished))),
+        );
+        assert_eq!(s.mode, Mode::Ended);
+        assert!(!s.quit);
+        update(&mut s, Action::Key(Key::Char('x')));
+        assert!(s.quit);
+    }
+
+    #[test]
+    fn help_zoom_profile_replies_and_external_commands() {
+        let mut s = state(Phase::Training);
+        update(&mut s, Action::Key(Key::Char('?')));
+        assert_eq!(s.mode, Mode::Help);
+        update(&mut s, Action::Key(Key::Char('a')));
+        assert_eq!(s.mode, Mode::Normal);
+        update(&mut s, Action::Key(Key::Char('z')));
+        update(&mut s, Action::Key(Key::Char('z')));
+        assert_eq!(s.zoom, 2);
+        update(&mut s, Action::Key(Key::Char('x')));
+        assert_eq!(s.zoom, 1);
+        assert_eq!(
+            update(&mut s, Action::Key(Key::Char('i'))),
+            vec![Effect::Send(Command::Profile { seconds: 60.0 })]
+        );
+        update(&mut s, Action::Reply(Err("nope".into())));
+        assert_eq!(s.status, Some(("nope".into(), true)));
+        assert_eq!(
+            update(&mut s, Action::Command(Command::Checkpoint)),
+            vec![Effect::Send(Command::Checkpoint)]
+        );
+        assert_eq!(update(&mut s, Action::Abort), vec![Effect::Abort]);
+        assert!(s.quit);
+    }
+}

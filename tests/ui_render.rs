@@ -1,0 +1,568 @@
+//! The pure render of the control room: snapshot tests of whole screens (insta) plus plain
+//! assertions on their content.
+
+use dflash_tui::pipeline::queue::QueueLevel;
+use dflash_tui::telemetry::gpu::GpuReading;
+use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow};
+use dflash_tui::telemetry::records::{Phase, Snapshot, StepRecord};
+use dflash_tui::ui::render::{downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS};
+use dflash_tui::ui::state::{AppState, Mode};
+use ratatui::backend::TestBackend;
+use ratatui::Terminal;
+
+const GIB: u64 = 1024 * 1024 * 1024;
+
+// ---------------------------------------------------------------------------------------------
+// Fixtures (deterministic)
+
+fn step_record(step: u64) -> StepRecord {
+    let s = step as f64;
+    let warmup = 50.0;
+    let peak_lr = 6e-4;
+    let lr = if s < warmup {
+        peak_lr * (s + 1.0) / warmup
+    } else {
+        let t = ((s - warmup) / 10_000.0).min(1.0);
+        peak_lr * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+    };
+    let tokens_per_s = 12_000.0 + 1_500.0 * (1.0 - (-s / 40.0).exp()) + 300.0 * (s / 17.0).sin();
+    StepRecord {
+        step,
+        epoch: step / 1000,
+        loss: 1.2 + 2.4 * (-s / 90.0).exp() + 0.04 * (s / 5.0).sin(),
+        accuracy: 0.2 + 0.5 * (1.0 - (-s / 120.0).exp()),
+        tau_train: 1.0 + 2.6 * (1.0 - (-s / 110.0).exp()) + 0.05 * (s / 9.0).cos(),
+        lr,
+        grad_norm: 1.0 + 0.5 * (-s / 60.0).exp(),
+        tokens: 16_384,
+        samples: 8,
+        step_s: 16_384.0 / tokens_per_s,
+        tokens_per_s,
+        samples_per_s: tokens_per_s / 2048.0,
+        elapsed_s: 1.3 * s,
+    }
+}
+
+fn history(n: u64) -> Vec<StepRecord> {
+    (1..=n).map(step_record).collect()
+}
+
+fn stats(count: u64, mean_ms: f64, max_ms: f64) -> EventStats {
+    EventStats {
+        count,
+        total_s: count as f64 * mean_ms * 1e-3,
+        mean_s: mean_ms * 1e-3,
+        min_s: mean_ms * 0.6e-3,
+        max_s: max_ms * 1e-3,
+    }
+}
+
+fn profile() -> ProfileReport {
+    // (event, interval count, mean ms, max ms, share)
+    let rows: [(&str, u64, f64, f64, f64); 10] = [
+        ("step.total", 8, 1250.0, 1402.5, 1.0),
+        ("target.forward", 8, 610.2, 688.0, 0.488),
+        ("drafter.backward", 8, 301.7, 355.1, 0.241),
+        ("drafter.forward", 8, 180.4, 190.0, 0.144),
+        ("feature_q.wait", 9, 60.3, 240.8, 0.054),
+        ("optim.step", 8, 40.0, 41.2, 0.032),
+        ("drafter.loss", 8, 22.5, 25.0, 0.018),
+        ("target.h2d", 8, 6.1, 9.7, 0.005),
+        ("loader.pack", 8, 3.2, 4.4, 0.003),
+        ("batch_q.wait", 8, 0.41, 1.9, 0.0003),
+    ];
+    ProfileReport {
+        interval_s: 10.0,
+        elapsed_s: 390.0,
+        rows: rows
+            .iter()
+            .map(|&(event, count, mean, max, share)| ProfileRow {
+                event: event.to_string(),
+                interval: stats(count, mean, max),
+                cumulative: stats(count * 39, mean * 1.02, max * 1.3),
+                share,
+            })
+            .collect(),
+    }
+}
+
+fn h200(index: u32, util: u32) -> GpuReading {
+    GpuReading {
+        index,
+        name: "NVIDIA H200".to_string(),
+        utilization_pct: Some(util),
+        memory_used_bytes: Some((60 + 9 * index as u64) * GIB + GIB / 4),
+        memory_total_bytes: Some(143_771 * 1024 * 1024),
+        power_watts: Some(180.0 + 5.5 * util as f64),
+        power_limit_watts: Some(700.0),
+        temperature_c: Some(38 + util / 3),
+    }
+}
+
+fn queues() -> Vec<QueueLevel> {
+    vec![
+        QueueLevel {
+            name: "batch_q".to_string(),
+            len: 4,
+            capacity: 8,
+            pushed: 1210,
+            popped: 1206,
+        },
+        QueueLevel {
+            name: "feature_q".to_string(),
+            len: 2,
+            capacity: 2,
+            pushed: 1206,
+            popped: 1204,
+        },
+    ]
+}
+
+/// A training run at step 300 of 10,000 on one H200.
+fn training() -> Snapshot {
+    let history = history(300);
+    let last = history.last().cloned();
+    Snapshot {
+        run_name: "smollm2-dflash".to_string(),
+        run_dir: "runs/smollm2-dflash".to_string(),
+        phase: Phase::Training,
+        step: 300,
+        total_steps: 10_000,
+        epoch: 0,
+        elapsed_s: 390.0,
+        eta_s: Some(12_610.0),
+        tokens_per_s: last.as_ref().map(|r| r.tokens_per_s).unwrap_or(0.0),
+        samples_per_s: last.as_ref().map(|r| r.samples_per_s).unwrap_or(0.0),
+        last,
+        history,
+        queues: queues(),
+        profile: Some(profile()),
+        profile_interval_s: 10.0,
+        gpus: Some(vec![h200(0, 87)]),
+        gpu_error: None,
+        stage_devices: vec![
+            ("loader".to_string(), "cpu".to_string()),
+            ("target".to_string(), "cuda:0".to_string()),
+            ("drafter".to_string(), "cuda:0".to_string()),
+        ],
+        last_checkpoint: Some("runs/smollm2-dflash/checkpoints/step-000250".to_string()),
+        error: None,
+    }
+}
+
+fn one_gpu() -> AppState {
+    AppState::new(training())
+}
+
+fn eight_gpus() -> AppState {
+    let mut s = training();
+    s.gpus = Some(
+        (0..8)
+            .map(|i| h200(i, [92, 88, 95, 90, 71, 64, 12, 0][i as usize]))
+            .collect(),
+    );
+    s.stage_devices = vec![("loader".to_string(), "cpu".to_string())];
+    for i in 0..4 {
+        s.stage_devices
+            .push(("target".to_string(), format!("cuda:{i}")));
+    }
+    for i in 4..6 {
+        s.stage_devices
+            .push(("drafter".to_string(), format!("cuda:{i}")));
+    }
+    AppState::new(s)
+}
+
+fn nvml_absent() -> AppState {
+    let mut s = training();
+    s.gpus = None;
+    s.gpu_error = Some("libnvidia-ml.so.1: cannot open shared object file".to_string());
+    s.stage_devices = vec![
+        ("loader".to_string(), "cpu".to_string()),
+        ("target".to_string(), "cpu".to_string()),
+        ("drafter".to_string(), "cpu".to_string()),
+    ];
+    AppState::new(s)
+}
+
+fn paused() -> AppState {
+    let mut s = training();
+    s.phase = Phase::Paused;
+    s.eta_s = None;
+    s.gpus = Some(vec![h200(0, 0)]);
+    s.queues[0].len = 8;
+    s.queues[1].len = 0;
+    AppState::new(s)
+}
+
+fn failed() -> AppState {
+    let mut s = training();
+    s.phase = Phase::Failed;
+    s.eta_s = None;
+    s.error = Some("drafter worker 0 failed: step 8: injected failure".to_string());
+    s.history.truncate(8);
+    s.last = s.history.last().cloned();
+    s.tokens_per_s = s.last.as_ref().unwrap().tokens_per_s;
+    s.samples_per_s = s.last.as_ref().unwrap().samples_per_s;
+    s.step = 8;
+    s.elapsed_s = 10.4;
+    s.last_checkpoint = None;
+    s.queues[0].len = 0;
+    s.queues[1].len = 0;
+    AppState::new(s)
+}
+
+fn no_metrics_yet() -> AppState {
+    let mut s = training();
+    s.phase = Phase::LoadingModel;
+    s.step = 0;
+    s.elapsed_s = 4.0;
+    s.eta_s = None;
+    s.tokens_per_s = 0.0;
+    s.samples_per_s = 0.0;
+    s.last = None;
+    s.history.clear();
+    s.profile = None;
+    s.queues = vec![];
+    s.gpus = Some(vec![h200(0, 0)]);
+    s.last_checkpoint = None;
+    AppState::new(s)
+}
+
+fn ended() -> AppState {
+    let mut s = training();
+    s.phase = Phase::Finished;
+    s.step = 10_000;
+    s.eta_s = Some(0.0);
+    s.history = history(10_000);
+    s.last = s.history.last().cloned();
+    s.elapsed_s = 13_000.0;
+    s.last_checkpoint = Some("runs/smollm2-dflash/checkpoints/step-010000".to_string());
+    let mut state = AppState::new(s);
+    state.mode = Mode::Ended;
+    state
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+/// Renders `state` into a `width` x `height` test terminal; the screen as text (symbols only,
+/// lines joined with '\n') and the cursor position when shown.
+fn draw(state: &AppState, width: u16, height: u16) -> (String, Option<(u16, u16)>) {
+    let mut terminal = Terminal::new(TestBackend::new(width, height)).unwrap();
+    terminal.draw(|f| render(f, state)).unwrap();
+    let backend = terminal.backend();
+    let cursor = backend
+        .cursor_visible()
+        .then(|| (backend.cursor_position().x, backend.cursor_position().y));
+    let text = buffer_text(terminal.backend().buffer());
+    (text, cursor)
+}
+
+fn buffer_text(buf: &ratatui::buffer::Buffer) -> String {
+    let w = buf.area.width as usize;
+    buf.content
+        .chunks(w)
+        .map(|row| {
+            row.iter()
+                .map(|c| c.symbol())
+                .collect::<String>()
+                .trim_end()
+                .to_string()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn screen(state: &AppState, width: u16, height: u16) -> String {
+    draw(state, width, height).0
+}
+
+macro_rules! snap_both {
+    ($name:literal, $state:expr) => {{
+        let state = $state;
+        let big = screen(&state, 120, 40);
+        insta::assert_snapshot!(concat!($name, "_120x40"), big);
+        let small = screen(&state, 80, 24);
+        insta::assert_snapshot!(concat!($name, "_80x24"), small);
+        (big, small)
+    }};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Screens
+
+#[test]
+fn one_gpu_screen() {
+    let (big, small) = snap_both!("one_gpu", one_gpu());
+    for s in [&big, &small] {
+        assert!(s.contains("H200"), "{s}");
+        assert!(s.contains("training"), "{s}");
+        assert!(s.contains("smollm2-dflash"), "{s}");
+        assert!(s.contains("step 300 / 10000"), "{s}");
+        assert!(s.contains("target+drafter"), "{s}");
+        assert!(s.contains("feature_q"), "{s}");
+        assert!(s.contains("target.forward"), "{s}");
+        assert!(s.contains("tokens/s"), "{s}");
+        assert!(s.contains("Logs"), "{s}");
+        assert!(s.contains("3:30:10"), "ETA: {s}");
+    }
+    assert!(big.contains("quit"), "{big}");
+    assert!(big.contains("blocking"), "{big}");
+}
+
+#[test]
+fn eight_gpus_screen() {
+    let (big, small) = snap_both!("eight_gpus", eight_gpus());
+    for s in [&big, &small] {
+        for i in 0..8 {
+            // every GPU has a row: its index starts a cell
+            assert!(
+                s.lines()
+                    .any(|l| l.contains(&format!("│{i} ")) || l.contains(&format!(" {i} "))),
+                "GPU {i} missing: {s}"
+            );
+        }
+        assert!(s.contains("drafter"), "{s}");
+        assert!(s.contains("tokens/s"), "{s}");
+    }
+}
+
+#[test]
+fn nvml_absent_screen() {
+    let (big, small) = snap_both!("nvml_absent", nvml_absent());
+    assert!(big.contains("NVML unavailable: libnvidia-ml.so.1: cannot open shared object file"));
+    assert!(small.contains("NVML unavailable: libnvidia-ml.so.1"));
+}
+
+#[test]
+fn nvml_absent_without_reason() {
+    let mut state = nvml_absent();
+    state.snapshot.gpu_error = None;
+    let s = screen(&state, 80, 24);
+    assert!(s.contains("NVML unavailable"), "{s}");
+}
+
+#[test]
+fn paused_screen() {
+    let (big, small) = snap_both!("paused", paused());
+    for s in [&big, &small] {
+        assert!(s.contains("paused"), "{s}");
+        assert!(s.contains("ETA -"), "{s}");
+    }
+    assert!(big.contains("starving"), "{big}");
+    assert!(big.contains("blocking"), "{big}");
+}
+
+#[test]
+fn failed_screen() {
+    let (big, small) = snap_both!("failed", failed());
+    for s in [&big, &small] {
+        assert!(s.contains("failed"), "{s}");
+        assert!(s.contains("injected failure"), "{s}");
+    }
+}
+
+#[test]
+fn no_metrics_yet_screen() {
+    let (big, small) = snap_both!("no_metrics_yet", no_metrics_yet());
+    for s in [&big, &small] {
+        assert!(s.contains("loading model"), "{s}");
+        assert!(s.contains(EMPTY_CHARTS), "{s}");
+        assert!(s.contains("no profile yet (interval 10 s)"), "{s}");
+        assert!(s.contains("no queues yet"), "{s}");
+    }
+}
+
+#[test]
+fn profile_off_message() {
+    let mut state = no_metrics_yet();
+    state.snapshot.profile_interval_s = 0.0;
+    let s = screen(&state, 120, 40);
+    assert!(s.contains("profile reports off"), "{s}");
+}
+
+#[test]
+fn help_overlay() {
+    let mut state = one_gpu();
+    state.mode = Mode::Help;
+    let s = screen(&state, 120, 40);
+    insta::assert_snapshot!("help_overlay_120x40", s);
+    for word in [
+        "Help",
+        ":pause",
+        ":resume",
+        ":queue NAME DEPTH",
+        ":checkpoint",
+        ":profile SECONDS",
+        ":stop",
+        "zoom",
+    ] {
+        assert!(s.contains(word), "{word} missing: {s}");
+    }
+    // Also fits the smallest screen.
+    let small = screen(&state, 80, 24);
+    assert!(small.contains(":profile SECONDS"), "{small}");
+}
+
+#[test]
+fn quit_dialog() {
+    let mut state = one_gpu();
+    state.mode = Mode::QuitDialog { selected: 0 };
+    let s = screen(&state, 120, 40);
+    insta::assert_snapshot!("quit_dialog_120x40", s);
+    assert!(s.contains("Quit?"), "{s}");
+    assert!(s.contains("> checkpoint and stop <"), "{s}");
+    assert!(s.contains("stop"), "{s}");
+    assert!(s.contains("cancel"), "{s}");
+    state.mode = Mode::QuitDialog { selected: 2 };
+    let s = screen(&state, 120, 40);
+    assert!(s.contains("> cancel <"), "{s}");
+    assert!(!s.contains("> checkpoint and stop <"), "{s}");
+}
+
+#[test]
+fn command_line() {
+    let mut state = one_gpu();
+    state.mode = Mode::CommandLine("queue feature_q 2".to_string());
+    let (s, cursor) = draw(&state, 120, 40);
+    insta::assert_snapshot!("command_line_120x40", s);
+    let last = s.lines().last().unwrap();
+    assert!(last.starts_with(":queue feature_q 2"), "{last}");
+    assert_eq!(cursor, Some((18, 39)));
+}
+
+#[test]
+fn ended_popup() {
+    let state = ended();
+    let s = screen(&state, 120, 40);
+    insta::assert_snapshot!("ended_120x40", s);
+    assert!(s.contains("run finished"), "{s}");
+    assert!(s.contains("press any key"), "{s}");
+    assert!(s.contains("step-010000"), "{s}");
+    assert!(s.lines().last().unwrap().contains("press any key"), "{s}");
+
+    let mut state = failed();
+    state.mode = Mode::Ended;
+    let s = screen(&state, 120, 40);
+    assert!(s.contains("run failed: drafter worker 0 failed"), "{s}");
+    assert!(s.contains("last checkpoint: none"), "{s}");
+}
+
+#[test]
+fn too_small() {
+    let s = screen(&one_gpu(), 60, 20);
+    insta::assert_snapshot!("too_small_60x20", s);
+    assert!(s.contains("too small"), "{s}");
+    assert!(s.contains("60x20"), "{s}");
+    assert!(!s.contains("H200"), "{s}");
+    // Even tinier terminals do not panic.
+    for (w, h) in [(1, 1), (10, 3), (79, 40), (200, 23)] {
+        let s = screen(&one_gpu(), w, h);
+        assert!(w < 20 || s.contains("too small"), "{w}x{h}: {s}");
+    }
+}
+
+#[test]
+fn status_message_replaces_keys() {
+    let mut state = one_gpu();
+    state.status = Some(("unknown queue: foo_q".to_string(), true));
+    let s = screen(&state, 80, 24);
+    let last = s.lines().last().unwrap();
+    assert!(last.starts_with("unknown queue: foo_q"), "{last}");
+    state.status = None;
+    let s = screen(&state, 120, 40);
+    let last = s.lines().last().unwrap();
+    assert!(last.contains("p pause/resume"), "{last}");
+    assert!(last.contains("q quit"), "{last}");
+}
+
+#[test]
+fn selected_queue_is_marked() {
+    let mut state = one_gpu();
+    state.selected_queue = 1;
+    let s = screen(&state, 120, 40);
+    assert!(s.contains(">feature_q"), "{s}");
+    assert!(!s.contains(">batch_q"), "{s}");
+}
+
+#[test]
+fn twenty_thousand_points_render() {
+    let mut s = training();
+    s.history = history(20_000);
+    s.last = s.history.last().cloned();
+    s.step = 20_000;
+    s.total_steps = 20_000;
+    let state = AppState::new(s);
+    // Render speed is measured by `dflash-tui bench-ui`, not here.
+    let screen_all = screen(&state, 120, 40);
+    assert!(screen_all.contains("tokens/s"));
+    // Zoomed in as well.
+    let mut state = state;
+    state.zoom = 3;
+    let screen = screen(&state, 120, 40);
+    assert!(screen.contains("last 100 steps"), "{screen}");
+}
+
+#[test]
+fn sixteen_gpus_do_not_break_the_layout() {
+    let mut s = training();
+    s.gpus = Some((0..16).map(|i| h200(i, 50)).collect());
+    let state = AppState::new(s);
+    let small = screen(&state, 80, 24);
+    assert!(small.contains("more GPUs"), "{small}");
+    assert!(small.contains("tokens/s"), "{small}");
+    let _ = screen(&state, 120, 40);
+}
+
+#[test]
+fn non_finite_values_do_not_panic() {
+    let mut s = training();
+    s.history[100].loss = f64::NAN;
+    s.history[299].loss = f64::INFINITY;
+    s.tokens_per_s = f64::NAN;
+    s.eta_s = Some(f64::INFINITY);
+    let state = AppState::new(s);
+    let _ = screen(&state, 120, 40);
+    let _ = screen(&state, 80, 24);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers of render.rs
+
+#[test]
+fn downsample_bucket_means() {
+    assert!(downsample(&[], 10).is_empty());
+    assert!(downsample(&[1.0, 2.0], 0).is_empty());
+    assert_eq!(downsample(&[1.0, 2.0, 3.0], 10), vec![1.0, 2.0, 3.0]);
+    assert_eq!(downsample(&[1.0, 2.0, 3.0, 4.0], 2), vec![1.5, 3.5]);
+    assert_eq!(
+        downsample(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3),
+        vec![1.5, 3.5, 5.5]
+    );
+    // Uneven buckets cover every value exactly once.
+    let v: Vec<f64> = (0..20_000).map(|i| i as f64).collect();
+    let d = downsample(&v, 236);
+    assert_eq!(d.len(), 236);
+    assert!(d.windows(2).all(|w| w[0] < w[1]));
+    assert!(d[0] < 100.0 && d[235] > 19_900.0);
+    // Non-finite values are left out of a bucket; an all-NaN bucket is NaN.
+    let d = downsample(&[1.0, f64::NAN, f64::NAN, f64::NAN], 2);
+    assert_eq!(d[0], 1.0);
+    assert!(d[1].is_nan());
+}
+
+#[test]
+fn number_and_duration_formats() {
+    assert_eq!(fmt_si(0.0), "0");
+    assert_eq!(fmt_si(4.3), "4.3");
+    assert_eq!(fmt_si(950.0), "950");
+    assert_eq!(fmt_si(12_345.0), "12.3k");
+    assert_eq!(fmt_si(3_400_000.0), "3.4M");
+    assert_eq!(fmt_si(1.2e9), "1.2G");
+    assert_eq!(fmt_si(f64::NAN), "-");
+    assert_eq!(fmt_duration(0.0), "0:00:00");
+    assert_eq!(fmt_duration(3_725.0), "1:02:05");
+    assert_eq!(fmt_duration(100_000.0), "27:46:40");
+    assert_eq!(fmt_duration(f64::INFINITY), "-");
+}
