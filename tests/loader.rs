@@ -1,34 +1,17 @@
 //! The loader: token store validation and rules, packer budgets, coverage, padding and resume,
 //! and bad Arrow / Parquet input named by file and row.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
-use arrow::array::{ArrayRef, Int32Builder, Int8Builder, ListBuilder, RecordBatch, StringBuilder};
+use arrow::array::{ArrayRef, RecordBatch, StringBuilder};
 use dflash_tui::data::packer::{collate, Packer, PackerConfig};
 use dflash_tui::data::store::{DataColumns, StoreOptions, TokenStore};
 
 fn write_dataset(path: &Path, rows: &[(Vec<i32>, Vec<i8>)]) {
-    let mut ids = ListBuilder::new(Int32Builder::new());
-    let mut masks = ListBuilder::new(Int8Builder::new());
-    for (i, m) in rows {
-        i.iter().for_each(|&t| ids.values().append_value(t));
-        ids.append(true);
-        m.iter().for_each(|&t| masks.values().append_value(t));
-        masks.append(true);
-    }
-    let batch = RecordBatch::try_from_iter([
-        ("input_ids", Arc::new(ids.finish()) as ArrayRef),
-        ("loss_mask", Arc::new(masks.finish()) as ArrayRef),
-    ])
-    .unwrap();
-    let mut w = arrow::ipc::writer::StreamWriter::try_new(
-        std::fs::File::create(path).unwrap(),
-        &batch.schema(),
-    )
-    .unwrap();
-    w.write(&batch).unwrap();
-    w.finish().unwrap();
+    common::write_token_dataset(path, rows)
 }
 
 fn opts() -> StoreOptions {

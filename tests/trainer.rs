@@ -9,55 +9,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arrow::array::{ArrayRef, Int32Builder, Int8Builder, ListBuilder, RecordBatch};
-use common::tiny_target_dir;
 use dflash_tui::config::{self, TrainConfig};
 use dflash_tui::pipeline::command::Command;
 use dflash_tui::pipeline::trainer::{self, RunOutcome, TrainerHandle};
 use dflash_tui::runtime::TorchRuntime;
 use dflash_tui::telemetry::records::{read_metrics, MetricsRecord, Phase, StepRecord};
 
-/// A small repeated data set with a learnable rule: each token follows from the previous one.
-fn write_data(path: &Path, rows: usize) {
-    let mut ids = ListBuilder::new(Int32Builder::new());
-    let mut masks = ListBuilder::new(Int8Builder::new());
-    for r in 0..rows {
-        let len = 24 + (r * 7) % 40;
-        let mut t = (r * 11 % 45 + 3) as i32;
-        for k in 0..len {
-            ids.values().append_value(t);
-            t = (t * 7 + 3) % 45 + 3; // tokens 3..48, never the mask token 1
-            masks.values().append_value((k >= 4) as i8);
-        }
-        ids.append(true);
-        masks.append(true);
-    }
-    let batch = RecordBatch::try_from_iter([
-        ("input_ids", Arc::new(ids.finish()) as ArrayRef),
-        ("loss_mask", Arc::new(masks.finish()) as ArrayRef),
-    ])
-    .unwrap();
-    let mut w = arrow::ipc::writer::StreamWriter::try_new(
-        std::fs::File::create(path).unwrap(),
-        &batch.schema(),
-    )
-    .unwrap();
-    w.write(&batch).unwrap();
-    w.finish().unwrap();
-}
-
-struct Setup {
-    tmp: tempfile::TempDir,
-    target: PathBuf,
-    data: PathBuf,
-}
+type Setup = common::TinyRun;
 
 fn setup(rows: usize) -> Setup {
-    let tmp = tempfile::tempdir().unwrap();
-    let target = tiny_target_dir(&tmp.path().join("target"), "llama", false, None, 5);
-    let data = tmp.path().join("data.arrow");
-    write_data(&data, rows);
-    Setup { tmp, target, data }
+    common::tiny_run(rows, 5)
 }
 
 fn tiny_config(s: &Setup, extra: &[&str]) -> TrainConfig {

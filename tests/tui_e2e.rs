@@ -8,47 +8,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::tiny_target_dir;
-
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_dflash-tui")
 }
 
-struct Inputs {
-    tmp: tempfile::TempDir,
-    target: PathBuf,
-    data: PathBuf,
-}
+type Inputs = common::TinyRun;
 
 fn inputs() -> Inputs {
-    use arrow::array::{ArrayRef, Int32Builder, Int8Builder, ListBuilder, RecordBatch};
-    use std::sync::Arc;
-    let tmp = tempfile::tempdir().unwrap();
-    let target = tiny_target_dir(&tmp.path().join("target"), "llama", false, None, 3);
-    let data = tmp.path().join("data.arrow");
-    let mut ids = ListBuilder::new(Int32Builder::new());
-    let mut masks = ListBuilder::new(Int8Builder::new());
-    for r in 0..32i32 {
-        for k in 0..40i32 {
-            ids.values().append_value((r + k * 5) % 45 + 3);
-            masks.values().append_value((k >= 4) as i8);
-        }
-        ids.append(true);
-        masks.append(true);
-    }
-    let batch = RecordBatch::try_from_iter([
-        ("input_ids", Arc::new(ids.finish()) as ArrayRef),
-        ("loss_mask", Arc::new(masks.finish()) as ArrayRef),
-    ])
-    .unwrap();
-    let mut w = arrow::ipc::writer::StreamWriter::try_new(
-        std::fs::File::create(&data).unwrap(),
-        &batch.schema(),
-    )
-    .unwrap();
-    w.write(&batch).unwrap();
-    w.finish().unwrap();
-    Inputs { tmp, target, data }
+    common::tiny_run(32, 3)
 }
 
 fn train_args(i: &Inputs, run_dir: &Path) -> Vec<String> {

@@ -473,3 +473,56 @@ pub fn require_demo(path: &Path) -> PathBuf {
     );
     path.to_path_buf()
 }
+
+/// Writes token lists and loss masks as an Arrow IPC stream with `input_ids` (list<int32>) and
+/// `loss_mask` (list<int8>) columns.
+pub fn write_token_dataset(path: &Path, rows: &[(Vec<i32>, Vec<i8>)]) {
+    use arrow::array::{ArrayRef, Int32Builder, Int8Builder, ListBuilder, RecordBatch};
+    use std::sync::Arc;
+    let mut ids = ListBuilder::new(Int32Builder::new());
+    let mut masks = ListBuilder::new(Int8Builder::new());
+    for (i, m) in rows {
+        i.iter().for_each(|&t| ids.values().append_value(t));
+        ids.append(true);
+        m.iter().for_each(|&t| masks.values().append_value(t));
+        masks.append(true);
+    }
+    let batch = RecordBatch::try_from_iter([
+        ("input_ids", Arc::new(ids.finish()) as ArrayRef),
+        ("loss_mask", Arc::new(masks.finish()) as ArrayRef),
+    ])
+    .unwrap();
+    let file = std::fs::File::create(path).unwrap();
+    let mut w = arrow::ipc::writer::StreamWriter::try_new(file, &batch.schema()).unwrap();
+    w.write(&batch).unwrap();
+    w.finish().unwrap();
+}
+
+/// A tiny random target and a small data set with a learnable rule (each token follows from
+/// the previous one; tokens 3..48, never the tiny config's mask token 1; loss from token 4 on).
+pub struct TinyRun {
+    pub tmp: tempfile::TempDir,
+    pub target: PathBuf,
+    pub data: PathBuf,
+}
+
+pub fn tiny_run(rows: usize, seed: i64) -> TinyRun {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tiny_target_dir(&tmp.path().join("target"), "llama", false, None, seed);
+    let data = tmp.path().join("data.arrow");
+    let rows: Vec<(Vec<i32>, Vec<i8>)> = (0..rows)
+        .map(|r| {
+            let len = 24 + (r * 7) % 40;
+            let mut t = (r * 11 % 45 + 3) as i32;
+            let mut ids = Vec::with_capacity(len);
+            for _ in 0..len {
+                ids.push(t);
+                t = (t * 7 + 3) % 45 + 3;
+            }
+            let mask = (0..len).map(|k| (k >= 4) as i8).collect();
+            (ids, mask)
+        })
+        .collect();
+    write_token_dataset(&data, &rows);
+    TinyRun { tmp, target, data }
+}
