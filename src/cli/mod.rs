@@ -10,6 +10,7 @@ use crate::runtime::TorchRuntime;
 
 mod data;
 mod doctor;
+mod eval;
 mod generate;
 mod import;
 mod models;
@@ -187,6 +188,29 @@ pub enum Command {
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
     },
+    /// Acceptance length (tau) of a drafter by real greedy speculative decoding, speed-up over
+    /// plain greedy decoding, and the check that both produce the same tokens.
+    Eval {
+        #[arg(long)]
+        target: PathBuf,
+        #[arg(long)]
+        drafter: PathBuf,
+        /// A tokenised dataset (its validation split); prompts end where the assistant starts.
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// JSONL prompts: {"messages": [...]} or {"prompt_ids": [...]}.
+        #[arg(long)]
+        prompts: Option<PathBuf>,
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        #[arg(long, default_value_t = 256)]
+        max_new_tokens: usize,
+        #[arg(long, default_value = "auto")]
+        device: String,
+        /// One JSON object: tau, speedup, prompts (output_ids, accept_lengths), ...
+        #[arg(long)]
+        json: bool,
+    },
     /// Perplexity of a model over a tokenised dataset (Arrow IPC, save_to_disk folder or
     /// Parquet with an input_ids column); prints one JSON object.
     Perplexity {
@@ -356,6 +380,31 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     batch_tokens,
                     device,
                     dtype,
+                },
+            )
+        }
+        Command::Eval {
+            target,
+            drafter,
+            data,
+            prompts,
+            limit,
+            max_new_tokens,
+            device,
+            json,
+        } => {
+            let runtime = TorchRuntime::init();
+            eval::run(
+                &runtime,
+                eval::EvalArgs {
+                    target,
+                    drafter,
+                    data,
+                    prompts,
+                    limit,
+                    max_new_tokens,
+                    device,
+                    json,
                 },
             )
         }
