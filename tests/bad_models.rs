@@ -108,7 +108,7 @@ fn drafter_for(target_dir: &Path, out: &Path, mask: i64) -> anyhow::Result<std::
             num_taps: 2,
         },
     )?;
-    Drafter::init(config, Device::Cpu, Kind::Float)?.save(out)
+    Drafter::init(config, Device::Cpu, Kind::Float, 0)?.save(out)
 }
 
 #[test]

@@ -37,8 +37,7 @@ fn fixture() -> Fixture {
         },
     )
     .unwrap();
-    tch::manual_seed(12);
-    let drafter = Drafter::init(config, Device::Cpu, Kind::Float).unwrap();
+    let drafter = Drafter::init(config, Device::Cpu, Kind::Float, 12).unwrap();
     let head = FrozenHead::from_target(&target, Device::Cpu, Kind::Float);
     Fixture {
         _tmp: tmp,
@@ -340,6 +339,24 @@ fn fresh_drafter_follows_the_initialisation_recipe() {
                 p.mean(Kind::Float).double_value(&[]).abs() < 0.005,
                 "{name}"
             );
+        }
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_drafter() {
+    let f = fixture();
+    let again = Drafter::init(f.drafter.config.clone(), Device::Cpu, Kind::Float, 12).unwrap();
+    let other = Drafter::init(f.drafter.config.clone(), Device::Cpu, Kind::Float, 13).unwrap();
+    for ((name, a), ((_, b), (_, c))) in f.drafter.named_parameters().into_iter().zip(
+        again
+            .named_parameters()
+            .into_iter()
+            .zip(other.named_parameters()),
+    ) {
+        assert_eq!(max_diff(a, b), 0.0, "{name}");
+        if !name.ends_with("norm.weight") {
+            assert!(max_diff(a, c) > 0.0, "{name}");
         }
     }
 }

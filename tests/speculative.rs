@@ -23,8 +23,7 @@ fn models(block: i64) -> (tempfile::TempDir, TargetModel, Drafter, FrozenHead) {
         },
     )
     .unwrap();
-    tch::manual_seed(3);
-    let drafter = Drafter::init(config, Device::Cpu, Kind::Float).unwrap();
+    let drafter = Drafter::init(config, Device::Cpu, Kind::Float, 3).unwrap();
     let head = FrozenHead::from_target(&target, Device::Cpu, Kind::Float);
     (tmp, target, drafter, head)
 }
@@ -110,7 +109,12 @@ fn eval_command_prints_json_with_tau_speedup_and_outputs() {
     let ps = v["prompts"].as_array().unwrap();
     assert_eq!(ps.len(), 2);
     for p in ps {
-        assert_eq!(p["output_ids"].as_array().unwrap().len(), 12);
+        // 12 tokens, or fewer ending with the tiny target's EOS (id 2, from its config.json)
+        let ids = p["output_ids"].as_array().unwrap();
+        assert!(
+            ids.len() == 12 || (ids.len() < 12 && ids.last() == Some(&2.into())),
+            "{ids:?}"
+        );
         assert!(!p["accept_lengths"].as_array().unwrap().is_empty());
     }
     // a bad prompts file names the line

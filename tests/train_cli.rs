@@ -109,7 +109,7 @@ fn a_drafter_that_does_not_match_the_target_is_refused() {
         },
     )
     .unwrap();
-    let drafter = dflash_tui::model::Drafter::init(dc, tch::Device::Cpu, tch::Kind::Float)
+    let drafter = dflash_tui::model::Drafter::init(dc, tch::Device::Cpu, tch::Kind::Float, 0)
         .unwrap()
         .save(&i.tmp.path().join("drafter"))
         .unwrap();

@@ -480,13 +480,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// CPU time of the calling thread, in seconds.
+/// CPU time of the calling thread, in seconds (CLOCK_THREAD_CPUTIME_ID: precise, unlike
+/// getrusage's tick-based accounting).
 fn thread_cpu_s() -> f64 {
-    // SAFETY: getrusage fills the struct it is given.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(usage.ru_utime) + tv(usage.ru_stime)
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the struct it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 fn bench_ui(history: usize, frames: usize, seconds: f64) -> anyhow::Result<()> {
@@ -507,10 +510,12 @@ fn bench_ui(history: usize, frames: usize, seconds: f64) -> anyhow::Result<()> {
     let cpu0 = thread_cpu_s();
     let wall0 = Instant::now();
     let mut drawn = 0u64;
+    let mut draw_s = 0.0;
     while wall0.elapsed().as_secs_f64() < seconds {
         let t = Instant::now();
         state.snapshot.step += 1;
         terminal.draw(|f| crate::ui::render::render(f, &state))?;
+        draw_s += t.elapsed().as_secs_f64();
         drawn += 1;
         if let Some(rest) = Duration::from_millis(100).checked_sub(t.elapsed()) {
             std::thread::sleep(rest);
@@ -529,6 +534,7 @@ fn bench_ui(history: usize, frames: usize, seconds: f64) -> anyhow::Result<()> {
             "frame_ms_p99": times[(times.len() - 1) * 99 / 100],
             "frame_ms_max": times[times.len() - 1],
             "loop_fps": drawn as f64 / wall,
+            "loop_frame_ms_mean": draw_s * 1e3 / drawn.max(1) as f64,
             "loop_seconds": wall,
             "ui_thread_cpu_percent_of_a_core": 100.0 * cpu / wall,
         }))?

@@ -37,8 +37,7 @@ pub fn init_drafter(args: InitDrafterArgs) -> Result<()> {
             args.target.join("config.json").display()
         )
     })?;
-    tch::manual_seed(args.seed);
-    let drafter = Drafter::init(config, tch::Device::Cpu, tch::Kind::Float)?;
+    let drafter = Drafter::init(config, tch::Device::Cpu, tch::Kind::Float, args.seed as u64)?;
     let out = drafter.save(&args.out)?;
     println!("{}", drafter.describe());
     println!("wrote {} (seed {})", out.display(), args.seed);

@@ -177,16 +177,31 @@ impl Drafter {
         })
     }
 
-    /// A freshly initialised drafter: weights N(0, 0.02), norms at 1 (spec §4). Seed the
-    /// generator with `tch::manual_seed` first for a reproducible draw.
-    pub fn init(config: DrafterConfig, device: Device, kind: Kind) -> Result<Self> {
+    /// A freshly initialised drafter: weights N(0, 0.02), norms at 1 (spec §4), drawn from a
+    /// generator of its own seeded with `seed` (libtorch's global generator is shared by every
+    /// thread of the process, so the same seed would not give the same drafter).
+    pub fn init(config: DrafterConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         Self::build(config, device, kind, |_name, shape| {
             let t = if shape.len() == 1 {
-                Tensor::ones(shape, (Kind::Float, device))
+                Tensor::ones(shape, (Kind::Float, Device::Cpu))
             } else {
-                Tensor::randn(shape, (Kind::Float, device)) * 0.02
+                let n: i64 = shape.iter().product();
+                // Box-Muller: two uniform draws give two standard normal values.
+                let mut values = Vec::with_capacity(n as usize + 1);
+                while (values.len() as i64) < n {
+                    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+                    let u2: f64 = rng.random::<f64>();
+                    let r = (-2.0 * u1.ln()).sqrt() * 0.02;
+                    let theta = 2.0 * std::f64::consts::PI * u2;
+                    values.push((r * theta.cos()) as f32);
+                    values.push((r * theta.sin()) as f32);
+                }
+                values.truncate(n as usize);
+                Tensor::from_slice(&values).view(shape)
             };
-            Ok(t.to_kind(kind).set_requires_grad(true))
+            Ok(t.to_device(device).to_kind(kind).set_requires_grad(true))
         })
     }
 

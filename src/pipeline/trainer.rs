@@ -342,10 +342,7 @@ fn prepare(
     for &dev in &drafter_devices {
         let d = match &init_dir {
             Some(dir) => Drafter::load_for_target(dir, target_cfg, dev, drafter_kind)?,
-            None => {
-                tch::manual_seed(config.run.seed as i64);
-                Drafter::init(drafter_config.clone(), dev, drafter_kind)?
-            }
+            None => Drafter::init(drafter_config.clone(), dev, drafter_kind, config.run.seed)?,
         };
         drafters.push(d);
     }

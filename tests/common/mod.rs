@@ -401,7 +401,6 @@ pub fn tiny_target_dir(
     rope_scaling: Option<serde_json::Value>,
     seed: i64,
 ) -> PathBuf {
-    tch::manual_seed(seed);
     let (h, i, layers, heads, kv, d, v) = (32i64, 64i64, 4i64, 4i64, 2i64, 8i64, 50i64);
     let config = serde_json::json!({
         "architectures": ["TinyForCausalLM"], "model_type": model_type,
@@ -414,7 +413,16 @@ pub fn tiny_target_dir(
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let cpu = (Kind::Float, tch::Device::Cpu);
-    let randn = |shape: &[i64]| Tensor::randn(shape, cpu) * 0.2;
+    // A generator of its own: libtorch's global one is shared by the tests running in parallel.
+    let rng = std::cell::RefCell::new(Lcg(seed as u64 ^ 0x5DEECE66D));
+    let randn = |shape: &[i64]| {
+        let n: i64 = shape.iter().product();
+        let values: Vec<f32> = (0..n)
+            // next_u32 gives 31 random bits: uniform in [-0.35, 0.35) (std 0.2)
+            .map(|_| (rng.borrow_mut().next_u32() as f32 / (1u64 << 31) as f32 - 0.5) * 0.7)
+            .collect();
+        Tensor::from_slice(&values).view(shape)
+    };
     let mut tensors: Vec<(String, Tensor)> = vec![
         ("model.embed_tokens.weight".into(), randn(&[v, h])),
         (
