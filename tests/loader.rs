@@ -14,6 +14,20 @@ fn write_dataset(path: &Path, rows: &[(Vec<i32>, Vec<i8>)]) {
     common::write_token_dataset(path, rows)
 }
 
+/// Every sample of a test data set, up to 512 tokens, none dropped.
+fn load_all(path: &Path) -> Arc<TokenStore> {
+    let o = StoreOptions {
+        vocab_size: 1000,
+        max_len: 512,
+        min_loss_tokens: 0,
+    };
+    Arc::new(
+        TokenStore::load(path, &DataColumns::default(), &o)
+            .unwrap()
+            .0,
+    )
+}
+
 fn opts() -> StoreOptions {
     StoreOptions {
         vocab_size: 1000,
@@ -61,16 +75,7 @@ fn packer_respects_the_budget_covers_each_epoch_and_buckets() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("d.arrow");
     write_dataset(&path, &many(500));
-    let o = StoreOptions {
-        vocab_size: 1000,
-        max_len: 512,
-        min_loss_tokens: 0,
-    };
-    let store = Arc::new(
-        TokenStore::load(&path, &DataColumns::default(), &o)
-            .unwrap()
-            .0,
-    );
+    let store = load_all(&path);
     let config = PackerConfig {
         token_budget: 1024,
         max_batch: 16,
@@ -122,16 +127,7 @@ fn packer_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("d.arrow");
     write_dataset(&path, &many(300));
-    let o = StoreOptions {
-        vocab_size: 1000,
-        max_len: 512,
-        min_loss_tokens: 0,
-    };
-    let store = Arc::new(
-        TokenStore::load(&path, &DataColumns::default(), &o)
-            .unwrap()
-            .0,
-    );
+    let store = load_all(&path);
     let config = PackerConfig {
         token_budget: 800,
         max_batch: 8,

@@ -349,8 +349,7 @@ impl Drafter {
         layer: &DrafterLayer,
         h: &Tensor,
         ctx_kv: (&Tensor, &Tensor),
-        q_rope: (&Tensor, &Tensor),
-        k_rope: (&Tensor, &Tensor),
+        block_rope: (&Tensor, &Tensor),
         mask: Option<&Tensor>,
     ) -> Tensor {
         let c = &self.config;
@@ -361,8 +360,10 @@ impl Drafter {
             c.rms_norm_eps,
         );
         let x = rms_norm(h, &layer.input_norm, eps);
-        let q = Rope::apply(&layer.attn.queries(&x, heads, d, eps), q_rope.0, q_rope.1);
-        let k_block = Rope::apply(&layer.attn.keys(&x, kv_heads, d, eps), k_rope.0, k_rope.1);
+        // Queries and the block's keys share the block positions.
+        let (cos, sin) = block_rope;
+        let q = Rope::apply(&layer.attn.queries(&x, heads, d, eps), cos, sin);
+        let k_block = Rope::apply(&layer.attn.keys(&x, kv_heads, d, eps), cos, sin);
         let v_block = layer.attn.values(&x, kv_heads, d);
         let k = Tensor::cat(&[ctx_kv.0, &k_block], 2);
         let v = Tensor::cat(&[ctx_kv.1, &v_block], 2);
@@ -450,14 +451,7 @@ impl Drafter {
         let ctx = self.fuse_context(features);
         for layer in &self.layers {
             let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin);
-            h = self.layer_forward(
-                layer,
-                &h,
-                (&ck, &cv),
-                (&q_cos, &q_sin),
-                (&q_cos, &q_sin),
-                Some(&mask),
-            );
+            h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), Some(&mask));
         }
         rms_norm(&h, &self.norm, self.config.rms_norm_eps).view([b, n, bs, -1])
     }
@@ -506,14 +500,7 @@ impl Drafter {
                         (empty.shallow_clone(), empty)
                     }),
                 };
-                h = self.layer_forward(
-                    layer,
-                    &h,
-                    (&ck, &cv),
-                    (&q_cos, &q_sin),
-                    (&q_cos, &q_sin),
-                    None,
-                );
+                h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), None);
             }
             if let Some((_, _, _, c)) = new_ctx {
                 cache.set_len(start + c);
