@@ -132,3 +132,320 @@ fn eval_command_prints_json_with_tau_speedup_and_outputs() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("prompts.jsonl: line 2"), "{err}");
 }
+
+use dflash_tui::eval::speculative::{speculative_decode, BlockDrafter, DFlashProposer};
+use tch::Tensor;
+
+/// A "drafter" that always proposes `token` for every slot.
+struct AlwaysProposes {
+    block: usize,
+    token: u32,
+}
+
+impl BlockDrafter for AlwaysProposes {
+    fn block_size(&self) -> usize {
+        self.block
+    }
+    fn propose(&mut self, _ctx: &Tensor, x: u32, _pos: i64) -> anyhow::Result<Vec<u32>> {
+        let mut b = vec![self.token; self.block];
+        b[0] = x;
+        Ok(b)
+    }
+}
+
+/// A "drafter" given the target's own greedy answer: it proposes exactly what the target will
+/// say next, except at the slots `wrong[step]` (when set), where it proposes a wrong token.
+struct Oracle {
+    block: usize,
+    prompt_len: i64,
+    answer: Vec<u32>,
+    wrong: Vec<Option<usize>>,
+    step: usize,
+    /// Context positions received so far: each call must bring exactly the accepted ones.
+    context_len: i64,
+}
+
+impl BlockDrafter for Oracle {
+    fn block_size(&self) -> usize {
+        self.block
+    }
+    fn propose(&mut self, ctx: &Tensor, x: u32, pos: i64) -> anyhow::Result<Vec<u32>> {
+        self.context_len += ctx.size()[1];
+        assert_eq!(self.context_len, pos, "the context is every token before x");
+        let at = (pos - self.prompt_len) as usize; // index of x in the answer
+        assert_eq!(self.answer[at], x);
+        let mut b: Vec<u32> = self.answer[at..at + self.block].to_vec();
+        if let Some(Some(k)) = self.wrong.get(self.step) {
+            b[*k] = (b[*k] + 1) % 50;
+        }
+        self.step += 1;
+        Ok(b)
+    }
+}
+
+#[test]
+fn a_drafter_that_is_always_wrong_gives_tau_one_and_greedy_output() {
+    let (_tmp, target, drafter, _head) = models(4);
+    let taps = drafter.config.target_layer_ids().to_vec();
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
+    let plain: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            tch::no_grad(|| greedy(&target, p, 40, &[]))
+                .unwrap()
+                .output_ids
+        })
+        .collect();
+    // a token the target never picks after any of these prompts
+    let never = (0..50u32)
+        .find(|t| plain.iter().all(|o| !o.contains(t)))
+        .expect("a tiny target with 50 tokens leaves some unused in 120 outputs");
+    for (p, expected) in prompts.iter().zip(&plain) {
+        let mut wrong = AlwaysProposes {
+            block: 4,
+            token: never,
+        };
+        let d =
+            tch::no_grad(|| speculative_decode(&target, &mut wrong, &taps, p, 40, &[])).unwrap();
+        assert_eq!(&d.output_ids, expected);
+        assert!(d.accept_lengths.iter().all(|&a| a == 1));
+        // one token per step after the prefill's first one
+        assert_eq!(d.accept_lengths.len(), 39);
+    }
+}
+
+#[test]
+fn a_drafter_given_the_targets_answer_reaches_tau_equal_to_block_size() {
+    let (_tmp, target, drafter, _head) = models(4);
+    let taps = drafter.config.target_layer_ids().to_vec();
+    for block in [4usize, 6] {
+        for p in [vec![5u32, 9, 13], vec![2, 4, 8, 16, 32, 11, 7]] {
+            let steps = 7;
+            let max_new = 1 + steps * block;
+            let answer = tch::no_grad(|| greedy(&target, &p, max_new + block, &[]))
+                .unwrap()
+                .output_ids;
+            let mut oracle = Oracle {
+                block,
+                prompt_len: p.len() as i64,
+                answer: answer.clone(),
+                wrong: vec![],
+                step: 0,
+                context_len: 0,
+            };
+            let d =
+                tch::no_grad(|| speculative_decode(&target, &mut oracle, &taps, &p, max_new, &[]))
+                    .unwrap();
+            assert_eq!(d.output_ids, answer[..max_new]);
+            assert_eq!(d.accept_lengths, vec![block; steps], "tau == block size");
+        }
+    }
+}
+
+#[test]
+fn rejected_drafts_roll_both_caches_back() {
+    // The oracle errs at a random slot in most steps: each step must accept exactly the slots
+    // before the error (the target's cache rolled back past the rejected tokens, so the next
+    // verify sees the right history), and the output stays the greedy answer.
+    let (_tmp, target, drafter, _head) = models(4);
+    let taps = drafter.config.target_layer_ids().to_vec();
+    let block = 5usize;
+    let p = vec![3u32, 1, 4, 1, 5, 9, 2, 6];
+    let max_new = 60;
+    let answer = tch::no_grad(|| greedy(&target, &p, max_new + block, &[]))
+        .unwrap()
+        .output_ids;
+    let mut state = 0x2545F4914F6CDD1Du64;
+    let wrong: Vec<Option<usize>> = (0..max_new)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let k = (state % block as u64) as usize;
+            (k > 0).then_some(k) // 0: no error this step
+        })
+        .collect();
+    let mut oracle = Oracle {
+        block,
+        prompt_len: p.len() as i64,
+        answer: answer.clone(),
+        wrong: wrong.clone(),
+        step: 0,
+        context_len: 0,
+    };
+    let d =
+        tch::no_grad(|| speculative_decode(&target, &mut oracle, &taps, &p, max_new, &[])).unwrap();
+    assert_eq!(d.output_ids, answer[..max_new]);
+    let expected: Vec<usize> = wrong
+        .iter()
+        .take(d.accept_lengths.len())
+        .map(|w| w.unwrap_or(block))
+        .collect();
+    assert_eq!(d.accept_lengths, expected);
+    assert!(expected.iter().any(|&a| a < block) && expected.contains(&block));
+}
+
+/// Records what the real drafter proposed and from which state.
+struct Recording<'a> {
+    inner: DFlashProposer<'a>,
+    calls: Vec<(u32, i64, Vec<u32>)>,
+}
+
+impl BlockDrafter for Recording<'_> {
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    fn propose(&mut self, ctx: &Tensor, x: u32, pos: i64) -> anyhow::Result<Vec<u32>> {
+        let out = self.inner.propose(ctx, x, pos)?;
+        self.calls.push((x, pos, out.clone()));
+        Ok(out)
+    }
+}
+
+#[test]
+fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
+    // After any number of rolled-back steps, the drafter's proposal equals one computed from
+    // scratch: a fresh target forward over prompt + accepted tokens for the context features,
+    // and a fresh drafter cache.
+    let (_tmp, target, drafter, head) = models(4);
+    let taps = drafter.config.target_layer_ids().to_vec();
+    let p = vec![7u32, 3, 12, 30, 8];
+    let mut rec = Recording {
+        inner: DFlashProposer::new(&drafter, &head),
+        calls: vec![],
+    };
+    let d = tch::no_grad(|| speculative_decode(&target, &mut rec, &taps, &p, 40, &[])).unwrap();
+    assert!(rec.calls.len() > 5);
+    let req = dflash_tui::model::ForwardRequest {
+        tap_layers: taps.clone(),
+        final_hidden: false,
+        logits: false,
+    };
+    for (x, pos, proposed) in &rec.calls {
+        // the tokens before x: prompt + the output up to x
+        let n_out = (*pos as usize) - p.len();
+        let mut seq: Vec<i64> = p.iter().map(|&t| t as i64).collect();
+        seq.extend(d.output_ids[..n_out].iter().map(|&t| t as i64));
+        assert_eq!(d.output_ids[n_out], *x);
+        let fresh = tch::no_grad(|| {
+            let feats = target
+                .run(&Tensor::from_slice(&seq).unsqueeze(0), None, &req)
+                .features
+                .unwrap();
+            let mut fresh = DFlashProposer::new(&drafter, &head);
+            fresh.propose(&feats, *x, *pos)
+        })
+        .unwrap();
+        assert_eq!(&fresh, proposed, "draft at position {pos}");
+    }
+}
+
+fn eval_cli(
+    target: &std::path::Path,
+    drafter: &std::path::Path,
+    prompts: &std::path::Path,
+) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args([
+            "eval",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "12",
+            "--target",
+        ])
+        .arg(target)
+        .arg("--drafter")
+        .arg(drafter)
+        .arg("--prompts")
+        .arg(prompts)
+        .env("DFLASH_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn eval_rejects_drafters_that_do_not_fit_and_bad_prompt_sets() {
+    let (tmp, _target, drafter, _head) = models(4);
+    let target_dir = tmp.path().join("t");
+    let good = drafter.save(&tmp.path().join("d")).unwrap();
+    let prompts = tmp.path().join("prompts.jsonl");
+    std::fs::write(&prompts, "{\"prompt_ids\": [5, 9, 13]}\n").unwrap();
+    let (ok, err) = eval_cli(&target_dir, &good, &prompts);
+    assert!(ok, "{err}");
+
+    // drafters edited not to fit: each message names the drafter's config.json and the field
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(good.join("config.json")).unwrap()).unwrap();
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "hidden",
+            Box::new(|c| c["hidden_size"] = 48.into()),
+            "hidden_size = 48 differs from the target's 32",
+        ),
+        (
+            "vocab",
+            Box::new(|c| c["vocab_size"] = 64.into()),
+            "vocab_size = 64 differs from the target's 50",
+        ),
+        (
+            "layers",
+            Box::new(|c| c["dflash_config"]["target_layer_ids"] = serde_json::json!([1, 4])),
+            "target_layer_ids contains 4, but the target has 4 layers",
+        ),
+    ];
+    for (name, edit, expected) in cases {
+        let dir = tmp.path().join(format!("bad-{name}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            good.join("model.safetensors"),
+            dir.join("model.safetensors"),
+        )
+        .unwrap();
+        let mut c = config.clone();
+        edit(&mut c);
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        let (ok, err) = eval_cli(&target_dir, &dir, &prompts);
+        assert!(!ok, "{name}: {err}");
+        assert!(err.contains(expected), "{name}: {err}");
+        assert!(
+            err.contains(&format!("bad-{name}/config.json")),
+            "{name}: {err}"
+        );
+        assert_eq!(err.trim().lines().count(), 1, "{name}: one line: {err}");
+    }
+
+    // an empty prompt set
+    std::fs::write(&prompts, "\n\n").unwrap();
+    let (ok, err) = eval_cli(&target_dir, &good, &prompts);
+    assert!(!ok && err.contains("no prompts"), "{err}");
+    // a prompt longer than the context (128 positions): 120 + 12 new + a block of 4
+    let long: Vec<u32> = (0..120).map(|i| 3 + i % 40).collect();
+    std::fs::write(
+        &prompts,
+        format!(
+            "{{\"prompt_ids\": [5]}}\n{}\n",
+            serde_json::json!({ "prompt_ids": long })
+        ),
+    )
+    .unwrap();
+    let (ok, err) = eval_cli(&target_dir, &good, &prompts);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("prompts.jsonl: line 2: the prompt has 120 tokens"),
+        "{err}"
+    );
+    assert!(err.contains("context of 128"), "{err}");
+    // a token outside the vocabulary
+    std::fs::write(&prompts, "{\"prompt_ids\": [5, 77]}\n").unwrap();
+    let (ok, err) = eval_cli(&target_dir, &good, &prompts);
+    assert!(
+        !ok && err.contains("line 1: token id 77 is outside"),
+        "{err}"
+    );
+}

@@ -399,3 +399,67 @@ fn two_drafter_replicas_average_gradients_and_learn() {
     let last: f64 = st[35..].iter().map(|r| r.loss).sum::<f64>() / 5.0;
     assert!(last < 0.7 * first, "loss {first} -> {last}");
 }
+
+#[test]
+fn periodic_evaluation_records_tau_and_keeps_the_best_drafter() {
+    let s = setup(24);
+    let cfg = tiny_config(
+        &s,
+        &[
+            "train.total_steps=40",
+            "train.lr=1e-2",
+            "checkpoint.save_every_steps=0",
+            "eval.every_steps=10",
+            "eval.prompts=3",
+            "eval.max_new_tokens=9",
+        ],
+    );
+    let run = s.tmp.path().join("run");
+    let h = start(&cfg, &run, false);
+    let out = join_within(h, Duration::from_secs(240));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    let evals: Vec<_> = read_metrics(&run.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            MetricsRecord::Eval(e) => Some(e),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        evals.iter().map(|e| e.step).collect::<Vec<_>>(),
+        vec![10, 20, 30, 40]
+    );
+    let block = cfg.model.block_size as u64;
+    for e in &evals {
+        assert_eq!(e.prompts, 3);
+        assert_eq!(e.accepted_by_slot.len() as u64, block);
+        // every step takes the bonus token; the slots sum to the accepted tokens
+        assert_eq!(e.accepted_by_slot[0], e.decode_steps);
+        let accepted: u64 = e.accepted_by_slot.iter().sum();
+        assert!((e.tau - accepted as f64 / e.decode_steps as f64).abs() < 1e-9);
+        assert!(e.tau >= 1.0 && e.tau <= block as f64);
+        // 9 tokens per prompt: the prefill's first plus at least one per step
+        assert!(e.generated_tokens <= 27 && e.decode_steps >= 3);
+    }
+    // "best" marks each new maximum; best/ holds the drafter of the highest tau
+    let mut best = f64::NEG_INFINITY;
+    for e in &evals {
+        assert_eq!(e.best, e.tau > best, "step {}", e.step);
+        best = best.max(e.tau);
+    }
+    let top = evals.iter().rfind(|e| e.best).unwrap();
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("best/eval.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["step"], top.step);
+    assert!((saved["tau"].as_f64().unwrap() - top.tau).abs() < 1e-12);
+    let target = dflash_tui::model::TargetConfig::from_model_dir(&s.target).unwrap();
+    dflash_tui::model::Drafter::load_for_target(
+        &run.join("best/drafter"),
+        &target,
+        tch::Device::Cpu,
+        tch::Kind::Float,
+    )
+    .unwrap();
+}

@@ -4,7 +4,7 @@
 use dflash_tui::pipeline::queue::QueueLevel;
 use dflash_tui::telemetry::gpu::GpuReading;
 use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow};
-use dflash_tui::telemetry::records::{Phase, Snapshot, StepRecord};
+use dflash_tui::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord};
 use dflash_tui::ui::render::{downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS};
 use dflash_tui::ui::state::{AppState, Mode};
 use ratatui::backend::TestBackend;
@@ -135,6 +135,7 @@ fn training() -> Snapshot {
         samples_per_s: last.as_ref().map(|r| r.samples_per_s).unwrap_or(0.0),
         last,
         history,
+        evals: vec![],
         queues: queues(),
         profile: Some(profile()),
         profile_interval_s: 10.0,
@@ -309,6 +310,45 @@ fn one_gpu_screen() {
     }
     assert!(big.contains("quit"), "{big}");
     assert!(big.contains("blocking"), "{big}");
+}
+
+/// Periodic evaluations at steps 100, 200, 300, the run evaluating now.
+fn evaluating() -> AppState {
+    let mut s = training();
+    s.phase = Phase::Evaluating;
+    s.evals = [(100u64, 1.84), (200, 2.31), (300, 2.47)]
+        .into_iter()
+        .map(|(step, tau)| EvalRecord {
+            step,
+            tau,
+            prompts: 16,
+            decode_steps: 800,
+            generated_tokens: (800.0 * tau) as u64,
+            accepted_by_slot: vec![800; 16],
+            eval_s: 4.0,
+            best: true,
+            elapsed_s: 1.3 * step as f64,
+        })
+        .collect();
+    AppState::new(s)
+}
+
+#[test]
+fn evaluation_tau_is_drawn_on_the_tau_chart() {
+    let (big, small) = snap_both!("evaluating", evaluating());
+    for s in [&big, &small] {
+        assert!(s.contains("evaluating"), "{s}");
+        assert!(
+            s.contains("tau 2.47"),
+            "the latest eval tau in the chart title: {s}"
+        );
+    }
+    // the eval series changes the chart (and the plain screen has no eval title)
+    let mut plain = evaluating();
+    plain.snapshot.evals.clear();
+    let without = screen(&plain, 120, 40);
+    assert!(!without.contains("tau 2.47"));
+    assert_ne!(without, big);
 }
 
 #[test]

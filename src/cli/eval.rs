@@ -1,15 +1,14 @@
 //! `eval`: acceptance length of a drafter by real greedy speculative decoding against its
 //! target, the speed-up over plain greedy decoding, and a losslessness check.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 
-use crate::data::arrow_io::{read_token_data, resolve_split};
-use crate::eval::speculative::evaluate;
-use crate::model::{Drafter, FrozenHead, TargetModel};
+use crate::eval::prompts::{check_prompts, eos_ids, prompts_from_data, prompts_from_file};
+use crate::eval::speculative::{evaluate, EvalReport};
+use crate::model::{Drafter, FrozenHead, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
-use crate::text::{Message, TextTokenizer};
 
 use super::generate::parse_kind;
 
@@ -19,103 +18,119 @@ pub struct EvalArgs {
     pub data: Option<PathBuf>,
     pub prompts: Option<PathBuf>,
     pub limit: usize,
+    pub split: String,
     pub max_new_tokens: usize,
     pub device: String,
+    pub dtype: String,
     pub json: bool,
 }
 
-/// Prompts from a JSONL file: `{"messages": [...]}` (chat template + generation prompt) or
-/// `{"prompt_ids": [...]}`.
-fn prompts_from_file(path: &Path, target_dir: &Path, limit: usize) -> Result<Vec<Vec<u32>>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
-    let mut tokenizer: Option<TextTokenizer> = None;
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() || out.len() >= limit {
-            continue;
-        }
-        let where_ = || format!("{}: line {}", path.display(), i + 1);
-        let v: serde_json::Value = serde_json::from_str(line).with_context(where_)?;
-        if let Some(ids) = v.get("prompt_ids") {
-            let ids: Vec<u32> = serde_json::from_value(ids.clone())
-                .with_context(|| format!("{}: prompt_ids must be a list of token ids", where_()))?;
-            out.push(ids);
-        } else if let Some(m) = v.get("messages") {
-            let messages: Vec<Message> = serde_json::from_value(m.clone()).with_context(|| {
-                format!("{}: messages must be a list of {{role, content}}", where_())
-            })?;
-            if tokenizer.is_none() {
-                tokenizer = Some(TextTokenizer::from_model_dir(target_dir)?);
-            }
-            let tok = tokenizer.as_ref().context("no tokenizer")?;
-            out.push(
-                tok.apply_chat_template(&messages, true)
-                    .with_context(where_)?,
-            );
-        } else {
-            bail!("{}: needs \"messages\" or \"prompt_ids\"", where_());
-        }
-    }
-    Ok(out)
-}
-
-/// Prompts from a tokenised dataset: each sample up to its first trained (assistant) token.
-fn prompts_from_data(path: &Path, limit: usize) -> Result<Vec<Vec<u32>>> {
-    let split = if path.join("dataset_dict.json").is_file() {
-        resolve_split(path, Some("validation"))?
-    } else {
-        path.to_path_buf()
-    };
-    let data = read_token_data(&split, "input_ids", Some("loss_mask"))?;
-    let masks = data.masks.as_ref().context("no loss_mask column")?;
-    let mut out = Vec::new();
-    for i in 0..data.ids.len() {
-        if out.len() >= limit {
-            break;
-        }
-        let (s, e) = (data.ids.offsets[i], data.ids.offsets[i + 1]);
-        if let Some(first) = masks[s..e].iter().position(|&m| m == 1) {
-            if first > 0 {
-                out.push(data.ids.get(i)[..first].to_vec());
-            }
-        }
-    }
-    Ok(out)
-}
-
-pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
-    let device = runtime.device(&args.device)?;
-    let kind = parse_kind("auto", device)?;
+/// One device's share: every n-th prompt starting at `first`.
+fn run_shard(
+    args: &EvalArgs,
+    device: tch::Device,
+    prompts: &[Vec<u32>],
+    eos: &[u32],
+) -> Result<EvalReport> {
+    let kind = parse_kind(&args.dtype, device)?;
     let target = TargetModel::load(&args.target, device, kind)?;
     let drafter = Drafter::load_for_target(&args.drafter, &target.config, device, kind)?;
     let head = FrozenHead::from_target(&target, device, kind);
+    evaluate(&target, &drafter, &head, prompts, args.max_new_tokens, eos)
+}
+
+pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
+    if args.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1");
+    }
+    let devices = args
+        .device
+        .split(',')
+        .map(|d| runtime.device(d))
+        .collect::<Result<Vec<_>>>()?;
+    let target_config = TargetConfig::from_model_dir(&args.target)?;
+    // The drafter must fit the target before anything is decoded.
+    let block_size = Drafter::load_for_target(
+        &args.drafter,
+        &target_config,
+        tch::Device::Cpu,
+        tch::Kind::Float,
+    )?
+    .config
+    .block_size as usize;
     let prompts = match (&args.prompts, &args.data) {
         (Some(p), _) => prompts_from_file(p, &args.target, args.limit)?,
-        (None, Some(d)) => prompts_from_data(d, args.limit)?,
+        (None, Some(d)) => prompts_from_data(d, &args.split, args.limit)?,
         (None, None) => bail!("eval needs --data PATH or --prompts FILE"),
     };
-    if prompts.is_empty() {
-        bail!("no prompts to evaluate");
-    }
-    let mut eos = target.config.eos_ids();
-    if let Ok(tok) = TextTokenizer::from_model_dir(&args.target) {
-        if let Some(id) = tok.eos_token.as_deref().and_then(|t| tok.token_to_id(t)) {
-            eos.push(id);
-        }
-    }
-    let report = evaluate(
-        &target,
-        &drafter,
-        &head,
+    let what = args
+        .prompts
+        .as_ref()
+        .or(args.data.as_ref())
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    check_prompts(
         &prompts,
+        &target_config,
         args.max_new_tokens,
-        &eos,
+        block_size,
+        &what,
     )?;
+    let eos = eos_ids(&args.target, &target_config);
+    let ids: Vec<Vec<u32>> = prompts.into_iter().map(|p| p.ids).collect();
+    let n = devices.len();
+    let report = if n == 1 {
+        run_shard(&args, devices[0], &ids, &eos)?
+    } else {
+        // Prompt i goes to device i % n; the merged report lists prompts in input order.
+        let shards: Vec<Vec<Vec<u32>>> = (0..n)
+            .map(|d| ids.iter().skip(d).step_by(n).cloned().collect())
+            .collect();
+        let reports = std::thread::scope(|s| {
+            let handles: Vec<_> = devices
+                .iter()
+                .zip(&shards)
+                .map(|(&dev, shard)| {
+                    let (args, eos) = (&args, &eos);
+                    s.spawn(move || run_shard(args, dev, shard, eos))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().map_err(|_| anyhow!("an eval worker panicked"))?)
+                .collect::<Result<Vec<_>>>()
+        })?;
+        let mut merged = EvalReport::merge(block_size, reports);
+        let mut ordered = Vec::with_capacity(merged.prompts.len());
+        let mut per_shard: Vec<std::vec::IntoIter<_>> = Vec::new();
+        let mut rest = std::mem::take(&mut merged.prompts).into_iter();
+        for shard in &shards {
+            per_shard.push(
+                rest.by_ref()
+                    .take(shard.len())
+                    .collect::<Vec<_>>()
+                    .into_iter(),
+            );
+        }
+        for i in 0..ids.len() {
+            ordered.push(
+                per_shard[i % n]
+                    .next()
+                    .context("eval: a worker returned fewer prompts than it was given")?,
+            );
+        }
+        merged.prompts = ordered;
+        merged
+    };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
+    print_report(&report);
+    Ok(())
+}
+
+fn print_report(report: &EvalReport) {
     println!(
         "tau {:.3} over {} prompts; speed-up {:.2}x (greedy {:.2} ms/token, DFlash {:.2} ms/token, prefill excluded); {} mismatches with plain greedy decoding",
         report.tau,
@@ -126,23 +141,43 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
         report.mismatches
     );
     let steps = report.accepted_by_slot.first().copied().unwrap_or(0).max(1);
-    let slots: Vec<String> = report.accepted_by_slot[1..]
+    let slots: Vec<String> = report
+        .accepted_by_slot
         .iter()
         .enumerate()
-        .map(|(k, &n)| format!("{}:{:.0}%", k + 1, 100.0 * n as f64 / steps as f64))
+        .skip(1)
+        .map(|(k, &n)| format!("{k}:{:.0}%", 100.0 * n as f64 / steps as f64))
         .collect();
     println!("accepted by slot: {}", slots.join(" "));
+    let mut hist = vec![0usize; report.accepted_by_slot.len() + 1];
+    for p in &report.prompts {
+        for &a in &p.accept_lengths {
+            if let Some(h) = hist.get_mut(a) {
+                *h += 1;
+            }
+        }
+    }
+    let hist: Vec<String> = hist
+        .iter()
+        .enumerate()
+        .skip(1)
+        .filter(|(_, &c)| c > 0)
+        .map(|(a, c)| format!("{a}:{c}"))
+        .collect();
+    println!("steps by acceptance length: {}", hist.join(" "));
     for (i, p) in report.prompts.iter().enumerate() {
         println!(
             "prompt {i}: tau {:.2}, {} tokens, accept lengths {:?}{}",
             p.tau,
             p.output_ids.len(),
             p.accept_lengths,
-            match p.first_mismatch {
-                Some(at) => format!(", DIFFERS from greedy at token {at}"),
-                None => String::new(),
+            match (p.first_mismatch, p.mismatch_margin) {
+                (Some(at), Some(m)) => format!(
+                    ", DIFFERS from greedy at token {at} (greedy's top-2 logit margin there: {m:.3})"
+                ),
+                (Some(at), None) => format!(", DIFFERS from greedy at token {at}"),
+                _ => String::new(),
             }
         );
     }
-    Ok(())
 }

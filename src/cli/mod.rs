@@ -14,6 +14,7 @@ mod eval;
 mod generate;
 mod import;
 mod models;
+mod regenerate;
 mod train;
 
 #[derive(Debug, Parser)]
@@ -125,6 +126,59 @@ pub enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// Replace every assistant answer of a tokenised dataset (prepare-data output) by the
+    /// target's own answer, generated from the conversation so far; resumable.
+    Regenerate {
+        /// The target's Hugging Face model folder.
+        #[arg(long)]
+        target: PathBuf,
+        /// The dataset: a prepare-data folder (every split), or one split folder / Arrow /
+        /// Parquet file with input_ids and loss_mask.
+        #[arg(long)]
+        input: PathBuf,
+        /// The dataset folder to create (must not exist yet, or be empty).
+        #[arg(long)]
+        out: PathBuf,
+        /// Longest answer; answers that reach it end their row.
+        #[arg(long, default_value_t = 512)]
+        max_new_tokens: usize,
+        /// Prompts decoded together.
+        #[arg(long, default_value_t = 128)]
+        batch_size: usize,
+        /// Regenerate at most the first N assistant turns of a row; the rest is dropped.
+        #[arg(long)]
+        max_turns: Option<usize>,
+        /// Use at most the first N rows of each split.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// 0 = greedy; above 0, sample from softmax(logits / T).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        /// Nucleus sampling: the most likely tokens up to this probability mass.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        /// Seed of the sampling (per row, from the seed and the row id).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices (one worker each).
+        #[arg(long, default_value = "auto")]
+        device: String,
+        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
+        #[arg(long, default_value = "auto")]
+        dtype: String,
+        /// Longest row (context and answers); a row that would be longer ends early.
+        #[arg(long, default_value_t = 3072)]
+        max_len: usize,
+        /// Input rows per chunk; finished chunks survive an interruption.
+        #[arg(long, default_value_t = 1024)]
+        chunk_rows: usize,
+        /// Padded prompt tokens per prefill forward.
+        #[arg(long, default_value_t = 16_384, hide = true)]
+        prefill_tokens: usize,
+        /// Stop after this many chunks, without assembling the output (tests of resumption).
+        #[arg(long, hide = true)]
+        stop_after_chunks: Option<usize>,
+    },
     /// Counts, length histogram, loss-mask share and one decoded sample of a dataset.
     InspectData {
         path: PathBuf,
@@ -203,10 +257,18 @@ pub enum Command {
         prompts: Option<PathBuf>,
         #[arg(long, default_value_t = 20)]
         limit: usize,
+        /// The split of a --data dataset folder the prompts come from.
+        #[arg(long, default_value = "validation")]
+        split: String,
         #[arg(long, default_value_t = 256)]
         max_new_tokens: usize,
+        /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices: the prompts are
+        /// shared out, one worker with its own copy of both models per device.
         #[arg(long, default_value = "auto")]
         device: String,
+        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
+        #[arg(long, default_value = "auto")]
+        dtype: String,
         /// One JSON object: tau, speedup, prompts (output_ids, accept_lengths), ...
         #[arg(long)]
         json: bool,
@@ -389,8 +451,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             data,
             prompts,
             limit,
+            split,
             max_new_tokens,
             device,
+            dtype,
             json,
         } => {
             let runtime = TorchRuntime::init();
@@ -402,8 +466,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     data,
                     prompts,
                     limit,
+                    split,
                     max_new_tokens,
                     device,
+                    dtype,
                     json,
                 },
             )
@@ -442,6 +508,47 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 progress: true,
             },
         ),
+        Command::Regenerate {
+            target,
+            input,
+            out,
+            max_new_tokens,
+            batch_size,
+            max_turns,
+            limit,
+            temperature,
+            top_p,
+            seed,
+            device,
+            dtype,
+            max_len,
+            chunk_rows,
+            prefill_tokens,
+            stop_after_chunks,
+        } => {
+            let runtime = TorchRuntime::init();
+            regenerate::run(
+                &runtime,
+                regenerate::RegenerateArgs {
+                    target,
+                    input,
+                    out,
+                    max_new_tokens,
+                    batch_size,
+                    max_turns,
+                    limit,
+                    temperature,
+                    top_p,
+                    seed,
+                    device,
+                    dtype,
+                    max_len,
+                    chunk_rows,
+                    prefill_tokens,
+                    stop_after_chunks,
+                },
+            )
+        }
         Command::InspectData {
             path,
             split,

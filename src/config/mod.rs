@@ -63,6 +63,7 @@ pub struct TrainConfig {
     pub devices: DevicesSection,
     pub pipeline: PipelineSection,
     pub checkpoint: CheckpointSection,
+    pub eval: EvalSection,
     pub telemetry: TelemetrySection,
     pub debug: DebugSection,
 }
@@ -299,6 +300,36 @@ impl Default for CheckpointSection {
             save_every_steps: 500,
             save_every_minutes: 30.0,
             keep_checkpoints: 3,
+        }
+    }
+}
+
+/// `[eval]`: periodic evaluation during training. Every `every_steps` steps drafter worker 0
+/// (on the first drafter device, between steps; a copy of the target is loaded there when no
+/// target worker runs on that device) decodes `prompts` held-out prompts by real greedy speculative decoding against the target
+/// (dflash spec §5) and records the acceptance length tau; the drafter with the best tau so far
+/// is kept in `RUN_DIR/best/`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EvalSection {
+    /// Evaluate every N optimiser steps (0 = off). Default 0.
+    pub every_steps: u64,
+    /// Held-out prompts per evaluation, >= 1. Default 16.
+    pub prompts: usize,
+    /// New tokens decoded per prompt, >= 1. Default 128.
+    pub max_new_tokens: usize,
+    /// Split of `data.path` the prompts come from (the conversation up to its first assistant
+    /// token). Default "validation".
+    pub split: String,
+}
+
+impl Default for EvalSection {
+    fn default() -> Self {
+        EvalSection {
+            every_steps: 0,
+            prompts: 16,
+            max_new_tokens: 128,
+            split: "validation".into(),
         }
     }
 }

@@ -127,6 +127,10 @@ impl TrainConfig {
         )?;
         at_least("checkpoint.keep_checkpoints", c.keep_checkpoints, 1)?;
 
+        let e = &self.eval;
+        at_least("eval.prompts", e.prompts, 1)?;
+        int_between("eval.max_new_tokens", e.max_new_tokens, 1, 65536)?;
+
         let tel = &self.telemetry;
         at_least("telemetry.log_every_steps", tel.log_every_steps, 1)?;
         float(

@@ -84,6 +84,31 @@ pub fn resolve_split(path: &Path, split: Option<&str>) -> Result<PathBuf> {
     Ok(path.join(want))
 }
 
+/// The split names listed in `path/dataset_dict.json`, or `None` when `path` is not a dataset
+/// with splits.
+pub fn split_names(path: &Path) -> Result<Option<Vec<String>>> {
+    let dict = path.join("dataset_dict.json");
+    if !dict.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&dict)
+        .with_context(|| format!("{}: cannot read", dict.display()))?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not valid JSON", dict.display()))?;
+    let list = value
+        .get("splits")
+        .and_then(|s| s.as_array())
+        .with_context(|| format!("{}: no \"splits\" list", dict.display()))?;
+    let mut names = Vec::with_capacity(list.len());
+    for (i, s) in list.iter().enumerate() {
+        let name = s
+            .as_str()
+            .with_context(|| format!("{}: splits[{i}] is not a string", dict.display()))?;
+        names.push(name.to_string());
+    }
+    Ok(Some(names))
+}
+
 /// The files that make up a dataset at `path`, in order.
 pub fn dataset_files(path: &Path) -> Result<Vec<PathBuf>> {
     let path = &resolve_split(path, None)?;
@@ -322,6 +347,84 @@ pub fn read_token_data(
 /// Reads only the token list column `column` of the dataset at `path`.
 pub fn read_token_column(path: &Path, column: &str) -> Result<TokenColumn> {
     Ok(read_token_data(path, column, None)?.ids)
+}
+
+/// The string column `column` of the dataset at `path` (file or folder), one entry per row, or
+/// `None` when its files have no such column. Integer ids are written out in decimal; a null
+/// entry becomes the row number.
+pub fn read_string_column(path: &Path, column: &str) -> Result<Option<Vec<String>>> {
+    use arrow::datatypes::{Int64Type, UInt64Type};
+    let mut out = Vec::new();
+    let mut found = false;
+    for file in dataset_files(path)? {
+        for batch in read_batches(&file)? {
+            let Some(col) = batch.column_by_name(column) else {
+                out.extend((out.len()..out.len() + batch.num_rows()).map(|r| r.to_string()));
+                continue;
+            };
+            found = true;
+            let base = out.len();
+            let cell =
+                |row: usize, v: Option<String>| v.unwrap_or_else(|| (base + row).to_string());
+            match col.data_type() {
+                DataType::Utf8 => out.extend(
+                    col.as_string::<i32>()
+                        .iter()
+                        .enumerate()
+                        .map(|(r, v)| cell(r, v.map(str::to_string))),
+                ),
+                DataType::LargeUtf8 => out.extend(
+                    col.as_string::<i64>()
+                        .iter()
+                        .enumerate()
+                        .map(|(r, v)| cell(r, v.map(str::to_string))),
+                ),
+                DataType::Int64 => out.extend(
+                    col.as_primitive::<Int64Type>()
+                        .iter()
+                        .enumerate()
+                        .map(|(r, v)| cell(r, v.map(|x| x.to_string()))),
+                ),
+                DataType::UInt64 => out.extend(
+                    col.as_primitive::<UInt64Type>()
+                        .iter()
+                        .enumerate()
+                        .map(|(r, v)| cell(r, v.map(|x| x.to_string()))),
+                ),
+                DataType::Int32 => out.extend(
+                    col.as_primitive::<Int32Type>()
+                        .iter()
+                        .enumerate()
+                        .map(|(r, v)| cell(r, v.map(|x| x.to_string()))),
+                ),
+                other => bail!(
+                    "{}: column {column:?} has type {other}, expected strings or integers",
+                    file.display()
+                ),
+            }
+        }
+    }
+    Ok(found.then_some(out))
+}
+
+/// Writes rows (id, input_ids, loss_mask) as one Arrow IPC stream file, in record batches of
+/// at most 1000 rows; returns the bytes written.
+pub fn write_token_rows(path: &Path, rows: &[TokenRow<'_>]) -> Result<u64> {
+    let batch = rows_batch(rows)?;
+    let file = File::create(path).with_context(|| format!("{}: cannot write", path.display()))?;
+    let mut writer =
+        arrow::ipc::writer::StreamWriter::try_new(std::io::BufWriter::new(file), &batch.schema())
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+    if batch.num_rows() == 0 {
+        writer.write(&batch)?;
+    }
+    for start in (0..batch.num_rows()).step_by(1000) {
+        writer.write(&batch.slice(start, 1000.min(batch.num_rows() - start)))?;
+    }
+    writer
+        .finish()
+        .with_context(|| format!("{}: cannot write", path.display()))?;
+    Ok(std::fs::metadata(path).map(|m| m.len()).unwrap_or(0))
 }
 
 /// One row to write: id, token ids, loss mask.

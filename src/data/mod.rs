@@ -6,6 +6,7 @@ pub mod chat;
 pub mod packer;
 pub mod prepare;
 pub mod prepare_run;
+pub mod regenerate;
 pub mod sampler;
 pub mod sharegpt;
 pub mod store;

@@ -1,4 +1,7 @@
-//! Evaluation: perplexity of a target model (and, later, acceptance length of a drafter).
+//! Evaluation: perplexity of a target model, and acceptance length of a drafter by real
+//! speculative decoding.
 
 pub mod perplexity;
+pub mod prompts;
+pub mod regenerate;
 pub mod speculative;

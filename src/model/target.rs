@@ -20,15 +20,30 @@ struct DecoderLayer {
 }
 
 /// Keys and values of past positions, per layer: [batch, kv_heads, len, head_dim].
+///
+/// By default every append concatenates (the cache grows one copy at a time). A cache made with
+/// [`KvCache::with_capacity`] writes into buffers allocated once for that many positions, which
+/// long batched decoding needs; it falls back to concatenation past its capacity.
 #[derive(Debug, Default)]
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Per layer, the preallocated buffers whose first positions `layers` views.
+    buffers: Vec<Option<(Tensor, Tensor)>>,
+    capacity: i64,
     len: i64,
 }
 
 impl KvCache {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A cache that preallocates room for `positions` positions per layer on the first append.
+    pub fn with_capacity(positions: i64) -> Self {
+        KvCache {
+            capacity: positions.max(0),
+            ..Self::default()
+        }
     }
 
     /// Number of cached positions.
@@ -53,6 +68,33 @@ impl KvCache {
         self.len = len;
     }
 
+    /// Keeps only the batch rows `rows` (int64 indices, in this order), e.g. to drop sequences
+    /// that finished decoding from a batch.
+    pub fn select_rows(&mut self, rows: &Tensor) {
+        let pick = |t: &Tensor| t.index_select(0, &rows.to_device(t.device()));
+        if self.buffers.len() < self.layers.len() {
+            self.buffers.resize_with(self.layers.len(), || None);
+        }
+        for (layer, buffer) in self.layers.iter_mut().zip(self.buffers.iter_mut()) {
+            let Some((k, v)) = layer.as_mut() else {
+                continue;
+            };
+            match buffer.as_mut() {
+                Some((bk, bv)) => {
+                    let n = k.size()[2];
+                    *bk = pick(bk);
+                    *bv = pick(bv);
+                    *k = bk.narrow(2, 0, n);
+                    *v = bv.narrow(2, 0, n);
+                }
+                None => {
+                    *k = pick(k);
+                    *v = pick(v);
+                }
+            }
+        }
+    }
+
     /// The cached keys and values of one layer.
     pub(crate) fn layer(&self, layer: usize) -> Option<(Tensor, Tensor)> {
         self.layers
@@ -69,6 +111,34 @@ impl KvCache {
     pub(crate) fn append(&mut self, layer: usize, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
         if self.layers.len() <= layer {
             self.layers.resize_with(layer + 1, || None);
+        }
+        if self.capacity > 0 {
+            if self.buffers.len() <= layer {
+                self.buffers.resize_with(layer + 1, || None);
+            }
+            let n = k.size()[2];
+            let held = self.layers[layer].as_ref().map(|(pk, _)| pk.size()[2]);
+            if held.is_none() {
+                // First append: allocate the buffers.
+                let alloc = |t: &Tensor| {
+                    let mut shape = t.size();
+                    shape[2] = self.capacity.max(n);
+                    Tensor::zeros(&shape[..], (t.kind(), t.device()))
+                };
+                self.buffers[layer] = Some((alloc(&k), alloc(&v)));
+            }
+            let start = held.unwrap_or(0);
+            if let Some((bk, bv)) = self.buffers[layer].as_ref() {
+                if start + n <= bk.size()[2] {
+                    bk.narrow(2, start, n).copy_(&k);
+                    bv.narrow(2, start, n).copy_(&v);
+                    let merged = (bk.narrow(2, 0, start + n), bv.narrow(2, 0, start + n));
+                    self.layers[layer] = Some((merged.0.shallow_clone(), merged.1.shallow_clone()));
+                    return merged;
+                }
+            }
+            // Past the capacity: concatenate from here on.
+            self.buffers[layer] = None;
         }
         let merged = match self.layers[layer].take() {
             Some((pk, pv)) => (Tensor::cat(&[pk, k], 2), Tensor::cat(&[pv, v], 2)),
@@ -267,8 +337,24 @@ impl TargetModel {
     pub fn run(
         &self,
         input_ids: &Tensor,
+        cache: Option<&mut KvCache>,
+        req: &ForwardRequest,
+    ) -> TargetOutput {
+        self.run_padded(input_ids, cache, req, None)
+    }
+
+    /// [`TargetModel::run`] over a padded batch. `key_mask` [batch, past + seq] (bool, or 0/1)
+    /// marks the real tokens of every cached and new position (false = padding); padding keys
+    /// are hidden from every query, on top of the causal / cache visibility. With left padding
+    /// all rows share positions, and since the rotary embedding is relative the real tokens'
+    /// outputs equal those of the unpadded rows (up to float rounding). Outputs at padding
+    /// positions are meaningless (each sees only itself, so they stay finite).
+    pub fn run_padded(
+        &self,
+        input_ids: &Tensor,
         mut cache: Option<&mut KvCache>,
         req: &ForwardRequest,
+        key_mask: Option<&Tensor>,
     ) -> TargetOutput {
         tch::no_grad(|| {
             let size = input_ids.size();
@@ -281,13 +367,32 @@ impl TargetModel {
             let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
             // Queries sit at positions past..past+seq; key j is visible to query i when
             // j <= past + i. Without past keys that is the plain causal mask.
-            let mask = if past > 0 && seq > 1 {
+            let visible = || {
                 let k_pos = Tensor::arange(past + seq, (Kind::Int64, self.device));
-                Some(k_pos.unsqueeze(0).le_tensor(&positions.unsqueeze(1)))
-            } else {
-                None
+                k_pos.unsqueeze(0).le_tensor(&positions.unsqueeze(1))
             };
-            let causal = past == 0 && seq > 1;
+            let (mask, causal) = match key_mask {
+                Some(km) => {
+                    assert_eq!(
+                        km.size(),
+                        [batch, past + seq],
+                        "key_mask must be [batch, past + seq]"
+                    );
+                    let k_pos = Tensor::arange(past + seq, (Kind::Int64, self.device));
+                    let own = k_pos.unsqueeze(0).eq_tensor(&positions.unsqueeze(1));
+                    let real =
+                        km.to_device(self.device)
+                            .to_kind(Kind::Bool)
+                            .view([batch, 1, past + seq]);
+                    // [batch, 1 (heads), seq, keys]
+                    let m = visible()
+                        .unsqueeze(0)
+                        .logical_and(&real.logical_or(&own.unsqueeze(0)));
+                    (Some(m.unsqueeze(1)), false)
+                }
+                None if past > 0 && seq > 1 => (Some(visible()), false),
+                None => (None, past == 0 && seq > 1),
+            };
             let needs_all = req.final_hidden || req.logits || cache.is_some();
             let last_layer = if needs_all {
                 self.layers.len()
@@ -307,7 +412,10 @@ impl TargetModel {
                     Some(c) => c.append(idx, k, v),
                     None => (k, v),
                 };
-                let a = attention(&q, &k, &v, mask.as_ref(), causal);
+                let a = match (&mask, key_mask.is_some() && seq == 1) {
+                    (Some(m), true) => masked_attention(&q, &k, &v, m),
+                    _ => attention(&q, &k, &v, mask.as_ref(), causal),
+                };
                 x += layer.attn.output(&a);
                 x += layer.mlp.forward(&rms_norm(&x, &layer.post_norm, eps));
                 for (slot, &tap) in taps.iter_mut().zip(&req.tap_layers) {
@@ -346,6 +454,28 @@ impl TargetModel {
             }
         })
     }
+}
+
+/// Attention of the queries `q` [B, heads, S, D] over `k`, `v` [B, kv_heads, L, D] under a
+/// boolean `mask` [B, 1, S, L] (true = visible), as plain batched matrix products; the heads of a
+/// group read their shared keys without copies. Used for padded decoding steps (S = 1): the
+/// fused kernels would pick and plan a kernel anew for every key length.
+fn masked_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Tensor {
+    let (b, h, s, d) = q.size4().unwrap_or((0, 0, 0, 0));
+    let (kv_heads, len) = (k.size()[1], k.size()[2]);
+    let g = h / kv_heads.max(1);
+    let q = q.reshape([b, kv_heads, g * s, d]);
+    let scores = q.matmul(&k.transpose(-2, -1)).to_kind(Kind::Float) * (1.0 / (d as f64).sqrt());
+    let hidden = mask
+        .unsqueeze(2)
+        .expand([b, 1, g, s, len], false)
+        .reshape([b, 1, g * s, len])
+        .logical_not();
+    let p = scores
+        .masked_fill(&hidden, f64::NEG_INFINITY)
+        .softmax(-1, Kind::Float)
+        .to_kind(v.kind());
+    p.matmul(v).reshape([b, h, s, d])
 }
 
 /// A target model shared by the workers of one device.

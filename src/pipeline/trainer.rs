@@ -19,21 +19,28 @@ use super::queue::{QueueClosed, QueueLevel, ResizableQueue};
 use crate::config::TrainConfig;
 use crate::data::packer::{collate, Packer, PackerConfig, PackerState};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
+use crate::eval::prompts::{check_prompts, eos_ids, prompts_from_data};
+use crate::eval::speculative::measure_tau;
 use crate::model::{
     AnchorBatch, Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, SharedTarget,
     TargetModel,
 };
 use crate::runtime::TorchRuntime;
 use crate::telemetry::profile::{Event, ProfileReport, ProfileStats};
-use crate::telemetry::records::{MetricsRecord, MetricsWriter, Phase, Snapshot, StepRecord};
+use crate::telemetry::records::{
+    EvalRecord, MetricsRecord, MetricsWriter, Phase, Snapshot, StepRecord,
+};
 use crate::train::checkpoint::{
-    latest_checkpoint, read_state, save_checkpoint, CheckpointFault, TrainerState,
+    latest_checkpoint, read_best, read_state, save_best, save_checkpoint, BestEval,
+    CheckpointFault, TrainerState,
 };
 use crate::train::loss::{block_targets, loss_and_backward, sample_anchors, LossOptions, LossSums};
 use crate::train::optim::{lr_at, AdamW, AdamWConfig};
 
 /// Steps kept for the charts.
 const HISTORY: usize = 20_000;
+/// Periodic evaluations kept for the charts.
+const EVAL_HISTORY: usize = 2_000;
 
 /// A batch on its way to a target worker.
 struct BatchItem {
@@ -78,6 +85,7 @@ struct Status {
     tokens_seen: u64,
     samples_seen: u64,
     history: Vec<StepRecord>,
+    evals: Vec<EvalRecord>,
     error: Option<String>,
     last_checkpoint: Option<PathBuf>,
     tokens_per_s: f64,
@@ -206,6 +214,14 @@ fn seed_for(seed: u64, step: u64, replica: usize, micro: usize) -> u64 {
     x ^ (x >> 31)
 }
 
+/// Periodic evaluation: held-out prompts and a target on the first drafter device.
+struct EvalSetup {
+    prompts: Vec<Vec<u32>>,
+    target: Arc<SharedTarget>,
+    eos: Vec<u32>,
+    best: Option<BestEval>,
+}
+
 /// Everything the stages need, prepared before any thread starts (so configuration and input
 /// errors are reported before training begins).
 struct Prepared {
@@ -223,6 +239,7 @@ struct Prepared {
     total_steps: u64,
     target_devices: Vec<Device>,
     drafter_devices: Vec<Device>,
+    eval: Option<EvalSetup>,
 }
 
 fn prepare(
@@ -401,7 +418,44 @@ fn prepare(
         .iter()
         .map(|&d| FrozenHead::from_target(&targets[0], d, drafter_kind))
         .collect();
+    let eval = if config.eval.every_steps > 0 {
+        let e = &config.eval;
+        let data = Path::new(&config.data.path);
+        let prompts = prompts_from_data(data, &e.split, e.prompts)
+            .with_context(|| "config: eval (prompts come from data.path, split eval.split)")?;
+        check_prompts(
+            &prompts,
+            target_cfg,
+            e.max_new_tokens,
+            config.model.block_size as usize,
+            &format!("config: eval: {} split {:?}", data.display(), e.split),
+        )?;
+        let dev = drafter_devices[0];
+        let target = match targets.iter().find(|t| t.device == dev) {
+            Some(t) => t.clone(),
+            None => {
+                let t = TargetModel::load(&target_dir, dev, target_kind)?;
+                log::info!("evaluation: a copy of the target on {dev:?}");
+                Arc::new(SharedTarget::new(t))
+            }
+        };
+        log::info!(
+            "evaluation every {} steps: {} held-out prompts, {} new tokens each",
+            e.every_steps,
+            prompts.len(),
+            e.max_new_tokens
+        );
+        Some(EvalSetup {
+            prompts: prompts.into_iter().map(|p| p.ids).collect(),
+            eos: eos_ids(&target_dir, &target.config),
+            target,
+            best: resume.and_then(read_best),
+        })
+    } else {
+        None
+    };
     Ok(Prepared {
+        eval,
         config: config.clone(),
         heads,
         store,
@@ -593,6 +647,7 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         tokens_seen: p.tokens_seen,
         samples_seen: p.samples_seen,
         last_save: Instant::now(),
+        eval: p.eval,
     };
     {
         let shared = shared.clone();
@@ -908,6 +963,7 @@ struct Coordinator {
     tokens_seen: u64,
     samples_seen: u64,
     last_save: Instant,
+    eval: Option<EvalSetup>,
 }
 
 impl Coordinator {
@@ -1037,6 +1093,9 @@ impl Coordinator {
                     self.step
                 );
             }
+            if cfg.eval.every_steps > 0 && self.step.is_multiple_of(cfg.eval.every_steps) {
+                self.evaluate()?;
+            }
             let periodic_steps = cfg.checkpoint.save_every_steps > 0
                 && self.step.is_multiple_of(cfg.checkpoint.save_every_steps);
             let periodic_time = cfg.checkpoint.save_every_minutes > 0.0
@@ -1050,6 +1109,83 @@ impl Coordinator {
         self.shared.set_phase(Phase::Finished);
         self.shared
             .event("finished", format!("finished after {} steps", self.step));
+        Ok(())
+    }
+
+    /// Acceptance length on the held-out prompts by real speculative decoding; a new best
+    /// drafter is saved to `RUN_DIR/best/`.
+    fn evaluate(&mut self) -> Result<()> {
+        let Some(setup) = self.eval.as_mut() else {
+            return Ok(());
+        };
+        let previous = self.shared.status().phase;
+        self.shared.set_phase(Phase::Evaluating);
+        let t = Instant::now();
+        let summary = measure_tau(
+            &setup.target,
+            &self.drafter,
+            &self.head,
+            &setup.prompts,
+            self.config.eval.max_new_tokens,
+            &setup.eos,
+        )
+        .with_context(|| format!("evaluation at step {}", self.step))?;
+        let eval_s = t.elapsed().as_secs_f64();
+        let best = setup.best.as_ref().is_none_or(|b| summary.tau > b.tau);
+        if best {
+            let record = BestEval {
+                step: self.step,
+                tau: summary.tau,
+                prompts: setup.prompts.len(),
+                max_new_tokens: self.config.eval.max_new_tokens,
+            };
+            save_best(&self.shared.run_dir, &self.drafter, &record).with_context(|| {
+                format!(
+                    "saving the best drafter at step {}; the previous best is kept",
+                    self.step
+                )
+            })?;
+            setup.best = Some(record);
+        }
+        let record = EvalRecord {
+            step: self.step,
+            tau: summary.tau,
+            prompts: setup.prompts.len(),
+            decode_steps: summary.decode_steps,
+            generated_tokens: summary.generated_tokens,
+            accepted_by_slot: summary.accepted_by_slot,
+            eval_s,
+            best,
+            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+        };
+        self.shared
+            .metrics
+            .write(&MetricsRecord::Eval(record.clone()));
+        {
+            let mut st = self.shared.status();
+            if st.evals.len() >= EVAL_HISTORY {
+                st.evals.remove(0);
+            }
+            st.evals.push(record.clone());
+        }
+        let best_note = match &setup.best {
+            Some(_) if best => format!(
+                "new best, saved to {}",
+                self.shared.run_dir.join("best").display()
+            ),
+            Some(b) => format!("best {:.3} at step {}", b.tau, b.step),
+            None => String::new(),
+        };
+        self.shared.event(
+            "eval",
+            format!(
+                "eval at step {}: tau {:.3} over {} prompts ({} tokens, {:.1} s); {best_note}",
+                self.step, record.tau, record.prompts, record.generated_tokens, eval_s
+            ),
+        );
+        if let Some(p) = previous {
+            self.shared.set_phase(p);
+        }
         Ok(())
     }
 
@@ -1299,6 +1435,7 @@ impl TrainerHandle {
             samples_per_s: st.samples_per_s,
             last,
             history: st.history.clone(),
+            evals: st.evals.clone(),
             queues: s.queue_levels(),
             profile: st.last_profile.clone(),
             profile_interval_s: *s

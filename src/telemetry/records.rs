@@ -21,6 +21,8 @@ pub enum Phase {
     Training,
     Paused,
     Checkpointing,
+    /// Measuring tau by real speculative decoding on held-out prompts.
+    Evaluating,
     Stopping,
     Finished,
     Failed,
@@ -34,6 +36,7 @@ impl std::fmt::Display for Phase {
             Phase::Training => "training",
             Phase::Paused => "paused",
             Phase::Checkpointing => "checkpointing",
+            Phase::Evaluating => "evaluating",
             Phase::Stopping => "stopping",
             Phase::Finished => "finished",
             Phase::Failed => "failed",
@@ -59,6 +62,25 @@ pub struct StepRecord {
     /// Smoothed throughput.
     pub tokens_per_s: f64,
     pub samples_per_s: f64,
+    pub elapsed_s: f64,
+}
+
+/// One periodic evaluation during training: acceptance length by real speculative decoding
+/// (dflash spec §5) on held-out prompts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvalRecord {
+    pub step: u64,
+    /// Mean accepted tokens per decoding step over all prompts.
+    pub tau: f64,
+    pub prompts: usize,
+    /// Decoding steps (drafter + verify forwards) over all prompts.
+    pub decode_steps: u64,
+    pub generated_tokens: u64,
+    /// Per block slot: how often it was accepted (index 0 = the steps).
+    pub accepted_by_slot: Vec<u64>,
+    pub eval_s: f64,
+    /// This evaluation set a new best tau (its drafter was saved as the best checkpoint).
+    pub best: bool,
     pub elapsed_s: f64,
 }
 
@@ -95,6 +117,7 @@ impl GpuRecord {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum MetricsRecord {
     Step(StepRecord),
+    Eval(EvalRecord),
     Gpu(GpuRecord),
     Queues {
         elapsed_s: f64,
@@ -178,6 +201,9 @@ pub struct Snapshot {
     pub last: Option<StepRecord>,
     /// Recent steps for the charts (bounded).
     pub history: Vec<StepRecord>,
+    /// Periodic evaluations so far (bounded).
+    #[serde(default)]
+    pub evals: Vec<EvalRecord>,
     pub queues: Vec<QueueLevel>,
     pub profile: Option<ProfileReport>,
     pub profile_interval_s: f64,
@@ -212,6 +238,17 @@ mod tests {
         };
         let records = vec![
             MetricsRecord::Step(step),
+            MetricsRecord::Eval(EvalRecord {
+                step: 3,
+                tau: 2.25,
+                prompts: 8,
+                decode_steps: 40,
+                generated_tokens: 98,
+                accepted_by_slot: vec![40, 30, 20, 0],
+                eval_s: 1.5,
+                best: true,
+                elapsed_s: 2.0,
+            }),
             MetricsRecord::Gpu(GpuRecord {
                 elapsed_s: 1.0,
                 index: 0,

@@ -94,6 +94,51 @@ pub fn save_checkpoint(
     Ok(dest)
 }
 
+/// What `RUN_DIR/best/eval.json` records about the best drafter so far.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BestEval {
+    pub step: u64,
+    pub tau: f64,
+    pub prompts: usize,
+    pub max_new_tokens: usize,
+}
+
+pub fn best_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("best")
+}
+
+/// Saves `drafter` as the best one so far: `RUN_DIR/best/drafter/` (servable) and
+/// `RUN_DIR/best/eval.json`, written beside and swapped in by renames, so that a failure keeps
+/// the previous best.
+pub fn save_best(run_dir: &Path, drafter: &Drafter, best: &BestEval) -> Result<PathBuf> {
+    let dest = best_dir(run_dir);
+    let fresh = run_dir.join(format!(".best.new-{}", std::process::id()));
+    let staged = StagedDir::create(&fresh)?;
+    drafter.save(&staged.path().join("drafter"))?;
+    std::fs::write(
+        staged.path().join("eval.json"),
+        serde_json::to_string_pretty(best)?,
+    )
+    .with_context(|| format!("{}: cannot write eval.json", staged.path().display()))?;
+    let fresh = staged.commit()?;
+    let old = run_dir.join(format!(".best.old-{}", std::process::id()));
+    if dest.exists() {
+        std::fs::rename(&dest, &old)
+            .with_context(|| format!("{}: cannot replace", dest.display()))?;
+    }
+    std::fs::rename(&fresh, &dest).with_context(|| format!("{}: cannot write", dest.display()))?;
+    if old.exists() {
+        let _ = std::fs::remove_dir_all(&old);
+    }
+    Ok(dest)
+}
+
+/// The best evaluation recorded in a run directory, if any.
+pub fn read_best(run_dir: &Path) -> Option<BestEval> {
+    let text = std::fs::read_to_string(best_dir(run_dir).join("eval.json")).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
 fn point_latest(dir: &Path, name: &str) -> Result<()> {
     let tmp = dir.join(format!(".latest.tmp-{}", std::process::id()));
     let _ = std::fs::remove_file(&tmp);

@@ -19,7 +19,7 @@ use ratatui::Frame;
 use crate::pipeline::queue::QueueLevel;
 use crate::telemetry::gpu::GpuReading;
 use crate::telemetry::profile::ProfileReport;
-use crate::telemetry::records::{Phase, Snapshot, StepRecord};
+use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord};
 use crate::ui::state::{AppState, Mode, ZOOM_LEVELS};
 
 /// The smallest terminal the layout is drawn in.
@@ -200,6 +200,7 @@ fn phase_style(phase: Phase) -> Style {
         Phase::Finished => Style::new().fg(Color::Black).bg(Color::Green).bold(),
         Phase::Training => Style::new().fg(Color::Green).bold(),
         Phase::Checkpointing | Phase::Stopping => Style::new().fg(Color::Magenta).bold(),
+        Phase::Evaluating => Style::new().fg(Color::Yellow).bold(),
         Phase::LoadingModel | Phase::WarmingUp => Style::new().fg(Color::Cyan).bold(),
     }
 }
@@ -332,7 +333,7 @@ fn render_body(frame: &mut Frame, area: Rect, state: &AppState) {
 
     let [charts, logs] =
         Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)]).areas(bottom);
-    render_charts(frame, charts, state.chart_window());
+    render_charts(frame, charts, state.chart_window(), &state.snapshot.evals);
     frame.render_widget(
         tui_logger::TuiLoggerWidget::default()
             .output_file(false)
@@ -877,7 +878,10 @@ const SERIES: [Series; 4] = [
     },
 ];
 
-fn render_charts(frame: &mut Frame, area: Rect, window: &[StepRecord]) {
+/// The periodic evaluations' tau, drawn over the tau_train chart.
+const EVAL_TAU: (&str, Color) = ("tau", Color::Yellow);
+
+fn render_charts(frame: &mut Frame, area: Rect, window: &[StepRecord], evals: &[EvalRecord]) {
     if window.is_empty() {
         let block = Block::bordered().title(" Charts ");
         let inner = block.inner(area);
@@ -897,8 +901,16 @@ fn render_charts(frame: &mut Frame, area: Rect, window: &[StepRecord]) {
     let [a, b] = halves(top);
     let [c, d] = halves(bottom);
     let steps: Vec<f64> = window.iter().map(|r| r.step as f64).collect();
+    let first = window.first().map_or(0, |r| r.step);
+    let eval_points: Vec<(f64, f64)> = evals
+        .iter()
+        .filter(|e| e.step >= first && e.tau.is_finite())
+        .map(|e| (e.step as f64, e.tau))
+        .collect();
     for (series, rect) in SERIES.iter().zip([a, b, c, d]) {
-        render_chart(frame, rect, window, &steps, series);
+        let extra = (series.title == "tau_train" && !eval_points.is_empty())
+            .then_some(eval_points.as_slice());
+        render_chart(frame, rect, window, &steps, series, extra);
     }
 }
 
@@ -928,18 +940,28 @@ fn render_chart(
     window: &[StepRecord],
     steps: &[f64],
     series: &Series,
+    eval_points: Option<&[(f64, f64)]>,
 ) {
     let latest = fmt_value(window.last().map(series.get).unwrap_or(f64::NAN));
-    let name = if chars(series.title) + chars(&latest) + 4 <= area.width.saturating_sub(2) as usize
+    let eval_latest = eval_points
+        .and_then(|p| p.last())
+        .map(|&(_, tau)| format!("{} {} ", EVAL_TAU.0, fmt_value(tau)));
+    let eval_w = eval_latest.as_deref().map_or(0, chars);
+    let name = if chars(series.title) + chars(&latest) + eval_w + 4
+        <= area.width.saturating_sub(2) as usize
     {
         series.title
     } else {
         series.short
     };
-    let title = Line::from(vec![
+    let mut spans = vec![
         Span::raw(format!(" {name} ")),
         Span::styled(format!("{latest} "), Style::new().fg(series.color).bold()),
-    ]);
+    ];
+    if let Some(text) = eval_latest {
+        spans.push(Span::styled(text, Style::new().fg(EVAL_TAU.1).bold()));
+    }
+    let title = Line::from(spans);
     let mut block = Block::bordered().title(title);
     let inner = block.inner(area);
     // Braille: two dots a column.
@@ -954,7 +976,12 @@ fn render_chart(
         .collect();
     let (x0, x1) = finite_range(steps).unwrap_or((0.0, 1.0));
     let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
-    let (y0, y1) = match finite_range(&points.iter().map(|p| p.1).collect::<Vec<_>>()) {
+    let ys_shown: Vec<f64> = points
+        .iter()
+        .chain(eval_points.unwrap_or(&[]))
+        .map(|p| p.1)
+        .collect();
+    let (y0, y1) = match finite_range(&ys_shown) {
         None => (0.0, 1.0),
         Some((lo, hi)) if hi > lo => {
             let pad = (hi - lo) * 0.05;
@@ -978,13 +1005,22 @@ fn render_chart(
             block = block.title_bottom(Line::from(Span::styled(range, dim())).right_aligned());
         }
     }
-    let dataset = Dataset::default()
+    let mut datasets = vec![Dataset::default()
         .marker(Marker::Braille)
         .graph_type(GraphType::Line)
         .style(Style::new().fg(series.color))
-        .data(&points);
+        .data(&points)];
+    if let Some(evals) = eval_points {
+        datasets.push(
+            Dataset::default()
+                .marker(Marker::Braille)
+                .graph_type(GraphType::Line)
+                .style(Style::new().fg(EVAL_TAU.1))
+                .data(evals),
+        );
+    }
     frame.render_widget(
-        Chart::new(vec![dataset])
+        Chart::new(datasets)
             .block(block)
             .x_axis(x_axis)
             .y_axis(y_axis),

@@ -4,7 +4,7 @@
 use crate::pipeline::queue::QueueLevel;
 use crate::telemetry::gpu::GpuReading;
 use crate::telemetry::profile::{EventStats, ProfileReport, ProfileRow, EVENTS};
-use crate::telemetry::records::{Phase, Snapshot, StepRecord};
+use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord};
 
 use super::state::AppState;
 
@@ -68,6 +68,23 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
         tokens_per_s: 80_000.0,
         samples_per_s: 45.0,
         last: history.last().cloned(),
+        evals: (1..=steps as u64 / 500)
+            .map(|i| {
+                let step = i * 500;
+                let tau = 1.0 + 2.2 * (1.0 - (-(step as f64) / 5000.0).exp());
+                EvalRecord {
+                    step,
+                    tau,
+                    prompts: 16,
+                    decode_steps: 100,
+                    generated_tokens: (100.0 * tau) as u64,
+                    accepted_by_slot: vec![100; 16],
+                    eval_s: 3.0,
+                    best: true,
+                    elapsed_s: step as f64 * 0.2,
+                }
+            })
+            .collect(),
         history,
         queues: vec![
             QueueLevel {

@@ -249,6 +249,7 @@ mod tests {
             samples_per_s: 0.0,
             last: None,
             history: vec![],
+            evals: vec![],
             queues: vec![
                 QueueLevel {
                     name: "batch_q".into(),

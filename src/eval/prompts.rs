@@ -1,0 +1,135 @@
+//! Evaluation prompts: from a tokenised dataset's held-out split (each conversation up to its
+//! first assistant token) or from a JSONL file of chat messages or token ids; and the checks
+//! that make a bad prompt set fail with a clear message before any decoding starts.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use crate::data::arrow_io::{read_token_data, resolve_split};
+use crate::model::TargetConfig;
+use crate::text::{Message, TextTokenizer};
+
+/// A prompt and where it came from (for messages).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prompt {
+    pub ids: Vec<u32>,
+    /// "file: line N" or "split path: row N".
+    pub source: String,
+}
+
+/// Prompts from a JSONL file: `{"messages": [...]}` (chat template + generation prompt, with
+/// the tokenizer of `model_dir`) or `{"prompt_ids": [...]}`. At most `limit`.
+pub fn prompts_from_file(path: &Path, model_dir: &Path, limit: usize) -> Result<Vec<Prompt>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("{}: cannot read", path.display()))?;
+    let mut tokenizer: Option<TextTokenizer> = None;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() || out.len() >= limit {
+            continue;
+        }
+        let source = format!("{}: line {}", path.display(), i + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{source}: not JSON"))?;
+        let ids = if let Some(ids) = v.get("prompt_ids") {
+            serde_json::from_value::<Vec<u32>>(ids.clone())
+                .with_context(|| format!("{source}: prompt_ids must be a list of token ids"))?
+        } else if let Some(m) = v.get("messages") {
+            let messages: Vec<Message> = serde_json::from_value(m.clone()).with_context(|| {
+                format!("{source}: messages must be a list of {{\"role\", \"content\"}}")
+            })?;
+            if tokenizer.is_none() {
+                tokenizer = Some(TextTokenizer::from_model_dir(model_dir)?);
+            }
+            let tok = tokenizer.as_ref().context("no tokenizer")?;
+            tok.apply_chat_template(&messages, true)
+                .with_context(|| source.clone())?
+        } else {
+            bail!("{source}: needs \"messages\" or \"prompt_ids\"");
+        };
+        out.push(Prompt { ids, source });
+    }
+    Ok(out)
+}
+
+/// Prompts from a tokenised dataset (`prepare-data` output, a split folder or a file): each
+/// sample up to its first trained (assistant) token. `split` applies to a dataset folder.
+pub fn prompts_from_data(path: &Path, split: &str, limit: usize) -> Result<Vec<Prompt>> {
+    let split_path = if path.join("dataset_dict.json").is_file() {
+        resolve_split(path, Some(split))?
+    } else {
+        path.to_path_buf()
+    };
+    let data = read_token_data(&split_path, "input_ids", Some("loss_mask"))?;
+    let masks = data
+        .masks
+        .as_ref()
+        .with_context(|| format!("{}: no loss_mask column", split_path.display()))?;
+    let mut out = Vec::new();
+    for i in 0..data.ids.len() {
+        if out.len() >= limit {
+            break;
+        }
+        let (s, e) = (data.ids.offsets[i], data.ids.offsets[i + 1]);
+        if let Some(first) = masks[s..e].iter().position(|&m| m == 1) {
+            if first > 0 {
+                out.push(Prompt {
+                    ids: data.ids.get(i)[..first].to_vec(),
+                    source: data.locate(i),
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Checks a prompt set against the target before decoding: not empty, no empty prompt, every
+/// token in the vocabulary, and prompt + `max_new` + one block within the target's context.
+pub fn check_prompts(
+    prompts: &[Prompt],
+    target: &TargetConfig,
+    max_new: usize,
+    block_size: usize,
+    what: &str,
+) -> Result<()> {
+    if prompts.is_empty() {
+        bail!("{what}: no prompts (nothing to evaluate)");
+    }
+    let context = target.max_position_embeddings.max(0) as usize;
+    for p in prompts {
+        if p.ids.is_empty() {
+            bail!("{}: the prompt is empty", p.source);
+        }
+        if let Some(&t) = p.ids.iter().find(|&&t| t as i64 >= target.vocab_size) {
+            bail!(
+                "{}: token id {t} is outside the target's vocabulary ({} tokens)",
+                p.source,
+                target.vocab_size
+            );
+        }
+        let need = p.ids.len() + max_new + block_size;
+        if context > 0 && need > context {
+            bail!(
+                "{}: the prompt has {} tokens; with {max_new} new tokens and one block of {block_size} that is {need} positions, more than the target's context of {context} (max_position_embeddings)",
+                p.source,
+                p.ids.len()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The end-of-sequence ids of a model: config / generation config, plus the tokenizer's EOS
+/// token (the chat template's end of turn for chat models).
+pub fn eos_ids(model_dir: &Path, config: &TargetConfig) -> Vec<u32> {
+    let mut eos = config.eos_ids();
+    if let Ok(tok) = TextTokenizer::from_model_dir(model_dir) {
+        if let Some(id) = tok.eos_token.as_deref().and_then(|t| tok.token_to_id(t)) {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    eos
+}
