@@ -326,6 +326,7 @@ pub struct EvalReport {
 /// One prompt's result.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct PromptResult {
+    pub prompt_ids: Vec<u32>,
     pub tau: f64,
     pub output_ids: Vec<u32>,
     pub accept_lengths: Vec<usize>,
@@ -366,6 +367,7 @@ pub fn evaluate(
         let tau = fast.accept_lengths.iter().sum::<usize>() as f64
             / fast.accept_lengths.len().max(1) as f64;
         results.push(PromptResult {
+            prompt_ids: prompt.clone(),
             tau,
             output_ids: fast.output_ids,
             accept_lengths: fast.accept_lengths,

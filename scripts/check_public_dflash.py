@@ -1,0 +1,81 @@
+"""Loads a dflash-tui drafter with z-lab's public DFlash implementation (PyPI `dflash`, class
+`DFlashDraftModel`, on Hugging Face transformers) and decodes the prompts of a
+`dflash-tui eval --json` report with it: greedy speculative decoding against the same target.
+Prints one JSON object comparing its outputs and acceptance lengths with dflash-tui's.
+
+usage: python3 check_public_dflash.py TARGET_DIR DRAFTER_DIR EVAL_JSON [--dtype f32|bf16] [--device cuda]
+needs: torch, transformers==5.15.0, dflash==0.1.0
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+from dflash.model import DFlashDraftModel, dflash_generate
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("target")
+    ap.add_argument("drafter")
+    ap.add_argument("eval_json")
+    ap.add_argument("--dtype", default="f32")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-new-tokens", type=int, required=True)
+    args = ap.parse_args()
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    report = json.load(open(args.eval_json))
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
+    drafter, info = DFlashDraftModel.from_pretrained(
+        args.drafter, dtype=dtype, output_loading_info=True
+    )
+    drafter = drafter.to(args.device).eval()
+    problems = {k: v for k, v in info.items() if v}
+    eos = target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    same_output, same_accepts = 0, 0
+    steps, accepted = 0, 0
+    ours_steps, ours_accepted = 0, 0
+    first_diffs = []
+    with torch.no_grad():
+        for i, p in enumerate(report["prompts"]):
+            ids = torch.tensor([p["prompt_ids"]], device=args.device)
+            out = dflash_generate(
+                drafter, target, ids, args.max_new_tokens, eos, return_stats=True
+            )
+            gen = out.output_ids[0, ids.shape[1]:].tolist()
+            acc = list(out.acceptance_lengths)
+            steps += len(acc)
+            accepted += sum(acc)
+            ours = p["accept_lengths"]
+            ours_steps += len(ours)
+            ours_accepted += sum(ours)
+            if gen == p["output_ids"]:
+                same_output += 1
+            else:
+                d = next((k for k, (a, b) in enumerate(zip(gen, p["output_ids"])) if a != b),
+                         min(len(gen), len(p["output_ids"])))
+                first_diffs.append((i, d))
+            # the last step may differ: the public code shortens the final block to the limit
+            if acc[:-1] == ours[: len(acc) - 1]:
+                same_accepts += 1
+    print(json.dumps({
+        "loading_info_problems": problems,
+        "drafter_class": type(drafter).__name__,
+        "block_size": drafter.block_size,
+        "mask_token_id": drafter.mask_token_id,
+        "target_layer_ids": list(drafter.target_layer_ids),
+        "prompts": len(report["prompts"]),
+        "tau_public": accepted / max(steps, 1),
+        "tau_dflash_tui": ours_accepted / max(ours_steps, 1),
+        "identical_outputs": same_output,
+        "identical_accept_lengths_before_last_step": same_accepts,
+        "first_differences": first_diffs[:10],
+    }))
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
