@@ -35,13 +35,24 @@ def main():
     problems = {k: v for k, v in info.items() if v}
     eos = target.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
-    same_output, same_accepts = 0, 0
+    # record the public model's drafted tokens at every step
+    recorded = []
+    plain_logits = drafter.compute_logits
+
+    def recording_logits(hidden, head):
+        logits = plain_logits(hidden, head)
+        recorded.append(torch.argmax(logits, dim=-1)[0].tolist())
+        return logits
+
+    drafter.compute_logits = recording_logits
+    same_output, same_accepts, same_drafts, draft_steps = 0, 0, 0, 0
     steps, accepted = 0, 0
     ours_steps, ours_accepted = 0, 0
     first_diffs = []
     with torch.no_grad():
         for i, p in enumerate(report["prompts"]):
             ids = torch.tensor([p["prompt_ids"]], device=args.device)
+            recorded.clear()
             out = dflash_generate(
                 drafter, target, ids, args.max_new_tokens, eos, return_stats=True
             )
@@ -61,6 +72,10 @@ def main():
             # the last step may differ: the public code shortens the final block to the limit
             if acc[:-1] == ours[: len(acc) - 1]:
                 same_accepts += 1
+            # drafts of the steps both made (the public code shortens its last block)
+            for theirs, mine in zip(recorded, p["drafts"]):
+                draft_steps += 1
+                same_drafts += theirs == mine[: len(theirs)]
     print(json.dumps({
         "loading_info_problems": problems,
         "drafter_class": type(drafter).__name__,
@@ -73,6 +88,8 @@ def main():
         "identical_outputs": same_output,
         "identical_accept_lengths_before_last_step": same_accepts,
         "first_differences": first_diffs[:10],
+        "draft_steps_compared": draft_steps,
+        "identical_drafts": same_drafts,
     }))
     return 0 if not problems else 1
 

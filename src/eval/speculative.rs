@@ -20,6 +20,8 @@ pub struct Decoded {
     /// choice was; a bf16 mismatch at a small margin is rounding, not a bug).
     #[serde(skip)]
     pub margins: Vec<f32>,
+    /// DFlash only: each step's drafted tokens d_1 .. d_{B-1}.
+    pub drafts: Vec<Vec<u32>>,
     /// Seconds spent after the prefill.
     pub decode_s: f64,
 }
@@ -98,6 +100,7 @@ pub fn greedy(
         output_ids,
         accept_lengths: vec![],
         margins,
+        drafts: vec![],
         decode_s: started.elapsed().as_secs_f64(),
     })
 }
@@ -211,6 +214,7 @@ pub fn speculative_decode(
     let started = Instant::now();
     let mut out = vec![x];
     let mut accept_lengths = Vec::new();
+    let mut drafts = Vec::new();
     while out.len() < max_new && !eos.contains(&x) {
         let draft = proposer.propose(&pending, x, n)?;
         if draft.len() != bs {
@@ -231,6 +235,7 @@ pub fn speculative_decode(
             return Err(anyhow!("the target returned no logits or features"));
         };
         let y = argmax_ids(&vlogits.select(0, 0))?;
+        drafts.push(draft[1..].to_vec());
         let mut a = 0;
         while a + 1 < bs && draft[a + 1] == y[a] {
             a += 1;
@@ -252,6 +257,7 @@ pub fn speculative_decode(
         output_ids: cut(out, max_new, eos),
         accept_lengths,
         margins: vec![],
+        drafts,
         decode_s: started.elapsed().as_secs_f64(),
     })
 }
@@ -330,6 +336,8 @@ pub struct PromptResult {
     pub tau: f64,
     pub output_ids: Vec<u32>,
     pub accept_lengths: Vec<usize>,
+    /// Each step's drafted tokens d_1 .. d_{B-1} (for comparisons with other implementations).
+    pub drafts: Vec<Vec<u32>>,
     pub matches_greedy: bool,
     /// Index of the first differing token, when it does not match.
     pub first_mismatch: Option<usize>,
@@ -371,6 +379,7 @@ pub fn evaluate(
             tau,
             output_ids: fast.output_ids,
             accept_lengths: fast.accept_lengths,
+            drafts: fast.drafts,
             matches_greedy: first_mismatch.is_none(),
             first_mismatch,
             mismatch_margin: first_mismatch.and_then(|i| plain.margins.get(i).copied()),

@@ -183,6 +183,9 @@ pub struct TargetModel {
     layers: Vec<DecoderLayer>,
     norm: Tensor,
     lm_head: Tensor,
+    /// The LM head in float32 when the model computes in bf16 / f16: logits from it have no
+    /// bf16 rounding, whose exact ties would make greedy picks depend on the kernel.
+    lm_head_f32: Option<Tensor>,
     rope: Rope,
 }
 
@@ -278,6 +281,7 @@ impl TargetModel {
             embed_tokens,
             layers,
             norm,
+            lm_head_f32: (kind != Kind::Float).then(|| lm_head.to_kind(Kind::Float)),
             lm_head,
             rope,
         })
@@ -324,10 +328,9 @@ impl TargetModel {
 
     /// LM head over final-normed hidden states, in float32.
     pub fn logits(&self, hidden: &Tensor) -> Tensor {
-        tch::no_grad(|| {
-            hidden
-                .linear::<&Tensor>(&self.lm_head, None)
-                .to_kind(Kind::Float)
+        tch::no_grad(|| match &self.lm_head_f32 {
+            Some(head) => hidden.to_kind(Kind::Float).linear::<&Tensor>(head, None),
+            None => hidden.linear::<&Tensor>(&self.lm_head, None),
         })
     }
 
@@ -438,11 +441,7 @@ impl TargetModel {
             };
             let (final_hidden, logits) = if req.final_hidden || req.logits {
                 let hidden = rms_norm(&x, &self.norm, eps);
-                let logits = req.logits.then(|| {
-                    hidden
-                        .linear::<&Tensor>(&self.lm_head, None)
-                        .to_kind(Kind::Float)
-                });
+                let logits = req.logits.then(|| self.logits(&hidden));
                 (req.final_hidden.then_some(hidden), logits)
             } else {
                 (None, None)
