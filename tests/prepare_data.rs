@@ -7,7 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{demo_dir, require_demo};
+use common::{bench_dir, demo_dir, require_bench, require_demo};
 use dflash_tui::data::arrow_io::{read_batches, read_token_data};
 
 fn fixtures() -> PathBuf {
@@ -32,7 +32,15 @@ fn dflash(args: &[&str]) -> (bool, String, String) {
 }
 
 fn prepare(inputs: &[&Path], out: &Path, extra: &[&str]) -> (bool, String, String) {
-    let tok = tokenizer_dir();
+    prepare_with(&tokenizer_dir(), inputs, out, extra)
+}
+
+fn prepare_with(
+    tok: &Path,
+    inputs: &[&Path],
+    out: &Path,
+    extra: &[&str],
+) -> (bool, String, String) {
     let mut args = vec![
         "prepare-data",
         "--tokenizer",
@@ -80,23 +88,28 @@ fn rows(split: &Path) -> Vec<Row> {
         .collect()
 }
 
-#[test]
-fn token_ids_and_masks_equal_hugging_face_for_the_fixture() {
+/// prepare-data on `NAME.jsonl` with `tok` equals `NAME.expected.json` (made by transformers).
+fn check_fixture(tok: &Path, name: &str, n: usize) {
     let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("chat20");
-    let (ok, stdout, stderr) = prepare(
-        &[&fixtures().join("chat20.jsonl")],
+    let out = tmp.path().join(name);
+    let (ok, stdout, stderr) = prepare_with(
+        tok,
+        &[&fixtures().join(format!("{name}.jsonl"))],
         &out,
         &["--val-fraction", "0"],
     );
     assert!(ok, "{stderr}");
-    assert!(stdout.contains("20 records in, 20 kept"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("{n} records in, {n} kept")),
+        "{stdout}"
+    );
     let expected: Vec<Expected> = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("chat20.expected.json")).unwrap(),
+        &std::fs::read_to_string(fixtures().join(format!("{name}.expected.json"))).unwrap(),
     )
     .unwrap();
+    assert_eq!(expected.len(), n);
     let got = rows(&out.join("train"));
-    assert_eq!(got.len(), 20);
+    assert_eq!(got.len(), n);
     for (e, (id, ids, mask)) in expected.iter().zip(&got) {
         assert_eq!(&e.id, id);
         assert_eq!(
@@ -112,6 +125,22 @@ fn token_ids_and_masks_equal_hugging_face_for_the_fixture() {
         .unwrap()
         .ids
         .is_empty());
+}
+
+#[test]
+fn token_ids_and_masks_equal_hugging_face_for_the_fixture() {
+    check_fixture(&tokenizer_dir(), "chat20", 20);
+}
+
+/// Qwen3's template (messages[0] read at the top, `messages[::-1]`, `namespace`, string
+/// methods, the empty think block before the last assistant turn) on conversations that start
+/// with an assistant turn, end with a user turn, have many turns or non-ASCII text: token ids
+/// equal transformers' apply_chat_template, loss masks equal its assistant mask (content and
+/// <|im_end|>; header and think block not trained). Made by tests/fixtures/make_qwen3_chat10.py.
+#[test]
+fn qwen3_template_equals_hugging_face_for_the_fixture() {
+    let tok = require_bench(&bench_dir().join("qwen3-tokenizer"));
+    check_fixture(&tok, "qwen3_chat10", 10);
 }
 
 fn python_with_datasets() -> Option<(String, String)> {
@@ -253,4 +282,92 @@ fn demo_dataset_was_prepared_by_the_setup() {
     assert!(train.ids.len() > 17_000, "{}", train.ids.len());
     assert!(!val.ids.is_empty());
     assert!(train.ids.iter().all(|s| s.len() <= 3072));
+}
+
+#[test]
+fn limit_keeps_the_first_n_usable_rows_in_input_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let chat = |q: &str, a: &str| {
+        format!(
+            "{{\"id\": \"{q}\", \"messages\": [{{\"role\": \"user\", \"content\": \"{q}\"}}, {{\"role\": \"assistant\", \"content\": \"{a}\"}}]}}\n"
+        )
+    };
+    let mut text = String::new();
+    text += &chat("q1", "first answer");
+    text += "{\"messages\": [{\"role\": \"user\", \"content\": \"no answer\"}]}\n";
+    text += "not json\n";
+    text += &chat("q2", "second answer");
+    text += &chat("q3", "third answer");
+    text += "also not json\n";
+    text += &chat("q4", "fourth answer");
+    let input = tmp.path().join("in.jsonl");
+    std::fs::write(&input, text).unwrap();
+    // A second input that cannot be read: with the limit reached in the first it is not read.
+    let empty = tmp.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+
+    let all = tmp.path().join("all");
+    let (ok, stdout, stderr) = prepare(&[&input], &all, &["--val-fraction", "0"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("7 records in, 4 kept"), "{stdout}");
+    let all_rows = rows(&all.join("train"));
+
+    let three = tmp.path().join("three");
+    let (ok, stdout, stderr) = prepare(
+        &[&input, &empty],
+        &three,
+        &["--val-fraction", "0", "--limit", "3"],
+    );
+    assert!(ok, "{stderr}");
+    // Records up to the third usable one: q1, the two skips, q2, q3.
+    assert!(
+        stdout.contains("5 records in, 3 kept (the first 3 usable: --limit 3)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("no assistant turn: 1"), "{stdout}");
+    assert!(stdout.contains("malformed JSON line: 1"), "{stdout}");
+    let got = rows(&three.join("train"));
+    let ids: Vec<&str> = got.iter().map(|r| r.0.as_str()).collect();
+    assert_eq!(ids, ["q1", "q2", "q3"]);
+    assert_eq!(got[..], all_rows[..3]);
+
+    // A validation split is taken from the kept rows.
+    let split = tmp.path().join("split");
+    let (ok, _, stderr) = prepare(
+        &[&input],
+        &split,
+        &["--val-fraction", "0.4", "--limit", "3"],
+    );
+    assert!(ok, "{stderr}");
+    let n = rows(&split.join("train")).len() + rows(&split.join("validation")).len();
+    assert_eq!(n, 3);
+
+    // More than there is: everything usable, and the summary says so.
+    let many = tmp.path().join("many");
+    let (ok, stdout, stderr) = prepare(&[&input], &many, &["--val-fraction", "0", "--limit", "10"]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("7 records in, 4 kept (fewer than --limit 10"),
+        "{stdout}"
+    );
+    assert_eq!(rows(&many.join("train")), all_rows);
+
+    let (ok, _, stderr) = prepare(&[&input], &tmp.path().join("zero"), &["--limit", "0"]);
+    assert!(!ok);
+    assert!(stderr.contains("--limit must be at least 1"), "{stderr}");
+}
+
+#[test]
+fn bench_dataset_was_prepared_by_the_setup() {
+    let ds = require_bench(&bench_dir().join("sharegpt-qwen3-3000"));
+    let train = read_token_data(&ds.join("train"), "input_ids", Some("loss_mask")).unwrap();
+    let val = read_token_data(&ds.join("validation"), "input_ids", None).unwrap();
+    assert_eq!(train.ids.len(), 3000);
+    assert!(val.ids.is_empty());
+    let lengths: Vec<usize> = (0..3000).map(|i| train.ids.get(i).len()).collect();
+    assert!(lengths.iter().all(|&l| l <= 3072));
+    let mean = lengths.iter().sum::<usize>() as f64 / 3000.0;
+    assert!((1300.0..1700.0).contains(&mean), "mean length {mean}");
+    // Qwen3 ids: below the 151,936-row embedding, and the mask token 151669 is not in the data.
+    assert!(train.ids.tokens.iter().all(|&t| t < 151_669));
 }

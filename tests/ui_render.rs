@@ -36,6 +36,7 @@ fn step_record(step: u64) -> StepRecord {
         grad_norm: 1.0 + 0.5 * (-s / 60.0).exp(),
         tokens: 16_384,
         samples: 8,
+        blocks: 1000,
         step_s: 16_384.0 / tokens_per_s,
         tokens_per_s,
         samples_per_s: tokens_per_s / 2048.0,

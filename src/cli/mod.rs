@@ -125,6 +125,10 @@ pub enum Command {
         /// Seed of the validation split.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Keep only the first N usable conversations (in input order); reading and
+        /// tokenising stop once N are kept.
+        #[arg(long)]
+        limit: Option<usize>,
     },
     /// Replace every assistant answer of a tokenised dataset (prepare-data output) by the
     /// target's own answer, generated from the conversation so far; resumable.
@@ -228,6 +232,26 @@ pub enum Command {
         /// pause, resume, queue NAME DEPTH, checkpoint, profile SECONDS, stop
         #[arg(required = true, num_args = 1.., allow_hyphen_values = true)]
         command: Vec<String>,
+    },
+    /// Benchmark of the training pipeline (benchmarks spec): the real pipeline for a warm-up
+    /// and a measured window, every stage alone on the same batches, one JSON object.
+    Bench {
+        /// A profile (cpu-tiny, smollm2, qwen3-0.6b-shape, qwen3-8b-shape: configs/bench-NAME.toml)
+        /// or a training config file.
+        #[arg(long, default_value = "cpu-tiny")]
+        profile: String,
+        /// Override a config field, as in `train` (repeatable).
+        #[arg(long = "set", value_name = "SECTION.FIELD=VALUE")]
+        overrides: Vec<String>,
+        /// Steps run before the measured window.
+        #[arg(long, default_value_t = 5)]
+        warmup_steps: u64,
+        /// Steps measured.
+        #[arg(long, default_value_t = 20)]
+        steps: u64,
+        /// Batches each stage runs alone; 0 = exactly the measured window's batches.
+        #[arg(long, default_value_t = 0)]
+        stage_batches: usize,
     },
     /// Benchmark of the control room: time to render one 120x40 frame with a full chart
     /// history, and the UI thread's CPU use at 10 frames per second.
@@ -479,6 +503,27 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             frames,
             seconds,
         } => bench_ui(history, frames, seconds),
+        Command::Bench {
+            profile,
+            overrides,
+            warmup_steps,
+            steps,
+            stage_batches,
+        } => {
+            let runtime = TorchRuntime::init();
+            let report = crate::bench::run(
+                &runtime,
+                &crate::bench::BenchOptions {
+                    profile,
+                    overrides,
+                    warmup_steps,
+                    steps,
+                    stage_batches,
+                },
+            )?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
         Command::Ctl { run_dir, command } => {
             let reply = crate::pipeline::control::send(&run_dir, &command.join(" "))?;
             if reply.ok {
@@ -496,6 +541,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             shard_rows,
             val_fraction,
             seed,
+            limit,
         } => data::prepare(
             &tokenizer,
             &input,
@@ -505,6 +551,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 shard_rows,
                 val_fraction,
                 seed,
+                limit,
                 progress: true,
             },
         ),

@@ -111,6 +111,9 @@ pub struct ModelSection {
     pub num_taps: usize,
     /// Compute dtype: "auto" (bf16 on a GPU, f32 on the CPU), "f32" or "bf16".
     pub dtype: String,
+    /// Random target weights (seeded by run.seed) instead of loading them: the target folder
+    /// then needs only config.json. For benchmarks of a model's shape. Default false.
+    pub random_weights: bool,
 }
 
 impl Default for ModelSection {
@@ -124,6 +127,7 @@ impl Default for ModelSection {
             target_layer_ids: Vec::new(),
             num_taps: 5,
             dtype: "auto".into(),
+            random_weights: false,
         }
     }
 }

@@ -39,8 +39,18 @@ pub struct Skip {
 pub struct ReadOutcome {
     pub records: Vec<ChatRecord>,
     pub skipped: Vec<Skip>,
+    /// For each entry of `skipped`: how many records were read before it, so that records and
+    /// skips can be put back into input order (`prepare-data --limit`).
+    pub skipped_after: Vec<usize>,
     /// Inputs that ended inside a record (e.g. the cut-off ShareGPT dump).
     pub truncated: Vec<String>,
+}
+
+impl ReadOutcome {
+    fn skip(&mut self, origin: String, reason: String) {
+        self.skipped_after.push(self.records.len());
+        self.skipped.push(Skip { origin, reason });
+    }
 }
 
 fn parse_value(value: serde_json::Value, origin: &str) -> std::result::Result<ChatRecord, String> {
@@ -87,7 +97,7 @@ pub fn read_input(path: &Path, out: &mut ReadOutcome) -> Result<()> {
                 let origin = format!("{name}:{row}");
                 match parse_value(value, &origin) {
                     Ok(r) => out.records.push(r),
-                    Err(reason) => out.skipped.push(Skip { origin, reason }),
+                    Err(reason) => out.skip(origin, reason),
                 }
             }
             if let Some(at) = report.truncated_at {
@@ -108,7 +118,7 @@ pub fn read_input(path: &Path, out: &mut ReadOutcome) -> Result<()> {
                     .and_then(|v| parse_value(v, &origin));
                 match parsed {
                     Ok(r) => out.records.push(r),
-                    Err(reason) => out.skipped.push(Skip { origin, reason }),
+                    Err(reason) => out.skip(origin, reason),
                 }
             }
         }

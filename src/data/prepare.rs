@@ -1,11 +1,24 @@
 //! `prepare-data`: chat records -> token ids and loss masks, rendered with the tokenizer's chat
 //! template exactly as Hugging Face `apply_chat_template` renders and tokenises them.
 //!
-//! The loss mask is 1 on the tokens the assistant produced: each assistant turn's content and
-//! its end-of-turn token. The character span of assistant turn i is found by rendering the
-//! conversation up to turn i with the generation prompt (where the answer starts) and up to and
-//! including turn i (where it ends, cut after the end-of-turn token); a token belongs to the
-//! turn when its first byte lies inside the span.
+//! The loss mask is 1 on the tokens the assistant produced: each assistant turn's content as the
+//! template renders it, and the end-of-turn token right after it (e.g. `<|im_end|>`). Everything
+//! else is template text: the role headers, the newline after the end-of-turn token, and text a
+//! template inserts between the header and the content, such as the empty
+//! `<think>\n\n</think>\n\n` block that Qwen3's template puts before the last assistant turn
+//! after the last user turn. That block is what Qwen3's generation prompt holds with
+//! `enable_thinking=False`, i.e. prompt text, so it is not trained. This is the mask that
+//! transformers' `return_assistant_tokens_mask=True` gives for a template whose
+//! `{% generation %}` block encloses the (rendered) content and the end-of-turn token.
+//!
+//! The spans are found by rendering the conversation a second time with every assistant content
+//! replaced by a unique marker: the text between the markers is template text, and aligning it
+//! with the real rendering gives where each rendered content starts and ends, whatever the
+//! template does around it (no rendering of prefixes, which fails for templates that read
+//! `messages[0]` when a conversation starts with an assistant turn). A token is trained when
+//! its first byte lies inside a span. Templates whose output depends on the content itself
+//! (so that the marker rendering does not line up) fall back to finding each content, in
+//! order, in the rendered text.
 
 use std::ops::Range;
 
@@ -24,7 +37,14 @@ pub struct PreparedSample {
     pub was_cut: bool,
 }
 
-/// Byte spans of the assistant turns in the rendered text of `messages`.
+/// The marker that stands in for assistant turn `k`'s content: private-use characters that no
+/// template writes, and no leading or trailing whitespace for a template to strip.
+fn marker(k: usize) -> String {
+    format!("\u{E000}dflash-assistant-{k}\u{E001}")
+}
+
+/// Byte spans of the assistant turns (rendered content + end-of-turn token) in `full`, the
+/// rendered text of `messages`.
 pub fn assistant_spans(
     tokenizer: &TextTokenizer,
     messages: &[Message],
@@ -35,46 +55,114 @@ pub fn assistant_spans(
         .as_ref()
         .ok_or_else(|| "the tokenizer has no chat template".to_string())?;
     let eos = tokenizer.eos_token.as_deref().filter(|e| !e.is_empty());
+    let mut marked = messages.to_vec();
+    let mut turns = Vec::new();
+    for (i, m) in marked.iter_mut().enumerate() {
+        if m.role == "assistant" {
+            m.content = marker(turns.len());
+            turns.push(i);
+        }
+    }
+    if let Ok(skeleton) = template.render(&marked, false) {
+        if let Some(spans) = align_with_markers(&skeleton, full, messages, &turns, eos) {
+            return Ok(spans);
+        }
+    }
+    find_contents(messages, full, eos)
+}
+
+/// Where the template text between the markers of `skeleton` lies in `full`: the spans of the
+/// rendered contents, each extended by the end-of-turn token after it. `None` when the two do
+/// not line up.
+fn align_with_markers(
+    skeleton: &str,
+    full: &str,
+    messages: &[Message],
+    turns: &[usize],
+    eos: Option<&str>,
+) -> Option<Vec<Range<usize>>> {
+    // Template pieces: before the first marker, between markers, after the last.
+    let mut pieces = Vec::with_capacity(turns.len() + 1);
+    let mut rest = skeleton;
+    for k in 0..turns.len() {
+        let m = marker(k);
+        let at = rest.find(&m)?;
+        pieces.push(&rest[..at]);
+        rest = &rest[at + m.len()..];
+    }
+    if (0..turns.len()).any(|k| rest.contains(&marker(k))) {
+        return None;
+    }
+    pieces.push(rest);
+    let last = *pieces.last()?;
+    if !full.starts_with(pieces[0]) || !full.ends_with(last) {
+        return None;
+    }
+    let mut pos = pieces[0].len();
+    let mut spans = Vec::with_capacity(turns.len());
+    for (k, &turn) in turns.iter().enumerate() {
+        let next = pieces[k + 1];
+        let content_end = if k + 1 == turns.len() {
+            full.len().checked_sub(last.len()).filter(|&e| e >= pos)?
+        } else {
+            if next.is_empty() {
+                return None;
+            }
+            // The content as it is, when it is followed by the template text; else the first
+            // place the template text follows.
+            let content = &messages[turn].content;
+            let rest = &full[pos..];
+            if rest.starts_with(content.as_str()) && rest[content.len()..].starts_with(next) {
+                pos + content.len()
+            } else {
+                pos + rest.find(next)?
+            }
+        };
+        spans.push(pos..content_end + end_of_turn(next, eos, k + 1 == turns.len()));
+        pos = content_end + next.len();
+    }
+    Some(spans)
+}
+
+/// How much of the template text after an assistant content belongs to the turn: through the
+/// end-of-turn token when it comes before the next line break, else the rest of that line
+/// (trailing whitespace excluded) when the line ends (or the text does).
+fn end_of_turn(after: &str, eos: Option<&str>, is_last: bool) -> usize {
+    let newline = after.find('\n');
+    let line = &after[..newline.unwrap_or(after.len())];
+    match eos.and_then(|e| line.find(e).map(|p| p + e.len())) {
+        Some(end) => end,
+        None if newline.is_some() || is_last => line.trim_end().len(),
+        None => 0,
+    }
+}
+
+/// Fallback: each assistant content (as it is, or without surrounding whitespace), found in
+/// order in the rendered text, plus an end-of-turn token right after it.
+fn find_contents(
+    messages: &[Message],
+    full: &str,
+    eos: Option<&str>,
+) -> std::result::Result<Vec<Range<usize>>, String> {
     let mut spans = Vec::new();
     let mut cursor = 0;
     for (i, m) in messages.iter().enumerate() {
         if m.role != "assistant" {
             continue;
         }
-        let before = template
-            .render(&messages[..i], true)
-            .map_err(|e| e.to_string())?;
-        let through = template
-            .render(&messages[..=i], false)
-            .map_err(|e| e.to_string())?;
-        let span = if full.starts_with(&before)
-            && full.starts_with(&through)
-            && through.len() >= before.len()
-        {
-            let turn = &through[before.len()..];
-            // Cut after the end-of-turn token: what follows it (a newline) is template text.
-            let end = match eos.and_then(|e| turn.rfind(e).map(|p| p + e.len())) {
-                Some(end) => end,
-                None => turn.trim_end().len(),
-            };
-            before.len()..before.len() + end
-        } else {
-            // A template whose renderings of prefixes are not prefixes of the whole: find the
-            // content itself, in order, plus an end-of-turn token right after it.
-            let at = full[cursor..]
-                .find(&m.content)
-                .map(|p| cursor + p)
-                .ok_or_else(|| format!("assistant turn {i} is not found in the rendered text"))?;
-            let mut end = at + m.content.len();
-            if let Some(e) = eos {
-                if full[end..].starts_with(e) {
-                    end += e.len();
-                }
+        let (at, len) = [m.content.as_str(), m.content.trim()]
+            .iter()
+            .find_map(|c| full[cursor..].find(c).map(|p| (cursor + p, c.len())))
+            .ok_or_else(|| format!("assistant turn {i} is not found in the rendered text"))?;
+        let mut end = at + len;
+        if let Some(e) = eos {
+            let gap = full[end..].len() - full[end..].trim_start_matches([' ', '\n']).len();
+            if full[end + gap..].starts_with(e) {
+                end += gap + e.len();
             }
-            at..end
-        };
-        cursor = span.end;
-        spans.push(span);
+        }
+        cursor = end;
+        spans.push(at..end);
     }
     Ok(spans)
 }
@@ -153,5 +241,74 @@ impl TextTokenizer {
             .encode(text, false)
             .map_err(|e| anyhow!("cannot tokenise: {e}"))?;
         Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::text::ChatTemplate;
+
+    /// The parts of Qwen3's template that matter here: `messages[0]` read at the top, and an
+    /// empty think block before an assistant turn that follows the last user turn.
+    const QWEN3_LIKE: &str = "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}\
+{%- set ns = namespace(last_query_index=messages|length - 1) %}\
+{%- for message in messages[::-1] %}{%- if message.role == 'user' and ns.last_query_index == messages|length - 1 %}{%- set ns.last_query_index = (messages|length - 1) - loop.index0 %}{%- endif %}{%- endfor %}\
+{%- for message in messages %}\
+{%- if message.role == 'user' %}{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}\
+{%- elif message.role == 'assistant' %}\
+{%- if loop.index0 > ns.last_query_index and loop.last %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message.content.lstrip('\\n') }}\
+{%- else %}{{- '<|im_start|>assistant\\n' + message.content }}{%- endif %}\
+{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}";
+
+    fn spans_of(messages: &[Message]) -> (String, Vec<String>) {
+        let t = ChatTemplate::new(QWEN3_LIKE, None, Some("<|im_end|>".into())).unwrap();
+        let full = t.render(messages, false).unwrap();
+        let mut marked = messages.to_vec();
+        let mut turns = Vec::new();
+        for (i, m) in marked.iter_mut().enumerate() {
+            if m.role == "assistant" {
+                m.content = marker(turns.len());
+                turns.push(i);
+            }
+        }
+        let skeleton = t.render(&marked, false).unwrap();
+        let spans =
+            align_with_markers(&skeleton, &full, messages, &turns, Some("<|im_end|>")).unwrap();
+        let texts = spans.iter().map(|s| full[s.clone()].to_string()).collect();
+        (full, texts)
+    }
+
+    #[test]
+    fn assistant_first_conversations_and_the_think_block() {
+        // Starts with an assistant turn: no rendering of an empty prefix is needed.
+        let (full, spans) = spans_of(&[
+            Message::new("assistant", "Hello."),
+            Message::new("user", "Hi"),
+            Message::new("assistant", "\n\nHow can I help?"),
+        ]);
+        assert!(full.contains("<|im_start|>assistant\n<think>\n\n</think>\n\nHow can I help?"));
+        // The think block is template text; the stripped content and <|im_end|> are trained.
+        assert_eq!(spans, ["Hello.<|im_end|>", "How can I help?<|im_end|>"]);
+
+        // Ends with a user turn: no think block; an assistant content equal to template text.
+        let (full, spans) = spans_of(&[
+            Message::new("user", "a"),
+            Message::new("assistant", "<|im_start|>user\n"),
+            Message::new("user", "b"),
+        ]);
+        assert!(!full.contains("<think>"));
+        assert_eq!(spans, ["<|im_start|>user\n<|im_end|>"]);
+    }
+
+    #[test]
+    fn end_of_turn_is_cut_after_the_token_or_the_line() {
+        assert_eq!(
+            end_of_turn("<|im_end|>\n<|im_start|>user", Some("<|im_end|>"), false),
+            10
+        );
+        assert_eq!(end_of_turn("<end_of_turn>\n", Some("<eos>"), true), 13);
+        assert_eq!(end_of_turn("[INST] next", None, false), 0);
+        assert_eq!(end_of_turn("", Some("</s>"), true), 0);
     }
 }

@@ -1,5 +1,7 @@
-//! The whole `prepare-data` run: read inputs, split off validation, tokenise on every core,
-//! write a `DatasetDict` in the `save_to_disk` layout, summarise.
+//! The whole `prepare-data` run: read inputs, tokenise on every core, split off validation,
+//! write a `DatasetDict` in the `save_to_disk` layout, summarise. With `--limit N` only the
+//! first N usable records (in input order) are kept: records are tokenised in chunks of about
+//! what is still needed, and reading and tokenising stop once N are kept.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,7 +14,7 @@ use rand::SeedableRng;
 use rayon::prelude::*;
 
 use super::arrow_io::{write_split, SplitSummary, TokenRow};
-use super::chat::{read_inputs, Skip};
+use super::chat::{read_input, ChatRecord, ReadOutcome, Skip};
 use super::prepare::{prepare_record, PreparedSample};
 use crate::fsutil::{write_json, StagedDir};
 use crate::text::TextTokenizer;
@@ -24,6 +26,8 @@ pub struct PrepareOptions {
     pub shard_rows: usize,
     pub val_fraction: f64,
     pub seed: u64,
+    /// Keep only the first this many usable records (in input order).
+    pub limit: Option<usize>,
     /// Print progress to stderr.
     pub progress: bool,
 }
@@ -32,8 +36,12 @@ pub struct PrepareOptions {
 #[derive(Debug, Clone)]
 pub struct PrepareSummary {
     pub out_dir: PathBuf,
+    /// Records looked at (with `limit`: up to the last one kept).
     pub records_in: usize,
     pub kept: usize,
+    /// `limit`, and whether it was reached.
+    pub limit: Option<usize>,
+    pub limit_reached: bool,
     pub train: SplitSummary,
     pub validation: SplitSummary,
     /// reason -> count
@@ -45,6 +53,7 @@ pub struct PrepareSummary {
     pub loss_tokens: u64,
     pub cut: usize,
     pub max_len: usize,
+    pub mean_length: f64,
     /// p50, p90, p99, max of sample lengths
     pub length_percentiles: [usize; 4],
     pub seconds: f64,
@@ -71,6 +80,91 @@ fn percentile(sorted: &[usize], p: f64) -> usize {
     sorted[idx]
 }
 
+/// Samples and skips in input order.
+#[derive(Default)]
+struct Collected {
+    samples: Vec<PreparedSample>,
+    skipped: Vec<Skip>,
+    records_in: usize,
+    cut: usize,
+    truncated: Vec<String>,
+}
+
+impl Collected {
+    fn full(&self, limit: Option<usize>) -> bool {
+        limit.is_some_and(|n| self.samples.len() >= n)
+    }
+
+    /// Tokenises the records of one input in order (in parallel, in chunks when there is a
+    /// limit) and adds them and the input's read skips, in input order, until the limit.
+    fn take(&mut self, tokenizer: &TextTokenizer, read: ReadOutcome, opts: &PrepareOptions) {
+        let ReadOutcome {
+            records,
+            skipped,
+            skipped_after,
+            ..
+        } = read;
+        let mut skips = skipped.into_iter().zip(skipped_after).peekable();
+        let total = records.len();
+        let done = AtomicUsize::new(0);
+        let last_report = std::sync::Mutex::new(Instant::now());
+        let tokenise = |r: &ChatRecord| {
+            let out = prepare_record(tokenizer, r, opts.max_len);
+            let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+            if opts.progress {
+                if let Ok(mut last) = last_report.try_lock() {
+                    if last.elapsed() > Duration::from_secs(2) {
+                        *last = Instant::now();
+                        eprintln!("prepare-data: tokenised {n}/{total} records");
+                    }
+                }
+            }
+            out
+        };
+        let mut start = 0;
+        while start < total && !self.full(opts.limit) {
+            // With a limit: what is still needed, plus a margin for skips.
+            let chunk = match opts.limit {
+                Some(n) => {
+                    let need = n - self.samples.len();
+                    (need + need / 16 + 64).min(total - start)
+                }
+                None => total - start,
+            };
+            let results: Vec<_> = records[start..start + chunk]
+                .par_iter()
+                .map(&tokenise)
+                .collect();
+            for (i, result) in results.into_iter().enumerate() {
+                let index = start + i;
+                while let Some((skip, _)) = skips.next_if(|(_, after)| *after <= index) {
+                    self.records_in += 1;
+                    self.skipped.push(skip);
+                }
+                self.records_in += 1;
+                match result {
+                    Ok(s) => {
+                        self.cut += s.was_cut as usize;
+                        self.samples.push(s);
+                    }
+                    Err(reason) => self.skipped.push(Skip {
+                        origin: records[index].origin.clone(),
+                        reason,
+                    }),
+                }
+                if self.full(opts.limit) {
+                    return;
+                }
+            }
+            start += chunk;
+        }
+        for (skip, _) in skips {
+            self.records_in += 1;
+            self.skipped.push(skip);
+        }
+    }
+}
+
 pub fn prepare_data(
     tokenizer_dir: &Path,
     inputs: &[PathBuf],
@@ -87,56 +181,41 @@ pub fn prepare_data(
             opts.val_fraction
         );
     }
+    if opts.limit == Some(0) {
+        bail!("--limit must be at least 1");
+    }
     let tokenizer = TextTokenizer::from_model_dir(tokenizer_dir)?;
-    let read = read_inputs(inputs)?;
-    if read.records.is_empty() {
+    let mut acc = Collected::default();
+    let mut records_read = 0;
+    for input in inputs {
+        if acc.full(opts.limit) {
+            break;
+        }
+        let mut read = ReadOutcome::default();
+        read_input(input, &mut read)?;
+        records_read += read.records.len();
+        acc.truncated.extend(read.truncated.iter().cloned());
+        acc.take(&tokenizer, read, opts);
+    }
+    if records_read == 0 {
         let names: Vec<String> = inputs.iter().map(|p| p.display().to_string()).collect();
         bail!(
             "{}: no usable records ({} skipped{})",
             names.join(", "),
-            read.skipped.len(),
-            read.skipped
+            acc.skipped.len(),
+            acc.skipped
                 .first()
                 .map(|s| format!(", e.g. {}: {}", s.origin, s.reason))
                 .unwrap_or_default()
         );
     }
-    let total = read.records.len();
-    let done = AtomicUsize::new(0);
-    let last_report = std::sync::Mutex::new(Instant::now());
-    let results: Vec<std::result::Result<PreparedSample, String>> = read
-        .records
-        .par_iter()
-        .map(|r| {
-            let out = prepare_record(&tokenizer, r, opts.max_len);
-            let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-            if opts.progress {
-                if let Ok(mut last) = last_report.try_lock() {
-                    if last.elapsed() > Duration::from_secs(2) {
-                        *last = Instant::now();
-                        eprintln!("prepare-data: tokenised {n}/{total} records");
-                    }
-                }
-            }
-            out
-        })
-        .collect();
-
-    let mut skipped_list = read.skipped.clone();
-    let mut samples = Vec::with_capacity(results.len());
-    let mut cut = 0;
-    for (record, result) in read.records.iter().zip(results) {
-        match result {
-            Ok(s) => {
-                cut += s.was_cut as usize;
-                samples.push(s)
-            }
-            Err(reason) => skipped_list.push(Skip {
-                origin: record.origin.clone(),
-                reason,
-            }),
-        }
-    }
+    let Collected {
+        samples,
+        skipped: skipped_list,
+        records_in,
+        cut,
+        truncated,
+    } = acc;
     if samples.is_empty() {
         bail!(
             "no record could be used ({} skipped, e.g. {}: {})",
@@ -202,13 +281,15 @@ pub fn prepare_data(
     });
     Ok(PrepareSummary {
         out_dir,
-        records_in: total + read.skipped.len(),
+        records_in,
         kept: samples.len(),
+        limit: opts.limit,
+        limit_reached: opts.limit == Some(samples.len()),
         train,
         validation,
         skipped,
         skip_examples: skipped_list.into_iter().take(5).collect(),
-        truncated_inputs: read.truncated,
+        truncated_inputs: truncated,
         tokens: lengths.iter().map(|&l| l as u64).sum(),
         loss_tokens: samples
             .iter()
@@ -216,6 +297,7 @@ pub fn prepare_data(
             .sum(),
         cut,
         max_len: opts.max_len,
+        mean_length: lengths.iter().sum::<usize>() as f64 / lengths.len().max(1) as f64,
         length_percentiles: [
             percentile(&lengths, 0.5),
             percentile(&lengths, 0.9),
@@ -230,8 +312,14 @@ impl std::fmt::Display for PrepareSummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "prepare-data: {} records in, {} kept",
-            self.records_in, self.kept
+            "prepare-data: {} records in, {} kept{}",
+            self.records_in,
+            self.kept,
+            match self.limit {
+                Some(n) if self.limit_reached => format!(" (the first {n} usable: --limit {n})"),
+                Some(n) => format!(" (fewer than --limit {n}: the inputs ran out)"),
+                None => String::new(),
+            }
         )?;
         for t in &self.truncated_inputs {
             writeln!(f, "  {t}")?;
@@ -259,7 +347,8 @@ impl std::fmt::Display for PrepareSummary {
         let [p50, p90, p99, max] = self.length_percentiles;
         writeln!(
             f,
-            "  sample length: p50 {p50}, p90 {p90}, p99 {p99}, max {max}"
+            "  sample length: mean {:.0}, p50 {p50}, p90 {p90}, p99 {p99}, max {max}",
+            self.mean_length
         )?;
         write!(
             f,

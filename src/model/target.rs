@@ -10,7 +10,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::{Family, TargetConfig};
 use super::layers::{attention, rms_norm, AttentionWeights, Mlp, Rope};
-use super::weights::WeightFiles;
+use super::weights::{RandomWeights, WeightFiles, WeightSource};
 
 struct DecoderLayer {
     input_norm: Tensor,
@@ -209,9 +209,23 @@ impl TargetModel {
             .with_context(|| format!("{}: cannot load the model", dir.display()))
     }
 
+    /// A model of the shape in `dir`'s config.json with seeded random weights (see
+    /// [`RandomWeights`]); no weight files are read.
+    pub fn random(dir: &Path, device: Device, kind: Kind, seed: u64) -> Result<Self> {
+        let config = TargetConfig::from_model_dir(dir)?;
+        let untied = !config.tie_word_embeddings;
+        let weights = RandomWeights {
+            seed,
+            std: 0.02,
+            present: Box::new(move |name| untied && name == "lm_head.weight"),
+        };
+        Self::from_weights(config, &weights, device, kind)
+            .with_context(|| format!("{}: cannot build a random model", dir.display()))
+    }
+
     pub fn from_weights(
         config: TargetConfig,
-        weights: &WeightFiles,
+        weights: &dyn WeightSource,
         device: Device,
         kind: Kind,
     ) -> Result<Self> {

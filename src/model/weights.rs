@@ -144,6 +144,51 @@ impl safetensors::View for &TensorBytes {
 
 /// Writes tensors to a safetensors file with the `{"format": "pt"}` metadata that
 /// `transformers` expects.
+/// Where a model's tensors come from: weight files, or a seeded random initialisation.
+pub trait WeightSource {
+    fn contains(&self, name: &str) -> bool;
+    fn load(&self, name: &str, shape: &[i64], kind: Kind, device: Device) -> Result<Tensor>;
+}
+
+impl WeightSource for WeightFiles {
+    fn contains(&self, name: &str) -> bool {
+        WeightFiles::contains(self, name)
+    }
+    fn load(&self, name: &str, shape: &[i64], kind: Kind, device: Device) -> Result<Tensor> {
+        WeightFiles::load(self, name, shape, kind, device)
+    }
+}
+
+/// Random weights of a model's shape, for benchmarks that need no trained model: norm weights
+/// are 1, everything else is drawn from N(0, std) on the device (seeded per tensor name, so a
+/// shape always gets the same weights).
+pub struct RandomWeights {
+    pub seed: u64,
+    pub std: f64,
+    /// Names that exist besides the ones every model has (e.g. an untied `lm_head.weight`).
+    pub present: Box<dyn Fn(&str) -> bool>,
+}
+
+impl WeightSource for RandomWeights {
+    fn contains(&self, name: &str) -> bool {
+        (self.present)(name)
+    }
+    fn load(&self, name: &str, shape: &[i64], kind: Kind, device: Device) -> Result<Tensor> {
+        if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+            return Ok(Tensor::ones(shape, (kind, device)));
+        }
+        // FNV-1a of the name mixed with the seed: one reproducible stream per tensor.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ self.seed;
+        for b in name.bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+        tch::manual_seed((h >> 1) as i64);
+        Ok(tch::no_grad(|| {
+            Tensor::empty(shape, (kind, device)).normal_(0.0, self.std)
+        }))
+    }
+}
+
 pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let mut prepared = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {

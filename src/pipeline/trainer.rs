@@ -242,6 +242,19 @@ struct Prepared {
     eval: Option<EvalSetup>,
 }
 
+fn load_target(
+    config: &TrainConfig,
+    dir: &Path,
+    device: Device,
+    kind: Kind,
+) -> Result<TargetModel> {
+    if config.model.random_weights {
+        TargetModel::random(dir, device, kind, config.run.seed)
+    } else {
+        TargetModel::load(dir, device, kind)
+    }
+}
+
 fn prepare(
     runtime: &TorchRuntime,
     config: &TrainConfig,
@@ -279,7 +292,7 @@ fn prepare(
             continue;
         }
         let started = Instant::now();
-        let t = TargetModel::load(&target_dir, dev, target_kind)?;
+        let t = load_target(config, &target_dir, dev, target_kind)?;
         log::info!(
             "target {} ({:?}, {:.1} M parameters) on {dev:?} as {target_kind:?} in {:.1} s",
             target_dir.display(),
@@ -434,7 +447,7 @@ fn prepare(
         let target = match targets.iter().find(|t| t.device == dev) {
             Some(t) => t.clone(),
             None => {
-                let t = TargetModel::load(&target_dir, dev, target_kind)?;
+                let t = load_target(config, &target_dir, dev, target_kind)?;
                 log::info!("evaluation: a copy of the target on {dev:?}");
                 Arc::new(SharedTarget::new(t))
             }
@@ -705,21 +718,7 @@ fn loader(
             .ok_or_else(|| anyhow!("the data set yields no batch"))?;
         let resume = packer.state();
         let item = shared.profile.time(Event::LOADER_PACK, || {
-            let c = collate(&store, &batch);
-            let stride = batch.max_len;
-            let ids = Vec::<i64>::try_from(&c.input_ids.view([-1])).unwrap_or_default();
-            let mask = Vec::<i64>::try_from(&c.loss_mask.view([-1])).unwrap_or_default();
-            BatchItem {
-                seq,
-                resume,
-                epoch: batch.epoch,
-                samples: batch.indices.clone(),
-                lengths: c.lengths,
-                stride,
-                ids,
-                mask,
-                input_ids: c.input_ids,
-            }
+            batch_item(&store, &batch, seq, resume)
         });
         if cfg.debug.fail_stage == "loader"
             && cfg.debug.fail_at_step > 0
@@ -732,6 +731,29 @@ fn loader(
             Ok(()) => {}
             Err((_, QueueClosed::Stopped)) | Err((_, QueueClosed::Drained)) => return Ok(()),
         }
+    }
+}
+
+/// A packed batch as the target and drafter stages take it.
+fn batch_item(
+    store: &TokenStore,
+    batch: &crate::data::packer::Batch,
+    seq: u64,
+    resume: PackerState,
+) -> BatchItem {
+    let c = collate(store, batch);
+    let ids = Vec::<i64>::try_from(&c.input_ids.view([-1])).unwrap_or_default();
+    let mask = Vec::<i64>::try_from(&c.loss_mask.view([-1])).unwrap_or_default();
+    BatchItem {
+        seq,
+        resume,
+        epoch: batch.epoch,
+        samples: batch.indices.clone(),
+        lengths: c.lengths,
+        stride: batch.max_len,
+        ids,
+        mask,
+        input_ids: c.input_ids,
     }
 }
 
@@ -804,14 +826,162 @@ struct MicroResult {
     last: Option<(u64, PackerState, u64)>,
 }
 
-fn accumulate(
-    shared: &Shared,
+/// The drafter's work on one batch of target features: anchors, forward, loss, backward
+/// (gradients accumulate into the parameters, scaled by `scale`).
+/// Clip, AdamW on the fp32 master weights, and the new weights into the compute copy.
+fn apply_update(
+    optimizer: &mut AdamW,
+    params: &[(String, &Tensor)],
+    grad: &mut Tensor,
+    clip: f64,
+    lr: f64,
+) -> Result<f64> {
+    let norm = AdamW::clip(grad, clip);
+    optimizer.update(grad, lr);
+    optimizer.write_params(params)?;
+    Ok(norm)
+}
+
+fn sync_device(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// Target tokens per second of each stage run alone, one stage after the other on the same
+/// batches, with the models and settings `train` would use (the benchmark's reference for the
+/// pipeline efficiency). The packer's batches `skip .. skip + batches` are timed (a run's
+/// measured window sees exactly these when `skip` is its warm-up's batch count); up to two
+/// batches before them run first, untimed, as the stages' own warm-up. The drafter stage
+/// trains a scratch copy (one optimizer step per batch). Several target or drafter devices
+/// are counted as that many times one device's rate.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StageAloneRates {
+    pub batches: usize,
+    pub tokens: u64,
+    pub loader_tokens_per_s: f64,
+    pub target_tokens_per_s: f64,
+    pub drafter_tokens_per_s: f64,
+}
+
+pub fn measure_stages_alone(
+    runtime: &TorchRuntime,
+    config: &TrainConfig,
+    skip: usize,
+    batches: usize,
+) -> Result<StageAloneRates> {
+    let p = prepare(runtime, config, None)?;
+    let profile = ProfileStats::new();
+    let mut packer = Packer::resume(
+        p.store.clone(),
+        packer_config(config),
+        PackerState::default(),
+    );
+    let warmup = skip.min(2);
+    for _ in 0..skip - warmup {
+        packer
+            .next()
+            .ok_or_else(|| anyhow!("the data set yields no batch"))?;
+    }
+    let total = warmup + batches.max(1);
+    let tokens_of = |b: &BatchItem| b.lengths.iter().map(|&l| l as u64).sum::<u64>();
+
+    let mut items = Vec::with_capacity(total);
+    let mut loader_s = 0.0;
+    for seq in 0..total {
+        let t = Instant::now();
+        let batch = packer
+            .next()
+            .ok_or_else(|| anyhow!("the data set yields no batch"))?;
+        let item = batch_item(&p.store, &batch, seq as u64, packer.state());
+        if seq >= warmup {
+            loader_s += t.elapsed().as_secs_f64();
+        }
+        items.push(item);
+    }
+    let tokens: u64 = items[warmup..].iter().map(tokens_of).sum();
+
+    let target = &p.targets[0];
+    let req = ForwardRequest {
+        tap_layers: p.drafters[0].config.target_layer_ids().to_vec(),
+        final_hidden: config.train.kl_weight > 0.0,
+        logits: false,
+    };
+    let mut features = Vec::with_capacity(total);
+    let mut target_s = 0.0;
+    for (i, batch) in items.into_iter().enumerate() {
+        let t = Instant::now();
+        let out = target.run(&batch.input_ids.to_device(target.device), None, &req);
+        sync_device(target.device);
+        if i >= warmup {
+            target_s += t.elapsed().as_secs_f64();
+        }
+        features.push(FeatureItem {
+            features: out
+                .features
+                .ok_or_else(|| anyhow!("the target returned no features"))?,
+            teacher_hidden: out.final_hidden,
+            batch,
+        });
+    }
+
+    let drafter = &p.drafters[0];
+    let head = &p.heads[0];
+    let mut optimizer = p.optimizer;
+    let params = drafter.named_parameters();
+    // the learning rates the run uses at these steps (a full rate on a fresh drafter would
+    // blow its weights up, and denormal arithmetic is slow on CPUs)
+    let total_steps = config.train.total_steps.max(1);
+    let warmup_steps = (config.train.warmup_ratio * total_steps as f64).round() as u64;
+    let first_step = (skip - warmup) as u64;
+    let mut drafter_s = 0.0;
+    for (i, item) in features.iter().enumerate() {
+        let t = Instant::now();
+        train_on_item(&profile, config, drafter, head, item, i as u64, 1.0);
+        let mut grad = AdamW::flatten_grads(&params);
+        let lr = lr_at(
+            first_step + i as u64,
+            total_steps,
+            warmup_steps,
+            config.train.lr,
+            config.train.min_lr_ratio,
+        );
+        apply_update(
+            &mut optimizer,
+            &params,
+            &mut grad,
+            config.train.clip_grad_norm,
+            lr,
+        )?;
+        sync_device(drafter.device);
+        if i >= warmup {
+            drafter_s += t.elapsed().as_secs_f64();
+        }
+    }
+    let distinct = |devs: &[Device]| {
+        let mut d = devs.to_vec();
+        d.dedup();
+        d.len().max(1) as f64
+    };
+    let rate = |s: f64| tokens as f64 / s.max(1e-9);
+    Ok(StageAloneRates {
+        batches: batches.max(1),
+        tokens,
+        loader_tokens_per_s: rate(loader_s),
+        target_tokens_per_s: rate(target_s) * distinct(&p.target_devices),
+        drafter_tokens_per_s: rate(drafter_s) * distinct(&p.drafter_devices),
+    })
+}
+
+fn train_on_item(
+    profile: &ProfileStats,
     cfg: &TrainConfig,
     drafter: &Drafter,
     head: &FrozenHead,
-    replica: usize,
-    step: u64,
-) -> Result<Option<MicroResult>> {
+    item: &FeatureItem,
+    seed: u64,
+    scale: f64,
+) -> LossSums {
     let block = drafter.config.block_size as usize;
     let gamma = cfg.train.effective_gamma(drafter.config.block_size);
     let opts = LossOptions {
@@ -820,6 +990,55 @@ fn accumulate(
         streak_alpha: cfg.train.streak_alpha,
         chunk_rows: 8192,
     };
+    let b = &item.batch;
+    let (plan, targets) = profile.time(Event::DRAFTER_ANCHORS, || {
+        let plan = sample_anchors(
+            &b.mask,
+            &b.lengths,
+            b.stride,
+            block,
+            cfg.train.num_anchors,
+            seed,
+        );
+        let targets = block_targets(&b.ids, &b.mask, &b.lengths, b.stride, &plan, block, gamma);
+        (plan, targets)
+    });
+    let dev = drafter.device;
+    let rows = plan.rows as i64;
+    let batch = AnchorBatch {
+        input_ids: Tensor::from_slice(&b.ids).view([rows, b.stride as i64]),
+        anchors: Tensor::from_slice(&plan.anchors).view([rows, plan.per_row as i64]),
+        valid: Tensor::from_slice(&plan.valid).view([rows, plan.per_row as i64]),
+    };
+    let hidden = profile.time(Event::DRAFTER_FORWARD, || {
+        drafter.forward_train(head, &item.features.to_device(dev), &batch)
+    });
+    let teacher = item.teacher_hidden.as_ref().map(|t| t.to_device(dev));
+    let (sums, pending) = profile.time(Event::DRAFTER_LOSS, || {
+        loss_and_backward(
+            &hidden,
+            &head.lm_head,
+            &targets,
+            &plan.valid,
+            teacher.as_ref(),
+            &opts,
+            scale,
+        )
+    });
+    if let Some(p) = pending {
+        profile.time(Event::DRAFTER_BACKWARD, || p.run());
+    }
+    sums
+}
+
+fn accumulate(
+    shared: &Shared,
+    cfg: &TrainConfig,
+    drafter: &Drafter,
+    head: &FrozenHead,
+    replica: usize,
+    step: u64,
+) -> Result<Option<MicroResult>> {
     let mut out = MicroResult {
         sums: LossSums::default(),
         tokens: 0,
@@ -839,43 +1058,15 @@ fn accumulate(
         };
         shared.profile.record(Event::FEATURE_Q_WAIT, t.elapsed());
         let b = &item.batch;
-        let (plan, targets) = shared.profile.time(Event::DRAFTER_ANCHORS, || {
-            let plan = sample_anchors(
-                &b.mask,
-                &b.lengths,
-                b.stride,
-                block,
-                cfg.train.num_anchors,
-                seed_for(cfg.run.seed, step, replica, micro),
-            );
-            let targets = block_targets(&b.ids, &b.mask, &b.lengths, b.stride, &plan, block, gamma);
-            (plan, targets)
-        });
-        let dev = drafter.device;
-        let rows = plan.rows as i64;
-        let batch = AnchorBatch {
-            input_ids: Tensor::from_slice(&b.ids).view([rows, b.stride as i64]),
-            anchors: Tensor::from_slice(&plan.anchors).view([rows, plan.per_row as i64]),
-            valid: Tensor::from_slice(&plan.valid).view([rows, plan.per_row as i64]),
-        };
-        let hidden = shared.profile.time(Event::DRAFTER_FORWARD, || {
-            drafter.forward_train(head, &item.features.to_device(dev), &batch)
-        });
-        let teacher = item.teacher_hidden.as_ref().map(|t| t.to_device(dev));
-        let (sums, pending) = shared.profile.time(Event::DRAFTER_LOSS, || {
-            loss_and_backward(
-                &hidden,
-                &head.lm_head,
-                &targets,
-                &plan.valid,
-                teacher.as_ref(),
-                &opts,
-                1.0 / micro_batches as f64,
-            )
-        });
-        if let Some(p) = pending {
-            shared.profile.time(Event::DRAFTER_BACKWARD, || p.run());
-        }
+        let sums = train_on_item(
+            &shared.profile,
+            cfg,
+            drafter,
+            head,
+            &item,
+            seed_for(cfg.run.seed, step, replica, micro),
+            1.0 / micro_batches as f64,
+        );
         out.sums.add(&sums);
         out.tokens += b.lengths.iter().map(|&l| l as u64).sum::<u64>();
         out.samples += b.samples.len() as u64;
@@ -1016,15 +1207,15 @@ impl Coordinator {
                 cfg.train.lr,
                 cfg.train.min_lr_ratio,
             );
-            let grad_norm = self
-                .shared
-                .profile
-                .time(Event::OPTIM_STEP, || -> Result<f64> {
-                    let norm = AdamW::clip(&mut grad, cfg.train.clip_grad_norm);
-                    self.optimizer.update(&grad, lr);
-                    self.optimizer.write_params(&params)?;
-                    Ok(norm)
-                })?;
+            let grad_norm = self.shared.profile.time(Event::OPTIM_STEP, || {
+                apply_update(
+                    &mut self.optimizer,
+                    &params,
+                    &mut grad,
+                    cfg.train.clip_grad_norm,
+                    lr,
+                )
+            })?;
             if !self.param_txs.is_empty() {
                 let flat = self.master_flat();
                 for tx in &self.param_txs {
@@ -1057,6 +1248,7 @@ impl Coordinator {
                 grad_norm,
                 tokens,
                 samples,
+                blocks: sums.blocks.round() as u64,
                 step_s,
                 tokens_per_s: tokens_ema,
                 samples_per_s: samples_ema,

@@ -58,6 +58,9 @@ pub struct StepRecord {
     /// Target tokens (non-padding) in this step.
     pub tokens: u64,
     pub samples: u64,
+    /// Valid anchor blocks trained in this step (block positions = blocks * block size).
+    #[serde(default)]
+    pub blocks: u64,
     pub step_s: f64,
     /// Smoothed throughput.
     pub tokens_per_s: f64,
@@ -231,6 +234,7 @@ mod tests {
             grad_norm: 0.7,
             tokens: 1000,
             samples: 4,
+            blocks: 100,
             step_s: 0.2,
             tokens_per_s: 5000.0,
             samples_per_s: 20.0,

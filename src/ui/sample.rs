@@ -23,6 +23,7 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                 grad_norm: 1.0,
                 tokens: 16_000,
                 samples: 9,
+                blocks: 2000,
                 step_s: 0.2,
                 tokens_per_s: 80_000.0 + 5_000.0 * (x / 50.0).sin(),
                 samples_per_s: 45.0,

@@ -534,3 +534,18 @@ pub fn tiny_run(rows: usize, seed: i64) -> TinyRun {
     write_token_dataset(&data, &rows);
     TinyRun { tmp, target, data }
 }
+
+/// The benchmark assets that `make setup` creates (`scripts/setup-bench-data.sh`): Qwen3's
+/// tokenizer in `qwen3-tokenizer/` and the tokenised ShareGPT sample.
+pub fn bench_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/bench")
+}
+
+pub fn require_bench(path: &Path) -> PathBuf {
+    assert!(
+        path.exists(),
+        "{} is missing: run `make setup` (scripts/setup-bench-data.sh) first",
+        path.display()
+    );
+    path.to_path_buf()
+}

@@ -1,0 +1,347 @@
+//! `dflash-tui bench` (benchmarks spec): the real training pipeline run for a warm-up and a
+//! measured window, each stage also run alone on the same batches, and one JSON object with
+//! throughput, stage occupancy, GPU utilisation and memory, model FLOP utilisation and the
+//! pipeline efficiency.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+
+use crate::config::{self, TrainConfig};
+use crate::model::{DrafterConfig, DrafterShape, TargetConfig};
+use crate::pipeline::trainer::{self, measure_stages_alone, StageAloneRates};
+use crate::runtime::TorchRuntime;
+use crate::telemetry::gpu::GpuMonitor;
+use crate::telemetry::profile::ProfileReport;
+use crate::telemetry::records::{Phase, StepRecord};
+
+/// H200 dense bf16 peak (benchmarks spec).
+pub const PEAK_FLOPS_PER_GPU: f64 = 989e12;
+
+/// Profiles shipped in `configs/` as `bench-NAME.toml`.
+pub const PROFILES: [&str; 4] = ["cpu-tiny", "smollm2", "qwen3-0.6b-shape", "qwen3-8b-shape"];
+
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// A profile name (configs/bench-NAME.toml) or a config file.
+    pub profile: String,
+    pub overrides: Vec<String>,
+    pub warmup_steps: u64,
+    pub steps: u64,
+    /// Batches each stage runs alone for the pipeline efficiency (0 = the measured window's).
+    pub stage_batches: usize,
+}
+
+/// The benchmark's result (benchmarks spec fields, plus what they were computed from).
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub profile: String,
+    pub config: String,
+    pub target_devices: Vec<String>,
+    pub drafter_devices: Vec<String>,
+    pub warmup_steps: u64,
+    pub steps: u64,
+    pub window_s: f64,
+    pub tokens_per_s: f64,
+    pub samples_per_s: f64,
+    pub draft_positions_per_s: f64,
+    pub step_ms: f64,
+    /// Fraction of wall time each stage spent working, not waiting on a queue.
+    pub stage_busy: BTreeMap<String, f64>,
+    /// Mean NVML utilisation per GPU over the window (empty without NVML).
+    pub gpu_util: BTreeMap<String, f64>,
+    pub mfu: Option<f64>,
+    pub pipeline_efficiency: f64,
+    /// tokens/s of each stage run alone on the same batches.
+    pub stage_alone_tokens_per_s: BTreeMap<String, f64>,
+    pub slowest_stage: String,
+    /// Peak NVML memory per GPU over the run, GB (1e9 bytes).
+    pub peak_mem_gb: BTreeMap<String, f64>,
+    /// Parameters the FLOP count uses: target layers actually run (up to the last tapped
+    /// layer, no embedding), drafter trainable parameters.
+    pub target_params_used: f64,
+    pub drafter_params: f64,
+    pub model_flops_per_s: f64,
+    pub tokens: u64,
+    pub samples: u64,
+    pub draft_blocks: u64,
+}
+
+/// The config file of a profile name, or the path itself.
+pub fn profile_path(profile: &str) -> PathBuf {
+    let p = Path::new(profile);
+    if p.extension().is_some_and(|e| e == "toml") || p.components().count() > 1 {
+        p.to_path_buf()
+    } else {
+        Path::new("configs").join(format!("bench-{profile}.toml"))
+    }
+}
+
+/// Parameters of one pre-norm decoder layer (attention projections and SwiGLU MLP).
+fn layer_params(h: f64, q_dim: f64, kv_dim: f64, inter: f64) -> f64 {
+    h * q_dim * 2.0 + h * kv_dim * 2.0 + 3.0 * h * inter
+}
+
+fn model_flops_counts(cfg: &TrainConfig) -> Result<(f64, f64, f64, f64, i64)> {
+    let target = TargetConfig::from_model_dir(Path::new(&cfg.model.target))?;
+    let shape = DrafterShape {
+        layers: cfg.model.drafter_layers,
+        block_size: cfg.model.block_size,
+        mask_token_id: cfg.model.mask_token_id,
+        target_layer_ids: (!cfg.model.target_layer_ids.is_empty())
+            .then(|| cfg.model.target_layer_ids.clone()),
+        num_taps: cfg.model.num_taps,
+    };
+    let drafter = DrafterConfig::for_target(&target, &shape)?;
+    let h = target.hidden_size as f64;
+    let d = target.head_dim() as f64;
+    let per_layer = layer_params(
+        h,
+        target.num_attention_heads as f64 * d,
+        target.kv_heads() as f64 * d,
+        target.intermediate_size as f64,
+    );
+    let run_layers = drafter
+        .target_layer_ids()
+        .iter()
+        .map(|&l| l + 1)
+        .max()
+        .unwrap_or(0) as f64;
+    let taps = drafter.target_layer_ids().len() as f64;
+    let drafter_params = per_layer * drafter.num_hidden_layers as f64 + taps * h * h;
+    Ok((
+        per_layer * run_layers,
+        drafter_params,
+        h,
+        target.vocab_size as f64,
+        drafter.block_size,
+    ))
+}
+
+/// Cumulative seconds of the named events.
+fn totals(report: &ProfileReport, events: &[&str]) -> f64 {
+    report
+        .rows
+        .iter()
+        .filter(|r| events.contains(&r.event.as_str()))
+        .map(|r| r.cumulative.total_s)
+        .sum()
+}
+
+pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
+    if opts.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let path = profile_path(&opts.profile);
+    if !path.is_file() {
+        bail!(
+            "{}: no such benchmark config (profiles: {})",
+            path.display(),
+            PROFILES.join(", ")
+        );
+    }
+    let mut cfg = config::load(&path, &opts.overrides)?;
+    cfg.train.total_steps = opts.warmup_steps + opts.steps;
+    cfg.checkpoint.save_every_steps = 0;
+    cfg.checkpoint.save_every_minutes = 0.0;
+    cfg.eval.every_steps = 0;
+    cfg.telemetry.profile_interval_s = 0.0;
+    let (target_params, drafter_params, hidden, vocab, block) = model_flops_counts(&cfg)?;
+
+    log::info!(
+        "bench {}: each stage alone on {} batches",
+        opts.profile,
+        opts.stage_batches
+    );
+    // The same batches as the measured window: the packer's order after the warm-up's.
+    let per_step = cfg.train.grad_accum.max(1) * cfg.devices.drafter_devices.len();
+    let skip = (opts.warmup_steps.max(1) as usize) * per_step;
+    let batches = if opts.stage_batches > 0 {
+        opts.stage_batches
+    } else {
+        opts.steps as usize * per_step
+    };
+    let alone: StageAloneRates = measure_stages_alone(runtime, &cfg, skip, batches)?;
+    log::info!(
+        "alone: loader {:.0}, target {:.0}, drafter {:.0} tokens/s",
+        alone.loader_tokens_per_s,
+        alone.target_tokens_per_s,
+        alone.drafter_tokens_per_s
+    );
+
+    // GPU sampling for the whole pipeline run; utilisation is averaged over the window only.
+    let monitor = GpuMonitor::open().ok();
+    let in_window = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
+    type GpuStats = BTreeMap<String, (f64, u64, f64)>; // util sum, samples, peak bytes
+    let gpu_stats: Arc<Mutex<GpuStats>> = Arc::default();
+    let sampler = monitor.map(|m| {
+        let (in_window, done, stats) = (in_window.clone(), done.clone(), gpu_stats.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                if let Ok(readings) = m.sample() {
+                    let mut st = stats.lock().unwrap_or_else(|e| e.into_inner());
+                    for g in readings {
+                        let e = st.entry(format!("gpu{}", g.index)).or_default();
+                        if in_window.load(Ordering::Relaxed) {
+                            e.0 += g.utilization_pct.unwrap_or(0) as f64;
+                            e.1 += 1;
+                        }
+                        e.2 = e.2.max(g.memory_used_bytes.unwrap_or(0) as f64);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+    });
+
+    let run_dir = tempfile::Builder::new()
+        .prefix("dflash-bench-")
+        .tempdir()
+        .context("cannot create a temporary run directory")?;
+    let handle = trainer::start(runtime, &cfg, run_dir.path(), false)?;
+    let wait_for_step = |step: u64| -> Result<()> {
+        loop {
+            let snap = handle.snapshot();
+            if snap.step >= step {
+                return Ok(());
+            }
+            if matches!(snap.phase, Phase::Failed | Phase::Finished) {
+                bail!(
+                    "the pipeline ended at step {} before step {step}: {}",
+                    snap.step,
+                    snap.error.unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let waited = wait_for_step(opts.warmup_steps.max(1));
+    let p0 = handle.profile_report();
+    in_window.store(true, Ordering::Relaxed);
+    let waited = waited.and_then(|_| wait_for_step(opts.warmup_steps + opts.steps));
+    in_window.store(false, Ordering::Relaxed);
+    let p1 = handle.profile_report();
+    let snap = handle.snapshot();
+    let outcome = handle.join();
+    done.store(true, Ordering::Relaxed);
+    if let Some(s) = sampler {
+        let _ = s.join();
+    }
+    waited?;
+    if outcome.phase == Phase::Failed {
+        bail!("the pipeline failed: {}", outcome.error.unwrap_or_default());
+    }
+
+    // The window: steps after the warm-up, timed by the step records themselves.
+    let first = opts.warmup_steps.max(1);
+    let start = snap
+        .history
+        .iter()
+        .find(|r| r.step == first)
+        .map(|r| r.elapsed_s)
+        .context("the warm-up's last step is not in the history")?;
+    let window: Vec<&StepRecord> = snap
+        .history
+        .iter()
+        .filter(|r| r.step > first && r.step <= opts.warmup_steps + opts.steps)
+        .collect();
+    let end = window.last().map_or(start, |r| r.elapsed_s);
+    let window_s = (end - start).max(1e-9);
+    let tokens: u64 = window.iter().map(|r| r.tokens).sum();
+    let samples: u64 = window.iter().map(|r| r.samples).sum();
+    let blocks: u64 = window.iter().map(|r| r.blocks).sum();
+    let positions = (blocks as i64 * block) as f64;
+    let tokens_per_s = tokens as f64 / window_s;
+
+    // Stage occupancy from ProfileStats over the same span (queue waits are idle time).
+    let span = (p1.elapsed_s - p0.elapsed_s).max(1e-9);
+    let diff = |events: &[&str]| totals(&p1, events) - totals(&p0, events);
+    let n_targets = cfg.devices.target_devices.len() as f64;
+    let n_drafters = cfg.devices.drafter_devices.len() as f64;
+    let mut stage_busy = BTreeMap::new();
+    stage_busy.insert(
+        "loader".to_string(),
+        (diff(&["loader.fetch", "loader.pack"]) / span).clamp(0.0, 1.0),
+    );
+    stage_busy.insert(
+        "target".to_string(),
+        (1.0 - diff(&["batch_q.wait", "target.handoff"]) / (span * n_targets)).clamp(0.0, 1.0),
+    );
+    stage_busy.insert(
+        "drafter".to_string(),
+        (1.0 - diff(&["feature_q.wait"]) / (span * n_drafters)).clamp(0.0, 1.0),
+    );
+
+    let mut alone_rates = BTreeMap::new();
+    alone_rates.insert("loader".to_string(), alone.loader_tokens_per_s);
+    alone_rates.insert("target".to_string(), alone.target_tokens_per_s);
+    alone_rates.insert("drafter".to_string(), alone.drafter_tokens_per_s);
+    let (slowest, slowest_rate) = alone_rates
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(k, v)| (k.clone(), *v))
+        .unwrap_or_default();
+
+    let flops = 2.0 * target_params * tokens as f64
+        + 6.0 * drafter_params * positions
+        + 4.0 * hidden * vocab * positions;
+    let mut cuda: Vec<String> = cfg
+        .devices
+        .target_devices
+        .iter()
+        .chain(&cfg.devices.drafter_devices)
+        .filter(|d| d.starts_with("cuda") || (d.as_str() == "auto" && runtime.cuda_devices() > 0))
+        .map(|d| {
+            if d == "auto" || d == "cuda" {
+                "cuda:0".into()
+            } else {
+                d.clone()
+            }
+        })
+        .collect();
+    cuda.sort();
+    cuda.dedup();
+    let mfu =
+        (!cuda.is_empty()).then(|| flops / window_s / (PEAK_FLOPS_PER_GPU * cuda.len() as f64));
+
+    let stats = gpu_stats.lock().unwrap_or_else(|e| e.into_inner());
+    let gpu_util = stats
+        .iter()
+        .filter(|(_, s)| s.1 > 0)
+        .map(|(k, s)| (k.clone(), s.0 / s.1 as f64 / 100.0))
+        .collect();
+    let peak_mem_gb = stats.iter().map(|(k, s)| (k.clone(), s.2 / 1e9)).collect();
+
+    Ok(BenchReport {
+        profile: opts.profile.clone(),
+        config: path.display().to_string(),
+        target_devices: cfg.devices.target_devices.clone(),
+        drafter_devices: cfg.devices.drafter_devices.clone(),
+        warmup_steps: opts.warmup_steps,
+        steps: opts.steps,
+        window_s,
+        tokens_per_s,
+        samples_per_s: samples as f64 / window_s,
+        draft_positions_per_s: positions / window_s,
+        step_ms: window_s * 1e3 / window.len().max(1) as f64,
+        stage_busy,
+        gpu_util,
+        mfu,
+        pipeline_efficiency: tokens_per_s / slowest_rate.max(1e-9),
+        stage_alone_tokens_per_s: alone_rates,
+        slowest_stage: slowest,
+        peak_mem_gb,
+        target_params_used: target_params,
+        drafter_params,
+        model_flops_per_s: flops / window_s,
+        tokens,
+        samples,
+        draft_blocks: blocks,
+    })
+}

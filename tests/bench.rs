@@ -1,0 +1,146 @@
+//! `dflash-tui bench` on the cpu-tiny profile (the real pipeline on a random tiny target and
+//! the demo chat data): every field of the benchmarks spec, consistent with each other; and
+//! random-initialised targets of a shape.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use dflash_tui::model::TargetModel;
+use tch::{Device, Kind};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn bench(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .arg("bench")
+        .args(args)
+        .current_dir(root())
+        .env("DFLASH_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn cpu_tiny_bench_reports_every_field_consistently() {
+    common::require_demo(&common::demo_dir().join("sharegpt-smollm2"));
+    let out = bench(&[
+        "--profile",
+        "cpu-tiny",
+        "--warmup-steps",
+        "2",
+        "--steps",
+        "4",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for field in [
+        "tokens_per_s",
+        "samples_per_s",
+        "draft_positions_per_s",
+        "step_ms",
+        "stage_busy",
+        "gpu_util",
+        "mfu",
+        "pipeline_efficiency",
+        "peak_mem_gb",
+    ] {
+        assert!(r.get(field).is_some(), "missing {field}: {r}");
+    }
+    let f = |k: &str| r[k].as_f64().unwrap();
+    let window = f("window_s");
+    assert!(window > 0.0);
+    // rates are the window's counts over its duration
+    assert!(
+        (f("tokens_per_s") - r["tokens"].as_f64().unwrap() / window).abs()
+            < 1e-6 * f("tokens_per_s")
+    );
+    assert!(
+        (f("samples_per_s") - r["samples"].as_f64().unwrap() / window).abs()
+            < 1e-6 * f("samples_per_s").max(1.0)
+    );
+    // 16 positions per trained block; 4 sequences of 32 anchors at most per step
+    let blocks = r["draft_blocks"].as_f64().unwrap();
+    assert!(
+        (f("draft_positions_per_s") - blocks * 16.0 / window).abs()
+            < 1e-6 * f("draft_positions_per_s")
+    );
+    assert!(blocks > 0.0 && blocks <= 4.0 * 4.0 * 32.0, "{blocks}");
+    assert!((f("step_ms") - window * 1e3 / 4.0).abs() < 1e-6 * f("step_ms"));
+    // at most budget 1024 tokens per step
+    assert!(r["tokens"].as_u64().unwrap() <= 4 * 1024);
+    for stage in ["loader", "target", "drafter"] {
+        let busy = r["stage_busy"][stage].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&busy), "{stage}: {busy}");
+        assert!(r["stage_alone_tokens_per_s"][stage].as_f64().unwrap() > 0.0);
+    }
+    // efficiency against the slowest stage alone
+    let alone = r["stage_alone_tokens_per_s"].as_object().unwrap();
+    let slowest = alone
+        .values()
+        .map(|v| v.as_f64().unwrap())
+        .fold(f64::INFINITY, f64::min);
+    assert!((f("pipeline_efficiency") - f("tokens_per_s") / slowest).abs() < 1e-9);
+    assert_eq!(
+        alone[r["slowest_stage"].as_str().unwrap()]
+            .as_f64()
+            .unwrap(),
+        slowest
+    );
+    // on the CPU there is no peak FLOP rate and no NVML reading
+    assert!(r["mfu"].is_null());
+    assert!(f("model_flops_per_s") > 0.0);
+}
+
+#[test]
+fn bench_rejects_unknown_profiles_and_zero_steps() {
+    let out = bench(&["--profile", "nonesuch"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("configs/bench-nonesuch.toml"), "{err}");
+    assert!(err.contains("qwen3-8b-shape"), "{err}");
+    let out = bench(&["--profile", "cpu-tiny", "--steps", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--steps"));
+}
+
+#[test]
+fn random_targets_of_a_shape_are_seeded_and_run() {
+    let dir = root().join("configs/shapes/tiny-llama");
+    let a = TargetModel::random(&dir, Device::Cpu, Kind::Float, 7).unwrap();
+    let b = TargetModel::random(&dir, Device::Cpu, Kind::Float, 7).unwrap();
+    let c = TargetModel::random(&dir, Device::Cpu, Kind::Float, 8).unwrap();
+    assert_eq!(a.config.vocab_size, 49152);
+    let ids = tch::Tensor::from_slice(&[1i64, 500, 9000, 49151]).unsqueeze(0);
+    let (la, lb, lc) = (
+        a.forward(&ids, None),
+        b.forward(&ids, None),
+        c.forward(&ids, None),
+    );
+    assert!(la.isfinite().all().int64_value(&[]) == 1);
+    assert_eq!(
+        f64::try_from((&la - &lb).abs().max()).unwrap(),
+        0.0,
+        "same seed, same model"
+    );
+    assert!(
+        f64::try_from((&la - &lc).abs().max()).unwrap() > 0.0,
+        "another seed, another model"
+    );
+    // the shape files of the published models parse
+    for shape in ["qwen3-0.6b", "qwen3-8b"] {
+        let c = dflash_tui::model::TargetConfig::from_model_dir(
+            &root().join("configs/shapes").join(shape),
+        )
+        .unwrap();
+        assert_eq!(c.vocab_size, 151936);
+        assert!(151669 < c.vocab_size, "the bench mask token has a row");
+    }
+}
