@@ -220,6 +220,8 @@ struct EvalSetup {
     target: Arc<SharedTarget>,
     eos: Vec<u32>,
     best: Option<BestEval>,
+    /// Step of the latest evaluation.
+    last_step: Option<u64>,
 }
 
 /// Everything the stages need, prepared before any thread starts (so configuration and input
@@ -463,6 +465,7 @@ fn prepare(
             eos: eos_ids(&target_dir, &target.config),
             target,
             best: resume.and_then(read_best),
+            last_step: None,
         })
     } else {
         None
@@ -1297,10 +1300,24 @@ impl Coordinator {
                 self.checkpoint("periodic")?;
             }
         }
+        self.final_evaluation()?;
         self.checkpoint("final")?;
         self.shared.set_phase(Phase::Finished);
         self.shared
             .event("finished", format!("finished after {} steps", self.step));
+        Ok(())
+    }
+
+    /// At the end of a run, the last weights are evaluated too (unless this step already
+    /// was), so that `best/` never misses them.
+    fn final_evaluation(&mut self) -> Result<()> {
+        let evaluated = self
+            .eval
+            .as_ref()
+            .is_some_and(|e| e.last_step == Some(self.step));
+        if self.eval.is_some() && self.step > 0 && !evaluated {
+            self.evaluate()?;
+        }
         Ok(())
     }
 
@@ -1310,6 +1327,7 @@ impl Coordinator {
         let Some(setup) = self.eval.as_mut() else {
             return Ok(());
         };
+        setup.last_step = Some(self.step);
         let previous = self.shared.status().phase;
         self.shared.set_phase(Phase::Evaluating);
         let t = Instant::now();
@@ -1404,6 +1422,7 @@ impl Coordinator {
         match self.shared.stop_requested.load(Ordering::SeqCst) {
             1 => {
                 self.shared.set_phase(Phase::Stopping);
+                self.final_evaluation()?;
                 self.checkpoint("stop")?;
                 self.shared.set_phase(Phase::Finished);
                 self.shared.event(
