@@ -6,9 +6,13 @@ mod common;
 use std::collections::BTreeSet;
 
 use common::tiny_target_dir;
-use dflash_tui::model::drafter::tensor_names;
+use dflash_tui::model::drafter::{tensor_names, TrainAttention};
 use dflash_tui::model::{
     AnchorBatch, Drafter, DrafterConfig, DrafterShape, FrozenHead, KvCache, TargetModel,
+};
+use dflash_tui::train::loss::{
+    block_targets, loss_and_backward, loss_and_backward_deferred, sample_anchors, LossOptions,
+    LossSums,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -23,6 +27,10 @@ struct Fixture {
 }
 
 fn fixture() -> Fixture {
+    fixture_with(BLOCK)
+}
+
+fn fixture_with(block_size: i64) -> Fixture {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tiny_target_dir(&tmp.path().join("t"), "llama", false, None, 11);
     let target = TargetModel::load(&dir, Device::Cpu, Kind::Float).unwrap();
@@ -30,7 +38,7 @@ fn fixture() -> Fixture {
         &target.config,
         &DrafterShape {
             layers: 2,
-            block_size: BLOCK,
+            block_size,
             mask_token_id: MASK,
             target_layer_ids: None,
             num_taps: 2,
@@ -71,10 +79,23 @@ fn features(seed: i64) -> Tensor {
     Tensor::randn([1, S, 64], (Kind::Float, Device::Cpu))
 }
 
-fn run(f: &Fixture, tokens: &[i64], feats: &Tensor) -> Tensor {
-    let out = f
-        .drafter
-        .forward_train(&f.head, feats, &batch(tokens, &ANCHORS, &[true; 3]));
+/// Every formulation of the training attention: the dense reference, one block per chunk,
+/// two blocks per chunk (3 blocks: the last chunk is padded), the automatic size.
+const FORMULATIONS: [TrainAttention; 4] = [
+    TrainAttention::Dense,
+    TrainAttention::Chunked {
+        blocks_per_chunk: 1,
+    },
+    TrainAttention::Chunked {
+        blocks_per_chunk: 2,
+    },
+    TrainAttention::AUTO,
+];
+
+fn run(f: &Fixture, tokens: &[i64], feats: &Tensor, attn: TrainAttention) -> Tensor {
+    let out =
+        f.drafter
+            .forward_train_with(&f.head, feats, &batch(tokens, &ANCHORS, &[true; 3]), attn);
     f.drafter.logits(&f.head, &out)
 }
 
@@ -88,23 +109,25 @@ fn context_at_or_after_the_anchor_is_invisible_before_it_visible() {
     let f = fixture();
     let toks = tokens();
     let base_feats = features(1);
-    let base = run(&f, &toks, &base_feats);
-    for (j, &a) in ANCHORS.iter().enumerate() {
-        for p in 0..S {
-            let feats = base_feats.copy();
-            let _ = feats.narrow(1, p, 1).fill_(3.0);
-            let changed = run(&f, &toks, &feats);
-            let d = max_diff(&block(&changed, j as i64), &block(&base, j as i64));
-            if p >= a {
-                assert!(
-                    d < 1e-6,
-                    "block {j} (anchor {a}) saw context position {p}: {d}"
-                );
-            } else {
-                assert!(
-                    d > 1e-5,
-                    "block {j} (anchor {a}) ignored context position {p}"
-                );
+    for attn in FORMULATIONS {
+        let base = run(&f, &toks, &base_feats, attn);
+        for (j, &a) in ANCHORS.iter().enumerate() {
+            for p in 0..S {
+                let feats = base_feats.copy();
+                let _ = feats.narrow(1, p, 1).fill_(3.0);
+                let changed = run(&f, &toks, &feats, attn);
+                let d = max_diff(&block(&changed, j as i64), &block(&base, j as i64));
+                if p >= a {
+                    assert!(
+                        d < 1e-6,
+                        "{attn}: block {j} (anchor {a}) saw context position {p}: {d}"
+                    );
+                } else {
+                    assert!(
+                        d > 1e-5,
+                        "{attn}: block {j} (anchor {a}) ignored context position {p}"
+                    );
+                }
             }
         }
     }
@@ -114,18 +137,20 @@ fn context_at_or_after_the_anchor_is_invisible_before_it_visible() {
 fn other_blocks_are_invisible_even_when_overlapping() {
     let f = fixture();
     let feats = features(2);
-    let base = run(&f, &tokens(), &feats);
-    for (k, &a) in ANCHORS.iter().enumerate() {
-        // The only token of block k is its anchor token x[a_k].
-        let mut toks = tokens();
-        toks[a as usize] = (toks[a as usize] + 17) % 40;
-        let changed = run(&f, &toks, &feats);
-        for j in 0..ANCHORS.len() {
-            let d = max_diff(&block(&changed, j as i64), &block(&base, j as i64));
-            if j == k {
-                assert!(d > 1e-5, "block {j} ignored its own anchor token");
-            } else {
-                assert!(d < 1e-6, "block {j} saw block {k}'s token: {d}");
+    for attn in FORMULATIONS {
+        let base = run(&f, &tokens(), &feats, attn);
+        for (k, &a) in ANCHORS.iter().enumerate() {
+            // The only token of block k is its anchor token x[a_k].
+            let mut toks = tokens();
+            toks[a as usize] = (toks[a as usize] + 17) % 40;
+            let changed = run(&f, &toks, &feats, attn);
+            for j in 0..ANCHORS.len() {
+                let d = max_diff(&block(&changed, j as i64), &block(&base, j as i64));
+                if j == k {
+                    assert!(d > 1e-5, "{attn}: block {j} ignored its own anchor token");
+                } else {
+                    assert!(d < 1e-6, "{attn}: block {j} saw block {k}'s token: {d}");
+                }
             }
         }
     }
@@ -136,16 +161,23 @@ fn every_slot_of_a_block_sees_the_whole_block() {
     // Bidirectional inside the block: the anchor token changes every slot's output.
     let f = fixture();
     let feats = features(3);
-    let base = run(&f, &tokens(), &feats);
-    let mut toks = tokens();
-    toks[2] = (toks[2] + 9) % 40;
-    let changed = run(&f, &toks, &feats);
-    for slot in 0..BLOCK {
-        let d = max_diff(
-            &block(&changed, 0).select(0, slot),
-            &block(&base, 0).select(0, slot),
-        );
-        assert!(d > 1e-5, "slot {slot} does not see the anchor token");
+    for attn in FORMULATIONS {
+        let base = run(&f, &tokens(), &feats, attn);
+        for (j, &a) in ANCHORS.iter().enumerate() {
+            let mut toks = tokens();
+            toks[a as usize] = (toks[a as usize] + 9) % 40;
+            let changed = run(&f, &toks, &feats, attn);
+            for slot in 0..BLOCK {
+                let d = max_diff(
+                    &block(&changed, j as i64).select(0, slot),
+                    &block(&base, j as i64).select(0, slot),
+                );
+                assert!(
+                    d > 1e-5,
+                    "{attn}: slot {slot} of block {j} does not see the anchor token"
+                );
+            }
+        }
     }
 }
 
@@ -153,20 +185,29 @@ fn every_slot_of_a_block_sees_the_whole_block() {
 fn padding_blocks_and_anchor_zero_give_no_nan() {
     let f = fixture();
     let feats = features(4);
-    let out = f.drafter.forward_train(
-        &f.head,
-        &feats,
-        &batch(&tokens(), &[0, 5, 0, 0], &[true, true, false, false]),
-    );
-    let logits = f.drafter.logits(&f.head, &out);
-    assert_eq!(logits.size(), vec![1, 4, BLOCK, 50]);
-    assert!(bool::try_from(logits.isfinite().all()).unwrap());
-    // and gradients through them stay finite
-    let loss = logits.sum(Kind::Float);
-    loss.backward();
-    for (name, p) in f.drafter.named_parameters() {
-        let g = p.grad();
-        assert!(bool::try_from(g.isfinite().all()).unwrap(), "{name}");
+    for attn in FORMULATIONS.into_iter().chain([TrainAttention::Chunked {
+        blocks_per_chunk: 3,
+    }]) {
+        zero_grads(&f.drafter);
+        let out = f.drafter.forward_train_with(
+            &f.head,
+            &feats,
+            &batch(&tokens(), &[0, 5, 0, 0], &[true, true, false, false]),
+            attn,
+        );
+        let logits = f.drafter.logits(&f.head, &out);
+        assert_eq!(logits.size(), vec![1, 4, BLOCK, 50]);
+        assert!(bool::try_from(logits.isfinite().all()).unwrap(), "{attn}");
+        // and gradients through them stay finite
+        let loss = logits.sum(Kind::Float);
+        loss.backward();
+        for (name, p) in f.drafter.named_parameters() {
+            let g = p.grad();
+            assert!(
+                bool::try_from(g.isfinite().all()).unwrap(),
+                "{attn}: {name}"
+            );
+        }
     }
 }
 
@@ -175,7 +216,9 @@ fn inference_forward_matches_the_training_forward() {
     let f = fixture();
     let toks = tokens();
     let feats = features(5);
-    let train = run(&f, &toks, &feats);
+    let train = run(&f, &toks, &feats, f.drafter.train_attention());
+    let dense = run(&f, &toks, &feats, TrainAttention::Dense);
+    assert!(max_diff(&train, &dense) < 1e-5);
     for (j, &a) in ANCHORS.iter().enumerate() {
         let mut cache = KvCache::new();
         // context features in two pieces, as accepted tokens arrive during decoding
@@ -359,4 +402,335 @@ fn the_same_seed_gives_the_same_drafter() {
             assert!(max_diff(a, c) > 0.0, "{name}");
         }
     }
+}
+
+fn zero_grads(d: &Drafter) {
+    for (_, p) in d.named_parameters() {
+        let mut g = p.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
+}
+
+/// Copies of every parameter's gradient, by name (zeros where none was computed).
+fn grads(d: &Drafter) -> Vec<(String, Tensor)> {
+    d.named_parameters()
+        .into_iter()
+        .map(|(name, p)| {
+            let g = p.grad();
+            let g = if g.defined() {
+                g.copy()
+            } else {
+                p.zeros_like()
+            };
+            (name, g)
+        })
+        .collect()
+}
+
+/// max |a - b| relative to the size of a (with a floor, for gradients near zero).
+fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let scale = a.abs().max().double_value(&[]).max(1e-3);
+    max_diff(a, b) / scale
+}
+
+/// Random batch: `lengths` per row (padded to the longest), loss on every position, up to
+/// `num_anchors` anchors per row drawn as the trainer draws them (sorted; rows with fewer
+/// candidates padded with invalid blocks at anchor 0). Optionally forces anchor 0 into row 0.
+fn random_batch(
+    lengths: &[usize],
+    block: usize,
+    num_anchors: usize,
+    seed: u64,
+    anchor_zero: bool,
+) -> (
+    AnchorBatch,
+    Vec<i64>,
+    Vec<i64>,
+    dflash_tui::train::loss::AnchorPlan,
+) {
+    let stride = *lengths.iter().max().unwrap();
+    let mut ids = vec![0i64; lengths.len() * stride];
+    let mut mask = vec![0i64; lengths.len() * stride];
+    for (r, &len) in lengths.iter().enumerate() {
+        for p in 0..len {
+            ids[r * stride + p] = ((p * 7 + r * 13 + seed as usize) % 45) as i64;
+            mask[r * stride + p] = 1;
+        }
+    }
+    let mut plan = sample_anchors(&mask, lengths, stride, block, num_anchors, seed);
+    if anchor_zero {
+        plan.anchors[0] = 0;
+        plan.valid[0] = true;
+    }
+    let rows = lengths.len() as i64;
+    let n = plan.per_row as i64;
+    let batch = AnchorBatch {
+        input_ids: Tensor::from_slice(&ids).view([rows, stride as i64]),
+        anchors: Tensor::from_slice(&plan.anchors).view([rows, n]),
+        valid: Tensor::from_slice(&plan.valid).view([rows, n]),
+    };
+    (batch, ids, mask, plan)
+}
+
+fn random_features(rows: i64, s: i64, seed: i64) -> Tensor {
+    tch::manual_seed(seed);
+    Tensor::randn([rows, s, 64], (Kind::Float, Device::Cpu))
+}
+
+/// Logits and every parameter's gradient of a fixed random functional of the logits.
+fn logits_and_grads(
+    f: &Fixture,
+    feats: &Tensor,
+    b: &AnchorBatch,
+    attn: TrainAttention,
+    probe: &Tensor,
+) -> (Tensor, Vec<(String, Tensor)>) {
+    zero_grads(&f.drafter);
+    let logits = f.drafter.logits(
+        &f.head,
+        &f.drafter.forward_train_with(&f.head, feats, b, attn),
+    );
+    (&logits * probe).sum(Kind::Float).backward();
+    (logits.detach(), grads(&f.drafter))
+}
+
+fn assert_same(
+    what: &str,
+    (la, ga): &(Tensor, Vec<(String, Tensor)>),
+    (lb, gb): &(Tensor, Vec<(String, Tensor)>),
+) {
+    assert_eq!(la.size(), lb.size(), "{what}");
+    let d = rel_diff(la, lb);
+    assert!(d < 1e-5, "{what}: logits differ by {d} (relative)");
+    for ((name, a), (_, b)) in ga.iter().zip(gb) {
+        let d = rel_diff(a, b);
+        assert!(
+            d < 1e-4,
+            "{what}: gradient of {name} differs by {d} (relative)"
+        );
+        assert!(
+            bool::try_from(b.isfinite().all()).unwrap(),
+            "{what}: {name}"
+        );
+    }
+}
+
+/// (block size, row lengths, anchors per row, chunk sizes to try, anchor 0 forced)
+type Case<'a> = (i64, &'a [usize], usize, &'a [usize], bool);
+
+#[test]
+fn chunked_attention_matches_dense_logits_and_gradients() {
+    let cases: &[Case] = &[
+        // one row, overlapping blocks, N = 9 not divisible by 2 or 4
+        (4, &[14], 9, &[1, 2, 4, 9, 0], true),
+        // two rows, the second with 5 candidates: 2 padding blocks; N = 7, C = 3 pads 2 slots
+        (3, &[23, 7], 7, &[3, 5, 0], false),
+        // block 5, longer context, N = 12 with C = 5 -> 3 chunks of 4
+        (5, &[31, 31], 12, &[5, 12, 0], true),
+        // block 2 (the smallest), N = 16
+        (2, &[20, 17, 6], 16, &[3, 16, 0], true),
+        // C larger than N: one chunk
+        (4, &[10], 3, &[8], true),
+    ];
+    for (i, &(block, lengths, num_anchors, sizes, zero)) in cases.iter().enumerate() {
+        let f = fixture_with(block);
+        let (b, _, _, plan) =
+            random_batch(lengths, block as usize, num_anchors, 100 + i as u64, zero);
+        let rows = lengths.len() as i64;
+        let s = *lengths.iter().max().unwrap() as i64;
+        let feats = random_features(rows, s, 7 + i as i64);
+        let n = plan.per_row as i64;
+        tch::manual_seed(50 + i as i64);
+        let probe = Tensor::randn([rows, n, block, 50], (Kind::Float, Device::Cpu));
+        let dense = logits_and_grads(&f, &feats, &b, TrainAttention::Dense, &probe);
+        for &c in sizes {
+            let attn = TrainAttention::Chunked {
+                blocks_per_chunk: c,
+            };
+            let chunked = logits_and_grads(&f, &feats, &b, attn, &probe);
+            assert_same(
+                &format!("case {i} (block {block}, S {s}, N {n}), {attn}"),
+                &dense,
+                &chunked,
+            );
+        }
+    }
+}
+
+#[test]
+fn loss_and_gradients_are_the_same_with_both_formulations() {
+    let block = 4usize;
+    let lengths = [26usize, 15];
+    let f = fixture_with(block as i64);
+    let (b, ids, mask, plan) = random_batch(&lengths, block, 10, 9, true);
+    let stride = 26;
+    let targets = block_targets(&ids, &mask, &lengths, stride, &plan, block, 7.0);
+    let feats = random_features(2, stride as i64, 21);
+    tch::manual_seed(22);
+    let teacher = Tensor::randn([2, stride as i64, 32], (Kind::Float, Device::Cpu));
+    let plain = LossOptions {
+        kl_weight: 0.0,
+        kl_temperature: 1.0,
+        streak_alpha: 0.0,
+        chunk_rows: 7,
+    };
+    let soft_streak = LossOptions {
+        kl_weight: 0.4,
+        kl_temperature: 2.0,
+        streak_alpha: 0.3,
+        chunk_rows: 5,
+    };
+    for (opts, teacher) in [(&plain, None), (&soft_streak, Some(&teacher))] {
+        let mut results: Vec<(LossSums, Vec<(String, Tensor)>)> = Vec::new();
+        for attn in [
+            TrainAttention::Dense,
+            TrainAttention::AUTO,
+            TrainAttention::Chunked {
+                blocks_per_chunk: 3,
+            },
+        ] {
+            zero_grads(&f.drafter);
+            let hidden = f.drafter.forward_train_with(&f.head, &feats, &b, attn);
+            let (sums, pending) = loss_and_backward(
+                &hidden,
+                &f.head.lm_head,
+                &targets,
+                &plan.valid,
+                teacher,
+                opts,
+                0.5,
+            );
+            pending.expect("a backward pass").run();
+            assert!(sums.weight > 0.0 && sums.blocks > 0.0);
+            assert!(sums.loss().is_finite(), "{attn}");
+            results.push((sums, grads(&f.drafter)));
+        }
+        let (ref_sums, ref_grads) = &results[0];
+        for (sums, g) in &results[1..] {
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * (1.0 + a.abs());
+            assert!(
+                close(ref_sums.weighted_loss, sums.weighted_loss),
+                "{ref_sums:?} vs {sums:?}"
+            );
+            assert!(close(ref_sums.weight, sums.weight));
+            assert!(close(ref_sums.weighted_correct, sums.weighted_correct));
+            assert!(close(ref_sums.accepted, sums.accepted));
+            assert_eq!(ref_sums.blocks, sums.blocks);
+            for ((name, a), (_, b)) in ref_grads.iter().zip(g) {
+                let d = rel_diff(a, b);
+                assert!(d < 1e-4, "gradient of {name} differs by {d} (relative)");
+            }
+        }
+    }
+}
+
+#[test]
+fn deferred_loss_gives_the_same_sums_and_gradients() {
+    let block = 4usize;
+    let lengths = [20usize, 11];
+    let f = fixture_with(block as i64);
+    let (b, ids, mask, plan) = random_batch(&lengths, block, 6, 3, false);
+    let targets = block_targets(&ids, &mask, &lengths, 20, &plan, block, 7.0);
+    let feats = random_features(2, 20, 31);
+    let opts = LossOptions {
+        kl_weight: 0.0,
+        kl_temperature: 1.0,
+        streak_alpha: 0.2,
+        chunk_rows: 6,
+    };
+    let run_once = |deferred: bool| {
+        zero_grads(&f.drafter);
+        let hidden = f.drafter.forward_train(&f.head, &feats, &b);
+        let args = (
+            &hidden,
+            &f.head.lm_head,
+            &targets,
+            &plan.valid[..],
+            None,
+            &opts,
+            1.0,
+        );
+        let (sums, pending) = if deferred {
+            let (t, p) =
+                loss_and_backward_deferred(args.0, args.1, args.2, args.3, args.4, args.5, args.6);
+            // sums add up on the device
+            let mut total = dflash_tui::train::loss::LossTensors::zeros(Device::Cpu);
+            total.add(&t);
+            total.add(&t);
+            let two = total.to_host();
+            let one = t.to_host();
+            assert!((two.weight - 2.0 * one.weight).abs() < 1e-9);
+            (one, p)
+        } else {
+            loss_and_backward(args.0, args.1, args.2, args.3, args.4, args.5, args.6)
+        };
+        pending.unwrap().run();
+        (sums, grads(&f.drafter))
+    };
+    let (a, ga) = run_once(false);
+    let (b2, gb) = run_once(true);
+    assert_eq!(a, b2);
+    for ((name, x), (_, y)) in ga.iter().zip(&gb) {
+        assert_eq!(max_diff(x, y), 0.0, "{name}");
+    }
+    // no valid block: zero sums, nothing to run
+    let none = vec![false; plan.valid.len()];
+    let hidden = f.drafter.forward_train(&f.head, &feats, &b);
+    let (sums, pending) =
+        loss_and_backward_deferred(&hidden, &f.head.lm_head, &targets, &none, None, &opts, 1.0);
+    assert_eq!(sums.to_host(), LossSums::default());
+    assert!(pending.is_none());
+}
+
+#[test]
+fn train_attention_text_form_and_chunk_size() {
+    for (text, want) in [
+        ("dense", TrainAttention::Dense),
+        ("chunked", TrainAttention::AUTO),
+        (
+            " Chunked:16 ",
+            TrainAttention::Chunked {
+                blocks_per_chunk: 16,
+            },
+        ),
+    ] {
+        assert_eq!(text.parse::<TrainAttention>().unwrap(), want);
+        assert_eq!(want.to_string().parse::<TrainAttention>().unwrap(), want);
+    }
+    for bad in ["", "sparse", "chunked:", "chunked:-1", "chunked:x"] {
+        assert!(bad.parse::<TrainAttention>().is_err(), "{bad}");
+    }
+    assert_eq!(TrainAttention::default(), TrainAttention::AUTO);
+    let json = serde_json::to_string(&TrainAttention::Chunked {
+        blocks_per_chunk: 8,
+    })
+    .unwrap();
+    assert_eq!(json, "\"chunked:8\"");
+    assert_eq!(
+        serde_json::from_str::<TrainAttention>("\"dense\"").unwrap(),
+        TrainAttention::Dense
+    );
+    // automatic size: power of two near sqrt(80 * kv/heads * S) / B, GQA 32/8, B = 16
+    let auto = |n, s| TrainAttention::AUTO.blocks_per_chunk(n, 16, s, 32, 8);
+    assert_eq!(auto(512, 1024), Some(8));
+    assert_eq!(auto(512, 3072), Some(16));
+    assert_eq!(auto(512, 8192), Some(32));
+    assert_eq!(auto(5, 3072), Some(5), "never more than N");
+    // balanced chunks: 20 blocks at most 16 a chunk -> 2 chunks of 10
+    let c16 = TrainAttention::Chunked {
+        blocks_per_chunk: 16,
+    };
+    assert_eq!(c16.blocks_per_chunk(20, 16, 3072, 32, 8), Some(10));
+    assert_eq!(c16.blocks_per_chunk(512, 16, 3072, 32, 8), Some(16));
+    assert_eq!(
+        TrainAttention::Dense.blocks_per_chunk(512, 16, 3072, 32, 8),
+        None
+    );
+    // the drafter's own choice
+    let mut f = fixture();
+    assert_eq!(f.drafter.train_attention(), TrainAttention::AUTO);
+    f.drafter.set_train_attention(TrainAttention::Dense);
+    assert_eq!(f.drafter.train_attention(), TrainAttention::Dense);
 }

@@ -206,6 +206,11 @@ pub struct TrainSection {
     pub kl_temperature: f64,
     /// Weight of the accepted-streak term, in [0, 1]. Default 0.
     pub streak_alpha: f64,
+    /// Formulation of the training attention, both exact: "chunked" (blocks in chunks of C, each
+    /// chunk over the context and its own blocks; C chosen from the sizes), "chunked:C", or
+    /// "dense" (every block against all block keys, the straightforward reference). Default
+    /// "chunked".
+    pub attention: crate::model::drafter::TrainAttention,
 }
 
 impl Default for TrainSection {
@@ -226,6 +231,7 @@ impl Default for TrainSection {
             loss_decay_gamma: 0.0,
             kl_weight: 0.0,
             kl_temperature: 1.0,
+            attention: crate::model::drafter::TrainAttention::AUTO,
             streak_alpha: 0.0,
         }
     }

@@ -3,13 +3,17 @@
 //! every layer, the target's frozen embedding and LM head, its own final norm.
 
 use std::collections::BTreeSet;
+use std::fmt;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::drafter_config::DrafterConfig;
-use super::layers::{attention, rms_norm, AttentionWeights, Mlp, Rope};
+use super::layers::{
+    attention, attention_with_bias, rms_norm, upload, AttentionWeights, Mlp, Rope,
+};
 use super::target::{KvCache, TargetModel};
 use super::weights::WeightFiles;
 use crate::fsutil::StagedDir;
@@ -49,6 +53,7 @@ pub struct Drafter {
     hidden_norm: Tensor,
     norm: Tensor,
     rope: Rope,
+    train_attention: TrainAttention,
 }
 
 impl std::fmt::Debug for Drafter {
@@ -58,6 +63,7 @@ impl std::fmt::Debug for Drafter {
             .field("block_size", &self.config.block_size)
             .field("device", &self.device)
             .field("kind", &self.kind)
+            .field("train_attention", &self.train_attention)
             .finish()
     }
 }
@@ -72,6 +78,153 @@ pub struct AnchorBatch {
     pub anchors: Tensor,
     /// [B, N] bool: false for padding blocks (zero loss weight).
     pub valid: Tensor,
+}
+
+/// How [`Drafter::forward_train`] computes the attention of its N anchor blocks (spec §2.4).
+/// Both formulations are exact; they differ in cost only.
+///
+/// - `Dense`: one fused attention call per layer over all N*B block queries of a sequence
+///   against [context (S); all N*B block keys] with one boolean mask. Only B of the N*B block
+///   keys are visible to a query, so for large N the block-block part (N*B x N*B) dominates
+///   the cost. Kept as the reference.
+/// - `Chunked`: the N (sorted) blocks of a sequence are cut into chunks of consecutive blocks;
+///   each chunk's queries attend over [context (S); the chunk's own block keys] only, every
+///   chunk of the batch in one fused call (chunks along the batch axis). Cost per query:
+///   S + C*B keys instead of S + N*B. The context keys and values are copied once per chunk
+///   (N/C copies). `blocks_per_chunk` is an upper bound on C (the chunks are balanced so that
+///   the last one is not mostly padding); 0 chooses it from S (see
+///   [`TrainAttention::blocks_per_chunk`]).
+///
+/// Text form (for configs): `dense`, `chunked` (automatic chunk size), `chunked:C`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum TrainAttention {
+    Dense,
+    Chunked { blocks_per_chunk: usize },
+}
+
+impl Default for TrainAttention {
+    fn default() -> Self {
+        TrainAttention::AUTO
+    }
+}
+
+impl TrainAttention {
+    /// The automatic chunk size with the default `Chunked { blocks_per_chunk: 0 }`.
+    pub const AUTO: TrainAttention = TrainAttention::Chunked {
+        blocks_per_chunk: 0,
+    };
+
+    /// The number of blocks per chunk actually used for `n` blocks of `block` tokens per
+    /// sequence, against `context` positions, with `heads` query heads and `kv_heads` key/value
+    /// heads; `None` for `Dense`.
+    ///
+    /// Automatic choice: per query, the fused kernel's work grows with the keys it reads,
+    /// S + C*B (matrix FLOPs and the mask reads, both per query head), while copying the
+    /// context keys and values once per chunk costs about S * kv_heads * head_dim / (C*B) per
+    /// query (memory traffic, forward and backward). The sum is smallest at
+    /// C*B = sqrt(r * S) with r = 80 * kv_heads / heads (H100/H200-class ratio of bf16 FLOP/s
+    /// to memory bandwidth, head_dim 128); the optimum is flat, so C is rounded to a power of
+    /// two. Examples (GQA 32/8 heads, B = 16): S = 1024 -> 8, S = 3072 -> 16, S = 8192 -> 32.
+    /// Then the chunks are balanced: with K = ceil(n / C) chunks, C = ceil(n / K).
+    pub fn blocks_per_chunk(
+        &self,
+        n: i64,
+        block: i64,
+        context: i64,
+        heads: i64,
+        kv_heads: i64,
+    ) -> Option<i64> {
+        let TrainAttention::Chunked { blocks_per_chunk } = *self else {
+            return None;
+        };
+        let n = n.max(1);
+        let c = if blocks_per_chunk > 0 {
+            blocks_per_chunk as i64
+        } else {
+            let r = 80.0 * kv_heads.max(1) as f64 / heads.max(1) as f64;
+            let rows = (r * context.max(1) as f64).sqrt();
+            let c = (rows / block.max(1) as f64).max(1.0);
+            1i64 << (c.log2().round() as i64).clamp(0, 20)
+        };
+        let c = c.clamp(1, n);
+        let chunks = (n + c - 1) / c;
+        Some((n + chunks - 1) / chunks)
+    }
+}
+
+impl fmt::Display for TrainAttention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TrainAttention::Dense => write!(f, "dense"),
+            TrainAttention::Chunked {
+                blocks_per_chunk: 0,
+            } => write!(f, "chunked"),
+            TrainAttention::Chunked { blocks_per_chunk } => write!(f, "chunked:{blocks_per_chunk}"),
+        }
+    }
+}
+
+impl FromStr for TrainAttention {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "dense" => Ok(TrainAttention::Dense),
+            "chunked" | "chunked:auto" | "chunked:0" => Ok(TrainAttention::AUTO),
+            _ => {
+                let c = t
+                    .strip_prefix("chunked:")
+                    .and_then(|c| c.trim().parse::<usize>().ok())
+                    .filter(|&c| (1..=1 << 20).contains(&c));
+                match c {
+                    Some(blocks_per_chunk) => Ok(TrainAttention::Chunked { blocks_per_chunk }),
+                    None => bail!(
+                        "attention {s:?}: expected \"dense\", \"chunked\" (automatic chunk size) or \"chunked:C\" with C blocks per chunk, 1 <= C <= 1048576"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+impl TryFrom<String> for TrainAttention {
+    type Error = anyhow::Error;
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<TrainAttention> for String {
+    fn from(a: TrainAttention) -> String {
+        a.to_string()
+    }
+}
+
+/// The attention of one layer's block queries.
+#[derive(Clone, Copy)]
+enum BlockAttention<'a> {
+    /// Against [context; all blocks], with an optional boolean mask [B, 1, Q, S + Q].
+    Full(Option<&'a Tensor>),
+    /// Per chunk of blocks (see [`TrainAttention`]).
+    Chunked(&'a ChunkPlan),
+}
+
+/// The layout shared by every layer of one chunked training forward.
+struct ChunkPlan {
+    /// Chunks per sequence (K).
+    chunks: i64,
+    /// Query rows per chunk (C * block).
+    rows: i64,
+    /// Additive mask [batch * K, 1, rows, S + rows] of the compute kind: 0 where visible,
+    /// -inf elsewhere (what the fused kernels turn a boolean mask into); its rows are
+    /// padded in memory to a multiple of 16 elements so that the memory-efficient kernel
+    /// takes it without a copy. Built once, shared by every layer (and saved once for the
+    /// backward pass instead of once per layer).
+    bias: Tensor,
+    /// Whether grouped-query heads must be expanded for a fused kernel to take the call.
+    expand_kv: std::cell::Cell<Option<bool>>,
 }
 
 /// The public tensor names of a drafter with `layers` layers (spec §6), in a fixed order.
@@ -174,6 +327,7 @@ impl Drafter {
             hidden_norm,
             norm,
             rope,
+            train_attention: TrainAttention::default(),
         })
     }
 
@@ -350,7 +504,7 @@ impl Drafter {
         h: &Tensor,
         ctx_kv: (&Tensor, &Tensor),
         block_rope: (&Tensor, &Tensor),
-        mask: Option<&Tensor>,
+        attn: BlockAttention<'_>,
     ) -> Tensor {
         let c = &self.config;
         let (heads, kv_heads, d, eps) = (
@@ -365,10 +519,18 @@ impl Drafter {
         let q = Rope::apply(&layer.attn.queries(&x, heads, d, eps), cos, sin);
         let k_block = Rope::apply(&layer.attn.keys(&x, kv_heads, d, eps), cos, sin);
         let v_block = layer.attn.values(&x, kv_heads, d);
-        let k = Tensor::cat(&[ctx_kv.0, &k_block], 2);
-        let v = Tensor::cat(&[ctx_kv.1, &v_block], 2);
-        let a = attention(&q, &k, &v, mask, false);
-        let h = h + layer.attn.output(&a);
+        let a = match attn {
+            BlockAttention::Full(mask) => {
+                let k = Tensor::cat(&[ctx_kv.0, &k_block], 2);
+                let v = Tensor::cat(&[ctx_kv.1, &v_block], 2);
+                layer.attn.output(&attention(&q, &k, &v, mask, false))
+            }
+            BlockAttention::Chunked(plan) => {
+                let rows = chunked_attention(&q, ctx_kv, (&k_block, &v_block), plan);
+                rows.linear::<&Tensor>(&layer.attn.o_proj, None)
+            }
+        };
+        let h = h + a;
         let m = layer.mlp.forward(&rms_norm(&h, &layer.post_norm, eps));
         h + m
     }
@@ -391,32 +553,59 @@ impl Drafter {
         )
     }
 
+    /// The formulation [`Drafter::forward_train`] uses (default: chunked, automatic size).
+    pub fn train_attention(&self) -> TrainAttention {
+        self.train_attention
+    }
+
+    /// Chooses the formulation of the training attention; both are exact.
+    pub fn set_train_attention(&mut self, attention: TrainAttention) {
+        self.train_attention = attention;
+    }
+
+    /// [`Drafter::set_train_attention`], by value.
+    pub fn with_train_attention(mut self, attention: TrainAttention) -> Self {
+        self.train_attention = attention;
+        self
+    }
+
     /// Training forward over N anchor blocks per sequence (spec §2). `features` [B, S, K*H] are
     /// the tapped target features. Returns the final-normed hidden states [B, N, block, H].
     ///
     /// Visibility: a query in block j sees context positions p < a_j and all positions of its
     /// own block, nothing of any other block. A padding block still sees its own block, so no
     /// row of the attention is empty (no NaN).
+    ///
+    /// The attention runs as [`Drafter::train_attention`] says. The host never waits for the
+    /// device here: host tensors of `batch` go up through pinned memory without blocking.
     pub fn forward_train(
         &self,
         head: &FrozenHead,
         features: &Tensor,
         batch: &AnchorBatch,
     ) -> Tensor {
-        let bs = self.config.block_size;
+        self.forward_train_with(head, features, batch, self.train_attention)
+    }
+
+    /// [`Drafter::forward_train`] with an explicit formulation of the attention.
+    pub fn forward_train_with(
+        &self,
+        head: &FrozenHead,
+        features: &Tensor,
+        batch: &AnchorBatch,
+        attention: TrainAttention,
+    ) -> Tensor {
+        let c = &self.config;
+        let bs = c.block_size;
         let dev = self.device;
         let (b, s) = batch.input_ids.size2().unwrap_or((0, 0));
         let n = batch.anchors.size()[1];
-        let ids = batch.input_ids.to_device(dev);
-        let anchors = batch.anchors.to_device(dev).to_kind(Kind::Int64);
+        let ids = upload(&batch.input_ids, dev).to_kind(Kind::Int64);
+        let anchors = upload(&batch.anchors, dev).to_kind(Kind::Int64);
 
         // Block inputs: [x[a_j], MASK, ..., MASK]
         let first = ids.gather(1, &anchors, false).unsqueeze(-1); // [B, N, 1]
-        let masks = Tensor::full(
-            [b, n, bs - 1],
-            self.config.mask_token_id(),
-            (Kind::Int64, dev),
-        );
+        let masks = Tensor::full([b, n, bs - 1], c.mask_token_id(), (Kind::Int64, dev));
         let block_ids = Tensor::cat(&[first, masks], -1).view([b, n * bs]);
         let mut h =
             Tensor::embedding(&head.embed_tokens, &block_ids, -1, false, false).to_kind(self.kind);
@@ -432,28 +621,73 @@ impl Drafter {
         let (c_cos, c_sin) = self.rope.cos_sin(&ctx_pos, self.kind);
         let (c_cos, c_sin) = (c_cos.unsqueeze(1), c_sin.unsqueeze(1));
 
-        // Mask [B, 1, N*bs, S + N*bs]
-        let query_anchor = anchors
-            .unsqueeze(-1)
-            .expand([b, n, bs], false)
-            .reshape([b, n * bs]);
-        let sees_ctx = Tensor::arange(s, (Kind::Int64, dev))
-            .view([1, 1, s])
-            .lt_tensor(&query_anchor.unsqueeze(-1)); // [B, N*bs, S]
-        let block_of = Tensor::arange(n * bs, (Kind::Int64, dev)).divide_scalar_mode(bs, "floor");
-        let sees_block = block_of
-            .unsqueeze(1)
-            .eq_tensor(&block_of.unsqueeze(0))
-            .unsqueeze(0)
-            .expand([b, n * bs, n * bs], false);
-        let mask = Tensor::cat(&[sees_ctx, sees_block], -1).unsqueeze(1);
+        let per_chunk =
+            attention.blocks_per_chunk(n, bs, s, c.num_attention_heads, c.num_key_value_heads);
+        let dense_mask;
+        let plan;
+        let attn = match per_chunk {
+            Some(cpc) if n > 0 => {
+                plan = self.chunk_plan(&anchors, s, cpc);
+                BlockAttention::Chunked(&plan)
+            }
+            _ => {
+                dense_mask = dense_block_mask(&anchors, s, bs);
+                BlockAttention::Full(Some(&dense_mask))
+            }
+        };
 
         let ctx = self.fuse_context(features);
         for layer in &self.layers {
             let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin);
-            h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), Some(&mask));
+            h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn);
         }
         rms_norm(&h, &self.norm, self.config.rms_norm_eps).view([b, n, bs, -1])
+    }
+
+    /// The chunk layout and the additive mask of a chunked training forward: `anchors` [B, N]
+    /// on the device, `s` context positions, at most `per_chunk` blocks per chunk (balanced).
+    fn chunk_plan(&self, anchors: &Tensor, s: i64, per_chunk: i64) -> ChunkPlan {
+        let bs = self.config.block_size;
+        let dev = self.device;
+        let (b, n) = anchors.size2().unwrap_or((0, 0));
+        let cpc = per_chunk.clamp(1, n.max(1));
+        let chunks = (n + cpc - 1) / cpc;
+        let pad = chunks * cpc - n;
+        let rows = cpc * bs;
+        // Slots added to fill the last chunk get anchor 0: they see no context, only their own
+        // (all-zero) block, so their rows stay finite; their outputs are dropped.
+        let anchors = if pad > 0 {
+            anchors.constant_pad_nd([0, pad])
+        } else {
+            anchors.shallow_clone()
+        };
+        let query_anchor = anchors
+            .reshape([b * chunks, cpc, 1])
+            .expand([b * chunks, cpc, bs], false)
+            .reshape([b * chunks, rows]);
+        let sees_ctx = Tensor::arange(s, (Kind::Int64, dev))
+            .view([1, 1, s])
+            .lt_tensor(&query_anchor.unsqueeze(-1)); // [B*K, rows, S]
+        let block_of = Tensor::arange(rows, (Kind::Int64, dev)).divide_scalar_mode(bs, "floor");
+        let sees_block = block_of
+            .unsqueeze(1)
+            .eq_tensor(&block_of.unsqueeze(0))
+            .unsqueeze(0)
+            .expand([b * chunks, rows, rows], false);
+        let hidden = Tensor::cat(&[sees_ctx, sees_block], -1)
+            .logical_not()
+            .unsqueeze(1); // [B*K, 1, rows, S + rows]
+        let keys = s + rows;
+        let padded = (keys + 15) / 16 * 16;
+        let mut bias =
+            Tensor::zeros([b * chunks, 1, rows, padded], (self.kind, dev)).narrow(3, 0, keys);
+        let _ = bias.masked_fill_(&hidden, f64::NEG_INFINITY);
+        ChunkPlan {
+            chunks,
+            rows,
+            bias,
+            expand_kv: std::cell::Cell::new(None),
+        }
     }
 
     /// Inference forward for speculative decoding (spec §5): appends the features of newly
@@ -500,7 +734,13 @@ impl Drafter {
                         (empty.shallow_clone(), empty)
                     }),
                 };
-                h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), None);
+                h = self.layer_forward(
+                    layer,
+                    &h,
+                    (&ck, &cv),
+                    (&q_cos, &q_sin),
+                    BlockAttention::Full(None),
+                );
             }
             if let Some((_, _, _, c)) = new_ctx {
                 cache.set_len(start + c);
@@ -515,4 +755,119 @@ impl Drafter {
             .linear::<&Tensor>(&head.lm_head, None)
             .to_kind(Kind::Float)
     }
+}
+
+/// The dense training mask [B, 1, N*bs, S + N*bs] (true = visible): block j's queries see
+/// context positions p < a_j and their own block.
+fn dense_block_mask(anchors: &Tensor, s: i64, bs: i64) -> Tensor {
+    let dev = anchors.device();
+    let (b, n) = anchors.size2().unwrap_or((0, 0));
+    let query_anchor = anchors
+        .unsqueeze(-1)
+        .expand([b, n, bs], false)
+        .reshape([b, n * bs]);
+    let sees_ctx = Tensor::arange(s, (Kind::Int64, dev))
+        .view([1, 1, s])
+        .lt_tensor(&query_anchor.unsqueeze(-1)); // [B, N*bs, S]
+    let block_of = Tensor::arange(n * bs, (Kind::Int64, dev)).divide_scalar_mode(bs, "floor");
+    let sees_block = block_of
+        .unsqueeze(1)
+        .eq_tensor(&block_of.unsqueeze(0))
+        .unsqueeze(0)
+        .expand([b, n * bs, n * bs], false);
+    Tensor::cat(&[sees_ctx, sees_block], -1).unsqueeze(1)
+}
+
+/// Chunked block attention of one layer. `q` [B, heads, N*bs, d] (block queries, rotated),
+/// `ctx` keys/values [B, kv_heads, S, d], `block` keys/values [B, kv_heads, N*bs, d]. Each
+/// chunk of `plan.rows` consecutive query rows attends over [context; its own rows' keys]
+/// with `plan.bias`; all chunks of the batch go through one fused call along the batch axis.
+/// Returns the attention output as rows [B, N*bs, heads * d] (before `o_proj`).
+fn chunked_attention(
+    q: &Tensor,
+    ctx: (&Tensor, &Tensor),
+    block: (&Tensor, &Tensor),
+    plan: &ChunkPlan,
+) -> Tensor {
+    let (b, heads, len, d) = q.size4().unwrap_or((0, 0, 0, 0));
+    let (kv_heads, s) = (ctx.0.size()[1], ctx.0.size()[2]);
+    let (chunks, rows) = (plan.chunks, plan.rows);
+    let pad = chunks * rows - len;
+    // [B, h, L, d] -> [B, K, rows, h, d] (token-major, the layout the fused kernels read best)
+    let by_chunk = |x: &Tensor, h: i64| {
+        let x = x.transpose(1, 2);
+        let x = if pad > 0 {
+            x.constant_pad_nd([0, 0, 0, 0, 0, pad])
+        } else {
+            x
+        };
+        x.reshape([b, chunks, rows, h, d])
+    };
+    let q = by_chunk(q, heads)
+        .view([b * chunks, rows, heads, d])
+        .transpose(1, 2);
+    // [context; the chunk's own keys]: the context is copied once per chunk (the kernels take
+    // one key tensor per batch entry).
+    let keys = |c: &Tensor, x: &Tensor| {
+        let c = c
+            .transpose(1, 2)
+            .unsqueeze(1)
+            .expand([b, chunks, s, kv_heads, d], false);
+        Tensor::cat(&[c, by_chunk(x, kv_heads)], 2)
+            .view([b * chunks, s + rows, kv_heads, d])
+            .transpose(1, 2)
+    };
+    let k = keys(ctx.0, block.0);
+    let v = keys(ctx.1, block.1);
+    let expand = match plan.expand_kv.get() {
+        Some(e) => e,
+        None => {
+            let e = must_expand_kv(&q, &k, &v, &plan.bias);
+            plan.expand_kv.set(Some(e));
+            e
+        }
+    };
+    let (k, v) = if expand {
+        let g = heads / kv_heads;
+        (
+            k.repeat_interleave_self_int(g, 1, None),
+            v.repeat_interleave_self_int(g, 1, None),
+        )
+    } else {
+        (k, v)
+    };
+    let o = attention_with_bias(&q, &k, &v, &plan.bias); // [B*K, heads, rows, d]
+    let o = o.transpose(1, 2).reshape([b, chunks * rows, heads * d]);
+    if pad > 0 {
+        o.narrow(1, 0, len)
+    } else {
+        o
+    }
+}
+
+/// Whether grouped-query heads have to be expanded for a fused kernel: libtorch picks its
+/// kernel per call (cuDNN, flash, memory-efficient, math); flash takes no mask, and where no
+/// fused kernel takes grouped-query heads with a mask it falls back to the math kernel, which
+/// materialises every score. Expanding the key/value heads costs memory but keeps a fused
+/// kernel; done only when the grouped call would get the math kernel and the expanded one a
+/// fused kernel.
+fn must_expand_kv(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> bool {
+    const MATH: i64 = 0;
+    if q.size()[1] == k.size()[1] {
+        return false;
+    }
+    let grouped = Tensor::f_internal_fused_sdp_choice(q, k, v, Some(bias), 0.0, false, None, true)
+        .unwrap_or(MATH);
+    if grouped != MATH {
+        return false;
+    }
+    // The choice depends on shapes, dtypes, devices and alignment, not on values: ask for a
+    // broadcast stand-in instead of copying the keys.
+    let (n, _, l, d) = k.size4().unwrap_or((0, 0, 0, 0));
+    let ke =
+        Tensor::zeros([1, 1, 1, d], (k.kind(), k.device())).expand([n, q.size()[1], l, d], false);
+    let expanded =
+        Tensor::f_internal_fused_sdp_choice(q, &ke, &ke, Some(bias), 0.0, false, None, false)
+            .unwrap_or(MATH);
+    expanded != MATH
 }

@@ -221,3 +221,26 @@ pub fn attention(
     let gqa = q.size()[1] != k.size()[1];
     Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, None, gqa)
 }
+
+/// Fused attention with an additive float mask `bias` (0 = visible, -inf = hidden) of the
+/// compute kind, broadcast over heads ([B, 1, Q, K]); grouped-query heads when `k` has fewer
+/// heads than `q`. Every row must see at least one key.
+pub fn attention_with_bias(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Tensor {
+    let gqa = q.size()[1] != k.size()[1];
+    Tensor::scaled_dot_product_attention(q, k, v, Some(bias), 0.0, false, None, gqa)
+}
+
+/// Copies `t` to `device` without making the host wait for the device. A plain `to_device`
+/// from pageable host memory to a GPU waits until the stream has finished all queued work;
+/// going through pinned memory with a non-blocking copy does not (libtorch's pinned-memory
+/// cache keeps the staging buffer until the copy is done). Other moves are plain `to_device`.
+pub fn upload(t: &Tensor, device: Device) -> Tensor {
+    if t.device() == device {
+        t.shallow_clone()
+    } else if t.device() == Device::Cpu && device.is_cuda() {
+        t.pin_memory(device)
+            .to_device_(device, t.kind(), true, false)
+    } else {
+        t.to_device(device)
+    }
+}

@@ -34,7 +34,9 @@ use crate::train::checkpoint::{
     latest_checkpoint, read_best, read_state, save_best, save_checkpoint, BestEval,
     CheckpointFault, TrainerState,
 };
-use crate::train::loss::{block_targets, loss_and_backward, sample_anchors, LossOptions, LossSums};
+use crate::train::loss::{
+    block_targets, loss_and_backward_deferred, sample_anchors, LossOptions, LossSums, LossTensors,
+};
 use crate::train::optim::{lr_at, AdamW, AdamWConfig};
 
 /// Steps kept for the charts.
@@ -376,7 +378,7 @@ fn prepare(
             Some(dir) => Drafter::load_for_target(dir, target_cfg, dev, drafter_kind)?,
             None => Drafter::init(drafter_config.clone(), dev, drafter_kind, config.run.seed)?,
         };
-        drafters.push(d);
+        drafters.push(d.with_train_attention(config.train.attention));
     }
     if init_dir.is_some() {
         // A released drafter decides its own shape; the config must agree on the block size.
@@ -830,7 +832,8 @@ struct MicroResult {
 }
 
 /// The drafter's work on one batch of target features: anchors, forward, loss, backward
-/// (gradients accumulate into the parameters, scaled by `scale`).
+/// (gradients accumulate into the parameters, scaled by `scale`). The loss sums stay on the
+/// device: reading them is the step's one synchronisation, after the backward is queued.
 /// Clip, AdamW on the fp32 master weights, and the new weights into the compute copy.
 fn apply_update(
     optimizer: &mut AdamW,
@@ -984,7 +987,7 @@ fn train_on_item(
     item: &FeatureItem,
     seed: u64,
     scale: f64,
-) -> LossSums {
+) -> LossTensors {
     let block = drafter.config.block_size as usize;
     let gamma = cfg.train.effective_gamma(drafter.config.block_size);
     let opts = LossOptions {
@@ -1018,7 +1021,7 @@ fn train_on_item(
     });
     let teacher = item.teacher_hidden.as_ref().map(|t| t.to_device(dev));
     let (sums, pending) = profile.time(Event::DRAFTER_LOSS, || {
-        loss_and_backward(
+        loss_and_backward_deferred(
             &hidden,
             &head.lm_head,
             &targets,
@@ -1049,6 +1052,7 @@ fn accumulate(
         last: None,
     };
     let micro_batches = cfg.train.grad_accum.max(1);
+    let mut sums_on_device = LossTensors::zeros(drafter.device);
     for micro in 0..micro_batches {
         if !shared.wait_if_paused() {
             return Ok(None);
@@ -1070,7 +1074,7 @@ fn accumulate(
             seed_for(cfg.run.seed, step, replica, micro),
             1.0 / micro_batches as f64,
         );
-        out.sums.add(&sums);
+        sums_on_device.add(&sums);
         out.tokens += b.lengths.iter().map(|&l| l as u64).sum::<u64>();
         out.samples += b.samples.len() as u64;
         for &s in &b.samples {
@@ -1082,6 +1086,7 @@ fn accumulate(
             out.last = Some((b.seq, b.resume, b.epoch));
         }
     }
+    out.sums = sums_on_device.to_host();
     Ok(Some(out))
 }
 

@@ -4,11 +4,17 @@
 //!
 //! The LM head is applied in row chunks and its gradient is accumulated into a detached copy
 //! of the hidden states, so the full-vocabulary logits of a batch never exist at once.
+//!
+//! [`loss_and_backward_deferred`] never makes the host wait for the device: host data goes up
+//! through pinned memory, the normalisation stays on the device and the metrics come back as
+//! [`LossTensors`], read once when they are needed.
 
 use rand::seq::index::sample;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tch::{Kind, Reduction, Tensor};
+use tch::{Device, Kind, Reduction, Tensor};
+
+use crate::model::layers::upload;
 
 /// Anchors of a batch: [B, N] positions and validity, N = the largest count of any row.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,6 +165,48 @@ impl LossSums {
     }
 }
 
+/// Metric sums of one or more micro-batches, kept on the device so that no step waits for
+/// it: the fields of [`LossSums`] in order (weighted_loss, weight, weighted_correct,
+/// accepted, blocks) as a float64 tensor [5]. Add them up over micro-batches and steps with
+/// [`LossTensors::add`] and read them with [`LossTensors::to_host`] (one synchronisation)
+/// only when the numbers are needed.
+#[derive(Debug)]
+pub struct LossTensors {
+    sums: Tensor,
+}
+
+impl LossTensors {
+    pub fn zeros(device: Device) -> Self {
+        LossTensors {
+            sums: Tensor::zeros([5], (Kind::Double, device)),
+        }
+    }
+
+    /// The float64 tensor [5] of sums.
+    pub fn tensor(&self) -> &Tensor {
+        &self.sums
+    }
+
+    /// Adds `other` on this one's device (no synchronisation with the host).
+    pub fn add(&mut self, other: &LossTensors) {
+        let o = other.sums.to_device(self.sums.device());
+        self.sums = &self.sums + o;
+    }
+
+    /// Reads the sums (waits for the device to finish the work they depend on).
+    pub fn to_host(&self) -> LossSums {
+        let v = Vec::<f64>::try_from(self.sums.to_device(Device::Cpu)).unwrap_or_default();
+        let at = |i: usize| v.get(i).copied().unwrap_or(0.0);
+        LossSums {
+            weighted_loss: at(0),
+            weight: at(1),
+            weighted_correct: at(2),
+            accepted: at(3),
+            blocks: at(4),
+        }
+    }
+}
+
 /// The last part of the backward pass: from the hidden states into the drafter.
 pub struct PendingBackward {
     selected: Tensor,
@@ -176,6 +224,9 @@ impl PendingBackward {
 ///
 /// `hidden` [B, N, block, H] from `Drafter::forward_train`; `lm_head` [V, H] frozen;
 /// `teacher_hidden` [B, S, H] final-normed target states when soft labels are on.
+///
+/// Reads the metrics back to the host before returning, so the host waits here for the
+/// forward pass and the LM-head backward to finish; [`loss_and_backward_deferred`] does not.
 pub fn loss_and_backward(
     hidden: &Tensor,
     lm_head: &Tensor,
@@ -185,6 +236,31 @@ pub fn loss_and_backward(
     opts: &LossOptions,
     grad_scale: f64,
 ) -> (LossSums, Option<PendingBackward>) {
+    let (sums, pending) = loss_and_backward_deferred(
+        hidden,
+        lm_head,
+        targets,
+        valid,
+        teacher_hidden,
+        opts,
+        grad_scale,
+    );
+    (sums.to_host(), pending)
+}
+
+/// [`loss_and_backward`] without any host synchronisation: the metric sums stay on the device
+/// ([`LossTensors`]), host data goes up through pinned memory without blocking, and the
+/// normalisation by `sum(w)` happens on the device. When `sum(w) == 0` the gradient is zero
+/// (the pending backward still runs, adding zeros).
+pub fn loss_and_backward_deferred(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &BlockTargets,
+    valid: &[bool],
+    teacher_hidden: Option<&Tensor>,
+    opts: &LossOptions,
+    grad_scale: f64,
+) -> (LossTensors, Option<PendingBackward>) {
     let size = hidden.size();
     let (b, n, block, h) = (size[0], size[1], size[2], size[3]);
     let device = hidden.device();
@@ -197,12 +273,14 @@ pub fn loss_and_backward(
     }
     let blocks = rows.len() as i64 / (block - 1).max(1);
     if rows.is_empty() {
-        return (LossSums::default(), None);
+        return (LossTensors::zeros(device), None);
     }
-    let idx = Tensor::from_slice(&rows).to_device(device);
-    let pick = |v: Tensor| v.to_device(device).index_select(0, &idx);
-    let labels = pick(Tensor::from_slice(&targets.labels));
-    let base_w = pick(Tensor::from_slice(&targets.weights));
+    // Picked on the host, so only the rows used go up to the device.
+    let host_labels: Vec<i64> = rows.iter().map(|&r| targets.labels[r as usize]).collect();
+    let host_w: Vec<f32> = rows.iter().map(|&r| targets.weights[r as usize]).collect();
+    let idx = upload(&Tensor::from_slice(&rows), device);
+    let labels = upload(&Tensor::from_slice(&host_labels), device);
+    let base_w = upload(&Tensor::from_slice(&host_w), device);
     let selected = hidden.reshape([b * n * block, h]).index_select(0, &idx);
     let teacher = teacher_hidden.map(|t| {
         let s = t.size()[1];
@@ -213,7 +291,7 @@ pub fn loss_and_backward(
             let r = row / (n * block);
             pos.push(r * s + targets.teacher_pos[row as usize]);
         }
-        flat.index_select(0, &Tensor::from_slice(&pos).to_device(device))
+        flat.index_select(0, &upload(&Tensor::from_slice(&pos), device))
     });
 
     let m = rows.len() as i64;
@@ -280,11 +358,14 @@ pub fn loss_and_backward(
     } else {
         base_w.shallow_clone()
     };
-    let w_sum = weights.sum(Kind::Float).double_value(&[]);
-    let base_sum = base_w.sum(Kind::Float).double_value(&[]);
+    // 1 / sum(w), or 0 when no slot has weight: everything below stays on the device.
+    let w_sum = weights.sum(Kind::Float);
+    let base_sum = base_w.sum(Kind::Float);
+    let inv_w = w_sum.gt(0.0).to_kind(Kind::Float) / w_sum.clamp_min(1e-12);
+    let grad_factor = &inv_w * grad_scale;
 
     let hd = selected.detach().set_requires_grad(true);
-    let mut weighted_loss = Tensor::zeros([], (Kind::Float, device));
+    let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
     let mut weighted_correct = Tensor::zeros([], (Kind::Float, device));
     let mut correct_all = Vec::new();
     let mut s = 0;
@@ -293,29 +374,30 @@ pub fn loss_and_backward(
         let (loss, correct) = row_losses(&hd, s, len);
         let w = weights.narrow(0, s, len);
         let part = (&loss * &w).sum(Kind::Float);
-        if w_sum > 0.0 {
-            (&part * (grad_scale / w_sum)).backward();
-        }
-        weighted_loss += part.detach() * base_sum / w_sum.max(1e-12);
+        (&part * &grad_factor).backward();
+        loss_sum += part.detach();
         weighted_correct += (&correct * base_w.narrow(0, s, len)).sum(Kind::Float);
         correct_all.push(correct);
         s += len;
     }
     let grad = hd.grad();
-    let pending = (w_sum > 0.0 && grad.defined()).then(|| PendingBackward { selected, grad });
+    let pending = grad.defined().then(|| PendingBackward { selected, grad });
     let correct = Tensor::cat(&correct_all, 0).view([blocks, block - 1]);
-    let accepted = correct
-        .cumprod(1, Kind::Float)
-        .sum(Kind::Float)
-        .double_value(&[]);
-    let sums = LossSums {
-        weighted_loss: weighted_loss.double_value(&[]) * if w_sum > 0.0 { 1.0 } else { 0.0 },
-        weight: base_sum,
-        weighted_correct: weighted_correct.double_value(&[]),
-        accepted,
-        blocks: blocks as f64,
-    };
-    (sums, pending)
+    let accepted = correct.cumprod(1, Kind::Float).sum(Kind::Float);
+    // weighted_loss is normalised like the loss (streak weights included) and scaled back to
+    // the base weight, so that LossSums::loss() = sum(w * loss) / sum(w).
+    let weighted_loss = loss_sum * &base_sum * &inv_w;
+    let sums = Tensor::stack(
+        &[
+            weighted_loss.to_kind(Kind::Double),
+            base_sum.to_kind(Kind::Double),
+            weighted_correct.to_kind(Kind::Double),
+            accepted.to_kind(Kind::Double),
+            Tensor::full([], blocks as f64, (Kind::Double, device)),
+        ],
+        0,
+    );
+    (LossTensors { sums }, pending)
 }
 
 #[cfg(test)]
