@@ -3,7 +3,9 @@
 # device call. Inputs in $W: dflash-tui (release binary), gg.00 + gg.01 (the demo GGUF, split),
 # sharegpt.jsonl.xz (the demo conversations), whl/ (transformers + dflash wheels, for the
 # public-implementation check). Results go to $OUT.
-#   W=/tmp/w OUT=/tmp/out bash scripts/gpu-smollm2-real.sh data|train|eval
+#   W=/tmp/w OUT=/tmp/out bash scripts/gpu-smollm2-real.sh data|train|eval|public
+# (eval: 100 held-out prompts x 128 tokens, about 6 minutes on 2 GPUs; public: the drafter in
+# z-lab's implementation against dflash-tui on 20 prompts in f32)
 set -euo pipefail
 TL=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))" 2>/dev/null)/lib || true
 export LD_LIBRARY_PATH=$TL
@@ -44,6 +46,10 @@ eval)
   $B eval --target "$W/smol" --drafter "$W/run/best/drafter" --data "$W/sg" --limit "${PROMPTS:-100}" \
     --max-new-tokens "${EVAL_NEW:-128}" --device "$GPUS" --json > "$OUT/eval100.json"
   python3 -c "import json;r=json.load(open('$OUT/eval100.json'));print({k:r[k] for k in ['tau','speedup','greedy_s_per_token','dflash_s_per_token','mismatches','accepted_by_slot']}, len(r['prompts']))"
+  cp -r "$W/run/best" "$OUT/best"
+  t done
+  ;;
+public)
   t public-check
   mkdir -p "$W/site"
   python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('$W/site') for w in glob.glob('$W/whl/*.whl')]"
