@@ -73,7 +73,7 @@ enum ParamsMsg {
 /// A replica's contribution to a step.
 struct GradMsg {
     grad: Tensor,
-    sums: LossSums,
+    sums: LossTensors,
     tokens: u64,
     samples: u64,
     last: Option<(u64, PackerState, u64)>,
@@ -824,7 +824,8 @@ fn target_worker(
 
 /// Forward and backward of one replica over `grad_accum` micro-batches.
 struct MicroResult {
-    sums: LossSums,
+    /// On the drafter's device (read once per step by the coordinator).
+    sums: LossTensors,
     tokens: u64,
     samples: u64,
     /// (seq, resume state, epoch) of the newest batch consumed
@@ -834,15 +835,16 @@ struct MicroResult {
 /// The drafter's work on one batch of target features: anchors, forward, loss, backward
 /// (gradients accumulate into the parameters, scaled by `scale`). The loss sums stay on the
 /// device: reading them is the step's one synchronisation, after the backward is queued.
-/// Clip, AdamW on the fp32 master weights, and the new weights into the compute copy.
+/// Clip, AdamW on the fp32 master weights, and the new weights into the compute copy; returns
+/// the gradient norm before clipping, still on the device.
 fn apply_update(
     optimizer: &mut AdamW,
     params: &[(String, &Tensor)],
     grad: &mut Tensor,
     clip: f64,
     lr: f64,
-) -> Result<f64> {
-    let norm = AdamW::clip(grad, clip);
+) -> Result<Tensor> {
+    let norm = AdamW::clip_on_device(grad, clip);
     optimizer.update(grad, lr);
     optimizer.write_params(params)?;
     Ok(norm)
@@ -952,7 +954,7 @@ pub fn measure_stages_alone(
             config.train.lr,
             config.train.min_lr_ratio,
         );
-        apply_update(
+        let _norm = apply_update(
             &mut optimizer,
             &params,
             &mut grad,
@@ -1046,13 +1048,12 @@ fn accumulate(
     step: u64,
 ) -> Result<Option<MicroResult>> {
     let mut out = MicroResult {
-        sums: LossSums::default(),
+        sums: LossTensors::zeros(drafter.device),
         tokens: 0,
         samples: 0,
         last: None,
     };
     let micro_batches = cfg.train.grad_accum.max(1);
-    let mut sums_on_device = LossTensors::zeros(drafter.device);
     for micro in 0..micro_batches {
         if !shared.wait_if_paused() {
             return Ok(None);
@@ -1074,7 +1075,7 @@ fn accumulate(
             seed_for(cfg.run.seed, step, replica, micro),
             1.0 / micro_batches as f64,
         );
-        sums_on_device.add(&sums);
+        out.sums.add(&sums);
         out.tokens += b.lengths.iter().map(|&l| l as u64).sum::<u64>();
         out.samples += b.samples.len() as u64;
         for &s in &b.samples {
@@ -1086,7 +1087,6 @@ fn accumulate(
             out.last = Some((b.seq, b.resume, b.epoch));
         }
     }
-    out.sums = sums_on_device.to_host();
     Ok(Some(out))
 }
 
@@ -1236,6 +1236,9 @@ impl Coordinator {
             }
             self.tokens_seen += tokens;
             self.samples_seen += samples;
+            // The step's one read from the device, after all of its work is queued.
+            let sums: LossSums = sums.to_host();
+            let grad_norm = grad_norm.double_value(&[]);
             let now = Instant::now();
             let step_s = now.duration_since(last_step_end).as_secs_f64().max(1e-9);
             last_step_end = now;

@@ -103,11 +103,23 @@ impl AdamW {
     /// Scales `grad` in place to a global norm of at most `max_norm` (0 = no clipping) and
     /// returns the norm before clipping.
     pub fn clip(grad: &mut Tensor, max_norm: f64) -> f64 {
-        let norm = grad.norm().double_value(&[]);
-        if max_norm > 0.0 && norm > max_norm {
-            let _ = grad.g_mul_scalar_(max_norm / (norm + 1e-6));
-        }
-        norm
+        Self::clip_on_device(grad, max_norm).double_value(&[])
+    }
+
+    /// [`AdamW::clip`] without waiting for the device: the scale is computed there, and the
+    /// norm (a scalar tensor) is read whenever the caller needs it.
+    pub fn clip_on_device(grad: &mut Tensor, max_norm: f64) -> Tensor {
+        tch::no_grad(|| {
+            let norm = grad.norm();
+            if max_norm > 0.0 {
+                // max_norm / (norm + 1e-6) where the norm exceeds max_norm, else 1
+                let scale = (max_norm / (&norm + 1e-6)).clamp_max(1.0);
+                let over = norm.gt(max_norm);
+                let scale = scale.where_self(&over, &scale.ones_like());
+                let _ = grad.g_mul_(&scale);
+            }
+            norm
+        })
     }
 
     /// One AdamW update with the averaged flat gradient (on the optimizer device).
@@ -293,5 +305,13 @@ mod tests {
         let mut big = Tensor::from_slice(&[3.0f32, 4.0]);
         assert_eq!(AdamW::clip(&mut big, 1.0), 5.0);
         assert!((big.norm().double_value(&[]) - 1.0).abs() < 1e-5);
+        // below the limit, or no limit: unchanged, the norm still reported
+        let mut small = Tensor::from_slice(&[0.3f32, 0.4]);
+        let norm = AdamW::clip_on_device(&mut small, 1.0);
+        assert!((norm.double_value(&[]) - 0.5).abs() < 1e-6);
+        assert_eq!(Vec::<f32>::try_from(&small).unwrap(), vec![0.3, 0.4]);
+        let mut any = Tensor::from_slice(&[30.0f32, 40.0]);
+        assert_eq!(AdamW::clip(&mut any, 0.0), 50.0);
+        assert_eq!(Vec::<f32>::try_from(&any).unwrap(), vec![30.0, 40.0]);
     }
 }
