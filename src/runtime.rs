@@ -64,6 +64,23 @@ impl TorchRuntime {
     }
 
     /// Resolves a device name: `auto` (first GPU if any, else CPU), `cpu`, `cuda`, `cuda:N`.
+    /// `auto`, `cpu`, `cuda`, `cuda:N`, or a comma-separated list of distinct CUDA devices
+    /// (one worker each).
+    pub fn device_list(&self, spec: &str) -> Result<Vec<tch::Device>> {
+        let mut devices = Vec::new();
+        for name in spec.split(',') {
+            let device = self.device(name)?;
+            if devices.contains(&device) {
+                bail!("--device {spec:?} names {device:?} twice");
+            }
+            devices.push(device);
+        }
+        if devices.len() > 1 && devices.iter().any(|d| !d.is_cuda()) {
+            bail!("--device {spec:?}: a list of devices must all be CUDA devices (cuda:N,cuda:M)");
+        }
+        Ok(devices)
+    }
+
     pub fn device(&self, name: &str) -> Result<tch::Device> {
         let gpus = self.cuda_devices();
         let device = match name.trim() {

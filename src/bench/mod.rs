@@ -26,14 +26,23 @@ pub const PEAK_FLOPS_PER_GPU: f64 = 989e12;
 /// Profiles shipped in `configs/` as `bench-NAME.toml`.
 pub const PROFILES: [&str; 4] = ["cpu-tiny", "smollm2", "qwen3-0.6b-shape", "qwen3-8b-shape"];
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct BenchOptions {
-    /// A profile name (configs/bench-NAME.toml) or a config file.
+    /// A profile (cpu-tiny, smollm2, qwen3-0.6b-shape, qwen3-8b-shape: configs/bench-NAME.toml)
+    /// or a training config file.
+    #[arg(long, default_value = "cpu-tiny")]
     pub profile: String,
+    /// Override a config field, as in `train` (repeatable).
+    #[arg(long = "set", value_name = "SECTION.FIELD=VALUE")]
     pub overrides: Vec<String>,
+    /// Steps run before the measured window.
+    #[arg(long, default_value_t = 5)]
     pub warmup_steps: u64,
+    /// Steps measured.
+    #[arg(long, default_value_t = 20)]
     pub steps: u64,
-    /// Batches each stage runs alone for the pipeline efficiency (0 = the measured window's).
+    /// Batches each stage runs alone; 0 = exactly the measured window's batches.
+    #[arg(long, default_value_t = 0)]
     pub stage_batches: usize,
 }
 

@@ -12,16 +12,34 @@ use crate::runtime::TorchRuntime;
 
 use super::generate::parse_kind;
 
+#[derive(Debug, clap::Args)]
 pub struct EvalArgs {
+    #[arg(long)]
     pub target: PathBuf,
+    #[arg(long)]
     pub drafter: PathBuf,
+    /// A tokenised dataset (its validation split); prompts end where the assistant starts.
+    #[arg(long)]
     pub data: Option<PathBuf>,
+    /// JSONL prompts: {"messages": [...]} or {"prompt_ids": [...]}.
+    #[arg(long)]
     pub prompts: Option<PathBuf>,
+    #[arg(long, default_value_t = 20)]
     pub limit: usize,
+    /// The split of a --data dataset folder the prompts come from.
+    #[arg(long, default_value = "validation")]
     pub split: String,
+    #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
+    /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices: the prompts are
+    /// shared out, one worker with its own copy of both models per device.
+    #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
+    #[arg(long, default_value = "auto")]
     pub dtype: String,
+    /// One JSON object: tau, speedup, prompts (output_ids, accept_lengths), ...
+    #[arg(long)]
     pub json: bool,
 }
 
@@ -43,21 +61,10 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
-    let devices = args
-        .device
-        .split(',')
-        .map(|d| runtime.device(d))
-        .collect::<Result<Vec<_>>>()?;
+    let devices = runtime.device_list(&args.device)?;
     let target_config = TargetConfig::from_model_dir(&args.target)?;
     // The drafter must fit the target before anything is decoded.
-    let block_size = Drafter::load_for_target(
-        &args.drafter,
-        &target_config,
-        tch::Device::Cpu,
-        tch::Kind::Float,
-    )?
-    .config
-    .block_size as usize;
+    let block_size = Drafter::config_for_target(&args.drafter, &target_config)?.block_size as usize;
     let prompts = match (&args.prompts, &args.data) {
         (Some(p), _) => prompts_from_file(p, &args.target, args.limit)?,
         (None, Some(d)) => prompts_from_data(d, &args.split, args.limit)?,

@@ -132,57 +132,7 @@ pub enum Command {
     },
     /// Replace every assistant answer of a tokenised dataset (prepare-data output) by the
     /// target's own answer, generated from the conversation so far; resumable.
-    Regenerate {
-        /// The target's Hugging Face model folder.
-        #[arg(long)]
-        target: PathBuf,
-        /// The dataset: a prepare-data folder (every split), or one split folder / Arrow /
-        /// Parquet file with input_ids and loss_mask.
-        #[arg(long)]
-        input: PathBuf,
-        /// The dataset folder to create (must not exist yet, or be empty).
-        #[arg(long)]
-        out: PathBuf,
-        /// Longest answer; answers that reach it end their row.
-        #[arg(long, default_value_t = 512)]
-        max_new_tokens: usize,
-        /// Prompts decoded together.
-        #[arg(long, default_value_t = 128)]
-        batch_size: usize,
-        /// Regenerate at most the first N assistant turns of a row; the rest is dropped.
-        #[arg(long)]
-        max_turns: Option<usize>,
-        /// Use at most the first N rows of each split.
-        #[arg(long)]
-        limit: Option<usize>,
-        /// 0 = greedy; above 0, sample from softmax(logits / T).
-        #[arg(long, default_value_t = 0.0)]
-        temperature: f64,
-        /// Nucleus sampling: the most likely tokens up to this probability mass.
-        #[arg(long, default_value_t = 1.0)]
-        top_p: f64,
-        /// Seed of the sampling (per row, from the seed and the row id).
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices (one worker each).
-        #[arg(long, default_value = "auto")]
-        device: String,
-        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
-        #[arg(long, default_value = "auto")]
-        dtype: String,
-        /// Longest row (context and answers); a row that would be longer ends early.
-        #[arg(long, default_value_t = 3072)]
-        max_len: usize,
-        /// Input rows per chunk; finished chunks survive an interruption.
-        #[arg(long, default_value_t = 1024)]
-        chunk_rows: usize,
-        /// Padded prompt tokens per prefill forward.
-        #[arg(long, default_value_t = 16_384, hide = true)]
-        prefill_tokens: usize,
-        /// Stop after this many chunks, without assembling the output (tests of resumption).
-        #[arg(long, hide = true)]
-        stop_after_chunks: Option<usize>,
-    },
+    Regenerate(regenerate::RegenerateArgs),
     /// Counts, length histogram, loss-mask share and one decoded sample of a dataset.
     InspectData {
         path: PathBuf,
@@ -235,24 +185,7 @@ pub enum Command {
     },
     /// Benchmark of the training pipeline (benchmarks spec): the real pipeline for a warm-up
     /// and a measured window, every stage alone on the same batches, one JSON object.
-    Bench {
-        /// A profile (cpu-tiny, smollm2, qwen3-0.6b-shape, qwen3-8b-shape: configs/bench-NAME.toml)
-        /// or a training config file.
-        #[arg(long, default_value = "cpu-tiny")]
-        profile: String,
-        /// Override a config field, as in `train` (repeatable).
-        #[arg(long = "set", value_name = "SECTION.FIELD=VALUE")]
-        overrides: Vec<String>,
-        /// Steps run before the measured window.
-        #[arg(long, default_value_t = 5)]
-        warmup_steps: u64,
-        /// Steps measured.
-        #[arg(long, default_value_t = 20)]
-        steps: u64,
-        /// Batches each stage runs alone; 0 = exactly the measured window's batches.
-        #[arg(long, default_value_t = 0)]
-        stage_batches: usize,
-    },
+    Bench(crate::bench::BenchOptions),
     /// Benchmark of the control room: time to render one 120x40 frame with a full chart
     /// history, and the UI thread's CPU use at 10 frames per second.
     BenchUi {
@@ -268,35 +201,7 @@ pub enum Command {
     },
     /// Acceptance length (tau) of a drafter by real greedy speculative decoding, speed-up over
     /// plain greedy decoding, and the check that both produce the same tokens.
-    Eval {
-        #[arg(long)]
-        target: PathBuf,
-        #[arg(long)]
-        drafter: PathBuf,
-        /// A tokenised dataset (its validation split); prompts end where the assistant starts.
-        #[arg(long)]
-        data: Option<PathBuf>,
-        /// JSONL prompts: {"messages": [...]} or {"prompt_ids": [...]}.
-        #[arg(long)]
-        prompts: Option<PathBuf>,
-        #[arg(long, default_value_t = 20)]
-        limit: usize,
-        /// The split of a --data dataset folder the prompts come from.
-        #[arg(long, default_value = "validation")]
-        split: String,
-        #[arg(long, default_value_t = 256)]
-        max_new_tokens: usize,
-        /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices: the prompts are
-        /// shared out, one worker with its own copy of both models per device.
-        #[arg(long, default_value = "auto")]
-        device: String,
-        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
-        #[arg(long, default_value = "auto")]
-        dtype: String,
-        /// One JSON object: tau, speedup, prompts (output_ids, accept_lengths), ...
-        #[arg(long)]
-        json: bool,
-    },
+    Eval(eval::EvalArgs),
     /// Perplexity of a model over a tokenised dataset (Arrow IPC, save_to_disk folder or
     /// Parquet with an input_ids column); prints one JSON object.
     Perplexity {
@@ -469,58 +374,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 },
             )
         }
-        Command::Eval {
-            target,
-            drafter,
-            data,
-            prompts,
-            limit,
-            split,
-            max_new_tokens,
-            device,
-            dtype,
-            json,
-        } => {
-            let runtime = TorchRuntime::init();
-            eval::run(
-                &runtime,
-                eval::EvalArgs {
-                    target,
-                    drafter,
-                    data,
-                    prompts,
-                    limit,
-                    split,
-                    max_new_tokens,
-                    device,
-                    dtype,
-                    json,
-                },
-            )
-        }
+        Command::Eval(args) => eval::run(&TorchRuntime::init(), args),
         Command::BenchUi {
             history,
             frames,
             seconds,
         } => bench_ui(history, frames, seconds),
-        Command::Bench {
-            profile,
-            overrides,
-            warmup_steps,
-            steps,
-            stage_batches,
-        } => {
-            let runtime = TorchRuntime::init();
-            let report = crate::bench::run(
-                &runtime,
-                &crate::bench::BenchOptions {
-                    profile,
-                    overrides,
-                    warmup_steps,
-                    steps,
-                    stage_batches,
-                },
-            )?;
+        Command::Bench(opts) => {
+            let report = crate::bench::run(&TorchRuntime::init(), &opts)?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
@@ -555,47 +416,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 progress: true,
             },
         ),
-        Command::Regenerate {
-            target,
-            input,
-            out,
-            max_new_tokens,
-            batch_size,
-            max_turns,
-            limit,
-            temperature,
-            top_p,
-            seed,
-            device,
-            dtype,
-            max_len,
-            chunk_rows,
-            prefill_tokens,
-            stop_after_chunks,
-        } => {
-            let runtime = TorchRuntime::init();
-            regenerate::run(
-                &runtime,
-                regenerate::RegenerateArgs {
-                    target,
-                    input,
-                    out,
-                    max_new_tokens,
-                    batch_size,
-                    max_turns,
-                    limit,
-                    temperature,
-                    top_p,
-                    seed,
-                    device,
-                    dtype,
-                    max_len,
-                    chunk_rows,
-                    prefill_tokens,
-                    stop_after_chunks,
-                },
-            )
-        }
+        Command::Regenerate(args) => regenerate::run(&TorchRuntime::init(), args),
         Command::InspectData {
             path,
             split,

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use crate::data::regenerate::{regenerate, RegenerateOptions};
 use crate::eval::regenerate::Sampling;
@@ -10,43 +10,61 @@ use crate::runtime::TorchRuntime;
 
 use super::generate::parse_kind;
 
+#[derive(Debug, clap::Args)]
 pub struct RegenerateArgs {
+    /// The target's Hugging Face model folder.
+    #[arg(long)]
     pub target: PathBuf,
+    /// The dataset: a prepare-data folder (every split), or one split folder / Arrow /
+    /// Parquet file with input_ids and loss_mask.
+    #[arg(long)]
     pub input: PathBuf,
+    /// The dataset folder to create (must not exist yet, or be empty).
+    #[arg(long)]
     pub out: PathBuf,
+    /// Longest answer; answers that reach it end their row.
+    #[arg(long, default_value_t = 512)]
     pub max_new_tokens: usize,
+    /// Prompts decoded together.
+    #[arg(long, default_value_t = 128)]
     pub batch_size: usize,
+    /// Regenerate at most the first N assistant turns of a row; the rest is dropped.
+    #[arg(long)]
     pub max_turns: Option<usize>,
+    /// Use at most the first N rows of each split.
+    #[arg(long)]
     pub limit: Option<usize>,
+    /// 0 = greedy; above 0, sample from softmax(logits / T).
+    #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
+    /// Nucleus sampling: the most likely tokens up to this probability mass.
+    #[arg(long, default_value_t = 1.0)]
     pub top_p: f64,
+    /// Seed of the sampling (per row, from the seed and the row id).
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices (one worker each).
+    #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
+    #[arg(long, default_value = "auto")]
     pub dtype: String,
+    /// Longest row (context and answers); a row that would be longer ends early.
+    #[arg(long, default_value_t = 3072)]
     pub max_len: usize,
+    /// Input rows per chunk; finished chunks survive an interruption.
+    #[arg(long, default_value_t = 1024)]
     pub chunk_rows: usize,
+    /// Padded prompt tokens per prefill forward.
+    #[arg(long, default_value_t = 16_384, hide = true)]
     pub prefill_tokens: usize,
+    /// Stop after this many chunks, without assembling the output (tests of resumption).
+    #[arg(long, hide = true)]
     pub stop_after_chunks: Option<usize>,
 }
 
-/// `auto`, `cpu`, `cuda`, `cuda:N`, or a comma-separated list of CUDA devices.
-fn parse_devices(runtime: &TorchRuntime, spec: &str) -> Result<Vec<tch::Device>> {
-    let mut devices = Vec::new();
-    for name in spec.split(',') {
-        let device = runtime.device(name)?;
-        if devices.contains(&device) {
-            bail!("--device {spec:?} names {device:?} twice");
-        }
-        devices.push(device);
-    }
-    if devices.len() > 1 && devices.iter().any(|d| !d.is_cuda()) {
-        bail!("--device {spec:?}: a list of devices must all be CUDA devices (cuda:N,cuda:M)");
-    }
-    Ok(devices)
-}
-
 pub fn run(runtime: &TorchRuntime, args: RegenerateArgs) -> Result<()> {
-    let devices = parse_devices(runtime, &args.device)?;
+    let devices = runtime.device_list(&args.device)?;
     let kind = parse_kind(&args.dtype, devices[0])?;
     let opts = RegenerateOptions {
         max_new_tokens: args.max_new_tokens,

@@ -408,7 +408,7 @@ pub fn read_string_column(path: &Path, column: &str) -> Result<Option<Vec<String
 }
 
 /// Writes rows (id, input_ids, loss_mask) as one Arrow IPC stream file, in record batches of
-/// at most 1000 rows; returns the bytes written.
+/// at most 1000 rows as `datasets` writes them; returns the bytes written.
 pub fn write_token_rows(path: &Path, rows: &[TokenRow<'_>]) -> Result<u64> {
     let batch = rows_batch(rows)?;
     let file = File::create(path).with_context(|| format!("{}: cannot write", path.display()))?;
@@ -484,25 +484,7 @@ pub fn write_split(
         let name = format!("data-{s:05}-of-{shards:05}.arrow");
         let path = dir.join(&name);
         let chunk = &rows[(s * shard_rows).min(rows.len())..((s + 1) * shard_rows).min(rows.len())];
-        let batch = rows_batch(chunk)?;
-        let file =
-            File::create(&path).with_context(|| format!("{}: cannot write", path.display()))?;
-        let mut writer = arrow::ipc::writer::StreamWriter::try_new(
-            std::io::BufWriter::new(file),
-            &batch.schema(),
-        )
-        .with_context(|| format!("{}: cannot write", path.display()))?;
-        // Record batches of at most 1000 rows, as `datasets` writes them.
-        if batch.num_rows() == 0 {
-            writer.write(&batch)?;
-        }
-        for start in (0..batch.num_rows()).step_by(1000) {
-            writer.write(&batch.slice(start, 1000.min(batch.num_rows() - start)))?;
-        }
-        writer
-            .finish()
-            .with_context(|| format!("{}: cannot write", path.display()))?;
-        bytes += std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        bytes += write_token_rows(&path, chunk)?;
         files.push(serde_json::json!({"filename": name}));
     }
     let info = serde_json::json!({

@@ -376,21 +376,31 @@ impl Drafter {
         Self::load_checked(dir, Some(target), device, kind)
     }
 
+    /// The configuration of the drafter in `dir`, checked against the target (no weights read).
+    pub fn config_for_target(
+        dir: &Path,
+        target: &super::config::TargetConfig,
+    ) -> Result<DrafterConfig> {
+        let config = DrafterConfig::from_dir(dir)?;
+        config.check_against(target).with_context(|| {
+            format!(
+                "{}: the drafter does not fit the target",
+                dir.join("config.json").display()
+            )
+        })?;
+        Ok(config)
+    }
+
     fn load_checked(
         dir: &Path,
         target: Option<&super::config::TargetConfig>,
         device: Device,
         kind: Kind,
     ) -> Result<Self> {
-        let config = DrafterConfig::from_dir(dir)?;
-        if let Some(target) = target {
-            config.check_against(target).with_context(|| {
-                format!(
-                    "{}: the drafter does not fit the target",
-                    dir.join("config.json").display()
-                )
-            })?;
-        }
+        let config = match target {
+            Some(target) => Self::config_for_target(dir, target)?,
+            None => DrafterConfig::from_dir(dir)?,
+        };
         let weights = WeightFiles::open(dir)?;
         let file = dir.join("model.safetensors");
         let expected: BTreeSet<String> =

@@ -183,9 +183,10 @@ pub struct TargetModel {
     layers: Vec<DecoderLayer>,
     norm: Tensor,
     lm_head: Tensor,
-    /// The LM head in float32 when the model computes in bf16 / f16: logits from it have no
-    /// bf16 rounding, whose exact ties would make greedy picks depend on the kernel.
-    lm_head_f32: Option<Tensor>,
+    /// The LM head in float32, made on the first logits of a bf16 / f16 model (training only
+    /// taps features and never needs it): logits from it have no bf16 rounding, whose exact
+    /// ties would make greedy picks depend on the kernel.
+    lm_head_f32: std::sync::OnceLock<Tensor>,
     rope: Rope,
 }
 
@@ -295,7 +296,7 @@ impl TargetModel {
             embed_tokens,
             layers,
             norm,
-            lm_head_f32: (kind != Kind::Float).then(|| lm_head.to_kind(Kind::Float)),
+            lm_head_f32: std::sync::OnceLock::new(),
             lm_head,
             rope,
         })
@@ -342,9 +343,14 @@ impl TargetModel {
 
     /// LM head over final-normed hidden states, in float32.
     pub fn logits(&self, hidden: &Tensor) -> Tensor {
-        tch::no_grad(|| match &self.lm_head_f32 {
-            Some(head) => hidden.to_kind(Kind::Float).linear::<&Tensor>(head, None),
-            None => hidden.linear::<&Tensor>(&self.lm_head, None),
+        tch::no_grad(|| {
+            if self.kind == Kind::Float {
+                return hidden.linear::<&Tensor>(&self.lm_head, None);
+            }
+            let head = self
+                .lm_head_f32
+                .get_or_init(|| self.lm_head.to_kind(Kind::Float));
+            hidden.to_kind(Kind::Float).linear::<&Tensor>(head, None)
         })
     }
 
@@ -500,7 +506,8 @@ fn masked_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Tensor
 pub struct SharedTarget(TargetModel);
 
 // SAFETY: see the type's documentation: only read-only forwards reach the tensors, and
-// `TargetModel` exposes no method that mutates its weights.
+// `TargetModel` exposes no method that mutates its weights; the one lazily made tensor (the
+// float32 LM head) is set once through a `OnceLock`.
 unsafe impl Sync for SharedTarget {}
 
 impl SharedTarget {
