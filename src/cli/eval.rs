@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::eval::prompts::{check_prompts, eos_ids, prompts_from_data, prompts_from_file};
+use crate::eval::prompts::{check_prompts, prompts_from_data, prompts_from_file};
 use crate::eval::speculative::{evaluate, EvalReport};
 use crate::model::{Drafter, FrozenHead, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
@@ -83,7 +83,7 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
         block_size,
         &what,
     )?;
-    let eos = eos_ids(&args.target, &target_config);
+    let eos = crate::model::model_eos_ids(&args.target, &target_config)?;
     let ids: Vec<Vec<u32>> = prompts.into_iter().map(|p| p.ids).collect();
     let n = devices.len();
     let report = if n == 1 {

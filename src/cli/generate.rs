@@ -68,14 +68,7 @@ pub fn run(runtime: &TorchRuntime, args: GenerateArgs) -> Result<()> {
             .apply_chat_template(&messages, true)
             .with_context(|| format!("{}: cannot build the prompt", model_dir.display()))?
     };
-    let mut eos = model.config.eos_ids();
-    if let Some(id) = tokenizer
-        .eos_token
-        .as_deref()
-        .and_then(|t| tokenizer.token_to_id(t))
-    {
-        eos.push(id);
-    }
+    let eos = crate::model::model_eos_ids(&model_dir, &model.config)?;
     let started = std::time::Instant::now();
     let output = greedy_generate(&model, &prompt_ids, args.max_new_tokens, &eos);
     let seconds = started.elapsed().as_secs_f64();

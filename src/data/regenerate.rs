@@ -27,8 +27,9 @@ use super::arrow_io::{
     dataset_files, read_string_column, read_token_data, split_names, write_split, write_token_rows,
     SplitSummary, TokenColumn, TokenData, TokenRow,
 };
-use crate::eval::regenerate::{generate_all, model_eos_ids, Answer, BatchLimits, Prompt, Sampling};
+use crate::eval::regenerate::{generate_all, Answer, BatchLimits, Prompt, Sampling};
 use crate::fsutil::{write_json, StagedDir};
+use crate::model::model_eos_ids;
 use crate::model::{TargetConfig, TargetModel};
 
 /// Options of `regenerate`.

@@ -119,17 +119,3 @@ pub fn check_prompts(
     }
     Ok(())
 }
-
-/// The end-of-sequence ids of a model: config / generation config, plus the tokenizer's EOS
-/// token (the chat template's end of turn for chat models).
-pub fn eos_ids(model_dir: &Path, config: &TargetConfig) -> Vec<u32> {
-    let mut eos = config.eos_ids();
-    if let Ok(tok) = TextTokenizer::from_model_dir(model_dir) {
-        if let Some(id) = tok.eos_token.as_deref().and_then(|t| tok.token_to_id(t)) {
-            if !eos.contains(&id) {
-                eos.push(id);
-            }
-        }
-    }
-    eos
-}

@@ -12,4 +12,5 @@ pub mod weights;
 pub use config::{Family, TargetConfig};
 pub use drafter::{AnchorBatch, Drafter, FrozenHead};
 pub use drafter_config::{default_target_layer_ids, DrafterConfig, DrafterShape};
+pub use generate::model_eos_ids;
 pub use target::{ForwardRequest, KvCache, SharedTarget, TargetModel, TargetOutput};

@@ -19,7 +19,7 @@ use super::queue::{QueueClosed, QueueLevel, ResizableQueue};
 use crate::config::TrainConfig;
 use crate::data::packer::{collate, Packer, PackerConfig, PackerState};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
-use crate::eval::prompts::{check_prompts, eos_ids, prompts_from_data};
+use crate::eval::prompts::{check_prompts, prompts_from_data};
 use crate::eval::speculative::measure_tau;
 use crate::model::{
     AnchorBatch, Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, SharedTarget,
@@ -464,7 +464,7 @@ fn prepare(
         );
         Some(EvalSetup {
             prompts: prompts.into_iter().map(|p| p.ids).collect(),
-            eos: eos_ids(&target_dir, &target.config),
+            eos: crate::model::model_eos_ids(&target_dir, &target.config)?,
             target,
             best: resume.and_then(read_best),
             last_step: None,
