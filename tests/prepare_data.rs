@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{bench_dir, demo_dir, require_bench, require_demo};
-use dflash_tui::data::arrow_io::{read_batches, read_token_data};
+use dflash_tui::data::arrow_io::read_token_data;
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
@@ -66,26 +66,7 @@ type Row = (String, Vec<u32>, Vec<u8>);
 
 /// Rows of a split.
 fn rows(split: &Path) -> Vec<Row> {
-    let data = read_token_data(split, "input_ids", Some("loss_mask")).unwrap();
-    let mut ids = Vec::new();
-    for f in dflash_tui::data::arrow_io::dataset_files(split).unwrap() {
-        for b in read_batches(&f).unwrap() {
-            let col = b.column_by_name("id").unwrap();
-            let strings = arrow::array::AsArray::as_string::<i32>(col.as_ref());
-            ids.extend(strings.iter().map(|s| s.unwrap().to_string()));
-        }
-    }
-    let masks = data.masks.unwrap();
-    (0..data.ids.len())
-        .map(|i| {
-            let (s, e) = (data.ids.offsets[i], data.ids.offsets[i + 1]);
-            (
-                ids[i].clone(),
-                data.ids.get(i).to_vec(),
-                masks[s..e].to_vec(),
-            )
-        })
-        .collect()
+    common::split_rows(split)
 }
 
 /// prepare-data on `NAME.jsonl` with `tok` equals `NAME.expected.json` (made by transformers).

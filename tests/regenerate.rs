@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{tiny_target_dir, write_token_dataset};
-use dflash_tui::data::arrow_io::{read_string_column, read_token_data, write_split, TokenRow};
+use dflash_tui::data::arrow_io::{write_split, TokenRow};
 use dflash_tui::data::store::{DataColumns, StoreOptions, TokenStore};
 use dflash_tui::eval::regenerate::{generate_all, generate_batch, BatchLimits, Prompt, Sampling};
 use dflash_tui::model::generate::greedy_generate;
@@ -408,20 +408,7 @@ fn regenerate(f: &Fixture, out: &Path, extra: &[&str]) -> (bool, String, String)
 
 /// Rows of one split of an output dataset: (id, ids, mask).
 fn read_split(out: &Path, split: &str) -> Vec<(String, Vec<u32>, Vec<u8>)> {
-    let dir = out.join(split);
-    let data = read_token_data(&dir, "input_ids", Some("loss_mask")).unwrap();
-    let ids = read_string_column(&dir, "id").unwrap().unwrap();
-    let masks = data.masks.unwrap();
-    (0..data.ids.len())
-        .map(|r| {
-            let (s, e) = (data.ids.offsets[r], data.ids.offsets[r + 1]);
-            (
-                ids[r].clone(),
-                data.ids.get(r).to_vec(),
-                masks[s..e].to_vec(),
-            )
-        })
-        .collect()
+    common::split_rows(&out.join(split))
 }
 
 /// Checks one split of an output against the source and the target's greedy decoding: context

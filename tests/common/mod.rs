@@ -549,3 +549,23 @@ pub fn require_bench(path: &Path) -> PathBuf {
     );
     path.to_path_buf()
 }
+
+/// Rows (id, input_ids, loss_mask) of a dataset split folder or file written by prepare-data or
+/// regenerate.
+#[allow(dead_code)]
+pub fn split_rows(split: &Path) -> Vec<(String, Vec<u32>, Vec<u8>)> {
+    use dflash_tui::data::arrow_io::{read_string_column, read_token_data};
+    let data = read_token_data(split, "input_ids", Some("loss_mask")).unwrap();
+    let ids = read_string_column(split, "id").unwrap().unwrap();
+    let masks = data.masks.unwrap();
+    (0..data.ids.len())
+        .map(|r| {
+            let (s, e) = (data.ids.offsets[r], data.ids.offsets[r + 1]);
+            (
+                ids[r].clone(),
+                data.ids.get(r).to_vec(),
+                masks[s..e].to_vec(),
+            )
+        })
+        .collect()
+}
