@@ -7,7 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{bench_dir, demo_dir, require_bench, require_demo};
+use common::{bench_dir, demo_dir, dflash, require_bench, require_demo};
 use dflash_tui::data::arrow_io::read_token_data;
 
 fn fixtures() -> PathBuf {
@@ -16,19 +16,6 @@ fn fixtures() -> PathBuf {
 
 fn tokenizer_dir() -> PathBuf {
     require_demo(&demo_dir().join("SmolLM2-135M-Instruct"))
-}
-
-fn dflash(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
-        .args(args)
-        .env("DFLASH_LOG", "warn")
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 fn prepare(inputs: &[&Path], out: &Path, extra: &[&str]) -> (bool, String, String) {

@@ -5,9 +5,8 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use common::{tiny_target_dir, write_token_dataset};
+use common::{dflash, tiny_target_dir, write_token_dataset};
 use dflash_tui::data::arrow_io::{write_split, TokenRow};
 use dflash_tui::data::store::{DataColumns, StoreOptions, TokenStore};
 use dflash_tui::eval::regenerate::{generate_all, generate_batch, BatchLimits, Prompt, Sampling};
@@ -223,19 +222,6 @@ fn batched_greedy_generation_equals_unbatched_greedy_decoding() {
 }
 
 // ---- the command ----
-
-fn dflash(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
-        .args(args)
-        .env("DFLASH_LOG", "warn")
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// A source row: alternating (mask, tokens) segments.
 type Segments = Vec<(u8, Vec<u32>)>;

@@ -569,3 +569,18 @@ pub fn split_rows(split: &Path) -> Vec<(String, Vec<u32>, Vec<u8>)> {
         })
         .collect()
 }
+
+/// Runs the binary; (success, stdout, stderr).
+#[allow(dead_code)]
+pub fn dflash(args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args(args)
+        .env("DFLASH_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
