@@ -37,6 +37,20 @@ pub struct PreparedSample {
     pub was_cut: bool,
 }
 
+/// The messages with every assistant content replaced by a numbered marker, and the indices
+/// of those assistant messages.
+fn with_markers(messages: &[Message]) -> (Vec<Message>, Vec<usize>) {
+    let mut marked = messages.to_vec();
+    let mut turns = Vec::new();
+    for (i, m) in marked.iter_mut().enumerate() {
+        if m.role == "assistant" {
+            m.content = marker(turns.len());
+            turns.push(i);
+        }
+    }
+    (marked, turns)
+}
+
 /// The marker that stands in for assistant turn `k`'s content: private-use characters that no
 /// template writes, and no leading or trailing whitespace for a template to strip.
 fn marker(k: usize) -> String {
@@ -55,14 +69,7 @@ pub fn assistant_spans(
         .as_ref()
         .ok_or_else(|| "the tokenizer has no chat template".to_string())?;
     let eos = tokenizer.eos_token.as_deref().filter(|e| !e.is_empty());
-    let mut marked = messages.to_vec();
-    let mut turns = Vec::new();
-    for (i, m) in marked.iter_mut().enumerate() {
-        if m.role == "assistant" {
-            m.content = marker(turns.len());
-            turns.push(i);
-        }
-    }
+    let (marked, turns) = with_markers(messages);
     if let Ok(skeleton) = template.render(&marked, false) {
         if let Some(spans) = align_with_markers(&skeleton, full, messages, &turns, eos) {
             return Ok(spans);
@@ -264,14 +271,7 @@ mod tests {
     fn spans_of(messages: &[Message]) -> (String, Vec<String>) {
         let t = ChatTemplate::new(QWEN3_LIKE, None, Some("<|im_end|>".into())).unwrap();
         let full = t.render(messages, false).unwrap();
-        let mut marked = messages.to_vec();
-        let mut turns = Vec::new();
-        for (i, m) in marked.iter_mut().enumerate() {
-            if m.role == "assistant" {
-                m.content = marker(turns.len());
-                turns.push(i);
-            }
-        }
+        let (marked, turns) = with_markers(messages);
         let skeleton = t.render(&marked, false).unwrap();
         let spans =
             align_with_markers(&skeleton, &full, messages, &turns, Some("<|im_end|>")).unwrap();
