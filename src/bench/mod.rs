@@ -216,15 +216,14 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
     let handle = trainer::start(runtime, &cfg, run_dir.path(), false)?;
     let wait_for_step = |step: u64| -> Result<()> {
         loop {
-            let snap = handle.snapshot();
-            if snap.step >= step {
+            let (done, phase, error) = handle.progress();
+            if done >= step {
                 return Ok(());
             }
-            if matches!(snap.phase, Phase::Failed | Phase::Finished) {
+            if matches!(phase, Phase::Failed | Phase::Finished) {
                 bail!(
-                    "the pipeline ended at step {} before step {step}: {}",
-                    snap.step,
-                    snap.error.unwrap_or_default()
+                    "the pipeline ended at step {done} before step {step}: {}",
+                    error.unwrap_or_default()
                 );
             }
             std::thread::sleep(Duration::from_millis(5));

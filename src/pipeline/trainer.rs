@@ -1606,6 +1606,16 @@ impl TrainerHandle {
         self.shared.feature_q.wake_all();
     }
 
+    /// Steps done, the phase and the error, without copying the chart history (for polling).
+    pub fn progress(&self) -> (u64, Phase, Option<String>) {
+        let st = self.shared.status();
+        (
+            st.step,
+            st.phase.unwrap_or(Phase::LoadingModel),
+            st.error.clone(),
+        )
+    }
+
     pub fn is_finished(&self) -> bool {
         self.threads.iter().all(|(_, h)| h.is_finished())
     }
