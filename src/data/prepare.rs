@@ -174,6 +174,20 @@ fn find_contents(
     Ok(spans)
 }
 
+/// The conversation without assistant turns that come before the first user turn (as
+/// FastChat-style preprocessing does): an answer to no question teaches nothing about
+/// answering, and every such turn would follow the same bare prompt (in ShareGPT about a third
+/// of the conversations start with a `gpt` turn, continued from an earlier chat).
+fn without_leading_answers(messages: &[Message]) -> Vec<Message> {
+    let first_user = messages.iter().position(|m| m.role == "user");
+    messages
+        .iter()
+        .enumerate()
+        .filter(|(i, m)| m.role != "assistant" || first_user.is_some_and(|u| *i > u))
+        .map(|(_, m)| m.clone())
+        .collect()
+}
+
 /// Renders and tokenises one record. `Err` carries the reason the record is skipped.
 pub fn prepare_record(
     tokenizer: &TextTokenizer,
@@ -189,9 +203,15 @@ pub fn prepare_record(
             let all = std::iter::once(0..text.len()).collect::<Vec<_>>();
             (ids, offsets, all)
         }
-        RecordBody::Chat(messages) => {
+        RecordBody::Chat(all_messages) => {
+            let messages = &without_leading_answers(all_messages);
             if !messages.iter().any(|m| m.role == "assistant") {
-                return Err("no assistant turn".into());
+                let any_answer = all_messages.iter().any(|m| m.role == "assistant");
+                return Err(if any_answer {
+                    "no assistant turn after a user turn".into()
+                } else {
+                    "no assistant turn".into()
+                });
             }
             if let Some(m) = messages
                 .iter()
@@ -254,6 +274,28 @@ impl TextTokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn answers_before_the_first_question_are_dropped() {
+        let m = |role: &str, content: &str| Message::new(role, content);
+        let conv = [
+            m("system", "s"),
+            m("assistant", "continued"),
+            m("assistant", "more"),
+            m("user", "q1"),
+            m("assistant", "a1"),
+            m("user", "q2"),
+            m("assistant", "a2"),
+        ];
+        let kept: Vec<_> = without_leading_answers(&conv)
+            .into_iter()
+            .map(|m| m.content)
+            .collect();
+        assert_eq!(kept, ["s", "q1", "a1", "q2", "a2"]);
+        assert!(without_leading_answers(&[m("assistant", "x")]).is_empty());
+        let plain = [m("user", "q"), m("assistant", "a")];
+        assert_eq!(without_leading_answers(&plain), plain.to_vec());
+    }
     use crate::text::ChatTemplate;
 
     /// The parts of Qwen3's template that matter here: `messages[0]` read at the top, and an

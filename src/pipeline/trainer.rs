@@ -915,15 +915,18 @@ pub fn measure_stages_alone(
         final_hidden: config.train.kl_weight > 0.0,
         logits: false,
     };
+    // Each device stage is timed over its measured batches as a whole, with one wait for the
+    // device at the end (as in the pipeline, the host queues the next batch's work while the
+    // device still runs the last one); the warm-up batches are waited for before the clock
+    // starts.
     let mut features = Vec::with_capacity(total);
-    let mut target_s = 0.0;
+    let mut target_clock = None;
     for (i, batch) in items.into_iter().enumerate() {
-        let t = Instant::now();
-        let out = target.run(&batch.input_ids.to_device(target.device), None, &req);
-        sync_device(target.device);
-        if i >= warmup {
-            target_s += t.elapsed().as_secs_f64();
+        if i == warmup {
+            sync_device(target.device);
+            target_clock = Some(Instant::now());
         }
+        let out = target.run(&batch.input_ids.to_device(target.device), None, &req);
         features.push(FeatureItem {
             features: out
                 .features
@@ -932,6 +935,8 @@ pub fn measure_stages_alone(
             batch,
         });
     }
+    sync_device(target.device);
+    let target_s = target_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
 
     let drafter = &p.drafters[0];
     let head = &p.heads[0];
@@ -942,9 +947,12 @@ pub fn measure_stages_alone(
     let total_steps = config.train.total_steps.max(1);
     let warmup_steps = (config.train.warmup_ratio * total_steps as f64).round() as u64;
     let first_step = (skip - warmup) as u64;
-    let mut drafter_s = 0.0;
+    let mut drafter_clock = None;
     for (i, item) in features.iter().enumerate() {
-        let t = Instant::now();
+        if i == warmup {
+            sync_device(drafter.device);
+            drafter_clock = Some(Instant::now());
+        }
         train_on_item(&profile, config, drafter, head, item, i as u64, 1.0);
         let mut grad = AdamW::flatten_grads(&params);
         let lr = lr_at(
@@ -961,11 +969,9 @@ pub fn measure_stages_alone(
             config.train.clip_grad_norm,
             lr,
         )?;
-        sync_device(drafter.device);
-        if i >= warmup {
-            drafter_s += t.elapsed().as_secs_f64();
-        }
     }
+    sync_device(drafter.device);
+    let drafter_s = drafter_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
     let distinct = |devs: &[Device]| {
         let mut d = devs.to_vec();
         d.dedup();
