@@ -41,16 +41,22 @@ def main():
     eos = target.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     # record the public model's drafted tokens at every step
-    recorded = []
+    recorded, margins = [], []
     plain_logits = drafter.compute_logits
 
     def recording_logits(hidden, head):
         logits = plain_logits(hidden, head)
         recorded.append(torch.argmax(logits, dim=-1)[0].tolist())
+        top2 = torch.topk(logits[0].float(), 2, dim=-1).values
+        margins.append((top2[..., 0] - top2[..., 1]).tolist())
         return logits
 
     drafter.compute_logits = recording_logits
     same_output, same_accepts, same_drafts, draft_steps = 0, 0, 0, 0
+    # drafts compared only where both decoders stood at the same position (every earlier step
+    # accepted the same number of tokens); once acceptance differs, later drafts start elsewhere
+    aligned_steps, aligned_same, aligned_tokens, aligned_tokens_same = 0, 0, 0, 0
+    diff_margins, draft_diffs = [], []
     steps, accepted = 0, 0
     ours_steps, ours_accepted = 0, 0
     first_diffs = []
@@ -58,6 +64,7 @@ def main():
         for i, p in enumerate(report["prompts"]):
             ids = torch.tensor([p["prompt_ids"]], device=args.device)
             recorded.clear()
+            margins.clear()
             out = dflash_generate(
                 drafter, target, ids, args.max_new_tokens, eos, return_stats=True
             )
@@ -78,9 +85,23 @@ def main():
             if acc[:-1] == ours[: len(acc) - 1]:
                 same_accepts += 1
             # drafts of the steps both made (the public code shortens its last block)
-            for theirs, mine in zip(recorded, p["drafts"]):
+            for k, (theirs, mine) in enumerate(zip(recorded, p["drafts"])):
                 draft_steps += 1
                 same_drafts += theirs == mine[: len(theirs)]
+                # (full blocks only: the public code drafts min(block, tokens left) positions
+                # near the limit, and a block's positions attend to each other, so a shorter
+                # block's drafts legitimately differ)
+                full = len(theirs) == drafter.block_size - 1
+                if acc[:k] == ours[:k] and full:
+                    aligned_steps += 1
+                    aligned_same += theirs == mine[: len(theirs)]
+                    aligned_tokens += len(theirs)
+                    aligned_tokens_same += sum(a == b for a, b in zip(theirs, mine))
+                    # the public drafter's top-1/top-2 logit margin where the tokens differ
+                    for j, (a, b, m) in enumerate(zip(theirs, mine, margins[k])):
+                        if a != b:
+                            diff_margins.append(m)
+                            draft_diffs.append((i, k, j, round(m, 4)))
     print(json.dumps({
         "loading_info_problems": problems,
         "drafter_class": type(drafter).__name__,
@@ -95,6 +116,12 @@ def main():
         "first_differences": first_diffs[:10],
         "draft_steps_compared": draft_steps,
         "identical_drafts": same_drafts,
+        "draft_steps_at_the_same_position": aligned_steps,
+        "identical_drafts_at_the_same_position": aligned_same,
+        "drafted_tokens_at_the_same_position": aligned_tokens,
+        "identical_drafted_tokens_at_the_same_position": aligned_tokens_same,
+        "largest_logit_margin_where_drafted_tokens_differ": max(diff_margins, default=None),
+        "drafted_token_differences": draft_diffs[:10],
     }))
     return 0 if not problems else 1
 
