@@ -262,6 +262,12 @@ pub struct DevicesSection {
     pub target_devices: Vec<String>,
     /// Devices training the drafter (one replica each). Default ["auto"].
     pub drafter_devices: Vec<String>,
+    /// How the replicas' gradients are summed on the first drafter device and the new weights
+    /// handed back: "nccl" (NCCL collectives between the GPUs; CUDA drafter devices only,
+    /// libnccl loaded at run time), "copy" (tensor copies to and from the first drafter
+    /// device; the reference, any devices), or "auto" (NCCL when there are 2+ distinct drafter
+    /// devices, all CUDA, and libnccl loads; else copy). Default "auto".
+    pub grad_sync: String,
 }
 
 impl Default for DevicesSection {
@@ -269,6 +275,7 @@ impl Default for DevicesSection {
         DevicesSection {
             target_devices: vec!["auto".into()],
             drafter_devices: vec!["auto".into()],
+            grad_sync: "auto".into(),
         }
     }
 }

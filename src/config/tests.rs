@@ -78,6 +78,7 @@ fn defaults() {
     );
     assert_eq!(c.devices.target_devices, vec!["auto"]);
     assert_eq!(c.devices.drafter_devices, vec!["auto"]);
+    assert_eq!(c.devices.grad_sync, "auto");
     assert_eq!(
         (c.pipeline.batch_queue_depth, c.pipeline.feature_queue_depth),
         (4, 2)
@@ -375,6 +376,10 @@ fn validation_errors_name_their_field() {
             Box::new(|c| c.devices.drafter_devices = vec!["cuda:x".into()]),
         ),
         (
+            "devices.grad_sync = \"mpi\"",
+            Box::new(|c| c.devices.grad_sync = "mpi".into()),
+        ),
+        (
             "pipeline.batch_queue_depth = 0",
             Box::new(|c| c.pipeline.batch_queue_depth = 0),
         ),
@@ -415,6 +420,59 @@ fn validation_errors_name_their_field() {
 }
 
 #[test]
+fn grad_sync_values() {
+    for value in ["auto", "nccl", "copy"] {
+        let c = minimal(&[
+            &format!("devices.grad_sync={value}"),
+            "devices.drafter_devices=cuda:0,cuda:1",
+        ])
+        .unwrap();
+        assert_eq!(c.devices.grad_sync, value);
+    }
+    // "copy" and "auto" work with any devices
+    for value in ["auto", "copy"] {
+        let c = minimal(&[
+            &format!("devices.grad_sync=\"{value}\""),
+            "devices.drafter_devices=[\"cpu\", \"cpu\"]",
+        ]);
+        assert!(c.is_ok(), "{c:?}");
+    }
+
+    let e = err_text(minimal(&["devices.grad_sync=NCCL"]));
+    assert_eq!(
+        e,
+        "config: devices.grad_sync = \"NCCL\" is not allowed (must be one of auto, nccl, copy)"
+    );
+    let e = err_text(minimal(&["devices.grad_sync=5"]));
+    assert!(e.contains("devices.grad_sync = \"5\""), "{e}");
+    let e = err_text(from_toml_str(
+        &format!("{MINIMAL}\n[devices]\ngrad_sync = true\n"),
+        "test.toml",
+        &[],
+    ));
+    assert!(
+        e.contains("devices.grad_sync") && e.contains("test.toml"),
+        "{e}"
+    );
+
+    // NCCL runs between GPUs: a CPU drafter device is refused before anything loads.
+    let e = err_text(minimal(&[
+        "devices.grad_sync=nccl",
+        "devices.drafter_devices=cuda:0,cpu",
+    ]));
+    assert_eq!(
+        e,
+        "config: devices.grad_sync = \"nccl\" needs CUDA drafter devices, but \
+         devices.drafter_devices[1] = \"cpu\" (use \"copy\" or \"auto\")"
+    );
+    let e = invalid(|c| {
+        c.devices.grad_sync = "nccl".into();
+        c.devices.drafter_devices = vec!["cpu".into()];
+    });
+    assert!(e.contains("devices.grad_sync") && e.contains("cpu"), "{e}");
+}
+
+#[test]
 fn valid_edge_values_pass() {
     let c = minimal(&[
         "devices.target_devices=[\"auto\", \"cpu\", \"cuda\", \"cuda:12\"]",
@@ -448,6 +506,7 @@ fn round_trip() {
         "train.warmup_ratio=0.1",
         "model.target_layer_ids=[1,4,7]",
         "devices.drafter_devices=[\"cuda:0\",\"cuda:1\"]",
+        "devices.grad_sync=nccl",
         "run.name=round \"trip\"",
         "run.seed=12345",
     ])
@@ -470,6 +529,7 @@ fn round_trip() {
     }
     assert!(text.contains("drafter_init = \"\""), "{text}");
     assert!(text.contains("min_lr_ratio = 0"), "{text}");
+    assert!(text.contains("grad_sync = \"nccl\""), "{text}");
     let back = from_toml_str(&text, "resolved.toml", &[]).unwrap();
     assert_eq!(back, c);
 
@@ -537,6 +597,7 @@ fn shipped_configs_parse_validate_and_list_every_field() {
     assert_eq!((tiny.train.lr, tiny.train.warmup_ratio), (3e-3, 0.1));
     assert_eq!(tiny.devices.target_devices, vec!["cpu"]);
     assert_eq!(tiny.devices.drafter_devices, vec!["cpu"]);
+    assert_eq!(tiny.devices.grad_sync, "auto");
     assert_eq!(tiny.checkpoint.save_every_steps, 10);
     assert_eq!(tiny.checkpoint.save_every_minutes, 0.0);
     assert_eq!(tiny.telemetry.log_every_steps, 5);
@@ -572,6 +633,7 @@ fn shipped_configs_parse_validate_and_list_every_field() {
     assert_eq!((gpu.train.total_steps, gpu.train.epochs), (0, 1.0));
     assert_eq!(gpu.devices.target_devices, vec!["cuda:0"]);
     assert_eq!(gpu.devices.drafter_devices, vec!["cuda:0"]);
+    assert_eq!(gpu.devices.grad_sync, "auto");
 
     // Tests point the tiny config at their own files.
     let c = load(

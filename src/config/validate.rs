@@ -9,6 +9,7 @@ use super::TrainConfig;
 
 const DTYPES: &[&str] = &["auto", "f32", "bf16"];
 const FAIL_STAGES: &[&str] = &["loader", "target", "drafter", "checkpoint"];
+const GRAD_SYNCS: &[&str] = &["auto", "nccl", "copy"];
 
 impl TrainConfig {
     /// Checks every field against its allowed range; returns the first problem found, in
@@ -108,6 +109,16 @@ impl TrainConfig {
 
         devices("devices.target_devices", &self.devices.target_devices)?;
         devices("devices.drafter_devices", &self.devices.drafter_devices)?;
+        one_of("devices.grad_sync", &self.devices.grad_sync, GRAD_SYNCS)?;
+        if self.devices.grad_sync == "nccl" {
+            // Devices that resolve to the CPU only at run time ("auto") are refused there.
+            if let Some(i) = self.devices.drafter_devices.iter().position(|d| d == "cpu") {
+                bail!(
+                    "config: devices.grad_sync = \"nccl\" needs CUDA drafter devices, but \
+                     devices.drafter_devices[{i}] = \"cpu\" (use \"copy\" or \"auto\")"
+                );
+            }
+        }
 
         let p = &self.pipeline;
         int_between("pipeline.batch_queue_depth", p.batch_queue_depth, 1, 1024)?;

@@ -2,8 +2,10 @@
 //! gradient averaging and AdamW, in background threads joined by resizable queues, steered by
 //! commands.
 
+pub mod collective;
 pub mod command;
 pub mod control;
 pub mod headless;
+pub mod nccl;
 pub mod queue;
 pub mod trainer;

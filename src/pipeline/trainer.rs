@@ -1,8 +1,9 @@
 //! The staged trainer (control-room spec §1): a loader thread, one target worker per target
 //! device, one drafter worker per drafter device, joined by resizable queues. Drafter worker 0
 //! coordinates: it averages the replicas' flat gradients, clips, runs AdamW on the fp32 master
-//! weights, hands the new weights back, writes metrics and checkpoints. Everything is steered
-//! through [`TrainerHandle::command`] and observed through [`TrainerHandle::snapshot`].
+//! weights, hands the new weights back (by copies or NCCL collectives, see [`super::collective`]),
+//! writes metrics and checkpoints. Everything is steered through [`TrainerHandle::command`] and
+//! observed through [`TrainerHandle::snapshot`].
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
@@ -14,6 +15,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use crossbeam_channel::{Receiver, Sender};
 use tch::{Device, Kind, Tensor};
 
+use super::collective::{self, CoordinatorSync, GradSyncPlan, ParamsMsg, ReplicaSync};
 use super::command::Command;
 use super::queue::{QueueClosed, QueueLevel, ResizableQueue};
 use crate::config::TrainConfig;
@@ -64,15 +66,11 @@ struct FeatureItem {
     teacher_hidden: Option<Tensor>,
 }
 
-/// What the coordinator sends replicas after a step.
-enum ParamsMsg {
-    Weights(Tensor),
-    Stop,
-}
-
 /// A replica's contribution to a step.
 struct GradMsg {
-    grad: Tensor,
+    /// The flat gradient on the coordinator's device (copy path; with NCCL it stays on the
+    /// replica for the reduce).
+    grad: Option<Tensor>,
     sums: LossTensors,
     tokens: u64,
     samples: u64,
@@ -243,6 +241,7 @@ struct Prepared {
     total_steps: u64,
     target_devices: Vec<Device>,
     drafter_devices: Vec<Device>,
+    grad_sync: GradSyncPlan,
     eval: Option<EvalSetup>,
 }
 
@@ -285,6 +284,13 @@ fn prepare(
                 .with_context(|| "config: devices.drafter_devices".to_string())
         })
         .collect::<Result<Vec<_>>>()?;
+    // Decided (and libnccl loaded, where NCCL is to be used) before any model is loaded.
+    let grad_sync = collective::plan(
+        &config.devices.grad_sync,
+        &config.devices.drafter_devices,
+        &drafter_devices,
+        runtime.libtorch_dir.as_deref(),
+    )?;
     let target_kind = resolve_kind(&config.model.dtype, target_devices[0])?;
     let drafter_kind = resolve_kind(&config.model.dtype, drafter_devices[0])?;
 
@@ -488,6 +494,7 @@ fn prepare(
         total_steps,
         target_devices,
         drafter_devices,
+        grad_sync,
     })
 }
 
@@ -600,6 +607,9 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         Ok((name, h))
     };
     let config = Arc::new(p.config.clone());
+    // The NCCL communicators, if any, before any thread starts.
+    let (coordinator_sync, replica_syncs, sync_note) = p.grad_sync.connect(&p.drafter_devices)?;
+    shared.event("grad_sync", sync_note);
 
     // Loader.
     {
@@ -659,6 +669,7 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         optimizer: p.optimizer,
         grad_rx,
         param_txs,
+        sync: coordinator_sync,
         step: p.start_step,
         total_steps: p.total_steps,
         last_seen: None,
@@ -686,16 +697,16 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
             }),
         )?);
     }
-    for (r, (drafter, (head, rx))) in drafters.zip(heads.zip(param_rxs)).enumerate() {
+    let workers = drafters.zip(heads.zip(param_rxs.into_iter().zip(replica_syncs)));
+    for (r, (drafter, (head, (rx, sync)))) in workers.enumerate() {
         let r = r + 1;
         let shared = shared.clone();
         let cfg = config.clone();
         let tx = grad_tx.clone();
-        let dev0 = p.drafter_devices[0];
         threads.push(spawn(
             format!("drafter-{r}"),
             Box::new(move || {
-                if let Err(e) = replica(&shared, &cfg, r, drafter, head, tx, rx, dev0) {
+                if let Err(e) = replica(&shared, &cfg, r, drafter, head, tx, rx, sync) {
                     shared.fail(&format!("drafter worker {r}"), &e);
                 }
             }),
@@ -1105,7 +1116,7 @@ fn replica(
     head: FrozenHead,
     tx: Sender<GradMsg>,
     rx: Receiver<ParamsMsg>,
-    dev0: Device,
+    mut sync: ReplicaSync,
 ) -> Result<()> {
     let mut step = shared.status().step;
     loop {
@@ -1114,7 +1125,7 @@ fn replica(
         };
         let params = drafter.named_parameters();
         let grad = shared.profile.time(Event::GRAD_SYNC, || {
-            AdamW::flatten_grads(&params).to_device(dev0)
+            sync.outgoing(AdamW::flatten_grads(&params))
         });
         if tx
             .send(GradMsg {
@@ -1128,28 +1139,10 @@ fn replica(
         {
             return Ok(());
         }
-        match rx.recv() {
-            Ok(ParamsMsg::Weights(flat)) => {
-                tch::no_grad(|| write_flat(&flat, &params));
-            }
-            Ok(ParamsMsg::Stop) | Err(_) => return Ok(()),
+        if !sync.exchange(&rx, &params)? {
+            return Ok(());
         }
         step += 1;
-    }
-}
-
-/// Copies a flat master buffer into parameters (one transfer to their device).
-fn write_flat(flat: &Tensor, params: &[(String, &Tensor)]) {
-    let Some((_, first)) = params.first() else {
-        return;
-    };
-    let local = flat.to_device(first.device()).to_kind(first.kind());
-    let mut offset = 0i64;
-    for (_, p) in params {
-        let n = p.numel() as i64;
-        let mut p = p.shallow_clone();
-        p.copy_(&local.narrow(0, offset, n).view(p.size().as_slice()));
-        offset += n;
     }
 }
 
@@ -1161,6 +1154,7 @@ struct Coordinator {
     optimizer: AdamW,
     grad_rx: Receiver<GradMsg>,
     param_txs: Vec<Sender<ParamsMsg>>,
+    sync: CoordinatorSync,
     step: u64,
     total_steps: u64,
     /// (seq, resume, epoch) of the newest batch consumed
@@ -1199,7 +1193,9 @@ impl Coordinator {
                     .grad_rx
                     .recv()
                     .map_err(|_| anyhow!("a drafter replica stopped"))?;
-                grad += &msg.grad;
+                if let Some(g) = &msg.grad {
+                    grad += g;
+                }
                 sums.add(&msg.sums);
                 tokens += msg.tokens;
                 samples += msg.samples;
@@ -1210,6 +1206,7 @@ impl Coordinator {
                     newest = msg.last;
                 }
             }
+            self.sync.reduce(&grad, &self.param_txs)?;
             if !self.param_txs.is_empty() {
                 grad /= (self.param_txs.len() + 1) as f64;
             }
@@ -1230,12 +1227,7 @@ impl Coordinator {
                     lr,
                 )
             })?;
-            if !self.param_txs.is_empty() {
-                let flat = self.master_flat();
-                for tx in &self.param_txs {
-                    let _ = tx.send(ParamsMsg::Weights(flat.shallow_clone()));
-                }
-            }
+            self.sync.hand_back(&params, &self.param_txs)?;
             self.step += 1;
             if newest.is_some() {
                 self.last_seen = newest;
@@ -1411,17 +1403,6 @@ impl Coordinator {
             self.shared.set_phase(p);
         }
         Ok(())
-    }
-
-    fn master_flat(&self) -> Tensor {
-        let params = self.drafter.named_parameters();
-        Tensor::cat(
-            &params
-                .iter()
-                .map(|(_, p)| p.detach().to_kind(Kind::Float).reshape([-1]))
-                .collect::<Vec<_>>(),
-            0,
-        )
     }
 
     /// Checkpoint and stop requests at a step boundary; true when the run should end.

@@ -1,0 +1,688 @@
+//! How the drafter replicas' gradients reach the coordinator (drafter worker 0) and how the new
+//! weights get back, per optimizer step (`devices.grad_sync`):
+//!
+//! - copy: each replica moves its flat fp32 gradient to the coordinator's device and sends it
+//!   over the channel; the coordinator adds them up, and sends the new weights back as one flat
+//!   fp32 tensor, which each replica copies to its device (the reference path; any devices).
+//! - nccl: the flat gradients stay where they are and are summed into the coordinator's by an
+//!   NCCL reduce (rank 0 = the coordinator's device); the new weights go back by an NCCL
+//!   broadcast from rank 0 into a flat buffer on each replica (in the parameters' dtype, so the
+//!   result is the same as the copy path's). CUDA devices only.
+//!
+//! The loss sums, token counts and batch metadata go over the channel either way. With NCCL
+//! the coordinator decides each collective and tells every replica over the channel before
+//! anyone enters it ([`ParamsMsg::Reduce`], [`ParamsMsg::Broadcast`]); each replica confirms
+//! that it issued the call (an ack per replica), and only then does the coordinator wait on its
+//! device. So a stop, a pause or a failure between steps never leaves a rank inside a
+//! collective that another rank will not join: the replicas are then told `Stop` instead.
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Result};
+use crossbeam_channel::{Receiver, Sender};
+use tch::{Device, Kind, Tensor};
+
+use super::nccl::{self, NcclLibrary, NcclRank};
+
+/// What the coordinator sends a replica after that replica's gradient message of a step.
+pub(crate) enum ParamsMsg {
+    /// Copy path: the new weights (flat fp32, on the coordinator's device).
+    Weights(Tensor),
+    /// NCCL: enter the gradient reduce now.
+    Reduce,
+    /// NCCL: enter the weight broadcast now.
+    Broadcast,
+    Stop,
+}
+
+/// A replica's confirmation that it issued a collective (or why it could not).
+type Ack = std::result::Result<(), String>;
+
+/// The resolved `devices.grad_sync`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradSyncKind {
+    Copy,
+    Nccl,
+}
+
+/// What `devices.grad_sync` resolved to on this machine, and why.
+pub struct GradSyncPlan {
+    pub kind: GradSyncKind,
+    pub reason: String,
+    library: Option<&'static NcclLibrary>,
+    /// "auto": fall back to the copy path if the communicators cannot be set up.
+    fallback: bool,
+}
+
+impl GradSyncPlan {
+    pub fn describe(&self) -> String {
+        match self.kind {
+            GradSyncKind::Copy => format!("gradient sync: copy ({})", self.reason),
+            GradSyncKind::Nccl => format!("gradient sync: nccl ({})", self.reason),
+        }
+    }
+}
+
+/// Resolves `devices.grad_sync` (`setting`) for the drafter devices (`specs` as configured,
+/// `devices` as resolved). "nccl" that cannot work here is an error naming the field; "auto"
+/// takes NCCL when there are two or more distinct CUDA drafter devices and libnccl loads, and
+/// the copy path otherwise. libnccl is loaded only when NCCL is otherwise possible.
+pub fn plan(
+    setting: &str,
+    specs: &[String],
+    devices: &[Device],
+    libtorch_dir: Option<&Path>,
+) -> Result<GradSyncPlan> {
+    let copy = |reason: String| GradSyncPlan {
+        kind: GradSyncKind::Copy,
+        reason,
+        library: None,
+        fallback: false,
+    };
+    let field = "config: devices.grad_sync";
+    let explicit = match setting {
+        "copy" => return Ok(copy("devices.grad_sync = \"copy\"".into())),
+        "nccl" => true,
+        "auto" => false,
+        other => bail!("{field} = {other:?} is not allowed (must be one of auto, nccl, copy)"),
+    };
+    let spec = |i: usize| specs.get(i).map_or("?", String::as_str);
+    if let Some(i) = devices.iter().position(|d| !d.is_cuda()) {
+        let why = format!(
+            "devices.drafter_devices[{i}] = {:?} is {}",
+            spec(i),
+            device_name(devices[i])
+        );
+        if explicit {
+            bail!("{field} = \"nccl\" needs CUDA drafter devices, but {why} (use \"copy\" or \"auto\")");
+        }
+        return Ok(copy(if devices.len() < 2 {
+            "one drafter device".into()
+        } else {
+            format!("{why}, not a CUDA device")
+        }));
+    }
+    if let Some((i, j)) = first_repeat(devices) {
+        let why = format!(
+            "devices.drafter_devices[{i}] = {:?} and [{j}] = {:?} are both {}",
+            spec(i),
+            spec(j),
+            device_name(devices[i])
+        );
+        if explicit {
+            bail!("{field} = \"nccl\" needs distinct CUDA devices (one NCCL rank per GPU), but {why} (use \"copy\")");
+        }
+        return Ok(copy(format!("{why}; NCCL needs one rank per GPU")));
+    }
+    if !explicit && devices.len() < 2 {
+        return Ok(copy("one drafter device".into()));
+    }
+    match nccl::library(libtorch_dir) {
+        Ok(library) => Ok(GradSyncPlan {
+            kind: GradSyncKind::Nccl,
+            reason: format!(
+                "{} CUDA drafter devices; NCCL {} from {}",
+                devices.len(),
+                library.version_string(),
+                library.path.display()
+            ),
+            library: Some(library),
+            fallback: !explicit,
+        }),
+        Err(e) if explicit => bail!("{field} = \"nccl\", but {e}"),
+        Err(e) => Ok(copy(e)),
+    }
+}
+
+fn first_repeat(devices: &[Device]) -> Option<(usize, usize)> {
+    (0..devices.len()).find_map(|j| {
+        devices[..j]
+            .iter()
+            .position(|d| *d == devices[j])
+            .map(|i| (i, j))
+    })
+}
+
+fn device_name(d: Device) -> String {
+    match d {
+        Device::Cpu => "the CPU".into(),
+        Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The coordinator's side of the exchange.
+pub(crate) enum CoordinatorSync {
+    Copy,
+    Nccl {
+        rank: NcclRank,
+        /// One per replica, in replica order.
+        acks: Vec<Receiver<Ack>>,
+    },
+}
+
+/// A replica's side of the exchange.
+pub(crate) enum ReplicaSync {
+    Copy {
+        /// The coordinator's device.
+        dev0: Device,
+    },
+    Nccl {
+        rank: NcclRank,
+        ack: Sender<Ack>,
+        /// This step's flat gradient, kept here for the reduce.
+        grad: Option<Tensor>,
+        /// The flat weight buffer the broadcast writes (allocated at the first step).
+        weights: Option<Tensor>,
+    },
+}
+
+impl GradSyncPlan {
+    /// Sets the plan up for the drafter devices (creates the NCCL communicators): the
+    /// coordinator's side, one side per further device, and a line saying what is used.
+    pub(crate) fn connect(
+        self,
+        devices: &[Device],
+    ) -> Result<(CoordinatorSync, Vec<ReplicaSync>, String)> {
+        let dev0 = *devices
+            .first()
+            .ok_or_else(|| anyhow!("no drafter device"))?;
+        let copy = |note: String| {
+            let replicas = devices[1..]
+                .iter()
+                .map(|_| ReplicaSync::Copy { dev0 })
+                .collect();
+            (CoordinatorSync::Copy, replicas, note)
+        };
+        let Some(library) = self.library else {
+            return Ok(copy(self.describe()));
+        };
+        let ranks = match nccl::communicators(library, devices) {
+            Ok(r) => r,
+            Err(e) if self.fallback => {
+                return Ok(copy(format!(
+                    "gradient sync: copy (NCCL communicators could not be set up: {e:#})"
+                )))
+            }
+            Err(e) => {
+                return Err(e.context("config: devices.grad_sync = \"nccl\": NCCL set-up failed"))
+            }
+        };
+        let mut ranks = ranks.into_iter();
+        let root = ranks.next().ok_or_else(|| anyhow!("no drafter device"))?;
+        let mut acks = Vec::new();
+        let mut replicas = Vec::new();
+        for rank in ranks {
+            let (tx, rx) = crossbeam_channel::bounded::<Ack>(1);
+            acks.push(rx);
+            replicas.push(ReplicaSync::Nccl {
+                rank,
+                ack: tx,
+                grad: None,
+                weights: None,
+            });
+        }
+        Ok((
+            CoordinatorSync::Nccl { rank: root, acks },
+            replicas,
+            self.describe(),
+        ))
+    }
+}
+
+impl CoordinatorSync {
+    /// Adds the replicas' gradients of this step into `grad`, the coordinator's own flat fp32
+    /// gradient. Copy path: nothing to do here (the gradients came with the messages and were
+    /// added as they arrived). NCCL: an in-place reduce into `grad`. Call once every replica's
+    /// message of the step has arrived (each replica then waits for the next message).
+    pub fn reduce(&self, grad: &Tensor, txs: &[Sender<ParamsMsg>]) -> Result<()> {
+        match self {
+            CoordinatorSync::Copy => Ok(()),
+            CoordinatorSync::Nccl { rank, acks } => {
+                if txs.is_empty() {
+                    return Ok(());
+                }
+                collective(
+                    rank,
+                    acks,
+                    txs,
+                    || ParamsMsg::Reduce,
+                    "gradient reduce",
+                    |r| r.reduce_sum_to_root(grad),
+                )
+            }
+        }
+    }
+
+    /// Hands the new weights (`params`, the coordinator's updated compute copy) to the
+    /// replicas. Copy path: one flat fp32 tensor over each channel. NCCL: a broadcast.
+    pub fn hand_back(&self, params: &[(String, &Tensor)], txs: &[Sender<ParamsMsg>]) -> Result<()> {
+        if txs.is_empty() {
+            return Ok(());
+        }
+        match self {
+            CoordinatorSync::Copy => {
+                let flat = flat_params(params, Kind::Float);
+                for tx in txs {
+                    let _ = tx.send(ParamsMsg::Weights(flat.shallow_clone()));
+                }
+                Ok(())
+            }
+            CoordinatorSync::Nccl { rank, acks } => {
+                let flat = flat_params(params, flat_kind(params));
+                collective(
+                    rank,
+                    acks,
+                    txs,
+                    || ParamsMsg::Broadcast,
+                    "weight broadcast",
+                    |r| r.broadcast_from_root(&flat),
+                )
+            }
+        }
+    }
+}
+
+/// The coordinator's half of one collective: tell every replica to enter it, enter it, then
+/// wait until every replica confirms it entered too. Any failure poisons the communicators
+/// (so that they are aborted without waiting on the devices) and ends the step with an error.
+fn collective(
+    rank: &NcclRank,
+    acks: &[Receiver<Ack>],
+    txs: &[Sender<ParamsMsg>],
+    msg: impl Fn() -> ParamsMsg,
+    what: &str,
+    call: impl FnOnce(&NcclRank) -> Result<()>,
+) -> Result<()> {
+    for (i, tx) in txs.iter().enumerate() {
+        if tx.send(msg()).is_err() {
+            rank.poison();
+            bail!("NCCL {what}: drafter worker {} has stopped", i + 1);
+        }
+    }
+    if let Err(e) = call(rank) {
+        rank.poison();
+        return Err(e.context(format!("NCCL {what} on the coordinator")));
+    }
+    for (i, ack) in acks.iter().enumerate() {
+        let failure = match ack.recv() {
+            Ok(Ok(())) => continue,
+            Ok(Err(e)) => e,
+            Err(_) => "it stopped before taking part".to_string(),
+        };
+        rank.poison();
+        bail!("NCCL {what}: drafter worker {}: {failure}", i + 1);
+    }
+    Ok(())
+}
+
+impl ReplicaSync {
+    /// Takes the replica's flat fp32 gradient of this step and returns what its gradient
+    /// message carries: copy path: the gradient moved to the coordinator's device; NCCL:
+    /// nothing (the gradient stays here, kept for the reduce).
+    pub fn outgoing(&mut self, flat: Tensor) -> Option<Tensor> {
+        match self {
+            ReplicaSync::Copy { dev0 } => Some(flat.to_device(*dev0)),
+            ReplicaSync::Nccl { grad, .. } => {
+                *grad = Some(flat);
+                None
+            }
+        }
+    }
+
+    /// After the replica's gradient message went out: follows the coordinator's messages until
+    /// the new weights are in `params` (Ok(true)), or until it says stop (Ok(false)).
+    pub fn exchange(
+        &mut self,
+        rx: &Receiver<ParamsMsg>,
+        params: &[(String, &Tensor)],
+    ) -> Result<bool> {
+        let done = self.follow(rx, params);
+        if let ReplicaSync::Nccl { grad, .. } = self {
+            *grad = None;
+        }
+        done
+    }
+
+    fn follow(&mut self, rx: &Receiver<ParamsMsg>, params: &[(String, &Tensor)]) -> Result<bool> {
+        loop {
+            let msg = match rx.recv() {
+                Ok(ParamsMsg::Stop) | Err(_) => return Ok(false),
+                Ok(m) => m,
+            };
+            match (&mut *self, msg) {
+                (ReplicaSync::Copy { .. }, ParamsMsg::Weights(flat)) => {
+                    write_flat(&flat, params);
+                    return Ok(true);
+                }
+                (
+                    ReplicaSync::Nccl {
+                        rank,
+                        ack,
+                        grad: Some(grad),
+                        ..
+                    },
+                    ParamsMsg::Reduce,
+                ) => {
+                    let issued = rank.reduce_sum_to_root(grad);
+                    confirm(rank, ack, &issued);
+                    issued?;
+                }
+                (
+                    ReplicaSync::Nccl {
+                        rank, ack, weights, ..
+                    },
+                    ParamsMsg::Broadcast,
+                ) => {
+                    let buffer = match weights {
+                        Some(b) => b,
+                        None => weights.insert(weight_buffer(params)),
+                    };
+                    let issued = rank.broadcast_from_root(buffer);
+                    confirm(rank, ack, &issued);
+                    issued?;
+                    write_flat(buffer, params);
+                    return Ok(true);
+                }
+                (_, _) => bail!("gradient sync: unexpected message from the coordinator"),
+            }
+        }
+    }
+}
+
+fn confirm(rank: &NcclRank, ack: &Sender<Ack>, issued: &Result<()>) {
+    if issued.is_err() {
+        rank.poison();
+    }
+    let _ = ack.send(issued.as_ref().map_err(|e| format!("{e:#}")).copied());
+}
+
+/// The kind the weights travel in: the parameters' own kind when they all share one that NCCL
+/// moves (bf16 weights then cost half the bytes and arrive unchanged), else fp32.
+fn flat_kind(params: &[(String, &Tensor)]) -> Kind {
+    let first = params.first().map_or(Kind::Float, |(_, p)| p.kind());
+    let uniform = params.iter().all(|(_, p)| p.kind() == first);
+    if uniform && matches!(first, Kind::Float | Kind::BFloat16 | Kind::Half) {
+        first
+    } else {
+        Kind::Float
+    }
+}
+
+/// An empty flat buffer for the parameters' weights, on their device.
+fn weight_buffer(params: &[(String, &Tensor)]) -> Tensor {
+    let n: i64 = params.iter().map(|(_, p)| p.numel() as i64).sum();
+    let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
+    Tensor::empty([n], (flat_kind(params), device))
+}
+
+/// The parameters as one flat tensor of `kind`, on their device.
+pub(crate) fn flat_params(params: &[(String, &Tensor)], kind: Kind) -> Tensor {
+    Tensor::cat(
+        &params
+            .iter()
+            .map(|(_, p)| p.detach().to_kind(kind).reshape([-1]))
+            .collect::<Vec<_>>(),
+        0,
+    )
+}
+
+/// Copies a flat weight buffer into parameters (one transfer to their device).
+pub(crate) fn write_flat(flat: &Tensor, params: &[(String, &Tensor)]) {
+    let Some((_, first)) = params.first() else {
+        return;
+    };
+    tch::no_grad(|| {
+        let local = flat.to_device(first.device()).to_kind(first.kind());
+        let mut offset = 0i64;
+        for (_, p) in params {
+            let n = p.numel() as i64;
+            let mut p = p.shallow_clone();
+            p.copy_(&local.narrow(0, offset, n).view(p.size().as_slice()));
+            offset += n;
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::optim::{AdamW, AdamWConfig};
+
+    fn specs(devices: &[Device]) -> Vec<String> {
+        devices
+            .iter()
+            .map(|d| match d {
+                Device::Cuda(i) => format!("cuda:{i}"),
+                _ => "cpu".into(),
+            })
+            .collect()
+    }
+
+    fn plan_for(setting: &str, devices: &[Device]) -> Result<GradSyncPlan> {
+        plan(setting, &specs(devices), devices, None)
+    }
+
+    #[test]
+    fn cpu_drafter_devices_take_the_copy_path() {
+        let one = plan_for("auto", &[Device::Cpu]).unwrap();
+        assert_eq!(one.kind, GradSyncKind::Copy);
+        assert_eq!(one.describe(), "gradient sync: copy (one drafter device)");
+        let two = plan_for("auto", &[Device::Cpu, Device::Cpu]).unwrap();
+        assert_eq!(two.kind, GradSyncKind::Copy);
+        assert!(two.reason.contains("the CPU"), "{}", two.reason);
+        let copy = plan_for("copy", &[Device::Cuda(0), Device::Cuda(1)]).unwrap();
+        assert_eq!(copy.kind, GradSyncKind::Copy);
+        assert!(copy.library.is_none());
+
+        let e = plan_for("nccl", &[Device::Cuda(0), Device::Cpu])
+            .err()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            e,
+            "config: devices.grad_sync = \"nccl\" needs CUDA drafter devices, but \
+             devices.drafter_devices[1] = \"cpu\" is the CPU (use \"copy\" or \"auto\")"
+        );
+        let e = plan_for("nccl", &[Device::Cuda(0), Device::Cuda(0)])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("devices.grad_sync = \"nccl\" needs distinct CUDA devices")
+                && e.contains("[0] = \"cuda:0\" and [1] = \"cuda:0\" are both cuda:0"),
+            "{e}"
+        );
+        let twice = plan_for("auto", &[Device::Cuda(0), Device::Cuda(0)]).unwrap();
+        assert_eq!(twice.kind, GradSyncKind::Copy);
+        let e = plan_for("ring", &[Device::Cpu]).err().unwrap().to_string();
+        assert!(e.contains("devices.grad_sync = \"ring\""), "{e}");
+    }
+
+    #[test]
+    fn nccl_is_taken_only_where_libnccl_loads() {
+        let devices = [Device::Cuda(0), Device::Cuda(1)];
+        let loads = nccl::library(None).is_ok();
+        let auto = plan_for("auto", &devices).unwrap();
+        let explicit = plan_for("nccl", &devices);
+        if loads {
+            assert_eq!(auto.kind, GradSyncKind::Nccl);
+            assert_eq!(explicit.unwrap().kind, GradSyncKind::Nccl);
+        } else {
+            assert_eq!(auto.kind, GradSyncKind::Copy);
+            assert!(auto.reason.contains("libnccl could not be loaded"));
+            let e = explicit.err().unwrap().to_string();
+            assert!(
+                e.starts_with(
+                    "config: devices.grad_sync = \"nccl\", but libnccl could not be loaded"
+                ),
+                "{e}"
+            );
+            assert!(e.contains(nccl::LIBRARY_ENV), "{e}");
+        }
+    }
+
+    /// Initial weights and per-(step, replica) gradients, made on the CPU from a fixed seed.
+    struct Case {
+        init: Vec<Tensor>,
+        grads: Vec<Vec<Tensor>>,
+    }
+
+    fn case(replicas: usize, steps: usize) -> Case {
+        let g = |seed: i64, shape: &[i64]| {
+            tch::manual_seed(seed);
+            Tensor::randn(shape, (Kind::Float, Device::Cpu))
+        };
+        let shapes: [&[i64]; 3] = [&[64, 48], &[48], &[17, 5]];
+        let init = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| g(i as i64, s) * 0.1)
+            .collect();
+        let n: i64 = shapes.iter().map(|s| s.iter().product::<i64>()).sum();
+        let grads = (0..steps)
+            .map(|s| {
+                (0..replicas)
+                    .map(|r| g(1000 + (s * replicas + r) as i64, &[n]))
+                    .collect()
+            })
+            .collect();
+        Case { init, grads }
+    }
+
+    fn named(params: &[Tensor]) -> Vec<(String, &Tensor)> {
+        params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (format!("p{i}"), p))
+            .collect()
+    }
+
+    /// Optimizer steps as the trainer takes them, with one thread per replica: the final
+    /// weights of every replica (coordinator first), as fp32 on the CPU. Every replica has its
+    /// own copy of the weights (`copy`: on the CPU `to_device`/`to_kind` may alias).
+    fn run_steps(plan: GradSyncPlan, devices: &[Device], kind: Kind, c: &Case) -> Vec<Vec<Tensor>> {
+        let (coordinator, replicas, _) = plan.connect(devices).unwrap();
+        let (grad_tx, grad_rx) = crossbeam_channel::unbounded::<Option<Tensor>>();
+        let mut txs = Vec::new();
+        let mut threads = Vec::new();
+        for (r, mut sync) in replicas.into_iter().enumerate() {
+            let r = r + 1;
+            let (tx, rx) = crossbeam_channel::unbounded::<ParamsMsg>();
+            txs.push(tx);
+            let dev = devices[r];
+            let params: Vec<Tensor> = c
+                .init
+                .iter()
+                .map(|t| t.to_kind(kind).to_device(dev).copy())
+                .collect();
+            let grads: Vec<Tensor> = c.grads.iter().map(|g| g[r].shallow_clone()).collect();
+            let grad_tx = grad_tx.clone();
+            threads.push(std::thread::spawn(move || {
+                let named = named(&params);
+                for g in &grads {
+                    grad_tx.send(sync.outgoing(g.to_device(dev))).unwrap();
+                    assert!(sync.exchange(&rx, &named).unwrap());
+                }
+                assert!(!sync.exchange(&rx, &named).unwrap());
+                params
+                    .iter()
+                    .map(|p| p.to_kind(Kind::Float).to_device(Device::Cpu))
+                    .collect::<Vec<_>>()
+            }));
+        }
+        let dev0 = devices[0];
+        let params: Vec<Tensor> = c
+            .init
+            .iter()
+            .map(|t| t.to_kind(kind).to_device(dev0).copy())
+            .collect();
+        let named0 = named(&params);
+        let config = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        };
+        let mut optimizer = AdamW::new(&named0, dev0, config);
+        for g in &c.grads {
+            let mut grad = g[0].to_device(dev0);
+            for _ in 0..txs.len() {
+                if let Some(other) = grad_rx.recv().unwrap() {
+                    grad += other;
+                }
+            }
+            coordinator.reduce(&grad, &txs).unwrap();
+            grad /= devices.len() as f64;
+            let _norm = AdamW::clip_on_device(&mut grad, 1.0);
+            optimizer.update(&grad, 1e-2);
+            optimizer.write_params(&named0).unwrap();
+            coordinator.hand_back(&named0, &txs).unwrap();
+        }
+        for tx in &txs {
+            tx.send(ParamsMsg::Stop).unwrap();
+        }
+        let mut out = vec![params
+            .iter()
+            .map(|p| p.to_kind(Kind::Float).to_device(Device::Cpu))
+            .collect::<Vec<_>>()];
+        for t in threads {
+            out.push(t.join().unwrap());
+        }
+        drop(coordinator);
+        out
+    }
+
+    fn max_diff(a: &[Tensor], b: &[Tensor]) -> f64 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs().max().double_value(&[]))
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn copy_path_keeps_replicas_equal_to_the_coordinator() {
+        let devices = [Device::Cpu, Device::Cpu, Device::Cpu];
+        let c = case(devices.len(), 3);
+        let plan = plan_for("auto", &devices).unwrap();
+        let weights = run_steps(plan, &devices, Kind::Float, &c);
+        assert_eq!(weights.len(), 3);
+        for w in &weights[1..] {
+            assert_eq!(max_diff(&weights[0], w), 0.0);
+        }
+        assert!(max_diff(&weights[0], &c.init) > 1e-3, "the weights moved");
+    }
+
+    /// `cargo test --release -- --ignored nccl` on a machine with two GPUs.
+    #[test]
+    #[ignore = "needs 2 CUDA devices and libnccl"]
+    fn nccl_step_gives_the_weights_of_the_copy_path() {
+        let runtime = crate::runtime::TorchRuntime::init();
+        assert!(
+            runtime.cuda_devices() >= 2,
+            "this test needs 2 CUDA devices ({} usable)",
+            runtime.cuda_devices()
+        );
+        let devices = [Device::Cuda(0), Device::Cuda(1)];
+        let specs = specs(&devices);
+        let dir = runtime.libtorch_dir.as_deref();
+        let c = case(devices.len(), 3);
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let copy = plan("copy", &specs, &devices, dir).unwrap();
+            let nccl = plan("nccl", &specs, &devices, dir).unwrap();
+            assert_eq!(nccl.kind, GradSyncKind::Nccl, "{}", nccl.describe());
+            eprintln!("{kind:?}: {}", nccl.describe());
+            let reference = run_steps(copy, &devices, kind, &c);
+            let got = run_steps(nccl, &devices, kind, &c);
+            for (r, (a, b)) in reference.iter().zip(&got).enumerate() {
+                let d = max_diff(a, b);
+                eprintln!("{kind:?} replica {r}: largest difference {d:e}");
+                assert!(d <= 1e-6, "{kind:?} replica {r}: {d}");
+            }
+            for w in &got[1..] {
+                assert_eq!(max_diff(&got[0], w), 0.0, "{kind:?}: replicas agree");
+            }
+            assert!(max_diff(&got[0], &c.init) > 1e-3, "the weights moved");
+        }
+    }
+}
