@@ -1013,7 +1013,7 @@ fn train_on_item(
         kl_weight: cfg.train.kl_weight,
         kl_temperature: cfg.train.kl_temperature,
         streak_alpha: cfg.train.streak_alpha,
-        chunk_rows: 8192,
+        chunk_rows: LossOptions::chunk_rows_for_vocab(head.lm_head.size()[0]),
     };
     let b = &item.batch;
     let (plan, targets) = profile.time(Event::DRAFTER_ANCHORS, || {

@@ -131,6 +131,17 @@ pub struct LossOptions {
     pub chunk_rows: i64,
 }
 
+impl LossOptions {
+    /// LM-head rows per chunk so that one chunk's float32 logits take about 1 GiB (2^28
+    /// values), within 256..=8192 rows. A chunk's forward and backward hold about four
+    /// tensors of that size at once (logits in bf16 and fp32, log-softmax, its gradient):
+    /// for Qwen3's 151,936-row vocabulary 1,766 rows, about 4.5 GiB at the peak instead of
+    /// about 20 GiB with 8,192 rows; the matrix products stay large.
+    pub fn chunk_rows_for_vocab(vocab: i64) -> i64 {
+        ((1i64 << 28) / vocab.max(1)).clamp(256, 8192)
+    }
+}
+
 /// Metrics of one micro-batch (sums, so that they can be combined).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct LossSums {
@@ -427,6 +438,21 @@ mod tests {
             sample_anchors(&mask, &[10, 6], stride, 4, 2, 1),
             "seeded"
         );
+    }
+
+    #[test]
+    fn loss_chunks_hold_about_a_gibibyte_of_logits() {
+        let budget = 1i64 << 28;
+        for vocab in [
+            50, 1_000, 32_000, 49_152, 128_256, 151_936, 262_144, 10_000_000,
+        ] {
+            let rows = LossOptions::chunk_rows_for_vocab(vocab);
+            assert!((256..=8192).contains(&rows), "vocab {vocab}: {rows} rows");
+            // within the budget unless held at the floor, and one row more would exceed it
+            // unless held at the ceiling
+            assert!(rows == 256 || rows * vocab <= budget, "vocab {vocab}");
+            assert!(rows == 8192 || (rows + 1) * vocab > budget, "vocab {vocab}");
+        }
     }
 
     #[test]
