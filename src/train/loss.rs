@@ -135,7 +135,7 @@ impl LossOptions {
     /// LM-head rows per chunk so that one chunk's float32 logits take about 1 GiB (2^28
     /// values), within 256..=8192 rows. A chunk's forward and backward hold about four
     /// tensors of that size at once (logits in bf16 and fp32, log-softmax, its gradient):
-    /// for Qwen3's 151,936-row vocabulary 1,766 rows, about 4.5 GiB at the peak instead of
+    /// for Qwen3's 151,936-row vocabulary 1,766 rows, by estimate about 4.5 GiB at the peak instead of
     /// about 20 GiB with 8,192 rows; the matrix products stay large.
     pub fn chunk_rows_for_vocab(vocab: i64) -> i64 {
         ((1i64 << 28) / vocab.max(1)).clamp(256, 8192)
