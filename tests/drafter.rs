@@ -626,6 +626,66 @@ fn loss_and_gradients_are_the_same_with_both_formulations() {
     }
 }
 
+type NamedGrads = Vec<(String, Tensor)>;
+
+#[test]
+fn loss_and_gradients_do_not_depend_on_the_loss_chunk_size() {
+    let block = 4usize;
+    let lengths = [26usize, 15];
+    let f = fixture_with(block as i64);
+    let (b, ids, mask, plan) = random_batch(&lengths, block, 10, 9, true);
+    let targets = block_targets(&ids, &mask, &lengths, 26, &plan, block, 7.0);
+    let feats = random_features(2, 26, 23);
+    tch::manual_seed(24);
+    let teacher = Tensor::randn([2, 26, 32], (Kind::Float, Device::Cpu));
+    for (kl_weight, streak_alpha, teacher) in [(0.0, 0.0, None), (0.4, 0.3, Some(&teacher))] {
+        let mut results: Vec<(i64, LossSums, NamedGrads)> = Vec::new();
+        // one row per chunk, uneven chunks, and everything in one chunk
+        for chunk_rows in [1, 4, 7, 100_000] {
+            let opts = LossOptions {
+                kl_weight,
+                kl_temperature: 2.0,
+                streak_alpha,
+                chunk_rows,
+            };
+            zero_grads(&f.drafter);
+            let hidden = f
+                .drafter
+                .forward_train_with(&f.head, &feats, &b, TrainAttention::AUTO);
+            let (sums, pending) = loss_and_backward(
+                &hidden,
+                &f.head.lm_head,
+                &targets,
+                &plan.valid,
+                teacher,
+                &opts,
+                1.0,
+            );
+            pending.expect("a backward pass").run();
+            assert!(sums.weight > 0.0 && sums.loss().is_finite());
+            results.push((chunk_rows, sums, grads(&f.drafter)));
+        }
+        let (_, ref_sums, ref_grads) = &results[results.len() - 1];
+        for (rows, sums, g) in &results[..results.len() - 1] {
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * (1.0 + a.abs());
+            assert!(
+                close(ref_sums.weighted_loss, sums.weighted_loss),
+                "chunks of {rows}: {ref_sums:?} vs {sums:?}"
+            );
+            assert!(close(ref_sums.weight, sums.weight));
+            assert!(close(ref_sums.weighted_correct, sums.weighted_correct));
+            assert!(close(ref_sums.accepted, sums.accepted));
+            for ((name, a), (_, b)) in ref_grads.iter().zip(g) {
+                let d = rel_diff(a, b);
+                assert!(
+                    d < 1e-4,
+                    "chunks of {rows}: gradient of {name} differs by {d}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn deferred_loss_gives_the_same_sums_and_gradients() {
     let block = 4usize;
