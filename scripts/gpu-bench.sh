@@ -54,6 +54,10 @@ two-gpus)
   fi
   bench qwen3-8b-target-drafter qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-20}" \
     --set 'devices.target_devices=["cuda:0"]' --set 'devices.drafter_devices=["cuda:1"]'
+  # the target on the first GPU, drafter replicas on both (the target GPU has room beside it)
+  bench qwen3-8b-target-on-0-drafters-on-both qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-20}" \
+    --set 'devices.target_devices=["cuda:0"]' \
+    --set 'devices.drafter_devices=["cuda:0","cuda:1"]' --set 'devices.grad_sync=nccl'
   # data-parallel: a target worker and a drafter replica on each GPU, gradients by NCCL
   bench qwen3-8b-replicas qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-20}" \
     --set 'devices.target_devices=["cuda:0","cuda:1"]' \
