@@ -8,6 +8,8 @@
 set -euo pipefail
 TL=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))" 2>/dev/null)/lib || true
 export LD_LIBRARY_PATH=$TL
+# NVLink multicast stays off (the machines' rule: it can take shared GPUs out of service)
+export NCCL_NVLS_ENABLE=0
 W=${W:-/tmp/w}
 OUT=${OUT:-/tmp/out}
 B=$W/dflash-tui
