@@ -11,8 +11,8 @@ use dflash_tui::model::{
     AnchorBatch, Drafter, DrafterConfig, DrafterShape, FrozenHead, KvCache, TargetModel,
 };
 use dflash_tui::train::loss::{
-    block_targets, loss_and_backward, loss_and_backward_deferred, sample_anchors, LossOptions,
-    LossSums,
+    block_targets, loss_and_backward, loss_and_backward_deferred, sample_anchors, BlockTargets,
+    LossOptions, LossSums,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -559,6 +559,67 @@ fn chunked_attention_matches_dense_logits_and_gradients() {
     }
 }
 
+type NamedGrads = Vec<(String, Tensor)>;
+
+/// One training loss pass (forward with `attn`, loss, backward) from zeroed gradients: the
+/// loss sums and every parameter's gradient.
+#[allow(clippy::too_many_arguments)]
+fn loss_pass(
+    f: &Fixture,
+    feats: &Tensor,
+    b: &AnchorBatch,
+    attn: TrainAttention,
+    targets: &BlockTargets,
+    valid: &[bool],
+    teacher: Option<&Tensor>,
+    opts: &LossOptions,
+    scale: f64,
+) -> (LossSums, NamedGrads) {
+    zero_grads(&f.drafter);
+    let hidden = f.drafter.forward_train_with(&f.head, feats, b, attn);
+    let (sums, pending) = loss_and_backward(
+        &hidden,
+        &f.head.lm_head,
+        targets,
+        valid,
+        teacher,
+        opts,
+        scale,
+    );
+    pending.expect("a backward pass").run();
+    assert!(sums.weight > 0.0 && sums.blocks > 0.0);
+    assert!(sums.loss().is_finite(), "{attn}");
+    (sums, grads(&f.drafter))
+}
+
+/// The same loss sums (within 1e-5 relative) and gradients (within 1e-4 relative).
+fn assert_same_loss_and_grads(
+    what: &str,
+    reference: &(LossSums, NamedGrads),
+    other: &(LossSums, NamedGrads),
+) {
+    let ((ref_sums, ref_grads), (sums, g)) = (reference, other);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * (1.0 + a.abs());
+    assert!(
+        close(ref_sums.weighted_loss, sums.weighted_loss),
+        "{what}: {ref_sums:?} vs {sums:?}"
+    );
+    assert!(close(ref_sums.weight, sums.weight), "{what}");
+    assert!(
+        close(ref_sums.weighted_correct, sums.weighted_correct),
+        "{what}"
+    );
+    assert!(close(ref_sums.accepted, sums.accepted), "{what}");
+    assert_eq!(ref_sums.blocks, sums.blocks, "{what}");
+    for ((name, a), (_, b)) in ref_grads.iter().zip(g) {
+        let d = rel_diff(a, b);
+        assert!(
+            d < 1e-4,
+            "{what}: gradient of {name} differs by {d} (relative)"
+        );
+    }
+}
+
 #[test]
 fn loss_and_gradients_are_the_same_with_both_formulations() {
     let block = 4usize;
@@ -583,50 +644,30 @@ fn loss_and_gradients_are_the_same_with_both_formulations() {
         chunk_rows: 5,
     };
     for (opts, teacher) in [(&plain, None), (&soft_streak, Some(&teacher))] {
-        let mut results: Vec<(LossSums, Vec<(String, Tensor)>)> = Vec::new();
-        for attn in [
-            TrainAttention::Dense,
-            TrainAttention::AUTO,
-            TrainAttention::Chunked {
-                blocks_per_chunk: 3,
-            },
-        ] {
-            zero_grads(&f.drafter);
-            let hidden = f.drafter.forward_train_with(&f.head, &feats, &b, attn);
-            let (sums, pending) = loss_and_backward(
-                &hidden,
-                &f.head.lm_head,
+        let pass = |attn| {
+            loss_pass(
+                &f,
+                &feats,
+                &b,
+                attn,
                 &targets,
                 &plan.valid,
                 teacher,
                 opts,
                 0.5,
-            );
-            pending.expect("a backward pass").run();
-            assert!(sums.weight > 0.0 && sums.blocks > 0.0);
-            assert!(sums.loss().is_finite(), "{attn}");
-            results.push((sums, grads(&f.drafter)));
-        }
-        let (ref_sums, ref_grads) = &results[0];
-        for (sums, g) in &results[1..] {
-            let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * (1.0 + a.abs());
-            assert!(
-                close(ref_sums.weighted_loss, sums.weighted_loss),
-                "{ref_sums:?} vs {sums:?}"
-            );
-            assert!(close(ref_sums.weight, sums.weight));
-            assert!(close(ref_sums.weighted_correct, sums.weighted_correct));
-            assert!(close(ref_sums.accepted, sums.accepted));
-            assert_eq!(ref_sums.blocks, sums.blocks);
-            for ((name, a), (_, b)) in ref_grads.iter().zip(g) {
-                let d = rel_diff(a, b);
-                assert!(d < 1e-4, "gradient of {name} differs by {d} (relative)");
-            }
+            )
+        };
+        let reference = pass(TrainAttention::Dense);
+        for attn in [
+            TrainAttention::AUTO,
+            TrainAttention::Chunked {
+                blocks_per_chunk: 3,
+            },
+        ] {
+            assert_same_loss_and_grads(&attn.to_string(), &reference, &pass(attn));
         }
     }
 }
-
-type NamedGrads = Vec<(String, Tensor)>;
 
 #[test]
 fn loss_and_gradients_do_not_depend_on_the_loss_chunk_size() {
@@ -639,49 +680,30 @@ fn loss_and_gradients_do_not_depend_on_the_loss_chunk_size() {
     tch::manual_seed(24);
     let teacher = Tensor::randn([2, 26, 32], (Kind::Float, Device::Cpu));
     for (kl_weight, streak_alpha, teacher) in [(0.0, 0.0, None), (0.4, 0.3, Some(&teacher))] {
-        let mut results: Vec<(i64, LossSums, NamedGrads)> = Vec::new();
-        // one row per chunk, uneven chunks, and everything in one chunk
-        for chunk_rows in [1, 4, 7, 100_000] {
+        let pass = |chunk_rows| {
             let opts = LossOptions {
                 kl_weight,
                 kl_temperature: 2.0,
                 streak_alpha,
                 chunk_rows,
             };
-            zero_grads(&f.drafter);
-            let hidden = f
-                .drafter
-                .forward_train_with(&f.head, &feats, &b, TrainAttention::AUTO);
-            let (sums, pending) = loss_and_backward(
-                &hidden,
-                &f.head.lm_head,
+            let attn = TrainAttention::AUTO;
+            loss_pass(
+                &f,
+                &feats,
+                &b,
+                attn,
                 &targets,
                 &plan.valid,
                 teacher,
                 &opts,
                 1.0,
-            );
-            pending.expect("a backward pass").run();
-            assert!(sums.weight > 0.0 && sums.loss().is_finite());
-            results.push((chunk_rows, sums, grads(&f.drafter)));
-        }
-        let (_, ref_sums, ref_grads) = &results[results.len() - 1];
-        for (rows, sums, g) in &results[..results.len() - 1] {
-            let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * (1.0 + a.abs());
-            assert!(
-                close(ref_sums.weighted_loss, sums.weighted_loss),
-                "chunks of {rows}: {ref_sums:?} vs {sums:?}"
-            );
-            assert!(close(ref_sums.weight, sums.weight));
-            assert!(close(ref_sums.weighted_correct, sums.weighted_correct));
-            assert!(close(ref_sums.accepted, sums.accepted));
-            for ((name, a), (_, b)) in ref_grads.iter().zip(g) {
-                let d = rel_diff(a, b);
-                assert!(
-                    d < 1e-4,
-                    "chunks of {rows}: gradient of {name} differs by {d}"
-                );
-            }
+            )
+        };
+        // everything in one chunk against one row per chunk and uneven chunks
+        let reference = pass(100_000);
+        for rows in [1, 4, 7] {
+            assert_same_loss_and_grads(&format!("chunks of {rows}"), &reference, &pass(rows));
         }
     }
 }
