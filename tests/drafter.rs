@@ -561,35 +561,66 @@ fn chunked_attention_matches_dense_logits_and_gradients() {
 
 type NamedGrads = Vec<(String, Tensor)>;
 
-/// One training loss pass (forward with `attn`, loss, backward) from zeroed gradients: the
-/// loss sums and every parameter's gradient.
-#[allow(clippy::too_many_arguments)]
-fn loss_pass(
-    f: &Fixture,
-    feats: &Tensor,
-    b: &AnchorBatch,
-    attn: TrainAttention,
-    targets: &BlockTargets,
-    valid: &[bool],
-    teacher: Option<&Tensor>,
-    opts: &LossOptions,
-    scale: f64,
-) -> (LossSums, NamedGrads) {
-    zero_grads(&f.drafter);
-    let hidden = f.drafter.forward_train_with(&f.head, feats, b, attn);
-    let (sums, pending) = loss_and_backward(
-        &hidden,
-        &f.head.lm_head,
-        targets,
-        valid,
-        teacher,
-        opts,
-        scale,
-    );
-    pending.expect("a backward pass").run();
-    assert!(sums.weight > 0.0 && sums.blocks > 0.0);
-    assert!(sums.loss().is_finite(), "{attn}");
-    (sums, grads(&f.drafter))
+/// A batch of two rows (26 and 15 tokens, block 4, loss on random spans) for the loss tests,
+/// with drafter features and teacher states drawn from `seed`.
+struct LossCase {
+    f: Fixture,
+    b: AnchorBatch,
+    targets: BlockTargets,
+    valid: Vec<bool>,
+    feats: Tensor,
+    teacher: Tensor,
+}
+
+impl LossCase {
+    fn new(seed: i64) -> Self {
+        let block = 4usize;
+        let lengths = [26usize, 15];
+        let f = fixture_with(block as i64);
+        let (b, ids, mask, plan) = random_batch(&lengths, block, 10, 9, true);
+        let targets = block_targets(&ids, &mask, &lengths, 26, &plan, block, 7.0);
+        let feats = random_features(2, 26, seed);
+        tch::manual_seed(seed + 1);
+        let teacher = Tensor::randn([2, 26, 32], (Kind::Float, Device::Cpu));
+        LossCase {
+            f,
+            b,
+            targets,
+            valid: plan.valid,
+            feats,
+            teacher,
+        }
+    }
+
+    /// One training loss pass (forward with `attn`, loss, backward) from zeroed gradients:
+    /// the loss sums and every parameter's gradient.
+    fn pass(
+        &self,
+        attn: TrainAttention,
+        soft: bool,
+        opts: &LossOptions,
+        scale: f64,
+    ) -> (LossSums, NamedGrads) {
+        let f = &self.f;
+        zero_grads(&f.drafter);
+        let hidden = f
+            .drafter
+            .forward_train_with(&f.head, &self.feats, &self.b, attn);
+        let teacher = soft.then_some(&self.teacher);
+        let (sums, pending) = loss_and_backward(
+            &hidden,
+            &f.head.lm_head,
+            &self.targets,
+            &self.valid,
+            teacher,
+            opts,
+            scale,
+        );
+        pending.expect("a backward pass").run();
+        assert!(sums.weight > 0.0 && sums.blocks > 0.0);
+        assert!(sums.loss().is_finite(), "{attn}");
+        (sums, grads(&f.drafter))
+    }
 }
 
 /// The same loss sums (within 1e-5 relative) and gradients (within 1e-4 relative).
@@ -622,15 +653,7 @@ fn assert_same_loss_and_grads(
 
 #[test]
 fn loss_and_gradients_are_the_same_with_both_formulations() {
-    let block = 4usize;
-    let lengths = [26usize, 15];
-    let f = fixture_with(block as i64);
-    let (b, ids, mask, plan) = random_batch(&lengths, block, 10, 9, true);
-    let stride = 26;
-    let targets = block_targets(&ids, &mask, &lengths, stride, &plan, block, 7.0);
-    let feats = random_features(2, stride as i64, 21);
-    tch::manual_seed(22);
-    let teacher = Tensor::randn([2, stride as i64, 32], (Kind::Float, Device::Cpu));
+    let case = LossCase::new(21);
     let plain = LossOptions {
         kl_weight: 0.0,
         kl_temperature: 1.0,
@@ -643,43 +666,24 @@ fn loss_and_gradients_are_the_same_with_both_formulations() {
         streak_alpha: 0.3,
         chunk_rows: 5,
     };
-    for (opts, teacher) in [(&plain, None), (&soft_streak, Some(&teacher))] {
-        let pass = |attn| {
-            loss_pass(
-                &f,
-                &feats,
-                &b,
-                attn,
-                &targets,
-                &plan.valid,
-                teacher,
-                opts,
-                0.5,
-            )
-        };
-        let reference = pass(TrainAttention::Dense);
+    for (opts, soft) in [(&plain, false), (&soft_streak, true)] {
+        let reference = case.pass(TrainAttention::Dense, soft, opts, 0.5);
         for attn in [
             TrainAttention::AUTO,
             TrainAttention::Chunked {
                 blocks_per_chunk: 3,
             },
         ] {
-            assert_same_loss_and_grads(&attn.to_string(), &reference, &pass(attn));
+            let other = case.pass(attn, soft, opts, 0.5);
+            assert_same_loss_and_grads(&attn.to_string(), &reference, &other);
         }
     }
 }
 
 #[test]
 fn loss_and_gradients_do_not_depend_on_the_loss_chunk_size() {
-    let block = 4usize;
-    let lengths = [26usize, 15];
-    let f = fixture_with(block as i64);
-    let (b, ids, mask, plan) = random_batch(&lengths, block, 10, 9, true);
-    let targets = block_targets(&ids, &mask, &lengths, 26, &plan, block, 7.0);
-    let feats = random_features(2, 26, 23);
-    tch::manual_seed(24);
-    let teacher = Tensor::randn([2, 26, 32], (Kind::Float, Device::Cpu));
-    for (kl_weight, streak_alpha, teacher) in [(0.0, 0.0, None), (0.4, 0.3, Some(&teacher))] {
+    let case = LossCase::new(23);
+    for (kl_weight, streak_alpha, soft) in [(0.0, 0.0, false), (0.4, 0.3, true)] {
         let pass = |chunk_rows| {
             let opts = LossOptions {
                 kl_weight,
@@ -687,18 +691,7 @@ fn loss_and_gradients_do_not_depend_on_the_loss_chunk_size() {
                 streak_alpha,
                 chunk_rows,
             };
-            let attn = TrainAttention::AUTO;
-            loss_pass(
-                &f,
-                &feats,
-                &b,
-                attn,
-                &targets,
-                &plan.valid,
-                teacher,
-                &opts,
-                1.0,
-            )
+            case.pass(TrainAttention::AUTO, soft, &opts, 1.0)
         };
         // everything in one chunk against one row per chunk and uneven chunks
         let reference = pass(100_000);
