@@ -122,28 +122,32 @@ impl AdamW {
         })
     }
 
-    /// One AdamW update with the averaged flat gradient (on the optimizer device).
+    /// One AdamW update with the averaged flat gradient (on the optimizer device). A billion
+    /// fp32 weights make every element-wise pass over the state cost milliseconds, so the
+    /// update is written with as few passes as libtorch's in-place operations allow.
     pub fn update(&mut self, grad: &Tensor, lr: f64) {
         tch::no_grad(|| {
             let c = self.config;
             self.step += 1;
             let t = self.step as i32;
-            let _ = self
-                .exp_avg
-                .g_mul_scalar_(c.beta1)
-                .g_add_(&(grad * (1.0 - c.beta1)));
-            let _ = self
-                .exp_avg_sq
-                .g_mul_scalar_(c.beta2)
-                .g_add_(&(grad * grad * (1.0 - c.beta2)));
+            // m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+            let _ = self.exp_avg.lerp_(grad, 1.0 - c.beta1);
+            let _ = self.exp_avg_sq.lerp_(&grad.square(), 1.0 - c.beta2);
             let bias1 = 1.0 - c.beta1.powi(t);
             let bias2 = 1.0 - c.beta2.powi(t);
             if c.weight_decay > 0.0 {
                 let _ = self.master.g_mul_scalar_(1.0 - lr * c.weight_decay);
             }
-            let denom = (&self.exp_avg_sq / bias2).sqrt() + c.eps;
-            let update = (&self.exp_avg / bias1) / denom * lr;
-            let _ = self.master.g_sub_(&update);
+            // master -= step * m / (sqrt(v / bias2) + eps), as master += m / denom with
+            // denom = -(sqrt(v) / sqrt(bias2) + eps) / step.
+            // (A zero learning rate, the end of a cosine schedule to 0, changes nothing.)
+            let step = lr / bias1;
+            if step > 0.0 {
+                let mut denom = self.exp_avg_sq.sqrt();
+                let _ = denom.g_mul_scalar_(-1.0 / (step * bias2.sqrt()));
+                let _ = denom.g_add_scalar_(-c.eps / step);
+                let _ = self.master.addcdiv_(&self.exp_avg, &denom);
+            }
         })
     }
 
