@@ -81,8 +81,18 @@ fn cpu_tiny_bench_reports_every_field_consistently() {
         assert!((0.0..=1.0).contains(&busy), "{stage}: {busy}");
         assert!(r["stage_alone_tokens_per_s"][stage].as_f64().unwrap() > 0.0);
     }
-    // efficiency against the slowest stage alone
+    // efficiency against the slowest stage alone; target and drafter share the CPU here, so
+    // they count together, one after the other
     let alone = r["stage_alone_tokens_per_s"].as_object().unwrap();
+    let rate = |k: &str| alone[k].as_f64().unwrap();
+    let both = 1.0 / (1.0 / rate("target") + 1.0 / rate("drafter"));
+    assert!((rate("target+drafter") - both).abs() < 1e-9 * both);
+    assert_eq!(r["slowest_stage"], "target+drafter");
+    // host time per profiled event over the window
+    let steps = &r["profile_ms"]["step.total"];
+    // (the two snapshots are taken as the window's first and last steps end, give or take one)
+    assert!((3..=5).contains(&steps[1].as_u64().unwrap()), "{steps}");
+    assert!(steps[0].as_f64().unwrap() > 0.0);
     let slowest = alone
         .values()
         .map(|v| v.as_f64().unwrap())

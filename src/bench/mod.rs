@@ -14,6 +14,7 @@ use serde::Serialize;
 
 use crate::config::{self, TrainConfig};
 use crate::model::{DrafterConfig, DrafterShape, TargetConfig};
+use crate::pipeline::command::Command;
 use crate::pipeline::trainer::{self, measure_stages_alone, StageAloneRates};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::gpu::GpuMonitor;
@@ -66,9 +67,15 @@ pub struct BenchReport {
     pub gpu_util: BTreeMap<String, f64>,
     pub mfu: Option<f64>,
     pub pipeline_efficiency: f64,
-    /// tokens/s of each stage run alone on the same batches.
+    /// tokens/s of each stage run alone on the same batches. Stages that share a device are
+    /// also listed together ("target+drafter"): run alone, one after the other, on that device.
     pub stage_alone_tokens_per_s: BTreeMap<String, f64>,
+    /// The slowest of the stages run alone; where stages share a device, the stages of that
+    /// device together (they cannot overlap there: the device is the stage).
     pub slowest_stage: String,
+    /// Host time per ProfileStats event over the window: mean ms per occurrence (work queued,
+    /// not device time, for the device stages) and the number of occurrences.
+    pub profile_ms: BTreeMap<String, (f64, u64)>,
     /// Peak NVML memory per GPU over the run, GB (1e9 bytes).
     pub peak_mem_gb: BTreeMap<String, f64>,
     /// Parameters the FLOP count uses: target layers actually run (up to the last tapped
@@ -79,6 +86,22 @@ pub struct BenchReport {
     pub tokens: u64,
     pub samples: u64,
     pub draft_blocks: u64,
+}
+
+/// Whether the target and the drafter stages run on the same devices (as configured; "auto"
+/// and "cuda" name the first GPU, as "cuda:0" does).
+fn shared_devices(targets: &[String], drafters: &[String]) -> bool {
+    let canonical = |d: &String| match d.as_str() {
+        "auto" | "cuda" => "cuda:0".to_string(),
+        other => other.to_string(),
+    };
+    let mut t: Vec<String> = targets.iter().map(canonical).collect();
+    let mut d: Vec<String> = drafters.iter().map(canonical).collect();
+    t.sort();
+    t.dedup();
+    d.sort();
+    d.dedup();
+    t == d
 }
 
 /// The config file of a profile name, or the path itself.
@@ -155,33 +178,14 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
         );
     }
     let mut cfg = config::load(&path, &opts.overrides)?;
-    cfg.train.total_steps = opts.warmup_steps + opts.steps;
+    // More steps than measured: the run is stopped after the window (never reaching its end,
+    // where it would save a final checkpoint).
+    cfg.train.total_steps = opts.warmup_steps + opts.steps + 1000;
     cfg.checkpoint.save_every_steps = 0;
     cfg.checkpoint.save_every_minutes = 0.0;
     cfg.eval.every_steps = 0;
     cfg.telemetry.profile_interval_s = 0.0;
     let (target_params, drafter_params, hidden, vocab, block) = model_flops_counts(&cfg)?;
-
-    log::info!(
-        "bench {}: each stage alone on {} batches",
-        opts.profile,
-        opts.stage_batches
-    );
-    // The same batches as the measured window: the packer's order after the warm-up's.
-    let per_step = cfg.train.grad_accum.max(1) * cfg.devices.drafter_devices.len();
-    let skip = (opts.warmup_steps.max(1) as usize) * per_step;
-    let batches = if opts.stage_batches > 0 {
-        opts.stage_batches
-    } else {
-        opts.steps as usize * per_step
-    };
-    let alone: StageAloneRates = measure_stages_alone(runtime, &cfg, skip, batches)?;
-    log::info!(
-        "alone: loader {:.0}, target {:.0}, drafter {:.0} tokens/s",
-        alone.loader_tokens_per_s,
-        alone.target_tokens_per_s,
-        alone.drafter_tokens_per_s
-    );
 
     // GPU sampling for the whole pipeline run; utilisation is averaged over the window only.
     let monitor = GpuMonitor::open().ok();
@@ -236,6 +240,9 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
     in_window.store(false, Ordering::Relaxed);
     let p1 = handle.profile_report();
     let snap = handle.snapshot();
+    // A benchmark's weights are thrown away: stop without the final checkpoint (for an 8B
+    // target's drafter that is 20 GB of training state written to disk).
+    let _ = handle.command(&Command::Stop { checkpoint: false });
     let outcome = handle.join();
     done.store(true, Ordering::Relaxed);
     if let Some(s) = sampler {
@@ -245,6 +252,28 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
     if outcome.phase == Phase::Failed {
         bail!("the pipeline failed: {}", outcome.error.unwrap_or_default());
     }
+
+    // Each stage alone on the same batches as the measured window (the packer's order after
+    // the warm-up's), after the pipeline run, so that its memory does not count in the
+    // pipeline's peak.
+    let per_step = cfg.train.grad_accum.max(1) * cfg.devices.drafter_devices.len();
+    let skip = (opts.warmup_steps.max(1) as usize) * per_step;
+    let batches = if opts.stage_batches > 0 {
+        opts.stage_batches
+    } else {
+        opts.steps as usize * per_step
+    };
+    log::info!(
+        "bench {}: each stage alone on {batches} batches",
+        opts.profile
+    );
+    let alone: StageAloneRates = measure_stages_alone(runtime, &cfg, skip, batches)?;
+    log::info!(
+        "alone: loader {:.0}, target {:.0}, drafter {:.0} tokens/s",
+        alone.loader_tokens_per_s,
+        alone.target_tokens_per_s,
+        alone.drafter_tokens_per_s
+    );
 
     // The window: steps after the warm-up, timed by the step records themselves.
     let first = opts.warmup_steps.max(1);
@@ -290,11 +319,32 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
     alone_rates.insert("loader".to_string(), alone.loader_tokens_per_s);
     alone_rates.insert("target".to_string(), alone.target_tokens_per_s);
     alone_rates.insert("drafter".to_string(), alone.drafter_tokens_per_s);
-    let (slowest, slowest_rate) = alone_rates
+    // Target and drafter on the same devices: each token costs that device the time of both
+    // stages, so what the pipeline can reach there is their sequential rate.
+    let mut candidates = alone_rates.clone();
+    if shared_devices(&cfg.devices.target_devices, &cfg.devices.drafter_devices) {
+        let both = 1.0
+            / (1.0 / alone.target_tokens_per_s.max(1e-9)
+                + 1.0 / alone.drafter_tokens_per_s.max(1e-9));
+        alone_rates.insert("target+drafter".to_string(), both);
+        candidates.remove("target");
+        candidates.remove("drafter");
+        candidates.insert("target+drafter".to_string(), both);
+    }
+    let (slowest, slowest_rate) = candidates
         .iter()
         .min_by(|a, b| a.1.total_cmp(b.1))
         .map(|(k, v)| (k.clone(), *v))
         .unwrap_or_default();
+    let mut profile_ms = BTreeMap::new();
+    for row in &p1.rows {
+        let before = p0.rows.iter().find(|r| r.event == row.event);
+        let count = row.cumulative.count - before.map_or(0, |r| r.cumulative.count);
+        let total = row.cumulative.total_s - before.map_or(0.0, |r| r.cumulative.total_s);
+        if count > 0 {
+            profile_ms.insert(row.event.clone(), (total * 1e3 / count as f64, count));
+        }
+    }
 
     let flops = 2.0 * target_params * tokens as f64
         + 6.0 * drafter_params * positions
@@ -344,6 +394,7 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
         pipeline_efficiency: tokens_per_s / slowest_rate.max(1e-9),
         stage_alone_tokens_per_s: alone_rates,
         slowest_stage: slowest,
+        profile_ms,
         peak_mem_gb,
         target_params_used: target_params,
         drafter_params,
