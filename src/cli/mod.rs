@@ -230,6 +230,13 @@ pub enum Command {
 
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
+    // Batches change shape at every step: growable segments keep the CUDA caching allocator
+    // from fragmenting into many fixed blocks (PyTorch's own advice for this case). Set here,
+    // while the process has one thread and before libtorch reads it; a user's setting wins.
+    const ALLOC_CONF: &str = "PYTORCH_CUDA_ALLOC_CONF";
+    if std::env::var_os(ALLOC_CONF).is_none() && std::env::var_os("PYTORCH_ALLOC_CONF").is_none() {
+        std::env::set_var(ALLOC_CONF, "expandable_segments:True");
+    }
     let cli = Cli::parse();
     if !matches!(cli.command, Command::Train { .. }) {
         init_logging(&cli.log_level, None);
