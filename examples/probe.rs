@@ -1,0 +1,289 @@
+//! Where the time of one training batch goes on a GPU: each part of the target forward and of
+//! the drafter step timed alone, with a wait for the device around each, on a random-weight
+//! target of a model shape. A diagnostic for tuning, not a benchmark of the pipeline (that is
+//! `dflash-tui bench`).
+//!
+//!   cargo run --release --example probe -- configs/shapes/qwen3-8b [rows] [len] [anchors]
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use dflash_tui::model::layers::{rms_norm, Rope};
+use dflash_tui::model::{AnchorBatch, Drafter, DrafterConfig, DrafterShape, FrozenHead};
+use dflash_tui::model::{ForwardRequest, TargetModel};
+use dflash_tui::runtime::TorchRuntime;
+use dflash_tui::train::loss::LossOptions;
+use dflash_tui::train::loss::{block_targets, loss_and_backward_deferred, sample_anchors};
+use dflash_tui::train::optim::{AdamW, AdamWConfig};
+use tch::{Device, Kind, Tensor};
+
+fn time_ms(dev: Device, iters: usize, mut f: impl FnMut()) -> f64 {
+    let sync = || {
+        if let Device::Cuda(i) = dev {
+            tch::Cuda::synchronize(i as i64);
+        }
+    };
+    f();
+    sync();
+    let t = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    sync();
+    t.elapsed().as_secs_f64() * 1e3 / iters as f64
+}
+
+fn main() -> Result<()> {
+    let _rt = TorchRuntime::init();
+    let args: Vec<String> = std::env::args().collect();
+    let dir = Path::new(
+        args.get(1)
+            .context("usage: probe SHAPE_DIR [rows] [len] [anchors]")?,
+    );
+    let rows: i64 = args.get(2).map_or(Ok(2), |s| s.parse())?;
+    let len: i64 = args.get(3).map_or(Ok(1500), |s| s.parse())?;
+    let anchors: usize = args.get(4).map_or(Ok(434), |s| s.parse())?;
+    let dev = Device::cuda_if_available();
+    let kind = if dev.is_cuda() {
+        Kind::BFloat16
+    } else {
+        Kind::Float
+    };
+    let target = TargetModel::random(dir, dev, kind, 0)?;
+    let cfg = target.config.clone();
+    let shape = DrafterShape {
+        layers: 5,
+        block_size: 16,
+        mask_token_id: cfg.vocab_size - 1,
+        target_layer_ids: None,
+        num_taps: 5,
+    };
+    let dcfg = DrafterConfig::for_target(&cfg, &shape)?;
+    let taps = dcfg.target_layer_ids().to_vec();
+    let (h, heads, kvh, d) = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.kv_heads(),
+        cfg.head_dim(),
+    );
+    let inter = cfg.intermediate_size;
+    let n = rows * len;
+    println!(
+        "shape {} rows {rows} len {len} anchors {anchors}",
+        dir.display()
+    );
+    let ids = Tensor::randint(cfg.vocab_size - 2, [rows, len], (Kind::Int64, dev));
+    let req = ForwardRequest {
+        tap_layers: taps.clone(),
+        final_hidden: false,
+        logits: false,
+    };
+    let run_layers = taps.iter().max().map_or(0, |l| l + 1) as f64;
+    let fwd = time_ms(dev, 5, || {
+        let _ = target.run(&ids, None, &req);
+    });
+    let per_layer_flop = 2.0
+        * n as f64
+        * (h as f64 * (heads * d) as f64 * 2.0
+            + h as f64 * (kvh * d) as f64 * 2.0
+            + 3.0 * h as f64 * inter as f64);
+    println!(
+        "target forward ({run_layers} layers): {fwd:.2} ms, {:.0} TFLOP/s on the projections",
+        per_layer_flop * run_layers / fwd / 1e9
+    );
+
+    // One layer's parts, each alone.
+    let x = Tensor::randn([rows, len, h], (kind, dev));
+    let w = |o: i64, i: i64| Tensor::randn([o, i], (kind, dev)) * 0.02;
+    let (wq, wk, wv, wo) = (
+        w(heads * d, h),
+        w(kvh * d, h),
+        w(kvh * d, h),
+        w(h, heads * d),
+    );
+    let (wg, wu, wd) = (w(inter, h), w(inter, h), w(h, inter));
+    let wqkv = Tensor::cat(&[&wq, &wk, &wv], 0);
+    let wgu = Tensor::cat(&[&wg, &wu], 0);
+    let norm_w = Tensor::ones([h], (kind, dev));
+    let it = 20;
+    let report = |name: &str, ms: f64, flop: f64| {
+        if flop > 0.0 {
+            println!("  {name:<28} {ms:8.3} ms  {:6.0} TFLOP/s", flop / ms / 1e9);
+        } else {
+            println!("  {name:<28} {ms:8.3} ms");
+        }
+    };
+    let g = |o: i64, i: i64| 2.0 * n as f64 * o as f64 * i as f64;
+    report(
+        "q proj",
+        time_ms(dev, it, || drop(x.linear::<&Tensor>(&wq, None))),
+        g(heads * d, h),
+    );
+    report(
+        "k proj",
+        time_ms(dev, it, || drop(x.linear::<&Tensor>(&wk, None))),
+        g(kvh * d, h),
+    );
+    report(
+        "qkv fused",
+        time_ms(dev, it, || drop(x.linear::<&Tensor>(&wqkv, None))),
+        g((heads + 2 * kvh) * d, h),
+    );
+    let xo = Tensor::randn([rows, len, heads * d], (kind, dev));
+    report(
+        "o proj",
+        time_ms(dev, it, || drop(xo.linear::<&Tensor>(&wo, None))),
+        g(h, heads * d),
+    );
+    report(
+        "gate proj",
+        time_ms(dev, it, || drop(x.linear::<&Tensor>(&wg, None))),
+        g(inter, h),
+    );
+    report(
+        "gate+up fused",
+        time_ms(dev, it, || drop(x.linear::<&Tensor>(&wgu, None))),
+        g(2 * inter, h),
+    );
+    let a = Tensor::randn([rows, len, inter], (kind, dev));
+    report(
+        "down proj",
+        time_ms(dev, it, || drop(a.linear::<&Tensor>(&wd, None))),
+        g(h, inter),
+    );
+    report("silu(g)*u", time_ms(dev, it, || drop(a.silu() * &a)), 0.0);
+    report(
+        "rms_norm (ours)",
+        time_ms(dev, it, || drop(rms_norm(&x, &norm_w, 1e-6))),
+        0.0,
+    );
+    report(
+        "rms_norm (aten)",
+        time_ms(dev, it, || drop(x.rms_norm([h], Some(&norm_w), 1e-6))),
+        0.0,
+    );
+    let q = Tensor::randn([rows, heads, len, d], (kind, dev));
+    let k = Tensor::randn([rows, kvh, len, d], (kind, dev));
+    let rope = Rope::new(&cfg, dev)?;
+    let pos = Tensor::arange(len, (Kind::Int64, dev));
+    let (cos, sin) = rope.cos_sin(&pos, kind);
+    report(
+        "rope q",
+        time_ms(dev, it, || drop(Rope::apply(&q, &cos, &sin))),
+        0.0,
+    );
+    let hn = Tensor::ones([d], (kind, dev));
+    let qn = Tensor::randn([rows, len, heads, d], (kind, dev));
+    report(
+        "q_norm (ours)",
+        time_ms(dev, it, || drop(rms_norm(&qn, &hn, 1e-6))),
+        0.0,
+    );
+    report(
+        "sdpa causal gqa",
+        time_ms(dev, it, || {
+            drop(Tensor::scaled_dot_product_attention(
+                &q,
+                &k,
+                &k,
+                None::<&Tensor>,
+                0.0,
+                true,
+                None,
+                true,
+            ))
+        }),
+        4.0 * rows as f64 * heads as f64 * (len * len) as f64 / 2.0 * d as f64,
+    );
+    report("residual add", time_ms(dev, it, || drop(&x + &x)), 0.0);
+
+    // The drafter step.
+    let drafter = Drafter::init(dcfg.clone(), dev, kind, 0)?;
+    let head = FrozenHead::from_target(&target, dev, kind);
+    let features = target
+        .run(&ids, None, &req)
+        .features
+        .context("no features")?;
+    let mask: Vec<i64> = (0..n).map(|i| i64::from(i % len >= len / 10)).collect();
+    let lengths = vec![len as usize; rows as usize];
+    let host_ids: Vec<i64> = Vec::<i64>::try_from(ids.to_device(Device::Cpu).reshape([-1]))?;
+    let plan = sample_anchors(&mask, &lengths, len as usize, 16, anchors, 0);
+    let targets = block_targets(&host_ids, &mask, &lengths, len as usize, &plan, 16, 7.0);
+    let batch = AnchorBatch {
+        input_ids: ids.shallow_clone(),
+        anchors: Tensor::from_slice(&plan.anchors).view([rows, plan.per_row as i64]),
+        valid: Tensor::from_slice(&plan.valid).view([rows, plan.per_row as i64]),
+    };
+    let opts = LossOptions {
+        kl_weight: 0.0,
+        kl_temperature: 1.0,
+        streak_alpha: 0.0,
+        chunk_rows: LossOptions::chunk_rows_for_vocab(cfg.vocab_size),
+    };
+    let params = drafter.named_parameters();
+    let mut optimizer = AdamW::new(
+        &params,
+        dev,
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+    );
+    println!(
+        "drafter {:.1} M parameters, {} blocks",
+        drafter.parameter_count() as f64 / 1e6,
+        plan.valid.iter().filter(|v| **v).count()
+    );
+    let positions = plan.valid.iter().filter(|v| **v).count() as f64 * 16.0;
+    let dflop = 6.0 * drafter.parameter_count() as f64 * positions;
+    let hflop = 4.0 * (h * cfg.vocab_size) as f64 * positions * 15.0 / 16.0;
+    let fw = time_ms(dev, 3, || {
+        tch::no_grad(|| drop(drafter.forward_train(&head, &features, &batch)));
+    });
+    println!("  drafter forward (no grad)    {fw:8.2} ms");
+    let fl = time_ms(dev, 3, || {
+        let hidden = drafter.forward_train(&head, &features, &batch);
+        let _ = loss_and_backward_deferred(
+            &hidden,
+            &head.lm_head,
+            &targets,
+            &plan.valid,
+            None,
+            &opts,
+            1.0,
+        );
+    });
+    println!("  forward + loss (head bwd)    {fl:8.2} ms");
+    let full = time_ms(dev, 3, || {
+        let hidden = drafter.forward_train(&head, &features, &batch);
+        let (_, pending) = loss_and_backward_deferred(
+            &hidden,
+            &head.lm_head,
+            &targets,
+            &plan.valid,
+            None,
+            &opts,
+            1.0,
+        );
+        if let Some(p) = pending {
+            p.run();
+        }
+    });
+    println!(
+        "  forward + loss + backward    {full:8.2} ms  {:.0} TFLOP/s (drafter {:.1} + head {:.1} TFLOP)",
+        (dflop + hflop) / full / 1e9,
+        dflop / 1e12,
+        hflop / 1e12
+    );
+    let opt = time_ms(dev, 3, || {
+        let mut grad = AdamW::flatten_grads(&params);
+        let _ = AdamW::clip_on_device(&mut grad, 1.0);
+        optimizer.update(&grad, 1e-6);
+        let _ = optimizer.write_params(&params);
+    });
+    println!("  optimizer (flatten+clip+adamw+write) {opt:8.2} ms");
+    Ok(())
+}
