@@ -4,17 +4,20 @@
 //! - copy: each replica moves its flat fp32 gradient to the coordinator's device and sends it
 //!   over the channel; the coordinator adds them up, and sends the new weights back as one flat
 //!   fp32 tensor, which each replica copies to its device (the reference path; any devices).
-//! - nccl: the flat gradients stay where they are and are summed into the coordinator's by an
-//!   NCCL reduce (rank 0 = the coordinator's device); the new weights go back by an NCCL
-//!   broadcast from rank 0 into a flat buffer on each replica (in the parameters' dtype, so the
-//!   result is the same as the copy path's). CUDA devices only.
+//! - nccl: each replica sends its flat gradient (left on its device) and its weight buffer
+//!   over the channel; the coordinator's thread sums the gradients into its own with an NCCL
+//!   reduce (rank 0 = the coordinator's device) and fills every weight buffer with an NCCL
+//!   broadcast (in the parameters' dtype, so the result is the same as the copy path's), then
+//!   tells each replica that its new weights are queued. CUDA devices only.
 //!
-//! The loss sums, token counts and batch metadata go over the channel either way. With NCCL
-//! the coordinator decides each collective and tells every replica over the channel before
-//! anyone enters it ([`ParamsMsg::Reduce`], [`ParamsMsg::Broadcast`]); each replica confirms
-//! that it issued the call (an ack per replica), and only then does the coordinator wait on its
-//! device. So a stop, a pause or a failure between steps never leaves a rank inside a
-//! collective that another rank will not join: the replicas are then told `Stop` instead.
+//! With NCCL one thread queues every rank's half of each collective, as one NCCL group. Were
+//! the halves queued by the ranks' own threads, a GPU could sit in its half waiting for a rank
+//! whose thread is held up in the meantime, for instance by a memory allocation that waits for
+//! the GPUs of the process, or by a copy between the two GPUs ordered behind that half: on the
+//! 8B shape that happened at the first step. The replicas wait on the channel while the
+//! collectives are queued, so they queue nothing across devices meanwhile.
+//!
+//! The loss sums, token counts and batch metadata go over the channel either way.
 
 use std::path::Path;
 
@@ -28,15 +31,19 @@ use super::nccl::{self, NcclLibrary, NcclRank};
 pub(crate) enum ParamsMsg {
     /// Copy path: the new weights (flat fp32, on the coordinator's device).
     Weights(Tensor),
-    /// NCCL: enter the gradient reduce now.
-    Reduce,
-    /// NCCL: enter the weight broadcast now.
+    /// NCCL: the broadcast of the new weights into the replica's buffer is queued.
     Broadcast,
     Stop,
 }
 
-/// A replica's confirmation that it issued a collective (or why it could not).
-type Ack = std::result::Result<(), String>;
+/// What a replica's gradient message carries besides the metrics.
+pub(crate) struct Outgoing {
+    /// Copy path: the flat gradient on the coordinator's device. NCCL: on the replica's own
+    /// device, for the reduce.
+    pub grad: Tensor,
+    /// NCCL: the replica's flat weight buffer, which the broadcast fills.
+    pub weights: Option<Tensor>,
+}
 
 /// The resolved `devices.grad_sync`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,9 +162,8 @@ fn device_name(d: Device) -> String {
 pub(crate) enum CoordinatorSync {
     Copy,
     Nccl {
-        rank: NcclRank,
-        /// One per replica, in replica order.
-        acks: Vec<Receiver<Ack>>,
+        /// Every rank, rank 0 first (the coordinator's device), then one per replica.
+        ranks: Vec<NcclRank>,
     },
 }
 
@@ -168,11 +174,7 @@ pub(crate) enum ReplicaSync {
         dev0: Device,
     },
     Nccl {
-        rank: NcclRank,
-        ack: Sender<Ack>,
-        /// This step's flat gradient, kept here for the reduce.
-        grad: Option<Tensor>,
-        /// The flat weight buffer the broadcast writes (allocated at the first step).
+        /// The flat weight buffer the broadcast writes (allocated before the first step).
         weights: Option<Tensor>,
     },
 }
@@ -208,55 +210,49 @@ impl GradSyncPlan {
                 return Err(e.context("config: devices.grad_sync = \"nccl\": NCCL set-up failed"))
             }
         };
-        let mut ranks = ranks.into_iter();
-        let root = ranks.next().ok_or_else(|| anyhow!("no drafter device"))?;
-        let mut acks = Vec::new();
-        let mut replicas = Vec::new();
-        for rank in ranks {
-            let (tx, rx) = crossbeam_channel::bounded::<Ack>(1);
-            acks.push(rx);
-            replicas.push(ReplicaSync::Nccl {
-                rank,
-                ack: tx,
-                grad: None,
-                weights: None,
-            });
-        }
-        Ok((
-            CoordinatorSync::Nccl { rank: root, acks },
-            replicas,
-            self.describe(),
-        ))
+        let replicas = (1..ranks.len())
+            .map(|_| ReplicaSync::Nccl { weights: None })
+            .collect();
+        Ok((CoordinatorSync::Nccl { ranks }, replicas, self.describe()))
     }
 }
 
 impl CoordinatorSync {
-    /// Adds the replicas' gradients of this step into `grad`, the coordinator's own flat fp32
-    /// gradient. Copy path: nothing to do here (the gradients came with the messages and were
-    /// added as they arrived). NCCL: an in-place reduce into `grad`. Call once every replica's
-    /// message of the step has arrived (each replica then waits for the next message).
-    pub fn reduce(&self, grad: &Tensor, txs: &[Sender<ParamsMsg>]) -> Result<()> {
+    /// Adds the replicas' gradients of this step (`others`, in replica order, as their
+    /// messages carried them) into `grad`, the coordinator's own flat fp32 gradient: copy
+    /// path: tensor additions on the coordinator's device; NCCL: one grouped reduce.
+    pub fn reduce(&self, grad: &mut Tensor, others: &[Tensor]) -> Result<()> {
         match self {
-            CoordinatorSync::Copy => Ok(()),
-            CoordinatorSync::Nccl { rank, acks } => {
-                if txs.is_empty() {
-                    return Ok(());
+            CoordinatorSync::Copy => {
+                for g in others {
+                    *grad += g;
                 }
-                collective(
-                    rank,
-                    acks,
-                    txs,
-                    || ParamsMsg::Reduce,
-                    "gradient reduce",
-                    |r| r.reduce_sum_to_root(grad),
-                )
+                Ok(())
+            }
+            CoordinatorSync::Nccl { ranks } => {
+                check_count(ranks, others.len())?;
+                nccl::group(ranks, || {
+                    ranks[0].reduce_sum_to_root(grad)?;
+                    for (rank, g) in ranks[1..].iter().zip(others) {
+                        rank.reduce_sum_to_root(g)?;
+                    }
+                    Ok(())
+                })
+                .map_err(|e| e.context("NCCL gradient reduce"))
             }
         }
     }
 
     /// Hands the new weights (`params`, the coordinator's updated compute copy) to the
-    /// replicas. Copy path: one flat fp32 tensor over each channel. NCCL: a broadcast.
-    pub fn hand_back(&self, params: &[(String, &Tensor)], txs: &[Sender<ParamsMsg>]) -> Result<()> {
+    /// replicas: copy path: one flat fp32 tensor over each channel; NCCL: one grouped
+    /// broadcast into the replicas' buffers (`buffers`, in replica order), then a message
+    /// to each that it is queued.
+    pub fn hand_back(
+        &self,
+        params: &[(String, &Tensor)],
+        buffers: &[Tensor],
+        txs: &[Sender<ParamsMsg>],
+    ) -> Result<()> {
         if txs.is_empty() {
             return Ok(());
         }
@@ -266,135 +262,87 @@ impl CoordinatorSync {
                 for tx in txs {
                     let _ = tx.send(ParamsMsg::Weights(flat.shallow_clone()));
                 }
-                Ok(())
             }
-            CoordinatorSync::Nccl { rank, acks } => {
+            CoordinatorSync::Nccl { ranks } => {
+                check_count(ranks, buffers.len())?;
                 let flat = flat_params(params, flat_kind(params));
-                collective(
-                    rank,
-                    acks,
-                    txs,
-                    || ParamsMsg::Broadcast,
-                    "weight broadcast",
-                    |r| r.broadcast_from_root(&flat),
-                )
+                nccl::group(ranks, || {
+                    ranks[0].broadcast_from_root(&flat)?;
+                    for (rank, b) in ranks[1..].iter().zip(buffers) {
+                        rank.broadcast_from_root(b)?;
+                    }
+                    Ok(())
+                })
+                .map_err(|e| e.context("NCCL weight broadcast"))?;
+                for tx in txs {
+                    let _ = tx.send(ParamsMsg::Broadcast);
+                }
             }
         }
+        Ok(())
     }
 }
 
-/// The coordinator's half of one collective: tell every replica to enter it, enter it, then
-/// wait until every replica confirms it entered too. Any failure poisons the communicators
-/// (so that they are aborted without waiting on the devices) and ends the step with an error.
-fn collective(
-    rank: &NcclRank,
-    acks: &[Receiver<Ack>],
-    txs: &[Sender<ParamsMsg>],
-    msg: impl Fn() -> ParamsMsg,
-    what: &str,
-    call: impl FnOnce(&NcclRank) -> Result<()>,
-) -> Result<()> {
-    for (i, tx) in txs.iter().enumerate() {
-        if tx.send(msg()).is_err() {
-            rank.poison();
-            bail!("NCCL {what}: drafter worker {} has stopped", i + 1);
-        }
-    }
-    if let Err(e) = call(rank) {
-        rank.poison();
-        return Err(e.context(format!("NCCL {what} on the coordinator")));
-    }
-    for (i, ack) in acks.iter().enumerate() {
-        let failure = match ack.recv() {
-            Ok(Ok(())) => continue,
-            Ok(Err(e)) => e,
-            Err(_) => "it stopped before taking part".to_string(),
-        };
-        rank.poison();
-        bail!("NCCL {what}: drafter worker {}: {failure}", i + 1);
+fn check_count(ranks: &[NcclRank], replicas: usize) -> Result<()> {
+    if replicas + 1 != ranks.len() {
+        bail!(
+            "NCCL: {} ranks but {replicas} replica tensors (one per replica expected)",
+            ranks.len()
+        );
     }
     Ok(())
 }
 
 impl ReplicaSync {
-    /// Takes the replica's flat fp32 gradient of this step and returns what its gradient
-    /// message carries: copy path: the gradient moved to the coordinator's device; NCCL:
-    /// nothing (the gradient stays here, kept for the reduce).
-    pub fn outgoing(&mut self, flat: Tensor) -> Option<Tensor> {
-        match self {
-            ReplicaSync::Copy { dev0 } => Some(flat.to_device(*dev0)),
-            ReplicaSync::Nccl { grad, .. } => {
-                *grad = Some(flat);
-                None
+    /// Allocates the weight buffer the broadcast writes, before the first step.
+    pub fn prepare(&mut self, params: &[(String, &Tensor)]) {
+        if let ReplicaSync::Nccl { weights } = self {
+            if weights.is_none() {
+                *weights = Some(weight_buffer(params));
             }
         }
     }
 
-    /// After the replica's gradient message went out: follows the coordinator's messages until
-    /// the new weights are in `params` (Ok(true)), or until it says stop (Ok(false)).
+    /// Takes the replica's flat fp32 gradient of this step and returns what its gradient
+    /// message carries (see [`Outgoing`]).
+    pub fn outgoing(&mut self, flat: Tensor, params: &[(String, &Tensor)]) -> Outgoing {
+        match self {
+            ReplicaSync::Copy { dev0 } => Outgoing {
+                grad: flat.to_device(*dev0),
+                weights: None,
+            },
+            ReplicaSync::Nccl { weights } => Outgoing {
+                grad: flat,
+                weights: Some(
+                    weights
+                        .get_or_insert_with(|| weight_buffer(params))
+                        .shallow_clone(),
+                ),
+            },
+        }
+    }
+
+    /// After the replica's gradient message went out: waits for the coordinator's answer and
+    /// puts the new weights into `params` (Ok(true)), or returns Ok(false) when it says stop.
     pub fn exchange(
         &mut self,
         rx: &Receiver<ParamsMsg>,
         params: &[(String, &Tensor)],
     ) -> Result<bool> {
-        let done = self.follow(rx, params);
-        if let ReplicaSync::Nccl { grad, .. } = self {
-            *grad = None;
-        }
-        done
-    }
-
-    fn follow(&mut self, rx: &Receiver<ParamsMsg>, params: &[(String, &Tensor)]) -> Result<bool> {
-        loop {
-            let msg = match rx.recv() {
-                Ok(ParamsMsg::Stop) | Err(_) => return Ok(false),
-                Ok(m) => m,
-            };
-            match (&mut *self, msg) {
-                (ReplicaSync::Copy { .. }, ParamsMsg::Weights(flat)) => {
-                    write_flat(&flat, params);
-                    return Ok(true);
-                }
-                (
-                    ReplicaSync::Nccl {
-                        rank,
-                        ack,
-                        grad: Some(grad),
-                        ..
-                    },
-                    ParamsMsg::Reduce,
-                ) => {
-                    let issued = rank.reduce_sum_to_root(grad);
-                    confirm(rank, ack, &issued);
-                    issued?;
-                }
-                (
-                    ReplicaSync::Nccl {
-                        rank, ack, weights, ..
-                    },
-                    ParamsMsg::Broadcast,
-                ) => {
-                    let buffer = match weights {
-                        Some(b) => b,
-                        None => weights.insert(weight_buffer(params)),
-                    };
-                    let issued = rank.broadcast_from_root(buffer);
-                    confirm(rank, ack, &issued);
-                    issued?;
-                    write_flat(buffer, params);
-                    return Ok(true);
-                }
-                (_, _) => bail!("gradient sync: unexpected message from the coordinator"),
+        let msg = match rx.recv() {
+            Ok(ParamsMsg::Stop) | Err(_) => return Ok(false),
+            Ok(m) => m,
+        };
+        match (&*self, msg) {
+            (ReplicaSync::Copy { .. }, ParamsMsg::Weights(flat)) => write_flat(&flat, params),
+            (ReplicaSync::Nccl { weights: Some(w) }, ParamsMsg::Broadcast) => {
+                // queued on this device's stream after the broadcast that fills `w`
+                write_flat(w, params)
             }
+            _ => bail!("gradient sync: unexpected message from the coordinator"),
         }
+        Ok(true)
     }
-}
-
-fn confirm(rank: &NcclRank, ack: &Sender<Ack>, issued: &Result<()>) {
-    if issued.is_err() {
-        rank.poison();
-    }
-    let _ = ack.send(issued.as_ref().map_err(|e| format!("{e:#}")).copied());
 }
 
 /// The kind the weights travel in: the parameters' own kind when they all share one that NCCL
@@ -563,7 +511,7 @@ mod tests {
     /// own copy of the weights (`copy`: on the CPU `to_device`/`to_kind` may alias).
     fn run_steps(plan: GradSyncPlan, devices: &[Device], kind: Kind, c: &Case) -> Vec<Vec<Tensor>> {
         let (coordinator, replicas, _) = plan.connect(devices).unwrap();
-        let (grad_tx, grad_rx) = crossbeam_channel::unbounded::<Option<Tensor>>();
+        let (grad_tx, grad_rx) = crossbeam_channel::unbounded::<(usize, Outgoing)>();
         let mut txs = Vec::new();
         let mut threads = Vec::new();
         for (r, mut sync) in replicas.into_iter().enumerate() {
@@ -580,8 +528,10 @@ mod tests {
             let grad_tx = grad_tx.clone();
             threads.push(std::thread::spawn(move || {
                 let named = named(&params);
+                sync.prepare(&named);
                 for g in &grads {
-                    grad_tx.send(sync.outgoing(g.to_device(dev))).unwrap();
+                    let out = sync.outgoing(g.to_device(dev), &named);
+                    grad_tx.send((r, out)).unwrap();
                     assert!(sync.exchange(&rx, &named).unwrap());
                 }
                 assert!(!sync.exchange(&rx, &named).unwrap());
@@ -607,17 +557,23 @@ mod tests {
         let mut optimizer = AdamW::new(&named0, dev0, config);
         for g in &c.grads {
             let mut grad = g[0].to_device(dev0);
-            for _ in 0..txs.len() {
-                if let Some(other) = grad_rx.recv().unwrap() {
-                    grad += other;
-                }
-            }
-            coordinator.reduce(&grad, &txs).unwrap();
+            let mut messages: Vec<(usize, Outgoing)> =
+                (0..txs.len()).map(|_| grad_rx.recv().unwrap()).collect();
+            messages.sort_by_key(|(r, _)| *r);
+            let others: Vec<Tensor> = messages
+                .iter()
+                .map(|(_, m)| m.grad.shallow_clone())
+                .collect();
+            let buffers: Vec<Tensor> = messages
+                .iter()
+                .filter_map(|(_, m)| m.weights.as_ref().map(Tensor::shallow_clone))
+                .collect();
+            coordinator.reduce(&mut grad, &others).unwrap();
             grad /= devices.len() as f64;
             let _norm = AdamW::clip_on_device(&mut grad, 1.0);
             optimizer.update(&grad, 1e-2);
             optimizer.write_params(&named0).unwrap();
-            coordinator.hand_back(&named0, &txs).unwrap();
+            coordinator.hand_back(&named0, &buffers, &txs).unwrap();
         }
         for tx in &txs {
             tx.send(ParamsMsg::Stop).unwrap();

@@ -34,6 +34,7 @@ type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 type GetErrorStringFn = unsafe extern "C" fn(c_int) -> *const c_char;
 type CommInitAllFn = unsafe extern "C" fn(*mut ncclComm_t, c_int, *const c_int) -> c_int;
 type CommAbortFn = unsafe extern "C" fn(ncclComm_t) -> c_int;
+type GroupFn = unsafe extern "C" fn() -> c_int;
 type ReduceFn = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
@@ -63,6 +64,8 @@ pub struct NcclLibrary {
     get_error_string: GetErrorStringFn,
     comm_init_all: CommInitAllFn,
     comm_abort: CommAbortFn,
+    group_start: GroupFn,
+    group_end: GroupFn,
     reduce: ReduceFn,
     broadcast: BroadcastFn,
     /// Kept loaded for the life of the process (the entry points above point into it).
@@ -195,6 +198,8 @@ fn load_from(path: &Path) -> std::result::Result<NcclLibrary, String> {
             get_error_string: sym!(GetErrorStringFn, "ncclGetErrorString"),
             comm_init_all: sym!(CommInitAllFn, "ncclCommInitAll"),
             comm_abort: sym!(CommAbortFn, "ncclCommAbort"),
+            group_start: sym!(GroupFn, "ncclGroupStart"),
+            group_end: sym!(GroupFn, "ncclGroupEnd"),
             reduce: sym!(ReduceFn, "ncclReduce"),
             broadcast: sym!(BroadcastFn, "ncclBroadcast"),
             _library: library,
@@ -218,9 +223,9 @@ fn load_from(path: &Path) -> std::result::Result<NcclLibrary, String> {
 ///
 /// SAFETY of the `Send`/`Sync` impls: NCCL communicators are not tied to the thread that
 /// created them; what NCCL forbids is using one communicator from two threads at once. A
-/// handle is only used through the one [`NcclRank`] of its rank (not `Clone`, used by the one
-/// thread that owns it) and, once every rank has been dropped, by [`Clique`]'s `Drop`, which
-/// then has the only reference.
+/// handle is only used through the one [`NcclRank`] of its rank (not `Clone`; all ranks are
+/// held and used by one thread) and, once every rank has been dropped, by [`Clique`]'s `Drop`,
+/// which then has the only reference.
 struct RawComm(ncclComm_t);
 
 unsafe impl Send for RawComm {}
@@ -260,10 +265,32 @@ impl Drop for Clique {
     }
 }
 
-/// One rank's communicator, owned by the thread of that rank's drafter replica.
+/// One rank's communicator. All ranks are driven by one thread (the coordinator's), every
+/// collective as one NCCL group over all ranks: no rank's half of a collective is ever queued
+/// on a GPU while another thread still has to queue the other half.
 pub struct NcclRank {
     clique: Arc<Clique>,
     rank: usize,
+}
+
+/// Runs `issue` (which queues one call per rank) between `ncclGroupStart` and `ncclGroupEnd`:
+/// NCCL then launches the whole collective on every rank's device at once. On failure the
+/// clique is poisoned (some ranks' halves may be queued without the others').
+pub fn group(ranks: &[NcclRank], issue: impl FnOnce() -> Result<()>) -> Result<()> {
+    let Some(first) = ranks.first() else {
+        return Ok(());
+    };
+    let lib = first.clique.library;
+    // SAFETY: group calls take no arguments; every call between them is checked below.
+    let started = lib.check("ncclGroupStart", unsafe { (lib.group_start)() });
+    let issued = started.and_then(|_| issue());
+    // SAFETY: as above; a group that was started is always ended, even after a failed call.
+    let ended = lib.check("ncclGroupEnd", unsafe { (lib.group_end)() });
+    let result = issued.and(ended);
+    if result.is_err() {
+        first.poison();
+    }
+    result
 }
 
 /// Creates one communicator per device (`ncclCommInitAll`, within this process); the ranks
@@ -342,7 +369,7 @@ impl NcclRank {
     }
 
     /// Sums `t` over all ranks into rank 0's `t`, in place (other ranks' `t` is only read).
-    /// Issued on the device's default stream; returns once it is queued.
+    /// Issued on the device's default stream, inside a [`group`] with the other ranks' calls.
     pub fn reduce_sum_to_root(&self, t: &Tensor) -> Result<()> {
         let (ptr, count, dtype) = self.buffer(t, "gradient")?;
         // SAFETY: `ptr` addresses `count` elements of `dtype` on this communicator's device,
@@ -364,7 +391,7 @@ impl NcclRank {
     }
 
     /// Copies rank 0's `t` into every other rank's `t` (same count and kind on every rank).
-    /// Issued on the device's default stream; returns once it is queued.
+    /// Issued on the device's default stream, inside a [`group`] with the other ranks' calls.
     pub fn broadcast_from_root(&self, t: &Tensor) -> Result<()> {
         let (ptr, count, dtype) = self.buffer(t, "weight buffer")?;
         // SAFETY: as in `reduce_sum_to_root`; the root only reads `t`, the others write it.

@@ -68,9 +68,10 @@ struct FeatureItem {
 
 /// A replica's contribution to a step.
 struct GradMsg {
-    /// The flat gradient on the coordinator's device (copy path; with NCCL it stays on the
-    /// replica for the reduce).
-    grad: Option<Tensor>,
+    /// Which replica (1..): its NCCL rank.
+    replica: usize,
+    /// The flat gradient (and with NCCL the weight buffer), see [`collective::Outgoing`].
+    out: collective::Outgoing,
     sums: LossTensors,
     tokens: u64,
     samples: u64,
@@ -1119,17 +1120,19 @@ fn replica(
     mut sync: ReplicaSync,
 ) -> Result<()> {
     let mut step = shared.status().step;
+    sync.prepare(&drafter.named_parameters());
     loop {
         let Some(res) = accumulate(shared, cfg, &drafter, &head, r, step)? else {
             return Ok(());
         };
         let params = drafter.named_parameters();
-        let grad = shared.profile.time(Event::GRAD_SYNC, || {
-            sync.outgoing(AdamW::flatten_grads(&params))
+        let out = shared.profile.time(Event::GRAD_SYNC, || {
+            sync.outgoing(AdamW::flatten_grads(&params), &params)
         });
         if tx
             .send(GradMsg {
-                grad,
+                replica: r,
+                out,
                 sums: res.sums,
                 tokens: res.tokens,
                 samples: res.samples,
@@ -1188,14 +1191,24 @@ impl Coordinator {
             let mut sums = res.sums;
             let (mut tokens, mut samples) = (res.tokens, res.samples);
             let mut newest = res.last;
+            // the replicas' gradients (and NCCL weight buffers) in replica order
+            let mut others: Vec<Option<Tensor>> = (0..self.param_txs.len()).map(|_| None).collect();
+            let mut buffers: Vec<Option<Tensor>> =
+                (0..self.param_txs.len()).map(|_| None).collect();
             for _ in 0..self.param_txs.len() {
                 let msg = self
                     .grad_rx
                     .recv()
                     .map_err(|_| anyhow!("a drafter replica stopped"))?;
-                if let Some(g) = &msg.grad {
-                    grad += g;
-                }
+                let slot = msg.replica.checked_sub(1).filter(|&i| i < others.len());
+                let slot = slot.ok_or_else(|| {
+                    anyhow!(
+                        "a message from drafter worker {}, which does not exist",
+                        msg.replica
+                    )
+                })?;
+                others[slot] = Some(msg.out.grad);
+                buffers[slot] = msg.out.weights;
                 sums.add(&msg.sums);
                 tokens += msg.tokens;
                 samples += msg.samples;
@@ -1206,7 +1219,10 @@ impl Coordinator {
                     newest = msg.last;
                 }
             }
-            self.sync.reduce(&grad, &self.param_txs)?;
+            let others: Vec<Tensor> = others.into_iter().flatten().collect();
+            let buffers: Vec<Tensor> = buffers.into_iter().flatten().collect();
+            self.sync.reduce(&mut grad, &others)?;
+            drop(others);
             if !self.param_txs.is_empty() {
                 grad /= (self.param_txs.len() + 1) as f64;
             }
@@ -1227,7 +1243,7 @@ impl Coordinator {
                     lr,
                 )
             })?;
-            self.sync.hand_back(&params, &self.param_txs)?;
+            self.sync.hand_back(&params, &buffers, &self.param_txs)?;
             self.step += 1;
             if newest.is_some() {
                 self.last_seen = newest;
