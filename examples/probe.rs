@@ -18,7 +18,14 @@ use dflash_tui::train::loss::{block_targets, loss_and_backward_deferred, sample_
 use dflash_tui::train::optim::{AdamW, AdamWConfig};
 use tch::{Device, Kind, Tensor};
 
-fn time_ms(dev: Device, iters: usize, mut f: impl FnMut()) -> f64 {
+/// Mean ms per call of `f` with one wait for the device at the end.
+fn time_ms(dev: Device, iters: usize, f: impl FnMut()) -> f64 {
+    host_and_device_ms(dev, iters, f).1
+}
+
+/// (host ms, wall ms) per call of `f`: the time to queue the calls, and the time until the
+/// device has run them. Host close to wall means the host is the bottleneck (launch-bound).
+fn host_and_device_ms(dev: Device, iters: usize, mut f: impl FnMut()) -> (f64, f64) {
     let sync = || {
         if let Device::Cuda(i) = dev {
             tch::Cuda::synchronize(i as i64);
@@ -30,8 +37,10 @@ fn time_ms(dev: Device, iters: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..iters {
         f();
     }
+    let host = t.elapsed().as_secs_f64();
     sync();
-    t.elapsed().as_secs_f64() * 1e3 / iters as f64
+    let per = |s: f64| s * 1e3 / iters as f64;
+    (per(host), per(t.elapsed().as_secs_f64()))
 }
 
 fn main() -> Result<()> {
@@ -80,7 +89,7 @@ fn main() -> Result<()> {
         logits: false,
     };
     let run_layers = taps.iter().max().map_or(0, |l| l + 1) as f64;
-    let fwd = time_ms(dev, 5, || {
+    let (fwd_host, fwd) = host_and_device_ms(dev, 5, || {
         let _ = target.run(&ids, None, &req);
     });
     let per_layer_flop = 2.0
@@ -89,7 +98,7 @@ fn main() -> Result<()> {
             + h as f64 * (kvh * d) as f64 * 2.0
             + 3.0 * h as f64 * inter as f64);
     println!(
-        "target forward ({run_layers} layers): {fwd:.2} ms, {:.0} TFLOP/s on the projections",
+        "target forward ({run_layers} layers): {fwd:.2} ms (queued in {fwd_host:.2} ms), {:.0} TFLOP/s on the projections",
         per_layer_flop * run_layers / fwd / 1e9
     );
 
@@ -257,7 +266,7 @@ fn main() -> Result<()> {
         );
     });
     println!("  forward + loss (head bwd)    {fl:8.2} ms");
-    let full = time_ms(dev, 3, || {
+    let (full_host, full) = host_and_device_ms(dev, 3, || {
         let hidden = drafter.forward_train(&head, &features, &batch);
         let (_, pending) = loss_and_backward_deferred(
             &hidden,
@@ -273,7 +282,7 @@ fn main() -> Result<()> {
         }
     });
     println!(
-        "  forward + loss + backward    {full:8.2} ms  {:.0} TFLOP/s (drafter {:.1} + head {:.1} TFLOP)",
+        "  forward + loss + backward    {full:8.2} ms  (queued in {full_host:.2} ms)  {:.0} TFLOP/s (drafter {:.1} + head {:.1} TFLOP)",
         (dflop + hflop) / full / 1e9,
         dflop / 1e12,
         hflop / 1e12
