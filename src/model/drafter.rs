@@ -878,11 +878,7 @@ fn normal_values(n: usize, std: f64, seed: u64, name: &str) -> Vec<f32> {
     use rand::{Rng, SeedableRng};
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 20;
-    // FNV-1a of the name, mixed with the seed.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ seed;
-    for b in name.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-    }
+    let h = super::weights::name_seed(seed, name);
     let mut values = vec![0f32; n];
     values
         .par_chunks_mut(CHUNK)

@@ -159,6 +159,14 @@ impl WeightSource for WeightFiles {
     }
 }
 
+/// A seed for the tensor `name` of a model drawn with `seed`: FNV-1a of the name, mixed with
+/// the seed (the same name and seed always give the same value).
+pub fn name_seed(seed: u64, name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// Random weights of a model's shape, for benchmarks that need no trained model: norm weights
 /// are 1, everything else is drawn from N(0, std) on the device (seeded per tensor name, so a
 /// shape always gets the same weights).
@@ -177,12 +185,8 @@ impl WeightSource for RandomWeights {
         if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
             return Ok(Tensor::ones(shape, (kind, device)));
         }
-        // FNV-1a of the name mixed with the seed: one reproducible stream per tensor.
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ self.seed;
-        for b in name.bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-        }
-        tch::manual_seed((h >> 1) as i64);
+        // one reproducible stream per tensor
+        tch::manual_seed((name_seed(self.seed, name) >> 1) as i64);
         Ok(tch::no_grad(|| {
             Tensor::empty(shape, (kind, device)).normal_(0.0, self.std)
         }))
