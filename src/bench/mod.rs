@@ -88,15 +88,19 @@ pub struct BenchReport {
     pub draft_blocks: u64,
 }
 
+/// A device setting with "auto" and "cuda" written as the GPU they pick first, "cuda:0".
+fn first_gpu_named(device: &str) -> String {
+    match device {
+        "auto" | "cuda" => "cuda:0".to_string(),
+        other => other.to_string(),
+    }
+}
+
 /// Whether the target and the drafter stages run on the same devices (as configured; "auto"
 /// and "cuda" name the first GPU, as "cuda:0" does).
 fn shared_devices(targets: &[String], drafters: &[String]) -> bool {
-    let canonical = |d: &String| match d.as_str() {
-        "auto" | "cuda" => "cuda:0".to_string(),
-        other => other.to_string(),
-    };
-    let mut t: Vec<String> = targets.iter().map(canonical).collect();
-    let mut d: Vec<String> = drafters.iter().map(canonical).collect();
+    let mut t: Vec<String> = targets.iter().map(|d| first_gpu_named(d)).collect();
+    let mut d: Vec<String> = drafters.iter().map(|d| first_gpu_named(d)).collect();
     t.sort();
     t.dedup();
     d.sort();
@@ -355,13 +359,7 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
         .iter()
         .chain(&cfg.devices.drafter_devices)
         .filter(|d| d.starts_with("cuda") || (d.as_str() == "auto" && runtime.cuda_devices() > 0))
-        .map(|d| {
-            if d == "auto" || d == "cuda" {
-                "cuda:0".into()
-            } else {
-                d.clone()
-            }
-        })
+        .map(|d| first_gpu_named(d))
         .collect();
     cuda.sort();
     cuda.dedup();
