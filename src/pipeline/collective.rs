@@ -304,8 +304,9 @@ impl ReplicaSync {
     }
 
     /// Takes the replica's flat fp32 gradient of this step and returns what its gradient
-    /// message carries (see [`Outgoing`]).
-    pub fn outgoing(&mut self, flat: Tensor, params: &[(String, &Tensor)]) -> Outgoing {
+    /// message carries (see [`Outgoing`]; the NCCL weight buffer is the one [`Self::prepare`]
+    /// made).
+    pub fn outgoing(&mut self, flat: Tensor) -> Outgoing {
         match self {
             ReplicaSync::Copy { dev0 } => Outgoing {
                 grad: flat.to_device(*dev0),
@@ -313,11 +314,7 @@ impl ReplicaSync {
             },
             ReplicaSync::Nccl { weights } => Outgoing {
                 grad: flat,
-                weights: Some(
-                    weights
-                        .get_or_insert_with(|| weight_buffer(params))
-                        .shallow_clone(),
-                ),
+                weights: weights.as_ref().map(Tensor::shallow_clone),
             },
         }
     }
@@ -530,7 +527,7 @@ mod tests {
                 let named = named(&params);
                 sync.prepare(&named);
                 for g in &grads {
-                    let out = sync.outgoing(g.to_device(dev), &named);
+                    let out = sync.outgoing(g.to_device(dev));
                     grad_tx.send((r, out)).unwrap();
                     assert!(sync.exchange(&rx, &named).unwrap());
                 }

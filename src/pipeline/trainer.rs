@@ -1127,7 +1127,7 @@ fn replica(
         };
         let params = drafter.named_parameters();
         let out = shared.profile.time(Event::GRAD_SYNC, || {
-            sync.outgoing(AdamW::flatten_grads(&params), &params)
+            sync.outgoing(AdamW::flatten_grads(&params))
         });
         if tx
             .send(GradMsg {
@@ -1191,24 +1191,13 @@ impl Coordinator {
             let mut sums = res.sums;
             let (mut tokens, mut samples) = (res.tokens, res.samples);
             let mut newest = res.last;
-            // the replicas' gradients (and NCCL weight buffers) in replica order
-            let mut others: Vec<Option<Tensor>> = (0..self.param_txs.len()).map(|_| None).collect();
-            let mut buffers: Vec<Option<Tensor>> =
-                (0..self.param_txs.len()).map(|_| None).collect();
+            let mut outgoing = Vec::with_capacity(self.param_txs.len());
             for _ in 0..self.param_txs.len() {
                 let msg = self
                     .grad_rx
                     .recv()
                     .map_err(|_| anyhow!("a drafter replica stopped"))?;
-                let slot = msg.replica.checked_sub(1).filter(|&i| i < others.len());
-                let slot = slot.ok_or_else(|| {
-                    anyhow!(
-                        "a message from drafter worker {}, which does not exist",
-                        msg.replica
-                    )
-                })?;
-                others[slot] = Some(msg.out.grad);
-                buffers[slot] = msg.out.weights;
+                outgoing.push((msg.replica, msg.out));
                 sums.add(&msg.sums);
                 tokens += msg.tokens;
                 samples += msg.samples;
@@ -1219,7 +1208,12 @@ impl Coordinator {
                     newest = msg.last;
                 }
             }
-            let others: Vec<Tensor> = others.into_iter().flatten().collect();
+            // the replicas' gradients and NCCL weight buffers in replica (rank) order
+            outgoing.sort_by_key(|(replica, _)| *replica);
+            let (others, buffers): (Vec<Tensor>, Vec<Option<Tensor>>) = outgoing
+                .into_iter()
+                .map(|(_, o)| (o.grad, o.weights))
+                .unzip();
             let buffers: Vec<Tensor> = buffers.into_iter().flatten().collect();
             self.sync.reduce(&mut grad, &others)?;
             drop(others);
