@@ -218,6 +218,14 @@ impl LossTensors {
     }
 }
 
+/// Per-row cross-entropy [rows] in float32 of `logits` [rows, V] in any float dtype (labels
+/// -100 are ignored): log-softmax computed in float32 straight from the logits.
+fn cross_entropy_f32(logits: &Tensor, labels: &Tensor) -> Tensor {
+    logits
+        .log_softmax(-1, Kind::Float)
+        .g_nll_loss::<Tensor>(labels, None, Reduction::None, -100)
+}
+
 /// The last part of the backward pass: from the hidden states into the drafter.
 pub struct PendingBackward {
     selected: Tensor,
@@ -309,18 +317,19 @@ pub fn loss_and_backward_deferred(
     let chunk = opts.chunk_rows.max(1);
     let t = opts.kl_temperature;
     let row_losses = |hd: &Tensor, start: i64, len: i64| -> (Tensor, Tensor) {
-        let logits = hd
-            .narrow(0, start, len)
-            .linear::<&Tensor>(lm_head, None)
-            .to_kind(Kind::Float);
+        // Logits stay in the compute dtype; the log-softmax reads them and works and writes in
+        // float32 (the same numbers as converting first: bf16 -> f32 is exact, without a
+        // float32 copy of the logits and its backward pass).
+        let logits = hd.narrow(0, start, len).linear::<&Tensor>(lm_head, None);
         let lab = labels.narrow(0, start, len);
-        let ce = logits.cross_entropy_loss::<Tensor>(&lab, None, Reduction::None, -100, 0.0);
+        let ce = cross_entropy_f32(&logits, &lab);
         let correct = logits
             .argmax(-1, false)
             .eq_tensor(&lab)
             .to_kind(Kind::Float);
         let loss = match (&teacher, opts.kl_weight > 0.0) {
             (Some(th), true) => {
+                let logits = logits.to_kind(Kind::Float);
                 let tl = tch::no_grad(|| {
                     th.narrow(0, start, len)
                         .linear::<&Tensor>(lm_head, None)
@@ -345,17 +354,8 @@ pub fn loss_and_backward_deferred(
             let mut s = 0;
             while s < m {
                 let len = chunk.min(m - s);
-                let logits = selected
-                    .narrow(0, s, len)
-                    .linear::<&Tensor>(lm_head, None)
-                    .to_kind(Kind::Float);
-                parts.push(logits.cross_entropy_loss::<Tensor>(
-                    &labels.narrow(0, s, len),
-                    None,
-                    Reduction::None,
-                    -100,
-                    0.0,
-                ));
+                let logits = selected.narrow(0, s, len).linear::<&Tensor>(lm_head, None);
+                parts.push(cross_entropy_f32(&logits, &labels.narrow(0, s, len)));
                 s += len;
             }
             Tensor::cat(&parts, 0)
