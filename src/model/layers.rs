@@ -246,7 +246,10 @@ pub fn upload(t: &Tensor, device: Device) -> Tensor {
     if t.device() == device {
         t.shallow_clone()
     } else if t.device() == Device::Cpu && device.is_cuda() {
-        t.pin_memory(device)
+        // `_pin_memory`: what `pin_memory` runs, without its deprecation warning about the
+        // device argument (printed at every call)
+        t.f_internal_pin_memory(device)
+            .unwrap_or_else(|_| t.pin_memory(device))
             .to_device_(device, t.kind(), true, false)
     } else {
         t.to_device(device)
