@@ -9,7 +9,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use dflash_tui::model::layers::{rms_norm, Rope};
+use dflash_tui::model::drafter::TrainAttention;
+use dflash_tui::model::layers::{attention_with_bias, rms_norm, Rope};
 use dflash_tui::model::{AnchorBatch, Drafter, DrafterConfig, DrafterShape, FrozenHead};
 use dflash_tui::model::{ForwardRequest, TargetModel};
 use dflash_tui::runtime::TorchRuntime;
@@ -281,6 +282,99 @@ fn main() -> Result<()> {
         dflop / 1e12,
         hflop / 1e12
     );
+    // The loss alone (LM head, log-softmax, its backward into the hidden states).
+    let hidden_leaf = tch::no_grad(|| drafter.forward_train(&head, &features, &batch))
+        .detach()
+        .set_requires_grad(true);
+    let (loss_host, loss_ms) = host_and_device_ms(dev, 3, || {
+        let (_, pending) = loss_and_backward_deferred(
+            &hidden_leaf,
+            &head.lm_head,
+            &targets,
+            &plan.valid,
+            None,
+            &opts,
+            1.0,
+        );
+        if let Some(p) = pending {
+            p.run();
+        }
+    });
+    println!(
+        "  loss + its backward          {loss_ms:8.2} ms  (queued in {loss_host:.2} ms)  {:.0} TFLOP/s on the head",
+        hflop / loss_ms / 1e9
+    );
+    // The chunked attention of one layer alone, as the drafter calls it.
+    let per_row = plan.per_row as i64;
+    let cpc = TrainAttention::AUTO
+        .blocks_per_chunk(
+            16,
+            dflash_tui::model::drafter::context_bucket(len),
+            heads,
+            kvh,
+        )
+        .unwrap_or(1);
+    let chunks = (per_row + cpc - 1) / cpc;
+    let qrows = cpc * 16;
+    let keys = len + qrows;
+    let nb = rows * chunks;
+    let aq = Tensor::randn([nb, heads, qrows, d], (kind, dev)).set_requires_grad(true);
+    let ak = Tensor::randn([nb, kvh, keys, d], (kind, dev)).set_requires_grad(true);
+    let av = Tensor::randn([nb, kvh, keys, d], (kind, dev)).set_requires_grad(true);
+    let bias = Tensor::zeros([nb, 1, qrows, (keys + 15) / 16 * 16], (kind, dev)).narrow(3, 0, keys);
+    let choice = |k: &Tensor, gqa: bool| {
+        Tensor::f_internal_fused_sdp_choice(&aq, k, k, Some(&bias), 0.0, false, None, gqa)
+            .unwrap_or(-1)
+    };
+    let ake = ak
+        .detach()
+        .repeat_interleave_self_int(heads / kvh, 1, None)
+        .set_requires_grad(true);
+    println!(
+        "  chunked attention: {chunks} chunks of {cpc} blocks per row; kernel (0 math, 1 flash, 2 efficient, 3 cudnn) grouped {} expanded {}",
+        choice(&ak, true),
+        choice(&ake, false)
+    );
+    let attn_flop = 4.0 * (nb * heads * qrows * keys * d) as f64 * 3.5;
+    for (name, k) in [("grouped", &ak), ("expanded", &ake)] {
+        let v = if name == "grouped" {
+            av.shallow_clone()
+        } else {
+            ake.shallow_clone()
+        };
+        let ms = time_ms(dev, 3, || {
+            let o = attention_with_bias(&aq, k, &v, &bias);
+            o.sum(Kind::Float).backward();
+        });
+        println!(
+            "  one layer's attention fwd+bwd ({name}) {ms:8.2} ms  {:.0} TFLOP/s",
+            attn_flop / ms / 1e9
+        );
+    }
+    // The whole step at other chunk sizes.
+    for c in [4usize, 8, 16, 32] {
+        let d = Drafter::init(dcfg.clone(), dev, kind, 0)?.with_train_attention(
+            TrainAttention::Chunked {
+                blocks_per_chunk: c,
+            },
+        );
+        let ms = time_ms(dev, 3, || {
+            let hidden = d.forward_train(&head, &features, &batch);
+            let (_, pending) = loss_and_backward_deferred(
+                &hidden,
+                &head.lm_head,
+                &targets,
+                &plan.valid,
+                None,
+                &opts,
+                1.0,
+            );
+            if let Some(p) = pending {
+                p.run();
+            }
+        });
+        println!("  step with chunked:{c:<3}         {ms:8.2} ms");
+    }
     let opt = time_ms(dev, 3, || {
         let mut grad = AdamW::flatten_grads(&params);
         let _ = AdamW::clip_on_device(&mut grad, 1.0);

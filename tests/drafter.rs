@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 
 use common::tiny_target_dir;
-use dflash_tui::model::drafter::{tensor_names, TrainAttention};
+use dflash_tui::model::drafter::{context_bucket, tensor_names, TrainAttention};
 use dflash_tui::model::{
     AnchorBatch, Drafter, DrafterConfig, DrafterShape, FrozenHead, KvCache, TargetModel,
 };
@@ -787,22 +787,37 @@ fn train_attention_text_form_and_chunk_size() {
         serde_json::from_str::<TrainAttention>("\"dense\"").unwrap(),
         TrainAttention::Dense
     );
-    // automatic size: power of two near sqrt(80 * kv/heads * S) / B, GQA 32/8, B = 16
-    let auto = |n, s| TrainAttention::AUTO.blocks_per_chunk(n, 16, s, 32, 8);
-    assert_eq!(auto(512, 1024), Some(8));
-    assert_eq!(auto(512, 3072), Some(16));
-    assert_eq!(auto(512, 8192), Some(32));
-    assert_eq!(auto(5, 3072), Some(5), "never more than N");
-    // balanced chunks: 20 blocks at most 16 a chunk -> 2 chunks of 10
+    // automatic size: power of two near sqrt(640 * kv/heads * S) / B, GQA 32/8, B = 16;
+    // it depends on the context only, never on the number of blocks (the calls' shapes
+    // must repeat)
+    let auto = |s| TrainAttention::AUTO.blocks_per_chunk(16, s, 32, 8);
+    assert_eq!(auto(256), Some(16));
+    assert_eq!(auto(1024), Some(32));
+    assert_eq!(auto(3072), Some(32));
+    assert_eq!(auto(8192), Some(64));
     let c16 = TrainAttention::Chunked {
         blocks_per_chunk: 16,
     };
-    assert_eq!(c16.blocks_per_chunk(20, 16, 3072, 32, 8), Some(10));
-    assert_eq!(c16.blocks_per_chunk(512, 16, 3072, 32, 8), Some(16));
+    assert_eq!(c16.blocks_per_chunk(16, 3072, 32, 8), Some(16));
+    assert_eq!(c16.blocks_per_chunk(16, 128, 32, 8), Some(16));
     assert_eq!(
-        TrainAttention::Dense.blocks_per_chunk(512, 16, 3072, 32, 8),
+        TrainAttention::Dense.blocks_per_chunk(16, 3072, 32, 8),
         None
     );
+    // context lengths in buckets: few distinct lengths, little padding
+    let mut buckets = std::collections::BTreeSet::new();
+    for s in 1..=3072i64 {
+        let b = context_bucket(s);
+        assert!(b >= s, "{s} -> {b}");
+        assert!(
+            b - s < 128.max((s + 15) / 16),
+            "{s} -> {b}: too much padding"
+        );
+        assert_eq!(context_bucket(b), b, "a bucket is its own bucket");
+        buckets.insert(b);
+    }
+    assert_eq!(buckets.len(), 24, "{buckets:?}");
+    assert_eq!(context_bucket(5000), 5120, "256 apart above 4096");
     // the drafter's own choice
     let mut f = fixture();
     assert_eq!(f.drafter.train_attention(), TrainAttention::AUTO);

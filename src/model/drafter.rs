@@ -91,9 +91,9 @@ pub struct AnchorBatch {
 ///   each chunk's queries attend over [context (S); the chunk's own block keys] only, every
 ///   chunk of the batch in one fused call (chunks along the batch axis). Cost per query:
 ///   S + C*B keys instead of S + N*B. The context keys and values are copied once per chunk
-///   (N/C copies). `blocks_per_chunk` is an upper bound on C (the chunks are balanced so that
-///   the last one is not mostly padding); 0 chooses it from S (see
-///   [`TrainAttention::blocks_per_chunk`]).
+///   (N/C copies). `blocks_per_chunk` is C; 0 chooses it from S (see
+///   [`TrainAttention::blocks_per_chunk`]). The context is padded to a bucketed length and
+///   the chunks go through fused calls of a fixed size, so that the calls' shapes repeat.
 ///
 /// Text form (for configs): `dense`, `chunked` (automatic chunk size), `chunked:C`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -120,16 +120,19 @@ impl TrainAttention {
     /// heads; `None` for `Dense`.
     ///
     /// Automatic choice: per query, the fused kernel's work grows with the keys it reads,
-    /// S + C*B (matrix FLOPs and the mask reads, both per query head), while copying the
-    /// context keys and values once per chunk costs about S * kv_heads * head_dim / (C*B) per
-    /// query (memory traffic, forward and backward). The sum is smallest at
-    /// C*B = sqrt(r * S) with r = 80 * kv_heads / heads (H100/H200-class ratio of bf16 FLOP/s
-    /// to memory bandwidth, head_dim 128); the optimum is flat, so C is rounded to a power of
-    /// two. Examples (GQA 32/8 heads, B = 16): S = 1024 -> 8, S = 3072 -> 16, S = 8192 -> 32.
-    /// Then the chunks are balanced: with K = ceil(n / C) chunks, C = ceil(n / K).
+    /// S + C*B, while copying the context keys and values once per chunk costs about
+    /// S * kv_heads * head_dim / (C*B) per query (memory traffic, forward and backward). The
+    /// sum is smallest at C*B = sqrt(r * S) with r = 640 * kv_heads / heads (measured on an
+    /// H200 with cuDNN's fused attention, head_dim 128: the step time falls from C = 4 to
+    /// C = 32 at S = 1522, for 16/8 and 32/8 heads); the optimum is flat, so C is rounded to a
+    /// power of two. Examples (GQA 32/8 heads, B = 16): S = 256 -> 16, S = 1024 -> 32,
+    /// S = 3072 -> 32, S = 8192 -> 64.
+    ///
+    /// C does not depend on the number of blocks: with the bucketed context length
+    /// ([`context_bucket`]) it fixes the shape of every fused attention call, and a fused
+    /// kernel builds its plan once per shape.
     pub fn blocks_per_chunk(
         &self,
-        n: i64,
         block: i64,
         context: i64,
         heads: i64,
@@ -138,20 +141,33 @@ impl TrainAttention {
         let TrainAttention::Chunked { blocks_per_chunk } = *self else {
             return None;
         };
-        let n = n.max(1);
         let c = if blocks_per_chunk > 0 {
             blocks_per_chunk as i64
         } else {
-            let r = 80.0 * kv_heads.max(1) as f64 / heads.max(1) as f64;
+            let r = 640.0 * kv_heads.max(1) as f64 / heads.max(1) as f64;
             let rows = (r * context.max(1) as f64).sqrt();
             let c = (rows / block.max(1) as f64).max(1.0);
             1i64 << (c.log2().round() as i64).clamp(0, 20)
         };
-        let c = c.clamp(1, n);
-        let chunks = (n + c - 1) / c;
-        Some((n + chunks - 1) / chunks)
+        Some(c.max(1))
     }
 }
+
+/// The context length the chunked training attention pads `s` to: a multiple of 1/16 of the
+/// largest power of two not above `s`, and of at least 128 (128 up to 4096, 256 up to 8192,
+/// ...): fewer than max(128, s/16) padding keys, 24 distinct lengths up to 3072. Fused attention kernels
+/// (cuDNN's) build a plan per shape, tens of milliseconds of host time each: with raw
+/// sequence lengths nearly every batch would build new ones.
+pub fn context_bucket(s: i64) -> i64 {
+    let s = s.max(1);
+    let floor_pow2 = 1i64 << (63 - s.leading_zeros() as i64);
+    let step = (floor_pow2 / 16).max(128);
+    (s + step - 1) / step * step
+}
+
+/// Chunks per fused attention call of the chunked training attention: a fixed batch size, so
+/// that a call's shape depends only on the bucketed context length.
+const CHUNKS_PER_CALL: i64 = 4;
 
 impl fmt::Display for TrainAttention {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -612,21 +628,25 @@ impl Drafter {
         // Positions: slot k of block j at a_j + k; context position p at p.
         let offsets = Tensor::arange(bs, (Kind::Int64, dev));
         let block_pos = (anchors.unsqueeze(-1) + &offsets).view([b, n * bs]);
-        let ctx_pos = Tensor::arange(s, (Kind::Int64, dev))
+        // The chunked attention reads a context padded to a bucketed length (the padding
+        // positions lie after every anchor, so no query sees them).
+        let chunked = matches!(attention, TrainAttention::Chunked { .. }) && n > 0;
+        let s_ctx = if chunked { context_bucket(s) } else { s };
+        let ctx_pos = Tensor::arange(s_ctx, (Kind::Int64, dev))
             .unsqueeze(0)
-            .expand([b, s], false);
+            .expand([b, s_ctx], false);
         let (q_cos, q_sin) = self.rope.cos_sin(&block_pos, self.kind);
         let (q_cos, q_sin) = (q_cos.unsqueeze(1), q_sin.unsqueeze(1));
         let (c_cos, c_sin) = self.rope.cos_sin(&ctx_pos, self.kind);
         let (c_cos, c_sin) = (c_cos.unsqueeze(1), c_sin.unsqueeze(1));
 
         let per_chunk =
-            attention.blocks_per_chunk(n, bs, s, c.num_attention_heads, c.num_key_value_heads);
+            attention.blocks_per_chunk(bs, s_ctx, c.num_attention_heads, c.num_key_value_heads);
         let dense_mask;
         let plan;
         let attn = match per_chunk {
-            Some(cpc) if n > 0 => {
-                plan = self.chunk_plan(&anchors, s, cpc);
+            Some(cpc) if chunked => {
+                plan = self.chunk_plan(&anchors, s_ctx, cpc);
                 BlockAttention::Chunked(&plan)
             }
             _ => {
@@ -636,6 +656,11 @@ impl Drafter {
         };
 
         let ctx = self.fuse_context(features);
+        let ctx = if s_ctx > s {
+            ctx.constant_pad_nd([0, 0, 0, s_ctx - s])
+        } else {
+            ctx
+        };
         for layer in &self.layers {
             let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin);
             h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn);
@@ -643,14 +668,65 @@ impl Drafter {
         rms_norm(&h, &self.norm, self.config.rms_norm_eps).view([b, n, bs, -1])
     }
 
+    /// Runs one chunked training forward and backward (on zeros; the gradients are reset) per
+    /// bucketed context length up to `max_len`, so that the fused attention kernels build their
+    /// per-shape plans now instead of during the first steps of training (cuDNN's take tens of
+    /// milliseconds each, per thread). Only on CUDA with the chunked attention; returns the
+    /// number of context lengths warmed.
+    pub fn warm_up_attention(&self, head: &FrozenHead, max_len: usize) -> usize {
+        let c = &self.config;
+        let bs = c.block_size;
+        let chunked = matches!(self.train_attention, TrainAttention::Chunked { .. });
+        if !self.device.is_cuda() || !chunked {
+            return 0;
+        }
+        let dev = self.device;
+        let max_len = (max_len as i64).max(bs);
+        let mut warmed = 0;
+        let mut s = bs;
+        loop {
+            let len = context_bucket(s);
+            let cpc = self
+                .train_attention
+                .blocks_per_chunk(bs, len, c.num_attention_heads, c.num_key_value_heads)
+                .unwrap_or(1);
+            // one sequence, one call's worth of chunks, every block at anchor 0
+            let n = cpc * CHUNKS_PER_CALL;
+            let features = Tensor::zeros([1, len, self.fc.size()[1]], (self.kind, dev));
+            let batch = AnchorBatch {
+                input_ids: Tensor::zeros([1, len], (Kind::Int64, Device::Cpu)),
+                anchors: Tensor::zeros([1, n], (Kind::Int64, Device::Cpu)),
+                valid: Tensor::ones([1, n], (Kind::Bool, Device::Cpu)),
+            };
+            self.forward_train(head, &features, &batch)
+                .sum(Kind::Float)
+                .backward();
+            warmed += 1;
+            if len >= max_len {
+                break;
+            }
+            s = len + 1;
+        }
+        for (_, p) in self.named_parameters() {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        warmed
+    }
+
     /// The chunk layout and the additive mask of a chunked training forward: `anchors` [B, N]
-    /// on the device, `s` context positions, at most `per_chunk` blocks per chunk (balanced).
+    /// on the device, `s` context positions, `per_chunk` blocks per chunk. The chunks per
+    /// sequence are rounded up so that the batch's chunks fill whole fused calls of
+    /// [`CHUNKS_PER_CALL`].
     fn chunk_plan(&self, anchors: &Tensor, s: i64, per_chunk: i64) -> ChunkPlan {
         let bs = self.config.block_size;
         let dev = self.device;
         let (b, n) = anchors.size2().unwrap_or((0, 0));
-        let cpc = per_chunk.clamp(1, n.max(1));
-        let chunks = (n + cpc - 1) / cpc;
+        let cpc = per_chunk.max(1);
+        let multiple = CHUNKS_PER_CALL / gcd(b.max(1), CHUNKS_PER_CALL);
+        let chunks = ((n + cpc - 1) / cpc + multiple - 1) / multiple * multiple;
         let pad = chunks * cpc - n;
         let rows = cpc * bs;
         // Slots added to fill the last chunk get anchor 0: they see no context, only their own
@@ -835,7 +911,25 @@ fn chunked_attention(
     } else {
         (k, v)
     };
-    let o = attention_with_bias(&q, &k, &v, &plan.bias); // [B*K, heads, rows, d]
+    // [B*K, heads, rows, d], in calls of CHUNKS_PER_CALL chunks (B*K is a multiple of it)
+    let calls = (b * chunks / CHUNKS_PER_CALL).max(1);
+    let per_call = b * chunks / calls;
+    let o = if calls == 1 {
+        attention_with_bias(&q, &k, &v, &plan.bias)
+    } else {
+        let part = |t: &Tensor, i: i64| t.narrow(0, i * per_call, per_call);
+        let parts: Vec<Tensor> = (0..calls)
+            .map(|i| {
+                attention_with_bias(
+                    &part(&q, i),
+                    &part(&k, i),
+                    &part(&v, i),
+                    &part(&plan.bias, i),
+                )
+            })
+            .collect();
+        Tensor::cat(&parts, 0)
+    };
     let o = o.transpose(1, 2).reshape([b, chunks * rows, heads * d]);
     if pad > 0 {
         o.narrow(1, 0, len)
@@ -869,6 +963,14 @@ fn must_expand_kv(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> bool {
         Tensor::f_internal_fused_sdp_choice(q, &ke, &ke, Some(bias), 0.0, false, None, false)
             .unwrap_or(MATH);
     expanded != MATH
+}
+
+fn gcd(a: i64, b: i64) -> i64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 /// `n` values drawn from N(0, std): chunks of 2^20 values, each from a ChaCha8 generator

@@ -154,6 +154,11 @@ impl<T> ResizableQueue<T> {
         }
     }
 
+    /// Whether no item is waiting.
+    pub fn is_empty(&self) -> bool {
+        self.lock().items.is_empty()
+    }
+
     /// Wakes every waiter (after the stop flag was set).
     pub fn wake_all(&self) {
         self.not_empty.notify_all();

@@ -23,6 +23,7 @@ use crate::data::packer::{collate, Packer, PackerConfig, PackerState};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
 use crate::eval::prompts::{check_prompts, prompts_from_data};
 use crate::eval::speculative::measure_tau;
+use crate::model::layers::upload;
 use crate::model::{
     AnchorBatch, Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, SharedTarget,
     TargetModel,
@@ -636,10 +637,11 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         let cfg = config.clone();
         let taps = p.drafters[0].config.target_layer_ids().to_vec();
         let done = finished_targets.clone();
+        let wait_for_device = !p.drafter_devices.contains(&target.device);
         threads.push(spawn(
             format!("target-{i}"),
             Box::new(move || {
-                if let Err(e) = target_worker(&shared, &target, &taps, &cfg) {
+                if let Err(e) = target_worker(&shared, &target, &taps, &cfg, wait_for_device) {
                     shared.fail(&format!("target worker {i}"), &e);
                 }
                 if done.fetch_add(1, Ordering::SeqCst) + 1 == n_targets as u32 {
@@ -678,6 +680,10 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         samples_seen: p.samples_seen,
         last_save: Instant::now(),
         eval: p.eval,
+        queued: None,
+        last_step_end: Instant::now(),
+        tokens_ema: 0.0,
+        samples_ema: 0.0,
     };
     {
         let shared = shared.clone();
@@ -774,11 +780,16 @@ fn batch_item(
     }
 }
 
+/// `wait_for_device`: wait for each forward to finish on the device, so that `target.forward`
+/// times the device's work. Off where a drafter shares the device: the wait would be for the
+/// drafter's queued work too, and one stream orders the drafter after the forward anyway
+/// (there `target.forward` is the time to queue the forward).
 fn target_worker(
     shared: &Shared,
     target: &TargetModel,
     taps: &[usize],
     cfg: &TrainConfig,
+    wait_for_device: bool,
 ) -> Result<()> {
     let soft = cfg.train.kl_weight > 0.0;
     let req = ForwardRequest {
@@ -797,13 +808,14 @@ fn target_worker(
             Err(_) => return Ok(()),
         };
         shared.profile.record(Event::BATCH_Q_WAIT, t.elapsed());
+        // pinned and non-blocking: a pageable copy would wait for the device's queued work
         let ids = shared.profile.time(Event::TARGET_H2D, || {
-            batch.input_ids.to_device(target.device)
+            upload(&batch.input_ids, target.device)
         });
         let out = shared.profile.time(Event::TARGET_FORWARD, || {
             let out = target.run(&ids, None, &req);
-            if let Device::Cuda(i) = target.device {
-                tch::Cuda::synchronize(i as i64);
+            if wait_for_device {
+                sync_device(target.device);
             }
             out
         });
@@ -860,6 +872,28 @@ fn apply_update(
     optimizer.update(grad, lr);
     optimizer.write_params(params)?;
     Ok(norm)
+}
+
+/// [`Drafter::warm_up_attention`] on a drafter worker's thread (the kernels' plans are kept
+/// per thread), with a line in the log.
+fn warm_up_attention(
+    shared: &Shared,
+    drafter: &Drafter,
+    head: &FrozenHead,
+    cfg: &TrainConfig,
+    replica: usize,
+) {
+    let t = Instant::now();
+    let warmed = drafter.warm_up_attention(head, cfg.data.max_len);
+    if warmed > 0 {
+        shared.event(
+            "warm_up",
+            format!(
+                "drafter worker {replica}: attention kernels planned for {warmed} context lengths in {:.1} s",
+                t.elapsed().as_secs_f64()
+            ),
+        );
+    }
 }
 
 fn sync_device(device: Device) {
@@ -959,6 +993,8 @@ pub fn measure_stages_alone(
     let total_steps = config.train.total_steps.max(1);
     let warmup_steps = (config.train.warmup_ratio * total_steps as f64).round() as u64;
     let first_step = (skip - warmup) as u64;
+    // this thread's kernel plans, as the pipeline's drafter threads make theirs at their start
+    drafter.warm_up_attention(head, config.data.max_len);
     let mut drafter_clock = None;
     for (i, item) in features.iter().enumerate() {
         if i == warmup {
@@ -1121,6 +1157,7 @@ fn replica(
 ) -> Result<()> {
     let mut step = shared.status().step;
     sync.prepare(&drafter.named_parameters());
+    warm_up_attention(shared, &drafter, &head, cfg, r);
     loop {
         let Some(res) = accumulate(shared, cfg, &drafter, &head, r, step)? else {
             return Ok(());
@@ -1149,6 +1186,22 @@ fn replica(
     }
 }
 
+/// An optimizer step whose work is queued on the device and whose numbers (loss sums, gradient
+/// norm) were not read yet: they are read once the next step's work is queued behind them.
+struct QueuedStep {
+    /// The step number after the update.
+    step: u64,
+    epoch: u64,
+    tokens_seen: u64,
+    samples_seen: u64,
+    sums: LossTensors,
+    grad_norm: Tensor,
+    lr: f64,
+    tokens: u64,
+    samples: u64,
+    started: Instant,
+}
+
 struct Coordinator {
     shared: Arc<Shared>,
     config: Arc<TrainConfig>,
@@ -1166,18 +1219,25 @@ struct Coordinator {
     samples_seen: u64,
     last_save: Instant,
     eval: Option<EvalSetup>,
+    queued: Option<QueuedStep>,
+    last_step_end: Instant,
+    tokens_ema: f64,
+    samples_ema: f64,
 }
 
 impl Coordinator {
     fn run(&mut self) -> Result<()> {
         let cfg = self.config.clone();
+        warm_up_attention(&self.shared, &self.drafter, &self.head, &cfg, 0);
         let warmup = (cfg.train.warmup_ratio * self.total_steps as f64).round() as u64;
-        let mut tokens_ema = 0.0f64;
-        let mut samples_ema = 0.0f64;
-        let mut last_step_end = Instant::now();
         while self.step < self.total_steps {
             if self.handle_requests()? {
                 return Ok(());
+            }
+            // About to wait (paused, or no features yet): the queued step's numbers first, so
+            // that what the operator sees is not a step behind while nothing moves.
+            if self.shared.paused.load(Ordering::Relaxed) || self.shared.feature_q.is_empty() {
+                self.finish_queued()?;
             }
             let step_started = Instant::now();
             let Some(res) =
@@ -1244,83 +1304,120 @@ impl Coordinator {
             }
             self.tokens_seen += tokens;
             self.samples_seen += samples;
-            // The step's one read from the device, after all of its work is queued.
-            let sums: LossSums = sums.to_host();
-            let grad_norm = grad_norm.double_value(&[]);
-            let now = Instant::now();
-            let step_s = now.duration_since(last_step_end).as_secs_f64().max(1e-9);
-            last_step_end = now;
-            self.shared
-                .profile
-                .record(Event::STEP_TOTAL, now.duration_since(step_started));
-            let alpha = if tokens_ema == 0.0 { 1.0 } else { 0.1 };
-            tokens_ema = alpha * tokens as f64 / step_s + (1.0 - alpha) * tokens_ema;
-            samples_ema = alpha * samples as f64 / step_s + (1.0 - alpha) * samples_ema;
-            let epoch = self.last_seen.map_or(0, |(_, _, e)| e);
-            let record = StepRecord {
+            // This step's work is queued: now the previous step's numbers are read, while the
+            // device runs this one (reading this step's now would leave the device idle until
+            // the host had queued the next).
+            let queued = QueuedStep {
                 step: self.step,
-                epoch,
-                loss: sums.loss(),
-                accuracy: sums.accuracy(),
-                tau_train: sums.tau_train(),
-                lr,
+                epoch: self.last_seen.map_or(0, |(_, _, e)| e),
+                tokens_seen: self.tokens_seen,
+                samples_seen: self.samples_seen,
+                sums,
                 grad_norm,
+                lr,
                 tokens,
                 samples,
-                blocks: sums.blocks.round() as u64,
-                step_s,
-                tokens_per_s: tokens_ema,
-                samples_per_s: samples_ema,
-                elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+                started: step_started,
             };
-            if !record.loss.is_finite() {
-                bail!("step {}: the loss is {} (diverged)", self.step, record.loss);
+            if let Some(previous) = self.queued.replace(queued) {
+                self.finish_step(previous)?;
             }
-            self.shared
-                .metrics
-                .write(&MetricsRecord::Step(record.clone()));
-            {
-                let mut st = self.shared.status();
-                st.step = self.step;
-                st.epoch = epoch;
-                st.tokens_seen = self.tokens_seen;
-                st.samples_seen = self.samples_seen;
-                st.tokens_per_s = tokens_ema;
-                st.samples_per_s = samples_ema;
-                if st.history.len() >= HISTORY {
-                    st.history.remove(0);
-                }
-                st.history.push(record.clone());
-                if st.phase == Some(Phase::WarmingUp) {
-                    st.phase = Some(Phase::Training);
-                }
-            }
-            if cfg.debug.fail_stage == "drafter"
-                && cfg.debug.fail_at_step > 0
-                && self.step == cfg.debug.fail_at_step
-            {
-                bail!(
-                    "step {}: injected failure (debug.fail_stage = \"drafter\")",
-                    self.step
-                );
-            }
-            if cfg.eval.every_steps > 0 && self.step.is_multiple_of(cfg.eval.every_steps) {
-                self.evaluate()?;
-            }
+            let eval_due =
+                cfg.eval.every_steps > 0 && self.step.is_multiple_of(cfg.eval.every_steps);
             let periodic_steps = cfg.checkpoint.save_every_steps > 0
                 && self.step.is_multiple_of(cfg.checkpoint.save_every_steps);
             let periodic_time = cfg.checkpoint.save_every_minutes > 0.0
                 && self.last_save.elapsed().as_secs_f64()
                     >= cfg.checkpoint.save_every_minutes * 60.0;
+            let fault_due = cfg.debug.fail_stage == "drafter"
+                && cfg.debug.fail_at_step > 0
+                && self.step == cfg.debug.fail_at_step;
+            if eval_due || periodic_steps || periodic_time || fault_due {
+                self.finish_queued()?;
+            }
+            if fault_due {
+                bail!(
+                    "step {}: injected failure (debug.fail_stage = \"drafter\")",
+                    self.step
+                );
+            }
+            if eval_due {
+                self.evaluate()?;
+            }
             if periodic_steps || periodic_time {
                 self.checkpoint("periodic")?;
             }
         }
+        self.finish_queued()?;
         self.final_evaluation()?;
         self.checkpoint("final")?;
         self.shared.set_phase(Phase::Finished);
         self.shared
             .event("finished", format!("finished after {} steps", self.step));
+        Ok(())
+    }
+
+    /// Reads the numbers of the step still queued on the device, if any (see [`QueuedStep`]).
+    fn finish_queued(&mut self) -> Result<()> {
+        match self.queued.take() {
+            Some(q) => self.finish_step(q),
+            None => Ok(()),
+        }
+    }
+
+    /// The step's record: its numbers read from the device (the step's one wait for it),
+    /// written to the metrics and the status.
+    fn finish_step(&mut self, q: QueuedStep) -> Result<()> {
+        let sums: LossSums = q.sums.to_host();
+        let grad_norm = q.grad_norm.double_value(&[]);
+        let now = Instant::now();
+        let step_s = now
+            .duration_since(self.last_step_end)
+            .as_secs_f64()
+            .max(1e-9);
+        self.last_step_end = now;
+        self.shared
+            .profile
+            .record(Event::STEP_TOTAL, now.duration_since(q.started));
+        let alpha = if self.tokens_ema == 0.0 { 1.0 } else { 0.1 };
+        self.tokens_ema = alpha * q.tokens as f64 / step_s + (1.0 - alpha) * self.tokens_ema;
+        self.samples_ema = alpha * q.samples as f64 / step_s + (1.0 - alpha) * self.samples_ema;
+        let record = StepRecord {
+            step: q.step,
+            epoch: q.epoch,
+            loss: sums.loss(),
+            accuracy: sums.accuracy(),
+            tau_train: sums.tau_train(),
+            lr: q.lr,
+            grad_norm,
+            tokens: q.tokens,
+            samples: q.samples,
+            blocks: sums.blocks.round() as u64,
+            step_s,
+            tokens_per_s: self.tokens_ema,
+            samples_per_s: self.samples_ema,
+            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+        };
+        if !record.loss.is_finite() {
+            bail!("step {}: the loss is {} (diverged)", q.step, record.loss);
+        }
+        self.shared
+            .metrics
+            .write(&MetricsRecord::Step(record.clone()));
+        let mut st = self.shared.status();
+        st.step = q.step;
+        st.epoch = q.epoch;
+        st.tokens_seen = q.tokens_seen;
+        st.samples_seen = q.samples_seen;
+        st.tokens_per_s = self.tokens_ema;
+        st.samples_per_s = self.samples_ema;
+        if st.history.len() >= HISTORY {
+            st.history.remove(0);
+        }
+        st.history.push(record);
+        if st.phase == Some(Phase::WarmingUp) {
+            st.phase = Some(Phase::Training);
+        }
         Ok(())
     }
 
@@ -1417,6 +1514,10 @@ impl Coordinator {
 
     /// Checkpoint and stop requests at a step boundary; true when the run should end.
     fn handle_requests(&mut self) -> Result<bool> {
+        let checkpoint = self.shared.checkpoint_requested.load(Ordering::SeqCst);
+        if checkpoint || self.shared.stop_requested.load(Ordering::SeqCst) != 0 {
+            self.finish_queued()?;
+        }
         if self
             .shared
             .checkpoint_requested
