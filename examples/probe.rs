@@ -375,12 +375,20 @@ fn main() -> Result<()> {
         });
         println!("  step with chunked:{c:<3}         {ms:8.2} ms");
     }
+    // the trainer's step: flatten, then clip + AdamW in one fused kernel, then the weights back
+    let mut failed = None;
     let opt = time_ms(dev, 3, || {
         let mut grad = AdamW::flatten_grads(&params);
-        let _ = AdamW::clip_on_device(&mut grad, 1.0);
-        optimizer.update(&grad, 1e-6);
-        let _ = optimizer.write_params(&params);
+        let step = optimizer
+            .update_clipped(&mut grad, 1e-6, 1.0)
+            .and_then(|_| optimizer.write_params(&params));
+        if let Err(e) = step {
+            failed.get_or_insert(e);
+        }
     });
+    if let Some(e) = failed {
+        return Err(e.context("optimizer step"));
+    }
     println!("  optimizer (flatten+clip+adamw+write) {opt:8.2} ms");
     Ok(())
 }

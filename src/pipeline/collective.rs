@@ -568,7 +568,7 @@ mod tests {
             coordinator.reduce(&mut grad, &others).unwrap();
             grad /= devices.len() as f64;
             let _norm = AdamW::clip_on_device(&mut grad, 1.0);
-            optimizer.update(&grad, 1e-2);
+            optimizer.update(&grad, 1e-2).unwrap();
             optimizer.write_params(&named0).unwrap();
             coordinator.hand_back(&named0, &buffers, &txs).unwrap();
         }

@@ -868,8 +868,7 @@ fn apply_update(
     clip: f64,
     lr: f64,
 ) -> Result<Tensor> {
-    let norm = AdamW::clip_on_device(grad, clip);
-    optimizer.update(grad, lr);
+    let norm = optimizer.update_clipped(grad, lr, clip)?;
     optimizer.write_params(params)?;
     Ok(norm)
 }

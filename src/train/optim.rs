@@ -1,6 +1,10 @@
 //! AdamW with fp32 master weights and moments kept as flat buffers on the optimizer device,
 //! global gradient-norm clipping, warm-up + cosine learning rate. tch cannot save optimizer
 //! state, so this one is ours: its three buffers are saved and restored exactly.
+//!
+//! The update itself is libtorch's fused AdamW kernel (`at::_fused_adamw_`, one pass over
+//! the weights, gradient and moments), which tch does not bind: src/train/fused_adamw.cpp is
+//! the shim, compiled by build.rs.
 
 use std::path::Path;
 
@@ -27,6 +31,135 @@ pub fn lr_at(step: u64, total: u64, warmup: u64, base: f64, min_ratio: f64) -> f
     base * (min_ratio + (1.0 - min_ratio) * cosine)
 }
 
+mod ffi {
+    use std::ffi::{c_char, c_void};
+
+    extern "C" {
+        // src/train/fused_adamw.cpp; the tensors are `at::Tensor *` (tch's `as_ptr`), and
+        // `grad_scale` may be null. Returns null or an error to free with the function below.
+        pub fn dflash_fused_adamw(
+            param: *const c_void,
+            grad: *const c_void,
+            exp_avg: *const c_void,
+            exp_avg_sq: *const c_void,
+            state_step: *const c_void,
+            grad_scale: *const c_void,
+            lr: f64,
+            beta1: f64,
+            beta2: f64,
+            weight_decay: f64,
+            eps: f64,
+        ) -> *mut c_char;
+        pub fn dflash_fused_adamw_free_error(err: *mut c_char);
+    }
+}
+
+/// The fused AdamW step as libtorch runs it, on one parameter tensor, in place (decoupled
+/// weight decay, no amsgrad):
+/// `g = grad / grad_scale` (also written back into `grad` when a scale is given),
+/// `param *= 1 - lr * weight_decay`, `m = lerp(m, g, 1 - beta1)`,
+/// `v = beta2 v + (1 - beta2) g^2`,
+/// `param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)` with `t` read from
+/// `state_step` on the device. Every tensor is checked first (defined, fp32, contiguous, one
+/// device, matching sizes; `state_step` and `grad_scale` one element), so a mismatch is an
+/// error, never an out-of-bounds access.
+#[allow(clippy::too_many_arguments)]
+fn fused_adamw(
+    param: &mut Tensor,
+    grad: &Tensor,
+    exp_avg: &mut Tensor,
+    exp_avg_sq: &mut Tensor,
+    state_step: &Tensor,
+    grad_scale: Option<&Tensor>,
+    lr: f64,
+    config: &AdamWConfig,
+) -> Result<()> {
+    let device = param.device();
+    let size = param.size();
+    let named = [
+        ("weights", &*param),
+        ("gradient", grad),
+        ("first moment", &*exp_avg),
+        ("second moment", &*exp_avg_sq),
+    ];
+    for (what, t) in named {
+        if !t.defined() {
+            bail!("fused AdamW: the {what} tensor is undefined");
+        }
+        if t.kind() != Kind::Float || t.device() != device || t.size() != size {
+            bail!(
+                "fused AdamW: the {what} tensor is {:?} {:?} on {:?}; expected Float {size:?} on {device:?}",
+                t.kind(),
+                t.size(),
+                t.device()
+            );
+        }
+        if !t.is_contiguous() {
+            bail!("fused AdamW: the {what} tensor is not contiguous");
+        }
+    }
+    for (what, t) in [
+        ("step count", Some(state_step)),
+        ("gradient scale", grad_scale),
+    ] {
+        let Some(t) = t else { continue };
+        if !t.defined() || t.kind() != Kind::Float || t.device() != device || t.numel() != 1 {
+            bail!(
+                "fused AdamW: the {what} must be one Float element on {device:?}, not {:?}",
+                if t.defined() {
+                    format!("{:?} {:?} on {:?}", t.kind(), t.size(), t.device())
+                } else {
+                    "undefined".to_string()
+                }
+            );
+        }
+    }
+    // SAFETY: all tensors checked above: one device, one dtype, same sizes, dense.
+    unsafe {
+        fused_adamw_unchecked(
+            param, grad, exp_avg, exp_avg_sq, state_step, grad_scale, lr, config,
+        )
+    }
+}
+
+/// [`fused_adamw`] without the checks.
+///
+/// # Safety
+/// The tensors must be defined, and `param`, `grad`, `exp_avg` and `exp_avg_sq` contiguous
+/// with one number of elements (the kernel indexes them all by the parameter's); libtorch
+/// itself rejects (with an error) mixed devices or dtypes.
+#[allow(clippy::too_many_arguments)]
+unsafe fn fused_adamw_unchecked(
+    param: &mut Tensor,
+    grad: &Tensor,
+    exp_avg: &mut Tensor,
+    exp_avg_sq: &mut Tensor,
+    state_step: &Tensor,
+    grad_scale: Option<&Tensor>,
+    lr: f64,
+    c: &AdamWConfig,
+) -> Result<()> {
+    let err = ffi::dflash_fused_adamw(
+        param.as_mut_ptr().cast_const().cast(),
+        grad.as_ptr().cast(),
+        exp_avg.as_mut_ptr().cast_const().cast(),
+        exp_avg_sq.as_mut_ptr().cast_const().cast(),
+        state_step.as_ptr().cast(),
+        grad_scale.map_or(std::ptr::null(), |t| t.as_ptr().cast()),
+        lr,
+        c.beta1,
+        c.beta2,
+        c.weight_decay,
+        c.eps,
+    );
+    if err.is_null() {
+        return Ok(());
+    }
+    let msg = std::ffi::CStr::from_ptr(err).to_string_lossy().into_owned();
+    ffi::dflash_fused_adamw_free_error(err);
+    bail!("fused AdamW (at::_fused_adamw_): {msg}")
+}
+
 /// The optimizer.
 pub struct AdamW {
     pub config: AdamWConfig,
@@ -36,6 +169,9 @@ pub struct AdamW {
     master: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    /// The step count the fused kernel reads (fp32, one element, on the optimizer device),
+    /// set before each update.
+    state_step: Tensor,
     /// Optimizer steps taken.
     pub step: u64,
     pub device: Device,
@@ -63,6 +199,7 @@ impl AdamW {
             offsets,
             exp_avg: master.zeros_like(),
             exp_avg_sq: master.zeros_like(),
+            state_step: Tensor::zeros([1], (Kind::Float, device)),
             master,
             step: 0,
             device,
@@ -74,22 +211,27 @@ impl AdamW {
     }
 
     /// The gradients of `params` as one flat fp32 buffer on their device (zeros where a
-    /// parameter got none), and resets them.
+    /// parameter got none), and resets them. One pass: each gradient is copied (and cast)
+    /// straight into its slice of the buffer.
     pub fn flatten_grads(params: &[(String, &Tensor)]) -> Tensor {
         tch::no_grad(|| {
-            let parts: Vec<Tensor> = params
-                .iter()
-                .map(|(_, p)| {
-                    let g = p.grad();
-                    if g.defined() {
-                        g.to_kind(Kind::Float).reshape([-1])
-                    } else {
-                        Tensor::zeros([p.numel() as i64], (Kind::Float, p.device()))
-                    }
-                })
-                .collect();
-            // `cat` copies; only then may the gradients (which `parts` may view) be reset.
-            let flat = Tensor::cat(&parts, 0);
+            let total: i64 = params.iter().map(|(_, p)| p.numel() as i64).sum();
+            let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
+            let flat = Tensor::empty([total], (Kind::Float, device));
+            let mut offset = 0;
+            for (_, p) in params {
+                let n = p.numel() as i64;
+                let mut slot = flat.narrow(0, offset, n);
+                let g = p.grad();
+                if g.defined() {
+                    slot.view(g.size().as_slice()).copy_(&g);
+                } else {
+                    let _ = slot.zero_();
+                }
+                offset += n;
+            }
+            // The copies are queued before the resets (one stream), so `flat` holds the
+            // gradients.
             for (_, p) in params {
                 let mut g = p.grad();
                 if g.defined() {
@@ -122,33 +264,68 @@ impl AdamW {
         })
     }
 
-    /// One AdamW update with the averaged flat gradient (on the optimizer device). A billion
-    /// fp32 weights make every element-wise pass over the state cost milliseconds, so the
-    /// update is written with as few passes as libtorch's in-place operations allow.
-    pub fn update(&mut self, grad: &Tensor, lr: f64) {
+    /// One AdamW update with the averaged flat gradient (fp32, [`AdamW::numel`] elements, on
+    /// the optimizer device), in one pass of libtorch's fused kernel: a billion fp32 weights
+    /// make every element-wise pass over the state cost milliseconds.
+    ///
+    /// With `t` the step count after this step: `master *= 1 - lr * weight_decay` (decoupled;
+    /// only a positive decay applies), `m = beta1 m + (1 - beta1) g`,
+    /// `v = beta2 v + (1 - beta2) g^2`,
+    /// `master -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)`. A zero
+    /// learning rate (the end of a cosine schedule to 0) updates the moments and leaves the
+    /// weights as they are (eps > 0).
+    pub fn update(&mut self, grad: &Tensor, lr: f64) -> Result<()> {
+        self.fused_update(grad, None, lr)
+    }
+
+    /// [`AdamW::clip_on_device`] and [`AdamW::update`] in one pass: the clip is the fused
+    /// kernel's gradient scale, `grad / ((norm + 1e-6) / max_norm)` where the norm exceeds
+    /// `max_norm` (0 = no clipping), computed on the device. Returns the gradient norm before
+    /// clipping, still on the device; `grad` is left clipped, as `clip_on_device` leaves it.
+    pub fn update_clipped(&mut self, grad: &mut Tensor, lr: f64, max_norm: f64) -> Result<Tensor> {
         tch::no_grad(|| {
-            let c = self.config;
-            self.step += 1;
-            let t = self.step as i32;
-            // m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
-            let _ = self.exp_avg.lerp_(grad, 1.0 - c.beta1);
-            let _ = self.exp_avg_sq.lerp_(&grad.square(), 1.0 - c.beta2);
-            let bias1 = 1.0 - c.beta1.powi(t);
-            let bias2 = 1.0 - c.beta2.powi(t);
-            if c.weight_decay > 0.0 {
-                let _ = self.master.g_mul_scalar_(1.0 - lr * c.weight_decay);
+            let norm = grad.f_norm().context("gradient norm")?;
+            if max_norm > 0.0 {
+                let over = norm.f_gt(max_norm).context("gradient clip")?;
+                let scale = (&norm + 1e-6)
+                    .f_div_scalar(max_norm)
+                    .and_then(|s| s.f_where_self(&over, &s.ones_like()))
+                    .and_then(|s| s.f_reshape([1]))
+                    .context("gradient clip scale")?;
+                self.fused_update(grad, Some(&scale), lr)?;
+            } else {
+                self.fused_update(grad, None, lr)?;
             }
-            // master -= step * m / (sqrt(v / bias2) + eps), as master += m / denom with
-            // denom = -(sqrt(v) / sqrt(bias2) + eps) / step.
-            // (A zero learning rate, the end of a cosine schedule to 0, changes nothing.)
-            let step = lr / bias1;
-            if step > 0.0 {
-                let mut denom = self.exp_avg_sq.sqrt();
-                let _ = denom.g_mul_scalar_(-1.0 / (step * bias2.sqrt()));
-                let _ = denom.g_add_scalar_(-c.eps / step);
-                let _ = self.master.addcdiv_(&self.exp_avg, &denom);
-            }
+            Ok(norm)
         })
+    }
+
+    fn fused_update(&mut self, grad: &Tensor, grad_scale: Option<&Tensor>, lr: f64) -> Result<()> {
+        let step = self.step + 1;
+        tch::no_grad(|| {
+            // fp32 counts steps exactly up to 2^24; the host value goes into the fill kernel,
+            // with no wait for the device
+            let _ = self
+                .state_step
+                .f_fill_(step as f64)
+                .context("fused AdamW: the step count")?;
+            let config = AdamWConfig {
+                weight_decay: self.config.weight_decay.max(0.0),
+                ..self.config
+            };
+            fused_adamw(
+                &mut self.master,
+                grad,
+                &mut self.exp_avg,
+                &mut self.exp_avg_sq,
+                &self.state_step,
+                grad_scale,
+                lr,
+                &config,
+            )
+        })?;
+        self.step = step;
+        Ok(())
     }
 
     /// Copies the master weights into `params` (cast to their dtype, on their device).
@@ -277,7 +454,7 @@ mod tests {
         };
         let mut opt = AdamW::new(&params, Device::Cpu, cfg);
         let g = Tensor::from_slice(&[0.5f32, 0.25]);
-        opt.update(&g, 0.01);
+        opt.update(&g, 0.01).unwrap();
         opt.write_params(&params).unwrap();
         // step 1: m/(1-b1) = g, v/(1-b2) = g^2 -> update = lr * g/|g| = lr * sign(g)
         let want = [
@@ -293,8 +470,8 @@ mod tests {
         opt.save(&path).unwrap();
         let mut other = AdamW::new(&params, Device::Cpu, cfg);
         other.load(&path, opt.step).unwrap();
-        opt.update(&g, 0.01);
-        other.update(&g, 0.01);
+        opt.update(&g, 0.01).unwrap();
+        other.update(&g, 0.01).unwrap();
         assert_eq!(
             Vec::<f32>::try_from(&opt.master).unwrap(),
             Vec::<f32>::try_from(&other.master).unwrap()
@@ -317,5 +494,211 @@ mod tests {
         let mut any = Tensor::from_slice(&[30.0f32, 40.0]);
         assert_eq!(AdamW::clip(&mut any, 0.0), 50.0);
         assert_eq!(Vec::<f32>::try_from(&any).unwrap(), vec![30.0, 40.0]);
+    }
+
+    /// AdamW as the formulas read, in f64 on the host, with the global-norm clip in front.
+    struct Reference {
+        cfg: AdamWConfig,
+        p: Vec<f64>,
+        m: Vec<f64>,
+        v: Vec<f64>,
+        /// The magnitude of the terms that summed to `m` (the scale of its rounding errors
+        /// when they cancel to about zero)
+        m_terms: Vec<f64>,
+        t: i32,
+    }
+
+    impl Reference {
+        /// One step; returns the gradient norm before clipping.
+        fn step(&mut self, g: &[f32], lr: f64, max_norm: f64) -> f64 {
+            let c = self.cfg;
+            self.t += 1;
+            let norm = g.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+            let scale = if max_norm > 0.0 && norm > max_norm {
+                max_norm / (norm + 1e-6)
+            } else {
+                1.0
+            };
+            let bias1 = 1.0 - c.beta1.powi(self.t);
+            let bias2 = 1.0 - c.beta2.powi(self.t);
+            for i in 0..self.p.len() {
+                let g = g[i] as f64 * scale;
+                self.m[i] = c.beta1 * self.m[i] + (1.0 - c.beta1) * g;
+                self.m_terms[i] = c.beta1 * self.m_terms[i] + (1.0 - c.beta1) * g.abs();
+                self.v[i] = c.beta2 * self.v[i] + (1.0 - c.beta2) * g * g;
+                self.p[i] *= 1.0 - lr * c.weight_decay;
+                let m_hat = self.m[i] / bias1;
+                let v_hat = self.v[i] / bias2;
+                self.p[i] -= lr * m_hat / (v_hat.sqrt() + c.eps);
+            }
+            norm
+        }
+    }
+
+    fn host(t: &Tensor) -> Vec<f32> {
+        Vec::<f32>::try_from(&t.to_device(Device::Cpu).to_kind(Kind::Float).reshape([-1])).unwrap()
+    }
+
+    /// Every element within `rel` of the reference, relative to `scale` (its magnitude, or
+    /// that of the terms it sums).
+    fn assert_close(what: &str, step: usize, got: &[f32], want: &[f64], scale: &[f64], rel: f64) {
+        assert_eq!(got.len(), want.len());
+        for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+            let err = (a as f64 - b).abs() / scale[i];
+            assert!(
+                err <= rel,
+                "step {step}: {what}[{i}] = {a}, the reference {b} (relative error {err:.2e})"
+            );
+        }
+    }
+
+    #[test]
+    fn fused_update_matches_an_elementwise_adamw() {
+        tch::manual_seed(7);
+        // two parameters (one matrix, one vector) of 317 elements, of magnitude 0.5 to 2
+        let init = |shape: &[i64]| {
+            let u = Tensor::rand(shape, (Kind::Float, Device::Cpu)) * 1.5 + 0.5;
+            let sign = Tensor::rand(shape, (Kind::Float, Device::Cpu)).gt(0.5);
+            u.where_self(&sign, &-&u)
+        };
+        let a = init(&[12, 20]).set_requires_grad(true);
+        let b = init(&[77]).set_requires_grad(true);
+        let params = vec![("a".to_string(), &a), ("b".to_string(), &b)];
+        // a large eps and a small beta2 make the place of eps in the denominator matter
+        let cfg = AdamWConfig {
+            beta1: 0.8,
+            beta2: 0.95,
+            eps: 1e-3,
+            weight_decay: 0.1,
+        };
+        let mut opt = AdamW::new(&params, Device::Cpu, cfg);
+        let start: Vec<f64> = host(&opt.master).iter().map(|&x| x as f64).collect();
+        let n = start.len();
+        assert_eq!(n, 317);
+        let mut reference = Reference {
+            cfg,
+            p: start,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            m_terms: vec![0.0; n],
+            t: 0,
+        };
+        // (gradient size, lr, max_norm): clipped (norm about 18 > 5) or not (norm about 1.8
+        // < 5, or no limit), a step with lr = 0, and plain `update` (no clip) at the end
+        let steps = [
+            (1.0, 0.05, 5.0),
+            (0.1, 0.05, 5.0),
+            (1.0, 0.03, 5.0),
+            (1.0, 0.0, 5.0),
+            (0.1, 0.02, 5.0),
+            (1.0, 0.02, 0.0),
+            (1.0, 0.01, f64::NAN),
+        ];
+        let (mut clipped, mut unclipped) = (0, 0);
+        for (k, &(size, lr, max_norm)) in steps.iter().enumerate() {
+            let mut grad = Tensor::randn([n as i64], (Kind::Float, Device::Cpu)) * size;
+            let g = host(&grad);
+            let before = host(&opt.master);
+            let plain = max_norm.is_nan();
+            let want_norm = reference.step(&g, lr, if plain { 0.0 } else { max_norm });
+            if !plain && max_norm > 0.0 && want_norm > max_norm {
+                clipped += 1;
+            } else {
+                unclipped += 1;
+            }
+            if plain {
+                opt.update(&grad, lr).unwrap();
+            } else {
+                let norm = opt.update_clipped(&mut grad, lr, max_norm).unwrap();
+                let norm = norm.double_value(&[]);
+                assert!(
+                    (norm - want_norm).abs() <= 1e-6 * want_norm,
+                    "{norm} {want_norm}"
+                );
+            }
+            assert_eq!(opt.step, k as u64 + 1);
+            let after = host(&opt.master);
+            if lr == 0.0 {
+                assert_eq!(before, after, "lr = 0 changed the weights");
+            } else {
+                assert!(before != after);
+            }
+            let r = &reference;
+            let abs = |x: &[f64]| x.iter().map(|v| v.abs()).collect::<Vec<_>>();
+            assert_close("master", k, &after, &r.p, &abs(&r.p), 1e-6);
+            assert_close("exp_avg", k, &host(&opt.exp_avg), &r.m, &r.m_terms, 1e-6);
+            assert_close("exp_avg_sq", k, &host(&opt.exp_avg_sq), &r.v, &r.v, 1e-6);
+        }
+        assert!(clipped >= 2 && unclipped >= 3, "{clipped} {unclipped}");
+        // the weights reach the parameters
+        opt.write_params(&params).unwrap();
+        let mut written = host(&a);
+        written.extend(host(&b));
+        let scale: Vec<f64> = reference.p.iter().map(|v| v.abs()).collect();
+        assert_close("written", steps.len(), &written, &reference.p, &scale, 1e-6);
+    }
+
+    #[test]
+    fn update_clipped_returns_the_norm_before_clipping() {
+        let p = Tensor::from_slice(&[0.0f32; 4]);
+        let params = vec![("w".to_string(), &p)];
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let mut opt = AdamW::new(&params, Device::Cpu, cfg);
+        // norm 13, clipped to 1: the gradient is left scaled to a norm of about 1
+        let mut grad = Tensor::from_slice(&[3.0f32, 4.0, 12.0, 0.0]);
+        let norm = opt.update_clipped(&mut grad, 1e-3, 1.0).unwrap();
+        assert!((norm.double_value(&[]) - 13.0).abs() < 1e-5);
+        assert!((grad.norm().double_value(&[]) - 1.0).abs() < 1e-5);
+        // below the limit and without a limit: the norm, the gradient unchanged
+        let mut grad = Tensor::from_slice(&[0.3f32, 0.4, 0.0, 0.0]);
+        let norm = opt.update_clipped(&mut grad, 1e-3, 1.0).unwrap();
+        assert!((norm.double_value(&[]) - 0.5).abs() < 1e-6);
+        assert_eq!(host(&grad), vec![0.3, 0.4, 0.0, 0.0]);
+        let mut grad = Tensor::from_slice(&[30.0f32, 40.0, 0.0, 0.0]);
+        let norm = opt.update_clipped(&mut grad, 1e-3, 0.0).unwrap();
+        assert!((norm.double_value(&[]) - 50.0).abs() < 1e-4);
+        assert_eq!(host(&grad), vec![30.0, 40.0, 0.0, 0.0]);
+        assert_eq!(opt.step, 3);
+    }
+
+    #[test]
+    fn mismatched_tensors_are_errors() {
+        let p = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
+        let params = vec![("w".to_string(), &p)];
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let mut opt = AdamW::new(&params, Device::Cpu, cfg);
+        let short = Tensor::from_slice(&[1.0f32, 2.0]);
+        let err = opt.update(&short, 0.1).unwrap_err().to_string();
+        assert!(err.contains("gradient") && err.contains("[2]"), "{err}");
+        let double = Tensor::from_slice(&[1.0f64, 2.0, 3.0]);
+        let err = opt.update(&double, 0.1).unwrap_err().to_string();
+        assert!(err.contains("Double"), "{err}");
+        assert_eq!(opt.step, 0, "a failed update counts no step");
+        // past the checks, libtorch's own error comes back through the shim
+        let mut master = opt.master.shallow_clone();
+        let mut m = opt.exp_avg.shallow_clone();
+        let mut v = opt.exp_avg_sq.shallow_clone();
+        let step = Tensor::from_slice(&[1.0f32]);
+        // SAFETY: every tensor has three contiguous elements
+        let err = unsafe {
+            fused_adamw_unchecked(&mut master, &double, &mut m, &mut v, &step, None, 0.1, &cfg)
+        }
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("fused AdamW (at::_fused_adamw_): "),
+            "{err}"
+        );
+        assert_eq!(host(&opt.master), vec![1.0, 2.0, 3.0]);
     }
 }
