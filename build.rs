@@ -1,6 +1,6 @@
-// 1. Compiles src/train/fused_adamw.cpp, the shim to libtorch's fused AdamW kernel (tch does
-//    not bind it), against the libtorch headers with the flags torch-sys compiles its own C++
-//    with: the same include folders and the same _GLIBCXX_USE_CXX11_ABI, found the same way
+// 1. Compiles src/aten_ext/ops.cpp, the shim to libtorch's fused AdamW and flash attention
+//    kernels (tch does not bind them), against the libtorch headers with the flags torch-sys
+//    compiles its own C++ with: the same include folders and the same _GLIBCXX_USE_CXX11_ABI, found the same way
 //    (LIBTORCH_USE_PYTORCH asks Python's torch; else LIBTORCH_INCLUDE or LIBTORCH, or a system
 //    libtorch under /usr; the ABI from LIBTORCH_CXX11_ABI, 1 by default). The symbols resolve
 //    from libtorch_cpu, which torch-sys links.
@@ -10,7 +10,7 @@
 //    folder.
 use std::path::{Path, PathBuf};
 
-const SHIM: &str = "src/train/fused_adamw.cpp";
+const SHIM: &str = "src/aten_ext/ops.cpp";
 
 fn env_rerun(name: &str) -> Option<String> {
     println!("cargo:rerun-if-env-changed={name}");
@@ -92,7 +92,7 @@ fn main() {
     if std::env::var("CARGO_CFG_TARGET_ENV").as_deref() != Ok("msvc") {
         build.define("_GLIBCXX_USE_CXX11_ABI", abi.as_str());
     }
-    build.compile("dflash_fused_adamw");
+    build.compile("dflash_aten_ext");
 
     if let Some(libtorch) = env_rerun("LIBTORCH") {
         let lib = Path::new(&libtorch).join("lib");

@@ -206,6 +206,21 @@ fn main() -> Result<()> {
         }),
         4.0 * rows as f64 * heads as f64 * (len * len) as f64 / 2.0 * d as f64,
     );
+    let sdpa_out =
+        Tensor::scaled_dot_product_attention(&q, &k, &k, None::<&Tensor>, 0.0, true, None, true);
+    match dflash_tui::aten_ext::flash_attention(&q, &k, &k, true) {
+        Ok(flash_out) => {
+            let diff = (&flash_out - &sdpa_out).abs().max().double_value(&[]);
+            report(
+                &format!("flash causal gqa (diff {diff:.1e})"),
+                time_ms(dev, it, || {
+                    drop(dflash_tui::aten_ext::flash_attention(&q, &k, &k, true))
+                }),
+                4.0 * rows as f64 * heads as f64 * (len * len) as f64 / 2.0 * d as f64,
+            );
+        }
+        Err(e) => println!("  flash attention refused: {e:#}"),
+    }
     report("residual add", time_ms(dev, it, || drop(&x + &x)), 0.0);
 
     // The drafter step.

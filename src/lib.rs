@@ -1,5 +1,6 @@
 //! dflash-tui: train DFlash speculative-decoding drafters and steer the training live.
 
+pub mod aten_ext;
 pub mod bench;
 pub mod cli;
 pub mod config;

@@ -167,7 +167,7 @@ pub fn context_bucket(s: i64) -> i64 {
 
 /// Chunks per fused attention call of the chunked training attention: a fixed batch size, so
 /// that a call's shape depends only on the bucketed context length.
-const CHUNKS_PER_CALL: i64 = 4;
+const CHUNKS_PER_CALL: i64 = 8;
 
 impl fmt::Display for TrainAttention {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -708,9 +708,11 @@ impl Drafter {
             s = len + 1;
         }
         for (_, p) in self.named_parameters() {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.zero_();
+            if crate::aten_ext::clear_grad(p).is_err() {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
             }
         }
         warmed

@@ -218,7 +218,11 @@ impl Mlp {
     }
 }
 
-/// Fused attention (libtorch's `scaled_dot_product_attention`) with grouped-query heads.
+/// Fused attention with grouped-query heads: without a mask on a GPU the flash kernel, called
+/// directly (libtorch's `scaled_dot_product_attention` would choose cuDNN's on Hopper GPUs,
+/// which builds a plan for every new sequence length: tens of milliseconds each, and sequence
+/// lengths vary from batch to batch and from decoding step to step); else
+/// `scaled_dot_product_attention`.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -226,6 +230,11 @@ pub fn attention(
     mask: Option<&Tensor>,
     causal: bool,
 ) -> Tensor {
+    if mask.is_none() && crate::aten_ext::flash_eligible(q, k, v) {
+        if let Ok(o) = crate::aten_ext::flash_attention(q, k, v, causal) {
+            return o;
+        }
+    }
     let gqa = q.size()[1] != k.size()[1];
     Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, None, gqa)
 }

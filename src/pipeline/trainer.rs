@@ -971,7 +971,7 @@ pub fn measure_stages_alone(
             sync_device(target.device);
             target_clock = Some(Instant::now());
         }
-        let out = target.run(&batch.input_ids.to_device(target.device), None, &req);
+        let out = target.run(&upload(&batch.input_ids, target.device), None, &req);
         features.push(FeatureItem {
             features: out
                 .features

@@ -3,12 +3,11 @@
 //! state, so this one is ours: its three buffers are saved and restored exactly.
 //!
 //! The update itself is libtorch's fused AdamW kernel (`at::_fused_adamw_`, one pass over
-//! the weights, gradient and moments), which tch does not bind: src/train/fused_adamw.cpp is
-//! the shim, compiled by build.rs.
+//! the weights, gradient and moments), which tch does not bind (see [`crate::aten_ext`]).
 
 use std::path::Path;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 /// Hyper-parameters.
@@ -29,29 +28,6 @@ pub fn lr_at(step: u64, total: u64, warmup: u64, base: f64, min_ratio: f64) -> f
     let progress = ((step - warmup.min(step)) as f64 / span as f64).min(1.0);
     let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
     base * (min_ratio + (1.0 - min_ratio) * cosine)
-}
-
-mod ffi {
-    use std::ffi::{c_char, c_void};
-
-    extern "C" {
-        // src/train/fused_adamw.cpp; the tensors are `at::Tensor *` (tch's `as_ptr`), and
-        // `grad_scale` may be null. Returns null or an error to free with the function below.
-        pub fn dflash_fused_adamw(
-            param: *const c_void,
-            grad: *const c_void,
-            exp_avg: *const c_void,
-            exp_avg_sq: *const c_void,
-            state_step: *const c_void,
-            grad_scale: *const c_void,
-            lr: f64,
-            beta1: f64,
-            beta2: f64,
-            weight_decay: f64,
-            eps: f64,
-        ) -> *mut c_char;
-        pub fn dflash_fused_adamw_free_error(err: *mut c_char);
-    }
 }
 
 /// The fused AdamW step as libtorch runs it, on one parameter tensor, in place (decoupled
@@ -139,7 +115,7 @@ unsafe fn fused_adamw_unchecked(
     lr: f64,
     c: &AdamWConfig,
 ) -> Result<()> {
-    let err = ffi::dflash_fused_adamw(
+    let err = crate::aten_ext::ffi::dflash_fused_adamw(
         param.as_mut_ptr().cast_const().cast(),
         grad.as_ptr().cast(),
         exp_avg.as_mut_ptr().cast_const().cast(),
@@ -152,12 +128,7 @@ unsafe fn fused_adamw_unchecked(
         c.weight_decay,
         c.eps,
     );
-    if err.is_null() {
-        return Ok(());
-    }
-    let msg = std::ffi::CStr::from_ptr(err).to_string_lossy().into_owned();
-    ffi::dflash_fused_adamw_free_error(err);
-    bail!("fused AdamW (at::_fused_adamw_): {msg}")
+    crate::aten_ext::check(err).map_err(|e| anyhow!("fused AdamW (at::_fused_adamw_): {e}"))
 }
 
 /// The optimizer.
@@ -230,12 +201,16 @@ impl AdamW {
                 }
                 offset += n;
             }
-            // The copies are queued before the resets (one stream), so `flat` holds the
-            // gradients.
+            // The gradients are dropped, not zeroed: the next backward pass stores its own
+            // instead of adding to zeros. (The copies are queued first, on the one stream, so
+            // `flat` holds the gradients; libtorch's memory cache reuses freed memory in
+            // stream order.)
             for (_, p) in params {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = g.zero_();
+                if crate::aten_ext::clear_grad(p).is_err() {
+                    let mut g = p.grad();
+                    if g.defined() {
+                        let _ = g.zero_();
+                    }
                 }
             }
             flat
@@ -338,8 +313,9 @@ impl AdamW {
             );
         }
         tch::no_grad(|| {
-            // One transfer per device, then device-local copies.
-            let mut by_device: Option<(Device, Kind, Tensor)> = None;
+            // On the optimizer's device: one copy per parameter, converting as it copies (one
+            // pass over the weights). Elsewhere: one transfer per device, then local copies.
+            let mut moved: Option<(Device, Tensor)> = None;
             for (i, (name, p)) in params.iter().enumerate() {
                 if name != &self.names[i] {
                     bail!(
@@ -347,16 +323,17 @@ impl AdamW {
                         self.names[i]
                     );
                 }
-                let (dev, kind) = (p.device(), p.kind());
-                let needs_new = match &by_device {
-                    Some((d, k, _)) => *d != dev || *k != kind,
-                    None => true,
-                };
-                if needs_new {
-                    by_device = Some((dev, kind, self.master.to_device(dev).to_kind(kind)));
-                }
-                let Some((_, _, flat)) = &by_device else {
-                    continue;
+                let dev = p.device();
+                let flat = if dev == self.device {
+                    &self.master
+                } else {
+                    if moved.as_ref().is_none_or(|(d, _)| *d != dev) {
+                        moved = Some((dev, self.master.to_device(dev).to_kind(p.kind())));
+                    }
+                    match &moved {
+                        Some((_, t)) => t,
+                        None => continue,
+                    }
                 };
                 let src = flat
                     .narrow(0, self.offsets[i], self.offsets[i + 1] - self.offsets[i])
@@ -482,7 +459,16 @@ mod tests {
             .backward();
         let flat = AdamW::flatten_grads(&params);
         assert_eq!(Vec::<f32>::try_from(&flat).unwrap(), vec![2.0, 3.0]);
-        assert_eq!(Vec::<f32>::try_from(&p.grad()).unwrap(), vec![0.0, 0.0]);
+        assert!(!p.grad().defined(), "the gradient is dropped");
+        // the next backward pass starts from nothing, not from the old gradient
+        (&p * Tensor::from_slice(&[5.0f32, 7.0]))
+            .sum(Kind::Float)
+            .backward();
+        assert_eq!(Vec::<f32>::try_from(&p.grad()).unwrap(), vec![5.0, 7.0]);
+        assert_eq!(
+            Vec::<f32>::try_from(&AdamW::flatten_grads(&params)).unwrap(),
+            vec![5.0, 7.0]
+        );
         let mut big = Tensor::from_slice(&[3.0f32, 4.0]);
         assert_eq!(AdamW::clip(&mut big, 1.0), 5.0);
         assert!((big.norm().double_value(&[]) - 1.0).abs() < 1e-5);

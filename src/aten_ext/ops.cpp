@@ -1,0 +1,130 @@
+// libtorch operations tch 0.24 does not bind: the fused (multi-tensor) AdamW step,
+// `at::_fused_adamw_`, which reads the parameter, gradient and both moments once and writes
+// them back in one kernel (CPU and CUDA); and the flash attention kernel called directly,
+// `at::_scaled_dot_product_flash_attention` (CUDA), which plans nothing per shape.
+// Built by build.rs with the cc crate against the libtorch headers; the symbols resolve from
+// libtorch_cpu, which torch-sys links. The tensors are tch's (`Tensor::as_ptr`), which are
+// `at::Tensor *`; a returned tensor is a `new at::Tensor`, which tch frees with `delete`.
+
+// Only the operators' declarations (`at::_ops::NAME::call`, what the inline `at::NAME`
+// functions forward to, with every argument spelt out): the full headers pull in
+// ATen/Context.h and more and double the compile time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_fused_adamw_ops.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_ops.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <optional>
+
+namespace {
+
+// What an error is reported as when its message cannot be copied (never freed).
+char out_of_memory[] = "out of memory while copying an error message";
+
+char *copy_message(const char *msg) {
+    if (msg == nullptr) {
+        msg = "unknown error";
+    }
+    size_t len = std::strlen(msg);
+    char *out = static_cast<char *>(std::malloc(len + 1));
+    if (out == nullptr) {
+        return out_of_memory;
+    }
+    std::memcpy(out, msg, len + 1);
+    return out;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One AdamW step (decoupled weight decay, no amsgrad, no maximize) on one parameter tensor.
+// `state_step` holds the step count after this step (float32, one element, on the
+// parameters' device); `grad_scale` (float32, one element, same device, or null) divides the
+// gradient (which is written back divided). Returns null on success, else a malloc'd message
+// that the caller frees with `dflash_free_error`.
+char *dflash_fused_adamw(const at::Tensor *param, const at::Tensor *grad,
+                         const at::Tensor *exp_avg, const at::Tensor *exp_avg_sq,
+                         const at::Tensor *state_step, const at::Tensor *grad_scale,
+                         double lr, double beta1, double beta2, double weight_decay,
+                         double eps) {
+    try {
+        if (param == nullptr || grad == nullptr || exp_avg == nullptr ||
+            exp_avg_sq == nullptr || state_step == nullptr) {
+            return copy_message("a null tensor was passed");
+        }
+        std::optional<at::Tensor> scale;
+        if (grad_scale != nullptr) {
+            scale = *grad_scale;
+        }
+        // aten::_fused_adamw_(Tensor(a!)[] self, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs,
+        //   Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor[] state_steps, *,
+        //   float lr, float beta1, float beta2, float weight_decay, float eps, bool amsgrad,
+        //   bool maximize, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()
+        // (the `float lr` overload; `.tensor_lr` takes the rate as a tensor)
+        const std::optional<at::Tensor> found_inf;
+        at::_ops::_fused_adamw_::call(*param, *grad, *exp_avg, *exp_avg_sq,
+                                      /*max_exp_avg_sqs=*/{}, *state_step, lr, beta1, beta2,
+                                      weight_decay, eps, /*amsgrad=*/false,
+                                      /*maximize=*/false, scale, found_inf);
+        return nullptr;
+    } catch (const c10::Error &e) {
+        return copy_message(e.what_without_backtrace());
+    } catch (const std::exception &e) {
+        return copy_message(e.what());
+    } catch (...) {
+        return copy_message("unknown C++ exception");
+    }
+}
+
+// Flash attention of `query` [B, heads, L, D] over `key`, `value` [B, kv_heads, S, D] (kv_heads
+// dividing heads), bf16 or f16 on a GPU, no mask, causal or not, scale 1/sqrt(D); the output
+// [B, heads, L, D] goes to `*out`. Returns null on success, else a malloc'd message.
+char *dflash_flash_attention(const at::Tensor *query, const at::Tensor *key,
+                             const at::Tensor *value, bool is_causal, at::Tensor **out) {
+    try {
+        if (query == nullptr || key == nullptr || value == nullptr || out == nullptr) {
+            return copy_message("a null tensor was passed");
+        }
+        auto result = at::_ops::_scaled_dot_product_flash_attention::call(
+            *query, *key, *value, /*dropout_p=*/0.0, is_causal, /*return_debug_mask=*/false,
+            /*scale=*/std::nullopt);
+        *out = new at::Tensor(std::move(std::get<0>(result)));
+        return nullptr;
+    } catch (const c10::Error &e) {
+        return copy_message(e.what_without_backtrace());
+    } catch (const std::exception &e) {
+        return copy_message(e.what());
+    } catch (...) {
+        return copy_message("unknown C++ exception");
+    }
+}
+
+// Drops the gradient of `t` (its `grad()` becomes undefined, as PyTorch's
+// `zero_grad(set_to_none=True)`): the next backward pass then stores its gradient instead of
+// adding it to zeros, and nothing has to write the zeros. Returns null or a message.
+char *dflash_clear_grad(const at::Tensor *t) {
+    try {
+        if (t == nullptr) {
+            return copy_message("a null tensor was passed");
+        }
+        const_cast<at::Tensor *>(t)->mutable_grad().reset();
+        return nullptr;
+    } catch (const c10::Error &e) {
+        return copy_message(e.what_without_backtrace());
+    } catch (const std::exception &e) {
+        return copy_message(e.what());
+    } catch (...) {
+        return copy_message("unknown C++ exception");
+    }
+}
+
+void dflash_free_error(char *err) {
+    if (err != out_of_memory) {
+        std::free(err);
+    }
+}
+
+}  // extern "C"
