@@ -5,6 +5,7 @@
 pub mod collective;
 pub mod command;
 pub mod control;
+pub mod device_event;
 pub mod headless;
 pub mod nccl;
 pub mod queue;

@@ -17,6 +17,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::collective::{self, CoordinatorSync, GradSyncPlan, ParamsMsg, ReplicaSync};
 use super::command::Command;
+use super::device_event::{DeviceEvent, DeviceEvents};
 use super::queue::{QueueClosed, QueueLevel, ResizableQueue};
 use crate::config::TrainConfig;
 use crate::data::packer::{collate, Packer, PackerConfig, PackerState};
@@ -681,6 +682,7 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         last_save: Instant::now(),
         eval: p.eval,
         queued: None,
+        events: DeviceEvents::load(),
         last_step_end: Instant::now(),
         tokens_ema: 0.0,
         samples_ema: 0.0,
@@ -1193,8 +1195,12 @@ struct QueuedStep {
     epoch: u64,
     tokens_seen: u64,
     samples_seen: u64,
+    /// On the device, or (with `ready`) host copies queued behind the step's work.
     sums: LossTensors,
     grad_norm: Tensor,
+    /// For host copies: the event recorded after them (`None` inside: the runtime gave none,
+    /// so the device is waited for).
+    ready: Option<Option<DeviceEvent>>,
     lr: f64,
     tokens: u64,
     samples: u64,
@@ -1219,6 +1225,8 @@ struct Coordinator {
     last_save: Instant,
     eval: Option<EvalSetup>,
     queued: Option<QueuedStep>,
+    /// CUDA events (see [`QueuedStep`]); `None` on the CPU or without the CUDA runtime.
+    events: Option<DeviceEvents>,
     last_step_end: Instant,
     tokens_ema: f64,
     samples_ema: f64,
@@ -1306,6 +1314,18 @@ impl Coordinator {
             // This step's work is queued: now the previous step's numbers are read, while the
             // device runs this one (reading this step's now would leave the device idle until
             // the host had queued the next).
+            // The numbers go to the host behind this step's work, and an event marks their
+            // arrival: waiting for it later waits for this step only (a blocking read would
+            // wait for everything queued by then, the next step included).
+            let dev = self.drafter.device;
+            let (sums, grad_norm, ready) = match self.events.filter(|_| dev.is_cuda()) {
+                Some(events) => {
+                    let sums = sums.to_host_async();
+                    let norm = grad_norm.to_device_(Device::Cpu, grad_norm.kind(), true, false);
+                    (sums, norm, Some(events.record(dev)))
+                }
+                None => (sums, grad_norm, None),
+            };
             let queued = QueuedStep {
                 step: self.step,
                 epoch: self.last_seen.map_or(0, |(_, _, e)| e),
@@ -1313,6 +1333,7 @@ impl Coordinator {
                 samples_seen: self.samples_seen,
                 sums,
                 grad_norm,
+                ready,
                 lr,
                 tokens,
                 samples,
@@ -1367,6 +1388,13 @@ impl Coordinator {
     /// The step's record: its numbers read from the device (the step's one wait for it),
     /// written to the metrics and the status.
     fn finish_step(&mut self, q: QueuedStep) -> Result<()> {
+        match &q.ready {
+            // copied to the host asynchronously: wait for the copies (or, without an event,
+            // for the device)
+            Some(Some(event)) if event.wait() => {}
+            Some(_) => sync_device(self.drafter.device),
+            None => {}
+        }
         let sums: LossSums = q.sums.to_host();
         let grad_norm = q.grad_norm.double_value(&[]);
         let now = Instant::now();

@@ -204,6 +204,15 @@ impl LossTensors {
         self.sums = &self.sums + o;
     }
 
+    /// A copy on the host, queued behind the work the sums depend on without waiting for it
+    /// (pinned memory, non-blocking): its values are there once the device has run that work
+    /// (wait for an event recorded after this call, or for the device). On the CPU, a copy.
+    pub fn to_host_async(&self) -> LossTensors {
+        LossTensors {
+            sums: self.sums.to_device_(Device::Cpu, Kind::Double, true, false),
+        }
+    }
+
     /// Reads the sums (waits for the device to finish the work they depend on).
     pub fn to_host(&self) -> LossSums {
         let v = Vec::<f64>::try_from(self.sums.to_device(Device::Cpu)).unwrap_or_default();
