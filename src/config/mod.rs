@@ -268,6 +268,11 @@ pub struct DevicesSection {
     /// device; the reference, any devices), or "auto" (NCCL when there are 2+ distinct drafter
     /// devices, all CUDA, and libnccl loads; else copy). Default "auto".
     pub grad_sync: String,
+    /// Batches each drafter device trains per optimiser step, in the order of
+    /// drafter_devices; [] = train.grad_accum on each. Unequal counts balance a layout where
+    /// some GPUs also run target forwards (target on cuda:0, drafters on cuda:0 and cuda:1:
+    /// [1, 2]). The step's gradient is the mean over all its batches. Default [].
+    pub drafter_batches: Vec<u32>,
 }
 
 impl Default for DevicesSection {
@@ -276,7 +281,26 @@ impl Default for DevicesSection {
             target_devices: vec!["auto".into()],
             drafter_devices: vec!["auto".into()],
             grad_sync: "auto".into(),
+            drafter_batches: Vec::new(),
         }
+    }
+}
+
+impl TrainConfig {
+    /// Batches drafter replica `replica` trains per optimiser step.
+    pub fn replica_batches(&self, replica: usize) -> usize {
+        self.devices
+            .drafter_batches
+            .get(replica)
+            .map_or(self.train.grad_accum as usize, |&b| b as usize)
+            .max(1)
+    }
+
+    /// Batches per optimiser step over all drafter replicas.
+    pub fn step_batches(&self) -> usize {
+        (0..self.devices.drafter_devices.len().max(1))
+            .map(|r| self.replica_batches(r))
+            .sum()
     }
 }
 

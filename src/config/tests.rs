@@ -649,3 +649,38 @@ fn shipped_configs_parse_validate_and_list_every_field() {
         ("/tmp/t", "/tmp/d")
     );
 }
+
+#[test]
+fn drafter_batches_per_device() {
+    // default: train.grad_accum on each drafter device
+    let c = minimal(&[
+        "train.grad_accum=3",
+        "devices.drafter_devices=cuda:0,cuda:1",
+    ])
+    .unwrap();
+    assert!(c.devices.drafter_batches.is_empty());
+    assert_eq!((c.replica_batches(0), c.replica_batches(1)), (3, 3));
+    assert_eq!(c.step_batches(), 6);
+    // unequal counts: the device that also runs the target trains fewer batches
+    let c = minimal(&[
+        "devices.drafter_devices=cuda:0,cuda:1",
+        "devices.drafter_batches=[1, 2]",
+    ])
+    .unwrap();
+    assert_eq!((c.replica_batches(0), c.replica_batches(1)), (1, 2));
+    assert_eq!(c.step_batches(), 3);
+
+    let e = err_text(minimal(&[
+        "devices.drafter_devices=cuda:0,cuda:1",
+        "devices.drafter_batches=[1]",
+    ]));
+    assert!(
+        e.contains("devices.drafter_batches has 1 entries but devices.drafter_devices has 2"),
+        "{e}"
+    );
+    let e = err_text(minimal(&[
+        "devices.drafter_devices=cuda:0,cuda:1",
+        "devices.drafter_batches=[1, 0]",
+    ]));
+    assert!(e.contains("devices.drafter_batches[1]"), "{e}");
+}

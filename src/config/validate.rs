@@ -110,6 +110,18 @@ impl TrainConfig {
         devices("devices.target_devices", &self.devices.target_devices)?;
         devices("devices.drafter_devices", &self.devices.drafter_devices)?;
         one_of("devices.grad_sync", &self.devices.grad_sync, GRAD_SYNCS)?;
+        let batches = &self.devices.drafter_batches;
+        if !batches.is_empty() && batches.len() != self.devices.drafter_devices.len() {
+            bail!(
+                "config: devices.drafter_batches has {} entries but devices.drafter_devices has {} \
+                 (one count per drafter device, or [] for train.grad_accum on each)",
+                batches.len(),
+                self.devices.drafter_devices.len()
+            );
+        }
+        for (i, &b) in batches.iter().enumerate() {
+            int_between(&format!("devices.drafter_batches[{i}]"), b, 1, 1024)?;
+        }
         if self.devices.grad_sync == "nccl" {
             // Devices that resolve to the CPU only at run time ("auto") are refused there.
             if let Some(i) = self.devices.drafter_devices.iter().position(|d| d == "cpu") {

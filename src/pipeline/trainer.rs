@@ -410,8 +410,7 @@ fn prepare(
     };
     let mut optimizer = AdamW::new(&drafters[0].named_parameters(), drafter_devices[0], adam);
 
-    let replicas = drafter_devices.len() as u64;
-    let per_step = config.train.grad_accum as u64 * replicas;
+    let per_step = config.step_batches() as u64;
     let total_steps = if config.train.total_steps > 0 {
         config.train.total_steps
     } else {
@@ -848,7 +847,7 @@ fn target_worker(
     }
 }
 
-/// Forward and backward of one replica over `grad_accum` micro-batches.
+/// Forward and backward of one replica over its micro-batches of a step.
 struct MicroResult {
     /// On the drafter's device (read once per step by the coordinator).
     sums: LossTensors,
@@ -1108,7 +1107,10 @@ fn accumulate(
         samples: 0,
         last: None,
     };
-    let micro_batches = cfg.train.grad_accum.max(1);
+    // Each batch's gradient counts 1 / (the step's batches over all replicas): the sum over
+    // the replicas is the mean over the step's batches.
+    let micro_batches = cfg.replica_batches(replica);
+    let scale = 1.0 / cfg.step_batches() as f64;
     for micro in 0..micro_batches {
         if !shared.wait_if_paused() {
             return Ok(None);
@@ -1128,7 +1130,7 @@ fn accumulate(
             head,
             &item,
             seed_for(cfg.run.seed, step, replica, micro),
-            1.0 / micro_batches as f64,
+            scale,
         );
         out.sums.add(&sums);
         out.tokens += b.lengths.iter().map(|&l| l as u64).sum::<u64>();
@@ -1282,11 +1284,9 @@ impl Coordinator {
                 .map(|(_, o)| (o.grad, o.weights))
                 .unzip();
             let buffers: Vec<Tensor> = buffers.into_iter().flatten().collect();
+            // (each replica's gradient is already scaled to its share of the step's mean)
             self.sync.reduce(&mut grad, &others)?;
             drop(others);
-            if !self.param_txs.is_empty() {
-                grad /= (self.param_txs.len() + 1) as f64;
-            }
             self.shared.profile.record(Event::GRAD_SYNC, t.elapsed());
             let lr = lr_at(
                 self.step,
