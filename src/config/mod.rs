@@ -292,7 +292,7 @@ impl TrainConfig {
         self.devices
             .drafter_batches
             .get(replica)
-            .map_or(self.train.grad_accum as usize, |&b| b as usize)
+            .map_or(self.train.grad_accum, |&b| b as usize)
             .max(1)
     }
 
