@@ -59,9 +59,13 @@ two-gpus)
   # target on the first GPU, the drafter on the second
   bench qwen3-8b-target-drafter qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-15}" \
     --set "$T=[\"cuda:0\"]" --set "$D=[\"cuda:1\"]"
-  # the target on the first GPU, the drafter's work shared by both (replicas, NCCL)
+  # the target on the first GPU, the drafter's work shared by both (replicas, NCCL): equal
+  # shares, then the second GPU (no target work) taking 3 of every 5 batches
   bench qwen3-8b-target-on-0-drafters-on-both qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-15}" \
     --set "$T=[\"cuda:0\"]" --set "$D=[\"cuda:0\",\"cuda:1\"]" --set devices.grad_sync=nccl
+  bench qwen3-8b-target-on-0-drafters-2-3 qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-12}" \
+    --set "$T=[\"cuda:0\"]" --set "$D=[\"cuda:0\",\"cuda:1\"]" --set devices.grad_sync=nccl \
+    --set 'devices.drafter_batches=[2,3]'
   # data-parallel: a target worker and a drafter replica on each GPU, gradients by NCCL
   bench qwen3-8b-replicas qwen3-8b-shape --warmup-steps 3 --steps "${STEPS:-15}" \
     --set "$T=[\"cuda:0\",\"cuda:1\"]" --set "$D=[\"cuda:0\",\"cuda:1\"]" --set devices.grad_sync=nccl
