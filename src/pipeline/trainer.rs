@@ -1252,7 +1252,8 @@ impl Coordinator {
             let Some(res) =
                 accumulate(&self.shared, &cfg, &self.drafter, &self.head, 0, self.step)?
             else {
-                return Ok(());
+                // stopping: the last step's record still goes out
+                return self.finish_queued();
             };
             let params = self.drafter.named_parameters();
             let t = Instant::now();
