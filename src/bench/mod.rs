@@ -260,7 +260,7 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
     // Each stage alone on the same batches as the measured window (the packer's order after
     // the warm-up's), after the pipeline run, so that its memory does not count in the
     // pipeline's peak.
-    let per_step = cfg.train.grad_accum.max(1) * cfg.devices.drafter_devices.len();
+    let per_step = cfg.step_batches();
     let skip = (opts.warmup_steps.max(1) as usize) * per_step;
     let batches = if opts.stage_batches > 0 {
         opts.stage_batches
