@@ -1,10 +1,11 @@
 //! libtorch operations that tch 0.24 does not bind, through a small C++ shim (ops.cpp, compiled
 //! by build.rs against the libtorch headers): the fused AdamW step (used by
-//! [`crate::train::optim`]) and the flash attention kernel called directly.
+//! [`crate::train::optim`]), the flash attention kernel called directly, and dropping a
+//! gradient.
 
 use std::ffi::{c_char, c_void};
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use tch::{Device, Kind, Tensor};
 
 pub(crate) mod ffi {
@@ -51,12 +52,114 @@ pub(crate) unsafe fn check(err: *mut c_char) -> Result<()> {
     Err(anyhow!(msg))
 }
 
+/// The tensors of one fused AdamW step, updated in place: weights, gradient (written back
+/// divided by `grad_scale` when one is given), moments; `state_step` holds the step count `t`
+/// after this step and `grad_scale` divides the gradient (each one Float element on the
+/// weights' device).
+pub struct AdamWTensors<'a> {
+    pub param: &'a Tensor,
+    pub grad: &'a Tensor,
+    pub exp_avg: &'a Tensor,
+    pub exp_avg_sq: &'a Tensor,
+    pub state_step: &'a Tensor,
+    pub grad_scale: Option<&'a Tensor>,
+}
+
+/// Learning rate and hyper-parameters of one fused AdamW step.
+pub struct AdamWRates {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+}
+
+/// The fused AdamW step as libtorch runs it (`_fused_adamw_`; decoupled weight decay, no
+/// amsgrad): `g = grad / grad_scale`, `param *= 1 - lr * weight_decay`,
+/// `m = lerp(m, g, 1 - beta1)`, `v = beta2 v + (1 - beta2) g^2`,
+/// `param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)`. Every tensor is
+/// checked first (defined, fp32, contiguous, one device, matching sizes; `state_step` and
+/// `grad_scale` one element), so a mismatch is an error, never an out-of-bounds access.
+pub fn fused_adamw(t: &AdamWTensors, rates: &AdamWRates) -> Result<()> {
+    let device = t.param.device();
+    let size = t.param.size();
+    let named = [
+        ("weights", t.param),
+        ("gradient", t.grad),
+        ("first moment", t.exp_avg),
+        ("second moment", t.exp_avg_sq),
+    ];
+    for (what, x) in named {
+        if !x.defined() {
+            bail!("fused AdamW: the {what} tensor is undefined");
+        }
+        if x.kind() != Kind::Float || x.device() != device || x.size() != size {
+            bail!(
+                "fused AdamW: the {what} tensor is {:?} {:?} on {:?}; expected Float {size:?} on {device:?}",
+                x.kind(),
+                x.size(),
+                x.device()
+            );
+        }
+        if !x.is_contiguous() {
+            bail!("fused AdamW: the {what} tensor is not contiguous");
+        }
+    }
+    for (what, x) in [
+        ("step count", Some(t.state_step)),
+        ("gradient scale", t.grad_scale),
+    ] {
+        let Some(x) = x else { continue };
+        if !x.defined() || x.kind() != Kind::Float || x.device() != device || x.numel() != 1 {
+            bail!(
+                "fused AdamW: the {what} must be one Float element on {device:?}, not {:?}",
+                if x.defined() {
+                    format!("{:?} {:?} on {:?}", x.kind(), x.size(), x.device())
+                } else {
+                    "undefined".to_string()
+                }
+            );
+        }
+    }
+    // SAFETY: all tensors checked above: one device, one dtype, same sizes, dense.
+    unsafe { fused_adamw_unchecked(t, rates) }
+}
+
+/// [`fused_adamw`] without the checks.
+///
+/// # Safety
+/// The tensors must be defined, and the weights, gradient and moments contiguous with one
+/// number of elements (the kernel indexes them all by the weights'); libtorch itself rejects
+/// (with an error) mixed devices or dtypes.
+pub(crate) unsafe fn fused_adamw_unchecked(t: &AdamWTensors, r: &AdamWRates) -> Result<()> {
+    let err = ffi::dflash_fused_adamw(
+        t.param.as_ptr().cast(),
+        t.grad.as_ptr().cast(),
+        t.exp_avg.as_ptr().cast(),
+        t.exp_avg_sq.as_ptr().cast(),
+        t.state_step.as_ptr().cast(),
+        t.grad_scale.map_or(std::ptr::null(), |g| g.as_ptr().cast()),
+        r.lr,
+        r.beta1,
+        r.beta2,
+        r.weight_decay,
+        r.eps,
+    );
+    check(err).map_err(|e| anyhow!("fused AdamW (at::_fused_adamw_): {e}"))
+}
+
 /// Drops the gradient of `t` (`t.grad()` becomes undefined), as PyTorch's
 /// `zero_grad(set_to_none=True)`: the next backward pass stores its gradient instead of
-/// adding it to zeros that something had to write first.
-pub fn clear_grad(t: &Tensor) -> Result<()> {
+/// adding it to zeros that something had to write first. Should the shim refuse, the gradient
+/// is zeroed instead (the same for the next backward pass, one pass more).
+pub fn clear_grad(t: &Tensor) {
     // SAFETY: a live tensor.
-    unsafe { check(ffi::dflash_clear_grad(t.as_ptr().cast())) }
+    if unsafe { check(ffi::dflash_clear_grad(t.as_ptr().cast())) }.is_err() {
+        let mut g = t.grad();
+        if g.defined() {
+            let _ = g.zero_();
+        }
+    }
 }
 
 /// Whether [`flash_attention`] can take these inputs: GPU tensors of bf16 or f16, a head size

@@ -36,6 +36,21 @@ char *copy_message(const char *msg) {
     return out;
 }
 
+// Runs `body` (which returns null or an error message) with every C++ exception turned into
+// its message: nothing may unwind into Rust.
+template <typename Body>
+char *guarded(Body &&body) {
+    try {
+        return body();
+    } catch (const c10::Error &e) {
+        return copy_message(e.what_without_backtrace());
+    } catch (const std::exception &e) {
+        return copy_message(e.what());
+    } catch (...) {
+        return copy_message("unknown C++ exception");
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -50,7 +65,7 @@ char *dflash_fused_adamw(const at::Tensor *param, const at::Tensor *grad,
                          const at::Tensor *state_step, const at::Tensor *grad_scale,
                          double lr, double beta1, double beta2, double weight_decay,
                          double eps) {
-    try {
+    return guarded([&]() -> char * {
         if (param == nullptr || grad == nullptr || exp_avg == nullptr ||
             exp_avg_sq == nullptr || state_step == nullptr) {
             return copy_message("a null tensor was passed");
@@ -70,13 +85,7 @@ char *dflash_fused_adamw(const at::Tensor *param, const at::Tensor *grad,
                                       weight_decay, eps, /*amsgrad=*/false,
                                       /*maximize=*/false, scale, found_inf);
         return nullptr;
-    } catch (const c10::Error &e) {
-        return copy_message(e.what_without_backtrace());
-    } catch (const std::exception &e) {
-        return copy_message(e.what());
-    } catch (...) {
-        return copy_message("unknown C++ exception");
-    }
+    });
 }
 
 // Flash attention of `query` [B, heads, L, D] over `key`, `value` [B, kv_heads, S, D] (kv_heads
@@ -84,7 +93,7 @@ char *dflash_fused_adamw(const at::Tensor *param, const at::Tensor *grad,
 // [B, heads, L, D] goes to `*out`. Returns null on success, else a malloc'd message.
 char *dflash_flash_attention(const at::Tensor *query, const at::Tensor *key,
                              const at::Tensor *value, bool is_causal, at::Tensor **out) {
-    try {
+    return guarded([&]() -> char * {
         if (query == nullptr || key == nullptr || value == nullptr || out == nullptr) {
             return copy_message("a null tensor was passed");
         }
@@ -93,32 +102,20 @@ char *dflash_flash_attention(const at::Tensor *query, const at::Tensor *key,
             /*scale=*/std::nullopt);
         *out = new at::Tensor(std::move(std::get<0>(result)));
         return nullptr;
-    } catch (const c10::Error &e) {
-        return copy_message(e.what_without_backtrace());
-    } catch (const std::exception &e) {
-        return copy_message(e.what());
-    } catch (...) {
-        return copy_message("unknown C++ exception");
-    }
+    });
 }
 
 // Drops the gradient of `t` (its `grad()` becomes undefined, as PyTorch's
 // `zero_grad(set_to_none=True)`): the next backward pass then stores its gradient instead of
 // adding it to zeros, and nothing has to write the zeros. Returns null or a message.
 char *dflash_clear_grad(const at::Tensor *t) {
-    try {
+    return guarded([&]() -> char * {
         if (t == nullptr) {
             return copy_message("a null tensor was passed");
         }
         const_cast<at::Tensor *>(t)->mutable_grad().reset();
         return nullptr;
-    } catch (const c10::Error &e) {
-        return copy_message(e.what_without_backtrace());
-    } catch (const std::exception &e) {
-        return copy_message(e.what());
-    } catch (...) {
-        return copy_message("unknown C++ exception");
-    }
+    });
 }
 
 void dflash_free_error(char *err) {

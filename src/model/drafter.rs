@@ -155,9 +155,9 @@ impl TrainAttention {
 
 /// The context length the chunked training attention pads `s` to: a multiple of 1/16 of the
 /// largest power of two not above `s`, and of at least 128 (128 up to 4096, 256 up to 8192,
-/// ...): fewer than max(128, s/16) padding keys, 24 distinct lengths up to 3072. Fused attention kernels
-/// (cuDNN's) build a plan per shape, tens of milliseconds of host time each: with raw
-/// sequence lengths nearly every batch would build new ones.
+/// ...): fewer than max(128, s/16) padding keys, 24 distinct lengths up to 3072. Fused
+/// attention kernels (cuDNN's) build a plan per shape, tens of milliseconds of host time
+/// each: with raw sequence lengths nearly every batch would build new ones.
 pub fn context_bucket(s: i64) -> i64 {
     let s = s.max(1);
     let floor_pow2 = 1i64 << (63 - s.leading_zeros() as i64);
@@ -708,12 +708,7 @@ impl Drafter {
             s = len + 1;
         }
         for (_, p) in self.named_parameters() {
-            if crate::aten_ext::clear_grad(p).is_err() {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = g.zero_();
-                }
-            }
+            crate::aten_ext::clear_grad(p);
         }
         warmed
     }

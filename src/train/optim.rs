@@ -7,8 +7,10 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
+
+use crate::aten_ext::{fused_adamw, AdamWRates, AdamWTensors};
 
 /// Hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,107 +30,6 @@ pub fn lr_at(step: u64, total: u64, warmup: u64, base: f64, min_ratio: f64) -> f
     let progress = ((step - warmup.min(step)) as f64 / span as f64).min(1.0);
     let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
     base * (min_ratio + (1.0 - min_ratio) * cosine)
-}
-
-/// The fused AdamW step as libtorch runs it, on one parameter tensor, in place (decoupled
-/// weight decay, no amsgrad):
-/// `g = grad / grad_scale` (also written back into `grad` when a scale is given),
-/// `param *= 1 - lr * weight_decay`, `m = lerp(m, g, 1 - beta1)`,
-/// `v = beta2 v + (1 - beta2) g^2`,
-/// `param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)` with `t` read from
-/// `state_step` on the device. Every tensor is checked first (defined, fp32, contiguous, one
-/// device, matching sizes; `state_step` and `grad_scale` one element), so a mismatch is an
-/// error, never an out-of-bounds access.
-#[allow(clippy::too_many_arguments)]
-fn fused_adamw(
-    param: &mut Tensor,
-    grad: &Tensor,
-    exp_avg: &mut Tensor,
-    exp_avg_sq: &mut Tensor,
-    state_step: &Tensor,
-    grad_scale: Option<&Tensor>,
-    lr: f64,
-    config: &AdamWConfig,
-) -> Result<()> {
-    let device = param.device();
-    let size = param.size();
-    let named = [
-        ("weights", &*param),
-        ("gradient", grad),
-        ("first moment", &*exp_avg),
-        ("second moment", &*exp_avg_sq),
-    ];
-    for (what, t) in named {
-        if !t.defined() {
-            bail!("fused AdamW: the {what} tensor is undefined");
-        }
-        if t.kind() != Kind::Float || t.device() != device || t.size() != size {
-            bail!(
-                "fused AdamW: the {what} tensor is {:?} {:?} on {:?}; expected Float {size:?} on {device:?}",
-                t.kind(),
-                t.size(),
-                t.device()
-            );
-        }
-        if !t.is_contiguous() {
-            bail!("fused AdamW: the {what} tensor is not contiguous");
-        }
-    }
-    for (what, t) in [
-        ("step count", Some(state_step)),
-        ("gradient scale", grad_scale),
-    ] {
-        let Some(t) = t else { continue };
-        if !t.defined() || t.kind() != Kind::Float || t.device() != device || t.numel() != 1 {
-            bail!(
-                "fused AdamW: the {what} must be one Float element on {device:?}, not {:?}",
-                if t.defined() {
-                    format!("{:?} {:?} on {:?}", t.kind(), t.size(), t.device())
-                } else {
-                    "undefined".to_string()
-                }
-            );
-        }
-    }
-    // SAFETY: all tensors checked above: one device, one dtype, same sizes, dense.
-    unsafe {
-        fused_adamw_unchecked(
-            param, grad, exp_avg, exp_avg_sq, state_step, grad_scale, lr, config,
-        )
-    }
-}
-
-/// [`fused_adamw`] without the checks.
-///
-/// # Safety
-/// The tensors must be defined, and `param`, `grad`, `exp_avg` and `exp_avg_sq` contiguous
-/// with one number of elements (the kernel indexes them all by the parameter's); libtorch
-/// itself rejects (with an error) mixed devices or dtypes.
-#[allow(clippy::too_many_arguments)]
-unsafe fn fused_adamw_unchecked(
-    param: &mut Tensor,
-    grad: &Tensor,
-    exp_avg: &mut Tensor,
-    exp_avg_sq: &mut Tensor,
-    state_step: &Tensor,
-    grad_scale: Option<&Tensor>,
-    lr: f64,
-    c: &AdamWConfig,
-) -> Result<()> {
-    let err = crate::aten_ext::ffi::dflash_fused_adamw(
-        param.as_mut_ptr().cast_const().cast(),
-        grad.as_ptr().cast(),
-        exp_avg.as_mut_ptr().cast_const().cast(),
-        exp_avg_sq.as_mut_ptr().cast_const().cast(),
-        state_step.as_ptr().cast(),
-        grad_scale.map_or(std::ptr::null(), |t| t.as_ptr().cast()),
-        lr,
-        c.beta1,
-        c.beta2,
-        c.weight_decay,
-        c.eps,
-    );
-    crate::aten_ext::check(err).map_err(|e| anyhow!("fused AdamW (at::_fused_adamw_): {e}"))
 }
 
 /// The optimizer.
@@ -206,12 +107,7 @@ impl AdamW {
             // `flat` holds the gradients; libtorch's memory cache reuses freed memory in
             // stream order.)
             for (_, p) in params {
-                if crate::aten_ext::clear_grad(p).is_err() {
-                    let mut g = p.grad();
-                    if g.defined() {
-                        let _ = g.zero_();
-                    }
-                }
+                crate::aten_ext::clear_grad(p);
             }
             flat
         })
@@ -284,19 +180,23 @@ impl AdamW {
                 .state_step
                 .f_fill_(step as f64)
                 .context("fused AdamW: the step count")?;
-            let config = AdamWConfig {
-                weight_decay: self.config.weight_decay.max(0.0),
-                ..self.config
-            };
+            let c = &self.config;
             fused_adamw(
-                &mut self.master,
-                grad,
-                &mut self.exp_avg,
-                &mut self.exp_avg_sq,
-                &self.state_step,
-                grad_scale,
-                lr,
-                &config,
+                &AdamWTensors {
+                    param: &self.master,
+                    grad,
+                    exp_avg: &self.exp_avg,
+                    exp_avg_sq: &self.exp_avg_sq,
+                    state_step: &self.state_step,
+                    grad_scale,
+                },
+                &AdamWRates {
+                    lr,
+                    beta1: c.beta1,
+                    beta2: c.beta2,
+                    weight_decay: c.weight_decay.max(0.0),
+                    eps: c.eps,
+                },
             )
         })?;
         self.step = step;
@@ -671,16 +571,26 @@ mod tests {
         assert!(err.contains("Double"), "{err}");
         assert_eq!(opt.step, 0, "a failed update counts no step");
         // past the checks, libtorch's own error comes back through the shim
-        let mut master = opt.master.shallow_clone();
-        let mut m = opt.exp_avg.shallow_clone();
-        let mut v = opt.exp_avg_sq.shallow_clone();
         let step = Tensor::from_slice(&[1.0f32]);
+        let tensors = AdamWTensors {
+            param: &opt.master,
+            grad: &double,
+            exp_avg: &opt.exp_avg,
+            exp_avg_sq: &opt.exp_avg_sq,
+            state_step: &step,
+            grad_scale: None,
+        };
+        let rates = AdamWRates {
+            lr: 0.1,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            weight_decay: cfg.weight_decay,
+            eps: cfg.eps,
+        };
         // SAFETY: every tensor has three contiguous elements
-        let err = unsafe {
-            fused_adamw_unchecked(&mut master, &double, &mut m, &mut v, &step, None, 0.1, &cfg)
-        }
-        .unwrap_err()
-        .to_string();
+        let err = unsafe { crate::aten_ext::fused_adamw_unchecked(&tensors, &rates) }
+            .unwrap_err()
+            .to_string();
         assert!(
             err.starts_with("fused AdamW (at::_fused_adamw_): "),
             "{err}"
