@@ -119,12 +119,18 @@ impl TorchRuntime {
 
 /// The directory of a shared library this process has loaded, from /proc/self/maps.
 fn loaded_library_dir(name: &str) -> Option<PathBuf> {
+    loaded_library(|f| f == name).and_then(|p| p.parent().map(Path::to_path_buf))
+}
+
+/// The path of the first shared library this process has loaded whose file name `matches`,
+/// from /proc/self/maps.
+pub(crate) fn loaded_library(matches: impl Fn(&str) -> bool) -> Option<PathBuf> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     maps.lines()
         .filter_map(|line| line.split_whitespace().nth(5))
         .map(Path::new)
-        .find(|p| p.file_name().is_some_and(|f| f == name))
-        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .find(|p| p.file_name().and_then(|f| f.to_str()).is_some_and(&matches))
+        .map(Path::to_path_buf)
 }
 
 fn cuda_candidates(libtorch_dir: Option<&Path>) -> Vec<PathBuf> {

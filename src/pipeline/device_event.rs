@@ -9,7 +9,6 @@
 //! gives `None` and callers read their tensors the blocking way.
 
 use std::ffi::{c_int, c_void};
-use std::path::PathBuf;
 
 use tch::Device;
 
@@ -44,7 +43,7 @@ unsafe impl Send for DeviceEvent {}
 impl DeviceEvents {
     /// The event functions of the CUDA runtime this process has loaded (libtorch's), if any.
     pub fn load() -> Option<Self> {
-        let path = loaded_cudart()?;
+        let path = crate::runtime::loaded_library(|f| f.starts_with("libcudart.so"))?;
         // SAFETY: RTLD_NOLOAD only returns a library that is already loaded (no initialisers
         // run); the symbols are the CUDA runtime's documented C functions with these types.
         unsafe {
@@ -116,17 +115,4 @@ impl Drop for DeviceEvent {
             (self.events.destroy)(self.event);
         }
     }
-}
-
-/// The loaded CUDA runtime (`libcudart.so*`), from /proc/self/maps.
-fn loaded_cudart() -> Option<PathBuf> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .map(PathBuf::from)
-        .find(|p| {
-            p.file_name()
-                .and_then(|f| f.to_str())
-                .is_some_and(|f| f.starts_with("libcudart.so"))
-        })
 }
