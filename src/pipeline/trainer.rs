@@ -1197,16 +1197,24 @@ struct QueuedStep {
     epoch: u64,
     tokens_seen: u64,
     samples_seen: u64,
-    /// On the device, or (with `ready`) host copies queued behind the step's work.
+    /// On the device, or host copies queued behind the step's work (see `ready`).
     sums: LossTensors,
     grad_norm: Tensor,
-    /// For host copies: the event recorded after them (`None` inside: the runtime gave none,
-    /// so the device is waited for).
-    ready: Option<Option<DeviceEvent>>,
+    ready: Readiness,
     lr: f64,
     tokens: u64,
     samples: u64,
     started: Instant,
+}
+
+/// When the numbers of a [`QueuedStep`] can be read.
+enum Readiness {
+    /// They are on the device: reading them waits for it.
+    OnDevice,
+    /// Host copies, there once this event (recorded after them) has passed.
+    AfterEvent(DeviceEvent),
+    /// Host copies, but the runtime gave no event: there once the device has finished.
+    AfterDevice,
 }
 
 struct Coordinator {
@@ -1312,20 +1320,22 @@ impl Coordinator {
             }
             self.tokens_seen += tokens;
             self.samples_seen += samples;
-            // This step's work is queued: now the previous step's numbers are read, while the
-            // device runs this one (reading this step's now would leave the device idle until
-            // the host had queued the next).
-            // The numbers go to the host behind this step's work, and an event marks their
-            // arrival: waiting for it later waits for this step only (a blocking read would
-            // wait for everything queued by then, the next step included).
+            // This step's numbers go to the host behind its work, and an event marks their
+            // arrival; they are read once the next step is queued, and waiting for the event
+            // waits for this step only (a blocking read would wait for everything queued by
+            // then, the next step included, and leave the device idle between steps).
             let dev = self.drafter.device;
             let (sums, grad_norm, ready) = match self.events.filter(|_| dev.is_cuda()) {
                 Some(events) => {
                     let sums = sums.to_host_async();
                     let norm = grad_norm.to_device_(Device::Cpu, grad_norm.kind(), true, false);
-                    (sums, norm, Some(events.record(dev)))
+                    let ready = match events.record(dev) {
+                        Some(event) => Readiness::AfterEvent(event),
+                        None => Readiness::AfterDevice,
+                    };
+                    (sums, norm, ready)
                 }
-                None => (sums, grad_norm, None),
+                None => (sums, grad_norm, Readiness::OnDevice),
             };
             let queued = QueuedStep {
                 step: self.step,
@@ -1389,12 +1399,14 @@ impl Coordinator {
     /// The step's record: its numbers read from the device (the step's one wait for it),
     /// written to the metrics and the status.
     fn finish_step(&mut self, q: QueuedStep) -> Result<()> {
-        match &q.ready {
-            // copied to the host asynchronously: wait for the copies (or, without an event,
-            // for the device)
-            Some(Some(event)) if event.wait() => {}
-            Some(_) => sync_device(self.drafter.device),
-            None => {}
+        // (numbers on the device: the blocking read below waits for them)
+        let copies_pending = match &q.ready {
+            Readiness::OnDevice => false,
+            Readiness::AfterEvent(event) => !event.wait(),
+            Readiness::AfterDevice => true,
+        };
+        if copies_pending {
+            sync_device(self.drafter.device);
         }
         let sums: LossSums = q.sums.to_host();
         let grad_norm = q.grad_norm.double_value(&[]);
