@@ -271,10 +271,9 @@ fn main() -> Result<()> {
     println!("  drafter forward (no grad)    {fw:8.2} ms");
     // forward, then the loss and its backward through the LM head; the rest of the backward
     // is what the returned value runs
-    let forward_and_loss = || {
-        let hidden = drafter.forward_train(&head, &features, &batch);
+    let loss_of = |hidden: &Tensor| {
         let (_, pending) = loss_and_backward_deferred(
-            &hidden,
+            hidden,
             &head.lm_head,
             &targets,
             &plan.valid,
@@ -284,13 +283,16 @@ fn main() -> Result<()> {
         );
         pending
     };
-    let fl = time_ms(dev, 3, || drop(forward_and_loss()));
-    println!("  forward + loss (head bwd)    {fl:8.2} ms");
-    let (full_host, full) = host_and_device_ms(dev, 3, || {
-        if let Some(p) = forward_and_loss() {
+    // the whole step of a drafter: forward, loss, backward
+    let step_of = |d: &Drafter| {
+        if let Some(p) = loss_of(&d.forward_train(&head, &features, &batch)) {
             p.run();
         }
-    });
+    };
+    let forward_and_loss = || loss_of(&drafter.forward_train(&head, &features, &batch));
+    let fl = time_ms(dev, 3, || drop(forward_and_loss()));
+    println!("  forward + loss (head bwd)    {fl:8.2} ms");
+    let (full_host, full) = host_and_device_ms(dev, 3, || step_of(&drafter));
     println!(
         "  forward + loss + backward    {full:8.2} ms  (queued in {full_host:.2} ms)  {:.0} TFLOP/s (drafter {:.1} + head {:.1} TFLOP)",
         (dflop + hflop) / full / 1e9,
@@ -302,16 +304,7 @@ fn main() -> Result<()> {
         .detach()
         .set_requires_grad(true);
     let (loss_host, loss_ms) = host_and_device_ms(dev, 3, || {
-        let (_, pending) = loss_and_backward_deferred(
-            &hidden_leaf,
-            &head.lm_head,
-            &targets,
-            &plan.valid,
-            None,
-            &opts,
-            1.0,
-        );
-        if let Some(p) = pending {
+        if let Some(p) = loss_of(&hidden_leaf) {
             p.run();
         }
     });
@@ -373,21 +366,7 @@ fn main() -> Result<()> {
                 blocks_per_chunk: c,
             },
         );
-        let ms = time_ms(dev, 3, || {
-            let hidden = d.forward_train(&head, &features, &batch);
-            let (_, pending) = loss_and_backward_deferred(
-                &hidden,
-                &head.lm_head,
-                &targets,
-                &plan.valid,
-                None,
-                &opts,
-                1.0,
-            );
-            if let Some(p) = pending {
-                p.run();
-            }
-        });
+        let ms = time_ms(dev, 3, || step_of(&d));
         println!("  step with chunked:{c:<3}         {ms:8.2} ms");
     }
     // the trainer's step: flatten, then clip + AdamW in one fused kernel, then the weights back
