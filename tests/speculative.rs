@@ -4,7 +4,7 @@
 mod common;
 
 use common::tiny_target_dir;
-use dflash_tui::eval::speculative::{dflash, evaluate, greedy};
+use dflash_tui::eval::speculative::{dflash, evaluate, greedy, EvalOptions};
 use dflash_tui::model::{Drafter, DrafterConfig, DrafterShape, FrozenHead, TargetModel};
 use tch::{Device, Kind};
 
@@ -55,7 +55,16 @@ fn dflash_output_equals_greedy_decoding() {
     assert_eq!(fast.output_ids, with_eos.output_ids);
     assert_eq!(fast.output_ids.last(), Some(&eos));
 
-    let report = evaluate(&target, &drafter, &head, &prompts, 20, &[]).unwrap();
+    let report = evaluate(
+        &target,
+        &drafter,
+        &head,
+        &prompts,
+        20,
+        &[],
+        &EvalOptions::default(),
+    )
+    .unwrap();
     assert_eq!(report.mismatches, 0);
     assert!(report.tau >= 1.0 && report.tau <= 4.0);
     let steps: usize = report.prompts.iter().map(|p| p.accept_lengths.len()).sum();
@@ -136,6 +145,19 @@ fn eval_command_prints_json_with_tau_speedup_and_outputs() {
 use dflash_tui::eval::speculative::{speculative_decode, BlockDrafter, DFlashProposer};
 use tch::Tensor;
 
+fn ids_tensor(ids: &[u32]) -> Tensor {
+    let v: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+    Tensor::from_slice(&v)
+}
+
+fn ids_vec(t: &Tensor) -> Vec<u32> {
+    Vec::<i64>::try_from(&t.to_kind(tch::Kind::Int64))
+        .unwrap()
+        .into_iter()
+        .map(|t| t as u32)
+        .collect()
+}
+
 /// A "drafter" that always proposes `token` for every slot.
 struct AlwaysProposes {
     block: usize,
@@ -146,10 +168,16 @@ impl BlockDrafter for AlwaysProposes {
     fn block_size(&self) -> usize {
         self.block
     }
-    fn propose(&mut self, _ctx: &Tensor, x: u32, _pos: i64) -> anyhow::Result<Vec<u32>> {
-        let mut b = vec![self.token; self.block];
-        b[0] = x;
-        Ok(b)
+    fn propose(
+        &mut self,
+        _ctx: &Tensor,
+        x: u32,
+        _x_dev: &Tensor,
+        _pos: i64,
+    ) -> anyhow::Result<Tensor> {
+        let mut b = vec![self.token as i64; self.block];
+        b[0] = x as i64;
+        Ok(Tensor::from_slice(&b))
     }
 }
 
@@ -169,8 +197,14 @@ impl BlockDrafter for Oracle {
     fn block_size(&self) -> usize {
         self.block
     }
-    fn propose(&mut self, ctx: &Tensor, x: u32, pos: i64) -> anyhow::Result<Vec<u32>> {
-        self.context_len += ctx.size()[1];
+    fn propose(
+        &mut self,
+        ctx: &Tensor,
+        x: u32,
+        _x_dev: &Tensor,
+        pos: i64,
+    ) -> anyhow::Result<Tensor> {
+        self.context_len += ctx.size()[0];
         assert_eq!(self.context_len, pos, "the context is every token before x");
         let at = (pos - self.prompt_len) as usize; // index of x in the answer
         assert_eq!(self.answer[at], x);
@@ -179,7 +213,7 @@ impl BlockDrafter for Oracle {
             b[*k] = (b[*k] + 1) % 50;
         }
         self.step += 1;
-        Ok(b)
+        Ok(ids_tensor(&b))
     }
 }
 
@@ -295,9 +329,15 @@ impl BlockDrafter for Recording<'_> {
     fn block_size(&self) -> usize {
         self.inner.block_size()
     }
-    fn propose(&mut self, ctx: &Tensor, x: u32, pos: i64) -> anyhow::Result<Vec<u32>> {
-        let out = self.inner.propose(ctx, x, pos)?;
-        self.calls.push((x, pos, out.clone()));
+    fn propose(
+        &mut self,
+        ctx: &Tensor,
+        x: u32,
+        x_dev: &Tensor,
+        pos: i64,
+    ) -> anyhow::Result<Tensor> {
+        let out = self.inner.propose(ctx, x, x_dev, pos)?;
+        self.calls.push((x, pos, ids_vec(&out)));
         Ok(out)
     }
 }
@@ -310,8 +350,9 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
     let (_tmp, target, drafter, head) = models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     let p = vec![7u32, 3, 12, 30, 8];
+    let capacity = dflash_tui::eval::speculative::capacity_for(p.len(), 40, 4);
     let mut rec = Recording {
-        inner: DFlashProposer::new(&drafter, &head),
+        inner: DFlashProposer::new(&drafter, &head, capacity, None).unwrap(),
         calls: vec![],
     };
     let d = tch::no_grad(|| speculative_decode(&target, &mut rec, &taps, &p, 40, &[])).unwrap();
@@ -331,12 +372,13 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
             let feats = target
                 .run(&Tensor::from_slice(&seq).unsqueeze(0), None, &req)
                 .features
-                .unwrap();
-            let mut fresh = DFlashProposer::new(&drafter, &head);
-            fresh.propose(&feats, *x, *pos)
+                .unwrap()
+                .squeeze_dim(0);
+            let mut fresh = DFlashProposer::new(&drafter, &head, capacity, None)?;
+            fresh.propose(&feats, *x, &ids_tensor(&[*x]), *pos)
         })
         .unwrap();
-        assert_eq!(&fresh, proposed, "draft at position {pos}");
+        assert_eq!(&ids_vec(&fresh), proposed, "draft at position {pos}");
     }
 }
 

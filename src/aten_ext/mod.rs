@@ -1,7 +1,10 @@
 //! libtorch operations that tch 0.24 does not bind, through a small C++ shim (ops.cpp, compiled
 //! by build.rs against the libtorch headers): the fused AdamW step (used by
-//! [`crate::train::optim`]), the flash attention kernel called directly, and dropping a
-//! gradient.
+//! [`crate::train::optim`]), the flash attention kernel called directly (also in its
+//! variable-length form over a key/value cache), and dropping a gradient; and CUDA graphs
+//! ([`graph`], a second library loaded once CUDA is there).
+
+pub mod graph;
 
 use std::ffi::{c_char, c_void};
 
@@ -31,6 +34,19 @@ pub(crate) mod ffi {
             query: *const c_void,
             key: *const c_void,
             value: *const c_void,
+            is_causal: bool,
+            out: *mut *mut c_void,
+        ) -> *mut c_char;
+        #[allow(clippy::too_many_arguments)]
+        pub fn dflash_flash_varlen(
+            query: *const c_void,
+            key: *const c_void,
+            value: *const c_void,
+            cu_q: *const c_void,
+            cu_k: *const c_void,
+            seqused_k: *const c_void,
+            max_q: i64,
+            max_k: i64,
             is_causal: bool,
             out: *mut *mut c_void,
         ) -> *mut c_char;
@@ -194,6 +210,58 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Resu
             causal,
             &mut out,
         ))?;
+        if out.is_null() {
+            return Err(anyhow!("flash attention returned no tensor"));
+        }
+        Ok(Tensor::from_ptr(out.cast()))
+    }
+}
+
+/// The lengths of a variable-length flash attention call (see [`flash_varlen`]): int32 tensors
+/// on the device, so that a captured CUDA graph can be replayed with new values.
+pub struct VarlenLengths<'a> {
+    /// [batch + 1]: sequence b's queries are rows `cu_q[b] .. cu_q[b + 1]` of the query.
+    pub cu_q: &'a Tensor,
+    /// [batch + 1]: sequence b's keys start at row `cu_k[b]` of the key and value (the start of
+    /// its cache slot; need not increase with b).
+    pub cu_k: &'a Tensor,
+    /// [batch]: how many keys sequence b has.
+    pub seqused_k: &'a Tensor,
+    /// Bounds: the most queries and the most keys of a sequence.
+    pub max_q: i64,
+    pub max_k: i64,
+}
+
+/// Flash attention in its variable-length form (libtorch's `_flash_attention_forward`):
+/// `q` [total_q, heads, D] holds the queries of all sequences back to back; `k`, `v`
+/// [rows, kv_heads, D] are a key/value cache from which each sequence reads its own rows.
+/// With `causal` the mask aligns bottom-right: query i of a sequence with n queries and s keys
+/// sees keys up to s - n + i (new tokens see the cache and each other causally). Scale
+/// 1/sqrt(D); grouped-query heads natively; bf16 or f16 on a GPU. Nothing is planned per shape,
+/// and with the lengths in device tensors the call can be captured in a CUDA graph.
+pub fn flash_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lengths: &VarlenLengths<'_>,
+    causal: bool,
+) -> Result<Tensor> {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: live tensors; the shim writes a new tensor into `out` on success only.
+    unsafe {
+        check(ffi::dflash_flash_varlen(
+            q.as_ptr().cast(),
+            k.as_ptr().cast(),
+            v.as_ptr().cast(),
+            lengths.cu_q.as_ptr().cast(),
+            lengths.cu_k.as_ptr().cast(),
+            lengths.seqused_k.as_ptr().cast(),
+            lengths.max_q,
+            lengths.max_k,
+            causal,
+            &mut out,
+        ))
+        .map_err(|e| anyhow!("flash attention (at::_flash_attention_forward): {e}"))?;
         if out.is_null() {
             return Err(anyhow!("flash attention returned no tensor"));
         }

@@ -1,7 +1,8 @@
 // libtorch operations tch 0.24 does not bind: the fused (multi-tensor) AdamW step,
 // `at::_fused_adamw_`, which reads the parameter, gradient and both moments once and writes
 // them back in one kernel (CPU and CUDA); and the flash attention kernel called directly,
-// `at::_scaled_dot_product_flash_attention` (CUDA), which plans nothing per shape.
+// `at::_scaled_dot_product_flash_attention` (CUDA), which plans nothing per shape, and its
+// variable-length form `at::_flash_attention_forward` over a key/value cache.
 // Built by build.rs with the cc crate against the libtorch headers; the symbols resolve from
 // libtorch_cpu, which torch-sys links. The tensors are tch's (`Tensor::as_ptr`), which are
 // `at::Tensor *`; a returned tensor is a `new at::Tensor`, which tch frees with `delete`.
@@ -10,6 +11,7 @@
 // functions forward to, with every argument spelt out): the full headers pull in
 // ATen/Context.h and more and double the compile time.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_flash_attention_forward_ops.h>
 #include <ATen/ops/_fused_adamw_ops.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_ops.h>
 
@@ -100,6 +102,39 @@ char *dflash_flash_attention(const at::Tensor *query, const at::Tensor *key,
         auto result = at::_ops::_scaled_dot_product_flash_attention::call(
             *query, *key, *value, /*dropout_p=*/0.0, is_causal, /*return_debug_mask=*/false,
             /*scale=*/std::nullopt);
+        *out = new at::Tensor(std::move(std::get<0>(result)));
+        return nullptr;
+    });
+}
+
+// Flash attention in its variable-length form, over a key/value cache: `query` [total_q, heads,
+// D] holds the queries of every sequence back to back (sequence b's at rows cu_q[b] ..
+// cu_q[b+1]); sequence b's keys and values are the rows cu_k[b] .. cu_k[b] + seqused_k[b] of
+// `key`, `value` [rows, kv_heads, D] (cu_k[b] need not be increasing: each sequence reads its
+// own slot of a cache). Causal masks align bottom-right: query i of a sequence with q queries
+// and s keys sees keys up to s - q + i. cu_q, cu_k and seqused_k are int32 on the device, so
+// a CUDA graph can be replayed with new lengths; max_q and max_k bound the lengths. The
+// output [total_q, heads, D] goes to `*out`. Returns null on success, else a malloc'd message.
+char *dflash_flash_varlen(const at::Tensor *query, const at::Tensor *key,
+                          const at::Tensor *value, const at::Tensor *cu_q,
+                          const at::Tensor *cu_k, const at::Tensor *seqused_k, int64_t max_q,
+                          int64_t max_k, bool is_causal, at::Tensor **out) {
+    return guarded([&]() -> char * {
+        if (query == nullptr || key == nullptr || value == nullptr || cu_q == nullptr ||
+            cu_k == nullptr || seqused_k == nullptr || out == nullptr) {
+            return copy_message("a null tensor was passed");
+        }
+        // aten::_flash_attention_forward(Tensor query, Tensor key, Tensor value,
+        //   Tensor? cum_seq_q, Tensor? cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p,
+        //   bool is_causal, bool return_debug_mask, *, float? scale=None,
+        //   SymInt? window_size_left=None, SymInt? window_size_right=None,
+        //   Tensor? seqused_k=None, Tensor? alibi_slopes=None)
+        const std::optional<at::Tensor> cq(*cu_q), ck(*cu_k), used(*seqused_k), no_alibi;
+        auto result = at::_ops::_flash_attention_forward::call(
+            *query, *key, *value, cq, ck, c10::SymInt(max_q), c10::SymInt(max_k),
+            /*dropout_p=*/0.0, is_causal, /*return_debug_mask=*/false, /*scale=*/std::nullopt,
+            /*window_size_left=*/std::nullopt, /*window_size_right=*/std::nullopt, used,
+            no_alibi);
         *out = new at::Tensor(std::move(std::get<0>(result)));
         return nullptr;
     });

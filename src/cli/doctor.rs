@@ -32,6 +32,10 @@ pub fn run(runtime: &TorchRuntime) -> Result<()> {
             for i in 0..*devices {
                 println!("  cuda:{i}");
             }
+            match &runtime.graphs {
+                Ok(_) => println!("  CUDA graphs: available (decoding steps are replayed graphs)"),
+                Err(why) => println!("  CUDA graphs: not available ({why}); decoding runs eagerly"),
+            }
         }
         CudaSupport::LibraryNotFound => {
             println!("CUDA: not available (libtorch_cuda.so not found beside libtorch or on LD_LIBRARY_PATH); running on CPU")

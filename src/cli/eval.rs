@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{anyhow, bail, Context, Result};
 
 use crate::eval::prompts::{check_prompts, prompts_from_data, prompts_from_file};
-use crate::eval::speculative::{evaluate, EvalReport};
+use crate::eval::speculative::{evaluate, EvalOptions, EvalReport};
 use crate::model::{Drafter, FrozenHead, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
 
@@ -38,6 +38,13 @@ pub struct EvalArgs {
     /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
+    /// Prompts decoded once, untimed, before the measured pass (graph capture and libtorch's
+    /// lazy set-up happen there, not in the timing).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Decode eagerly (no CUDA graphs), e.g. to compare.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
     /// One JSON object: tau, speedup, prompts (output_ids, accept_lengths), ...
     #[arg(long)]
     pub json: bool,
@@ -46,6 +53,7 @@ pub struct EvalArgs {
 /// One device's share: every n-th prompt starting at `first`.
 fn run_shard(
     args: &EvalArgs,
+    runtime: &TorchRuntime,
     device: tch::Device,
     prompts: &[Vec<u32>],
     eos: &[u32],
@@ -54,7 +62,29 @@ fn run_shard(
     let target = TargetModel::load(&args.target, device, kind)?;
     let drafter = Drafter::load_for_target(&args.drafter, &target.config, device, kind)?;
     let head = FrozenHead::from_target(&target, device, kind);
-    evaluate(&target, &drafter, &head, prompts, args.max_new_tokens, eos)
+    let opts = EvalOptions {
+        graphs: runtime.graphs(!args.no_cuda_graphs),
+        warmup_prompts: args.warmup,
+    };
+    log::info!(
+        "eval on {device:?}: {} prompts x {} new tokens, {}",
+        prompts.len(),
+        args.max_new_tokens,
+        if opts.graphs.is_some() && device.is_cuda() {
+            "CUDA graphs"
+        } else {
+            "eager"
+        }
+    );
+    evaluate(
+        &target,
+        &drafter,
+        &head,
+        prompts,
+        args.max_new_tokens,
+        eos,
+        &opts,
+    )
 }
 
 pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
@@ -87,7 +117,7 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
     let ids: Vec<Vec<u32>> = prompts.into_iter().map(|p| p.ids).collect();
     let n = devices.len();
     let report = if n == 1 {
-        run_shard(&args, devices[0], &ids, &eos)?
+        run_shard(&args, runtime, devices[0], &ids, &eos)?
     } else {
         // Prompt i goes to device i % n; the merged report lists prompts in input order.
         let shards: Vec<Vec<Vec<u32>>> = (0..n)
@@ -99,7 +129,7 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
                 .zip(&shards)
                 .map(|(&dev, shard)| {
                     let (args, eos) = (&args, &eos);
-                    s.spawn(move || run_shard(args, dev, shard, eos))
+                    s.spawn(move || run_shard(args, runtime, dev, shard, eos))
                 })
                 .collect();
             handles
@@ -156,6 +186,32 @@ fn print_report(report: &EvalReport) {
         .map(|(k, &n)| format!("{k}:{:.0}%", 100.0 * n as f64 / steps as f64))
         .collect();
     println!("accepted by slot: {}", slots.join(" "));
+    let sp = &report.speedup_spread;
+    println!(
+        "speed-up over prompts: mean {:.2}x, median {:.2}x, p10 {:.2}x, p90 {:.2}x, min {:.2}x, max {:.2}x ({} warm-up prompt(s) excluded{})",
+        sp.mean,
+        sp.median,
+        sp.p10,
+        sp.p90,
+        sp.min,
+        sp.max,
+        report.warmup_prompts,
+        if report.cuda_graphs { ", CUDA graphs" } else { "" }
+    );
+    let d = &report.dflash_step_ms;
+    println!(
+        "a DFlash step: {:.3} ms = {:.2} greedy steps of {:.3} ms (device: draft {:.3}, verify {:.3}; host: issue draft {:.3}, issue verify {:.3}, wait {:.3}, acceptance {:.3}, roll-back {:.3})",
+        report.dflash_ms_per_step,
+        report.step_cost_in_greedy_steps,
+        report.greedy_ms_per_token,
+        d.draft_device,
+        d.verify_device,
+        d.draft_host,
+        d.verify_host,
+        d.host_wait,
+        d.accept,
+        d.rollback
+    );
     let mut hist = vec![0usize; report.accepted_by_slot.len() + 1];
     for p in &report.prompts {
         for &a in &p.accept_lengths {

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 
-use crate::data::regenerate::{regenerate, RegenerateOptions};
+use crate::data::regenerate::{regenerate, RegenerateEngine, RegenerateOptions};
 use crate::eval::regenerate::Sampling;
 use crate::runtime::TorchRuntime;
 
@@ -25,7 +25,8 @@ pub struct RegenerateArgs {
     /// Longest answer; answers that reach it end their row.
     #[arg(long, default_value_t = 512)]
     pub max_new_tokens: usize,
-    /// Prompts decoded together.
+    /// Sequences decoded together (the continuous engine's cache slots: memory grows with
+    /// batch size x --max-len).
     #[arg(long, default_value_t = 128)]
     pub batch_size: usize,
     /// Regenerate at most the first N assistant turns of a row; the rest is dropped.
@@ -58,6 +59,14 @@ pub struct RegenerateArgs {
     /// Padded prompt tokens per prefill forward.
     #[arg(long, default_value_t = 16_384, hide = true)]
     pub prefill_tokens: usize,
+    /// continuous: slots that take the next conversation as soon as one ends, each turn after
+    /// the last in its slot, the decoding step a CUDA graph on a GPU; plain: rounds of padded
+    /// batches (the reference path, same tokens).
+    #[arg(long, value_enum, default_value_t = RegenerateEngine::Continuous)]
+    pub engine: RegenerateEngine,
+    /// Decode eagerly (no CUDA graph), e.g. to compare.
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
     /// Stop after this many chunks, without assembling the output (tests of resumption).
     #[arg(long, hide = true)]
     pub stop_after_chunks: Option<usize>,
@@ -80,6 +89,8 @@ pub fn run(runtime: &TorchRuntime, args: RegenerateArgs) -> Result<()> {
         chunk_rows: args.chunk_rows,
         prefill_tokens: args.prefill_tokens,
         stop_after_chunks: args.stop_after_chunks,
+        engine: args.engine,
+        graphs: runtime.graphs(!args.no_cuda_graphs),
         ..RegenerateOptions::default()
     };
     let summary = regenerate(&args.target, &args.input, &args.out, &devices, kind, &opts)?;

@@ -13,6 +13,7 @@
 //! the same command again continues where an interrupted run stopped. When every chunk is done
 //! the output is assembled in the `prepare-data` layout and `.partial` is removed.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -26,6 +27,10 @@ use tch::{Device, Kind};
 use super::arrow_io::{
     dataset_files, read_string_column, read_token_data, split_names, write_split, write_token_rows,
     SplitSummary, TokenColumn, TokenData, TokenRow,
+};
+use crate::aten_ext::graph::GraphLibrary;
+use crate::eval::continuous::{
+    ContinuousGenerator, ContinuousLimits, ContinuousStats, Next, Request,
 };
 use crate::eval::regenerate::{generate_all, Answer, BatchLimits, Prompt, Sampling};
 use crate::fsutil::{write_json, StagedDir};
@@ -55,6 +60,21 @@ pub struct RegenerateOptions {
     pub stop_after_chunks: Option<usize>,
     /// Progress lines on stderr.
     pub progress: bool,
+    /// How answers are decoded.
+    pub engine: RegenerateEngine,
+    /// CUDA graphs for the continuous engine's decoding step (GPU only).
+    pub graphs: Option<GraphLibrary>,
+}
+
+/// How `regenerate` decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum RegenerateEngine {
+    /// Continuous batching over a fixed set of cache slots, a conversation's turns in one
+    /// slot, the decoding step a CUDA graph on a GPU (the fast path).
+    #[default]
+    Continuous,
+    /// Rounds of left-padded batches, every turn's prompt prefilled anew (the reference).
+    Plain,
 }
 
 impl Default for RegenerateOptions {
@@ -72,6 +92,8 @@ impl Default for RegenerateOptions {
             shard_rows: 50_000,
             stop_after_chunks: None,
             progress: true,
+            engine: RegenerateEngine::Continuous,
+            graphs: None,
         }
     }
 }
@@ -352,16 +374,13 @@ impl Progress {
     }
 }
 
-/// Regenerates the rows `rows` of a split with a loaded target.
-fn run_chunk(
-    model: &TargetModel,
-    eos: &[u32],
-    split: &SplitInput,
+/// The rows of a chunk that can be regenerated, as jobs (each with its first prompt), and the
+/// counts of the rows skipped.
+fn prepare_jobs<'a>(
+    split: &'a SplitInput,
     rows: Range<usize>,
     opts: &RegenerateOptions,
-    progress: &Progress,
-) -> Result<ChunkOutput> {
-    let started = Instant::now();
+) -> (Vec<RowJob<'a>>, RegenerateStats, usize) {
     let mut stats = RegenerateStats {
         rows_in: rows.len(),
         ..Default::default()
@@ -416,6 +435,58 @@ fn run_chunk(
             open: true,
         });
     }
+    (jobs, stats, skipped_rows)
+}
+
+/// A chunk's output from its finished jobs.
+fn finish_jobs(
+    split: &SplitInput,
+    jobs: Vec<RowJob<'_>>,
+    stats: RegenerateStats,
+    seconds: f64,
+) -> ChunkOutput {
+    let mut out = ChunkOutput {
+        ids: Vec::with_capacity(jobs.len()),
+        tokens: Vec::with_capacity(jobs.len()),
+        masks: Vec::with_capacity(jobs.len()),
+        stats,
+    };
+    for job in jobs {
+        debug_assert!(job.row < split.rows);
+        out.stats.rows_out += 1;
+        out.stats.tokens_out += job.tokens.len() as u64;
+        out.stats.loss_tokens_out += job.loss.iter().map(|&m| m as u64).sum::<u64>();
+        out.ids.push(job.id.to_string());
+        out.tokens.push(job.tokens);
+        out.masks.push(job.loss);
+    }
+    out.stats.seconds = seconds;
+    out
+}
+
+impl RowJob<'_> {
+    /// The next answer's request: the tokens after the `cached` ones the model holds.
+    fn request(&self, cached: usize, opts: &RegenerateOptions) -> Request {
+        Request {
+            tokens: self.tokens[cached..].to_vec(),
+            max_new: opts.max_new_tokens.min(opts.max_len - self.tokens.len()),
+            seed: answer_seed(opts.seed, self.id, self.answers),
+        }
+    }
+}
+
+/// Regenerates the rows `rows` of a split with a loaded target, by the plain path: in rounds
+/// (every open row's next answer), each round's prompts decoded in left-padded batches.
+fn run_chunk(
+    model: &TargetModel,
+    eos: &[u32],
+    split: &SplitInput,
+    rows: Range<usize>,
+    opts: &RegenerateOptions,
+    progress: &Progress,
+) -> Result<ChunkOutput> {
+    let started = Instant::now();
+    let (mut jobs, mut stats, skipped_rows) = prepare_jobs(split, rows, opts);
     progress.add(skipped_rows, 0);
     let limits = BatchLimits {
         batch_size: opts.batch_size,
@@ -455,23 +526,124 @@ fn run_chunk(
         }
         progress.add(closed, 0);
     }
-    let mut out = ChunkOutput {
-        ids: Vec::with_capacity(jobs.len()),
-        tokens: Vec::with_capacity(jobs.len()),
-        masks: Vec::with_capacity(jobs.len()),
+    Ok(finish_jobs(
+        split,
+        jobs,
         stats,
+        started.elapsed().as_secs_f64(),
+    ))
+}
+
+/// A chunk in the continuous engine: its jobs, how many were handed out and how many are open.
+struct ChunkWork<'a> {
+    id: ChunkId,
+    jobs: Vec<RowJob<'a>>,
+    stats: RegenerateStats,
+    fed: usize,
+    open: usize,
+    started: Instant,
+}
+
+/// Regenerates chunks with the continuous engine until `take_chunk` has none left: rows stream
+/// through the engine's slots across chunk boundaries (so the batch stays full), each
+/// conversation's turns follow each other in its slot, and each chunk is handed to `save` once
+/// its last row is done.
+#[allow(clippy::too_many_arguments)]
+fn run_continuous(
+    model: &TargetModel,
+    eos: &[u32],
+    splits: &[SplitInput],
+    chunk_rows: &dyn Fn(&ChunkId) -> Range<usize>,
+    take_chunk: &dyn Fn() -> Option<ChunkId>,
+    save: &dyn Fn(ChunkId, ChunkOutput) -> Result<()>,
+    opts: &RegenerateOptions,
+    progress: &Progress,
+    graphs: Option<GraphLibrary>,
+) -> Result<ContinuousStats> {
+    let limits = ContinuousLimits {
+        slots: opts.batch_size,
+        max_len: opts.max_len,
+        prefill_tokens: opts.prefill_tokens,
     };
-    for job in jobs {
-        debug_assert!(job.row < split.rows);
-        out.stats.rows_out += 1;
-        out.stats.tokens_out += job.tokens.len() as u64;
-        out.stats.loss_tokens_out += job.loss.iter().map(|&m| m as u64).sum::<u64>();
-        out.ids.push(job.id.to_string());
-        out.tokens.push(job.tokens);
-        out.masks.push(job.loss);
+    let mut engine = ContinuousGenerator::new(model, limits, graphs)?;
+    let chunks: RefCell<Vec<Option<ChunkWork<'_>>>> = RefCell::new(Vec::new());
+    let failure: RefCell<Option<anyhow::Error>> = RefCell::new(None);
+    let fail = |e: anyhow::Error| {
+        failure.borrow_mut().get_or_insert(e);
+    };
+    // Saves a chunk whose rows are all done.
+    let complete = |work: ChunkWork<'_>| {
+        let split = &splits[work.id.0];
+        let out = finish_jobs(
+            split,
+            work.jobs,
+            work.stats,
+            work.started.elapsed().as_secs_f64(),
+        );
+        if let Err(e) = save(work.id, out) {
+            fail(e);
+        }
+    };
+    let next_request =
+        || -> Option<((usize, usize), Request)> {
+            if failure.borrow().is_some() {
+                return None;
+            }
+            let mut chunks = chunks.borrow_mut();
+            loop {
+                if let Some((ci, work)) = chunks.iter_mut().enumerate().find_map(|(ci, w)| {
+                    w.as_mut().filter(|w| w.fed < w.jobs.len()).map(|w| (ci, w))
+                }) {
+                    let ji = work.fed;
+                    work.fed += 1;
+                    return Some(((ci, ji), work.jobs[ji].request(0, opts)));
+                }
+                let id = take_chunk()?;
+                let (jobs, stats, skipped) = prepare_jobs(&splits[id.0], chunk_rows(&id), opts);
+                progress.add(skipped, 0);
+                let work = ChunkWork {
+                    id,
+                    open: jobs.len(),
+                    jobs,
+                    stats,
+                    fed: 0,
+                    started: Instant::now(),
+                };
+                if work.open == 0 {
+                    complete(work);
+                } else {
+                    chunks.push(Some(work));
+                }
+            }
+        };
+    let on_answer = |(ci, ji): (usize, usize), answer: Answer| -> Next {
+        let mut chunks = chunks.borrow_mut();
+        let Some(work) = chunks[ci].as_mut() else {
+            return Next::Done;
+        };
+        let job = &mut work.jobs[ji];
+        let cached = job.tokens.len() + answer.tokens.len() - 1;
+        job.advance(answer, opts, &mut work.stats);
+        if job.open {
+            return Next::Continue(job.request(cached, opts));
+        }
+        progress.add(1, 0);
+        work.open -= 1;
+        if work.open == 0 && work.fed == work.jobs.len() {
+            if let Some(done) = chunks[ci].take() {
+                complete(done);
+            }
+        }
+        Next::Done
+    };
+    let ran = engine.run(&opts.sampling, eos, next_request, on_answer, |tokens| {
+        progress.add(0, tokens)
+    });
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
     }
-    out.stats.seconds = started.elapsed().as_secs_f64();
-    Ok(out)
+    ran?;
+    Ok(engine.stats)
 }
 
 /// Writes a file under a temporary name, then renames it into place.
@@ -812,21 +984,55 @@ pub fn regenerate(
                             target.display(),
                             t.elapsed().as_secs_f64()
                         );
-                        loop {
+                        let take_chunk = || -> Option<ChunkId> {
                             if abort.load(Ordering::Relaxed) {
-                                return Ok(());
+                                return None;
                             }
                             let i = next.fetch_add(1, Ordering::Relaxed);
-                            if i >= to_take {
-                                return Ok(());
-                            }
-                            let (si, c) = pending[i];
+                            (i < to_take).then(|| pending[i])
+                        };
+                        let save = |(si, c): ChunkId, out: ChunkOutput| -> Result<()> {
                             let split = &splits[si];
-                            let rows = chunk_rows(&(si, c));
-                            let out = run_chunk(&model, eos, split, rows, opts, progress)?;
                             save_chunk(partial, &split.name, c, &out)?;
                             finished.fetch_add(1, Ordering::Relaxed);
                             log::debug!("regenerate: {} chunk {c} done", split.name);
+                            Ok(())
+                        };
+                        match opts.engine {
+                            RegenerateEngine::Continuous => {
+                                let stats = run_continuous(
+                                    &model,
+                                    eos,
+                                    splits,
+                                    &chunk_rows,
+                                    &take_chunk,
+                                    &save,
+                                    opts,
+                                    progress,
+                                    opts.graphs,
+                                )?;
+                                log::info!(
+                                    "regenerate on {device:?}: {} decoding steps in {:.1} s ({:.2} ms each, {:.0} % of slot-steps busy{}), {} prefills of {} tokens in {:.1} s",
+                                    stats.decode_steps,
+                                    stats.decode_s,
+                                    1e3 * stats.decode_s / stats.decode_steps.max(1) as f64,
+                                    100.0 * stats.busy_slot_steps as f64
+                                        / (stats.decode_steps.max(1) * opts.batch_size as u64) as f64,
+                                    if stats.cuda_graph { ", CUDA graph" } else { "" },
+                                    stats.prefills,
+                                    stats.prefill_tokens,
+                                    stats.prefill_s
+                                );
+                                Ok(())
+                            }
+                            RegenerateEngine::Plain => {
+                                while let Some((si, c)) = take_chunk() {
+                                    let rows = chunk_rows(&(si, c));
+                                    let out = run_chunk(&model, eos, &splits[si], rows, opts, progress)?;
+                                    save((si, c), out)?;
+                                }
+                                Ok(())
+                            }
                         }
                     };
                     // libtorch errors (CUDA out of memory, say) reach Rust as panics.

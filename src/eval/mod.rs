@@ -1,6 +1,7 @@
 //! Evaluation: perplexity of a target model, and acceptance length of a drafter by real
 //! speculative decoding.
 
+pub mod continuous;
 pub mod perplexity;
 pub mod prompts;
 pub mod regenerate;

@@ -19,7 +19,9 @@ pub struct Prompt {
 }
 
 /// Prompts from a JSONL file: `{"messages": [...]}` (chat template + generation prompt, with
-/// the tokenizer of `model_dir`) or `{"prompt_ids": [...]}`. At most `limit`.
+/// the tokenizer of `model_dir`), `{"prompt_ids": [...]}`, or an MT-Bench question
+/// (`{"question_id", "category", "turns": [...]}`, FastChat's `question.jsonl`: its first turn
+/// as the user's message). At most `limit`.
 pub fn prompts_from_file(path: &Path, model_dir: &Path, limit: usize) -> Result<Vec<Prompt>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("{}: cannot read", path.display()))?;
@@ -35,10 +37,22 @@ pub fn prompts_from_file(path: &Path, model_dir: &Path, limit: usize) -> Result<
         let ids = if let Some(ids) = v.get("prompt_ids") {
             serde_json::from_value::<Vec<u32>>(ids.clone())
                 .with_context(|| format!("{source}: prompt_ids must be a list of token ids"))?
-        } else if let Some(m) = v.get("messages") {
-            let messages: Vec<Message> = serde_json::from_value(m.clone()).with_context(|| {
-                format!("{source}: messages must be a list of {{\"role\", \"content\"}}")
-            })?;
+        } else if v.get("messages").is_some() || v.get("turns").is_some() {
+            let messages: Vec<Message> = if let Some(m) = v.get("messages") {
+                serde_json::from_value(m.clone()).with_context(|| {
+                    format!("{source}: messages must be a list of {{\"role\", \"content\"}}")
+                })?
+            } else {
+                let first = v
+                    .get("turns")
+                    .and_then(|t| t.as_array())
+                    .and_then(|t| t.first())
+                    .and_then(|t| t.as_str())
+                    .with_context(|| {
+                        format!("{source}: turns must be a list of strings (MT-Bench questions)")
+                    })?;
+                vec![Message::new("user", first)]
+            };
             if tokenizer.is_none() {
                 tokenizer = Some(TextTokenizer::from_model_dir(model_dir)?);
             }
@@ -46,7 +60,7 @@ pub fn prompts_from_file(path: &Path, model_dir: &Path, limit: usize) -> Result<
             tok.apply_chat_template(&messages, true)
                 .with_context(|| source.clone())?
         } else {
-            bail!("{source}: needs \"messages\" or \"prompt_ids\"");
+            bail!("{source}: needs \"messages\", \"prompt_ids\" or MT-Bench \"turns\"");
         };
         out.push(Prompt { ids, source });
     }

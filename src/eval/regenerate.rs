@@ -69,7 +69,7 @@ impl Default for BatchLimits {
 
 /// Next tokens of every batch row from `logits` [rows, vocab] (float32). `uniforms` holds one
 /// draw in [0, 1) per row when sampling.
-fn pick(logits: &Tensor, sampling: &Sampling, uniforms: &[f64]) -> Result<Vec<u32>> {
+pub(crate) fn pick(logits: &Tensor, sampling: &Sampling, uniforms: &[f64]) -> Result<Vec<u32>> {
     let chosen = if sampling.is_greedy() {
         logits.argmax(-1, false)
     } else {

@@ -4,10 +4,13 @@
 
 use std::time::Instant;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context, Result};
 use tch::{Kind, Tensor};
 
-use crate::model::{Drafter, ForwardRequest, FrozenHead, KvCache, TargetModel};
+use crate::aten_ext::graph::GraphLibrary;
+use crate::model::decode::{DrafterDecoder, TargetDecoder};
+use crate::model::{Drafter, FrozenHead, TargetModel};
+use crate::pipeline::device_event::{DeviceEvents, TimingEvent};
 
 /// What one prompt produced.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -24,6 +27,9 @@ pub struct Decoded {
     pub drafts: Vec<Vec<u32>>,
     /// Seconds spent after the prefill.
     pub decode_s: f64,
+    /// Where the decoding steps' time went.
+    #[serde(skip)]
+    pub times: StepTimes,
 }
 
 fn sync(device: tch::Device) {
@@ -32,12 +38,9 @@ fn sync(device: tch::Device) {
     }
 }
 
-fn argmax_ids(logits: &Tensor) -> Result<Vec<u32>> {
-    // logits [L, V] -> L ids
-    let ids = logits
-        .argmax(-1, false)
-        .to_kind(Kind::Int64)
-        .to_device(tch::Device::Cpu);
+/// Integer ids of a tensor, read to the host (one wait for the device).
+fn read_ids(ids: &Tensor) -> Result<Vec<u32>> {
+    let ids = ids.to_kind(Kind::Int64).to_device(tch::Device::Cpu);
     Ok(Vec::<i64>::try_from(&ids)
         .map_err(|e| anyhow!("{e}"))?
         .into_iter()
@@ -54,46 +57,148 @@ fn cut(mut out: Vec<u32>, max_new: usize, eos: &[u32]) -> Vec<u32> {
     out
 }
 
-/// The greedy pick of one row of logits [V] and its margin over the runner-up.
-fn top2(logits: &Tensor) -> Result<(u32, f32)> {
-    let (values, indices) = logits.to_kind(Kind::Float).topk(2, -1, true, true);
-    let v =
-        Vec::<f32>::try_from(&values.to_device(tch::Device::Cpu)).map_err(|e| anyhow!("{e}"))?;
-    let i =
-        Vec::<i64>::try_from(&indices.to_device(tch::Device::Cpu)).map_err(|e| anyhow!("{e}"))?;
-    match (i.first(), v.first(), v.get(1)) {
-        (Some(&id), Some(&a), Some(&b)) => Ok((id as u32, a - b)),
-        (Some(&id), _, _) => Ok((id as u32, f32::INFINITY)),
-        _ => Err(anyhow!("empty logits")),
+/// The greedy pick of one row of logits [1, V] (left on the device, [1]) and, read to the
+/// host with one wait, its id and its margin over the runner-up.
+fn top2(logits: &Tensor) -> Result<(Tensor, u32, f32)> {
+    top2_of(logits.topk(2.min(logits.size()[1]), -1, true, true))
+}
+
+/// Where the time of decoding steps goes, summed over steps (seconds). The device parts come
+/// from CUDA timing events when the model runs on a GPU; on the CPU every operation finishes
+/// before it returns, so the host times are the whole story there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct StepTimes {
+    /// Decoding steps timed.
+    pub steps: u64,
+    /// Wall time of the steps.
+    pub total_s: f64,
+    /// Device time of the drafter's proposals (GPU only).
+    pub draft_device_s: f64,
+    /// Device time of the target's verify (or greedy) forwards (GPU only).
+    pub verify_device_s: f64,
+    /// Host time issuing the proposal (launching its graph or kernels; all of it on the CPU).
+    pub draft_host_s: f64,
+    /// Host time issuing the verify forward.
+    pub verify_host_s: f64,
+    /// Host time blocked reading the step's picks (waiting for the device to finish).
+    pub host_wait_s: f64,
+    /// Host time comparing drafts with the target's picks and emitting tokens.
+    pub accept_s: f64,
+    /// Host time setting up the roll-back: the target cache forgets the rejected rows by
+    /// position (nothing is copied), the accepted tokens' features become the next context.
+    pub rollback_s: f64,
+}
+
+impl StepTimes {
+    pub fn add(&mut self, o: &StepTimes) {
+        self.steps += o.steps;
+        self.total_s += o.total_s;
+        self.draft_device_s += o.draft_device_s;
+        self.verify_device_s += o.verify_device_s;
+        self.draft_host_s += o.draft_host_s;
+        self.verify_host_s += o.verify_host_s;
+        self.host_wait_s += o.host_wait_s;
+        self.accept_s += o.accept_s;
+        self.rollback_s += o.rollback_s;
+    }
+
+    /// Mean milliseconds per step of each part.
+    pub fn per_step_ms(&self) -> StepTimesMs {
+        let per = |s: f64| 1e3 * s / self.steps.max(1) as f64;
+        StepTimesMs {
+            steps: self.steps,
+            total: per(self.total_s),
+            draft_device: per(self.draft_device_s),
+            verify_device: per(self.verify_device_s),
+            draft_host: per(self.draft_host_s),
+            verify_host: per(self.verify_host_s),
+            host_wait: per(self.host_wait_s),
+            accept: per(self.accept_s),
+            rollback: per(self.rollback_s),
+        }
     }
 }
 
-/// Plain greedy decoding with a KV cache, timed after the prefill.
-pub fn greedy(
-    target: &TargetModel,
+/// [`StepTimes`] as mean milliseconds per step (the `eval --json` breakdown).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct StepTimesMs {
+    pub steps: u64,
+    pub total: f64,
+    pub draft_device: f64,
+    pub verify_device: f64,
+    pub draft_host: f64,
+    pub verify_host: f64,
+    pub host_wait: f64,
+    pub accept: f64,
+    pub rollback: f64,
+}
+
+/// Three CUDA timing events around a step's parts (none on the CPU).
+struct StepClock {
+    events: Option<[TimingEvent; 3]>,
+}
+
+impl StepClock {
+    fn new(device: tch::Device) -> Self {
+        let events = DeviceEvents::load()
+            .and_then(|e| Some([e.timing(device)?, e.timing(device)?, e.timing(device)?]));
+        StepClock { events }
+    }
+
+    fn mark(&self, i: usize) {
+        if let Some(e) = &self.events {
+            e[i].record();
+        }
+    }
+
+    /// Device seconds between marks 0-1 and 1-2 (after the device passed mark 2).
+    fn device_parts(&self) -> (f64, f64) {
+        match &self.events {
+            Some(e) => (e[0].seconds_until(&e[1]), e[1].seconds_until(&e[2])),
+            None => (0.0, 0.0),
+        }
+    }
+}
+
+/// Plain greedy decoding with a [`TargetDecoder`] (the decoding steps of one token are CUDA
+/// graphs where it has them), timed after the prefill.
+pub fn greedy_decode(
+    engine: &mut TargetDecoder<'_>,
     prompt: &[u32],
     max_new: usize,
     eos: &[u32],
 ) -> Result<Decoded> {
-    let mut cache = KvCache::new();
-    let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
-    let logits = target.forward(&Tensor::from_slice(&ids).unsqueeze(0), Some(&mut cache));
-    let (mut next, margin) = top2(&logits.select(0, 0).select(0, ids.len() as i64 - 1))?;
-    sync(target.device);
+    let (logits, _) = engine.prefill(prompt)?;
+    let (mut next_dev, mut next, margin) = top2(&logits)?;
+    let device = logits.device();
+    sync(device);
+    let clock = StepClock::new(device);
+    let mut times = StepTimes::default();
     let started = Instant::now();
     let mut out = vec![next];
     let mut margins = vec![margin];
+    let mut pos = prompt.len() as i64;
     while out.len() < max_new && !eos.contains(&next) {
-        let logits = target.forward(
-            &Tensor::from_slice(&[next as i64]).unsqueeze(0),
-            Some(&mut cache),
-        );
-        let (id, margin) = top2(&logits.select(0, 0).select(0, 0))?;
+        let t = Instant::now();
+        clock.mark(1);
+        let (logits, _) = engine.step(&next_dev, pos)?;
+        let picked = logits.topk(2.min(logits.size()[1]), -1, true, true);
+        clock.mark(2);
+        times.verify_host_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let (id_dev, id, margin) = top2_of(picked)?;
+        times.host_wait_s += t.elapsed().as_secs_f64();
+        times.verify_device_s += clock.device_parts().1;
+        next_dev = id_dev;
         next = id;
+        pos += 1;
         out.push(next);
         margins.push(margin);
+        times.steps += 1;
     }
-    sync(target.device);
+    sync(device);
+    let decode_s = started.elapsed().as_secs_f64();
+    times.total_s = decode_s;
     let output_ids = cut(out, max_new, eos);
     margins.truncate(output_ids.len());
     Ok(Decoded {
@@ -101,8 +206,36 @@ pub fn greedy(
         accept_lengths: vec![],
         margins,
         drafts: vec![],
-        decode_s: started.elapsed().as_secs_f64(),
+        decode_s,
+        times,
     })
+}
+
+/// [`top2`] of an already computed topk (values, indices) [1, k].
+fn top2_of((values, indices): (Tensor, Tensor)) -> Result<(Tensor, u32, f32)> {
+    let pick = indices.select(1, 0);
+    let both = Tensor::cat(
+        &[values.to_kind(Kind::Double), indices.to_kind(Kind::Double)],
+        1,
+    )
+    .to_device(tch::Device::Cpu);
+    let v = Vec::<f64>::try_from(&both.view([-1])).map_err(|e| anyhow!("{e}"))?;
+    match v.len() / 2 {
+        2 => Ok((pick, v[2] as u32, (v[0] - v[1]) as f32)),
+        1 => Ok((pick, v[1] as u32, f32::INFINITY)),
+        _ => Err(anyhow!("empty logits")),
+    }
+}
+
+/// Plain greedy decoding with an eager engine of its own (tests, small runs).
+pub fn greedy(
+    target: &TargetModel,
+    prompt: &[u32],
+    max_new: usize,
+    eos: &[u32],
+) -> Result<Decoded> {
+    let mut engine = TargetDecoder::new(target, (prompt.len() + max_new + 1) as i64, &[], None)?;
+    greedy_decode(&mut engine, prompt, max_new, eos)
 }
 
 /// What proposes a block during speculative decoding. The real one is [`DFlashProposer`]; tests
@@ -111,53 +244,68 @@ pub fn greedy(
 pub trait BlockDrafter {
     fn block_size(&self) -> usize;
     /// Proposes a block `[x, d_1 .. d_{B-1}]` for positions `pos .. pos + B - 1` (`x` sits at
-    /// `pos`). `new_context` [1, n, K*H] holds the target features of the tokens accepted since
-    /// the previous call (on the first call: of the whole prompt); together with the earlier
-    /// ones they are the context of every token before `pos`.
-    fn propose(&mut self, new_context: &Tensor, x: u32, pos: i64) -> Result<Vec<u32>>;
+    /// `pos`; `x_on_device` is the same token as an int64 [1] on the target's device).
+    /// `new_context` [n, K*H] holds the target features of the tokens accepted since the
+    /// previous call (on the first call: of the whole prompt); together with the earlier ones
+    /// they are the context of every token before `pos`. Returns the block as int64 [B] on any
+    /// device (the real drafter leaves it on its device, so that nothing waits for it).
+    fn propose(
+        &mut self,
+        new_context: &Tensor,
+        x: u32,
+        x_on_device: &Tensor,
+        pos: i64,
+    ) -> Result<Tensor>;
 }
 
-/// The DFlash drafter as a [`BlockDrafter`]: its context KV cache holds the fused features of
-/// all accepted tokens, so each step only adds the newly accepted ones.
+/// The DFlash drafter as a [`BlockDrafter`], through a [`DrafterDecoder`]: its context cache
+/// holds the fused features of all accepted tokens, so each step only adds the newly accepted
+/// ones.
 pub struct DFlashProposer<'a> {
-    pub drafter: &'a Drafter,
-    pub head: &'a FrozenHead,
-    cache: KvCache,
+    engine: DrafterDecoder<'a>,
+    block: usize,
 }
 
 impl<'a> DFlashProposer<'a> {
-    pub fn new(drafter: &'a Drafter, head: &'a FrozenHead) -> Self {
-        DFlashProposer {
-            drafter,
-            head,
-            cache: KvCache::new(),
-        }
+    /// A proposer for sequences of up to `capacity` positions, with CUDA graphs from `graphs`.
+    pub fn new(
+        drafter: &'a Drafter,
+        head: &'a FrozenHead,
+        capacity: i64,
+        graphs: Option<GraphLibrary>,
+    ) -> Result<Self> {
+        Ok(DFlashProposer {
+            engine: DrafterDecoder::new(drafter, head, capacity, graphs)?,
+            block: drafter.config.block_size as usize,
+        })
     }
 }
 
 impl BlockDrafter for DFlashProposer<'_> {
     fn block_size(&self) -> usize {
-        self.drafter.config.block_size as usize
+        self.block
     }
 
-    fn propose(&mut self, new_context: &Tensor, x: u32, pos: i64) -> Result<Vec<u32>> {
-        let mut block = vec![self.drafter.config.mask_token_id(); self.block_size()];
-        block[0] = x as i64;
-        let block_ids = Tensor::from_slice(&block).unsqueeze(0);
-        let hidden = self.drafter.forward_block(
-            self.head,
-            Some(new_context),
-            &mut self.cache,
-            &block_ids,
-            pos,
-        );
-        let mut ids = argmax_ids(&self.drafter.logits(self.head, &hidden).select(0, 0))?;
-        ids[0] = x;
-        Ok(ids)
+    fn propose(
+        &mut self,
+        new_context: &Tensor,
+        _x: u32,
+        x_on_device: &Tensor,
+        pos: i64,
+    ) -> Result<Tensor> {
+        self.engine.propose(new_context, x_on_device, pos)
     }
 }
 
-/// DFlash speculative decoding with the real drafter (see [`speculative_decode`]).
+/// Positions an engine needs for `prompt_len` + `max_new` tokens with blocks of `block`: the
+/// last verify may reach a block past the last emitted token, and the drafter's context rows
+/// of a step sit before its block.
+pub fn capacity_for(prompt_len: usize, max_new: usize, block: usize) -> i64 {
+    (prompt_len + max_new + 2 * block + 1) as i64
+}
+
+/// DFlash speculative decoding with the real drafter and eager engines of its own (tests,
+/// the trainer's periodic evaluation).
 pub fn dflash(
     target: &TargetModel,
     drafter: &Drafter,
@@ -166,7 +314,9 @@ pub fn dflash(
     max_new: usize,
     eos: &[u32],
 ) -> Result<Decoded> {
-    let mut proposer = DFlashProposer::new(drafter, head);
+    let bs = drafter.config.block_size as usize;
+    let capacity = capacity_for(prompt.len(), max_new, bs);
+    let mut proposer = DFlashProposer::new(drafter, head, capacity, None)?;
     speculative_decode(
         target,
         &mut proposer,
@@ -177,10 +327,7 @@ pub fn dflash(
     )
 }
 
-/// Greedy speculative decoding (dflash spec §5): the drafter proposes block_size - 1 tokens,
-/// the target verifies them in one forward; the accepted prefix plus the target's bonus token
-/// are emitted, the target cache rolls back to the accepted tokens and their features become
-/// the drafter's new context.
+/// [`speculative_decode_with`] on an eager target engine of its own.
 pub fn speculative_decode(
     target: &TargetModel,
     proposer: &mut dyn BlockDrafter,
@@ -189,76 +336,106 @@ pub fn speculative_decode(
     max_new: usize,
     eos: &[u32],
 ) -> Result<Decoded> {
+    let capacity = capacity_for(prompt.len(), max_new, proposer.block_size());
+    let mut engine = TargetDecoder::new(target, capacity, tap_layers, None)?;
+    speculative_decode_with(&mut engine, proposer, prompt, max_new, eos)
+}
+
+/// Greedy speculative decoding (dflash spec §5): the drafter proposes block_size - 1 tokens,
+/// the target verifies them in one forward; the accepted prefix plus the target's bonus token
+/// are emitted, the target cache rolls back to the accepted tokens (its rows past them are
+/// overwritten by the next verify) and their features become the drafter's new context. Each
+/// step waits for the device once: the drafts and the target's picks are read together.
+pub fn speculative_decode_with(
+    engine: &mut TargetDecoder<'_>,
+    proposer: &mut dyn BlockDrafter,
+    prompt: &[u32],
+    max_new: usize,
+    eos: &[u32],
+) -> Result<Decoded> {
     let bs = proposer.block_size();
     if bs < 2 {
         return Err(anyhow!("block size {bs}: must be at least 2"));
     }
-    let req = ForwardRequest {
-        tap_layers: tap_layers.to_vec(),
-        final_hidden: false,
-        logits: true,
-    };
-    let mut tcache = KvCache::new();
-    let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
-    let pre = target.run(
-        &Tensor::from_slice(&ids).unsqueeze(0),
-        Some(&mut tcache),
-        &req,
-    );
-    let (Some(logits), Some(mut pending)) = (pre.logits, pre.features) else {
-        return Err(anyhow!("the target returned no logits or features"));
-    };
-    let mut x = argmax_ids(&logits.select(0, 0).narrow(0, ids.len() as i64 - 1, 1))?[0];
-    let mut n = ids.len() as i64; // position of x
-    sync(target.device);
+    let (logits, features) = engine.prefill(prompt)?;
+    let mut pending = features.context("the target engine returned no features")?;
+    let device = logits.device();
+    let (mut x_dev, mut x, _) = top2(&logits)?;
+    let mut n = prompt.len() as i64; // position of x
+    sync(device);
+    let clock = StepClock::new(device);
+    let mut times = StepTimes::default();
     let started = Instant::now();
     let mut out = vec![x];
     let mut accept_lengths = Vec::new();
     let mut drafts = Vec::new();
     while out.len() < max_new && !eos.contains(&x) {
-        let draft = proposer.propose(&pending, x, n)?;
-        if draft.len() != bs {
+        let t = Instant::now();
+        clock.mark(0);
+        let draft = proposer.propose(&pending, x, &x_dev, n)?;
+        if draft.size() != [bs as i64] {
             return Err(anyhow!(
-                "the drafter proposed {} tokens for a block of {bs}",
-                draft.len()
+                "the drafter proposed {:?} tokens for a block of {bs}",
+                draft.size()
             ));
         }
-        // verify [x, d_1 .. d_{B-1}]
-        let mut verify: Vec<i64> = vec![x as i64];
-        verify.extend(draft[1..].iter().map(|&t| t as i64));
-        let out_t = target.run(
-            &Tensor::from_slice(&verify).unsqueeze(0),
-            Some(&mut tcache),
-            &req,
-        );
-        let (Some(vlogits), Some(vfeats)) = (out_t.logits, out_t.features) else {
-            return Err(anyhow!("the target returned no logits or features"));
-        };
-        let y = argmax_ids(&vlogits.select(0, 0))?;
-        drafts.push(draft[1..].to_vec());
+        let draft = draft.to_device(device).to_kind(Kind::Int64);
+        times.draft_host_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        clock.mark(1);
+        // verify [x, d_1 .. d_{B-1}] (the proposal carries x in slot 0)
+        let (vlogits, vfeats) = engine.step(&draft, n)?;
+        let vfeats = vfeats.context("the target engine returned no features")?;
+        let y_dev = vlogits.argmax(-1, false);
+        let both = Tensor::cat(&[&draft, &y_dev], 0);
+        clock.mark(2);
+        times.verify_host_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let ids = read_ids(&both)?;
+        times.host_wait_s += t.elapsed().as_secs_f64();
+        let (draft_ids, y) = ids.split_at(bs);
+        let (draft_dev_s, verify_dev_s) = clock.device_parts();
+        times.draft_device_s += draft_dev_s;
+        times.verify_device_s += verify_dev_s;
+        let t = Instant::now();
+        if draft_ids[0] != x {
+            return Err(anyhow!(
+                "the drafter's block starts with {} instead of x = {x}",
+                draft_ids[0]
+            ));
+        }
+        drafts.push(draft_ids[1..].to_vec());
         let mut a = 0;
-        while a + 1 < bs && draft[a + 1] == y[a] {
+        while a + 1 < bs && draft_ids[a + 1] == y[a] {
             a += 1;
         }
-        out.extend_from_slice(&draft[1..=a]);
+        out.extend_from_slice(&draft_ids[1..=a]);
         out.push(y[a]);
         accept_lengths.push(a + 1);
-        // keep x, d_1..d_a in the target cache; their features join the drafter context
-        tcache.truncate(n + a as i64 + 1);
-        pending = vfeats.narrow(1, 0, a as i64 + 1);
+        times.accept_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        // keep x, d_1..d_a (the next verify writes from n + a + 1 on); their features join the
+        // drafter context
+        pending = vfeats.narrow(0, 0, a as i64 + 1);
+        x_dev = y_dev.narrow(0, a as i64, 1);
         n += a as i64 + 1;
         x = y[a];
-        if draft[1..=a].iter().any(|t| eos.contains(t)) {
+        times.rollback_s += t.elapsed().as_secs_f64();
+        times.steps += 1;
+        if draft_ids[1..=a].iter().any(|t| eos.contains(t)) {
             break;
         }
     }
-    sync(target.device);
+    sync(device);
+    let decode_s = started.elapsed().as_secs_f64();
+    times.total_s = decode_s;
     Ok(Decoded {
         output_ids: cut(out, max_new, eos),
         accept_lengths,
         margins: vec![],
         drafts,
-        decode_s: started.elapsed().as_secs_f64(),
+        decode_s,
+        times,
     })
 }
 
@@ -271,7 +448,8 @@ pub struct TauSummary {
     pub accepted_by_slot: Vec<u64>,
 }
 
-/// Mean acceptance length of `drafter` over `prompts`.
+/// Mean acceptance length of `drafter` over `prompts` (eager engines, no graphs: the trainer's
+/// other stages share the device).
 pub fn measure_tau(
     target: &TargetModel,
     drafter: &Drafter,
@@ -307,15 +485,70 @@ fn count_slots(by_slot: &mut [u64], accept_lengths: &[usize]) {
     }
 }
 
+/// How [`evaluate`] runs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EvalOptions {
+    /// CUDA graphs for the decoding steps (GPU only).
+    pub graphs: Option<GraphLibrary>,
+    /// The first this many prompts are decoded once, untimed, before the measured pass
+    /// (graph capture, libtorch's lazy set-up, caches): the timing then shows steady decoding.
+    pub warmup_prompts: usize,
+}
+
+/// Spread of a per-prompt number.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct Spread {
+    pub mean: f64,
+    pub min: f64,
+    pub p10: f64,
+    pub median: f64,
+    pub p90: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    pub fn of(values: &[f64]) -> Self {
+        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+        if v.is_empty() {
+            return Spread::default();
+        }
+        v.sort_by(|a, b| a.total_cmp(b));
+        let at = |q: f64| {
+            let i = q * (v.len() - 1) as f64;
+            let (lo, hi) = (i.floor() as usize, i.ceil() as usize);
+            v[lo] + (v[hi] - v[lo]) * (i - lo as f64)
+        };
+        Spread {
+            mean: v.iter().sum::<f64>() / v.len() as f64,
+            min: v[0],
+            p10: at(0.1),
+            median: at(0.5),
+            p90: at(0.9),
+            max: v[v.len() - 1],
+        }
+    }
+}
+
 /// Results over a set of prompts.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct EvalReport {
     /// Mean accepted tokens per DFlash step over all steps of all prompts.
     pub tau: f64,
-    /// Time per output token, plain greedy / DFlash (prefill excluded).
+    /// Time per output token, plain greedy / DFlash (prefill and warm-up excluded).
     pub speedup: f64,
+    /// The per-prompt speed-ups (each prompt's greedy / DFlash time per token).
+    pub speedup_spread: Spread,
     pub greedy_s_per_token: f64,
     pub dflash_s_per_token: f64,
+    /// Milliseconds of one plain greedy step (one token).
+    pub greedy_ms_per_token: f64,
+    /// Milliseconds of one DFlash step (draft + verify of a block), and that in greedy steps.
+    pub dflash_ms_per_step: f64,
+    pub step_cost_in_greedy_steps: f64,
+    /// Where a DFlash step's time goes (mean ms per step).
+    pub dflash_step_ms: StepTimesMs,
+    /// Where a greedy step's time goes (mean ms per step; verify = its forward).
+    pub greedy_step_ms: StepTimesMs,
     /// Decoding seconds and output tokens (after the first) of each decoder, summed.
     pub greedy_s: f64,
     pub greedy_tokens: usize,
@@ -326,6 +559,10 @@ pub struct EvalReport {
     /// Per block slot: index 0 counts the steps (the bonus token is always taken), index k >= 1
     /// how often the drafted token of slot k was accepted.
     pub accepted_by_slot: Vec<u64>,
+    /// Prompts decoded untimed before the measured pass.
+    pub warmup_prompts: usize,
+    /// Whether the decoding steps ran as CUDA graphs.
+    pub cuda_graphs: bool,
     pub prompts: Vec<PromptResult>,
 }
 
@@ -343,9 +580,28 @@ pub struct PromptResult {
     pub first_mismatch: Option<usize>,
     /// The target's top-1 minus top-2 logit at that token in plain greedy decoding.
     pub mismatch_margin: Option<f32>,
+    /// Decoding seconds and timed tokens (after the first) of each decoder on this prompt.
+    pub greedy_s: f64,
+    pub dflash_s: f64,
+    pub greedy_tokens: usize,
+    pub dflash_tokens: usize,
+    #[serde(skip)]
+    pub greedy_times: StepTimes,
+    #[serde(skip)]
+    pub dflash_times: StepTimes,
 }
 
-/// Runs both decoders on every prompt.
+impl PromptResult {
+    /// This prompt's speed-up (greedy / DFlash time per output token).
+    pub fn speedup(&self) -> f64 {
+        let g = self.greedy_s / self.greedy_tokens.max(1) as f64;
+        let d = self.dflash_s / self.dflash_tokens.max(1) as f64;
+        g / d.max(1e-12)
+    }
+}
+
+/// Runs both decoders on every prompt: one engine each, with room for the longest prompt, CUDA
+/// graphs where `opts` has them.
 pub fn evaluate(
     target: &TargetModel,
     drafter: &Drafter,
@@ -353,16 +609,34 @@ pub fn evaluate(
     prompts: &[Vec<u32>],
     max_new: usize,
     eos: &[u32],
+    opts: &EvalOptions,
 ) -> Result<EvalReport> {
+    let bs = drafter.config.block_size as usize;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let capacity = capacity_for(longest, max_new, bs);
+    let mut plain_engine = TargetDecoder::new(target, capacity, &[], opts.graphs)?;
+    let mut fast_engine = TargetDecoder::new(
+        target,
+        capacity,
+        drafter.config.target_layer_ids(),
+        opts.graphs,
+    )?;
+    let mut proposer = DFlashProposer::new(drafter, head, capacity, opts.graphs)?;
+    let prompts: Vec<&Vec<u32>> = prompts.iter().filter(|p| !p.is_empty()).collect();
+    let mut run = |prompt: &[u32]| -> Result<(Decoded, Decoded)> {
+        tch::no_grad(|| {
+            let plain = greedy_decode(&mut plain_engine, prompt, max_new, eos)?;
+            let fast =
+                speculative_decode_with(&mut fast_engine, &mut proposer, prompt, max_new, eos)?;
+            Ok((plain, fast))
+        })
+    };
+    for prompt in prompts.iter().take(opts.warmup_prompts) {
+        run(prompt)?;
+    }
     let mut results = Vec::new();
-    let (mut g_s, mut g_tok, mut d_s, mut d_tok) = (0.0, 0usize, 0.0, 0usize);
-    for prompt in prompts.iter().filter(|p| !p.is_empty()) {
-        let plain = tch::no_grad(|| greedy(target, prompt, max_new, eos))?;
-        let fast = tch::no_grad(|| dflash(target, drafter, head, prompt, max_new, eos))?;
-        g_s += plain.decode_s;
-        g_tok += plain.output_ids.len().saturating_sub(1).max(1);
-        d_s += fast.decode_s;
-        d_tok += fast.output_ids.len().saturating_sub(1).max(1);
+    for prompt in &prompts {
+        let (plain, fast) = run(prompt)?;
         let first_mismatch = plain
             .output_ids
             .iter()
@@ -375,8 +649,14 @@ pub fn evaluate(
         let tau = fast.accept_lengths.iter().sum::<usize>() as f64
             / fast.accept_lengths.len().max(1) as f64;
         results.push(PromptResult {
-            prompt_ids: prompt.clone(),
+            prompt_ids: prompt.to_vec(),
             tau,
+            greedy_s: plain.decode_s,
+            dflash_s: fast.decode_s,
+            greedy_tokens: plain.output_ids.len().saturating_sub(1).max(1),
+            dflash_tokens: fast.output_ids.len().saturating_sub(1).max(1),
+            greedy_times: plain.times,
+            dflash_times: fast.times,
             output_ids: fast.output_ids,
             accept_lengths: fast.accept_lengths,
             drafts: fast.drafts,
@@ -385,42 +665,55 @@ pub fn evaluate(
             mismatch_margin: first_mismatch.and_then(|i| plain.margins.get(i).copied()),
         });
     }
-    Ok(EvalReport::from_parts(
-        drafter.config.block_size as usize,
-        results,
-        (g_s, g_tok),
-        (d_s, d_tok),
-    ))
+    let graphs = plain_engine.uses_graphs() && fast_engine.uses_graphs();
+    let mut report = EvalReport::from_prompts(bs, results);
+    report.warmup_prompts = opts.warmup_prompts.min(prompts.len());
+    report.cuda_graphs = graphs;
+    Ok(report)
 }
 
 impl EvalReport {
-    /// The totals over per-prompt results and summed decode times (seconds, tokens).
-    pub fn from_parts(
-        block_size: usize,
-        prompts: Vec<PromptResult>,
-        greedy: (f64, usize),
-        dflash: (f64, usize),
-    ) -> Self {
+    /// The totals over per-prompt results.
+    pub fn from_prompts(block_size: usize, prompts: Vec<PromptResult>) -> Self {
         let mut by_slot = vec![0u64; block_size];
         let (mut steps, mut accepted) = (0usize, 0usize);
+        let (mut g_s, mut g_tok, mut d_s, mut d_tok) = (0.0, 0usize, 0.0, 0usize);
+        let (mut g_times, mut d_times) = (StepTimes::default(), StepTimes::default());
         for p in &prompts {
             steps += p.accept_lengths.len();
             accepted += p.accept_lengths.iter().sum::<usize>();
             count_slots(&mut by_slot, &p.accept_lengths);
+            g_s += p.greedy_s;
+            g_tok += p.greedy_tokens;
+            d_s += p.dflash_s;
+            d_tok += p.dflash_tokens;
+            g_times.add(&p.greedy_times);
+            d_times.add(&p.dflash_times);
         }
-        let greedy_spt = greedy.0 / greedy.1.max(1) as f64;
-        let dflash_spt = dflash.0 / dflash.1.max(1) as f64;
+        let greedy_spt = g_s / g_tok.max(1) as f64;
+        let dflash_spt = d_s / d_tok.max(1) as f64;
+        let greedy_step_ms = g_times.per_step_ms();
+        let dflash_step_ms = d_times.per_step_ms();
+        let speedups: Vec<f64> = prompts.iter().map(PromptResult::speedup).collect();
         EvalReport {
             tau: accepted as f64 / steps.max(1) as f64,
             speedup: greedy_spt / dflash_spt.max(1e-12),
+            speedup_spread: Spread::of(&speedups),
             greedy_s_per_token: greedy_spt,
             dflash_s_per_token: dflash_spt,
-            greedy_s: greedy.0,
-            greedy_tokens: greedy.1,
-            dflash_s: dflash.0,
-            dflash_tokens: dflash.1,
+            greedy_ms_per_token: greedy_step_ms.total,
+            dflash_ms_per_step: dflash_step_ms.total,
+            step_cost_in_greedy_steps: dflash_step_ms.total / greedy_step_ms.total.max(1e-12),
+            dflash_step_ms,
+            greedy_step_ms,
+            greedy_s: g_s,
+            greedy_tokens: g_tok,
+            dflash_s: d_s,
+            dflash_tokens: d_tok,
             mismatches: prompts.iter().filter(|r| !r.matches_greedy).count(),
             accepted_by_slot: by_slot,
+            warmup_prompts: 0,
+            cuda_graphs: false,
             prompts,
         }
     }
@@ -428,15 +721,12 @@ impl EvalReport {
     /// Reports of disjoint prompt shards (e.g. one per device) as one, prompts in the given
     /// order of shards.
     pub fn merge(block_size: usize, shards: Vec<EvalReport>) -> Self {
-        let (mut g, mut d) = ((0.0, 0usize), (0.0, 0usize));
-        let mut prompts = Vec::new();
-        for r in shards {
-            g.0 += r.greedy_s;
-            g.1 += r.greedy_tokens;
-            d.0 += r.dflash_s;
-            d.1 += r.dflash_tokens;
-            prompts.extend(r.prompts);
-        }
-        Self::from_parts(block_size, prompts, g, d)
+        let warmup = shards.iter().map(|r| r.warmup_prompts).sum();
+        let graphs = !shards.is_empty() && shards.iter().all(|r| r.cuda_graphs);
+        let prompts = shards.into_iter().flat_map(|r| r.prompts).collect();
+        let mut report = Self::from_prompts(block_size, prompts);
+        report.warmup_prompts = warmup;
+        report.cuda_graphs = graphs;
+        report
     }
 }

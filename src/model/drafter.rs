@@ -14,6 +14,7 @@ use super::drafter_config::DrafterConfig;
 use super::layers::{
     attention, attention_with_bias, rms_norm, upload, AttentionWeights, Mlp, Rope,
 };
+use super::slots::{SlotBatch, SlotCache};
 use super::target::{KvCache, TargetModel};
 use super::weights::WeightFiles;
 use crate::fsutil::StagedDir;
@@ -819,6 +820,75 @@ impl Drafter {
             }
             rms_norm(&h, &self.norm, self.config.rms_norm_eps)
         })
+    }
+
+    /// Decoding over a [`SlotCache`] (see [`crate::model::decode`]): writes the context keys and
+    /// values of the target features `features` [c, K*H] of newly accepted tokens to the rows
+    /// and positions of `batch` (c tokens). The context only ever serves as keys, so nothing
+    /// attends here.
+    pub fn append_context_slots(
+        &self,
+        features: &Tensor,
+        batch: &SlotBatch,
+        cache: &mut SlotCache,
+    ) {
+        tch::no_grad(|| {
+            let ctx = self.fuse_context(&features.unsqueeze(0));
+            let (cos, sin) = self.rope.cos_sin(&batch.positions, self.kind);
+            for (idx, layer) in self.layers.iter().enumerate() {
+                let (k, v) = self.context_kv(layer, &ctx, &cos, &sin);
+                cache.write(idx, &k, &v, &batch.rows);
+            }
+        })
+    }
+
+    /// Decoding over a [`SlotCache`]: the blocks `block_ids` [n] (int64 on the device; each
+    /// sequence's block at the positions of `batch`, a uniform batch of one block per
+    /// sequence) attend to their sequence's context rows and to their own block, not causally.
+    /// Their keys and values are written after the context rows, where the next context
+    /// overwrites them. Returns the final-normed hidden states [n, H].
+    pub fn block_slots(
+        &self,
+        head: &FrozenHead,
+        block_ids: &Tensor,
+        batch: &SlotBatch,
+        cache: &mut SlotCache,
+    ) -> Result<Tensor> {
+        tch::no_grad(|| {
+            let c = &self.config;
+            let (heads, kv_heads, d, eps) = (
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.rms_norm_eps,
+            );
+            let n = batch.tokens();
+            let (cos, sin) = self.rope.cos_sin(&batch.positions, self.kind);
+            let mut h = Tensor::embedding(
+                &head.embed_tokens,
+                &block_ids.view([1, n]),
+                -1,
+                false,
+                false,
+            )
+            .to_kind(self.kind);
+            for (idx, layer) in self.layers.iter().enumerate() {
+                let x = rms_norm(&h, &layer.input_norm, eps);
+                let q = Rope::apply(&layer.attn.queries(&x, heads, d, eps), &cos, &sin);
+                let k = Rope::apply(&layer.attn.keys(&x, kv_heads, d, eps), &cos, &sin);
+                let v = layer.attn.values(&x, kv_heads, d);
+                let a = cache.attend(idx, &q, &k, &v, batch, false)?;
+                h = &h + layer.attn.output(&a);
+                h = &h + layer.mlp.forward(&rms_norm(&h, &layer.post_norm, eps));
+            }
+            Ok(rms_norm(&h, &self.norm, eps).squeeze_dim(0))
+        })
+    }
+
+    /// Layers and shape of the drafter's own cache: (layers, kv_heads, head_dim).
+    pub fn cache_shape(&self) -> (usize, i64, i64) {
+        let c = &self.config;
+        (self.layers.len(), c.num_key_value_heads, c.head_dim)
     }
 
     /// Logits through the target's frozen LM head, in float32.

@@ -2,10 +2,12 @@
 //! weights, decoding), and the DFlash drafter.
 
 pub mod config;
+pub mod decode;
 pub mod drafter;
 pub mod drafter_config;
 pub mod generate;
 pub mod layers;
+pub mod slots;
 pub mod target;
 pub mod weights;
 
@@ -13,4 +15,5 @@ pub use config::{Family, TargetConfig};
 pub use drafter::{AnchorBatch, Drafter, FrozenHead};
 pub use drafter_config::{default_target_layer_ids, DrafterConfig, DrafterShape};
 pub use generate::model_eos_ids;
-pub use target::{ForwardRequest, KvCache, SharedTarget, TargetModel, TargetOutput};
+pub use slots::{SeqSpan, SlotAttention, SlotBatch, SlotCache};
+pub use target::{ForwardRequest, KvCache, SharedTarget, SlotLogits, TargetModel, TargetOutput};

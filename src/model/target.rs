@@ -10,6 +10,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::{Family, TargetConfig};
 use super::layers::{attention, rms_norm, AttentionWeights, Mlp, Rope};
+use super::slots::{SlotBatch, SlotCache};
 use super::weights::{RandomWeights, WeightFiles, WeightSource};
 
 struct DecoderLayer {
@@ -383,9 +384,7 @@ impl TargetModel {
             let size = input_ids.size();
             let (batch, seq) = (size[0], size[size.len() - 1]);
             let past = cache.as_ref().map_or(0, |c| c.len);
-            let cfg = &self.config;
-            let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
-            let eps = cfg.rms_norm_eps;
+            let eps = self.config.rms_norm_eps;
             let positions = Tensor::arange_start(past, past + seq, (Kind::Int64, self.device));
             let (cos, sin) = self.rope.cos_sin(&positions, self.kind);
             // Queries sit at positions past..past+seq; key j is visible to query i when
@@ -424,41 +423,26 @@ impl TargetModel {
             };
 
             let ids = input_ids.to_device(self.device).view([batch, seq]);
-            let mut x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
-            let mut taps: Vec<Option<Tensor>> = req.tap_layers.iter().map(|_| None).collect();
-            for (idx, layer) in self.layers.iter().enumerate().take(last_layer) {
-                let h = rms_norm(&x, &layer.input_norm, eps);
-                let q = Rope::apply(&layer.attn.queries(&h, heads, d, eps), &cos, &sin);
-                let k = Rope::apply(&layer.attn.keys(&h, kv_heads, d, eps), &cos, &sin);
-                let v = layer.attn.values(&h, kv_heads, d);
+            let x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
+            let attend = |idx: usize, q: &Tensor, k: Tensor, v: Tensor| {
                 let (k, v) = match cache.as_deref_mut() {
                     Some(c) => c.append(idx, k, v),
                     None => (k, v),
                 };
-                let a = match (&mask, key_mask.is_some() && seq == 1) {
-                    (Some(m), true) => masked_attention(&q, &k, &v, m),
-                    _ => attention(&q, &k, &v, mask.as_ref(), causal),
+                Ok::<_, std::convert::Infallible>(match (&mask, key_mask.is_some() && seq == 1) {
+                    (Some(m), true) => masked_attention(q, &k, &v, m),
+                    _ => attention(q, &k, &v, mask.as_ref(), causal),
+                })
+            };
+            let (x, taps) =
+                match self.decoder_layers(x, (&cos, &sin), last_layer, &req.tap_layers, attend) {
+                    Ok(out) => out,
+                    Err(never) => match never {},
                 };
-                x += layer.attn.output(&a);
-                x += layer.mlp.forward(&rms_norm(&x, &layer.post_norm, eps));
-                for (slot, &tap) in taps.iter_mut().zip(&req.tap_layers) {
-                    if tap == idx {
-                        *slot = Some(x.copy());
-                    }
-                }
-            }
             if let Some(c) = cache {
                 c.len = past + seq;
             }
-            let features = if req.tap_layers.is_empty() {
-                None
-            } else {
-                let taps: Vec<Tensor> = taps
-                    .into_iter()
-                    .map(|t| t.unwrap_or_else(|| x.zeros_like()))
-                    .collect();
-                Some(Tensor::cat(&taps, -1))
-            };
+            let features = concat_taps(taps, &x);
             let (final_hidden, logits) = if req.final_hidden || req.logits {
                 let hidden = rms_norm(&x, &self.norm, eps);
                 let logits = req.logits.then(|| self.logits(&hidden));
@@ -473,6 +457,109 @@ impl TargetModel {
             }
         })
     }
+}
+
+impl TargetModel {
+    /// The decoder layers `0..last_layer` over the embedded inputs `x` [B, L, H] at the
+    /// rotary angles `rope` (cos, signed sin): `attend(layer, q, k, v)` gets the rotated
+    /// queries [B, heads, L, d], keys and values [B, kv_heads, L, d] and returns the attention
+    /// output [B, heads, L, d] (it owns the cache). Returns the last residual stream and the
+    /// outputs of the `taps` layers, in order (`None` where a tap lies past `last_layer`).
+    fn decoder_layers<E>(
+        &self,
+        mut x: Tensor,
+        rope: (&Tensor, &Tensor),
+        last_layer: usize,
+        taps: &[usize],
+        mut attend: impl FnMut(usize, &Tensor, Tensor, Tensor) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<(Tensor, Vec<Option<Tensor>>), E> {
+        let cfg = &self.config;
+        let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let eps = cfg.rms_norm_eps;
+        let (cos, sin) = rope;
+        let mut tapped: Vec<Option<Tensor>> = taps.iter().map(|_| None).collect();
+        for (idx, layer) in self.layers.iter().enumerate().take(last_layer) {
+            let h = rms_norm(&x, &layer.input_norm, eps);
+            let q = Rope::apply(&layer.attn.queries(&h, heads, d, eps), cos, sin);
+            let k = Rope::apply(&layer.attn.keys(&h, kv_heads, d, eps), cos, sin);
+            let v = layer.attn.values(&h, kv_heads, d);
+            let a = attend(idx, &q, k, v)?;
+            x += layer.attn.output(&a);
+            x += layer.mlp.forward(&rms_norm(&x, &layer.post_norm, eps));
+            for (slot, &tap) in tapped.iter_mut().zip(taps) {
+                if tap == idx {
+                    *slot = Some(x.copy());
+                }
+            }
+        }
+        Ok((x, tapped))
+    }
+
+    /// One forward of new tokens `ids` [n] (int64, on the model's device) over a
+    /// [`SlotCache`]: `batch` says which slot and position each token takes; their keys and
+    /// values are written to the cache and each token attends causally to its sequence. Returns
+    /// the float32 logits asked for by `logits` and the tapped features [n, K * H]. Built of
+    /// tensor operations on device tensors only, so that a CUDA graph can capture it.
+    pub fn forward_slots(
+        &self,
+        ids: &Tensor,
+        batch: &SlotBatch,
+        cache: &mut SlotCache,
+        tap_layers: &[usize],
+        logits: SlotLogits,
+    ) -> Result<TargetOutput> {
+        tch::no_grad(|| {
+            let n = batch.tokens();
+            let (cos, sin) = self.rope.cos_sin(&batch.positions, self.kind);
+            let x = Tensor::embedding(&self.embed_tokens, &ids.view([1, n]), -1, false, false);
+            // every layer: the cache must be filled
+            let all = self.layers.len();
+            let (x, taps) =
+                self.decoder_layers(x, (&cos, &sin), all, tap_layers, |idx, q, k, v| {
+                    cache.attend(idx, q, &k, &v, batch, true)
+                })?;
+            let features = concat_taps(taps, &x).map(|f| f.squeeze_dim(0));
+            let x = x.squeeze_dim(0);
+            let logits = match logits {
+                SlotLogits::None => None,
+                SlotLogits::All => {
+                    Some(self.logits(&rms_norm(&x, &self.norm, self.config.rms_norm_eps)))
+                }
+                SlotLogits::Last => {
+                    let last = x.index_select(0, &batch.last);
+                    Some(self.logits(&rms_norm(&last, &self.norm, self.config.rms_norm_eps)))
+                }
+            };
+            Ok(TargetOutput {
+                features,
+                final_hidden: None,
+                logits,
+            })
+        })
+    }
+}
+
+/// Which logits [`TargetModel::forward_slots`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotLogits {
+    /// None (every layer still runs: the cache must be filled).
+    None,
+    /// For every new token: [n, vocab].
+    All,
+    /// For each sequence's last new token: [sequences, vocab].
+    Last,
+}
+
+/// The tapped layers' outputs concatenated on the hidden axis (zeros for a tap never reached).
+fn concat_taps(taps: Vec<Option<Tensor>>, x: &Tensor) -> Option<Tensor> {
+    if taps.is_empty() {
+        return None;
+    }
+    let taps: Vec<Tensor> = taps
+        .into_iter()
+        .map(|t| t.unwrap_or_else(|| x.zeros_like()))
+        .collect();
+    Some(Tensor::cat(&taps, -1))
 }
 
 /// Attention of the queries `q` [B, heads, S, D] over `k`, `v` [B, kv_heads, L, D] under a

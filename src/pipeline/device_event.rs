@@ -16,6 +16,7 @@ type EventCreate = unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int;
 type EventRecord = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 type EventWait = unsafe extern "C" fn(*mut c_void) -> c_int;
 type SetDevice = unsafe extern "C" fn(c_int) -> c_int;
+type EventElapsed = unsafe extern "C" fn(*mut f32, *mut c_void, *mut c_void) -> c_int;
 
 /// cudaEventDisableTiming: an event only marks a point (cheaper to record and wait for).
 const DISABLE_TIMING: u32 = 0x02;
@@ -28,6 +29,7 @@ pub struct DeviceEvents {
     synchronize: EventWait,
     destroy: EventWait,
     set_device: SetDevice,
+    elapsed: EventElapsed,
 }
 
 /// A recorded event: [`DeviceEvent::wait`] returns once the device has run everything queued
@@ -59,6 +61,9 @@ impl DeviceEvents {
             let synchronize = *library.get::<EventWait>(b"cudaEventSynchronize\0").ok()?;
             let destroy = *library.get::<EventWait>(b"cudaEventDestroy\0").ok()?;
             let set_device = *library.get::<SetDevice>(b"cudaSetDevice\0").ok()?;
+            let elapsed = *library
+                .get::<EventElapsed>(b"cudaEventElapsedTime\0")
+                .ok()?;
             // libtorch keeps the runtime loaded for the life of the process; so does this.
             std::mem::forget(library);
             Some(DeviceEvents {
@@ -67,6 +72,7 @@ impl DeviceEvents {
                 synchronize,
                 destroy,
                 set_device,
+                elapsed,
             })
         }
     }
@@ -95,6 +101,70 @@ impl DeviceEvents {
                 return None;
             }
             Some(recorded)
+        }
+    }
+}
+
+/// An event that can be recorded again and again and measures device time between two
+/// recordings (for the decoding steps' time breakdown).
+pub struct TimingEvent {
+    events: DeviceEvents,
+    event: *mut c_void,
+    device: c_int,
+}
+
+impl DeviceEvents {
+    /// A timing event for `device`; `None` for the CPU or when the runtime refuses.
+    pub fn timing(&self, device: Device) -> Option<TimingEvent> {
+        let Device::Cuda(index) = device else {
+            return None;
+        };
+        let mut event = std::ptr::null_mut();
+        // SAFETY: plain CUDA runtime calls; the event is destroyed by TimingEvent's drop.
+        unsafe {
+            if (self.set_device)(index as c_int) != 0 || (self.create)(&mut event, 0) != 0 {
+                return None;
+            }
+        }
+        Some(TimingEvent {
+            events: *self,
+            event,
+            device: index as c_int,
+        })
+    }
+}
+
+impl TimingEvent {
+    /// Records the event now on the device's default stream (the one libtorch queues on).
+    pub fn record(&self) {
+        // SAFETY: a live event of this runtime.
+        unsafe {
+            (self.events.set_device)(self.device);
+            (self.events.record)(self.event, std::ptr::null_mut());
+        }
+    }
+
+    /// Device seconds from this event's last recording to `later`'s (waits for `later`); 0
+    /// where the runtime cannot tell.
+    pub fn seconds_until(&self, later: &TimingEvent) -> f64 {
+        let mut ms = 0f32;
+        // SAFETY: live events of this runtime.
+        unsafe {
+            if (self.events.synchronize)(later.event) != 0
+                || (self.events.elapsed)(&mut ms, self.event, later.event) != 0
+            {
+                return 0.0;
+            }
+        }
+        f64::from(ms) / 1e3
+    }
+}
+
+impl Drop for TimingEvent {
+    fn drop(&mut self) {
+        // SAFETY: created by this runtime, destroyed once.
+        unsafe {
+            (self.events.destroy)(self.event);
         }
     }
 }

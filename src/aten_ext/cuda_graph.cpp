@@ -1,0 +1,142 @@
+// CUDA graphs for the decoding engines (src/model/decode): libtorch's at::cuda::CUDAGraph behind
+// a C interface. A decoding step of a small model is hundreds of tiny kernels whose launch cost
+// (not their arithmetic) sets the step time; a captured graph launches them all at once.
+//
+// Built by build.rs as a shared library against the libtorch headers and the CUDA runtime's
+// headers only: it is NOT linked against libtorch_cuda or libcudart (the build machine need not
+// have them). Its undefined symbols resolve when the program loads it (src/aten_ext/graph.rs)
+// after libtorch_cuda.so was loaded with RTLD_GLOBAL (src/runtime.rs); without CUDA it is never
+// loaded.
+
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <optional>
+
+namespace {
+
+char out_of_memory[] = "out of memory while copying an error message";
+
+char *copy_message(const char *msg) {
+    if (msg == nullptr) {
+        msg = "unknown error";
+    }
+    size_t len = std::strlen(msg);
+    char *out = static_cast<char *>(std::malloc(len + 1));
+    if (out == nullptr) {
+        return out_of_memory;
+    }
+    std::memcpy(out, msg, len + 1);
+    return out;
+}
+
+template <typename Body>
+char *guarded(Body &&body) {
+    try {
+        return body();
+    } catch (const c10::Error &e) {
+        return copy_message(e.what_without_backtrace());
+    } catch (const std::exception &e) {
+        return copy_message(e.what());
+    } catch (...) {
+        return copy_message("unknown C++ exception");
+    }
+}
+
+}  // namespace
+
+// One graph and the side stream it is captured on. Capture needs a stream other than the
+// default one; while the side stream is current, every libtorch operation of this thread on
+// the device queues there.
+struct DflashGraph {
+    c10::DeviceIndex device;
+    at::cuda::CUDAGraph graph;
+    std::optional<c10::cuda::CUDAStreamGuard> side;
+    bool captured = false;
+};
+
+extern "C" {
+
+// A new, empty graph for CUDA device `device`; null with `*err` set on failure.
+DflashGraph *dflash_graph_new(int device, char **err) {
+    DflashGraph *g = nullptr;
+    *err = guarded([&]() -> char * {
+        g = new DflashGraph{static_cast<c10::DeviceIndex>(device)};
+        return nullptr;
+    });
+    return g;
+}
+
+// Makes a stream from libtorch's pool the current stream of this thread on the graph's device
+// (the caller has synchronised the device, so nothing queued before is pending).
+char *dflash_graph_enter_side_stream(DflashGraph *g) {
+    return guarded([&]() -> char * {
+        if (g->side.has_value()) {
+            return copy_message("the side stream is already current");
+        }
+        g->side.emplace(c10::cuda::getStreamFromPool(false, g->device));
+        return nullptr;
+    });
+}
+
+// Back to the stream that was current before (the caller synchronises the device after).
+char *dflash_graph_leave_side_stream(DflashGraph *g) {
+    return guarded([&]() -> char * {
+        g->side.reset();
+        return nullptr;
+    });
+}
+
+// Starts capturing the work this thread queues on the side stream (which must be current).
+// Thread-local capture mode: other threads may use the device meanwhile.
+char *dflash_graph_capture_begin(DflashGraph *g) {
+    return guarded([&]() -> char * {
+        if (!g->side.has_value()) {
+            return copy_message("capture needs the side stream to be current");
+        }
+        if (g->captured) {
+            return copy_message("this graph was already captured");
+        }
+        g->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+        return nullptr;
+    });
+}
+
+// Ends the capture and instantiates the graph.
+char *dflash_graph_capture_end(DflashGraph *g) {
+    return guarded([&]() -> char * {
+        g->graph.capture_end();
+        g->captured = true;
+        return nullptr;
+    });
+}
+
+// Launches the captured work on the current stream.
+char *dflash_graph_replay(DflashGraph *g) {
+    return guarded([&]() -> char * {
+        if (!g->captured) {
+            return copy_message("the graph was not captured");
+        }
+        g->graph.replay();
+        return nullptr;
+    });
+}
+
+void dflash_graph_free(DflashGraph *g) {
+    try {
+        delete g;
+    } catch (...) {
+    }
+}
+
+void dflash_graph_free_error(char *err) {
+    if (err != out_of_memory) {
+        std::free(err);
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,216 @@
+//! CUDA graphs of libtorch work (libtorch's `at::cuda::CUDAGraph`), for the decoding engines: a
+//! decoding step of a small model is hundreds of tiny kernels, and launching them one by one
+//! from the host (a few microseconds each) costs far more than running them. A captured graph
+//! replays them all with one launch.
+//!
+//! The C++ side (`cuda_graph.cpp`) needs libtorch's CUDA library, which the binary does not link
+//! (it loads it at run time where it exists, see [`crate::runtime`]). So build.rs compiles it
+//! into a shared library of its own that the binary embeds; [`GraphLibrary::load`] writes it to
+//! an anonymous in-memory file and loads it once CUDA is loaded, its undefined symbols resolving
+//! against that libtorch_cuda.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use anyhow::{anyhow, bail, Result};
+use tch::Device;
+
+type GraphNew = unsafe extern "C" fn(c_int, *mut *mut c_char) -> *mut c_void;
+type GraphCall = unsafe extern "C" fn(*mut c_void) -> *mut c_char;
+type GraphFree = unsafe extern "C" fn(*mut c_void);
+type ErrorFree = unsafe extern "C" fn(*mut c_char);
+
+/// The loaded graph library's functions.
+#[derive(Clone, Copy)]
+pub struct GraphLibrary {
+    new: GraphNew,
+    enter_side_stream: GraphCall,
+    leave_side_stream: GraphCall,
+    capture_begin: GraphCall,
+    capture_end: GraphCall,
+    replay: GraphCall,
+    free: GraphFree,
+    free_error: ErrorFree,
+}
+
+impl std::fmt::Debug for GraphLibrary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GraphLibrary")
+    }
+}
+
+#[cfg(dflash_cuda_graphs)]
+const LIBRARY: Option<&[u8]> = Some(include_bytes!(concat!(
+    env!("OUT_DIR"),
+    "/libdflash_cuda_graph.so"
+)));
+#[cfg(not(dflash_cuda_graphs))]
+const LIBRARY: Option<&[u8]> = None;
+
+impl GraphLibrary {
+    /// Loads the embedded library. Call only after libtorch_cuda.so was loaded with
+    /// RTLD_GLOBAL (its symbols are resolved now, against that library).
+    pub fn load() -> Result<Self> {
+        let Some(bytes) = LIBRARY else {
+            bail!("this binary was built without the CUDA runtime headers (see build.rs)");
+        };
+        use std::io::Write;
+        use std::os::fd::FromRawFd;
+        // SAFETY: memfd_create with a valid C string; the descriptor is owned by the File.
+        let fd = unsafe { libc::memfd_create(c"dflash_cuda_graph".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            bail!("memfd_create failed: {}", std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nobody else owns.
+        let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+        file.write_all(bytes)
+            .map_err(|e| anyhow!("cannot write the CUDA graph library to memory: {e}"))?;
+        let path = format!("/proc/self/fd/{fd}");
+        // SAFETY: the library's initialisers only set up C++ statics; its functions are the C
+        // interface declared above.
+        unsafe {
+            let lib =
+                libloading::os::unix::Library::open(Some(&path), libc::RTLD_NOW | libc::RTLD_LOCAL)
+                    .map_err(|e| anyhow!("cannot load the CUDA graph library: {e}"))?;
+            let get = |name: &[u8]| -> Result<*mut c_void> {
+                lib.get::<*mut c_void>(name)
+                    .map(|s| *s)
+                    .map_err(|e| anyhow!("the CUDA graph library lacks a symbol: {e}"))
+            };
+            let library = GraphLibrary {
+                new: std::mem::transmute::<*mut c_void, GraphNew>(get(b"dflash_graph_new\0")?),
+                enter_side_stream: std::mem::transmute::<*mut c_void, GraphCall>(get(
+                    b"dflash_graph_enter_side_stream\0",
+                )?),
+                leave_side_stream: std::mem::transmute::<*mut c_void, GraphCall>(get(
+                    b"dflash_graph_leave_side_stream\0",
+                )?),
+                capture_begin: std::mem::transmute::<*mut c_void, GraphCall>(get(
+                    b"dflash_graph_capture_begin\0",
+                )?),
+                capture_end: std::mem::transmute::<*mut c_void, GraphCall>(get(
+                    b"dflash_graph_capture_end\0",
+                )?),
+                replay: std::mem::transmute::<*mut c_void, GraphCall>(get(
+                    b"dflash_graph_replay\0",
+                )?),
+                free: std::mem::transmute::<*mut c_void, GraphFree>(get(b"dflash_graph_free\0")?),
+                free_error: std::mem::transmute::<*mut c_void, ErrorFree>(get(
+                    b"dflash_graph_free_error\0",
+                )?),
+            };
+            // Kept for the life of the process, like libtorch_cuda itself.
+            std::mem::forget(lib);
+            Ok(library)
+        }
+    }
+
+    /// `Ok` for a null result, else the message (freed here).
+    fn check(&self, err: *mut c_char, what: &str) -> Result<()> {
+        if err.is_null() {
+            return Ok(());
+        }
+        // SAFETY: a message the library allocated and nobody freed yet.
+        let msg = unsafe {
+            let msg = CStr::from_ptr(err).to_string_lossy().into_owned();
+            (self.free_error)(err);
+            msg
+        };
+        Err(anyhow!("CUDA graph {what}: {msg}"))
+    }
+}
+
+/// A captured CUDA graph. Tensors made while capturing live in the graph's own memory pool and
+/// are rewritten by every replay; keep them (they are the graph's outputs).
+pub struct CudaGraph {
+    library: GraphLibrary,
+    handle: *mut c_void,
+}
+
+impl CudaGraph {
+    /// Captures the work `body` queues on `device`: the device is synchronised, `body` runs
+    /// `warmup` times eagerly on a side stream (libtorch sets up its per-stream state, such as
+    /// cuBLAS workspaces, before capture), then once more under capture, which queues nothing:
+    /// call [`CudaGraph::replay`] for the results. `body` must only use device tensors made
+    /// before the capture as its inputs (a host value read or a host-to-device copy inside it
+    /// would be frozen into the graph, or fail). Returns the graph and what the captured call
+    /// returned (its output tensors).
+    pub fn capture<T>(
+        library: GraphLibrary,
+        device: Device,
+        warmup: usize,
+        mut body: impl FnMut() -> T,
+    ) -> Result<(CudaGraph, T)> {
+        let Device::Cuda(index) = device else {
+            bail!("CUDA graphs need a CUDA device, not {device:?}");
+        };
+        let mut err = std::ptr::null_mut();
+        // SAFETY: a C call that returns a new graph or sets `err`.
+        let handle = unsafe { (library.new)(index as c_int, &mut err) };
+        library.check(err, "creation")?;
+        if handle.is_null() {
+            bail!("CUDA graph creation returned nothing");
+        }
+        let graph = CudaGraph { library, handle };
+        tch::Cuda::synchronize(index as i64);
+        // SAFETY (all calls below): a live graph handle.
+        library.check(
+            unsafe { (library.enter_side_stream)(handle) },
+            "side stream",
+        )?;
+        let captured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<T> {
+            for _ in 0..warmup {
+                drop(body());
+            }
+            tch::Cuda::synchronize(index as i64);
+            library.check(unsafe { (library.capture_begin)(handle) }, "capture")?;
+            // libtorch reports errors as panics in tch; the capture must end either way.
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut body));
+            let ended = library.check(unsafe { (library.capture_end)(handle) }, "capture");
+            match out {
+                Ok(out) => ended.map(|_| out),
+                Err(payload) => Err(anyhow!(
+                    "CUDA graph capture failed: {}",
+                    panic_message(payload.as_ref())
+                )),
+            }
+        }));
+        let left = library.check(
+            unsafe { (library.leave_side_stream)(handle) },
+            "side stream",
+        );
+        tch::Cuda::synchronize(index as i64);
+        let out = match captured {
+            Ok(r) => r?,
+            Err(payload) => bail!(
+                "warming up for a CUDA graph failed: {}",
+                panic_message(payload.as_ref())
+            ),
+        };
+        left?;
+        Ok((graph, out))
+    }
+
+    /// Launches the captured work on the current (default) stream.
+    pub fn replay(&self) -> Result<()> {
+        // SAFETY: a live, captured graph.
+        self.library
+            .check(unsafe { (self.library.replay)(self.handle) }, "replay")
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: created by this library, freed once.
+        unsafe { (self.library.free)(self.handle) }
+    }
+}
+
+/// The first line of a panic's message.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    let msg = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("unknown error");
+    msg.lines().next().unwrap_or(msg).to_string()
+}

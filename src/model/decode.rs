@@ -1,0 +1,317 @@
+//! Decoding engines over a [`SlotCache`]: the target's steps (one token for greedy decoding, a
+//! block for DFlash's verify) and the drafter's block proposals. Every step of a given size
+//! runs the same kernels on buffers of fixed shape whose values change (token ids, start
+//! positions), so on a GPU it is captured once as a CUDA graph and then replayed: a step of a
+//! small model costs its arithmetic, not hundreds of kernel launches from the host. Without a
+//! graph library (CPU, or a build without CUDA headers) the same code runs eagerly.
+
+use anyhow::{bail, Context, Result};
+use tch::{Kind, Tensor};
+
+use super::drafter::{Drafter, FrozenHead};
+use super::slots::{SlotAttention, SlotBatch, SlotCache};
+use super::target::{SlotLogits, TargetModel};
+use crate::aten_ext::graph::{CudaGraph, GraphLibrary};
+
+/// Eager runs before a capture (libtorch sets up per-stream state such as cuBLAS workspaces).
+const WARMUP_RUNS: usize = 2;
+
+/// Graphs are tried until one fails; then the engine stays eager (and says so once).
+#[derive(Debug)]
+struct GraphPolicy {
+    library: Option<GraphLibrary>,
+    what: &'static str,
+}
+
+impl GraphPolicy {
+    fn capture<T>(
+        &mut self,
+        device: tch::Device,
+        body: impl FnMut() -> T,
+    ) -> Option<(CudaGraph, T)> {
+        let library = self.library?;
+        match CudaGraph::capture(library, device, WARMUP_RUNS, body) {
+            Ok(done) => Some(done),
+            Err(e) => {
+                log::warn!(
+                    "{}: CUDA graph capture failed, decoding eagerly: {e:#}",
+                    self.what
+                );
+                self.library = None;
+                None
+            }
+        }
+    }
+}
+
+/// One captured target step of a fixed number of tokens: its input buffers and outputs.
+struct TargetStep {
+    tokens: i64,
+    // Outputs before the graph: they live in its memory pool.
+    logits: Tensor,
+    features: Option<Tensor>,
+    ids: Tensor,
+    start: Tensor,
+    graph: CudaGraph,
+}
+
+/// The target's side of decoding one sequence (slot 0 of a one-slot cache).
+pub struct TargetDecoder<'a> {
+    target: &'a TargetModel,
+    cache: SlotCache,
+    taps: Vec<usize>,
+    graphs: GraphPolicy,
+    steps: Vec<TargetStep>,
+}
+
+impl<'a> TargetDecoder<'a> {
+    /// An engine for sequences of up to `capacity` positions that returns the features of the
+    /// `taps` layers with every step (none when empty) and captures CUDA graphs with `graphs`.
+    pub fn new(
+        target: &'a TargetModel,
+        capacity: i64,
+        taps: &[usize],
+        graphs: Option<GraphLibrary>,
+    ) -> Result<Self> {
+        let c = &target.config;
+        let attention = SlotAttention::for_model(
+            target.device,
+            target.kind,
+            c.num_attention_heads,
+            c.kv_heads(),
+            c.head_dim(),
+        );
+        let cache = SlotCache::new(
+            target.num_layers(),
+            1,
+            capacity,
+            c.kv_heads(),
+            c.head_dim(),
+            target.kind,
+            target.device,
+            attention,
+        )
+        .context("allocating the target's key/value cache")?;
+        Ok(TargetDecoder {
+            target,
+            cache,
+            taps: taps.to_vec(),
+            graphs: GraphPolicy {
+                library: graphs.filter(|_| target.device.is_cuda()),
+                what: "target",
+            },
+            steps: Vec::new(),
+        })
+    }
+
+    pub fn capacity(&self) -> i64 {
+        self.cache.capacity
+    }
+
+    /// Whether steps run as CUDA graphs (so far).
+    pub fn uses_graphs(&self) -> bool {
+        self.graphs.library.is_some()
+    }
+
+    /// The prompt from position 0 (eagerly): the float32 logits of its last token [1, vocab]
+    /// and the features of all its tokens [len, K * H].
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<(Tensor, Option<Tensor>)> {
+        let len = prompt.len() as i64;
+        if len == 0 || len > self.cache.capacity {
+            bail!(
+                "a prompt of {len} tokens does not fit a cache of {} positions",
+                self.cache.capacity
+            );
+        }
+        let dev = self.target.device;
+        let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
+        let ids = Tensor::from_slice(&ids).to_device(dev);
+        let start = Tensor::zeros([1], (Kind::Int64, dev));
+        let batch = SlotBatch::uniform(&self.cache, &start, len);
+        let out = self.target.forward_slots(
+            &ids,
+            &batch,
+            &mut self.cache,
+            &self.taps,
+            SlotLogits::Last,
+        )?;
+        Ok((out.logits.context("no logits")?, out.features))
+    }
+
+    /// `ids` [q] (int64, on the target's device) at positions `start .. start + q`, seeing the
+    /// cache's rows before `start` (earlier rows past it are forgotten: that is the roll-back).
+    /// Returns the float32 logits [q, vocab] and the features [q, K * H]. On a GPU the step
+    /// runs as a CUDA graph captured on the first step of this size: the returned tensors are
+    /// that graph's outputs and hold their values until the next step of the same size.
+    pub fn step(&mut self, ids: &Tensor, start: i64) -> Result<(Tensor, Option<Tensor>)> {
+        let q = ids.size()[0];
+        if start < 0 || start + q > self.cache.capacity {
+            bail!(
+                "{q} tokens from position {start} do not fit a cache of {} positions",
+                self.cache.capacity
+            );
+        }
+        if let Some(step) = self.steps.iter().find(|s| s.tokens == q) {
+            step.ids.shallow_clone().copy_(ids);
+            let _ = step.start.shallow_clone().fill_(start);
+            step.graph.replay()?;
+            return Ok((
+                step.logits.shallow_clone(),
+                step.features.as_ref().map(Tensor::shallow_clone),
+            ));
+        }
+        let dev = self.target.device;
+        let ids_buf = ids.to_device(dev).to_kind(Kind::Int64).copy();
+        let start_buf = Tensor::full([1], start, (Kind::Int64, dev));
+        let (target, taps) = (self.target, &self.taps);
+        let cache = &mut self.cache;
+        let mut body = || {
+            let batch = SlotBatch::uniform(cache, &start_buf, q);
+            target.forward_slots(&ids_buf, &batch, cache, taps, SlotLogits::All)
+        };
+        let Some((graph, out)) = self.graphs.capture(dev, &mut body) else {
+            let out = body()?;
+            return Ok((out.logits.context("no logits")?, out.features));
+        };
+        let out = out?;
+        graph.replay()?;
+        let step = TargetStep {
+            tokens: q,
+            logits: out.logits.context("no logits")?,
+            features: out.features,
+            ids: ids_buf,
+            start: start_buf,
+            graph,
+        };
+        let result = (
+            step.logits.shallow_clone(),
+            step.features.as_ref().map(Tensor::shallow_clone),
+        );
+        self.steps.push(step);
+        Ok(result)
+    }
+}
+
+/// The drafter's input buffers of one block proposal.
+struct DraftInputs {
+    /// [block, K * H] features of the newly accepted tokens (the first `c` rows are used).
+    context: Tensor,
+    /// [1] position of the first of them.
+    context_start: Tensor,
+    /// [block] the block's ids: x, then mask tokens.
+    block_ids: Tensor,
+    /// [1] the block's first position.
+    block_start: Tensor,
+}
+
+/// The drafter's side of decoding one sequence: its context (the fused target features of
+/// every accepted token) in a one-slot cache, and block proposals.
+pub struct DrafterDecoder<'a> {
+    drafter: &'a Drafter,
+    head: &'a FrozenHead,
+    cache: SlotCache,
+    block: i64,
+    inputs: DraftInputs,
+    graphs: GraphPolicy,
+    /// The captured proposal: its output [block] and graph (output first: it lives in the
+    /// graph's pool).
+    captured: Option<(Tensor, CudaGraph)>,
+}
+
+impl<'a> DrafterDecoder<'a> {
+    /// An engine for sequences of up to `capacity` positions (room for the last block
+    /// included).
+    pub fn new(
+        drafter: &'a Drafter,
+        head: &'a FrozenHead,
+        capacity: i64,
+        graphs: Option<GraphLibrary>,
+    ) -> Result<Self> {
+        let c = &drafter.config;
+        let (layers, kv_heads, d) = drafter.cache_shape();
+        let (dev, kind) = (drafter.device, drafter.kind);
+        let attention = SlotAttention::for_model(dev, kind, c.num_attention_heads, kv_heads, d);
+        let cache = SlotCache::new(layers, 1, capacity, kv_heads, d, kind, dev, attention)
+            .context("allocating the drafter's key/value cache")?;
+        let block = c.block_size;
+        let features = head.embed_tokens.size()[1] * c.num_taps() as i64;
+        let inputs = DraftInputs {
+            context: Tensor::zeros([block, features], (kind, dev)),
+            context_start: Tensor::zeros([1], (Kind::Int64, dev)),
+            block_ids: Tensor::full([block], c.mask_token_id(), (Kind::Int64, dev)),
+            block_start: Tensor::zeros([1], (Kind::Int64, dev)),
+        };
+        Ok(DrafterDecoder {
+            drafter,
+            head,
+            cache,
+            block,
+            inputs,
+            graphs: GraphPolicy {
+                library: graphs.filter(|_| dev.is_cuda()),
+                what: "drafter",
+            },
+            captured: None,
+        })
+    }
+
+    /// Proposes the block `[x, d_1 .. d_{B-1}]` for positions `pos .. pos + B` (int64 [B] on
+    /// the drafter's device; on a GPU the captured graph's output, valid until the next call).
+    /// `new_context` [c, K * H] holds the target features of the tokens accepted since the
+    /// previous call (on the first call: the whole prompt), i.e. of positions `pos - c .. pos`;
+    /// `x` [1] is the token at `pos`, on the device.
+    pub fn propose(&mut self, new_context: &Tensor, x: &Tensor, pos: i64) -> Result<Tensor> {
+        let c = new_context.size()[0];
+        if pos - c < 0 || pos + self.block > self.cache.capacity {
+            bail!(
+                "a block at position {pos} after {c} new context tokens does not fit a cache of {} positions",
+                self.cache.capacity
+            );
+        }
+        let dev = self.drafter.device;
+        let inputs = &self.inputs;
+        if c > self.block {
+            // The prompt: written eagerly; the step's own context rows are then empty (they sit
+            // where the block's rows go).
+            let start = Tensor::full([1], pos - c, (Kind::Int64, dev));
+            let batch = SlotBatch::uniform(&self.cache, &start, c);
+            self.drafter
+                .append_context_slots(new_context, &batch, &mut self.cache);
+            let _ = inputs.context_start.shallow_clone().fill_(pos);
+        } else {
+            if c > 0 {
+                inputs.context.narrow(0, 0, c).copy_(new_context);
+            }
+            let _ = inputs.context_start.shallow_clone().fill_(pos - c);
+        }
+        inputs.block_ids.narrow(0, 0, 1).copy_(&x.view([1]));
+        let _ = inputs.block_start.shallow_clone().fill_(pos);
+        if let Some((out, graph)) = &self.captured {
+            graph.replay()?;
+            return Ok(out.shallow_clone());
+        }
+        let (drafter, head, block) = (self.drafter, self.head, self.block);
+        let cache = &mut self.cache;
+        let mut body = || -> Result<Tensor> {
+            // Context rows first: the ones past the c new tokens are then overwritten by the
+            // block's (which start at pos = context start + c).
+            let ctx = SlotBatch::uniform(cache, &inputs.context_start, block);
+            drafter.append_context_slots(&inputs.context, &ctx, cache);
+            let blk = SlotBatch::uniform(cache, &inputs.block_start, block);
+            let hidden = drafter.block_slots(head, &inputs.block_ids, &blk, cache)?;
+            let ids = drafter.logits(head, &hidden).argmax(-1, false);
+            ids.narrow(0, 0, 1).copy_(&inputs.block_ids.narrow(0, 0, 1));
+            Ok(ids)
+        };
+        match self.graphs.capture(dev, &mut body) {
+            Some((graph, out)) => {
+                let out = out?;
+                graph.replay()?;
+                let result = out.shallow_clone();
+                self.captured = Some((out, graph));
+                Ok(result)
+            }
+            None => body(),
+        }
+    }
+}

@@ -1,0 +1,349 @@
+//! A key/value cache of fixed shape for decoding: `slots` sequences of at most `capacity`
+//! positions each, per layer one key and one value tensor [slots * capacity, kv_heads,
+//! head_dim] allocated once (the layout the flash kernel's variable-length mode reads). New
+//! tokens are written to their rows with `index_copy_`; rolling back is forgetting rows (the
+//! caller's length), which the next step overwrites. Because no shape depends on a sequence's
+//! length, a decoding step is the same kernels every time and can be captured as a CUDA graph
+//! (see [`crate::model::decode`]).
+//!
+//! Which tokens a forward adds, and what they see, is a [`SlotBatch`].
+
+use anyhow::{bail, Result};
+use tch::{Device, Kind, Tensor};
+
+use crate::aten_ext::{flash_varlen, VarlenLengths};
+
+/// How attention over the cache is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotAttention {
+    /// The flash kernel's variable-length mode: reads only each sequence's own rows (bf16 or
+    /// f16 on a GPU, head size a multiple of 8 up to 256).
+    Flash,
+    /// `scaled_dot_product_attention` over every row of a slot with a mask (any device and
+    /// dtype; cost grows with the capacity, not the length).
+    Dense,
+}
+
+impl SlotAttention {
+    /// Flash where the kernel takes the shapes, else dense.
+    pub fn for_model(device: Device, kind: Kind, heads: i64, kv_heads: i64, d: i64) -> Self {
+        let half = matches!(kind, Kind::BFloat16 | Kind::Half);
+        let heads_ok = kv_heads > 0 && heads % kv_heads == 0;
+        if device.is_cuda() && half && d % 8 == 0 && d <= 256 && heads_ok {
+            SlotAttention::Flash
+        } else {
+            SlotAttention::Dense
+        }
+    }
+}
+
+/// The cache.
+#[derive(Debug)]
+pub struct SlotCache {
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    pub slots: i64,
+    pub capacity: i64,
+    pub kv_heads: i64,
+    pub head_dim: i64,
+    pub attention: SlotAttention,
+    pub device: Device,
+}
+
+impl SlotCache {
+    /// A zeroed cache for `layers` layers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        layers: usize,
+        slots: i64,
+        capacity: i64,
+        kv_heads: i64,
+        head_dim: i64,
+        kind: Kind,
+        device: Device,
+        attention: SlotAttention,
+    ) -> Result<Self> {
+        if slots < 1 || capacity < 1 {
+            bail!("a cache needs at least one slot and one position ({slots} x {capacity})");
+        }
+        let rows = slots * capacity;
+        let zeros = || Tensor::f_zeros([rows, kv_heads, head_dim], (kind, device));
+        let mut keys = Vec::with_capacity(layers);
+        let mut values = Vec::with_capacity(layers);
+        for _ in 0..layers {
+            keys.push(zeros()?);
+            values.push(zeros()?);
+        }
+        Ok(SlotCache {
+            keys,
+            values,
+            slots,
+            capacity,
+            kv_heads,
+            head_dim,
+            attention,
+            device,
+        })
+    }
+
+    /// Bytes a cache of this shape takes.
+    pub fn bytes(
+        layers: usize,
+        slots: i64,
+        capacity: i64,
+        kv_heads: i64,
+        d: i64,
+        kind: Kind,
+    ) -> i64 {
+        2 * layers as i64 * slots * capacity * kv_heads * d * kind.elt_size_in_bytes() as i64
+    }
+
+    /// Writes the new keys and values `k`, `v` [1, kv_heads, n, d] of `layer` to the batch's
+    /// rows and returns the attention output [1, heads, n, d] of the queries `q`
+    /// [1, heads, n, d] over the cache (`causal`: bottom-right aligned, new tokens see the
+    /// cache and the new tokens before them; else every used row of their sequence).
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        batch: &SlotBatch,
+        causal: bool,
+    ) -> Result<Tensor> {
+        self.write(layer, k, v, &batch.rows);
+        let (keys, values) = (&self.keys[layer], &self.values[layer]);
+        match (self.attention, &batch.geometry) {
+            (SlotAttention::Flash, _) => {
+                // [1, heads, n, d] -> [n, heads, d] (a strided view: the kernel needs only the
+                // last dimension dense)
+                let rows_q = q.squeeze_dim(0).transpose(0, 1);
+                let lengths = VarlenLengths {
+                    cu_q: &batch.cu_q,
+                    cu_k: &batch.cu_k,
+                    seqused_k: &batch.seq_used,
+                    max_q: batch.max_q,
+                    max_k: self.capacity,
+                };
+                let out = flash_varlen(&rows_q, keys, values, &lengths, causal)?;
+                Ok(out.transpose(0, 1).unsqueeze(0))
+            }
+            (SlotAttention::Dense, Geometry::Uniform { batch: b, per_seq }) => {
+                Ok(self.dense_uniform(keys, values, q, batch, *b, *per_seq, causal))
+            }
+            (SlotAttention::Dense, Geometry::Packed(seqs)) => {
+                Ok(self.dense_packed(keys, values, q, seqs, causal))
+            }
+        }
+    }
+
+    /// Writes keys and values [1, kv_heads, n, d] to the rows `rows` [n] (no attention): the
+    /// drafter's context, which only ever serves as keys.
+    pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor, rows: &Tensor) {
+        let as_rows = |t: &Tensor| t.squeeze_dim(0).transpose(0, 1);
+        let _ = self.keys[layer].index_copy_(0, rows, &as_rows(k));
+        let _ = self.values[layer].index_copy_(0, rows, &as_rows(v));
+    }
+
+    /// A slot's rows as [batch, kv_heads, capacity, d] for the first `batch` slots.
+    fn slot_view(&self, t: &Tensor, batch: i64) -> Tensor {
+        t.view([self.slots, self.capacity, self.kv_heads, self.head_dim])
+            .narrow(0, 0, batch)
+            .permute([0, 2, 1, 3])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn dense_uniform(
+        &self,
+        keys: &Tensor,
+        values: &Tensor,
+        q: &Tensor,
+        batch: &SlotBatch,
+        b: i64,
+        per_seq: i64,
+        causal: bool,
+    ) -> Tensor {
+        let heads = q.size()[1];
+        let d = self.head_dim;
+        // [1, heads, b*q, d] -> [b, heads, q, d]
+        let qq = q.reshape([heads, b, per_seq, d]).permute([1, 0, 2, 3]);
+        let k_pos = Tensor::arange(self.capacity, (Kind::Int64, self.device)).view([1, 1, -1]);
+        let start = batch.start.view([b, 1, 1]);
+        let visible = if causal {
+            let q_pos =
+                &start + Tensor::arange(per_seq, (Kind::Int64, self.device)).view([1, -1, 1]);
+            k_pos.le_tensor(&q_pos)
+        } else {
+            k_pos.lt_tensor(&(start + per_seq))
+        };
+        let mask = visible.unsqueeze(1); // [b, 1, q or 1, capacity]
+        let out = Tensor::scaled_dot_product_attention(
+            &qq,
+            &self.slot_view(keys, b),
+            &self.slot_view(values, b),
+            Some(&mask),
+            0.0,
+            false,
+            None,
+            heads != self.kv_heads,
+        ); // [b, heads, q, d]
+        out.permute([1, 0, 2, 3])
+            .reshape([1, heads, b * per_seq, d])
+    }
+
+    fn dense_packed(
+        &self,
+        keys: &Tensor,
+        values: &Tensor,
+        q: &Tensor,
+        seqs: &[SeqSpan],
+        causal: bool,
+    ) -> Tensor {
+        let heads = q.size()[1];
+        let mut outs = Vec::with_capacity(seqs.len());
+        let mut offset = 0;
+        for s in seqs {
+            let used = s.start + s.len;
+            let first = s.slot * self.capacity;
+            let kv = |t: &Tensor| t.narrow(0, first, used).permute([1, 0, 2]).unsqueeze(0);
+            let qs = q.narrow(2, offset, s.len);
+            let mask = causal.then(|| {
+                let k_pos = Tensor::arange(used, (Kind::Int64, self.device)).view([1, -1]);
+                let q_pos =
+                    Tensor::arange_start(s.start, used, (Kind::Int64, self.device)).view([-1, 1]);
+                k_pos.le_tensor(&q_pos)
+            });
+            outs.push(Tensor::scaled_dot_product_attention(
+                &qs,
+                &kv(keys),
+                &kv(values),
+                mask.as_ref(),
+                0.0,
+                false,
+                None,
+                heads != self.kv_heads,
+            ));
+            offset += s.len;
+        }
+        Tensor::cat(&outs, 2)
+    }
+}
+
+/// One sequence of a packed batch: `len` new tokens written to slot `slot` from position
+/// `start` on (its rows before `start` hold its earlier tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqSpan {
+    pub slot: i64,
+    pub start: i64,
+    pub len: i64,
+}
+
+#[derive(Debug)]
+enum Geometry {
+    /// Slots 0..batch, each with `per_seq` new tokens (decoding steps).
+    Uniform { batch: i64, per_seq: i64 },
+    /// Any slots, any numbers of new tokens (prefills), known on the host.
+    Packed(Vec<SeqSpan>),
+}
+
+/// Which tokens a forward adds to a [`SlotCache`], all as device tensors.
+#[derive(Debug)]
+pub struct SlotBatch {
+    /// [n] rotary positions of the new tokens (their position in their sequence).
+    pub positions: Tensor,
+    /// [n] flat cache rows of the new tokens.
+    pub rows: Tensor,
+    /// [sequences] position of each sequence's first new token.
+    pub start: Tensor,
+    /// [sequences + 1] int32: query offsets.
+    pub cu_q: Tensor,
+    /// [sequences + 1] int32: the first cache row of each sequence's slot.
+    pub cu_k: Tensor,
+    /// [sequences] int32: keys of each sequence after this forward.
+    pub seq_used: Tensor,
+    /// [sequences] indices (into the n new tokens) of each sequence's last new token.
+    pub last: Tensor,
+    pub max_q: i64,
+    geometry: Geometry,
+}
+
+impl SlotBatch {
+    /// Slots 0..b with `per_seq` new tokens each, the first at position `start[s]` (int64 [b]
+    /// on the cache's device). Made of tensor operations only: under a CUDA graph capture,
+    /// replays follow new values written into `start`.
+    pub fn uniform(cache: &SlotCache, start: &Tensor, per_seq: i64) -> Self {
+        let dev = cache.device;
+        let b = start.size()[0];
+        let offsets = Tensor::arange(per_seq, (Kind::Int64, dev));
+        let positions = (start.unsqueeze(1) + &offsets).view([-1]);
+        let slot_base = Tensor::arange(b, (Kind::Int64, dev)) * cache.capacity;
+        let rows = (slot_base.unsqueeze(1) + start.unsqueeze(1) + &offsets).view([-1]);
+        let seq_index = Tensor::arange(b + 1, (Kind::Int64, dev));
+        SlotBatch {
+            positions,
+            rows,
+            start: start.shallow_clone(),
+            cu_q: (&seq_index * per_seq).to_kind(Kind::Int),
+            cu_k: (&seq_index * cache.capacity).to_kind(Kind::Int),
+            seq_used: (start + per_seq).to_kind(Kind::Int),
+            last: Tensor::arange(b, (Kind::Int64, dev)) * per_seq + (per_seq - 1),
+            max_q: per_seq,
+            geometry: Geometry::Uniform { batch: b, per_seq },
+        }
+    }
+
+    /// Sequences in any slots with any numbers of new tokens, known on the host (prefills;
+    /// never captured). Fails where a sequence would not fit its slot.
+    pub fn packed(cache: &SlotCache, seqs: &[SeqSpan]) -> Result<Self> {
+        if seqs.is_empty() {
+            bail!("a packed batch needs at least one sequence");
+        }
+        let (mut positions, mut rows, mut cu_q, mut cu_k, mut used, mut last, mut start) =
+            (vec![], vec![], vec![0i32], vec![], vec![], vec![], vec![]);
+        let mut n = 0i64;
+        for s in seqs {
+            if s.len < 1 || s.start < 0 || s.start + s.len > cache.capacity || s.slot >= cache.slots
+            {
+                bail!(
+                    "{} new tokens from position {} do not fit slot {} of a cache of {} x {}",
+                    s.len,
+                    s.start,
+                    s.slot,
+                    cache.slots,
+                    cache.capacity
+                );
+            }
+            for i in 0..s.len {
+                positions.push(s.start + i);
+                rows.push(s.slot * cache.capacity + s.start + i);
+            }
+            n += s.len;
+            cu_q.push(n as i32);
+            cu_k.push((s.slot * cache.capacity) as i32);
+            used.push((s.start + s.len) as i32);
+            last.push(n - 1);
+            start.push(s.start);
+        }
+        // The kernel reads cu_k[b] as sequence b's first row; the last entry is unused.
+        cu_k.push((cache.slots * cache.capacity) as i32);
+        let dev = cache.device;
+        let up = |v: &[i64]| Tensor::from_slice(v).to_device(dev);
+        let up32 = |v: &[i32]| Tensor::from_slice(v).to_device(dev);
+        Ok(SlotBatch {
+            positions: up(&positions),
+            rows: up(&rows),
+            start: up(&start),
+            cu_q: up32(&cu_q),
+            cu_k: up32(&cu_k),
+            seq_used: up32(&used),
+            last: up(&last),
+            max_q: seqs.iter().map(|s| s.len).max().unwrap_or(1),
+            geometry: Geometry::Packed(seqs.to_vec()),
+        })
+    }
+
+    /// Number of new tokens.
+    pub fn tokens(&self) -> i64 {
+        self.positions.size()[0]
+    }
+}
