@@ -8,7 +8,8 @@ use std::collections::BTreeSet;
 use common::tiny_target_dir;
 use dflash_tui::model::drafter::{context_bucket, tensor_names, TrainAttention};
 use dflash_tui::model::{
-    AnchorBatch, Drafter, DrafterConfig, DrafterShape, FrozenHead, KvCache, TargetModel,
+    AnchorBatch, Drafter, DrafterConfig, DrafterShape, FrozenHead, SlotAttention, SlotBatch,
+    SlotCache, TargetModel,
 };
 use dflash_tui::train::loss::{
     block_targets, loss_and_backward, loss_and_backward_deferred, sample_anchors, BlockTargets,
@@ -219,43 +220,50 @@ fn inference_forward_matches_the_training_forward() {
     let train = run(&f, &toks, &feats, f.drafter.train_attention());
     let dense = run(&f, &toks, &feats, TrainAttention::Dense);
     assert!(max_diff(&train, &dense) < 1e-5);
+    // The decoding path (a decoding copy with fused projections, over a slot cache) gives the
+    // training forward's logits for each anchor's block.
+    let copy = f.drafter.decode_copy().unwrap();
+    let (layers, kv, d) = copy.cache_shape();
+    let capacity = S + BLOCK + 1;
     for (j, &a) in ANCHORS.iter().enumerate() {
-        let mut cache = KvCache::new();
+        let mut cache = SlotCache::new(
+            layers,
+            1,
+            capacity,
+            kv,
+            d,
+            Kind::Float,
+            Device::Cpu,
+            SlotAttention::Dense,
+        )
+        .unwrap()
+        .with_rope(copy.rope_table(capacity));
+        let at = |p: i64| Tensor::from_slice(&[p]);
         // context features in two pieces, as accepted tokens arrive during decoding
         let first = a / 2;
-        let ids = |x: i64| {
-            let mut b = vec![MASK; BLOCK as usize];
-            b[0] = x;
-            Tensor::from_slice(&b).unsqueeze(0)
-        };
-        if first > 0 {
-            let _ = f.drafter.forward_block(
-                &f.head,
-                Some(&feats.narrow(1, 0, first)),
-                &mut cache,
-                &ids(toks[first as usize]),
-                first,
-            );
+        for (from, len) in [(0, first), (first, a - first)] {
+            if len > 0 {
+                let batch = SlotBatch::uniform(&cache, &at(from), len);
+                copy.append_context_slots(
+                    &feats.narrow(1, from, len).squeeze_dim(0),
+                    &batch,
+                    &mut cache,
+                );
+            }
         }
-        let hidden = f.drafter.forward_block(
-            &f.head,
-            Some(&feats.narrow(1, first, a - first)),
-            &mut cache,
-            &ids(toks[a as usize]),
-            a,
-        );
-        assert_eq!(cache.len(), a);
-        let logits = f.drafter.logits(&f.head, &hidden).squeeze_dim(0);
+        let mut ids = vec![MASK; BLOCK as usize];
+        ids[0] = toks[a as usize];
+        let ids = Tensor::from_slice(&ids);
+        let batch = SlotBatch::uniform(&cache, &at(a), BLOCK);
+        let hidden = copy.block_slots(&f.head, &ids, &batch, &mut cache).unwrap();
+        let logits = copy.logits(&f.head, &hidden);
         let d = max_diff(&logits, &block(&train, j as i64));
         assert!(
             d < 1e-4,
             "block {j}: inference differs from training by {d}"
         );
-        // roll back and run again without new features: same result
-        cache.truncate(a);
-        let again = f
-            .drafter
-            .forward_block(&f.head, None, &mut cache, &ids(toks[a as usize]), a);
+        // the block's rows sit where the next context goes: running it again gives the same
+        let again = copy.block_slots(&f.head, &ids, &batch, &mut cache).unwrap();
         assert!(max_diff(&again, &hidden) < 1e-6);
     }
     // features of the target feed the drafter directly

@@ -87,6 +87,59 @@ fn kv_cache_decoding_equals_the_full_forward() {
 }
 
 #[test]
+fn slot_cache_decoding_equals_the_full_forward() {
+    // The decoding engine's path (a slot cache of fixed shape, the rotary table, blocks of
+    // several tokens verified at once and rolled back by position) gives the full forward's
+    // logits and tapped features for every family.
+    use dflash_tui::model::decode::TargetDecoder;
+    let seq: Vec<i64> = (0..40).map(|i| (i * 7 + 3) % 50).collect();
+    let taps = [0usize, 2];
+    let req = ForwardRequest {
+        tap_layers: taps.to_vec(),
+        logits: true,
+        ..Default::default()
+    };
+    for (family, scaling) in families() {
+        let (_t, m) = load(family, scaling, 4);
+        let full = m.run(&ids(&seq), None, &req);
+        let (logits, feats) = (
+            full.logits.unwrap().squeeze_dim(0),
+            full.features.unwrap().squeeze_dim(0),
+        );
+        let mut engine = TargetDecoder::new(&m, 48, &taps, None).unwrap();
+        let prompt: Vec<u32> = seq[..10].iter().map(|&t| t as u32).collect();
+        let (last, pre_feats) = engine.prefill(&prompt).unwrap();
+        let mut worst = max_diff(&last, &logits.narrow(0, 9, 1));
+        worst = worst.max(max_diff(&pre_feats.unwrap(), &feats.narrow(0, 0, 10)));
+        // blocks of 4 from position 10, each accepting 2 (the next block starts 2 later and
+        // overwrites the rest), then single tokens
+        let mut pos = 10i64;
+        while pos + 4 <= 30 {
+            let (l, f) = engine
+                .step(
+                    &Tensor::from_slice(&seq[pos as usize..pos as usize + 4]),
+                    pos,
+                )
+                .unwrap();
+            worst = worst.max(max_diff(&l, &logits.narrow(0, pos, 4)));
+            worst = worst.max(max_diff(&f.unwrap(), &feats.narrow(0, pos, 4)));
+            pos += 2;
+        }
+        while pos < 40 {
+            let (l, _) = engine
+                .step(
+                    &Tensor::from_slice(&seq[pos as usize..pos as usize + 1]),
+                    pos,
+                )
+                .unwrap();
+            worst = worst.max(max_diff(&l, &logits.narrow(0, pos, 1)));
+            pos += 1;
+        }
+        assert!(worst < CACHE_TOLERANCE, "{family}: max abs diff {worst}");
+    }
+}
+
+#[test]
 fn tapped_features_are_layer_outputs_and_skip_the_rest() {
     for (family, scaling) in families() {
         let (_t, m) = load(family, scaling, 5);

@@ -145,7 +145,8 @@ impl<'a> ContinuousGenerator<'a> {
                 "the key/value cache of {} slots x {capacity} positions ({gib:.1} GiB) cannot be allocated: a smaller --batch-size or --max-len needs less",
                 limits.slots
             )
-        })?;
+        })?
+        .with_rope(model.rope_table(capacity));
         Ok(ContinuousGenerator {
             model,
             cache,

@@ -91,7 +91,8 @@ impl<'a> TargetDecoder<'a> {
             target.device,
             attention,
         )
-        .context("allocating the target's key/value cache")?;
+        .context("allocating the target's key/value cache")?
+        .with_rope(target.rope_table(capacity));
         Ok(TargetDecoder {
             target,
             cache,
@@ -207,7 +208,8 @@ struct DraftInputs {
 /// The drafter's side of decoding one sequence: its context (the fused target features of
 /// every accepted token) in a one-slot cache, and block proposals.
 pub struct DrafterDecoder<'a> {
-    drafter: &'a Drafter,
+    /// A decoding copy (fused projections) of the drafter.
+    drafter: Drafter,
     head: &'a FrozenHead,
     cache: SlotCache,
     block: i64,
@@ -227,12 +229,14 @@ impl<'a> DrafterDecoder<'a> {
         capacity: i64,
         graphs: Option<GraphLibrary>,
     ) -> Result<Self> {
+        let drafter = drafter.decode_copy()?;
         let c = &drafter.config;
         let (layers, kv_heads, d) = drafter.cache_shape();
         let (dev, kind) = (drafter.device, drafter.kind);
         let attention = SlotAttention::for_model(dev, kind, c.num_attention_heads, kv_heads, d);
         let cache = SlotCache::new(layers, 1, capacity, kv_heads, d, kind, dev, attention)
-            .context("allocating the drafter's key/value cache")?;
+            .context("allocating the drafter's key/value cache")?
+            .with_rope(drafter.rope_table(capacity));
         let block = c.block_size;
         let features = head.embed_tokens.size()[1] * c.num_taps() as i64;
         let inputs = DraftInputs {
@@ -290,7 +294,7 @@ impl<'a> DrafterDecoder<'a> {
             graph.replay()?;
             return Ok(out.shallow_clone());
         }
-        let (drafter, head, block) = (self.drafter, self.head, self.block);
+        let (drafter, head, block) = (&self.drafter, self.head, self.block);
         let cache = &mut self.cache;
         let mut body = || -> Result<Tensor> {
             // Context rows first: the ones past the c new tokens are then overwritten by the

@@ -12,10 +12,10 @@ use tch::{Device, Kind, Tensor};
 
 use super::drafter_config::DrafterConfig;
 use super::layers::{
-    attention, attention_with_bias, rms_norm, upload, AttentionWeights, Mlp, Rope,
+    attention, attention_with_bias, rms_norm, upload, AttentionWeights, Mlp, Rope, RopeTable,
 };
 use super::slots::{SlotBatch, SlotCache};
-use super::target::{KvCache, TargetModel};
+use super::target::TargetModel;
 use super::weights::WeightFiles;
 use crate::fsutil::StagedDir;
 
@@ -321,11 +321,13 @@ impl Drafter {
                     v_bias: None,
                     q_norm: Some(take(p("self_attn.q_norm.weight"))?),
                     k_norm: Some(take(p("self_attn.k_norm.weight"))?),
+                    fused: None,
                 },
                 mlp: Mlp {
                     gate_proj: take(p("mlp.gate_proj.weight"))?,
                     up_proj: take(p("mlp.up_proj.weight"))?,
                     down_proj: take(p("mlp.down_proj.weight"))?,
+                    fused: None,
                 },
                 input_norm: take(p("input_layernorm.weight"))?,
                 post_norm: take(p("post_attention_layernorm.weight"))?,
@@ -560,13 +562,10 @@ impl Drafter {
         sin: &Tensor,
     ) -> (Tensor, Tensor) {
         let c = &self.config;
-        let k = layer
+        let (k, v) = layer
             .attn
-            .keys(ctx, c.num_key_value_heads, c.head_dim, c.rms_norm_eps);
-        (
-            Rope::apply(&k, cos, sin),
-            layer.attn.values(ctx, c.num_key_value_heads, c.head_dim),
-        )
+            .project_kv(ctx, c.num_key_value_heads, c.head_dim, c.rms_norm_eps);
+        (Rope::apply(&k, cos, sin), v)
     }
 
     /// The formulation [`Drafter::forward_train`] uses (default: chunked, automatic size).
@@ -763,65 +762,6 @@ impl Drafter {
         }
     }
 
-    /// Inference forward for speculative decoding (spec §5): appends the features of newly
-    /// accepted tokens (`new_features` [1, c, K*H], positions `cache.len()..`) to the drafter's
-    /// context cache, then runs one block `block_ids` [1, block] at positions
-    /// `block_start..block_start+block` that sees the whole context. Returns the final-normed
-    /// hidden states [1, block, H]. Roll the cache back with `cache.truncate(len)`.
-    pub fn forward_block(
-        &self,
-        head: &FrozenHead,
-        new_features: Option<&Tensor>,
-        cache: &mut KvCache,
-        block_ids: &Tensor,
-        block_start: i64,
-    ) -> Tensor {
-        tch::no_grad(|| {
-            let dev = self.device;
-            let start = cache.len();
-            let new_ctx = new_features.map(|f| {
-                let ctx = self.fuse_context(f);
-                let c = ctx.size()[1];
-                let pos = Tensor::arange_start(start, start + c, (Kind::Int64, dev));
-                let (cos, sin) = self.rope.cos_sin(&pos, self.kind);
-                (ctx, cos, sin, c)
-            });
-            let ids = block_ids.to_device(dev).to_kind(Kind::Int64);
-            let bs = ids.size()[1];
-            let mut h =
-                Tensor::embedding(&head.embed_tokens, &ids, -1, false, false).to_kind(self.kind);
-            let pos = Tensor::arange_start(block_start, block_start + bs, (Kind::Int64, dev));
-            let (q_cos, q_sin) = self.rope.cos_sin(&pos, self.kind);
-            for (idx, layer) in self.layers.iter().enumerate() {
-                let (ck, cv) = match &new_ctx {
-                    Some((ctx, cos, sin, _)) => {
-                        let (k, v) = self.context_kv(layer, ctx, cos, sin);
-                        cache.append(idx, k, v)
-                    }
-                    None => cache.layer(idx).unwrap_or_else(|| {
-                        let c = &self.config;
-                        let empty = Tensor::zeros(
-                            [1, c.num_key_value_heads, 0, c.head_dim],
-                            (self.kind, dev),
-                        );
-                        (empty.shallow_clone(), empty)
-                    }),
-                };
-                h = self.layer_forward(
-                    layer,
-                    &h,
-                    (&ck, &cv),
-                    (&q_cos, &q_sin),
-                    BlockAttention::Full(None),
-                );
-            }
-            if let Some((_, _, _, c)) = new_ctx {
-                cache.set_len(start + c);
-            }
-            rms_norm(&h, &self.norm, self.config.rms_norm_eps)
-        })
-    }
-
     /// Decoding over a [`SlotCache`] (see [`crate::model::decode`]): writes the context keys and
     /// values of the target features `features` [c, K*H] of newly accepted tokens to the rows
     /// and positions of `batch` (c tokens). The context only ever serves as keys, so nothing
@@ -834,7 +774,7 @@ impl Drafter {
     ) {
         tch::no_grad(|| {
             let ctx = self.fuse_context(&features.unsqueeze(0));
-            let (cos, sin) = self.rope.cos_sin(&batch.positions, self.kind);
+            let (cos, sin) = self.rotary(cache, &batch.positions);
             for (idx, layer) in self.layers.iter().enumerate() {
                 let (k, v) = self.context_kv(layer, &ctx, &cos, &sin);
                 cache.write(idx, &k, &v, &batch.rows);
@@ -883,6 +823,41 @@ impl Drafter {
             }
             Ok(rms_norm(&h, &self.norm, eps).squeeze_dim(0))
         })
+    }
+
+    /// The rotary cos and sin of `positions`: from the cache's table when it has one.
+    fn rotary(&self, cache: &SlotCache, positions: &Tensor) -> (Tensor, Tensor) {
+        match &cache.rope {
+            Some(table) => table.at(positions),
+            None => self.rope.cos_sin(positions, self.kind),
+        }
+    }
+
+    /// The rotary table of positions `0..len` for a decoding cache.
+    pub fn rope_table(&self, len: i64) -> RopeTable {
+        self.rope.table(len, self.kind)
+    }
+
+    /// A copy for decoding: the same weights, detached from training, with the q, k, v and the
+    /// gate, up projections each stored as one matrix (one matrix product instead of several;
+    /// see [`AttentionWeights::fuse`]).
+    pub fn decode_copy(&self) -> Result<Drafter> {
+        let params: std::collections::HashMap<String, Tensor> = self
+            .named_parameters()
+            .into_iter()
+            .map(|(n, t)| (n, t.detach().copy()))
+            .collect();
+        let mut copy = Self::build(self.config.clone(), self.device, self.kind, |name, _| {
+            params
+                .get(name)
+                .map(Tensor::shallow_clone)
+                .with_context(|| format!("the drafter has no tensor {name}"))
+        })?;
+        for layer in &mut copy.layers {
+            layer.attn.fuse();
+            layer.mlp.fuse();
+        }
+        Ok(copy)
     }
 
     /// Layers and shape of the drafter's own cache: (layers, kv_heads, head_dim).

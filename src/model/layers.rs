@@ -89,6 +89,13 @@ impl Rope {
         )
     }
 
+    /// The cos and signed sin of positions `0..len` (see [`RopeTable`]).
+    pub fn table(&self, len: i64, kind: Kind) -> RopeTable {
+        let positions = Tensor::arange(len, (Kind::Int64, self.inv_freq.device()));
+        let (cos, sin) = self.cos_sin(&positions, kind);
+        RopeTable { cos, sin }
+    }
+
     /// Applies the rotation with `cos`/`sin` from [`Rope::cos_sin`], broadcast against `x`
     /// [..., L, head_dim]: `x * cos + rotate_half(x) * sin`, where rotate_half(x) = [-x2, x1].
     /// Written as `x * cos + roll(x) * signed_sin` (roll by half a head: [x2, x1]), three
@@ -98,6 +105,24 @@ impl Rope {
         let mut out = x * cos;
         let _ = out.addcmul_(&x.roll([half], [-1]), signed_sin);
         out
+    }
+}
+
+/// [`Rope::cos_sin`] of every position up to a length, computed once: decoding gathers the rows
+/// of its positions (two kernels instead of the nine that compute them).
+#[derive(Debug)]
+pub struct RopeTable {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RopeTable {
+    /// cos and signed sin [n, head_dim] of `positions` [n] (int64, below the table's length).
+    pub fn at(&self, positions: &Tensor) -> (Tensor, Tensor) {
+        (
+            self.cos.index_select(0, positions),
+            self.sin.index_select(0, positions),
+        )
     }
 }
 
@@ -114,9 +139,97 @@ pub struct AttentionWeights {
     pub v_bias: Option<Tensor>,
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
+    /// After [`AttentionWeights::fuse`]: the q, k, v projections as one matrix [q; k; v] (and
+    /// its bias), of which `q_proj`, `k_proj`, `v_proj` are views.
+    pub fused: Option<(Tensor, Option<Tensor>)>,
 }
 
 impl AttentionWeights {
+    /// Stores q, k and v as one matrix and makes the three projections views of it (no extra
+    /// memory): one matrix product instead of three per forward, where each costs more to
+    /// launch than to run (decoding). For frozen weights only (the views are not leaves).
+    pub fn fuse(&mut self) {
+        let w = Tensor::cat(&[&self.q_proj, &self.k_proj, &self.v_proj], 0);
+        let (nq, nk) = (self.q_proj.size()[0], self.k_proj.size()[0]);
+        let nv = self.v_proj.size()[0];
+        let b = match (&self.q_bias, &self.k_bias, &self.v_bias) {
+            (Some(q), Some(k), Some(v)) => Some(Tensor::cat(&[q, k, v], 0)),
+            (None, None, None) => None,
+            // mixed biases: not worth a special case
+            _ => return,
+        };
+        self.q_proj = w.narrow(0, 0, nq);
+        self.k_proj = w.narrow(0, nq, nk);
+        self.v_proj = w.narrow(0, nq + nk, nv);
+        if let Some(b) = &b {
+            self.q_bias = Some(b.narrow(0, 0, nq));
+            self.k_bias = Some(b.narrow(0, nq, nk));
+            self.v_bias = Some(b.narrow(0, nq + nk, nv));
+        }
+        self.fused = Some((w, b));
+    }
+
+    /// Queries [B, heads, L, d], keys and values [B, kv_heads, L, d] of `x` [B, L, H], with the
+    /// per-head norms where present (before any rotation).
+    pub fn project_qkv(
+        &self,
+        x: &Tensor,
+        heads: i64,
+        kv_heads: i64,
+        d: i64,
+        eps: f64,
+    ) -> (Tensor, Tensor, Tensor) {
+        let Some((w, b)) = &self.fused else {
+            return (
+                self.queries(x, heads, d, eps),
+                self.keys(x, kv_heads, d, eps),
+                self.values(x, kv_heads, d),
+            );
+        };
+        let (batch, len) = (x.size()[0], x.size()[1]);
+        let y = x
+            .linear(w, b.as_ref())
+            .view([batch, len, heads + 2 * kv_heads, d]);
+        let part = |from: i64, n: i64, norm: Option<&Tensor>| {
+            let p = y.narrow(2, from, n);
+            let p = match norm {
+                Some(norm) => rms_norm(&p, norm, eps),
+                None => p,
+            };
+            p.transpose(1, 2)
+        };
+        (
+            part(0, heads, self.q_norm.as_ref()),
+            part(heads, kv_heads, self.k_norm.as_ref()),
+            part(heads + kv_heads, kv_heads, None),
+        )
+    }
+
+    /// Keys (normed) and values [B, kv_heads, L, d] of `x` [B, L, H]: one matrix product when
+    /// fused (the drafter's context).
+    pub fn project_kv(&self, x: &Tensor, kv_heads: i64, d: i64, eps: f64) -> (Tensor, Tensor) {
+        let Some((w, b)) = &self.fused else {
+            return (self.keys(x, kv_heads, d, eps), self.values(x, kv_heads, d));
+        };
+        let nq = self.q_proj.size()[0];
+        let kv = 2 * kv_heads * d;
+        let (batch, len) = (x.size()[0], x.size()[1]);
+        let y = x
+            .linear(
+                &w.narrow(0, nq, kv),
+                b.as_ref().map(|b| b.narrow(0, nq, kv)).as_ref(),
+            )
+            .view([batch, len, 2 * kv_heads, d]);
+        let k = y.narrow(2, 0, kv_heads);
+        let k = match &self.k_norm {
+            Some(n) => rms_norm(&k, n, eps),
+            None => k,
+        };
+        (
+            k.transpose(1, 2),
+            y.narrow(2, kv_heads, kv_heads).transpose(1, 2),
+        )
+    }
     /// `x` [B, L, H] -> [B, heads, L, head_dim], with the per-head norm when present.
     fn project(
         x: &Tensor,
@@ -204,12 +317,32 @@ pub struct Mlp {
     pub gate_proj: Tensor,
     pub up_proj: Tensor,
     pub down_proj: Tensor,
+    /// After [`Mlp::fuse`]: [gate; up] as one matrix, of which the two are views.
+    pub fused: Option<Tensor>,
 }
 
 impl Mlp {
+    /// Stores gate and up as one matrix (see [`AttentionWeights::fuse`]); frozen weights only.
+    pub fn fuse(&mut self) {
+        let w = Tensor::cat(&[&self.gate_proj, &self.up_proj], 0);
+        let i = self.gate_proj.size()[0];
+        self.gate_proj = w.narrow(0, 0, i);
+        self.up_proj = w.narrow(0, i, i);
+        self.fused = Some(w);
+    }
+
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        let gated = x.linear::<&Tensor>(&self.gate_proj, None).silu()
-            * x.linear::<&Tensor>(&self.up_proj, None);
+        let gated = match &self.fused {
+            Some(w) => {
+                let both = x.linear::<&Tensor>(w, None);
+                let i = self.gate_proj.size()[0];
+                both.narrow(-1, 0, i).silu() * both.narrow(-1, i, i)
+            }
+            None => {
+                x.linear::<&Tensor>(&self.gate_proj, None).silu()
+                    * x.linear::<&Tensor>(&self.up_proj, None)
+            }
+        };
         gated.linear::<&Tensor>(&self.down_proj, None)
     }
 

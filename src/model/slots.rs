@@ -8,9 +8,12 @@
 //!
 //! Which tokens a forward adds, and what they see, is a [`SlotBatch`].
 
+use std::cell::RefCell;
+
 use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::layers::RopeTable;
 use crate::aten_ext::{flash_varlen, VarlenLengths};
 
 /// How attention over the cache is computed.
@@ -48,9 +51,29 @@ pub struct SlotCache {
     pub head_dim: i64,
     pub attention: SlotAttention,
     pub device: Device,
+    /// The model's rotary table for positions `0..capacity` (see [`SlotCache::with_rope`]).
+    pub rope: Option<RopeTable>,
+    /// The parts of uniform batches that depend only on their shape, by (sequences, tokens
+    /// each): made once, before any graph capture, and reused.
+    uniform: RefCell<Vec<((i64, i64), UniformConstants)>>,
+}
+
+/// See [`SlotCache::uniform_constants`].
+#[derive(Debug)]
+struct UniformConstants {
+    offsets: Tensor,
+    slot_base: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    last: Tensor,
 }
 
 impl SlotCache {
+    /// Uses `table` (from the model, covering the capacity) for the rotary angles.
+    pub fn with_rope(mut self, table: RopeTable) -> Self {
+        self.rope = Some(table);
+        self
+    }
     /// A zeroed cache for `layers` layers.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -83,7 +106,29 @@ impl SlotCache {
             head_dim,
             attention,
             device,
+            rope: None,
+            uniform: RefCell::new(Vec::new()),
         })
+    }
+
+    /// The shape-only parts of a uniform batch of `b` sequences of `per_seq` tokens (made on
+    /// first use).
+    fn uniform_constants(&self, b: i64, per_seq: i64) -> UniformConstants {
+        let mut known = self.uniform.borrow_mut();
+        if let Some((_, c)) = known.iter().find(|(k, _)| *k == (b, per_seq)) {
+            return c.clone();
+        }
+        let dev = self.device;
+        let seq_index = Tensor::arange(b + 1, (Kind::Int64, dev));
+        let c = UniformConstants {
+            offsets: Tensor::arange(per_seq, (Kind::Int64, dev)),
+            slot_base: (Tensor::arange(b, (Kind::Int64, dev)) * self.capacity).unsqueeze(1),
+            cu_q: (&seq_index * per_seq).to_kind(Kind::Int),
+            cu_k: (&seq_index * self.capacity).to_kind(Kind::Int),
+            last: Tensor::arange(b, (Kind::Int64, dev)) * per_seq + (per_seq - 1),
+        };
+        known.push(((b, per_seq), c.clone()));
+        c
     }
 
     /// Bytes a cache of this shape takes.
@@ -272,21 +317,18 @@ impl SlotBatch {
     /// on the cache's device). Made of tensor operations only: under a CUDA graph capture,
     /// replays follow new values written into `start`.
     pub fn uniform(cache: &SlotCache, start: &Tensor, per_seq: i64) -> Self {
-        let dev = cache.device;
         let b = start.size()[0];
-        let offsets = Tensor::arange(per_seq, (Kind::Int64, dev));
-        let positions = (start.unsqueeze(1) + &offsets).view([-1]);
-        let slot_base = Tensor::arange(b, (Kind::Int64, dev)) * cache.capacity;
-        let rows = (slot_base.unsqueeze(1) + start.unsqueeze(1) + &offsets).view([-1]);
-        let seq_index = Tensor::arange(b + 1, (Kind::Int64, dev));
+        let c = cache.uniform_constants(b, per_seq);
+        let positions = (start.unsqueeze(1) + &c.offsets).view([-1]);
+        let rows = (&c.slot_base + &positions.view([b, per_seq])).view([-1]);
         SlotBatch {
             positions,
             rows,
             start: start.shallow_clone(),
-            cu_q: (&seq_index * per_seq).to_kind(Kind::Int),
-            cu_k: (&seq_index * cache.capacity).to_kind(Kind::Int),
+            cu_q: c.cu_q,
+            cu_k: c.cu_k,
             seq_used: (start + per_seq).to_kind(Kind::Int),
-            last: Tensor::arange(b, (Kind::Int64, dev)) * per_seq + (per_seq - 1),
+            last: c.last,
             max_q: per_seq,
             geometry: Geometry::Uniform { batch: b, per_seq },
         }
@@ -345,5 +387,17 @@ impl SlotBatch {
     /// Number of new tokens.
     pub fn tokens(&self) -> i64 {
         self.positions.size()[0]
+    }
+}
+
+impl Clone for UniformConstants {
+    fn clone(&self) -> Self {
+        UniformConstants {
+            offsets: self.offsets.shallow_clone(),
+            slot_base: self.slot_base.shallow_clone(),
+            cu_q: self.cu_q.shallow_clone(),
+            cu_k: self.cu_k.shallow_clone(),
+            last: self.last.shallow_clone(),
+        }
     }
 }

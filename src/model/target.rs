@@ -96,18 +96,6 @@ impl KvCache {
         }
     }
 
-    /// The cached keys and values of one layer.
-    pub(crate) fn layer(&self, layer: usize) -> Option<(Tensor, Tensor)> {
-        self.layers
-            .get(layer)
-            .and_then(|l| l.as_ref())
-            .map(|(k, v)| (k.shallow_clone(), v.shallow_clone()))
-    }
-
-    pub(crate) fn set_len(&mut self, len: i64) {
-        self.len = len;
-    }
-
     /// Appends keys and values of new positions to a layer; returns all of that layer's.
     pub(crate) fn append(&mut self, layer: usize, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
         if self.layers.len() <= layer {
@@ -278,14 +266,21 @@ impl TargetModel {
                     v_bias: bias("v_proj", kv_dim)?,
                     q_norm: norm("q_norm")?,
                     k_norm: norm("k_norm")?,
+                    fused: None,
                 },
                 post_norm: load(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 mlp: Mlp {
                     gate_proj: load(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
                     up_proj: load(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
                     down_proj: load(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                    fused: None,
                 },
             });
+            // frozen weights: one matrix product for q, k, v and one for gate, up
+            if let Some(layer) = layers.last_mut() {
+                layer.attn.fuse();
+                layer.mlp.fuse();
+            }
         }
         let norm = load("model.norm.weight", &[h])?;
         let rope = Rope::new(&config, device)?;
@@ -329,6 +324,11 @@ impl TargetModel {
     /// The frozen LM head [vocab, hidden] (the embedding when tied).
     pub fn lm_head(&self) -> &Tensor {
         &self.lm_head
+    }
+
+    /// The rotary table of positions `0..len` for a decoding cache.
+    pub fn rope_table(&self, len: i64) -> super::layers::RopeTable {
+        self.rope.table(len, self.kind)
     }
 
     /// Next-token logits [batch, seq, vocab] in float32.
@@ -480,9 +480,9 @@ impl TargetModel {
         let mut tapped: Vec<Option<Tensor>> = taps.iter().map(|_| None).collect();
         for (idx, layer) in self.layers.iter().enumerate().take(last_layer) {
             let h = rms_norm(&x, &layer.input_norm, eps);
-            let q = Rope::apply(&layer.attn.queries(&h, heads, d, eps), cos, sin);
-            let k = Rope::apply(&layer.attn.keys(&h, kv_heads, d, eps), cos, sin);
-            let v = layer.attn.values(&h, kv_heads, d);
+            let (q, k, v) = layer.attn.project_qkv(&h, heads, kv_heads, d, eps);
+            let q = Rope::apply(&q, cos, sin);
+            let k = Rope::apply(&k, cos, sin);
             let a = attend(idx, &q, k, v)?;
             x += layer.attn.output(&a);
             x += layer.mlp.forward(&rms_norm(&x, &layer.post_norm, eps));
@@ -510,7 +510,10 @@ impl TargetModel {
     ) -> Result<TargetOutput> {
         tch::no_grad(|| {
             let n = batch.tokens();
-            let (cos, sin) = self.rope.cos_sin(&batch.positions, self.kind);
+            let (cos, sin) = match &cache.rope {
+                Some(table) => table.at(&batch.positions),
+                None => self.rope.cos_sin(&batch.positions, self.kind),
+            };
             let x = Tensor::embedding(&self.embed_tokens, &ids.view([1, n]), -1, false, false);
             // every layer: the cache must be filled
             let all = self.layers.len();

@@ -17,6 +17,7 @@ type EventRecord = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 type EventWait = unsafe extern "C" fn(*mut c_void) -> c_int;
 type SetDevice = unsafe extern "C" fn(c_int) -> c_int;
 type EventElapsed = unsafe extern "C" fn(*mut f32, *mut c_void, *mut c_void) -> c_int;
+type GetLastError = unsafe extern "C" fn() -> c_int;
 
 /// cudaEventDisableTiming: an event only marks a point (cheaper to record and wait for).
 const DISABLE_TIMING: u32 = 0x02;
@@ -30,6 +31,9 @@ pub struct DeviceEvents {
     destroy: EventWait,
     set_device: SetDevice,
     elapsed: EventElapsed,
+    /// Clears the runtime's "last error": a failed call of ours must not surface later as the
+    /// error of an unrelated libtorch kernel launch (which checks it).
+    get_last_error: GetLastError,
 }
 
 /// A recorded event: [`DeviceEvent::wait`] returns once the device has run everything queued
@@ -64,6 +68,7 @@ impl DeviceEvents {
             let elapsed = *library
                 .get::<EventElapsed>(b"cudaEventElapsedTime\0")
                 .ok()?;
+            let get_last_error = *library.get::<GetLastError>(b"cudaGetLastError\0").ok()?;
             // libtorch keeps the runtime loaded for the life of the process; so does this.
             std::mem::forget(library);
             Some(DeviceEvents {
@@ -73,6 +78,7 @@ impl DeviceEvents {
                 destroy,
                 set_device,
                 elapsed,
+                get_last_error,
             })
         }
     }
@@ -111,6 +117,7 @@ pub struct TimingEvent {
     events: DeviceEvents,
     event: *mut c_void,
     device: c_int,
+    recorded: std::cell::Cell<bool>,
 }
 
 impl DeviceEvents {
@@ -130,6 +137,7 @@ impl DeviceEvents {
             events: *self,
             event,
             device: index as c_int,
+            recorded: std::cell::Cell::new(false),
         })
     }
 }
@@ -139,20 +147,28 @@ impl TimingEvent {
     pub fn record(&self) {
         // SAFETY: a live event of this runtime.
         unsafe {
-            (self.events.set_device)(self.device);
-            (self.events.record)(self.event, std::ptr::null_mut());
+            let ok = (self.events.set_device)(self.device) == 0
+                && (self.events.record)(self.event, std::ptr::null_mut()) == 0;
+            if !ok {
+                (self.events.get_last_error)();
+            }
+            self.recorded.set(ok);
         }
     }
 
     /// Device seconds from this event's last recording to `later`'s (waits for `later`); 0
-    /// where the runtime cannot tell.
+    /// where the runtime cannot tell (an event never recorded, say).
     pub fn seconds_until(&self, later: &TimingEvent) -> f64 {
+        if !(self.recorded.get() && later.recorded.get()) {
+            return 0.0;
+        }
         let mut ms = 0f32;
-        // SAFETY: live events of this runtime.
+        // SAFETY: live, recorded events of this runtime.
         unsafe {
             if (self.events.synchronize)(later.event) != 0
                 || (self.events.elapsed)(&mut ms, self.event, later.event) != 0
             {
+                (self.events.get_last_error)();
                 return 0.0;
             }
         }

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M-Instruct DFlash recipe on one GPU (configs/smollm2-dflash.toml), in stages of
+# at most 10 minutes each, for machines lent by the call (see README, "Results"):
+#
+#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|train|eval
+#
+# data   import the demo GGUF, tokenise all 17,671 demo conversations (train / validation
+#        splits) and regenerate EVERY assistant turn with the target (greedy, continuous
+#        batching, CUDA graph): the drafter learns the target's own answers.
+# train  train the drafter for TRAIN_S seconds (a SIGINT then checkpoints); the validation
+#        pass every validation.every_steps keeps the best drafter in run/best. A second call
+#        on the same machine resumes the run.
+# eval   `eval` of run/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
+#        prompts and MT-Bench's 80 first turns, 128 new tokens each; 20 prompts in f32
+#        (lossless); the drafter in z-lab's public implementation (scripts/check_public_dflash.py).
+#
+# Every stage first looks for what the previous one made in $W (a warm machine); on a fresh
+# machine it takes what the previous stage returned, carried into $W:
+#   data  returns regen.tar.xz.*  (the regenerated dataset, xz, in pieces under 16 MiB)
+#   train returns drafter.safetensors.* + drafter-config.json (the best drafter, under 64 MiB:
+#         carried back, it starts a new run through model.drafter_init), metrics.jsonl
+# Inputs in $W: dflash-tui (or dflash-tui.xz), gg.* (the demo GGUF, xz-compressed, in pieces),
+# sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (dflash==0.1.0 and transformers==5.15.0 wheels).
+set -uo pipefail
+TL=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))" 2>/dev/null)/lib
+export LD_LIBRARY_PATH=$TL NCCL_NVLS_ENABLE=0
+W=${W:-/tmp/w}
+OUT=${OUT:-/tmp/out}
+CONFIG=${CONFIG:-configs/smollm2-dflash.toml}
+mkdir -p "$OUT" "$W"
+t() { echo "== $(date +%T) $*"; }
+B=$W/dflash-tui
+[ -x "$B" ] || { xz -dc "$W/dflash-tui.xz" > "$B" && chmod +x "$B"; } || exit 1
+
+model() { # the target model folder
+  [ -f "$W/smol/model.safetensors" ] && return 0
+  t import
+  cat "$W"/gg.* | xz -dc > "$W/smol.gguf" || return 1
+  "$B" import-gguf "$W/smol.gguf" "$W/smol" --dtype bf16 2>&1 | tail -1
+}
+
+case "${1:-}" in
+data)
+  model || exit 1
+  if [ ! -f "$W/sg/dataset_dict.json" ]; then
+    t prepare
+    xz -dc "$W/sharegpt.jsonl.xz" > "$W/sharegpt.jsonl"
+    "$B" prepare-data --tokenizer "$W/smol" --input "$W/sharegpt.jsonl" --out "$W/sg" \
+      --max-len "${MAX_LEN:-2048}" 2>&1 | tail -4
+  fi
+  t regenerate
+  "$B" regenerate --target "$W/smol" --input "$W/sg" --out "$W/regen" \
+    --max-new-tokens "${MAX_NEW:-512}" --max-len "${MAX_LEN:-2048}" \
+    --batch-size "${BATCH:-1024}" ${LIMIT:+--limit $LIMIT} 2> "$OUT/regenerate.err"
+  grep -E "regenerate on|tokens/s\)" "$OUT/regenerate.err" | tail -3
+  "$B" inspect-data "$W/regen" 2>&1 | head -12
+  t pack
+  tar -C "$W" -cf - regen | xz -T0 -3 | split -b 15M - "$OUT/regen.tar.xz."
+  ls -la "$OUT"
+  ;;
+train)
+  model || exit 1
+  if [ ! -f "$W/regen/dataset_dict.json" ]; then
+    cat "$W"/regen.tar.xz.* | xz -dc | tar -C "$W" -xf - || exit 1
+  fi
+  args=(--config "$CONFIG" --no-tui --set model.target="$W/smol" --set data.path="$W/regen")
+  if [ -f "$W/run/latest/trainer_state.json" ] || [ -d "$W/run/latest" ]; then
+    args=(--resume "$W/run" --no-tui)
+  else
+    args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-6000}")
+    if [ -f "$W/drafter-in/model.safetensors" ]; then
+      args+=(--set model.drafter_init="$W/drafter-in")
+    fi
+  fi
+  t "train ${args[*]}"
+  timeout -s INT "${TRAIN_S:-540}" "$B" train "${args[@]}" > "$OUT/train.out" 2>&1
+  echo "train exit $?"
+  grep -E "validation at|eval at|checkpoint|run finished|stopp" "$OUT/train.out" | tail -25
+  tail -4 "$OUT/train.out"
+  cp "$W/run/metrics.jsonl" "$OUT/" 2>/dev/null
+  cat "$W/run/best/eval.json" 2>/dev/null && echo
+  cp "$W/run/best/drafter/config.json" "$OUT/drafter-config.json" 2>/dev/null
+  split -b 15M "$W/run/best/drafter/model.safetensors" "$OUT/drafter.safetensors." 2>/dev/null
+  ;;
+eval)
+  model || exit 1
+  D=$W/run/best/drafter
+  if [ ! -f "$D/model.safetensors" ]; then
+    mkdir -p "$W/drafter-in" && D=$W/drafter-in
+    cat "$W"/drafter.safetensors.* > "$D/model.safetensors" && cp "$W/drafter-config.json" "$D/config.json"
+  fi
+  [ -f "$W/sg/dataset_dict.json" ] || { xz -dc "$W/sharegpt.jsonl.xz" > "$W/sharegpt.jsonl" &&
+    "$B" prepare-data --tokenizer "$W/smol" --input "$W/sharegpt.jsonl" --out "$W/sg" \
+      --max-len "${MAX_LEN:-2048}" 2>&1 | tail -1; }
+  t eval-sharegpt
+  # the regenerated validation split: prompts up to the first answer (the same prompts as
+  # the prepared split's; the answers are the target's)
+  "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit "${PROMPTS:-100}" \
+    --max-new-tokens 128 --json > "$OUT/eval-sharegpt.json" 2> "$OUT/eval-sharegpt.err"
+  t eval-mtbench
+  "$B" eval --target "$W/smol" --drafter "$D" --prompts "$W/mt-bench.jsonl" --limit 80 \
+    --max-new-tokens 128 --json > "$OUT/eval-mtbench.json" 2> "$OUT/eval-mtbench.err"
+  t eval-f32
+  "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 20 \
+    --max-new-tokens 64 --dtype f32 --json > "$OUT/eval-f32.json" 2> "$OUT/eval-f32.err"
+  python3 - "$OUT" <<'PY'
+import json, sys
+for name in ["sharegpt", "mtbench", "f32"]:
+    try:
+        r = json.load(open(f"{sys.argv[1]}/eval-{name}.json"))
+    except Exception as e:
+        print(name, "no report:", e); continue
+    keys = ["tau", "speedup", "speedup_spread", "greedy_ms_per_token", "dflash_ms_per_step",
+            "step_cost_in_greedy_steps", "mismatches", "cuda_graphs", "warmup_prompts"]
+    print(name, len(r["prompts"]), "prompts", {k: r[k] for k in keys})
+    print("  dflash step ms", r["dflash_step_ms"])
+    print("  accepted by slot", r["accepted_by_slot"])
+PY
+  t public-check
+  mkdir -p "$W/site"
+  python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('$W/site') for w in glob.glob('$W/whl/*.whl')]"
+  PYTHONPATH="$W/site" python3 scripts/check_public_dflash.py "$W/smol" "$D" "$OUT/eval-f32.json" \
+    --dtype f32 --max-new-tokens 64 > "$OUT/public.json" 2> "$OUT/public.err" \
+    || { echo "public check exit $?"; tail -5 "$OUT/public.err"; }
+  cat "$OUT/public.json"
+  t done
+  ;;
+*)
+  echo "usage: W=DIR OUT=DIR $0 data|train|eval" >&2
+  exit 2
+  ;;
+esac
