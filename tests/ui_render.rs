@@ -31,7 +31,7 @@ fn step_record(step: u64) -> StepRecord {
         epoch: step / 1000,
         loss: 1.2 + 2.4 * (-s / 90.0).exp() + 0.04 * (s / 5.0).sin(),
         accuracy: 0.2 + 0.5 * (1.0 - (-s / 120.0).exp()),
-        tau_train: 1.0 + 2.6 * (1.0 - (-s / 110.0).exp()) + 0.05 * (s / 9.0).cos(),
+        accept_mean: 1.0 + 2.6 * (1.0 - (-s / 110.0).exp()) + 0.05 * (s / 9.0).cos(),
         lr,
         grad_norm: 1.0 + 0.5 * (-s / 60.0).exp(),
         tokens: 16_384,

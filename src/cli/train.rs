@@ -99,11 +99,11 @@ pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>, bool)) -> R
         (Phase::Finished, None) => {
             let last = outcome.final_step.as_ref();
             println!(
-                "run finished: {} steps, loss {}, accuracy {}, tau_train {}, last checkpoint {}, run dir {}",
+                "run finished: {} steps, loss {}, accuracy {}, anchor-mean acceptance (train) {}, last checkpoint {}, run dir {}",
                 outcome.steps,
                 last.map_or("-".into(), |l| format!("{:.4}", l.loss)),
                 last.map_or("-".into(), |l| format!("{:.3}", l.accuracy)),
-                last.map_or("-".into(), |l| format!("{:.2}", l.tau_train)),
+                last.map_or("-".into(), |l| format!("{:.2}", l.accept_mean)),
                 outcome
                     .last_checkpoint
                     .as_ref()

@@ -63,13 +63,13 @@ pub fn human_line(s: &Snapshot) -> String {
         .collect();
     match &s.last {
         Some(l) => format!(
-            "step {}/{} epoch {} loss {:.4} acc {:.3} tau {:.2} lr {:.2e} tok/s {:.0} samples/s {:.2} | {} | ETA {}",
+            "step {}/{} epoch {} loss {:.4} acc {:.3} accept {:.2} lr {:.2e} tok/s {:.0} samples/s {:.2} | {} | ETA {}",
             s.step,
             s.total_steps,
             s.epoch,
             l.loss,
             l.accuracy,
-            l.tau_train,
+            l.accept_mean,
             l.lr,
             s.tokens_per_s,
             s.samples_per_s,

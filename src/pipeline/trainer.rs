@@ -1427,7 +1427,7 @@ impl Coordinator {
             epoch: q.epoch,
             loss: sums.loss(),
             accuracy: sums.accuracy(),
-            tau_train: sums.tau_train(),
+            accept_mean: sums.accept_mean(),
             lr: q.lr,
             grad_norm,
             tokens: q.tokens,
@@ -1840,7 +1840,7 @@ impl TrainerHandle {
             samples_seen: st.samples_seen,
             final_loss: last.as_ref().map(|l| l.loss),
             final_accuracy: last.as_ref().map(|l| l.accuracy),
-            final_tau_train: last.as_ref().map(|l| l.tau_train),
+            final_accept_mean: last.as_ref().map(|l| l.accept_mean),
             last_checkpoint: st.last_checkpoint.as_ref().map(|p| p.display().to_string()),
             error: st.error.clone(),
         });

@@ -52,7 +52,11 @@ pub struct StepRecord {
     pub epoch: u64,
     pub loss: f64,
     pub accuracy: f64,
-    pub tau_train: f64,
+    /// Anchor-mean acceptance of the step's training blocks,
+    /// `1 + mean_j sum_k prod_{i<=k} [argmax == label]` (read from older runs' `tau_train`):
+    /// not a tau, it overstates what decoding gets and hides overfitting.
+    #[serde(alias = "tau_train")]
+    pub accept_mean: f64,
     pub lr: f64,
     pub grad_norm: f64,
     /// Target tokens (non-padding) in this step.
@@ -140,7 +144,8 @@ pub enum MetricsRecord {
         samples_seen: u64,
         final_loss: Option<f64>,
         final_accuracy: Option<f64>,
-        final_tau_train: Option<f64>,
+        #[serde(alias = "final_tau_train")]
+        final_accept_mean: Option<f64>,
         last_checkpoint: Option<String>,
         error: Option<String>,
     },
@@ -229,7 +234,7 @@ mod tests {
             epoch: 0,
             loss: 2.5,
             accuracy: 0.25,
-            tau_train: 1.5,
+            accept_mean: 1.5,
             lr: 1e-4,
             grad_norm: 0.7,
             tokens: 1000,
@@ -287,7 +292,7 @@ mod tests {
                 samples_seen: 12,
                 final_loss: Some(2.5),
                 final_accuracy: None,
-                final_tau_train: Some(1.5),
+                final_accept_mean: Some(1.5),
                 last_checkpoint: Some("/r/checkpoints/step-000003".into()),
                 error: None,
             },
@@ -310,5 +315,21 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("line 1"));
+    }
+
+    #[test]
+    fn runs_written_with_tau_train_still_load() {
+        let step = r#"{"type":"step","step":1,"epoch":0,"loss":2.0,"accuracy":0.1,"tau_train":1.25,"lr":0.001,"grad_norm":1.0,"tokens":10,"samples":1,"step_s":0.1,"tokens_per_s":100.0,"samples_per_s":10.0,"elapsed_s":0.1}"#;
+        let summary = r#"{"type":"summary","phase":"finished","steps":1,"elapsed_s":1.0,"tokens_seen":10,"samples_seen":1,"final_loss":2.0,"final_accuracy":0.1,"final_tau_train":1.25,"last_checkpoint":null,"error":null}"#;
+        match serde_json::from_str::<MetricsRecord>(step).unwrap() {
+            MetricsRecord::Step(s) => assert_eq!(s.accept_mean, 1.25),
+            other => panic!("{other:?}"),
+        }
+        match serde_json::from_str::<MetricsRecord>(summary).unwrap() {
+            MetricsRecord::Summary {
+                final_accept_mean, ..
+            } => assert_eq!(final_accept_mean, Some(1.25)),
+            other => panic!("{other:?}"),
+        }
     }
 }

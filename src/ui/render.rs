@@ -865,10 +865,10 @@ const SERIES: [Series; 4] = [
         get: |r| r.loss,
     },
     Series {
-        title: "tau_train",
-        short: "tau",
+        title: "accept (train)",
+        short: "accept",
         color: Color::Green,
-        get: |r| r.tau_train,
+        get: |r| r.accept_mean,
     },
     Series {
         title: "learning rate",
@@ -878,7 +878,7 @@ const SERIES: [Series; 4] = [
     },
 ];
 
-/// The periodic evaluations' tau, drawn over the tau_train chart.
+/// The periodic evaluations' tau, drawn over the acceptance chart.
 const EVAL_TAU: (&str, Color) = ("tau", Color::Yellow);
 
 fn render_charts(frame: &mut Frame, area: Rect, window: &[StepRecord], evals: &[EvalRecord]) {
@@ -908,8 +908,8 @@ fn render_charts(frame: &mut Frame, area: Rect, window: &[StepRecord], evals: &[
         .map(|e| (e.step as f64, e.tau))
         .collect();
     for (series, rect) in SERIES.iter().zip([a, b, c, d]) {
-        let extra = (series.title == "tau_train" && !eval_points.is_empty())
-            .then_some(eval_points.as_slice());
+        let extra =
+            (series.short == "accept" && !eval_points.is_empty()).then_some(eval_points.as_slice());
         render_chart(frame, rect, window, &steps, series, extra);
     }
 }

@@ -18,7 +18,7 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                 epoch: s / 5000,
                 loss: 2.0 + 8.0 / (1.0 + x / 300.0) + 0.1 * (x / 7.0).sin(),
                 accuracy: 0.6 * (1.0 - (-x / 4000.0).exp()),
-                tau_train: 1.0 + 2.5 * (1.0 - (-x / 5000.0).exp()),
+                accept_mean: 1.0 + 2.5 * (1.0 - (-x / 5000.0).exp()),
                 lr: 6e-4 * (x / 800.0).min(1.0),
                 grad_norm: 1.0,
                 tokens: 16_000,
