@@ -173,7 +173,7 @@ impl LossSums {
     /// The anchor-mean acceptance `1 + mean_j sum_k prod_{i<=k} [argmax == label]` (the
     /// spec's `tau_train`): a mean over anchor positions, not the acceptance length decoding
     /// gets (decoding crosses easy stretches in a few long steps and hard ones in many short
-    /// ones).
+    /// ones); see [`crate::train::validation`] for what decoding gets.
     pub fn accept_mean(&self) -> f64 {
         1.0 + self.accepted / self.blocks.max(1.0)
     }
@@ -232,7 +232,7 @@ impl LossTensors {
 
 /// Per-row cross-entropy [rows] in float32 of `logits` [rows, V] in any float dtype (labels
 /// -100 are ignored): log-softmax computed in float32 straight from the logits.
-fn cross_entropy_f32(logits: &Tensor, labels: &Tensor) -> Tensor {
+pub(crate) fn cross_entropy_f32(logits: &Tensor, labels: &Tensor) -> Tensor {
     logits
         .log_softmax(-1, Kind::Float)
         .g_nll_loss::<Tensor>(labels, None, Reduction::None, -100)
