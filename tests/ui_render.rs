@@ -137,6 +137,7 @@ fn training() -> Snapshot {
         last,
         history,
         evals: vec![],
+        validations: vec![],
         queues: queues(),
         profile: Some(profile()),
         profile_interval_s: 10.0,

@@ -10,7 +10,7 @@ use super::command::Command;
 use super::control::Request;
 use super::trainer::{RunOutcome, TrainerHandle};
 use crate::telemetry::gpu::GpuMonitor;
-use crate::telemetry::records::{GpuRecord, MetricsRecord, Snapshot};
+use crate::telemetry::records::{GpuRecord, MetricsRecord, Snapshot, ValidationRecord};
 
 /// Signals: SIGINT/SIGTERM stop with a checkpoint (a second one stops at once), SIGUSR1
 /// checkpoints. Handlers only count.
@@ -54,8 +54,20 @@ fn fmt_duration(s: f64) -> String {
     }
 }
 
-/// The human line of a snapshot.
-pub fn human_line(s: &Snapshot) -> String {
+/// The human line of a snapshot; `validation`, a pass made since the previous line, is added
+/// at its end.
+pub fn human_line(s: &Snapshot, validation: Option<&ValidationRecord>) -> String {
+    let line = progress_line(s);
+    match validation {
+        Some(v) => format!(
+            "{line} | val (step {}) loss {:.4} acc {:.3} tau {:.2}",
+            v.step, v.loss, v.accuracy, v.tau
+        ),
+        None => line,
+    }
+}
+
+fn progress_line(s: &Snapshot) -> String {
     let q: Vec<String> = s
         .queues
         .iter()
@@ -139,6 +151,7 @@ pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> 
     };
     let gpu = GpuMonitor::open().ok();
     let mut last_logged = u64::MAX;
+    let mut last_validation = None;
     let mut last_profile = Instant::now();
     let mut last_queues = Instant::now();
     let mut last_gpu = Instant::now();
@@ -169,7 +182,12 @@ pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> 
             && (snap.step.is_multiple_of(log_every_steps.max(1)) || snap.step == snap.total_steps)
         {
             last_logged = snap.step;
-            log::info!("{}", human_line(&snap));
+            let validation = snap
+                .validations
+                .last()
+                .filter(|v| last_validation != Some(v.step));
+            last_validation = snap.validations.last().map(|v| v.step);
+            log::info!("{}", human_line(&snap, validation));
         }
         let interval = handle.profile_interval_s();
         if interval > 0.0 && last_profile.elapsed().as_secs_f64() >= interval {

@@ -23,6 +23,8 @@ pub enum Phase {
     Checkpointing,
     /// Measuring tau by real speculative decoding on held-out prompts.
     Evaluating,
+    /// Measuring the drafter teacher-forced on held-out sequences.
+    Validating,
     Stopping,
     Finished,
     Failed,
@@ -37,6 +39,7 @@ impl std::fmt::Display for Phase {
             Phase::Paused => "paused",
             Phase::Checkpointing => "checkpointing",
             Phase::Evaluating => "evaluating",
+            Phase::Validating => "validating",
             Phase::Stopping => "stopping",
             Phase::Finished => "finished",
             Phase::Failed => "failed",
@@ -91,6 +94,34 @@ pub struct EvalRecord {
     pub elapsed_s: f64,
 }
 
+/// One validation pass during training: the drafter teacher-forced on held-out sequences (see
+/// [`crate::train::validation`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ValidationRecord {
+    pub step: u64,
+    /// Weighted cross-entropy of the held-out blocks (the training loss's weights).
+    pub loss: f64,
+    /// Weighted accuracy of the same blocks.
+    pub accuracy: f64,
+    /// Anchor-mean acceptance of the same blocks (what `accept_mean` is on training batches).
+    pub accept_mean: f64,
+    /// Walk tau: mean tokens per decoding step, walking the held-out answers as greedy
+    /// decoding would.
+    pub tau: f64,
+    pub sequences: usize,
+    /// Answers walked, the decoding steps the walk took over them and the tokens those steps
+    /// produced (tau = tokens / answer_steps).
+    pub answers: u64,
+    pub answer_steps: u64,
+    pub tokens: u64,
+    /// Blocks behind loss, accuracy and accept_mean.
+    pub blocks: u64,
+    pub validation_s: f64,
+    /// This pass set a new best walk tau (its drafter was saved as the best checkpoint).
+    pub best: bool,
+    pub elapsed_s: f64,
+}
+
 /// A GPU reading with the time it was taken.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GpuRecord {
@@ -125,6 +156,7 @@ impl GpuRecord {
 pub enum MetricsRecord {
     Step(StepRecord),
     Eval(EvalRecord),
+    Validation(ValidationRecord),
     Gpu(GpuRecord),
     Queues {
         elapsed_s: f64,
@@ -148,6 +180,9 @@ pub enum MetricsRecord {
         final_accept_mean: Option<f64>,
         last_checkpoint: Option<String>,
         error: Option<String>,
+        /// Why the run stopped before its last step (a command, early stopping), if it did.
+        #[serde(default)]
+        stop_reason: Option<String>,
     },
 }
 
@@ -212,6 +247,9 @@ pub struct Snapshot {
     /// Periodic evaluations so far (bounded).
     #[serde(default)]
     pub evals: Vec<EvalRecord>,
+    /// Validation passes so far (bounded).
+    #[serde(default)]
+    pub validations: Vec<ValidationRecord>,
     pub queues: Vec<QueueLevel>,
     pub profile: Option<ProfileReport>,
     pub profile_interval_s: f64,
@@ -258,6 +296,21 @@ mod tests {
                 best: true,
                 elapsed_s: 2.0,
             }),
+            MetricsRecord::Validation(ValidationRecord {
+                step: 3,
+                loss: 2.75,
+                accuracy: 0.2,
+                accept_mean: 1.75,
+                tau: 1.5,
+                sequences: 4,
+                answers: 5,
+                answer_steps: 60,
+                tokens: 90,
+                blocks: 300,
+                validation_s: 0.5,
+                best: true,
+                elapsed_s: 2.5,
+            }),
             MetricsRecord::Gpu(GpuRecord {
                 elapsed_s: 1.0,
                 index: 0,
@@ -295,6 +348,7 @@ mod tests {
                 final_accept_mean: Some(1.5),
                 last_checkpoint: Some("/r/checkpoints/step-000003".into()),
                 error: None,
+                stop_reason: Some("early stop".into()),
             },
         ];
         let dir = tempfile::tempdir().unwrap();

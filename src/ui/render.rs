@@ -200,7 +200,7 @@ fn phase_style(phase: Phase) -> Style {
         Phase::Finished => Style::new().fg(Color::Black).bg(Color::Green).bold(),
         Phase::Training => Style::new().fg(Color::Green).bold(),
         Phase::Checkpointing | Phase::Stopping => Style::new().fg(Color::Magenta).bold(),
-        Phase::Evaluating => Style::new().fg(Color::Yellow).bold(),
+        Phase::Evaluating | Phase::Validating => Style::new().fg(Color::Yellow).bold(),
         Phase::LoadingModel | Phase::WarmingUp => Style::new().fg(Color::Cyan).bold(),
     }
 }

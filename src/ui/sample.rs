@@ -86,6 +86,7 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                 }
             })
             .collect(),
+        validations: vec![],
         history,
         queues: vec![
             QueueLevel {
