@@ -220,3 +220,37 @@ pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> 
     log::info!("\n{}", report.table());
     handle.join()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_validation_pass_ends_the_progress_line() {
+        let snap = crate::ui::sample::synthetic_state(10, 1).snapshot;
+        let plain = human_line(&snap, None);
+        assert!(plain.starts_with("step 10/20 epoch 0 loss "), "{plain}");
+        assert!(plain.contains(" accept 1.00 "), "{plain}");
+        assert!(!plain.contains("tau"), "{plain}");
+        let v = ValidationRecord {
+            step: 10,
+            loss: 2.5,
+            accuracy: 0.25,
+            accept_mean: 1.75,
+            tau: 1.5,
+            sequences: 4,
+            answers: 5,
+            answer_steps: 60,
+            tokens: 90,
+            blocks: 300,
+            validation_s: 0.5,
+            best: true,
+            elapsed_s: 2.5,
+        };
+        let line = human_line(&snap, Some(&v));
+        assert_eq!(
+            line,
+            format!("{plain} | val (step 10) loss 2.5000 acc 0.250 tau 1.50")
+        );
+    }
+}

@@ -4,7 +4,7 @@
 use crate::pipeline::queue::QueueLevel;
 use crate::telemetry::gpu::GpuReading;
 use crate::telemetry::profile::{EventStats, ProfileReport, ProfileRow, EVENTS};
-use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord};
+use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
 
 use super::state::AppState;
 
@@ -86,7 +86,27 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                 }
             })
             .collect(),
-        validations: vec![],
+        validations: (1..=steps as u64 / 250)
+            .map(|i| {
+                let step = i * 250;
+                let x = step as f64;
+                ValidationRecord {
+                    step,
+                    loss: 2.4 + 8.0 / (1.0 + x / 300.0),
+                    accuracy: 0.5 * (1.0 - (-x / 4000.0).exp()),
+                    accept_mean: 1.0 + 2.0 * (1.0 - (-x / 5000.0).exp()),
+                    tau: 1.0 + 1.8 * (1.0 - (-x / 5000.0).exp()),
+                    sequences: 64,
+                    answers: 80,
+                    answer_steps: 4000,
+                    tokens: (4000.0 * (1.0 + x / 10_000.0)) as u64,
+                    blocks: 12_000,
+                    validation_s: 0.8,
+                    best: true,
+                    elapsed_s: x * 0.2,
+                }
+            })
+            .collect(),
         history,
         queues: vec![
             QueueLevel {
