@@ -1528,6 +1528,13 @@ impl Coordinator {
             .validate(&self.drafter, &self.head, self.step)
             .with_context(|| format!("validation at step {}", self.step))?;
         let validation_s = t.elapsed().as_secs_f64();
+        if !v.loss.is_finite() {
+            bail!(
+                "validation at step {}: the loss is {} (diverged)",
+                self.step,
+                v.loss
+            );
+        }
         let candidate = BestEval {
             step: self.step,
             tau: v.tau,
@@ -1552,13 +1559,6 @@ impl Coordinator {
             best,
             elapsed_s: self.shared.started.elapsed().as_secs_f64(),
         };
-        if !record.loss.is_finite() {
-            bail!(
-                "validation at step {}: the loss is {} (diverged)",
-                self.step,
-                record.loss
-            );
-        }
         self.shared
             .metrics
             .write(&MetricsRecord::Validation(record.clone()));
