@@ -227,6 +227,12 @@ fn validation_set(
     let v = &config.validation;
     let data = Path::new(&config.data.path);
     let path = if data.join("dataset_dict.json").is_file() {
+        if v.split == config.data.split {
+            log::warn!(
+                "validation: validation.split = {:?} is the training split: its sequences are not held out",
+                v.split
+            );
+        }
         resolve_split(data, Some(&v.split)).with_context(|| {
             "config: validation (sequences come from data.path, split validation.split)"
         })?
