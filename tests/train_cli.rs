@@ -84,6 +84,35 @@ fn config_errors_name_the_field() {
         err.contains("mask_token_id = 50") && err.contains("vocabulary"),
         "{err}"
     );
+
+    // [validation]: a value out of range, and a held-out split the data set does not have
+    let mut args = base_args(&i, &run_dir);
+    args.extend(["--set".into(), "validation.sequences=0".into()]);
+    let (code, _, err) = run(&args);
+    assert_ne!(code, 0);
+    assert_eq!(
+        err.trim(),
+        "error: config: validation.sequences = 0 is out of range (must be >= 1)"
+    );
+    let dict = i.tmp.path().join("dict");
+    std::fs::create_dir_all(dict.join("train")).unwrap();
+    std::fs::copy(&i.data, dict.join("train/data.arrow")).unwrap();
+    std::fs::write(dict.join("dataset_dict.json"), r#"{"splits": ["train"]}"#).unwrap();
+    let mut args = base_args(&i, &run_dir);
+    args.extend([
+        "--set".into(),
+        format!("data.path={}", dict.display()),
+        "--set".into(),
+        "validation.every_steps=5".into(),
+    ]);
+    let (code, _, err) = run(&args);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("config: validation")
+            && err.contains("no split \"validation\" (splits: train)"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
 }
 
 #[test]

@@ -13,7 +13,9 @@ use dflash_tui::config::{self, TrainConfig};
 use dflash_tui::pipeline::command::Command;
 use dflash_tui::pipeline::trainer::{self, RunOutcome, TrainerHandle};
 use dflash_tui::runtime::TorchRuntime;
-use dflash_tui::telemetry::records::{read_metrics, MetricsRecord, Phase, StepRecord};
+use dflash_tui::telemetry::records::{
+    read_metrics, MetricsRecord, Phase, StepRecord, ValidationRecord,
+};
 
 type Setup = common::TinyRun;
 
@@ -92,11 +94,16 @@ fn loss_falls_on_a_small_repeated_dataset() {
     let (first, last) = (&st[..10], &st[70..]);
     let (l0, l1) = (mean(first, |x| x.loss), mean(last, |x| x.loss));
     let (a0, a1) = (mean(first, |x| x.accuracy), mean(last, |x| x.accuracy));
-    let (t0, t1) = (mean(first, |x| x.tau_train), mean(last, |x| x.tau_train));
-    eprintln!("loss {l0:.3} -> {l1:.3}, accuracy {a0:.3} -> {a1:.3}, tau_train {t0:.2} -> {t1:.2}");
+    let (t0, t1) = (
+        mean(first, |x| x.accept_mean),
+        mean(last, |x| x.accept_mean),
+    );
+    eprintln!(
+        "loss {l0:.3} -> {l1:.3}, accuracy {a0:.3} -> {a1:.3}, accept_mean {t0:.2} -> {t1:.2}"
+    );
     assert!(l1 < 0.6 * l0, "loss {l0} -> {l1}");
     assert!(a1 > a0 + 0.2, "accuracy {a0} -> {a1}");
-    assert!(t1 > t0 + 0.5, "tau_train {t0} -> {t1}");
+    assert!(t1 > t0 + 0.5, "accept_mean {t0} -> {t1}");
     // the final checkpoint is a servable drafter folder
     let ckpt = out.last_checkpoint.unwrap();
     assert!(ckpt.join("drafter/config.json").is_file());
@@ -205,18 +212,35 @@ fn resizing_queues_neither_loses_nor_duplicates_samples() {
     );
 }
 
-#[test]
-fn checkpoint_and_resume_give_bit_identical_losses() {
-    let s = setup(24);
-    let base = [
+fn records<T>(run_dir: &Path, pick: impl Fn(MetricsRecord) -> Option<T>) -> Vec<T> {
+    read_metrics(&run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(pick)
+        .collect()
+}
+
+fn validations(run_dir: &Path) -> Vec<ValidationRecord> {
+    records(run_dir, |r| match r {
+        MetricsRecord::Validation(v) => Some(v),
+        _ => None,
+    })
+}
+
+/// A 40-step run, and the same run dying at step 21 (after the checkpoint at 20) and resumed,
+/// with `extra` settings: the same losses after the resume, bit for bit, and the same final
+/// drafter and optimizer files. Returns the two run directories.
+fn resume_is_bit_identical(s: &Setup, extra: &[&str]) -> (PathBuf, PathBuf) {
+    let mut base = vec![
         "train.total_steps=40",
         "checkpoint.save_every_steps=20",
         "telemetry.profile_interval_s=0",
     ];
+    base.extend(extra);
     // A: uninterrupted
     let run_a = s.tmp.path().join("a");
     let out = join_within(
-        start(&tiny_config(&s, &base), &run_a, false),
+        start(&tiny_config(s, &base), &run_a, false),
         Duration::from_secs(240),
     );
     assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
@@ -225,12 +249,12 @@ fn checkpoint_and_resume_give_bit_identical_losses() {
     let mut failing: Vec<&str> = base.to_vec();
     failing.extend(["debug.fail_at_step=21", "debug.fail_stage=drafter"]);
     let out = join_within(
-        start(&tiny_config(&s, &failing), &run_b, false),
+        start(&tiny_config(s, &failing), &run_b, false),
         Duration::from_secs(240),
     );
     assert_eq!(out.phase, Phase::Failed);
     let out = join_within(
-        start(&tiny_config(&s, &base), &run_b, true),
+        start(&tiny_config(s, &base), &run_b, true),
         Duration::from_secs(240),
     );
     assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
@@ -250,6 +274,67 @@ fn checkpoint_and_resume_give_bit_identical_losses() {
         a_tail, b_tail,
         "losses after resume differ from the uninterrupted run"
     );
+    let last = |run: &Path, file: &str| {
+        std::fs::read(run.join("checkpoints/step-000040").join(file)).unwrap()
+    };
+    for file in ["drafter/model.safetensors", "optimizer.safetensors"] {
+        assert!(
+            last(&run_a, file) == last(&run_b, file),
+            "{file} differs after resume"
+        );
+    }
+    (run_a, run_b)
+}
+
+#[test]
+fn checkpoint_and_resume_give_bit_identical_losses() {
+    resume_is_bit_identical(&setup(24), &[]);
+}
+
+#[test]
+fn validation_changes_nothing_of_training_and_resumes_bit_identical() {
+    // Validation passes (every 10 steps, and at the end) between the steps of both runs: the
+    // training numbers, the files and the passes after the resume stay the same bit for bit.
+    let s = setup(24);
+    let (run_a, run_b) = resume_is_bit_identical(
+        &s,
+        &[
+            "validation.every_steps=10",
+            "validation.sequences=4",
+            "validation.max_new_tokens=16",
+        ],
+    );
+    let key = |v: &ValidationRecord| {
+        (
+            v.step,
+            v.loss.to_bits(),
+            v.accuracy.to_bits(),
+            v.accept_mean.to_bits(),
+            v.tau.to_bits(),
+            v.answer_steps,
+            v.best,
+        )
+    };
+    let a: Vec<_> = validations(&run_a).iter().map(key).collect();
+    let b: Vec<_> = validations(&run_b).iter().map(key).collect();
+    assert_eq!(
+        a.iter().map(|k| k.0).collect::<Vec<_>>(),
+        vec![10, 20, 30, 40]
+    );
+    // B: 10 and 20 before the failure, 30 and 40 after the resume
+    assert_eq!(a, b);
+    let best = |run: &Path| std::fs::read_to_string(run.join("best/eval.json")).unwrap();
+    assert_eq!(best(&run_a), best(&run_b));
+    // and without validation the losses are the same as with it
+    let plain = s.tmp.path().join("plain");
+    let cfg = tiny_config(
+        &s,
+        &["train.total_steps=40", "telemetry.profile_interval_s=0"],
+    );
+    let out = join_within(start(&cfg, &plain, false), Duration::from_secs(240));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    let losses = |run: &Path| -> Vec<u64> { steps(run).iter().map(|r| r.loss.to_bits()).collect() };
+    assert_eq!(losses(&plain), losses(&run_a));
 }
 
 #[test]
@@ -613,6 +698,130 @@ fn periodic_evaluation_records_tau_and_keeps_the_best_drafter() {
 }
 
 #[test]
+fn validation_records_the_walk_tau_and_keeps_the_best_drafter() {
+    let s = setup(24);
+    let cfg = tiny_config(
+        &s,
+        &[
+            "train.total_steps=20",
+            "train.lr=1e-2",
+            "checkpoint.save_every_steps=0",
+            "eval.every_steps=10",
+            "eval.prompts=2",
+            "eval.max_new_tokens=9",
+            "validation.every_steps=4",
+            "validation.sequences=5",
+            "validation.max_new_tokens=16",
+        ],
+    );
+    let run = s.tmp.path().join("run");
+    let out = join_within(start(&cfg, &run, false), Duration::from_secs(240));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    assert_eq!(out.stop_reason, None);
+    let vals = validations(&run);
+    // every 4 steps and at every evaluation (10, 20)
+    assert_eq!(
+        vals.iter().map(|v| v.step).collect::<Vec<_>>(),
+        vec![4, 8, 10, 12, 16, 20]
+    );
+    let block = cfg.model.block_size as f64;
+    let mut best = f64::NEG_INFINITY;
+    for v in &vals {
+        assert_eq!(v.sequences, 5);
+        assert!(v.answers >= 5 && v.answer_steps >= v.answers, "{v:?}");
+        assert!(v.loss.is_finite() && v.loss > 0.0, "{v:?}");
+        assert!((0.0..=1.0).contains(&v.accuracy), "{v:?}");
+        assert!((1.0..=block).contains(&v.accept_mean), "{v:?}");
+        assert!((1.0..=block).contains(&v.tau), "{v:?}");
+        assert_eq!(v.tau, v.tokens as f64 / v.answer_steps as f64);
+        // at most 16 tokens into each answer
+        assert!(v.tokens <= 16 * v.answers, "{v:?}");
+        assert_eq!(v.best, v.tau > best, "step {}", v.step);
+        best = best.max(v.tau);
+    }
+    // with validation on, best/ follows the walk tau, not the decoded one
+    let evals: Vec<_> = records(&run, |r| match r {
+        MetricsRecord::Eval(e) => Some(e),
+        _ => None,
+    });
+    assert_eq!(
+        evals.iter().map(|e| e.step).collect::<Vec<_>>(),
+        vec![10, 20]
+    );
+    assert!(evals.iter().all(|e| !e.best));
+    let top = vals.iter().rfind(|v| v.best).unwrap();
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("best/eval.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["rule"], "validation_walk_tau");
+    assert_eq!(saved["step"], top.step);
+    assert_eq!(saved["sequences"], 5);
+    assert!((saved["tau"].as_f64().unwrap() - top.tau).abs() < 1e-12);
+    // the log line says what was measured
+    let events: Vec<String> = records(&run, |r| match r {
+        MetricsRecord::Event { kind, message, .. } if kind == "validation" => Some(message),
+        _ => None,
+    });
+    assert_eq!(events.len(), vals.len());
+    assert!(
+        events[0].starts_with("validation at step 4: loss ") && events[0].contains("tau(walk)"),
+        "{}",
+        events[0]
+    );
+}
+
+#[test]
+fn patience_stops_a_run_that_no_longer_improves_with_a_checkpoint() {
+    // A learning rate too small to move an fp32 weight: every pass measures the same tau, so
+    // after the first (the best) two more without a new best end the run at step 6 of 200.
+    let s = setup(24);
+    let cfg = tiny_config(
+        &s,
+        &[
+            "train.total_steps=200",
+            "train.lr=1e-12",
+            "checkpoint.save_every_steps=0",
+            "validation.every_steps=2",
+            "validation.sequences=3",
+            "validation.patience=2",
+        ],
+    );
+    let run = s.tmp.path().join("run");
+    let out = join_within(start(&cfg, &run, false), Duration::from_secs(240));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    assert_eq!(out.steps, 6);
+    let reason = out.stop_reason.clone().unwrap();
+    assert!(
+        reason.starts_with("early stop at step 6: no new best validation tau in 2 passes"),
+        "{reason}"
+    );
+    assert!(reason.contains("validation.patience = 2"), "{reason}");
+    let ckpt = out.last_checkpoint.unwrap();
+    assert!(ckpt.ends_with("step-000006"), "{}", ckpt.display());
+    assert_eq!(
+        std::fs::read_link(run.join("checkpoints/latest")).unwrap(),
+        PathBuf::from("step-000006")
+    );
+    let vals = validations(&run);
+    assert_eq!(
+        vals.iter().map(|v| (v.step, v.best)).collect::<Vec<_>>(),
+        vec![(2, true), (4, false), (6, false)]
+    );
+    let summary = records(&run, |r| match r {
+        MetricsRecord::Summary {
+            phase, stop_reason, ..
+        } => Some((phase, stop_reason)),
+        _ => None,
+    });
+    assert_eq!(summary, vec![(Phase::Finished, Some(reason.clone()))]);
+    let early: Vec<String> = records(&run, |r| match r {
+        MetricsRecord::Event { kind, message, .. } if kind == "early_stop" => Some(message),
+        _ => None,
+    });
+    assert_eq!(early, vec![reason]);
+}
+
+#[test]
 fn chunked_and_dense_attention_give_the_same_loss_curve_on_the_demo_data() {
     // The real SmolLM2 target on the demo chat data, 50 steps with each exact formulation of
     // the training attention (same seeds, same batches, same anchors).
@@ -629,6 +838,7 @@ fn chunked_and_dense_attention_give_the_same_loss_curve_on_the_demo_data() {
                 "train.total_steps=50".into(),
                 "checkpoint.save_every_steps=0".into(),
                 "eval.every_steps=0".into(),
+                "validation.every_steps=0".into(),
                 format!("train.attention={attention}"),
             ],
         )

@@ -4,8 +4,8 @@
 use dflash_tui::pipeline::queue::QueueLevel;
 use dflash_tui::telemetry::gpu::GpuReading;
 use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow};
-use dflash_tui::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord};
-use dflash_tui::ui::render::{downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS};
+use dflash_tui::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
+use dflash_tui::ui::render::{downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS, NO_TAU};
 use dflash_tui::ui::state::{AppState, Mode};
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
@@ -31,7 +31,7 @@ fn step_record(step: u64) -> StepRecord {
         epoch: step / 1000,
         loss: 1.2 + 2.4 * (-s / 90.0).exp() + 0.04 * (s / 5.0).sin(),
         accuracy: 0.2 + 0.5 * (1.0 - (-s / 120.0).exp()),
-        tau_train: 1.0 + 2.6 * (1.0 - (-s / 110.0).exp()) + 0.05 * (s / 9.0).cos(),
+        accept_mean: 1.0 + 2.6 * (1.0 - (-s / 110.0).exp()) + 0.05 * (s / 9.0).cos(),
         lr,
         grad_norm: 1.0 + 0.5 * (-s / 60.0).exp(),
         tokens: 16_384,
@@ -137,6 +137,7 @@ fn training() -> Snapshot {
         last,
         history,
         evals: vec![],
+        validations: vec![],
         queues: queues(),
         profile: Some(profile()),
         profile_interval_s: 10.0,
@@ -340,7 +341,7 @@ fn evaluation_tau_is_drawn_on_the_tau_chart() {
     for s in [&big, &small] {
         assert!(s.contains("evaluating"), "{s}");
         assert!(
-            s.contains("tau 2.47"),
+            s.contains("tau decoded 2.470"),
             "the latest eval tau in the chart title: {s}"
         );
     }
@@ -348,8 +349,66 @@ fn evaluation_tau_is_drawn_on_the_tau_chart() {
     let mut plain = evaluating();
     plain.snapshot.evals.clear();
     let without = screen(&plain, 120, 40);
-    assert!(!without.contains("tau 2.47"));
+    assert!(!without.contains("decoded"));
+    assert!(without.contains(NO_TAU), "{without}");
     assert_ne!(without, big);
+}
+
+/// Validation passes every 25 steps that stop improving while training goes on: the held-out
+/// loss turns up and the accuracy down (overfitting), the walk tau flattens below the training
+/// blocks' anchor mean. The run is validating at step 300; evaluations at 100, 200, 300.
+fn validating() -> AppState {
+    let mut s = evaluating().snapshot;
+    s.phase = Phase::Validating;
+    s.validations = (1..=12u64)
+        .map(|i| {
+            let step = 25 * i;
+            let x = step as f64;
+            let late = (x - 150.0).max(0.0);
+            ValidationRecord {
+                step,
+                loss: 1.6 + 2.2 * (-x / 90.0).exp() + 0.004 * late,
+                accuracy: 0.18 + 0.4 * (1.0 - (-x / 120.0).exp()) - 0.0006 * late,
+                accept_mean: 1.0 + 2.0 * (1.0 - (-x / 110.0).exp()),
+                tau: 1.0 + 1.2 * (1.0 - (-x / 80.0).exp()) - 0.001 * late,
+                sequences: 64,
+                answers: 80,
+                answer_steps: 4000,
+                tokens: 8000,
+                blocks: 12_000,
+                validation_s: 0.8,
+                best: late == 0.0,
+                elapsed_s: 1.3 * x,
+            }
+        })
+        .collect();
+    AppState::new(s)
+}
+
+#[test]
+fn validation_is_drawn_beside_the_training_curves_and_is_the_tau() {
+    let (big, small) = snap_both!("validating", validating());
+    for s in [&big, &small] {
+        assert!(s.contains("validating"), "{s}");
+        // the latest pass in the loss and accuracy titles, beside the training values
+        assert!(s.contains("loss 1.273 val 2.278"), "{s}");
+        assert!(s.contains("val 0.457"), "{s}");
+    }
+    assert!(big.contains("accuracy 0.659 val 0.457"), "{big}");
+    // the walk tau is the tau; the decoded one stands beside it
+    assert!(big.contains("tau walk 2.022 decoded 2.470"), "{big}");
+    assert!(small.contains("tau 2.022 dec 2.470"), "{small}");
+    assert!(big.contains("accept (train) 3.413 val 2.869"), "{big}");
+    // nothing calls the training blocks' acceptance a tau
+    assert!(
+        !big.contains("tau_train") && !big.contains("tau (train)"),
+        "{big}"
+    );
+    // the passes change the charts
+    let mut plain = validating();
+    plain.snapshot.validations.clear();
+    assert_ne!(screen(&plain, 120, 40), big);
+    assert_ne!(screen(&plain, 80, 24), small);
 }
 
 #[test]

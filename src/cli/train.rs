@@ -98,12 +98,16 @@ pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>, bool)) -> R
     match (&outcome.phase, &outcome.error) {
         (Phase::Finished, None) => {
             let last = outcome.final_step.as_ref();
+            let ended = match &outcome.stop_reason {
+                Some(reason) => format!("run finished ({reason})"),
+                None => "run finished".to_string(),
+            };
             println!(
-                "run finished: {} steps, loss {}, accuracy {}, tau_train {}, last checkpoint {}, run dir {}",
+                "{ended}: {} steps, loss {}, accuracy {}, anchor-mean acceptance (train) {}, last checkpoint {}, run dir {}",
                 outcome.steps,
                 last.map_or("-".into(), |l| format!("{:.4}", l.loss)),
                 last.map_or("-".into(), |l| format!("{:.3}", l.accuracy)),
-                last.map_or("-".into(), |l| format!("{:.2}", l.tau_train)),
+                last.map_or("-".into(), |l| format!("{:.2}", l.accept_mean)),
                 outcome
                     .last_checkpoint
                     .as_ref()

@@ -3,7 +3,7 @@
 //!
 //! # File format
 //!
-//! A TOML file with up to nine sections, each a table of plain fields:
+//! A TOML file with up to eleven sections, each a table of plain fields:
 //!
 //! ```toml
 //! [run]          # name, runs folder, seed
@@ -13,6 +13,8 @@
 //! [devices]      # where the target and the drafter run
 //! [pipeline]     # queue depths between the background stages
 //! [checkpoint]   # how often to save and how many checkpoints to keep
+//! [eval]         # periodic tau by real speculative decoding on held-out prompts
+//! [validation]   # periodic teacher-forced measurements on held-out sequences, early stopping
 //! [telemetry]    # logging, profiling and GPU sampling intervals
 //! [debug]        # fault injection for tests of the failure handling
 //! ```
@@ -64,6 +66,7 @@ pub struct TrainConfig {
     pub pipeline: PipelineSection,
     pub checkpoint: CheckpointSection,
     pub eval: EvalSection,
+    pub validation: ValidationSection,
     pub telemetry: TelemetrySection,
     pub debug: DebugSection,
 }
@@ -371,6 +374,44 @@ impl Default for EvalSection {
             prompts: 16,
             max_new_tokens: 128,
             split: "validation".into(),
+        }
+    }
+}
+
+/// `[validation]`: held-out validation during training (see [`crate::train::validation`]).
+/// Every `every_steps` steps, and at every `[eval]` evaluation, drafter worker 0 (on the first
+/// drafter device, between steps, with the target copy evaluation uses) measures the drafter
+/// teacher-forced on the first `sequences` usable rows of `split`: loss, weighted accuracy,
+/// anchor-mean acceptance, and the walk tau, the acceptance length greedy decoding would get on
+/// each answer (up to `max_new_tokens` into it). With validation on, `RUN_DIR/best/` keeps the
+/// drafter of the best walk tau, and `patience` passes without a new best stop the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValidationSection {
+    /// Validate every N optimiser steps (0 = off). Default 0.
+    pub every_steps: u64,
+    /// Split of `data.path` the sequences come from (a dataset without splits is used as
+    /// it is). Default "validation".
+    pub split: String,
+    /// Held-out sequences per pass: the first N usable rows of the split (the rows training
+    /// would keep), in file order, so that every pass measures the same set; >= 1. Default 64.
+    pub sequences: usize,
+    /// How far into each answer the walk goes, in tokens (as `eval --max-new-tokens`),
+    /// 1..=65536. Default 128.
+    pub max_new_tokens: usize,
+    /// Stop the run (with a checkpoint) after this many passes without a new best walk tau
+    /// (0 = never). Default 0.
+    pub patience: u64,
+}
+
+impl Default for ValidationSection {
+    fn default() -> Self {
+        ValidationSection {
+            every_steps: 0,
+            split: "validation".into(),
+            sequences: 64,
+            max_new_tokens: 128,
+            patience: 0,
         }
     }
 }

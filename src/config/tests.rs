@@ -86,6 +86,9 @@ fn defaults() {
     assert_eq!(c.checkpoint.save_every_steps, 500);
     assert_eq!(c.checkpoint.save_every_minutes, 30.0);
     assert_eq!(c.checkpoint.keep_checkpoints, 3);
+    let v = &c.validation;
+    assert_eq!((v.every_steps, v.split.as_str()), (0, "validation"));
+    assert_eq!((v.sequences, v.max_new_tokens, v.patience), (64, 128, 0));
     assert_eq!(c.telemetry.log_every_steps, 10);
     assert_eq!(c.telemetry.profile_interval_s, 30.0);
     assert_eq!(c.telemetry.gpu_sample_interval_s, 1.0);
@@ -251,6 +254,24 @@ fn overrides_are_validated() {
 }
 
 #[test]
+fn validation_section_errors_name_the_field() {
+    let text = format!("{MINIMAL}\n[validation]\nevery_steps = 10\nsequences = \"many\"\n");
+    let e = err_text(from_toml_str(&text, "v.toml", &[]));
+    assert!(e.contains("validation.sequences"), "{e}");
+    assert!(e.contains("v.toml (line"), "{e}");
+    let text = format!("{MINIMAL}\n[validation]\nevery_step = 10\n");
+    let e = err_text(from_toml_str(&text, "v.toml", &[]));
+    assert!(e.contains("unknown field `every_step`"), "{e}");
+    let e = err_text(minimal(&["validation.max_new_tokens=0"]));
+    assert_eq!(
+        e,
+        "config: validation.max_new_tokens = 0 is out of range (must be between 1 and 65536)"
+    );
+    let c = minimal(&["validation.every_steps=50", "validation.patience=4"]).unwrap();
+    assert_eq!((c.validation.every_steps, c.validation.patience), (50, 4));
+}
+
+#[test]
 fn unknown_override_key_is_rejected() {
     let e = err_text(minimal(&["train.learning_rate=1e-4"]));
     assert!(e.contains("train.learning_rate"), "{e}");
@@ -396,6 +417,22 @@ fn validation_errors_name_their_field() {
             Box::new(|c| c.checkpoint.keep_checkpoints = 0),
         ),
         (
+            "validation.split is required",
+            Box::new(|c| c.validation.split = " ".into()),
+        ),
+        (
+            "validation.sequences = 0",
+            Box::new(|c| c.validation.sequences = 0),
+        ),
+        (
+            "validation.max_new_tokens = 0",
+            Box::new(|c| c.validation.max_new_tokens = 0),
+        ),
+        (
+            "validation.patience = 3 needs validation.every_steps > 0",
+            Box::new(|c| c.validation.patience = 3),
+        ),
+        (
             "telemetry.log_every_steps = 0",
             Box::new(|c| c.telemetry.log_every_steps = 0),
         ),
@@ -522,6 +559,8 @@ fn round_trip() {
         "[devices]",
         "[pipeline]",
         "[checkpoint]",
+        "[eval]",
+        "[validation]",
         "[telemetry]",
         "[debug]",
     ] {
@@ -619,6 +658,9 @@ fn shipped_configs_parse_validate_and_list_every_field() {
         (200, 10.0)
     );
     assert_eq!(demo.telemetry.log_every_steps, 1);
+    // validation on, measuring as far into the answers as the periodic eval decodes
+    assert_eq!(demo.validation.every_steps, 100);
+    assert_eq!(demo.validation.max_new_tokens, demo.eval.max_new_tokens);
 
     let gpu = load(&dir.join("gpu-smollm2.toml"), &[]).unwrap();
     assert_eq!(gpu.model.mask_token_id, 16);
@@ -634,6 +676,11 @@ fn shipped_configs_parse_validate_and_list_every_field() {
     assert_eq!(gpu.devices.target_devices, vec!["cuda:0"]);
     assert_eq!(gpu.devices.drafter_devices, vec!["cuda:0"]);
     assert_eq!(gpu.devices.grad_sync, "auto");
+    assert_eq!(
+        (gpu.validation.every_steps, gpu.validation.sequences),
+        (100, 64)
+    );
+    assert_eq!(gpu.validation.max_new_tokens, gpu.eval.max_new_tokens);
 
     // Tests point the tiny config at their own files.
     let c = load(

@@ -154,6 +154,20 @@ impl TrainConfig {
         at_least("eval.prompts", e.prompts, 1)?;
         int_between("eval.max_new_tokens", e.max_new_tokens, 1, 65536)?;
 
+        let v = &self.validation;
+        if v.split.trim().is_empty() {
+            bail!("config: validation.split is required (e.g. \"validation\")");
+        }
+        at_least("validation.sequences", v.sequences, 1)?;
+        int_between("validation.max_new_tokens", v.max_new_tokens, 1, 65536)?;
+        if v.patience > 0 && v.every_steps == 0 {
+            bail!(
+                "config: validation.patience = {} needs validation.every_steps > 0 (patience \
+                 counts validation passes; 0 turns early stopping off)",
+                v.patience
+            );
+        }
+
         let tel = &self.telemetry;
         at_least("telemetry.log_every_steps", tel.log_every_steps, 1)?;
         float(

@@ -10,7 +10,7 @@ use super::command::Command;
 use super::control::Request;
 use super::trainer::{RunOutcome, TrainerHandle};
 use crate::telemetry::gpu::GpuMonitor;
-use crate::telemetry::records::{GpuRecord, MetricsRecord, Snapshot};
+use crate::telemetry::records::{GpuRecord, MetricsRecord, Snapshot, ValidationRecord};
 
 /// Signals: SIGINT/SIGTERM stop with a checkpoint (a second one stops at once), SIGUSR1
 /// checkpoints. Handlers only count.
@@ -54,8 +54,20 @@ fn fmt_duration(s: f64) -> String {
     }
 }
 
-/// The human line of a snapshot.
-pub fn human_line(s: &Snapshot) -> String {
+/// The human line of a snapshot; `validation`, a pass made since the previous line, is added
+/// at its end.
+pub fn human_line(s: &Snapshot, validation: Option<&ValidationRecord>) -> String {
+    let line = progress_line(s);
+    match validation {
+        Some(v) => format!(
+            "{line} | val (step {}) loss {:.4} acc {:.3} tau {:.2}",
+            v.step, v.loss, v.accuracy, v.tau
+        ),
+        None => line,
+    }
+}
+
+fn progress_line(s: &Snapshot) -> String {
     let q: Vec<String> = s
         .queues
         .iter()
@@ -63,13 +75,13 @@ pub fn human_line(s: &Snapshot) -> String {
         .collect();
     match &s.last {
         Some(l) => format!(
-            "step {}/{} epoch {} loss {:.4} acc {:.3} tau {:.2} lr {:.2e} tok/s {:.0} samples/s {:.2} | {} | ETA {}",
+            "step {}/{} epoch {} loss {:.4} acc {:.3} accept {:.2} lr {:.2e} tok/s {:.0} samples/s {:.2} | {} | ETA {}",
             s.step,
             s.total_steps,
             s.epoch,
             l.loss,
             l.accuracy,
-            l.tau_train,
+            l.accept_mean,
             l.lr,
             s.tokens_per_s,
             s.samples_per_s,
@@ -139,6 +151,7 @@ pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> 
     };
     let gpu = GpuMonitor::open().ok();
     let mut last_logged = u64::MAX;
+    let mut last_validation = None;
     let mut last_profile = Instant::now();
     let mut last_queues = Instant::now();
     let mut last_gpu = Instant::now();
@@ -169,7 +182,12 @@ pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> 
             && (snap.step.is_multiple_of(log_every_steps.max(1)) || snap.step == snap.total_steps)
         {
             last_logged = snap.step;
-            log::info!("{}", human_line(&snap));
+            let validation = snap
+                .validations
+                .last()
+                .filter(|v| last_validation != Some(v.step));
+            last_validation = snap.validations.last().map(|v| v.step);
+            log::info!("{}", human_line(&snap, validation));
         }
         let interval = handle.profile_interval_s();
         if interval > 0.0 && last_profile.elapsed().as_secs_f64() >= interval {
@@ -201,4 +219,38 @@ pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> 
     let report = handle.profile_report();
     log::info!("\n{}", report.table());
     handle.join()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_validation_pass_ends_the_progress_line() {
+        let snap = crate::ui::sample::synthetic_state(10, 1).snapshot;
+        let plain = human_line(&snap, None);
+        assert!(plain.starts_with("step 10/20 epoch 0 loss "), "{plain}");
+        assert!(plain.contains(" accept 1.00 "), "{plain}");
+        assert!(!plain.contains("tau"), "{plain}");
+        let v = ValidationRecord {
+            step: 10,
+            loss: 2.5,
+            accuracy: 0.25,
+            accept_mean: 1.75,
+            tau: 1.5,
+            sequences: 4,
+            answers: 5,
+            answer_steps: 60,
+            tokens: 90,
+            blocks: 300,
+            validation_s: 0.5,
+            best: true,
+            elapsed_s: 2.5,
+        };
+        let line = human_line(&snap, Some(&v));
+        assert_eq!(
+            line,
+            format!("{plain} | val (step 10) loss 2.5000 acc 0.250 tau 1.50")
+        );
+    }
 }

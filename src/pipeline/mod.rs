@@ -7,6 +7,7 @@ pub mod command;
 pub mod control;
 pub mod device_event;
 pub mod headless;
+mod held_out;
 pub mod nccl;
 pub mod queue;
 pub mod trainer;

@@ -18,12 +18,11 @@ use tch::{Device, Kind, Tensor};
 use super::collective::{self, CoordinatorSync, GradSyncPlan, ParamsMsg, ReplicaSync};
 use super::command::Command;
 use super::device_event::{DeviceEvent, DeviceEvents};
+use super::held_out::{HeldOut, Resumed};
 use super::queue::{QueueClosed, QueueLevel, ResizableQueue};
 use crate::config::TrainConfig;
 use crate::data::packer::{collate, Packer, PackerConfig, PackerState};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
-use crate::eval::prompts::{check_prompts, prompts_from_data};
-use crate::eval::speculative::measure_tau;
 use crate::model::layers::upload;
 use crate::model::{
     AnchorBatch, Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, SharedTarget,
@@ -32,11 +31,11 @@ use crate::model::{
 use crate::runtime::TorchRuntime;
 use crate::telemetry::profile::{Event, ProfileReport, ProfileStats};
 use crate::telemetry::records::{
-    EvalRecord, MetricsRecord, MetricsWriter, Phase, Snapshot, StepRecord,
+    EvalRecord, MetricsRecord, MetricsWriter, Phase, Snapshot, StepRecord, ValidationRecord,
 };
 use crate::train::checkpoint::{
-    latest_checkpoint, read_best, read_state, save_best, save_checkpoint, BestEval,
-    CheckpointFault, TrainerState,
+    latest_checkpoint, read_state, save_checkpoint, BestEval, BestRule, CheckpointFault,
+    TrainerState,
 };
 use crate::train::loss::{
     block_targets, loss_and_backward_deferred, sample_anchors, LossOptions, LossSums, LossTensors,
@@ -45,7 +44,7 @@ use crate::train::optim::{lr_at, AdamW, AdamWConfig};
 
 /// Steps kept for the charts.
 const HISTORY: usize = 20_000;
-/// Periodic evaluations kept for the charts.
+/// Periodic evaluations and validation passes kept for the charts.
 const EVAL_HISTORY: usize = 2_000;
 
 /// A batch on its way to a target worker.
@@ -89,7 +88,10 @@ struct Status {
     samples_seen: u64,
     history: Vec<StepRecord>,
     evals: Vec<EvalRecord>,
+    validations: Vec<ValidationRecord>,
     error: Option<String>,
+    /// Why the run stopped before its last step, if it did.
+    stop_reason: Option<String>,
     last_checkpoint: Option<PathBuf>,
     tokens_per_s: f64,
     samples_per_s: f64,
@@ -189,6 +191,8 @@ pub struct RunOutcome {
     pub error: Option<String>,
     pub last_checkpoint: Option<PathBuf>,
     pub final_step: Option<StepRecord>,
+    /// Why the run stopped before its last step (a command, early stopping), if it did.
+    pub stop_reason: Option<String>,
 }
 
 /// A running trainer.
@@ -217,16 +221,6 @@ fn seed_for(seed: u64, step: u64, replica: usize, micro: usize) -> u64 {
     x ^ (x >> 31)
 }
 
-/// Periodic evaluation: held-out prompts and a target on the first drafter device.
-struct EvalSetup {
-    prompts: Vec<Vec<u32>>,
-    target: Arc<SharedTarget>,
-    eos: Vec<u32>,
-    best: Option<BestEval>,
-    /// Step of the latest evaluation.
-    last_step: Option<u64>,
-}
-
 /// Everything the stages need, prepared before any thread starts (so configuration and input
 /// errors are reported before training begins).
 struct Prepared {
@@ -245,10 +239,10 @@ struct Prepared {
     target_devices: Vec<Device>,
     drafter_devices: Vec<Device>,
     grad_sync: GradSyncPlan,
-    eval: Option<EvalSetup>,
+    held_out: Option<HeldOut>,
 }
 
-fn load_target(
+pub(super) fn load_target(
     config: &TrainConfig,
     dir: &Path,
     device: Device,
@@ -422,6 +416,7 @@ fn prepare(
 
     let mut packer_state = PackerState::default();
     let (mut start_step, mut start_epoch, mut tokens_seen, mut samples_seen) = (0, 0, 0, 0);
+    let mut validations_since_best = 0;
     if let Some(run_dir) = resume {
         let ckpt = latest_checkpoint(run_dir)?;
         let state = read_state(&ckpt)?;
@@ -433,6 +428,7 @@ fn prepare(
         start_epoch = state.epoch;
         tokens_seen = state.tokens_seen;
         samples_seen = state.samples_seen;
+        validations_since_best = state.validations_since_best;
         log::info!("resuming from {} at step {}", ckpt.display(), state.step);
     }
     // Every replica starts from the master weights (exactly those saved, on resume).
@@ -443,45 +439,19 @@ fn prepare(
         .iter()
         .map(|&d| FrozenHead::from_target(&targets[0], d, drafter_kind))
         .collect();
-    let eval = if config.eval.every_steps > 0 {
-        let e = &config.eval;
-        let data = Path::new(&config.data.path);
-        let prompts = prompts_from_data(data, &e.split, e.prompts)
-            .with_context(|| "config: eval (prompts come from data.path, split eval.split)")?;
-        check_prompts(
-            &prompts,
-            target_cfg,
-            e.max_new_tokens,
-            config.model.block_size as usize,
-            &format!("config: eval: {} split {:?}", data.display(), e.split),
-        )?;
-        let dev = drafter_devices[0];
-        let target = match targets.iter().find(|t| t.device == dev) {
-            Some(t) => t.clone(),
-            None => {
-                let t = load_target(config, &target_dir, dev, target_kind)?;
-                log::info!("evaluation: a copy of the target on {dev:?}");
-                Arc::new(SharedTarget::new(t))
-            }
-        };
-        log::info!(
-            "evaluation every {} steps: {} held-out prompts, {} new tokens each",
-            e.every_steps,
-            prompts.len(),
-            e.max_new_tokens
-        );
-        Some(EvalSetup {
-            prompts: prompts.into_iter().map(|p| p.ids).collect(),
-            eos: crate::model::model_eos_ids(&target_dir, &target.config)?,
-            target,
-            best: resume.and_then(read_best),
-            last_step: None,
-        })
-    } else {
-        None
-    };
+    let dev = drafter_devices[0];
+    let held_out = HeldOut::prepare(
+        config,
+        &targets,
+        dev,
+        || load_target(config, &target_dir, dev, target_kind),
+        resume.map(|run_dir| Resumed {
+            run_dir,
+            validations_since_best,
+        }),
+    )?;
     Ok(Prepared {
-        eval,
+        held_out,
         config: config.clone(),
         heads,
         store,
@@ -679,7 +649,7 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         tokens_seen: p.tokens_seen,
         samples_seen: p.samples_seen,
         last_save: Instant::now(),
-        eval: p.eval,
+        held_out: p.held_out,
         queued: None,
         events: DeviceEvents::load(),
         last_step_end: Instant::now(),
@@ -1233,7 +1203,7 @@ struct Coordinator {
     tokens_seen: u64,
     samples_seen: u64,
     last_save: Instant,
-    eval: Option<EvalSetup>,
+    held_out: Option<HeldOut>,
     queued: Option<QueuedStep>,
     /// CUDA events (see [`QueuedStep`]); `None` on the CPU or without the CUDA runtime.
     events: Option<DeviceEvents>,
@@ -1355,6 +1325,8 @@ impl Coordinator {
             }
             let eval_due =
                 cfg.eval.every_steps > 0 && self.step.is_multiple_of(cfg.eval.every_steps);
+            let validation_due = cfg.validation.every_steps > 0
+                && (eval_due || self.step.is_multiple_of(cfg.validation.every_steps));
             let periodic_steps = cfg.checkpoint.save_every_steps > 0
                 && self.step.is_multiple_of(cfg.checkpoint.save_every_steps);
             let periodic_time = cfg.checkpoint.save_every_minutes > 0.0
@@ -1363,7 +1335,7 @@ impl Coordinator {
             let fault_due = cfg.debug.fail_stage == "drafter"
                 && cfg.debug.fail_at_step > 0
                 && self.step == cfg.debug.fail_at_step;
-            if eval_due || periodic_steps || periodic_time || fault_due {
+            if eval_due || validation_due || periodic_steps || periodic_time || fault_due {
                 self.finish_queued()?;
             }
             if fault_due {
@@ -1375,12 +1347,18 @@ impl Coordinator {
             if eval_due {
                 self.evaluate()?;
             }
+            if validation_due {
+                self.validate()?;
+                if let Some(reason) = self.patience_exhausted() {
+                    return self.stop_early(reason);
+                }
+            }
             if periodic_steps || periodic_time {
                 self.checkpoint("periodic")?;
             }
         }
         self.finish_queued()?;
-        self.final_evaluation()?;
+        self.final_measurements()?;
         self.checkpoint("final")?;
         self.shared.set_phase(Phase::Finished);
         self.shared
@@ -1427,7 +1405,7 @@ impl Coordinator {
             epoch: q.epoch,
             loss: sums.loss(),
             accuracy: sums.accuracy(),
-            tau_train: sums.tau_train(),
+            accept_mean: sums.accept_mean(),
             lr: q.lr,
             grad_norm,
             tokens: q.tokens,
@@ -1461,59 +1439,51 @@ impl Coordinator {
         Ok(())
     }
 
-    /// At the end of a run, the last weights are evaluated too (unless this step already
-    /// was), so that `best/` never misses them.
-    fn final_evaluation(&mut self) -> Result<()> {
-        let evaluated = self
-            .eval
-            .as_ref()
-            .is_some_and(|e| e.last_step == Some(self.step));
-        if self.eval.is_some() && self.step > 0 && !evaluated {
+    /// At the end of a run, the last weights are evaluated and validated too (unless this
+    /// step already was), so that `best/` never misses them.
+    fn final_measurements(&mut self) -> Result<()> {
+        let Some(h) = &self.held_out else {
+            return Ok(());
+        };
+        let step = Some(self.step);
+        let evaluate = h.evaluates() && h.last_eval != step;
+        let validate = h.validates() && h.last_validation != step;
+        if self.step > 0 && evaluate {
             self.evaluate()?;
+        }
+        if self.step > 0 && validate {
+            self.validate()?;
         }
         Ok(())
     }
 
-    /// Acceptance length on the held-out prompts by real speculative decoding; a new best
-    /// drafter is saved to `RUN_DIR/best/`.
+    /// Acceptance length on the held-out prompts by real speculative decoding; without
+    /// validation, a new best drafter is saved to `RUN_DIR/best/`.
     fn evaluate(&mut self) -> Result<()> {
-        let Some(setup) = self.eval.as_mut() else {
+        let Some(h) = self.held_out.as_mut() else {
             return Ok(());
         };
-        setup.last_step = Some(self.step);
         let previous = self.shared.status().phase;
         self.shared.set_phase(Phase::Evaluating);
         let t = Instant::now();
-        let summary = measure_tau(
-            &setup.target,
-            &self.drafter,
-            &self.head,
-            &setup.prompts,
-            self.config.eval.max_new_tokens,
-            &setup.eos,
-        )
-        .with_context(|| format!("evaluation at step {}", self.step))?;
+        let max_new_tokens = self.config.eval.max_new_tokens;
+        let summary = h
+            .evaluate(&self.drafter, &self.head, self.step, max_new_tokens)
+            .with_context(|| format!("evaluation at step {}", self.step))?;
         let eval_s = t.elapsed().as_secs_f64();
-        let best = setup.best.as_ref().is_none_or(|b| summary.tau > b.tau);
-        if best {
-            let record = BestEval {
-                step: self.step,
-                tau: summary.tau,
-                prompts: setup.prompts.len(),
-                max_new_tokens: self.config.eval.max_new_tokens,
-            };
-            save_best(&self.shared.run_dir, &self.drafter, &record).with_context(|| {
-                format!(
-                    "saving the best drafter at step {}; the previous best is kept",
-                    self.step
-                )
-            })?;
-            setup.best = Some(record);
-        }
+        let candidate = BestEval {
+            step: self.step,
+            tau: summary.tau,
+            rule: BestRule::EvalDecodedTau,
+            prompts: h.prompts(),
+            sequences: 0,
+            max_new_tokens,
+        };
+        let best = h.offer_best(&self.shared.run_dir, &self.drafter, candidate)?;
         let record = EvalRecord {
             step: self.step,
             tau: summary.tau,
-            prompts: setup.prompts.len(),
+            prompts: h.prompts(),
             decode_steps: summary.decode_steps,
             generated_tokens: summary.generated_tokens,
             accepted_by_slot: summary.accepted_by_slot,
@@ -1524,6 +1494,7 @@ impl Coordinator {
         self.shared
             .metrics
             .write(&MetricsRecord::Eval(record.clone()));
+        let note = self.best_note(best, BestRule::EvalDecodedTau);
         {
             let mut st = self.shared.status();
             if st.evals.len() >= EVAL_HISTORY {
@@ -1531,24 +1502,137 @@ impl Coordinator {
             }
             st.evals.push(record.clone());
         }
-        let best_note = match &setup.best {
-            Some(_) if best => format!(
-                "new best, saved to {}",
-                self.shared.run_dir.join("best").display()
-            ),
-            Some(b) => format!("best {:.3} at step {}", b.tau, b.step),
-            None => String::new(),
-        };
         self.shared.event(
             "eval",
             format!(
-                "eval at step {}: tau {:.3} over {} prompts ({} tokens, {:.1} s); {best_note}",
+                "eval at step {}: tau {:.3} over {} prompts ({} tokens, {:.1} s){note}",
                 self.step, record.tau, record.prompts, record.generated_tokens, eval_s
             ),
         );
         if let Some(p) = previous {
             self.shared.set_phase(p);
         }
+        Ok(())
+    }
+
+    /// A validation pass on the held-out sequences (see [`crate::train::validation`]); a new
+    /// best walk tau saves the drafter to `RUN_DIR/best/`.
+    fn validate(&mut self) -> Result<()> {
+        let Some(h) = self.held_out.as_mut() else {
+            return Ok(());
+        };
+        let previous = self.shared.status().phase;
+        self.shared.set_phase(Phase::Validating);
+        let t = Instant::now();
+        let v = h
+            .validate(&self.drafter, &self.head, self.step)
+            .with_context(|| format!("validation at step {}", self.step))?;
+        let validation_s = t.elapsed().as_secs_f64();
+        if !v.loss.is_finite() {
+            bail!(
+                "validation at step {}: the loss is {} (diverged)",
+                self.step,
+                v.loss
+            );
+        }
+        let candidate = BestEval {
+            step: self.step,
+            tau: v.tau,
+            rule: BestRule::ValidationWalkTau,
+            prompts: 0,
+            sequences: v.sequences,
+            max_new_tokens: self.config.validation.max_new_tokens,
+        };
+        let best = h.offer_best(&self.shared.run_dir, &self.drafter, candidate)?;
+        let record = ValidationRecord {
+            step: self.step,
+            loss: v.loss,
+            accuracy: v.accuracy,
+            accept_mean: v.accept_mean,
+            tau: v.tau,
+            sequences: v.sequences,
+            answers: v.walks.len() as u64,
+            answer_steps: v.walk_steps(),
+            tokens: v.walk_tokens(),
+            blocks: v.blocks,
+            validation_s,
+            best,
+            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+        };
+        self.shared
+            .metrics
+            .write(&MetricsRecord::Validation(record.clone()));
+        let note = self.best_note(best, BestRule::ValidationWalkTau);
+        {
+            let mut st = self.shared.status();
+            if st.validations.len() >= EVAL_HISTORY {
+                st.validations.remove(0);
+            }
+            st.validations.push(record.clone());
+        }
+        self.shared.event(
+            "validation",
+            format!(
+                "validation at step {}: loss {:.4} acc {:.3} tau(walk) {:.3} (anchor mean {:.3}) over {} sequences ({} answers, {} steps, {:.1} s){note}",
+                self.step,
+                record.loss,
+                record.accuracy,
+                record.tau,
+                record.accept_mean,
+                record.sequences,
+                record.answers,
+                record.answer_steps,
+                validation_s
+            ),
+        );
+        if let Some(p) = previous {
+            self.shared.set_phase(p);
+        }
+        Ok(())
+    }
+
+    /// "; new best, saved to ..." or "; best X at step N" for a measurement of `rule`; nothing
+    /// when another rule chooses the best drafter.
+    fn best_note(&self, best: bool, rule: BestRule) -> String {
+        let Some(h) = self.held_out.as_ref().filter(|h| h.rule() == rule) else {
+            return String::new();
+        };
+        match h.best() {
+            Some(_) if best => format!(
+                "; new best, saved to {}",
+                self.shared.run_dir.join("best").display()
+            ),
+            Some(b) => format!("; best {:.3} at step {}", b.tau, b.step),
+            None => String::new(),
+        }
+    }
+
+    /// Why the run stops here, when `validation.patience` passes went by without a new best.
+    fn patience_exhausted(&self) -> Option<String> {
+        let patience = self.config.validation.patience;
+        let h = self.held_out.as_ref()?;
+        if patience == 0 || h.since_best < patience {
+            return None;
+        }
+        let best = h
+            .best()
+            .map(|b| format!(" (best {:.3} at step {})", b.tau, b.step))
+            .unwrap_or_default();
+        Some(format!(
+            "early stop at step {}: no new best validation tau in {} passes{best} (validation.patience = {patience})",
+            self.step, h.since_best
+        ))
+    }
+
+    /// Ends the run before its last step: the last weights measured (as at the end of a run)
+    /// and checkpointed, and `reason` in the log and the summary.
+    fn stop_early(&mut self, reason: String) -> Result<()> {
+        self.shared.set_phase(Phase::Stopping);
+        self.final_measurements()?;
+        self.checkpoint("early stop")?;
+        self.shared.status().stop_reason = Some(reason.clone());
+        self.shared.set_phase(Phase::Finished);
+        self.shared.event("early_stop", reason);
         Ok(())
     }
 
@@ -1568,8 +1652,9 @@ impl Coordinator {
         match self.shared.stop_requested.load(Ordering::SeqCst) {
             1 => {
                 self.shared.set_phase(Phase::Stopping);
-                self.final_evaluation()?;
+                self.final_measurements()?;
                 self.checkpoint("stop")?;
+                self.shared.status().stop_reason = Some("stop command".into());
                 self.shared.set_phase(Phase::Finished);
                 self.shared.event(
                     "stopped",
@@ -1578,6 +1663,7 @@ impl Coordinator {
                 Ok(true)
             }
             2 => {
+                self.shared.status().stop_reason = Some("stop command, no checkpoint".into());
                 self.shared.set_phase(Phase::Finished);
                 self.shared.event(
                     "stopped",
@@ -1623,6 +1709,7 @@ impl Coordinator {
             saved_at_unix: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            validations_since_best: self.held_out.as_ref().map_or(0, |h| h.since_best),
         };
         let t = Instant::now();
         let saved = save_checkpoint(
@@ -1803,6 +1890,7 @@ impl TrainerHandle {
             last,
             history: st.history.clone(),
             evals: st.evals.clone(),
+            validations: st.validations.clone(),
             queues: s.queue_levels(),
             profile: st.last_profile.clone(),
             profile_interval_s: *s
@@ -1840,9 +1928,10 @@ impl TrainerHandle {
             samples_seen: st.samples_seen,
             final_loss: last.as_ref().map(|l| l.loss),
             final_accuracy: last.as_ref().map(|l| l.accuracy),
-            final_tau_train: last.as_ref().map(|l| l.tau_train),
+            final_accept_mean: last.as_ref().map(|l| l.accept_mean),
             last_checkpoint: st.last_checkpoint.as_ref().map(|p| p.display().to_string()),
             error: st.error.clone(),
+            stop_reason: st.stop_reason.clone(),
         });
         RunOutcome {
             phase,
@@ -1850,6 +1939,7 @@ impl TrainerHandle {
             error: st.error.clone(),
             last_checkpoint: st.last_checkpoint.clone(),
             final_step: last,
+            stop_reason: st.stop_reason.clone(),
         }
     }
 }

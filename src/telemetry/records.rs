@@ -23,6 +23,8 @@ pub enum Phase {
     Checkpointing,
     /// Measuring tau by real speculative decoding on held-out prompts.
     Evaluating,
+    /// Measuring the drafter teacher-forced on held-out sequences.
+    Validating,
     Stopping,
     Finished,
     Failed,
@@ -37,6 +39,7 @@ impl std::fmt::Display for Phase {
             Phase::Paused => "paused",
             Phase::Checkpointing => "checkpointing",
             Phase::Evaluating => "evaluating",
+            Phase::Validating => "validating",
             Phase::Stopping => "stopping",
             Phase::Finished => "finished",
             Phase::Failed => "failed",
@@ -52,7 +55,11 @@ pub struct StepRecord {
     pub epoch: u64,
     pub loss: f64,
     pub accuracy: f64,
-    pub tau_train: f64,
+    /// Anchor-mean acceptance of the step's training blocks,
+    /// `1 + mean_j sum_k prod_{i<=k} [argmax == label]` (read from older runs' `tau_train`):
+    /// not a tau, it overstates what decoding gets and hides overfitting.
+    #[serde(alias = "tau_train")]
+    pub accept_mean: f64,
     pub lr: f64,
     pub grad_norm: f64,
     /// Target tokens (non-padding) in this step.
@@ -83,6 +90,34 @@ pub struct EvalRecord {
     pub accepted_by_slot: Vec<u64>,
     pub eval_s: f64,
     /// This evaluation set a new best tau (its drafter was saved as the best checkpoint).
+    pub best: bool,
+    pub elapsed_s: f64,
+}
+
+/// One validation pass during training: the drafter teacher-forced on held-out sequences (see
+/// [`crate::train::validation`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ValidationRecord {
+    pub step: u64,
+    /// Weighted cross-entropy of the held-out blocks (the training loss's weights).
+    pub loss: f64,
+    /// Weighted accuracy of the same blocks.
+    pub accuracy: f64,
+    /// Anchor-mean acceptance of the same blocks (what `accept_mean` is on training batches).
+    pub accept_mean: f64,
+    /// Walk tau: mean tokens per decoding step, walking the held-out answers as greedy
+    /// decoding would.
+    pub tau: f64,
+    pub sequences: usize,
+    /// Answers walked, the decoding steps the walk took over them and the tokens those steps
+    /// produced (tau = tokens / answer_steps).
+    pub answers: u64,
+    pub answer_steps: u64,
+    pub tokens: u64,
+    /// Blocks behind loss, accuracy and accept_mean.
+    pub blocks: u64,
+    pub validation_s: f64,
+    /// This pass set a new best walk tau (its drafter was saved as the best checkpoint).
     pub best: bool,
     pub elapsed_s: f64,
 }
@@ -121,6 +156,7 @@ impl GpuRecord {
 pub enum MetricsRecord {
     Step(StepRecord),
     Eval(EvalRecord),
+    Validation(ValidationRecord),
     Gpu(GpuRecord),
     Queues {
         elapsed_s: f64,
@@ -140,9 +176,13 @@ pub enum MetricsRecord {
         samples_seen: u64,
         final_loss: Option<f64>,
         final_accuracy: Option<f64>,
-        final_tau_train: Option<f64>,
+        #[serde(alias = "final_tau_train")]
+        final_accept_mean: Option<f64>,
         last_checkpoint: Option<String>,
         error: Option<String>,
+        /// Why the run stopped before its last step (a command, early stopping), if it did.
+        #[serde(default)]
+        stop_reason: Option<String>,
     },
 }
 
@@ -207,6 +247,9 @@ pub struct Snapshot {
     /// Periodic evaluations so far (bounded).
     #[serde(default)]
     pub evals: Vec<EvalRecord>,
+    /// Validation passes so far (bounded).
+    #[serde(default)]
+    pub validations: Vec<ValidationRecord>,
     pub queues: Vec<QueueLevel>,
     pub profile: Option<ProfileReport>,
     pub profile_interval_s: f64,
@@ -229,7 +272,7 @@ mod tests {
             epoch: 0,
             loss: 2.5,
             accuracy: 0.25,
-            tau_train: 1.5,
+            accept_mean: 1.5,
             lr: 1e-4,
             grad_norm: 0.7,
             tokens: 1000,
@@ -252,6 +295,21 @@ mod tests {
                 eval_s: 1.5,
                 best: true,
                 elapsed_s: 2.0,
+            }),
+            MetricsRecord::Validation(ValidationRecord {
+                step: 3,
+                loss: 2.75,
+                accuracy: 0.2,
+                accept_mean: 1.75,
+                tau: 1.5,
+                sequences: 4,
+                answers: 5,
+                answer_steps: 60,
+                tokens: 90,
+                blocks: 300,
+                validation_s: 0.5,
+                best: true,
+                elapsed_s: 2.5,
             }),
             MetricsRecord::Gpu(GpuRecord {
                 elapsed_s: 1.0,
@@ -287,9 +345,10 @@ mod tests {
                 samples_seen: 12,
                 final_loss: Some(2.5),
                 final_accuracy: None,
-                final_tau_train: Some(1.5),
+                final_accept_mean: Some(1.5),
                 last_checkpoint: Some("/r/checkpoints/step-000003".into()),
                 error: None,
+                stop_reason: Some("early stop".into()),
             },
         ];
         let dir = tempfile::tempdir().unwrap();
@@ -310,5 +369,21 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("line 1"));
+    }
+
+    #[test]
+    fn runs_written_with_tau_train_still_load() {
+        let step = r#"{"type":"step","step":1,"epoch":0,"loss":2.0,"accuracy":0.1,"tau_train":1.25,"lr":0.001,"grad_norm":1.0,"tokens":10,"samples":1,"step_s":0.1,"tokens_per_s":100.0,"samples_per_s":10.0,"elapsed_s":0.1}"#;
+        let summary = r#"{"type":"summary","phase":"finished","steps":1,"elapsed_s":1.0,"tokens_seen":10,"samples_seen":1,"final_loss":2.0,"final_accuracy":0.1,"final_tau_train":1.25,"last_checkpoint":null,"error":null}"#;
+        match serde_json::from_str::<MetricsRecord>(step).unwrap() {
+            MetricsRecord::Step(s) => assert_eq!(s.accept_mean, 1.25),
+            other => panic!("{other:?}"),
+        }
+        match serde_json::from_str::<MetricsRecord>(summary).unwrap() {
+            MetricsRecord::Summary {
+                final_accept_mean, ..
+            } => assert_eq!(final_accept_mean, Some(1.25)),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -38,6 +38,9 @@ pub struct TrainerState {
     pub loss: f64,
     pub elapsed_s: f64,
     pub saved_at_unix: u64,
+    /// Validation passes since the one with the best walk tau (for `validation.patience`).
+    #[serde(default)]
+    pub validations_since_best: u64,
 }
 
 pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
@@ -94,12 +97,31 @@ pub fn save_checkpoint(
     Ok(dest)
 }
 
+/// How `RUN_DIR/best/` is chosen: the drafter with the highest tau of one kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BestRule {
+    /// The periodic evaluation's tau by real speculative decoding (`[eval]`, without
+    /// validation); files written before the rule was recorded.
+    #[default]
+    EvalDecodedTau,
+    /// The validation pass's walk tau (`[validation]` on).
+    ValidationWalkTau,
+}
+
 /// What `RUN_DIR/best/eval.json` records about the best drafter so far.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BestEval {
     pub step: u64,
     pub tau: f64,
+    /// What `tau` is, and so the rule that chose this drafter.
+    #[serde(default)]
+    pub rule: BestRule,
+    /// Prompts decoded (eval).
     pub prompts: usize,
+    /// Held-out sequences measured (validation).
+    #[serde(default)]
+    pub sequences: usize,
     pub max_new_tokens: usize,
 }
 

@@ -1,6 +1,6 @@
 //! DFlash training maths (dflash spec §2-3): anchors, block labels and weights, the
 //! decay-weighted cross-entropy with optional soft labels and streak weighting, and the
-//! metrics (loss, weighted accuracy, tau_train).
+//! metrics (loss, weighted accuracy, the anchor-mean acceptance).
 //!
 //! The LM head is applied in row chunks and its gradient is accumulated into a detached copy
 //! of the hidden states, so the full-vocabulary logits of a batch never exist at once.
@@ -170,8 +170,11 @@ impl LossSums {
     pub fn accuracy(&self) -> f64 {
         self.weighted_correct / self.weight.max(1e-12)
     }
-    /// `1 + mean_j sum_k prod_{i<=k} [argmax == label]`
-    pub fn tau_train(&self) -> f64 {
+    /// The anchor-mean acceptance `1 + mean_j sum_k prod_{i<=k} [argmax == label]` (the
+    /// spec's `tau_train`): a mean over anchor positions, not the acceptance length decoding
+    /// gets (decoding crosses easy stretches in a few long steps and hard ones in many short
+    /// ones); see [`crate::train::validation`] for what decoding gets.
+    pub fn accept_mean(&self) -> f64 {
         1.0 + self.accepted / self.blocks.max(1.0)
     }
 }
@@ -229,7 +232,7 @@ impl LossTensors {
 
 /// Per-row cross-entropy [rows] in float32 of `logits` [rows, V] in any float dtype (labels
 /// -100 are ignored): log-softmax computed in float32 straight from the logits.
-fn cross_entropy_f32(logits: &Tensor, labels: &Tensor) -> Tensor {
+pub(crate) fn cross_entropy_f32(logits: &Tensor, labels: &Tensor) -> Tensor {
     logits
         .log_softmax(-1, Kind::Float)
         .g_nll_loss::<Tensor>(labels, None, Reduction::None, -100)

@@ -1,5 +1,6 @@
-//! Training: the DFlash loss, the optimizer, checkpoints.
+//! Training: the DFlash loss, the optimizer, checkpoints, held-out validation.
 
 pub mod checkpoint;
 pub mod loss;
 pub mod optim;
+pub mod validation;

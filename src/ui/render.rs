@@ -19,7 +19,7 @@ use ratatui::Frame;
 use crate::pipeline::queue::QueueLevel;
 use crate::telemetry::gpu::GpuReading;
 use crate::telemetry::profile::ProfileReport;
-use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord};
+use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
 use crate::ui::state::{AppState, Mode, ZOOM_LEVELS};
 
 /// The smallest terminal the layout is drawn in.
@@ -200,7 +200,7 @@ fn phase_style(phase: Phase) -> Style {
         Phase::Finished => Style::new().fg(Color::Black).bg(Color::Green).bold(),
         Phase::Training => Style::new().fg(Color::Green).bold(),
         Phase::Checkpointing | Phase::Stopping => Style::new().fg(Color::Magenta).bold(),
-        Phase::Evaluating => Style::new().fg(Color::Yellow).bold(),
+        Phase::Evaluating | Phase::Validating => Style::new().fg(Color::Yellow).bold(),
         Phase::LoadingModel | Phase::WarmingUp => Style::new().fg(Color::Cyan).bold(),
     }
 }
@@ -333,7 +333,13 @@ fn render_body(frame: &mut Frame, area: Rect, state: &AppState) {
 
     let [charts, logs] =
         Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)]).areas(bottom);
-    render_charts(frame, charts, state.chart_window(), &state.snapshot.evals);
+    render_charts(
+        frame,
+        charts,
+        state.chart_window(),
+        &snap.evals,
+        &snap.validations,
+    );
     frame.render_widget(
         tui_logger::TuiLoggerWidget::default()
             .output_file(false)
@@ -843,75 +849,175 @@ fn render_profile(frame: &mut Frame, area: Rect, report: Option<&ProfileReport>,
 // ---------------------------------------------------------------------------------------------
 // Charts
 
-struct Series {
-    title: &'static str,
-    /// The title where the long one does not fit.
-    short: &'static str,
+/// Held-out measurements on a chart: validation passes beside the training curves, the walk
+/// tau and the periodic evaluation's decoded tau on the tau chart.
+const VALIDATION: Color = Color::LightCyan;
+const DECODED: Color = Color::Yellow;
+
+/// Text in the tau chart before any held-out tau.
+pub const NO_TAU: &str = "no held-out tau yet";
+
+/// From this chart-area height on, six charts (three rows); below it, four.
+const SIX_CHARTS_FROM: u16 = 18;
+
+/// A training curve: one value per step of the window.
+struct Curve {
     color: Color,
-    get: fn(&StepRecord) -> f64,
+    values: Vec<f64>,
 }
 
-const SERIES: [Series; 4] = [
-    Series {
-        title: "tokens/s",
-        short: "tok/s",
-        color: Color::Cyan,
-        get: |r| r.tokens_per_s,
-    },
-    Series {
-        title: "loss",
-        short: "loss",
-        color: Color::Red,
-        get: |r| r.loss,
-    },
-    Series {
-        title: "tau_train",
-        short: "tau",
-        color: Color::Green,
-        get: |r| r.tau_train,
-    },
-    Series {
-        title: "learning rate",
-        short: "lr",
-        color: Color::Magenta,
-        get: |r| r.lr,
-    },
-];
+/// Points at the steps of held-out measurements.
+struct Points {
+    /// Its name in the title, long and short ("" = none).
+    label: (&'static str, &'static str),
+    color: Color,
+    points: Vec<(f64, f64)>,
+}
 
-/// The periodic evaluations' tau, drawn over the tau_train chart.
-const EVAL_TAU: (&str, Color) = ("tau", Color::Yellow);
+/// One chart: a training curve, held-out points, or both.
+struct Plot {
+    name: (&'static str, &'static str),
+    curve: Option<Curve>,
+    points: Vec<Points>,
+}
 
-fn render_charts(frame: &mut Frame, area: Rect, window: &[StepRecord], evals: &[EvalRecord]) {
+impl Plot {
+    fn new(name: (&'static str, &'static str)) -> Self {
+        Plot {
+            name,
+            curve: None,
+            points: Vec::new(),
+        }
+    }
+
+    fn curve(mut self, color: Color, window: &[StepRecord], get: fn(&StepRecord) -> f64) -> Self {
+        self.curve = Some(Curve {
+            color,
+            values: window.iter().map(get).collect(),
+        });
+        self
+    }
+
+    fn points(
+        mut self,
+        label: (&'static str, &'static str),
+        color: Color,
+        points: Vec<(f64, f64)>,
+    ) -> Self {
+        self.points.push(Points {
+            label,
+            color,
+            points,
+        });
+        self
+    }
+
+    /// The title: the name, then the latest value of the curve and of each set of points,
+    /// in their colours; the short names where the long ones do not fit in `width`.
+    fn title(&self, width: usize) -> Line<'static> {
+        let spans = |short: bool| {
+            let pick =
+                |(long, brief): (&'static str, &'static str)| if short { brief } else { long };
+            let mut spans = vec![Span::raw(format!(" {} ", pick(self.name)))];
+            if let Some(c) = &self.curve {
+                let latest = fmt_value(c.values.last().copied().unwrap_or(f64::NAN));
+                spans.push(Span::styled(
+                    format!("{latest} "),
+                    Style::new().fg(c.color).bold(),
+                ));
+            }
+            for p in &self.points {
+                let Some(&(_, y)) = p.points.last() else {
+                    continue;
+                };
+                let label = pick(p.label);
+                let text = if label.is_empty() {
+                    format!("{} ", fmt_value(y))
+                } else {
+                    format!("{label} {} ", fmt_value(y))
+                };
+                spans.push(Span::styled(text, Style::new().fg(p.color).bold()));
+            }
+            spans
+        };
+        let long = spans(false);
+        if long.iter().map(Span::width).sum::<usize>() <= width {
+            Line::from(long)
+        } else {
+            Line::from(spans(true))
+        }
+    }
+}
+
+/// The charts beside the logs: loss and accuracy with the validation passes beside the
+/// training curves (overfitting shows as the curves parting), tau (the validation walk tau and
+/// the evaluation's decoded tau), the training blocks' anchor-mean acceptance with the
+/// validation's, tokens/s and the learning rate; the last two are left out where there is room
+/// for four charts only.
+fn render_charts(
+    frame: &mut Frame,
+    area: Rect,
+    window: &[StepRecord],
+    evals: &[EvalRecord],
+    validations: &[ValidationRecord],
+) {
     if window.is_empty() {
         let block = Block::bordered().title(" Charts ");
         let inner = block.inner(area);
         frame.render_widget(block, area);
-        let y = inner.y + inner.height.saturating_sub(1) / 2;
-        frame.render_widget(
-            Paragraph::new(Span::styled(EMPTY_CHARTS, dim())).alignment(Alignment::Center),
-            Rect::new(inner.x, y, inner.width, 1.min(inner.height)),
-        );
+        centered_note(frame, inner, EMPTY_CHARTS);
         return;
     }
-    let [top, bottom] =
-        Layout::vertical([Constraint::Ratio(1, 2), Constraint::Ratio(1, 2)]).areas(area);
-    let halves = |r: Rect| -> [Rect; 2] {
-        Layout::horizontal([Constraint::Ratio(1, 2), Constraint::Ratio(1, 2)]).areas(r)
-    };
-    let [a, b] = halves(top);
-    let [c, d] = halves(bottom);
-    let steps: Vec<f64> = window.iter().map(|r| r.step as f64).collect();
     let first = window.first().map_or(0, |r| r.step);
-    let eval_points: Vec<(f64, f64)> = evals
-        .iter()
-        .filter(|e| e.step >= first && e.tau.is_finite())
-        .map(|e| (e.step as f64, e.tau))
-        .collect();
-    for (series, rect) in SERIES.iter().zip([a, b, c, d]) {
-        let extra = (series.title == "tau_train" && !eval_points.is_empty())
-            .then_some(eval_points.as_slice());
-        render_chart(frame, rect, window, &steps, series, extra);
+    let held_out = |points: &mut dyn Iterator<Item = (u64, f64)>| -> Vec<(f64, f64)> {
+        points
+            .filter(|&(step, y)| step >= first && y.is_finite())
+            .map(|(step, y)| (step as f64, y))
+            .collect()
+    };
+    let val = |get: fn(&ValidationRecord) -> f64| {
+        held_out(&mut validations.iter().map(|v| (v.step, get(v))))
+    };
+    let decoded = held_out(&mut evals.iter().map(|e| (e.step, e.tau)));
+    let loss = Plot::new(("loss", "loss"))
+        .curve(Color::Red, window, |r| r.loss)
+        .points(("val", "val"), VALIDATION, val(|v| v.loss));
+    let accuracy = Plot::new(("accuracy", "acc"))
+        .curve(Color::Green, window, |r| r.accuracy)
+        .points(("val", "val"), VALIDATION, val(|v| v.accuracy));
+    let tau = Plot::new(("tau", "tau"))
+        .points(("walk", ""), VALIDATION, val(|v| v.tau))
+        .points(("decoded", "dec"), DECODED, decoded);
+    let tokens = Plot::new(("tokens/s", "tok/s")).curve(Color::Cyan, window, |r| r.tokens_per_s);
+    let plots = if area.height >= SIX_CHARTS_FROM {
+        let accept = Plot::new(("accept (train)", "accept"))
+            .curve(Color::Green, window, |r| r.accept_mean)
+            .points(("val", "val"), VALIDATION, val(|v| v.accept_mean));
+        let lr = Plot::new(("learning rate", "lr")).curve(Color::Magenta, window, |r| r.lr);
+        vec![loss, accuracy, tau, accept, tokens, lr]
+    } else {
+        vec![loss, accuracy, tau, tokens]
+    };
+    let rows = plots.len() as u32 / 2;
+    let row_areas = Layout::vertical((0..rows).map(|_| Constraint::Ratio(1, rows))).split(area);
+    let cells = row_areas.iter().flat_map(|&r| {
+        Layout::horizontal([Constraint::Ratio(1, 2), Constraint::Ratio(1, 2)])
+            .split(r)
+            .to_vec()
+    });
+    let steps: Vec<f64> = window.iter().map(|r| r.step as f64).collect();
+    for (plot, rect) in plots.iter().zip(cells) {
+        render_plot(frame, rect, &steps, plot);
     }
+}
+
+/// `text` dimmed, centred in `area`.
+fn centered_note(frame: &mut Frame, area: Rect, text: &'static str) {
+    let y = area.y + area.height.saturating_sub(1) / 2;
+    frame.render_widget(
+        Paragraph::new(Span::styled(text, dim())).alignment(Alignment::Center),
+        Rect::new(area.x, y, area.width, 1.min(area.height)),
+    );
 }
 
 /// A lower bound padded below a non-negative minimum stays at 0 or above (rates, losses and
@@ -934,54 +1040,32 @@ fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
         })
 }
 
-fn render_chart(
-    frame: &mut Frame,
-    area: Rect,
-    window: &[StepRecord],
-    steps: &[f64],
-    series: &Series,
-    eval_points: Option<&[(f64, f64)]>,
-) {
-    let latest = fmt_value(window.last().map(series.get).unwrap_or(f64::NAN));
-    let eval_latest = eval_points
-        .and_then(|p| p.last())
-        .map(|&(_, tau)| format!("{} {} ", EVAL_TAU.0, fmt_value(tau)));
-    let eval_w = eval_latest.as_deref().map_or(0, chars);
-    let name = if chars(series.title) + chars(&latest) + eval_w + 4
-        <= area.width.saturating_sub(2) as usize
-    {
-        series.title
-    } else {
-        series.short
-    };
-    let mut spans = vec![
-        Span::raw(format!(" {name} ")),
-        Span::styled(format!("{latest} "), Style::new().fg(series.color).bold()),
-    ];
-    if let Some(text) = eval_latest {
-        spans.push(Span::styled(text, Style::new().fg(EVAL_TAU.1).bold()));
-    }
-    let title = Line::from(spans);
-    let mut block = Block::bordered().title(title);
+fn render_plot(frame: &mut Frame, area: Rect, steps: &[f64], plot: &Plot) {
+    let mut block = Block::bordered().title(plot.title(area.width.saturating_sub(2) as usize));
     let inner = block.inner(area);
     // Braille: two dots a column.
     let points_w = (inner.width as usize * 2).max(1);
-    let values: Vec<f64> = window.iter().map(series.get).collect();
-    let ys = downsample(&values, points_w);
     let xs = downsample(steps, points_w);
-    let points: Vec<(f64, f64)> = xs
-        .into_iter()
-        .zip(ys)
-        .filter(|(x, y)| x.is_finite() && y.is_finite())
-        .collect();
-    let (x0, x1) = finite_range(steps).unwrap_or((0.0, 1.0));
-    let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
-    let ys_shown: Vec<f64> = points
+    let curve: Vec<(f64, f64)> = plot.curve.as_ref().map_or_else(Vec::new, |c| {
+        xs.iter()
+            .copied()
+            .zip(downsample(&c.values, points_w))
+            .filter(|(x, y)| x.is_finite() && y.is_finite())
+            .collect()
+    });
+    let ys: Vec<f64> = curve
         .iter()
-        .chain(eval_points.unwrap_or(&[]))
+        .chain(plot.points.iter().flat_map(|p| &p.points))
         .map(|p| p.1)
         .collect();
-    let (y0, y1) = match finite_range(&ys_shown) {
+    if ys.is_empty() && plot.curve.is_none() {
+        frame.render_widget(block, area);
+        centered_note(frame, inner, NO_TAU);
+        return;
+    }
+    let (x0, x1) = finite_range(steps).unwrap_or((0.0, 1.0));
+    let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
+    let (y0, y1) = match finite_range(&ys) {
         None => (0.0, 1.0),
         Some((lo, hi)) if hi > lo => {
             let pad = (hi - lo) * 0.05;
@@ -999,25 +1083,25 @@ fn render_chart(
     if inner.height >= 7 && inner.width >= 30 {
         x_axis = x_axis.labels([fmt_si(x0), fmt_si(x1)]);
         y_axis = y_axis.labels([fmt_value(y0), fmt_value(y1)]);
-    } else if let Some((lo, hi)) = finite_range(&values) {
+    } else if let Some((lo, hi)) = finite_range(&ys) {
         let range = format!(" {}..{} ", fmt_value(lo), fmt_value(hi));
         if chars(&range) <= inner.width as usize {
             block = block.title_bottom(Line::from(Span::styled(range, dim())).right_aligned());
         }
     }
-    let mut datasets = vec![Dataset::default()
-        .marker(Marker::Braille)
-        .graph_type(GraphType::Line)
-        .style(Style::new().fg(series.color))
-        .data(&points)];
-    if let Some(evals) = eval_points {
-        datasets.push(
-            Dataset::default()
-                .marker(Marker::Braille)
-                .graph_type(GraphType::Line)
-                .style(Style::new().fg(EVAL_TAU.1))
-                .data(evals),
-        );
+    let line = |color: Color, data| {
+        Dataset::default()
+            .marker(Marker::Braille)
+            .graph_type(GraphType::Line)
+            .style(Style::new().fg(color))
+            .data(data)
+    };
+    let mut datasets = Vec::new();
+    if let Some(c) = &plot.curve {
+        datasets.push(line(c.color, &curve));
+    }
+    for p in &plot.points {
+        datasets.push(line(p.color, &p.points));
     }
     frame.render_widget(
         Chart::new(datasets)

@@ -4,7 +4,7 @@
 use crate::pipeline::queue::QueueLevel;
 use crate::telemetry::gpu::GpuReading;
 use crate::telemetry::profile::{EventStats, ProfileReport, ProfileRow, EVENTS};
-use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord};
+use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
 
 use super::state::AppState;
 
@@ -18,7 +18,7 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                 epoch: s / 5000,
                 loss: 2.0 + 8.0 / (1.0 + x / 300.0) + 0.1 * (x / 7.0).sin(),
                 accuracy: 0.6 * (1.0 - (-x / 4000.0).exp()),
-                tau_train: 1.0 + 2.5 * (1.0 - (-x / 5000.0).exp()),
+                accept_mean: 1.0 + 2.5 * (1.0 - (-x / 5000.0).exp()),
                 lr: 6e-4 * (x / 800.0).min(1.0),
                 grad_norm: 1.0,
                 tokens: 16_000,
@@ -83,6 +83,27 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                     eval_s: 3.0,
                     best: true,
                     elapsed_s: step as f64 * 0.2,
+                }
+            })
+            .collect(),
+        validations: (1..=steps as u64 / 250)
+            .map(|i| {
+                let step = i * 250;
+                let x = step as f64;
+                ValidationRecord {
+                    step,
+                    loss: 2.4 + 8.0 / (1.0 + x / 300.0),
+                    accuracy: 0.5 * (1.0 - (-x / 4000.0).exp()),
+                    accept_mean: 1.0 + 2.0 * (1.0 - (-x / 5000.0).exp()),
+                    tau: 1.0 + 1.8 * (1.0 - (-x / 5000.0).exp()),
+                    sequences: 64,
+                    answers: 80,
+                    answer_steps: 4000,
+                    tokens: (4000.0 * (1.0 + x / 10_000.0)) as u64,
+                    blocks: 12_000,
+                    validation_s: 0.8,
+                    best: true,
+                    elapsed_s: x * 0.2,
                 }
             })
             .collect(),

@@ -250,6 +250,7 @@ mod tests {
             last: None,
             history: vec![],
             evals: vec![],
+            validations: vec![],
             queues: vec![
                 QueueLevel {
                     name: "batch_q".into(),
