@@ -44,10 +44,16 @@ impl BlockDrafter for AlwaysProposes {
     fn block_size(&self) -> usize {
         self.block
     }
-    fn propose(&mut self, _ctx: &Tensor, x: u32, _pos: i64) -> anyhow::Result<Vec<u32>> {
-        let mut b = vec![self.token; self.block];
-        b[0] = x;
-        Ok(b)
+    fn propose(
+        &mut self,
+        _ctx: &Tensor,
+        x: u32,
+        _x_dev: &Tensor,
+        _pos: i64,
+    ) -> anyhow::Result<Tensor> {
+        let mut b = vec![self.token as i64; self.block];
+        b[0] = x as i64;
+        Ok(Tensor::from_slice(&b))
     }
 }
 
@@ -63,10 +69,20 @@ impl BlockDrafter for Oracle {
     fn block_size(&self) -> usize {
         self.block
     }
-    fn propose(&mut self, _ctx: &Tensor, x: u32, pos: i64) -> anyhow::Result<Vec<u32>> {
+    fn propose(
+        &mut self,
+        _ctx: &Tensor,
+        x: u32,
+        _x_dev: &Tensor,
+        pos: i64,
+    ) -> anyhow::Result<Tensor> {
         let at = (pos - self.prompt_len) as usize;
         assert_eq!(self.answer[at], x);
-        Ok(self.answer[at..at + self.block].to_vec())
+        let b: Vec<i64> = self.answer[at..at + self.block]
+            .iter()
+            .map(|&t| t as i64)
+            .collect();
+        Ok(Tensor::from_slice(&b))
     }
 }
 

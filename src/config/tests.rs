@@ -731,3 +731,19 @@ fn drafter_batches_per_device() {
     ]));
     assert!(e.contains("devices.drafter_batches[1]"), "{e}");
 }
+
+#[test]
+fn every_shipped_config_loads() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            if let Err(e) = super::load(&path, &[]) {
+                panic!("{}: {e:#}", path.display());
+            }
+            seen += 1;
+        }
+    }
+    assert!(seen >= 8, "{seen} configs");
+}
