@@ -67,7 +67,7 @@ train)
   if [ -f "$W/run/latest/trainer_state.json" ] || [ -d "$W/run/latest" ]; then
     args=(--resume "$W/run" --no-tui)
   else
-    args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-6000}")
+    args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-4000}")
     if [ -f "$W/drafter-in/model.safetensors" ]; then
       args+=(--set model.drafter_init="$W/drafter-in")
     fi
