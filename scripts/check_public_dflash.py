@@ -4,7 +4,8 @@
 Prints one JSON object comparing its outputs and acceptance lengths with dflash-tui's.
 
 usage: python3 check_public_dflash.py TARGET_DIR DRAFTER_DIR EVAL_JSON [--dtype f32|bf16] [--device cuda]
-needs: torch, transformers==5.15.0, dflash==0.1.0
+needs: torch, transformers (5.17.0 seen working; dflash declares 5.15.0, whose wheel refuses the
+       tokenizers 0.23.2 beside it), dflash==0.1.0
 """
 
 import argparse

@@ -33,11 +33,12 @@ data)
   $B prepare-data --tokenizer assets/bench/qwen3-tokenizer --input assets/demo/sharegpt.jsonl \
     --out assets/bench/sharegpt-qwen3-3000 --max-len 3072 --limit 3000 --val-fraction 0 2>&1 | tail -3
   if [ -d "$W/smol" ] && [ -d "$W/sg" ]; then
-    # made by gpu-smollm2-real.sh data: the same model and preparation
+    # made by smollm2-dflash.sh data: the same model and preparation
     ln -sfn "$W/smol" assets/demo/SmolLM2-135M-Instruct
     ln -sfn "$W/sg" assets/demo/sharegpt-smollm2
-  elif [ -f "$W/gg.01" ]; then
-    cat "$W/gg.00" "$W/gg.01" > "$W/smol.gguf"
+  elif ls "$W"/gg.* >/dev/null 2>&1; then
+    # the demo GGUF in pieces, xz-compressed as smollm2-dflash.sh takes it
+    cat "$W"/gg.* | xz -dc > "$W/smol.gguf"
     $B import-gguf "$W/smol.gguf" assets/demo/SmolLM2-135M-Instruct --dtype bf16 2>&1 | tail -1
     $B prepare-data --tokenizer assets/demo/SmolLM2-135M-Instruct --input assets/demo/sharegpt.jsonl \
       --out assets/demo/sharegpt-smollm2 2>&1 | tail -1

@@ -20,7 +20,8 @@
 #   train returns drafter.safetensors.* + drafter-config.json (the best drafter, under 64 MiB:
 #         carried back, it starts a new run through model.drafter_init), metrics.jsonl
 # Inputs in $W: dflash-tui (or dflash-tui.xz), gg.* (the demo GGUF, xz-compressed, in pieces),
-# sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (dflash==0.1.0 and transformers==5.15.0 wheels).
+# sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (the dflash==0.1.0 wheel: z-lab's implementation, run on
+# the machine's own torch and transformers).
 set -uo pipefail
 TL=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))" 2>/dev/null)/lib
 export LD_LIBRARY_PATH=$TL NCCL_NVLS_ENABLE=0
@@ -118,7 +119,7 @@ for name in ["sharegpt", "mtbench", "f32"]:
 PY
   t public-check
   mkdir -p "$W/site"
-  python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('$W/site') for w in glob.glob('$W/whl/*.whl')]"
+  python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('$W/site') for w in glob.glob('$W/whl/dflash-*.whl')]"
   PYTHONPATH="$W/site" python3 scripts/check_public_dflash.py "$W/smol" "$D" "$OUT/eval-f32.json" \
     --dtype f32 --max-new-tokens 64 > "$OUT/public.json" 2> "$OUT/public.err" \
     || { echo "public check exit $?"; tail -5 "$OUT/public.err"; }
