@@ -140,7 +140,7 @@ fn packer_resumes_exactly() {
     }
     let state = a.state();
     let rest: Vec<_> = (0..200).map(|_| a.next().unwrap()).collect();
-    let mut b = Packer::resume(store, config, state);
+    let mut b = Packer::resume(store, config, state).unwrap();
     let again: Vec<_> = (0..200).map(|_| b.next().unwrap()).collect();
     assert_eq!(rest, again);
     assert!(

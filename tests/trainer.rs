@@ -259,7 +259,12 @@ fn resume_is_bit_identical(s: &Setup, extra: &[&str]) -> (PathBuf, PathBuf) {
     );
     assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
     let a = steps(&run_a);
-    let b: Vec<StepRecord> = steps(&run_b).into_iter().skip(21).collect(); // 1..=21 from the first attempt
+    // The first attempt's step 21 (after its last checkpoint) is dropped from metrics.jsonl on
+    // the resume: each step is recorded once.
+    let all_b = steps(&run_b);
+    let numbers: Vec<u64> = all_b.iter().map(|r| r.step).collect();
+    assert_eq!(numbers, (1..=40).collect::<Vec<u64>>(), "each step once");
+    let b: Vec<StepRecord> = all_b.into_iter().skip(20).collect();
     assert_eq!(b.first().map(|r| r.step), Some(21));
     let a_tail: Vec<(u64, u64, u64)> = a[20..]
         .iter()
@@ -374,13 +379,71 @@ fn a_failing_stage_stops_cleanly_and_keeps_the_last_checkpoint() {
     }
 }
 
+fn checkpoint_events(run: &Path, kind: &str) -> Vec<String> {
+    read_metrics(&run.join("metrics.jsonl"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            MetricsRecord::Event {
+                kind: k, message, ..
+            } if k == kind => Some(message),
+            _ => None,
+        })
+        .collect()
+}
+
 #[test]
-fn disk_full_during_a_checkpoint_keeps_the_previous_one() {
+fn a_failed_checkpoint_keeps_the_previous_one_and_training_goes_on() {
+    // Two checkpoints fail (a full disk after the drafter is written): the run goes on, the
+    // previous checkpoint stays, the checkpoint is tried again 1 and then 2 steps later and
+    // works on the third try.
     let s = setup(24);
     let cfg = tiny_config(
         &s,
         &[
-            "train.total_steps=1000",
+            "train.total_steps=14",
+            "checkpoint.save_every_steps=4",
+            "debug.fail_at_step=6",
+            "debug.fail_stage=checkpoint",
+            "debug.fail_count=2",
+        ],
+    );
+    let run = s.tmp.path().join("run");
+    let out = join_within(start(&cfg, &run, false), Duration::from_secs(120));
+    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    assert_eq!(out.steps, 14);
+    let failed = checkpoint_events(&run, "checkpoint_failed");
+    assert_eq!(failed.len(), 2, "{failed:?}");
+    assert!(
+        failed[0].contains("step 8")
+            && failed[0].contains("No space left on device")
+            && failed[0].contains("previous checkpoint is kept")
+            && failed[0].contains("tried again at step 9"),
+        "{failed:?}"
+    );
+    assert!(failed[1].contains("tried again at step 11"), "{failed:?}");
+    let saved = checkpoint_events(&run, "checkpoint");
+    assert!(
+        saved.iter().any(|m| m.contains("(retry) at step 11")),
+        "{saved:?}"
+    );
+    let latest = dflash_tui::train::checkpoint::latest_checkpoint(&run).unwrap();
+    assert!(latest.ends_with("step-000014"), "{}", latest.display());
+    let leftovers: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn a_final_checkpoint_that_fails_fails_the_run_and_keeps_the_previous_one() {
+    let s = setup(24);
+    let cfg = tiny_config(
+        &s,
+        &[
+            "train.total_steps=10",
             "checkpoint.save_every_steps=4",
             "debug.fail_at_step=6",
             "debug.fail_stage=checkpoint",
@@ -391,24 +454,26 @@ fn disk_full_during_a_checkpoint_keeps_the_previous_one() {
     assert_eq!(out.phase, Phase::Failed);
     let err = out.error.unwrap();
     assert!(
-        err.contains("No space left on device") && err.contains("previous checkpoint is kept"),
+        err.contains("No space left on device")
+            && err.contains("the final checkpoint failed")
+            && err.contains("step-000004"),
         "{err}"
     );
     let latest = dflash_tui::train::checkpoint::latest_checkpoint(&run).unwrap();
     assert!(latest.ends_with("step-000004"), "{}", latest.display());
-    let leftovers: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains("partial"))
-        .collect();
-    assert!(leftovers.is_empty(), "{leftovers:?}");
     // and the run resumes from it
-    let resumed = tiny_config(
-        &s,
-        &["train.total_steps=10", "checkpoint.save_every_steps=4"],
+    let out = join_within(
+        start(&cfg_without_faults(&s), &run, true),
+        Duration::from_secs(120),
     );
-    let out = join_within(start(&resumed, &run, true), Duration::from_secs(120));
     assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+}
+
+fn cfg_without_faults(s: &Setup) -> TrainConfig {
+    tiny_config(
+        s,
+        &["train.total_steps=10", "checkpoint.save_every_steps=4"],
+    )
 }
 
 #[test]
@@ -549,7 +614,8 @@ fn nccl_gradient_sync_is_refused_before_training_where_it_cannot_work() {
             && e.contains("\"auto\""),
         "{e}"
     );
-    assert!(steps(&run).is_empty());
+    // nothing was written: the configuration was refused before the run started
+    assert!(!run.join("metrics.jsonl").exists());
 }
 
 /// `cargo test --release -- --ignored nccl` on a machine with two GPUs: two replicas whose

@@ -169,9 +169,14 @@ pub enum Command {
         /// The run directory (default: RUNS_DIR/NAME-DATE-TIME).
         #[arg(long)]
         run_dir: Option<PathBuf>,
-        /// Continue the run in this directory from its latest checkpoint.
+        /// Continue the run in this directory from its newest checkpoint. Fields that change
+        /// the model or the data stream cannot change on a resume.
         #[arg(long)]
         resume: Option<PathBuf>,
+        /// On --resume: allow changes of the schedule (train.total_steps, epochs, lr,
+        /// warmup_ratio, min_lr_ratio, clip_grad_norm); they are logged.
+        #[arg(long, requires = "resume")]
+        allow_schedule_change: bool,
         /// Headless: human lines and metrics.jsonl, commands from stdin.
         #[arg(long)]
         no_tui: bool,
@@ -310,6 +315,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             set,
             run_dir,
             resume,
+            allow_schedule_change,
             no_tui,
         } => train::run(
             train::TrainArgs {
@@ -317,6 +323,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 set,
                 run_dir,
                 resume,
+                allow_schedule_change,
                 no_tui,
             },
             |log_file, tui| {

@@ -9,12 +9,14 @@ use crate::paths::Locations;
 use crate::pipeline::{headless, trainer};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
+use crate::train::run_lock::RunLock;
 
 pub struct TrainArgs {
     pub config: Option<PathBuf>,
     pub set: Vec<String>,
     pub run_dir: Option<PathBuf>,
     pub resume: Option<PathBuf>,
+    pub allow_schedule_change: bool,
     pub no_tui: bool,
 }
 
@@ -52,8 +54,49 @@ pub fn load_config(args: &TrainArgs) -> Result<TrainConfig> {
     }
 }
 
-/// Creates the run directory and checks that it can be written, before any model is loaded.
-pub fn prepare_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<PathBuf> {
+/// A resume's checks, before anything in the run directory is written: the run exists, it has
+/// a checkpoint, and the configuration changes nothing that the checkpoint depends on (refused
+/// by name) nor the schedule unless `--allow-schedule-change`. Returns the changes to log.
+fn check_resume(run: &Path, config: &TrainConfig, args: &TrainArgs) -> Result<Vec<String>> {
+    let stored_path = run.join("config.toml");
+    if !stored_path.is_file() {
+        bail!(
+            "{}: not a run directory (no config.toml); start a run there with --run-dir instead of --resume",
+            run.display()
+        );
+    }
+    let stored = config::load(&stored_path, &[])
+        .with_context(|| format!("{}: the run's configuration", stored_path.display()))?;
+    crate::train::checkpoint::newest_checkpoint(run)?;
+    let changes = config::resume_changes(&stored, config);
+    if !changes.refused.is_empty() {
+        bail!(
+            "resume of {} refused: these fields change the model or the data stream the checkpoints were trained with: {}; nothing in the run directory was changed (start a new run with --run-dir for a different setup)",
+            run.display(),
+            changes.refused.join(", ")
+        );
+    }
+    if !changes.schedule.is_empty() && !args.allow_schedule_change {
+        bail!(
+            "resume of {} refused: the schedule changes ({}); pass --allow-schedule-change to resume with it; nothing in the run directory was changed",
+            run.display(),
+            changes.schedule.join(", ")
+        );
+    }
+    Ok(changes.schedule.into_iter().chain(changes.free).collect())
+}
+
+/// Creates the run directory, takes its lock (one trainer per run directory) and writes the
+/// resolved configuration, before any model is loaded. On a resume every check runs first, so
+/// that a refused resume leaves the run directory as it was.
+pub fn prepare_run_dir(
+    config: &TrainConfig,
+    args: &TrainArgs,
+) -> Result<(PathBuf, RunLock, Vec<String>)> {
+    let changes = match &args.resume {
+        Some(run) => Some(check_resume(run, config, args)?),
+        None => None,
+    };
     let dir = match (&args.resume, &args.run_dir) {
         (Some(r), _) => r.clone(),
         (None, Some(d)) => d.clone(),
@@ -68,12 +111,14 @@ pub fn prepare_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<PathBuf
     };
     std::fs::create_dir_all(&dir)
         .with_context(|| format!("{}: cannot create the run directory", dir.display()))?;
+    let lock = RunLock::acquire(&dir)?;
     let resolved = dir.join("config.toml");
-    if args.resume.is_none() || args.config.is_some() {
+    let changed = changes.as_ref().is_none_or(|c| !c.is_empty());
+    if changed {
         std::fs::write(&resolved, config.to_toml_string()?)
             .with_context(|| format!("{}: the run directory is not writable", dir.display()))?;
     }
-    Ok(dir)
+    Ok((dir, lock, changes.unwrap_or_default()))
 }
 
 /// `init_logging(log_file, tui)`: the screen shows logs in its own pane, so with `tui` the
@@ -81,9 +126,12 @@ pub fn prepare_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<PathBuf
 pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>, bool)) -> Result<()> {
     use std::io::IsTerminal;
     let config = load_config(&args)?;
-    let run_dir = prepare_run_dir(&config, &args)?;
+    let (run_dir, _lock, changes) = prepare_run_dir(&config, &args)?;
     let tui = !args.no_tui && std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
     init_logging(Some(&run_dir.join("train.log")), tui);
+    for change in &changes {
+        log::info!("resume with a changed configuration: {change}");
+    }
     let runtime = TorchRuntime::init();
     let handle = trainer::start(&runtime, &config, &run_dir, args.resume.is_some())?;
     let outcome = if tui {

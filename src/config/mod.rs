@@ -44,7 +44,10 @@
 //! [`TrainConfig::to_toml_string`] writes the resolved configuration with every field spelled
 //! out (a run keeps it as `RUN_DIR/config.toml`); reading it back gives the same configuration.
 
+mod resume;
 mod validate;
+
+pub use resume::{resume_changes, ResumeChanges};
 
 #[cfg(test)]
 mod tests;
@@ -448,6 +451,14 @@ pub struct DebugSection {
     pub fail_at_step: u64,
     /// Stage that fails: "loader", "target", "drafter" or "checkpoint". Default "drafter".
     pub fail_stage: String,
+    /// How a stage fails: "error" (returns an error; a checkpoint: disk full), "panic" (panics,
+    /// as a libtorch error inside a tch call does), or for the checkpoint stage
+    /// "hold-drafter" / "hold-optimizer" / "hold-rename" (the writer stops for good at that
+    /// point, for tests that kill the process there). Default "error".
+    pub fail_mode: String,
+    /// How many checkpoints fail ("checkpoint" stage), from `fail_at_step` on; 0 = every one.
+    /// Default 0.
+    pub fail_count: u64,
 }
 
 impl Default for DebugSection {
@@ -455,6 +466,8 @@ impl Default for DebugSection {
         DebugSection {
             fail_at_step: 0,
             fail_stage: "drafter".into(),
+            fail_mode: "error".into(),
+            fail_count: 0,
         }
     }
 }

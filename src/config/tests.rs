@@ -747,3 +747,47 @@ fn every_shipped_config_loads() {
     }
     assert!(seen >= 8, "{seen} configs");
 }
+
+#[test]
+fn a_resume_may_change_paths_devices_and_measurement_not_the_model_or_the_data_stream() {
+    let base = minimal(&[]).unwrap();
+    let with = |sets: &[&str]| minimal(sets).unwrap();
+    let changes = super::resume_changes(
+        &base,
+        &with(&[
+            "model.block_size=8",
+            "data.token_budget=4096",
+            "train.num_anchors=7",
+            "train.total_steps=99",
+            "train.lr=1e-4",
+            "data.path=elsewhere",
+            "eval.every_steps=7",
+            "pipeline.batch_queue_depth=9",
+        ]),
+    );
+    let names = |v: &[String]| -> Vec<String> {
+        v.iter()
+            .map(|l| l.split(':').next().unwrap_or("").to_string())
+            .collect()
+    };
+    assert_eq!(
+        names(&changes.refused),
+        ["data.token_budget", "model.block_size", "train.num_anchors"]
+    );
+    assert_eq!(names(&changes.schedule), ["train.lr", "train.total_steps"]);
+    assert_eq!(
+        names(&changes.free),
+        [
+            "data.path",
+            "eval.every_steps",
+            "pipeline.batch_queue_depth"
+        ]
+    );
+    assert!(
+        changes.refused[1].contains("model.block_size: 16 -> 8"),
+        "{:?}",
+        changes.refused
+    );
+    let same = super::resume_changes(&base, &base);
+    assert!(same.refused.is_empty() && same.schedule.is_empty() && same.free.is_empty());
+}

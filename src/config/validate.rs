@@ -9,6 +9,13 @@ use super::TrainConfig;
 
 const DTYPES: &[&str] = &["auto", "f32", "bf16"];
 const FAIL_STAGES: &[&str] = &["loader", "target", "drafter", "checkpoint"];
+const FAIL_MODES: &[&str] = &[
+    "error",
+    "panic",
+    "hold-drafter",
+    "hold-optimizer",
+    "hold-rename",
+];
 const GRAD_SYNCS: &[&str] = &["auto", "nccl", "copy"];
 
 impl TrainConfig {
@@ -184,6 +191,14 @@ impl TrainConfig {
         )?;
 
         one_of("debug.fail_stage", &self.debug.fail_stage, FAIL_STAGES)?;
+        one_of("debug.fail_mode", &self.debug.fail_mode, FAIL_MODES)?;
+        if self.debug.fail_mode.starts_with("hold") && self.debug.fail_stage != "checkpoint" {
+            bail!(
+                "debug.fail_mode = {:?} holds a checkpoint: it needs debug.fail_stage = \"checkpoint\", not {:?}",
+                self.debug.fail_mode,
+                self.debug.fail_stage
+            );
+        }
         Ok(())
     }
 }

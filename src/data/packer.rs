@@ -137,28 +137,45 @@ pub fn bucket(
 
 impl Packer {
     pub fn new(store: Arc<TokenStore>, config: PackerConfig) -> Self {
-        Self::resume(store, config, PackerState::default())
+        Self::at_window(store, config, SamplerState::default())
     }
 
-    pub fn resume(store: Arc<TokenStore>, config: PackerConfig, state: PackerState) -> Self {
-        let sampler = EpochSampler::resume(store.len(), config.seed, state.window_start);
-        let mut packer = Packer {
+    /// The stream at the start of the window that starts at `window_start`.
+    fn at_window(store: Arc<TokenStore>, config: PackerConfig, window_start: SamplerState) -> Self {
+        let sampler = EpochSampler::resume(store.len(), config.seed, window_start);
+        Packer {
             store,
             config,
             sampler,
-            window_start: state.window_start,
+            window_start,
             window: VecDeque::new(),
             batches_done: 0,
             stats: PackerStats::default(),
-        };
+        }
+    }
+
+    /// The stream at a saved position: the window that started at `state.window_start`, less
+    /// its first `state.batches_done` batches. A position that the data cannot have produced
+    /// (more batches done than the window holds) is an error.
+    pub fn resume(
+        store: Arc<TokenStore>,
+        config: PackerConfig,
+        state: PackerState,
+    ) -> anyhow::Result<Self> {
+        let mut packer = Self::at_window(store, config, state.window_start);
         if state.batches_done > 0 {
             packer.fill_window();
-            for _ in 0..state.batches_done {
-                packer.window.pop_front();
+            if state.batches_done > packer.window.len() {
+                anyhow::bail!(
+                    "packer.batches_done = {} but the data window it counts in holds {} batches (a state of other data or other batching)",
+                    state.batches_done,
+                    packer.window.len()
+                );
             }
+            packer.window.drain(..state.batches_done);
             packer.batches_done = state.batches_done;
         }
-        packer
+        Ok(packer)
     }
 
     pub fn state(&self) -> PackerState {

@@ -34,8 +34,8 @@ use crate::telemetry::records::{
     EvalRecord, MetricsRecord, MetricsWriter, Phase, Snapshot, StepRecord, ValidationRecord,
 };
 use crate::train::checkpoint::{
-    latest_checkpoint, read_state, save_checkpoint, BestEval, BestRule, CheckpointFault,
-    TrainerState,
+    newest_checkpoint, read_state, remove_stale_partials, repair_latest, save_checkpoint, BestEval,
+    BestRule, CheckpointFault, HoldPoint, TrainerState,
 };
 use crate::train::loss::{
     block_targets, loss_and_backward_deferred, sample_anchors, LossOptions, LossSums, LossTensors,
@@ -230,7 +230,7 @@ struct Prepared {
     drafters: Vec<Drafter>,
     heads: Vec<FrozenHead>,
     optimizer: AdamW,
-    packer_state: PackerState,
+    packer: Packer,
     start_step: u64,
     start_epoch: u64,
     tokens_seen: u64,
@@ -417,8 +417,9 @@ fn prepare(
     let mut packer_state = PackerState::default();
     let (mut start_step, mut start_epoch, mut tokens_seen, mut samples_seen) = (0, 0, 0, 0);
     let mut validations_since_best = 0;
+    let mut resumed_from = None;
     if let Some(run_dir) = resume {
-        let ckpt = latest_checkpoint(run_dir)?;
+        let ckpt = newest_checkpoint(run_dir)?;
         let state = read_state(&ckpt)?;
         optimizer
             .load(&ckpt.join("optimizer.safetensors"), state.step)
@@ -430,7 +431,20 @@ fn prepare(
         samples_seen = state.samples_seen;
         validations_since_best = state.validations_since_best;
         log::info!("resuming from {} at step {}", ckpt.display(), state.step);
+        resumed_from = Some(ckpt);
     }
+    // The data stream where it stopped (a position beyond its window is refused here, before
+    // any thread starts, instead of a skip loop that never ends).
+    let packer =
+        Packer::resume(store.clone(), packer_config.clone(), packer_state).with_context(|| {
+            match &resumed_from {
+                Some(ckpt) => format!(
+                    "{}: cannot resume the data stream",
+                    ckpt.join("trainer_state.json").display()
+                ),
+                None => "cannot start the data stream".to_string(),
+            }
+        })?;
     // Every replica starts from the master weights (exactly those saved, on resume).
     for d in &drafters {
         optimizer.write_params(&d.named_parameters())?;
@@ -450,6 +464,15 @@ fn prepare(
             validations_since_best,
         }),
     )?;
+    // Everything loaded: now the run directory may be touched.
+    if let (Some(run_dir), Some(ckpt)) = (resume, &resumed_from) {
+        if repair_latest(run_dir, ckpt)? {
+            log::warn!(
+                "checkpoints/latest pointed at an older checkpoint than {} (a run killed between saving and pointing at it): repaired",
+                ckpt.display()
+            );
+        }
+    }
     Ok(Prepared {
         held_out,
         config: config.clone(),
@@ -458,7 +481,7 @@ fn prepare(
         targets,
         drafters,
         optimizer,
-        packer_state,
+        packer,
         start_step,
         start_epoch,
         tokens_seen,
@@ -500,8 +523,16 @@ pub fn start(
     run_dir: &Path,
     resume: bool,
 ) -> Result<TrainerHandle> {
-    let metrics = MetricsWriter::open(&run_dir.join("metrics.jsonl"))?;
     let prepared = prepare(runtime, config, resume.then_some(run_dir))?;
+    for gone in remove_stale_partials(run_dir) {
+        log::info!("removed {}, left by a writer that is gone", gone.display());
+    }
+    let metrics_path = run_dir.join("metrics.jsonl");
+    let metrics = if resume {
+        MetricsWriter::open_resumed(&metrics_path, prepared.start_step)?
+    } else {
+        MetricsWriter::open(&metrics_path)?
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
         batch_q: ResizableQueue::new("batch_q", config.pipeline.batch_queue_depth, stop.clone()),
@@ -588,13 +619,11 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         let shared = shared.clone();
         let store = p.store.clone();
         let cfg = config.clone();
-        let state = p.packer_state;
+        let packer = p.packer;
         threads.push(spawn(
             "loader".into(),
             Box::new(move || {
-                if let Err(e) = loader(&shared, store, &cfg, state) {
-                    shared.fail("loader", &e);
-                }
+                run_stage(&shared, "loader", || loader(&shared, store, &cfg, packer));
                 shared.batch_q.close();
             }),
         )?);
@@ -611,9 +640,9 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         threads.push(spawn(
             format!("target-{i}"),
             Box::new(move || {
-                if let Err(e) = target_worker(&shared, &target, &taps, &cfg, wait_for_device) {
-                    shared.fail(&format!("target worker {i}"), &e);
-                }
+                run_stage(&shared, &format!("target worker {i}"), || {
+                    target_worker(&shared, &target, &taps, &cfg, wait_for_device)
+                });
                 if done.fetch_add(1, Ordering::SeqCst) + 1 == n_targets as u32 {
                     shared.feature_q.close();
                 }
@@ -649,6 +678,9 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         tokens_seen: p.tokens_seen,
         samples_seen: p.samples_seen,
         last_save: Instant::now(),
+        saved_step: None,
+        retry: None,
+        injected_checkpoint_failures: 0,
         held_out: p.held_out,
         queued: None,
         events: DeviceEvents::load(),
@@ -662,10 +694,7 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
             "drafter-0".into(),
             Box::new(move || {
                 let mut c = coordinator;
-                let result = c.run();
-                if let Err(e) = result {
-                    shared.fail("drafter worker 0", &e);
-                }
+                run_stage(&shared, "drafter worker 0", || c.run());
                 for tx in &c.param_txs {
                     let _ = tx.send(ParamsMsg::Stop);
                 }
@@ -684,9 +713,13 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         threads.push(spawn(
             format!("drafter-{r}"),
             Box::new(move || {
-                if let Err(e) = replica(&shared, &cfg, r, drafter, head, tx, rx, sync) {
-                    shared.fail(&format!("drafter worker {r}"), &e);
-                }
+                run_stage(&shared, &format!("drafter worker {r}"), || {
+                    replica(&shared, &cfg, r, drafter, head, tx, rx, sync)
+                });
+                // a replica that ends (or fails) stops the step it would have joined
+                shared.stop.store(true, Ordering::Relaxed);
+                shared.batch_q.wake_all();
+                shared.feature_q.wake_all();
             }),
         )?);
     }
@@ -698,9 +731,8 @@ fn loader(
     shared: &Shared,
     store: Arc<TokenStore>,
     cfg: &TrainConfig,
-    state: PackerState,
+    mut packer: Packer,
 ) -> Result<()> {
-    let mut packer = Packer::resume(store.clone(), packer_config(cfg), state);
     let mut seq = 0u64;
     loop {
         if !shared.wait_if_paused() {
@@ -718,7 +750,7 @@ fn loader(
             && cfg.debug.fail_at_step > 0
             && seq + 1 == cfg.debug.fail_at_step
         {
-            bail!("batch {seq}: injected failure (debug.fail_stage = \"loader\")");
+            return Err(injected_failure(cfg, format!("batch {seq}")));
         }
         seq += 1;
         match shared.batch_q.push(item) {
@@ -726,6 +758,32 @@ fn loader(
             Err((_, QueueClosed::Stopped)) | Err((_, QueueClosed::Drained)) => return Ok(()),
         }
     }
+}
+
+/// An injected failure of a stage (`[debug]`): an error, or a panic as a libtorch error inside
+/// a tch call gives.
+fn injected_failure(cfg: &TrainConfig, what: String) -> anyhow::Error {
+    let stage = &cfg.debug.fail_stage;
+    if cfg.debug.fail_mode == "panic" {
+        panic!("{what}: injected panic (debug.fail_stage = \"{stage}\")");
+    }
+    anyhow!("{what}: injected failure (debug.fail_stage = \"{stage}\")")
+}
+
+/// Runs a stage's work, turning a panic into the run's failure like an error: the panic
+/// message goes to the log and `metrics.jsonl` and every stage stops (the caller then closes
+/// its queues, as after a normal end).
+fn run_stage(shared: &Shared, stage: &str, work: impl FnOnce() -> Result<()>) {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+    let error = match outcome {
+        Ok(Ok(())) => return,
+        Ok(Err(e)) => e,
+        Err(payload) => anyhow!(
+            "panicked: {}",
+            crate::aten_ext::graph::panic_message(payload.as_ref())
+        ),
+    };
+    shared.fail(stage, &error);
 }
 
 /// A packed batch as the target and drafter stages take it.
@@ -795,10 +853,7 @@ fn target_worker(
             && cfg.debug.fail_at_step > 0
             && count == cfg.debug.fail_at_step
         {
-            bail!(
-                "batch {}: injected failure (debug.fail_stage = \"target\")",
-                batch.seq
-            );
+            return Err(injected_failure(cfg, format!("batch {}", batch.seq)));
         }
         let features = out
             .features
@@ -894,13 +949,9 @@ pub fn measure_stages_alone(
     skip: usize,
     batches: usize,
 ) -> Result<StageAloneRates> {
-    let p = prepare(runtime, config, None)?;
+    let mut p = prepare(runtime, config, None)?;
     let profile = ProfileStats::new();
-    let mut packer = Packer::resume(
-        p.store.clone(),
-        packer_config(config),
-        PackerState::default(),
-    );
+    let packer = &mut p.packer;
     let warmup = skip.min(2);
     for _ in 0..skip - warmup {
         packer
@@ -1203,6 +1254,12 @@ struct Coordinator {
     tokens_seen: u64,
     samples_seen: u64,
     last_save: Instant,
+    /// The step this process last saved (the same step is not written twice).
+    saved_step: Option<u64>,
+    /// After a failed checkpoint: the step at which to try again, and the gap to the next try.
+    retry: Option<(u64, u64)>,
+    /// Checkpoint failures injected so far (`[debug]`).
+    injected_checkpoint_failures: u64,
     held_out: Option<HeldOut>,
     queued: Option<QueuedStep>,
     /// CUDA events (see [`QueuedStep`]); `None` on the CPU or without the CUDA runtime.
@@ -1241,10 +1298,10 @@ impl Coordinator {
             let mut newest = res.last;
             let mut outgoing = Vec::with_capacity(self.param_txs.len());
             for _ in 0..self.param_txs.len() {
-                let msg = self
-                    .grad_rx
-                    .recv()
-                    .map_err(|_| anyhow!("a drafter replica stopped"))?;
+                let Some(msg) = self.receive_replica()? else {
+                    // a stage failed (or the run was aborted) while this step waited
+                    return self.finish_queued();
+                };
                 outgoing.push((msg.replica, msg.out));
                 sums.add(&msg.sums);
                 tokens += msg.tokens;
@@ -1329,7 +1386,9 @@ impl Coordinator {
                 && (eval_due || self.step.is_multiple_of(cfg.validation.every_steps));
             let periodic_steps = cfg.checkpoint.save_every_steps > 0
                 && self.step.is_multiple_of(cfg.checkpoint.save_every_steps);
+            // (a checkpoint that failed is retried on its own schedule)
             let periodic_time = cfg.checkpoint.save_every_minutes > 0.0
+                && self.retry.is_none()
                 && self.last_save.elapsed().as_secs_f64()
                     >= cfg.checkpoint.save_every_minutes * 60.0;
             let fault_due = cfg.debug.fail_stage == "drafter"
@@ -1339,10 +1398,7 @@ impl Coordinator {
                 self.finish_queued()?;
             }
             if fault_due {
-                bail!(
-                    "step {}: injected failure (debug.fail_stage = \"drafter\")",
-                    self.step
-                );
+                return Err(injected_failure(&cfg, format!("step {}", self.step)));
             }
             if eval_due {
                 self.evaluate()?;
@@ -1353,17 +1409,41 @@ impl Coordinator {
                     return self.stop_early(reason);
                 }
             }
-            if periodic_steps || periodic_time {
-                self.checkpoint("periodic")?;
+            let retry_due = self.retry.is_some_and(|(at, _)| self.step >= at);
+            if periodic_steps || periodic_time || retry_due {
+                self.finish_queued()?;
+                self.checkpoint(if retry_due && !(periodic_steps || periodic_time) {
+                    "retry"
+                } else {
+                    "periodic"
+                });
             }
         }
         self.finish_queued()?;
         self.final_measurements()?;
-        self.checkpoint("final")?;
+        self.final_checkpoint("final")?;
         self.shared.set_phase(Phase::Finished);
         self.shared
             .event("finished", format!("finished after {} steps", self.step));
         Ok(())
+    }
+
+    /// The next replica's gradient message; `None` once the run stops (a failed stage must not
+    /// leave this thread waiting for a replica that is gone).
+    fn receive_replica(&self) -> Result<Option<GradMsg>> {
+        loop {
+            match self.grad_rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(msg) => return Ok(Some(msg)),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    if self.shared.stopping() {
+                        return Ok(None);
+                    }
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                    bail!("a drafter replica stopped")
+                }
+            }
+        }
     }
 
     /// Reads the numbers of the step still queued on the device, if any (see [`QueuedStep`]).
@@ -1629,7 +1709,7 @@ impl Coordinator {
     fn stop_early(&mut self, reason: String) -> Result<()> {
         self.shared.set_phase(Phase::Stopping);
         self.final_measurements()?;
-        self.checkpoint("early stop")?;
+        self.final_checkpoint("early stop")?;
         self.shared.status().stop_reason = Some(reason.clone());
         self.shared.set_phase(Phase::Finished);
         self.shared.event("early_stop", reason);
@@ -1647,13 +1727,13 @@ impl Coordinator {
             .checkpoint_requested
             .swap(false, Ordering::SeqCst)
         {
-            self.checkpoint("command")?;
+            self.checkpoint("command");
         }
         match self.shared.stop_requested.load(Ordering::SeqCst) {
             1 => {
                 self.shared.set_phase(Phase::Stopping);
                 self.final_measurements()?;
-                self.checkpoint("stop")?;
+                self.final_checkpoint("stop")?;
                 self.shared.status().stop_reason = Some("stop command".into());
                 self.shared.set_phase(Phase::Finished);
                 self.shared.event(
@@ -1675,18 +1755,81 @@ impl Coordinator {
         }
     }
 
-    fn checkpoint(&mut self, why: &str) -> Result<()> {
-        if self.step == 0 {
+    /// A checkpoint during the run. A failure (a full disk, permissions) does not end the run:
+    /// it is reported (log, screen, `metrics.jsonl`), the previous checkpoint stays, and the
+    /// checkpoint is tried again after 1, 2, 4, ... up to 64 steps.
+    fn checkpoint(&mut self, why: &str) {
+        match self.write_checkpoint(why) {
+            Ok(()) => {
+                if self.retry.take().is_some() {
+                    self.shared.event(
+                        "checkpoint",
+                        format!("checkpoints work again at step {}", self.step),
+                    );
+                }
+            }
+            Err(e) => {
+                let gap = self.retry.map_or(1, |(_, gap)| (gap * 2).min(64));
+                self.retry = Some((self.step + gap, gap));
+                let message = format!(
+                    "{e:#}; training goes on, the checkpoint is tried again at step {}",
+                    self.step + gap
+                );
+                log::warn!("{message}");
+                self.shared.metrics.write(&MetricsRecord::Event {
+                    elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+                    kind: "checkpoint_failed".into(),
+                    message,
+                });
+            }
+        }
+    }
+
+    /// The checkpoint that ends a run (its end, a stop command, early stopping): a failure
+    /// fails the run, naming the checkpoint that is kept.
+    fn final_checkpoint(&mut self, why: &str) -> Result<()> {
+        self.write_checkpoint(why).map_err(|e| {
+            let kept = self.shared.status().last_checkpoint.clone();
+            e.context(format!(
+                "the {why} checkpoint failed; the last checkpoint kept is {}",
+                kept.map_or("none".into(), |p| p.display().to_string())
+            ))
+        })
+    }
+
+    fn write_checkpoint(&mut self, why: &str) -> Result<()> {
+        if self.step == 0 || self.saved_step == Some(self.step) {
+            // nothing trained yet, or this step saved already by this process
             return Ok(());
         }
         let previous = self.shared.status().phase;
         self.shared.set_phase(Phase::Checkpointing);
+        let result = self.save(why);
+        if let Some(p) = previous {
+            self.shared.set_phase(p);
+        }
+        result
+    }
+
+    fn save(&mut self, why: &str) -> Result<()> {
         let cfg = &self.config;
-        let fault = if cfg.debug.fail_stage == "checkpoint"
+        let injected = cfg.debug.fail_stage == "checkpoint"
             && cfg.debug.fail_at_step > 0
             && self.step >= cfg.debug.fail_at_step
-        {
-            CheckpointFault::DiskFullAfterDrafter
+            && (cfg.debug.fail_count == 0
+                || self.injected_checkpoint_failures < cfg.debug.fail_count);
+        let fault = if injected {
+            self.injected_checkpoint_failures += 1;
+            match HoldPoint::from_mode(&cfg.debug.fail_mode) {
+                Some(point) => CheckpointFault::Hold(point),
+                None if cfg.debug.fail_mode == "panic" => {
+                    panic!(
+                        "checkpoint at step {}: injected panic (debug.fail_stage = \"checkpoint\")",
+                        self.step
+                    )
+                }
+                None => CheckpointFault::DiskFullAfterDrafter,
+            }
         } else {
             CheckpointFault::None
         };
@@ -1725,11 +1868,12 @@ impl Coordinator {
             .record(Event::CHECKPOINT_SAVE, t.elapsed());
         let path = saved.with_context(|| {
             format!(
-                "checkpoint at step {} failed; the previous checkpoint is kept",
+                "checkpoint ({why}) at step {} failed; the previous checkpoint is kept",
                 self.step
             )
         })?;
         self.last_save = Instant::now();
+        self.saved_step = Some(self.step);
         self.shared.status().last_checkpoint = Some(path.clone());
         self.shared.event(
             "checkpoint",
@@ -1740,9 +1884,6 @@ impl Coordinator {
                 t.elapsed().as_secs_f64()
             ),
         );
-        if let Some(p) = previous {
-            self.shared.set_phase(p);
-        }
         Ok(())
     }
 }

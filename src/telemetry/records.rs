@@ -2,7 +2,7 @@
 //! (control-room spec §6).
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -186,9 +186,17 @@ pub enum MetricsRecord {
     },
 }
 
-/// Appends records to `metrics.jsonl`, one JSON object a line, flushed per record.
+/// Appends records to `metrics.jsonl`, one JSON object a line, each written with one append.
+/// Telemetry never stops training: a write that fails (a full disk) is cut back off the file, so
+/// no half line stays behind, and counted; the log says so at the first failure and at each
+/// doubling of the count, not at every record, and once more when writes succeed again.
 pub struct MetricsWriter {
-    file: Mutex<BufWriter<File>>,
+    inner: Mutex<MetricsFile>,
+}
+
+struct MetricsFile {
+    file: File,
+    failures: u64,
 }
 
 impl MetricsWriter {
@@ -199,19 +207,86 @@ impl MetricsWriter {
             .open(path)
             .map_err(|e| anyhow::anyhow!("{}: cannot write: {e}", path.display()))?;
         Ok(MetricsWriter {
-            file: Mutex::new(BufWriter::new(file)),
+            inner: Mutex::new(MetricsFile { file, failures: 0 }),
         })
     }
 
+    /// Opens the metrics of a run resumed at step `step`: the records of the steps after it
+    /// (written before a crash, and about to be written again), a half-written last line and
+    /// the earlier run's summary are dropped first (the file is rewritten beside and renamed),
+    /// so a reader sees each step once.
+    pub fn open_resumed(path: &Path, step: u64) -> anyhow::Result<Self> {
+        if path.is_file() {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
+            let kept = records_up_to_step(&text, step);
+            if kept.len() != text.len() {
+                let tmp = path.with_extension("jsonl.resume-tmp");
+                std::fs::write(&tmp, &kept)
+                    .and_then(|_| std::fs::rename(&tmp, path))
+                    .map_err(|e| anyhow::anyhow!("{}: cannot rewrite: {e}", path.display()))?;
+            }
+        }
+        Self::open(path)
+    }
+
     pub fn write(&self, record: &MetricsRecord) {
-        let mut f = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        if let Ok(line) = serde_json::to_string(record) {
-            // Telemetry must never stop training: a failed write is logged, not raised.
-            if writeln!(f, "{line}").and_then(|_| f.flush()).is_err() {
-                log::warn!("metrics.jsonl: write failed");
+        let Ok(mut line) = serde_json::to_string(record) else {
+            return;
+        };
+        line.push('\n');
+        let mut m = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let before = m.file.metadata().map(|md| md.len()).ok();
+        match m.file.write_all(line.as_bytes()) {
+            Ok(()) => {
+                if m.failures > 0 {
+                    log::info!(
+                        "metrics.jsonl: writing again ({} records were lost)",
+                        m.failures
+                    );
+                    m.failures = 0;
+                }
+            }
+            Err(e) => {
+                // cut a partial line back off: the file stays whole lines
+                if let Some(len) = before {
+                    let _ = m.file.set_len(len);
+                }
+                m.failures += 1;
+                if m.failures.is_power_of_two() {
+                    log::warn!(
+                        "metrics.jsonl: {} record(s) lost so far ({e}); writes go on when there is room",
+                        m.failures
+                    );
+                }
             }
         }
     }
+
+    /// Records lost since the last write that succeeded.
+    pub fn failures(&self) -> u64 {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .failures
+    }
+}
+
+/// The lines of `metrics.jsonl` text that a run resumed at `step` keeps: everything before the
+/// first record of a later step, without unreadable (half-written) lines or summaries.
+fn records_up_to_step(text: &str, step: u64) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        match serde_json::from_str::<MetricsRecord>(line) {
+            Ok(MetricsRecord::Step(r)) if r.step > step => break,
+            Ok(MetricsRecord::Summary { .. }) | Err(_) => continue,
+            Ok(_) => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 /// Reads `metrics.jsonl` back into records.
@@ -385,5 +460,51 @@ mod tests {
             } => assert_eq!(final_accept_mean, Some(1.25)),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_resumed_run_keeps_the_records_up_to_its_checkpoint_step() {
+        let step = |n: u64| {
+            format!(
+                r#"{{"type":"step","step":{n},"epoch":0,"loss":2.0,"accuracy":0.1,"accept_mean":1.0,"lr":0.001,"grad_norm":1.0,"tokens":10,"samples":1,"step_s":0.1,"tokens_per_s":100.0,"samples_per_s":10.0,"elapsed_s":0.1}}"#
+            )
+        };
+        let event = r#"{"type":"event","elapsed_s":1.0,"kind":"checkpoint","message":"at step 3"}"#;
+        let summary = r#"{"type":"summary","phase":"finished","steps":5,"elapsed_s":1.0,"tokens_seen":10,"samples_seen":1,"final_loss":2.0,"final_accuracy":0.1,"final_accept_mean":1.0,"last_checkpoint":null,"error":null}"#;
+        let lines = [
+            step(1),
+            step(2),
+            step(3),
+            event.to_string(),
+            step(4),
+            step(5),
+            summary.to_string(),
+        ];
+        let mut text = lines.join("\n");
+        text.push('\n');
+        text.push_str("{\"type\":\"step\",\"st"); // a half line left by a kill
+        let kept = records_up_to_step(&text, 3);
+        assert_eq!(kept, format!("{}\n", lines[..4].join("\n")));
+        // nothing past the step: the half line and a summary still go
+        let kept = records_up_to_step(&text, 9);
+        assert_eq!(kept, format!("{}\n", lines[..6].join("\n")));
+    }
+
+    #[test]
+    fn failed_metrics_writes_are_counted_and_leave_no_half_line() {
+        // /dev/full answers every write with "no space left on device"
+        let full = std::path::Path::new("/dev/full");
+        if !full.exists() {
+            return;
+        }
+        let w = MetricsWriter::open(full).unwrap();
+        for _ in 0..5 {
+            w.write(&MetricsRecord::Event {
+                elapsed_s: 0.0,
+                kind: "x".into(),
+                message: "y".into(),
+            });
+        }
+        assert_eq!(w.failures(), 5);
     }
 }

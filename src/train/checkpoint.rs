@@ -4,10 +4,13 @@
 //! RUN_DIR/checkpoints/step-000100/   drafter/ (servable HF dir), optimizer.safetensors, trainer_state.json
 //! RUN_DIR/checkpoints/latest         -> the newest complete checkpoint
 //! ```
-//! A checkpoint is written into a temporary folder and renamed when complete; `latest` (a
-//! relative symbolic link) is replaced atomically after that, and only then are old
-//! checkpoints beyond `keep` removed. A failure at any point leaves the previous checkpoint
-//! and `latest` as they were.
+//! A checkpoint is written into a temporary folder and renamed when complete (a step folder that
+//! exists already is set aside first and removed after: it is replaced, never kept in place of the
+//! new weights); `latest` (a relative symbolic link) is replaced atomically after that, and only
+//! then are old checkpoints beyond `keep` removed. A failure at any point leaves the previous
+//! checkpoint and `latest` as they were. A step folder is complete once it exists under its
+//! name (the rename is the last write), so a resume takes the newest one even where a kill left
+//! `latest` behind it, and repairs `latest`.
 
 use std::path::{Path, PathBuf};
 
@@ -57,6 +60,43 @@ pub enum CheckpointFault {
     None,
     /// Fail with "no space left on device" after the drafter was written.
     DiskFullAfterDrafter,
+    /// Stop writing at this point, for good (the test kills the process there).
+    Hold(HoldPoint),
+}
+
+/// Where [`CheckpointFault::Hold`] stops a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldPoint {
+    /// The drafter written into the staging folder, nothing else.
+    AfterDrafter,
+    /// Drafter and optimizer state written, the trainer state not yet.
+    AfterOptimizer,
+    /// The step folder in place, `latest` not yet pointed at it.
+    AfterRename,
+}
+
+impl HoldPoint {
+    /// The `debug.fail_mode` that asks for it.
+    pub fn from_mode(mode: &str) -> Option<HoldPoint> {
+        match mode {
+            "hold-drafter" => Some(HoldPoint::AfterDrafter),
+            "hold-optimizer" => Some(HoldPoint::AfterOptimizer),
+            "hold-rename" => Some(HoldPoint::AfterRename),
+            _ => None,
+        }
+    }
+}
+
+/// Blocks the checkpoint writer for good at `point` when `fault` asks for it (fault tests kill
+/// the process there, to leave exactly what a crash at that point leaves).
+fn hold_if(fault: CheckpointFault, point: HoldPoint, step: u64) {
+    if fault != CheckpointFault::Hold(point) {
+        return;
+    }
+    log::warn!("checkpoint of step {step} held {point:?} (debug.fail_mode): waiting to be killed");
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(3600));
+    }
 }
 
 /// Writes a checkpoint for `state.step`, then points `latest` at it and prunes old ones.
@@ -71,12 +111,16 @@ pub fn save_checkpoint(
     let dir = checkpoints_dir(run_dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;
     let dest = dir.join(step_name(state.step));
-    if dest.exists() {
-        // The same step saved twice (command right after a periodic save): keep the first.
-        return Ok(dest);
-    }
-    let staged = StagedDir::create(&dest)?;
+    // Written beside, under a name of its own: a step folder that exists (another run's, or
+    // this step saved again) is replaced only once the new one is complete.
+    let fresh = dir.join(format!(
+        ".{}.new-{}",
+        step_name(state.step),
+        std::process::id()
+    ));
+    let staged = StagedDir::create(&fresh)?;
     drafter.save(&staged.path().join("drafter"))?;
+    hold_if(fault, HoldPoint::AfterDrafter, state.step);
     if fault == CheckpointFault::DiskFullAfterDrafter {
         bail!(
             "{}: cannot write optimizer.safetensors: No space left on device (os error 28, injected by debug.fail_stage = \"checkpoint\")",
@@ -84,6 +128,7 @@ pub fn save_checkpoint(
         );
     }
     optimizer.save(&staged.path().join("optimizer.safetensors"))?;
+    hold_if(fault, HoldPoint::AfterOptimizer, state.step);
     let text = serde_json::to_string_pretty(state)?;
     std::fs::write(staged.path().join("trainer_state.json"), text).with_context(|| {
         format!(
@@ -91,10 +136,97 @@ pub fn save_checkpoint(
             staged.path().display()
         )
     })?;
-    let dest = staged.commit()?;
+    let fresh = staged.commit()?;
+    replace_dir(&fresh, &dest)?;
+    hold_if(fault, HoldPoint::AfterRename, state.step);
     point_latest(&dir, &step_name(state.step))?;
     prune(&dir, keep)?;
     Ok(dest)
+}
+
+/// Moves the complete folder `fresh` to `dest`: an existing `dest` is renamed aside first and
+/// removed after, so that at every moment `dest` is either the old folder or the new one.
+fn replace_dir(fresh: &Path, dest: &Path) -> Result<()> {
+    let parent = dest.parent().unwrap_or(Path::new("."));
+    let name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+    let had_old = dest.exists();
+    if had_old {
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(dest, &old)
+            .with_context(|| format!("{}: cannot set aside to replace it", dest.display()))?;
+    }
+    if let Err(e) = std::fs::rename(fresh, dest) {
+        if had_old {
+            // put the old one back: nothing is lost
+            let _ = std::fs::rename(&old, dest);
+        }
+        return Err(e)
+            .with_context(|| format!("cannot move {} to {}", fresh.display(), dest.display()));
+    }
+    if had_old {
+        let _ = std::fs::remove_dir_all(&old);
+    }
+    Ok(())
+}
+
+/// Leftovers of writers that died (killed during a checkpoint or a save of `best/`): staging
+/// folders `.NAME.partial-PID`, `.NAME.new-PID` and `.NAME.old-PID`, and `.latest.tmp-PID`
+/// links, in the run directory and its `checkpoints/`, whose process is gone (or is this one,
+/// which has written nothing yet: a reused PID). Returns what was removed.
+pub fn remove_stale_partials(run_dir: &Path) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    for dir in [run_dir.to_path_buf(), checkpoints_dir(run_dir)] {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(pid) = stale_writer_pid(&name) else {
+                continue;
+            };
+            if pid != std::process::id() && process_alive(pid) {
+                continue;
+            }
+            let path = entry.path();
+            let gone = if path.is_dir() && !path.is_symlink() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            if gone.is_ok() {
+                removed.push(path);
+            }
+        }
+    }
+    removed
+}
+
+/// The PID in the name of a staging leftover (`.X.partial-PID`, `.X.new-PID`, `.X.old-PID`,
+/// `.latest.tmp-PID`).
+fn stale_writer_pid(name: &str) -> Option<u32> {
+    if !name.starts_with('.') {
+        return None;
+    }
+    let (head, pid) = name.rsplit_once('-')?;
+    let known = [".partial", ".new", ".old", ".latest.tmp"];
+    if !known.iter().any(|k| head.ends_with(k)) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Whether a process with this PID exists (signal 0 asks without sending anything).
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 only checks for the process.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 /// How `RUN_DIR/best/` is chosen: the drafter with the highest tau of one kind.
@@ -202,6 +334,29 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
+/// The checkpoint to resume from: the newest complete one, even where `latest` lags behind it
+/// (a kill between the rename of a checkpoint and the update of `latest`). Reads only; see
+/// [`repair_latest`].
+pub fn newest_checkpoint(run_dir: &Path) -> Result<PathBuf> {
+    match list_checkpoints(&checkpoints_dir(run_dir)).pop() {
+        Some((_, newest)) => Ok(newest),
+        None => latest_checkpoint(run_dir),
+    }
+}
+
+/// Points `latest` at `checkpoint` when it points elsewhere; true when it was repaired.
+pub fn repair_latest(run_dir: &Path, checkpoint: &Path) -> Result<bool> {
+    let dir = checkpoints_dir(run_dir);
+    let Some(name) = checkpoint.file_name() else {
+        return Ok(false);
+    };
+    if std::fs::read_link(dir.join("latest")).ok().as_deref() == Some(Path::new(name)) {
+        return Ok(false);
+    }
+    point_latest(&dir, &name.to_string_lossy())?;
+    Ok(true)
+}
+
 /// The checkpoint `latest` points to.
 pub fn latest_checkpoint(run_dir: &Path) -> Result<PathBuf> {
     let dir = checkpoints_dir(run_dir);
@@ -228,4 +383,42 @@ pub fn read_state(checkpoint: &Path) -> Result<TrainerState> {
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("{}: cannot read", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{}: not a trainer state", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_leftovers_are_recognised_by_name() {
+        assert_eq!(stale_writer_pid(".step-000004.new-1234"), Some(1234));
+        assert_eq!(
+            stale_writer_pid("..step-000004.new-1234.partial-99"),
+            Some(99)
+        );
+        assert_eq!(stale_writer_pid(".step-000004.old-7"), Some(7));
+        assert_eq!(stale_writer_pid(".best.new-5"), Some(5));
+        assert_eq!(stale_writer_pid(".latest.tmp-42"), Some(42));
+        assert_eq!(stale_writer_pid("step-000004"), None);
+        assert_eq!(stale_writer_pid(".lock"), None);
+        assert_eq!(stale_writer_pid(".hidden-12"), None);
+    }
+
+    #[test]
+    fn only_leftovers_of_dead_writers_are_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path();
+        std::fs::create_dir_all(run.join("checkpoints")).unwrap();
+        // a PID that cannot exist (above the kernel's limit) and this process's own
+        let dead = run.join("checkpoints/.step-000002.new-4194303");
+        let mine = run.join(format!(".best.new-{}", std::process::id()));
+        // a live writer: PID 1 always exists
+        let live = run.join("checkpoints/.step-000003.new-1");
+        for d in [&dead, &mine, &live] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let removed = remove_stale_partials(run);
+        assert_eq!(removed.len(), 2, "{removed:?}");
+        assert!(!dead.exists() && !mine.exists() && live.exists());
+    }
 }

@@ -1,0 +1,59 @@
+//! One trainer per run directory: an advisory lock (`flock`) on `RUN_DIR/.lock`, held for the
+//! life of the process, with the holder's PID written in the file so that a refused second
+//! trainer can name it. The kernel drops the lock when the process ends, however it ends.
+
+use std::fs::File;
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+pub const LOCK_NAME: &str = ".lock";
+
+/// The held lock; released when dropped (or when the process ends).
+#[derive(Debug)]
+pub struct RunLock {
+    _file: File,
+    pub path: PathBuf,
+}
+
+impl RunLock {
+    /// Takes the lock of `run_dir`, or fails naming the PID of the trainer that holds it.
+    pub fn acquire(run_dir: &Path) -> Result<RunLock> {
+        let path = run_dir.join(LOCK_NAME);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("{}: cannot open the run's lock file", path.display()))?;
+        // SAFETY: flock on a descriptor this function owns.
+        let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+        if !taken {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                let mut text = String::new();
+                let _ = file.read_to_string(&mut text);
+                let holder = text.trim();
+                bail!(
+                    "{}: another trainer is running in this run directory ({}); one trainer per run directory: stop it first (dflash-tui ctl {} stop), or choose another --run-dir",
+                    run_dir.display(),
+                    if holder.is_empty() {
+                        "its PID is not recorded".to_string()
+                    } else {
+                        format!("PID {holder}")
+                    },
+                    run_dir.display()
+                );
+            }
+            return Err(err).with_context(|| format!("{}: cannot lock", path.display()));
+        }
+        file.set_len(0)
+            .and_then(|_| file.rewind())
+            .and_then(|_| writeln!(file, "{}", std::process::id()))
+            .with_context(|| format!("{}: cannot write the lock file", path.display()))?;
+        Ok(RunLock { _file: file, path })
+    }
+}
