@@ -151,6 +151,7 @@ fn build_graph_library(includes: &[PathBuf], abi: &str) -> bool {
 
 fn main() {
     println!("cargo:rerun-if-changed={SHIM}");
+    println!("cargo:rerun-if-changed=src/aten_ext/guard.h");
     let (includes, abi) = libtorch_headers();
     if build_graph_library(&includes, &abi) {
         println!("cargo:rustc-cfg=dflash_cuda_graphs");

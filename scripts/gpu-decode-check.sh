@@ -40,18 +40,7 @@ $B eval --target /tmp/rand --drafter /tmp/rand-drafter --data "$W/data" --limit 
 t eval-f32
 $B eval --target /tmp/rand --drafter /tmp/rand-drafter --data "$W/data" --limit 4 \
   --max-new-tokens 64 --dtype f32 --json > "$OUT/eval-f32.json" 2> "$OUT/eval-f32.err"
-python3 - "$OUT" <<'PY'
-import json, sys
-for name in ["graphs", "eager", "f32"]:
-    try:
-        r = json.load(open(f"{sys.argv[1]}/eval-{name}.json"))
-    except Exception as e:
-        print(name, "no report:", e); continue
-    keys = ["tau", "speedup", "greedy_ms_per_token", "dflash_ms_per_step", "step_cost_in_greedy_steps", "mismatches", "cuda_graphs"]
-    print(name, {k: r[k] for k in keys})
-    print("  dflash step ms", r["dflash_step_ms"])
-    print("  greedy step ms", r["greedy_step_ms"])
-PY
+python3 scripts/eval_summary.py "$OUT"/eval-graphs.json "$OUT"/eval-eager.json "$OUT"/eval-f32.json
 tail -3 "$OUT/eval-graphs.err"
 
 t regenerate

@@ -104,19 +104,7 @@ eval)
   t eval-f32
   "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 20 \
     --max-new-tokens 64 --dtype f32 --json > "$OUT/eval-f32.json" 2> "$OUT/eval-f32.err"
-  python3 - "$OUT" <<'PY'
-import json, sys
-for name in ["sharegpt", "mtbench", "f32"]:
-    try:
-        r = json.load(open(f"{sys.argv[1]}/eval-{name}.json"))
-    except Exception as e:
-        print(name, "no report:", e); continue
-    keys = ["tau", "speedup", "speedup_spread", "greedy_ms_per_token", "dflash_ms_per_step",
-            "step_cost_in_greedy_steps", "mismatches", "cuda_graphs", "warmup_prompts"]
-    print(name, len(r["prompts"]), "prompts", {k: r[k] for k in keys})
-    print("  dflash step ms", r["dflash_step_ms"])
-    print("  accepted by slot", r["accepted_by_slot"])
-PY
+  python3 scripts/eval_summary.py "$OUT"/eval-sharegpt.json "$OUT"/eval-mtbench.json "$OUT"/eval-f32.json
   t public-check
   mkdir -p "$W/site"
   python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('$W/site') for w in glob.glob('$W/whl/dflash-*.whl')]"

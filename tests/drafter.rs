@@ -9,7 +9,7 @@ use common::tiny_target_dir;
 use dflash_tui::model::drafter::{context_bucket, tensor_names, TrainAttention};
 use dflash_tui::model::{
     AnchorBatch, Drafter, DrafterConfig, DrafterShape, FrozenHead, SlotAttention, SlotBatch,
-    SlotCache, TargetModel,
+    TargetModel,
 };
 use dflash_tui::train::loss::{
     block_targets, loss_and_backward, loss_and_backward_deferred, sample_anchors, BlockTargets,
@@ -223,21 +223,10 @@ fn inference_forward_matches_the_training_forward() {
     // The decoding path (a decoding copy with fused projections, over a slot cache) gives the
     // training forward's logits for each anchor's block.
     let copy = f.drafter.decode_copy().unwrap();
-    let (layers, kv, d) = copy.cache_shape();
     let capacity = S + BLOCK + 1;
     for (j, &a) in ANCHORS.iter().enumerate() {
-        let mut cache = SlotCache::new(
-            layers,
-            1,
-            capacity,
-            kv,
-            d,
-            Kind::Float,
-            Device::Cpu,
-            SlotAttention::Dense,
-        )
-        .unwrap()
-        .with_rope(copy.rope_table(capacity));
+        let mut cache = copy.slot_cache(capacity).unwrap();
+        assert_eq!(cache.attention, SlotAttention::Dense);
         let at = |p: i64| Tensor::from_slice(&[p]);
         // context features in two pieces, as accepted tokens arrive during decoding
         let first = a / 2;

@@ -8,7 +8,7 @@ mod common;
 
 use common::tiny_target_dir;
 use dflash_tui::eval::speculative::{
-    capacity_for, evaluate, greedy, speculative_decode_with, DFlashProposer, EvalOptions,
+    capacity_for, evaluate, greedy, speculative_decode_with, EvalOptions,
 };
 use dflash_tui::model::decode::{DrafterDecoder, TargetDecoder};
 use dflash_tui::model::{
@@ -193,8 +193,8 @@ fn gpu_graph_replays_equal_eager_steps() {
         let mut pos = 9;
         let mut ctx = features.shallow_clone();
         for step in 0..5 {
-            let a = eager.propose(&ctx, &x, pos).unwrap();
-            let b = graphed.propose(&ctx, &x, pos).unwrap();
+            let a = eager.draft(&ctx, &x, pos).unwrap();
+            let b = graphed.draft(&ctx, &x, pos).unwrap();
             assert_eq!(
                 Vec::<i64>::try_from(&a.to_device(Device::Cpu)).unwrap(),
                 Vec::<i64>::try_from(&b.to_device(Device::Cpu)).unwrap(),
@@ -237,7 +237,7 @@ fn gpu_dflash_with_graphs_is_lossless_in_f32_and_equals_eager_in_bf16() {
         let cap = capacity_for(p.len(), 40, 4);
         let run = |g| {
             let mut engine = TargetDecoder::new(&target, cap, &taps, g).unwrap();
-            let mut proposer = DFlashProposer::new(&drafter, &head, cap, g).unwrap();
+            let mut proposer = DrafterDecoder::new(&drafter, &head, cap, g).unwrap();
             tch::no_grad(|| speculative_decode_with(&mut engine, &mut proposer, p, 40, &[]))
                 .unwrap()
         };

@@ -142,80 +142,10 @@ fn eval_command_prints_json_with_tau_speedup_and_outputs() {
     assert!(err.contains("prompts.jsonl: line 2"), "{err}");
 }
 
-use dflash_tui::eval::speculative::{speculative_decode, BlockDrafter, DFlashProposer};
+use common::proposers::{ids_tensor, ids_vec, AlwaysProposes, Oracle};
+use dflash_tui::eval::speculative::{speculative_decode, BlockDrafter};
+use dflash_tui::model::decode::DrafterDecoder;
 use tch::Tensor;
-
-fn ids_tensor(ids: &[u32]) -> Tensor {
-    let v: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
-    Tensor::from_slice(&v)
-}
-
-fn ids_vec(t: &Tensor) -> Vec<u32> {
-    Vec::<i64>::try_from(&t.to_kind(tch::Kind::Int64))
-        .unwrap()
-        .into_iter()
-        .map(|t| t as u32)
-        .collect()
-}
-
-/// A "drafter" that always proposes `token` for every slot.
-struct AlwaysProposes {
-    block: usize,
-    token: u32,
-}
-
-impl BlockDrafter for AlwaysProposes {
-    fn block_size(&self) -> usize {
-        self.block
-    }
-    fn propose(
-        &mut self,
-        _ctx: &Tensor,
-        x: u32,
-        _x_dev: &Tensor,
-        _pos: i64,
-    ) -> anyhow::Result<Tensor> {
-        let mut b = vec![self.token as i64; self.block];
-        b[0] = x as i64;
-        Ok(Tensor::from_slice(&b))
-    }
-}
-
-/// A "drafter" given the target's own greedy answer: it proposes exactly what the target will
-/// say next, except at the slots `wrong[step]` (when set), where it proposes a wrong token.
-struct Oracle {
-    block: usize,
-    prompt_len: i64,
-    answer: Vec<u32>,
-    wrong: Vec<Option<usize>>,
-    step: usize,
-    /// Context positions received so far: each call must bring exactly the accepted ones.
-    context_len: i64,
-}
-
-impl BlockDrafter for Oracle {
-    fn block_size(&self) -> usize {
-        self.block
-    }
-    fn propose(
-        &mut self,
-        ctx: &Tensor,
-        x: u32,
-        _x_dev: &Tensor,
-        pos: i64,
-    ) -> anyhow::Result<Tensor> {
-        self.context_len += ctx.size()[0];
-        assert_eq!(self.context_len, pos, "the context is every token before x");
-        let at = (pos - self.prompt_len) as usize; // index of x in the answer
-        assert_eq!(self.answer[at], x);
-        let mut b: Vec<u32> = self.answer[at..at + self.block].to_vec();
-        if let Some(Some(k)) = self.wrong.get(self.step) {
-            b[*k] = (b[*k] + 1) % 50;
-        }
-        self.step += 1;
-        Ok(ids_tensor(&b))
-    }
-}
 
 #[test]
 fn a_drafter_that_is_always_wrong_gives_tau_one_and_greedy_output() {
@@ -321,7 +251,7 @@ fn rejected_drafts_roll_both_caches_back() {
 
 /// Records what the real drafter proposed and from which state.
 struct Recording<'a> {
-    inner: DFlashProposer<'a>,
+    inner: DrafterDecoder<'a>,
     calls: Vec<(u32, i64, Vec<u32>)>,
 }
 
@@ -352,7 +282,7 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
     let p = vec![7u32, 3, 12, 30, 8];
     let capacity = dflash_tui::eval::speculative::capacity_for(p.len(), 40, 4);
     let mut rec = Recording {
-        inner: DFlashProposer::new(&drafter, &head, capacity, None).unwrap(),
+        inner: DrafterDecoder::new(&drafter, &head, capacity, None).unwrap(),
         calls: vec![],
     };
     let d = tch::no_grad(|| speculative_decode(&target, &mut rec, &taps, &p, 40, &[])).unwrap();
@@ -374,7 +304,7 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
                 .features
                 .unwrap()
                 .squeeze_dim(0);
-            let mut fresh = DFlashProposer::new(&drafter, &head, capacity, None)?;
+            let mut fresh = DrafterDecoder::new(&drafter, &head, capacity, None)?;
             fresh.propose(&feats, *x, &ids_tensor(&[*x]), *pos)
         })
         .unwrap();

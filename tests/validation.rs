@@ -3,6 +3,7 @@
 
 mod common;
 
+use common::proposers::{AlwaysProposes, Oracle};
 use common::tiny_target_dir;
 use dflash_tui::data::store::Sample;
 use dflash_tui::eval::speculative::{dflash, greedy, speculative_decode, BlockDrafter};
@@ -32,58 +33,6 @@ fn models(block: i64) -> (tempfile::TempDir, TargetModel, Drafter, FrozenHead) {
     let drafter = Drafter::init(config, Device::Cpu, Kind::Float, 3).unwrap();
     let head = FrozenHead::from_target(&target, Device::Cpu, Kind::Float);
     (tmp, target, drafter, head)
-}
-
-/// A "drafter" that always proposes `token` for every slot (as in tests/speculative.rs).
-struct AlwaysProposes {
-    block: usize,
-    token: u32,
-}
-
-impl BlockDrafter for AlwaysProposes {
-    fn block_size(&self) -> usize {
-        self.block
-    }
-    fn propose(
-        &mut self,
-        _ctx: &Tensor,
-        x: u32,
-        _x_dev: &Tensor,
-        _pos: i64,
-    ) -> anyhow::Result<Tensor> {
-        let mut b = vec![self.token as i64; self.block];
-        b[0] = x as i64;
-        Ok(Tensor::from_slice(&b))
-    }
-}
-
-/// A "drafter" given the target's own greedy answer: it proposes exactly what the target will
-/// say next (as in tests/speculative.rs, without the planted errors).
-struct Oracle {
-    block: usize,
-    prompt_len: i64,
-    answer: Vec<u32>,
-}
-
-impl BlockDrafter for Oracle {
-    fn block_size(&self) -> usize {
-        self.block
-    }
-    fn propose(
-        &mut self,
-        _ctx: &Tensor,
-        x: u32,
-        _x_dev: &Tensor,
-        pos: i64,
-    ) -> anyhow::Result<Tensor> {
-        let at = (pos - self.prompt_len) as usize;
-        assert_eq!(self.answer[at], x);
-        let b: Vec<i64> = self.answer[at..at + self.block]
-            .iter()
-            .map(|&t| t as i64)
-            .collect();
-        Ok(Tensor::from_slice(&b))
-    }
 }
 
 /// The acceptance length at each position of `answer` of a drafter whose block at position i
@@ -139,11 +88,7 @@ fn the_walk_gives_the_steps_of_real_decoding_for_a_drafter_always_right_or_alway
             });
             assert!(right.iter().all(|&a| a == block - 1));
             assert!(wrong.iter().all(|&a| a == 0));
-            let oracle = || Oracle {
-                block,
-                prompt_len: prompt.len() as i64,
-                answer: answer.clone(),
-            };
+            let oracle = || Oracle::new(block, prompt.len(), answer.clone());
             let mut always_wrong = AlwaysProposes {
                 block,
                 token: never,

@@ -12,42 +12,12 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <cstdlib>
-#include <cstring>
-#include <exception>
+#include "guard.h"
+
 #include <optional>
 
-namespace {
-
-char out_of_memory[] = "out of memory while copying an error message";
-
-char *copy_message(const char *msg) {
-    if (msg == nullptr) {
-        msg = "unknown error";
-    }
-    size_t len = std::strlen(msg);
-    char *out = static_cast<char *>(std::malloc(len + 1));
-    if (out == nullptr) {
-        return out_of_memory;
-    }
-    std::memcpy(out, msg, len + 1);
-    return out;
-}
-
-template <typename Body>
-char *guarded(Body &&body) {
-    try {
-        return body();
-    } catch (const c10::Error &e) {
-        return copy_message(e.what_without_backtrace());
-    } catch (const std::exception &e) {
-        return copy_message(e.what());
-    } catch (...) {
-        return copy_message("unknown C++ exception");
-    }
-}
-
-}  // namespace
+using dflash_guard::copy_message;
+using dflash_guard::guarded;
 
 // One graph and the side stream it is captured on. Capture needs a stream other than the
 // default one; while the side stream is current, every libtorch operation of this thread on
@@ -133,10 +103,6 @@ void dflash_graph_free(DflashGraph *g) {
     }
 }
 
-void dflash_graph_free_error(char *err) {
-    if (err != out_of_memory) {
-        std::free(err);
-    }
-}
+void dflash_graph_free_error(char *err) { dflash_guard::free_message(err); }
 
 }  // extern "C"

@@ -15,45 +15,12 @@
 #include <ATen/ops/_fused_adamw_ops.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_ops.h>
 
-#include <cstdlib>
-#include <cstring>
-#include <exception>
+#include "guard.h"
+
 #include <optional>
 
-namespace {
-
-// What an error is reported as when its message cannot be copied (never freed).
-char out_of_memory[] = "out of memory while copying an error message";
-
-char *copy_message(const char *msg) {
-    if (msg == nullptr) {
-        msg = "unknown error";
-    }
-    size_t len = std::strlen(msg);
-    char *out = static_cast<char *>(std::malloc(len + 1));
-    if (out == nullptr) {
-        return out_of_memory;
-    }
-    std::memcpy(out, msg, len + 1);
-    return out;
-}
-
-// Runs `body` (which returns null or an error message) with every C++ exception turned into
-// its message: nothing may unwind into Rust.
-template <typename Body>
-char *guarded(Body &&body) {
-    try {
-        return body();
-    } catch (const c10::Error &e) {
-        return copy_message(e.what_without_backtrace());
-    } catch (const std::exception &e) {
-        return copy_message(e.what());
-    } catch (...) {
-        return copy_message("unknown C++ exception");
-    }
-}
-
-}  // namespace
+using dflash_guard::copy_message;
+using dflash_guard::guarded;
 
 extern "C" {
 
@@ -153,10 +120,6 @@ char *dflash_clear_grad(const at::Tensor *t) {
     });
 }
 
-void dflash_free_error(char *err) {
-    if (err != out_of_memory) {
-        std::free(err);
-    }
-}
+void dflash_free_error(char *err) { dflash_guard::free_message(err); }
 
 }  // extern "C"

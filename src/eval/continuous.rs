@@ -18,7 +18,7 @@ use tch::Tensor;
 use super::regenerate::{pick, Answer, Sampling};
 use crate::aten_ext::graph::{CudaGraph, GraphLibrary};
 use crate::model::layers::upload;
-use crate::model::{SeqSpan, SlotAttention, SlotBatch, SlotCache, SlotLogits, TargetModel};
+use crate::model::{SeqSpan, SlotBatch, SlotCache, SlotLogits, TargetModel};
 
 /// A sequence to answer: the tokens to add to its slot (a new request: the whole prompt; a
 /// continuation: the tokens after what the slot already holds), how many tokens the answer may
@@ -112,41 +112,25 @@ impl<'a> ContinuousGenerator<'a> {
             bail!("continuous batching needs at least one slot and a length of 2");
         }
         let c = &model.config;
-        let attention = SlotAttention::for_model(
-            model.device,
-            model.kind,
-            c.num_attention_heads,
-            c.kv_heads(),
-            c.head_dim(),
-        );
         // one spare row: an idle step of a full slot writes there
         let capacity = limits.max_len as i64 + 1;
-        let cache = SlotCache::new(
-            model.num_layers(),
-            limits.slots as i64,
-            capacity,
-            c.kv_heads(),
-            c.head_dim(),
-            model.kind,
-            model.device,
-            attention,
-        )
-        .with_context(|| {
-            let gib = SlotCache::bytes(
-                model.num_layers(),
-                limits.slots as i64,
-                capacity,
-                c.kv_heads(),
-                c.head_dim(),
-                model.kind,
-            ) as f64
-                / (1u64 << 30) as f64;
-            format!(
-                "the key/value cache of {} slots x {capacity} positions ({gib:.1} GiB) cannot be allocated: a smaller --batch-size or --max-len needs less",
-                limits.slots
-            )
-        })?
-        .with_rope(model.rope_table(capacity));
+        let cache = model
+            .slot_cache(limits.slots as i64, capacity)
+            .with_context(|| {
+                let gib = SlotCache::bytes(
+                    model.num_layers(),
+                    limits.slots as i64,
+                    capacity,
+                    c.kv_heads(),
+                    c.head_dim(),
+                    model.kind,
+                ) as f64
+                    / (1u64 << 30) as f64;
+                format!(
+                    "the key/value cache of {} slots x {capacity} positions ({gib:.1} GiB) cannot be allocated: a smaller --batch-size or --max-len needs less",
+                    limits.slots
+                )
+            })?;
         Ok(ContinuousGenerator {
             model,
             cache,

@@ -238,7 +238,7 @@ pub fn greedy(
     greedy_decode(&mut engine, prompt, max_new, eos)
 }
 
-/// What proposes a block during speculative decoding. The real one is [`DFlashProposer`]; tests
+/// What proposes a block during speculative decoding. The real one is [`DrafterDecoder`]; tests
 /// build others (an oracle that knows the target's answer, one that is always wrong) to check
 /// the decoding loop's accounting and roll-back.
 pub trait BlockDrafter {
@@ -258,32 +258,11 @@ pub trait BlockDrafter {
     ) -> Result<Tensor>;
 }
 
-/// The DFlash drafter as a [`BlockDrafter`], through a [`DrafterDecoder`]: its context cache
-/// holds the fused features of all accepted tokens, so each step only adds the newly accepted
-/// ones.
-pub struct DFlashProposer<'a> {
-    engine: DrafterDecoder<'a>,
-    block: usize,
-}
-
-impl<'a> DFlashProposer<'a> {
-    /// A proposer for sequences of up to `capacity` positions, with CUDA graphs from `graphs`.
-    pub fn new(
-        drafter: &'a Drafter,
-        head: &'a FrozenHead,
-        capacity: i64,
-        graphs: Option<GraphLibrary>,
-    ) -> Result<Self> {
-        Ok(DFlashProposer {
-            engine: DrafterDecoder::new(drafter, head, capacity, graphs)?,
-            block: drafter.config.block_size as usize,
-        })
-    }
-}
-
-impl BlockDrafter for DFlashProposer<'_> {
+/// The DFlash drafter's engine as a [`BlockDrafter`]: its context cache holds the fused
+/// features of all accepted tokens, so each step only adds the newly accepted ones.
+impl BlockDrafter for DrafterDecoder<'_> {
     fn block_size(&self) -> usize {
-        self.block
+        DrafterDecoder::block_size(self)
     }
 
     fn propose(
@@ -293,7 +272,7 @@ impl BlockDrafter for DFlashProposer<'_> {
         x_on_device: &Tensor,
         pos: i64,
     ) -> Result<Tensor> {
-        self.engine.propose(new_context, x_on_device, pos)
+        self.draft(new_context, x_on_device, pos)
     }
 }
 
@@ -316,7 +295,7 @@ pub fn dflash(
 ) -> Result<Decoded> {
     let bs = drafter.config.block_size as usize;
     let capacity = capacity_for(prompt.len(), max_new, bs);
-    let mut proposer = DFlashProposer::new(drafter, head, capacity, None)?;
+    let mut proposer = DrafterDecoder::new(drafter, head, capacity, None)?;
     speculative_decode(
         target,
         &mut proposer,
@@ -621,7 +600,7 @@ pub fn evaluate(
         drafter.config.target_layer_ids(),
         opts.graphs,
     )?;
-    let mut proposer = DFlashProposer::new(drafter, head, capacity, opts.graphs)?;
+    let mut proposer = DrafterDecoder::new(drafter, head, capacity, opts.graphs)?;
     let prompts: Vec<&Vec<u32>> = prompts.iter().filter(|p| !p.is_empty()).collect();
     let mut run = |prompt: &[u32]| -> Result<(Decoded, Decoded)> {
         tch::no_grad(|| {

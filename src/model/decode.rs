@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use tch::{Kind, Tensor};
 
 use super::drafter::{Drafter, FrozenHead};
-use super::slots::{SlotAttention, SlotBatch, SlotCache};
+use super::slots::{SlotBatch, SlotCache};
 use super::target::{SlotLogits, TargetModel};
 use crate::aten_ext::graph::{CudaGraph, GraphLibrary};
 
@@ -73,26 +73,9 @@ impl<'a> TargetDecoder<'a> {
         taps: &[usize],
         graphs: Option<GraphLibrary>,
     ) -> Result<Self> {
-        let c = &target.config;
-        let attention = SlotAttention::for_model(
-            target.device,
-            target.kind,
-            c.num_attention_heads,
-            c.kv_heads(),
-            c.head_dim(),
-        );
-        let cache = SlotCache::new(
-            target.num_layers(),
-            1,
-            capacity,
-            c.kv_heads(),
-            c.head_dim(),
-            target.kind,
-            target.device,
-            attention,
-        )
-        .context("allocating the target's key/value cache")?
-        .with_rope(target.rope_table(capacity));
+        let cache = target
+            .slot_cache(1, capacity)
+            .context("allocating the target's key/value cache")?;
         Ok(TargetDecoder {
             target,
             cache,
@@ -231,12 +214,10 @@ impl<'a> DrafterDecoder<'a> {
     ) -> Result<Self> {
         let drafter = drafter.decode_copy()?;
         let c = &drafter.config;
-        let (layers, kv_heads, d) = drafter.cache_shape();
         let (dev, kind) = (drafter.device, drafter.kind);
-        let attention = SlotAttention::for_model(dev, kind, c.num_attention_heads, kv_heads, d);
-        let cache = SlotCache::new(layers, 1, capacity, kv_heads, d, kind, dev, attention)
-            .context("allocating the drafter's key/value cache")?
-            .with_rope(drafter.rope_table(capacity));
+        let cache = drafter
+            .slot_cache(capacity)
+            .context("allocating the drafter's key/value cache")?;
         let block = c.block_size;
         let features = head.embed_tokens.size()[1] * c.num_taps() as i64;
         let inputs = DraftInputs {
@@ -259,12 +240,17 @@ impl<'a> DrafterDecoder<'a> {
         })
     }
 
+    /// Tokens a block proposes (the block size).
+    pub fn block_size(&self) -> usize {
+        self.block as usize
+    }
+
     /// Proposes the block `[x, d_1 .. d_{B-1}]` for positions `pos .. pos + B` (int64 [B] on
     /// the drafter's device; on a GPU the captured graph's output, valid until the next call).
     /// `new_context` [c, K * H] holds the target features of the tokens accepted since the
     /// previous call (on the first call: the whole prompt), i.e. of positions `pos - c .. pos`;
     /// `x` [1] is the token at `pos`, on the device.
-    pub fn propose(&mut self, new_context: &Tensor, x: &Tensor, pos: i64) -> Result<Tensor> {
+    pub fn draft(&mut self, new_context: &Tensor, x: &Tensor, pos: i64) -> Result<Tensor> {
         let c = new_context.size()[0];
         if pos - c < 0 || pos + self.block > self.cache.capacity {
             bail!(

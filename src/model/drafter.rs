@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::drafter_config::DrafterConfig;
 use super::layers::{
-    attention, attention_with_bias, rms_norm, upload, AttentionWeights, Mlp, Rope, RopeTable,
+    attention, attention_with_bias, rms_norm, upload, AttentionWeights, Mlp, Rope,
 };
 use super::slots::{SlotBatch, SlotCache};
 use super::target::TargetModel;
@@ -833,9 +833,28 @@ impl Drafter {
         }
     }
 
-    /// The rotary table of positions `0..len` for a decoding cache.
-    pub fn rope_table(&self, len: i64) -> RopeTable {
-        self.rope.table(len, self.kind)
+    /// A decoding cache of one sequence of up to `capacity` positions for this drafter: the
+    /// flash attention where the kernel takes its shapes, its rotary table.
+    pub fn slot_cache(&self, capacity: i64) -> Result<SlotCache> {
+        let c = &self.config;
+        let attention = super::slots::SlotAttention::for_model(
+            self.device,
+            self.kind,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        );
+        Ok(SlotCache::new(
+            self.layers.len(),
+            1,
+            capacity,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.kind,
+            self.device,
+            attention,
+        )?
+        .with_rope(self.rope.table(capacity, self.kind)))
     }
 
     /// A copy for decoding: the same weights, detached from training, with the q, k, v and the
@@ -858,12 +877,6 @@ impl Drafter {
             layer.mlp.fuse();
         }
         Ok(copy)
-    }
-
-    /// Layers and shape of the drafter's own cache: (layers, kv_heads, head_dim).
-    pub fn cache_shape(&self) -> (usize, i64, i64) {
-        let c = &self.config;
-        (self.layers.len(), c.num_key_value_heads, c.head_dim)
     }
 
     /// Logits through the target's frozen LM head, in float32.

@@ -326,9 +326,28 @@ impl TargetModel {
         &self.lm_head
     }
 
-    /// The rotary table of positions `0..len` for a decoding cache.
-    pub fn rope_table(&self, len: i64) -> super::layers::RopeTable {
-        self.rope.table(len, self.kind)
+    /// A decoding cache of `slots` sequences of up to `capacity` positions for this model:
+    /// the flash attention where the kernel takes the model's shapes, its rotary table.
+    pub fn slot_cache(&self, slots: i64, capacity: i64) -> Result<SlotCache> {
+        let c = &self.config;
+        let attention = super::slots::SlotAttention::for_model(
+            self.device,
+            self.kind,
+            c.num_attention_heads,
+            c.kv_heads(),
+            c.head_dim(),
+        );
+        Ok(SlotCache::new(
+            self.num_layers(),
+            slots,
+            capacity,
+            c.kv_heads(),
+            c.head_dim(),
+            self.kind,
+            self.device,
+            attention,
+        )?
+        .with_rope(self.rope.table(capacity, self.kind)))
     }
 
     /// Next-token logits [batch, seq, vocab] in float32.

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: a GGUF writer and a tiny random Llama model.
 #![allow(dead_code)]
 
+pub mod proposers;
+
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
