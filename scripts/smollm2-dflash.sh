@@ -2,7 +2,7 @@
 # The SmolLM2-135M-Instruct DFlash recipe on one GPU (configs/smollm2-dflash.toml), in stages of
 # at most 10 minutes each, for machines lent by the call (see README, "Results"):
 #
-#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|train|eval
+#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|train|ablate|eval
 #
 # data   import the demo GGUF, tokenise all 17,671 demo conversations (train / validation
 #        splits) and regenerate EVERY assistant turn with the target (greedy, continuous
@@ -10,6 +10,10 @@
 # train  train the drafter for TRAIN_S seconds (a SIGINT then checkpoints); the validation
 #        pass every validation.every_steps keeps the best drafter in run/best. A second call
 #        on the same machine resumes the run.
+# ablate one run of an equal budget (TRAIN_S seconds, STEPS steps) on the first ROWS training
+#        conversations (0 = all) with LAYERS drafter layers, then `eval` of its best drafter on
+#        the 100 ShareGPT prompts: where tau stalls, a row per (ROWS, LAYERS) shows whether more
+#        data or a bigger drafter moves it (one call each, e.g. ROWS=1700, 5000, 0; LAYERS=2, 8).
 # eval   `eval` of run/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
 #        prompts and MT-Bench's 80 first turns, 128 new tokens each; 20 prompts in f32
 #        (lossless); the drafter in z-lab's public implementation (scripts/check_public_dflash.py).
@@ -83,6 +87,22 @@ train)
   cp "$W/run/best/drafter/config.json" "$OUT/drafter-config.json" 2>/dev/null
   split -b 15M "$W/run/best/drafter/model.safetensors" "$OUT/drafter.safetensors." 2>/dev/null
   ;;
+ablate)
+  model || exit 1
+  [ -f "$W/regen/dataset_dict.json" ] || { cat "$W"/regen.tar.xz.* | xz -dc | tar -C "$W" -xf - || exit 1; }
+  name="rows${ROWS:-0}-layers${LAYERS:-5}"
+  rm -rf "$W/ablate-$name"
+  t "ablate $name"
+  timeout -s INT "${TRAIN_S:-240}" "$B" train --config "$CONFIG" --no-tui --run-dir "$W/ablate-$name" \
+    --set model.target="$W/smol" --set data.path="$W/regen" --set data.max_samples="${ROWS:-0}" \
+    --set model.drafter_layers="${LAYERS:-5}" --set train.total_steps="${STEPS:-1800}" \
+    --set eval.every_steps=0 --set validation.patience=0 > "$OUT/train-$name.out" 2>&1
+  grep -E "samples kept|validation at" "$OUT/train-$name.out" | tail -6
+  cp "$W/ablate-$name/metrics.jsonl" "$OUT/metrics-$name.jsonl"
+  "$B" eval --target "$W/smol" --drafter "$W/ablate-$name/best/drafter" --data "$W/regen" --limit 100 \
+    --max-new-tokens 128 --json > "$OUT/eval-$name.json" 2> "$OUT/eval-$name.err"
+  python3 scripts/eval_summary.py "$OUT/eval-$name.json" | head -1
+  ;;
 eval)
   model || exit 1
   D=$W/run/best/drafter
@@ -115,7 +135,7 @@ eval)
   t done
   ;;
 *)
-  echo "usage: W=DIR OUT=DIR $0 data|train|eval" >&2
+  echo "usage: W=DIR OUT=DIR $0 data|train|ablate|eval" >&2
   exit 2
   ;;
 esac

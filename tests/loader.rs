@@ -20,6 +20,7 @@ fn load_all(path: &Path) -> Arc<TokenStore> {
         vocab_size: 1000,
         max_len: 512,
         min_loss_tokens: 0,
+        max_samples: 0,
     };
     Arc::new(
         TokenStore::load(path, &DataColumns::default(), &o)
@@ -33,6 +34,7 @@ fn opts() -> StoreOptions {
         vocab_size: 1000,
         max_len: 64,
         min_loss_tokens: 8,
+        max_samples: 0,
     }
 }
 
@@ -251,4 +253,26 @@ fn bad_arrow_and_parquet_input_is_named() {
         msg.contains("short.arrow: row 0") && msg.contains("\"loss_mask\" has 2 items"),
         "{msg}"
     );
+}
+
+#[test]
+fn max_samples_keeps_the_first_usable_samples() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("d.arrow");
+    common::write_token_dataset(&path, &many(50));
+    let all = TokenStore::load(&path, &DataColumns::default(), &opts()).unwrap();
+    let limited = TokenStore::load(
+        &path,
+        &DataColumns::default(),
+        &StoreOptions {
+            max_samples: 7,
+            ..opts()
+        },
+    )
+    .unwrap();
+    assert_eq!(limited.0.len(), 7);
+    assert!(limited.1.not_read > 0);
+    for i in 0..7 {
+        assert_eq!(limited.0.get(i).input_ids, all.0.get(i).input_ids);
+    }
 }

@@ -539,6 +539,7 @@ fn regenerate_replaces_answers_by_the_targets_greedy_answers() {
             vocab_size: 50,
             max_len: MAX_LEN,
             min_loss_tokens: 1,
+            max_samples: 0,
         },
     )
     .unwrap();

@@ -151,6 +151,7 @@ fn resizing_queues_neither_loses_nor_duplicates_samples() {
                 vocab_size: 50,
                 max_len: probe.data.max_len,
                 min_loss_tokens: 8,
+                max_samples: 0,
             },
         )
         .unwrap()

@@ -150,6 +150,7 @@ pub fn bench(path: &Path, samples: usize, batches: usize, python: &str) -> Resul
             vocab_size: u32::MAX as usize,
             max_len: usize::MAX,
             min_loss_tokens: 0,
+            max_samples: 0,
         },
     )?;
     let load_s = started.elapsed().as_secs_f64();

@@ -158,6 +158,9 @@ pub struct DataSection {
     pub max_batch: usize,
     /// Sequences sorted together by length when forming batches, >= 1. Default 1024.
     pub bucket_window: usize,
+    /// Train on at most this many samples, the first usable ones of the split in file order
+    /// (0 = all): runs on less data, to see what more data gives. Default 0.
+    pub max_samples: usize,
 }
 
 impl Default for DataSection {
@@ -171,6 +174,7 @@ impl Default for DataSection {
             token_budget: 8192,
             max_batch: 64,
             bucket_window: 1024,
+            max_samples: 0,
         }
     }
 }

@@ -33,6 +33,8 @@ pub struct StoreOptions {
     pub max_len: usize,
     /// Samples with fewer loss tokens (after the cut) are dropped; DFlash uses 2 * block size.
     pub min_loss_tokens: usize,
+    /// Keep at most this many samples, the first usable ones in file order (0 = all).
+    pub max_samples: usize,
 }
 
 /// What loading did.
@@ -44,6 +46,8 @@ pub struct LoadReport {
     pub dropped_short: usize,
     pub tokens: u64,
     pub loss_tokens: u64,
+    /// Rows past the `max_samples` limit (not read).
+    pub not_read: usize,
 }
 
 /// One sample: token ids and loss mask of equal length.
@@ -87,6 +91,10 @@ impl TokenStore {
             ..Default::default()
         };
         for row in 0..data.ids.len() {
+            if opts.max_samples > 0 && store.len() >= opts.max_samples {
+                report.not_read = data.ids.len() - row;
+                break;
+            }
             let (start, end) = (data.ids.offsets[row], data.ids.offsets[row + 1]);
             let ids = &data.ids.tokens[start..end];
             if let Some((k, bad)) = ids

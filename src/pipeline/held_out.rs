@@ -256,6 +256,7 @@ fn validation_set(
             vocab_size: target.vocab_size as usize,
             max_len: config.data.max_len,
             min_loss_tokens: 2 * block,
+            max_samples: 0,
         },
     )
     .with_context(|| format!("config: validation: {}", path.display()))?;

@@ -350,10 +350,11 @@ fn prepare(
             vocab_size: target_cfg.vocab_size as usize,
             max_len: config.data.max_len,
             min_loss_tokens: 2 * block,
+            max_samples: config.data.max_samples,
         },
     )?;
     log::info!(
-        "data {}: {} samples kept of {} ({} cut to {}, {} with fewer than {} loss tokens dropped), {} tokens, {:.1} MiB in memory",
+        "data {}: {} samples kept of {} ({} cut to {}, {} with fewer than {} loss tokens dropped{}), {} tokens, {:.1} MiB in memory",
         data_path.display(),
         report.kept,
         report.rows,
@@ -361,6 +362,14 @@ fn prepare(
         config.data.max_len,
         report.dropped_short,
         2 * block,
+        if report.not_read > 0 {
+            format!(
+                ", {} rows past data.max_samples = {} not read",
+                report.not_read, config.data.max_samples
+            )
+        } else {
+            String::new()
+        },
         report.tokens,
         store.memory_bytes() as f64 / (1u64 << 20) as f64
     );
