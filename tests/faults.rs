@@ -164,6 +164,14 @@ impl Run {
     }
 }
 
+impl Drop for Run {
+    /// A test that fails mid-way leaves no trainer running behind it.
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// The newest checkpoint loads: its drafter in the public format, its optimizer state and its
 /// trainer state. Returns its step.
 fn newest_loads(run_dir: &Path) -> u64 {
