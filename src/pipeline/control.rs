@@ -467,11 +467,16 @@ pub fn send(run_dir: &Path, command: &str) -> Result<WireReply> {
     let request = serde_json::to_string(&WireRequest {
         command: command.to_string(),
     })?;
-    writeln!(stream, "{request}")?;
+    let sent = writeln!(stream, "{request}");
     let mut line = String::new();
-    BufReader::new(&stream)
-        .read_line(&mut line)
-        .with_context(|| format!("{}: no reply", path.display()))?;
+    let read = BufReader::new(&stream).read_line(&mut line);
+    if line.is_empty() {
+        // A refused connection is answered and closed before the request is read: the reply,
+        // when there is one, matters more than the failed write.
+        sent.with_context(|| format!("{}: cannot send the command", path.display()))?;
+        read.with_context(|| format!("{}: no reply", path.display()))?;
+        bail!("{}: no reply (the connection was closed)", path.display());
+    }
     serde_json::from_str(&line)
         .with_context(|| format!("{}: unreadable reply {line:?}", path.display()))
 }

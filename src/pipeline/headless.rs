@@ -123,10 +123,14 @@ fn apply_signals(handle: &TrainerHandle, signals: &mut SignalFlags, first_step: 
     }
 }
 
-/// Answers requests as they arrive (a socket client waits for its reply) until `deadline`.
+/// Answers requests as they arrive (a socket client waits for its reply) until `deadline`,
+/// also under a storm of them: the loop's other work must come round.
 fn answer_requests_until(handle: &TrainerHandle, requests: &Receiver<Request>, deadline: Instant) {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
         match requests.recv_timeout(left) {
             Ok(req) => apply_request(handle, req),
             Err(RecvTimeoutError::Timeout) => return,
