@@ -6,7 +6,8 @@ use anyhow::{bail, Context, Result};
 
 use crate::config::{self, TrainConfig};
 use crate::paths::Locations;
-use crate::pipeline::{headless, trainer};
+use crate::pipeline::signals::SignalFlags;
+use crate::pipeline::{control, headless, trainer};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
 use crate::train::run_lock::RunLock;
@@ -109,6 +110,7 @@ pub fn prepare_run_dir(
             root.join(format!("{}-{}", config.run.name, timestamp()))
         }
     };
+    control::check_socket_path(&dir)?;
     std::fs::create_dir_all(&dir)
         .with_context(|| format!("{}: cannot create the run directory", dir.display()))?;
     let lock = RunLock::acquire(&dir)?;
@@ -132,16 +134,18 @@ pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>, bool)) -> R
     for change in &changes {
         log::info!("resume with a changed configuration: {change}");
     }
+    let signals = SignalFlags::install()?;
     let runtime = TorchRuntime::init();
     let handle = trainer::start(&runtime, &config, &run_dir, args.resume.is_some())?;
     let outcome = if tui {
-        crate::ui::app::run(handle, config.telemetry.gpu_sample_interval_s)?
+        crate::ui::app::run(handle, signals, config.telemetry.gpu_sample_interval_s)?
     } else {
         headless::run(
             handle,
+            signals,
             config.telemetry.log_every_steps,
             config.telemetry.gpu_sample_interval_s,
-        )
+        )?
     };
     match (&outcome.phase, &outcome.error) {
         (Phase::Finished, None) => {

@@ -314,6 +314,10 @@ impl TrainConfig {
     }
 }
 
+/// The most items a pipeline queue may hold: `pipeline.*_queue_depth` in the config and
+/// `queue NAME DEPTH` at run time (a batch_q of a million batches grew memory by 3.5 GB).
+pub const MAX_QUEUE_DEPTH: usize = 1024;
+
 /// `[pipeline]`: capacities of the queues between the background stages.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

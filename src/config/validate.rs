@@ -5,7 +5,7 @@ use std::fmt::Display;
 
 use anyhow::{bail, Result};
 
-use super::TrainConfig;
+use super::{TrainConfig, MAX_QUEUE_DEPTH};
 
 const DTYPES: &[&str] = &["auto", "f32", "bf16"];
 const FAIL_STAGES: &[&str] = &["loader", "target", "drafter", "checkpoint"];
@@ -140,12 +140,17 @@ impl TrainConfig {
         }
 
         let p = &self.pipeline;
-        int_between("pipeline.batch_queue_depth", p.batch_queue_depth, 1, 1024)?;
+        int_between(
+            "pipeline.batch_queue_depth",
+            p.batch_queue_depth,
+            1,
+            MAX_QUEUE_DEPTH,
+        )?;
         int_between(
             "pipeline.feature_queue_depth",
             p.feature_queue_depth,
             1,
-            1024,
+            MAX_QUEUE_DEPTH,
         )?;
 
         let c = &self.checkpoint;

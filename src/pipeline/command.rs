@@ -3,19 +3,28 @@
 
 use std::fmt;
 
+use crate::config::MAX_QUEUE_DEPTH;
+
+/// The shortest non-zero ProfileStats interval: a report is a table in the log, and 0.001 s
+/// would write a thousand a second.
+pub const MIN_PROFILE_INTERVAL_S: f64 = 1.0;
+
+/// Characters of a user's text quoted back in an error (a 10 MB line was echoed whole).
+const QUOTE_CHARS: usize = 40;
+
 /// A command to the running trainer (control-room spec §2).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
     Pause,
     Resume,
-    /// Set a queue's capacity (>= 1).
+    /// Set a queue's capacity (1..=[`MAX_QUEUE_DEPTH`]).
     Queue {
         name: String,
         depth: usize,
     },
     /// Write a checkpoint at the next step boundary.
     Checkpoint,
-    /// ProfileStats report interval in seconds (0 = off).
+    /// ProfileStats report interval in seconds (0 = off, else >= [`MIN_PROFILE_INTERVAL_S`]).
     Profile {
         seconds: f64,
     },
@@ -26,7 +35,8 @@ pub enum Command {
 }
 
 impl Command {
-    /// Parses a command line such as `queue feature_q 2`.
+    /// Parses a command line such as `queue feature_q 2`. Errors quote at most
+    /// [`QUOTE_CHARS`] characters of what was sent.
     pub fn parse(line: &str) -> Result<Command, String> {
         let words: Vec<&str> = line.split_whitespace().collect();
         let usage = "commands: pause, resume, queue NAME DEPTH, checkpoint, profile SECONDS, stop";
@@ -36,26 +46,57 @@ impl Command {
             ["checkpoint"] => Ok(Command::Checkpoint),
             ["stop"] => Ok(Command::Stop { checkpoint: true }),
             ["stop", "--no-checkpoint"] | ["stop-now"] => Ok(Command::Stop { checkpoint: false }),
-            ["queue", name, depth] => match depth.parse::<usize>() {
-                Ok(d) if d >= 1 => Ok(Command::Queue {
-                    name: name.to_string(),
-                    depth: d,
-                }),
-                _ => Err(format!(
-                    "queue {name}: depth {depth:?} must be a whole number >= 1"
-                )),
-            },
+            ["queue", name, depth] => parse_queue(name, depth),
             ["queue", ..] => Err("usage: queue NAME DEPTH".into()),
-            ["profile", secs] => match secs.parse::<f64>() {
-                Ok(s) if s >= 0.0 && s.is_finite() => Ok(Command::Profile { seconds: s }),
-                _ => Err(format!(
-                    "profile: {secs:?} must be a number of seconds >= 0 (0 = off)"
-                )),
-            },
+            ["profile", secs] => parse_profile(secs),
             ["profile", ..] => Err("usage: profile SECONDS".into()),
             [] => Err(format!("empty command; {usage}")),
-            [other, ..] => Err(format!("unknown command {other:?}; {usage}")),
+            [other, ..] => Err(format!("unknown command {}; {usage}", quote(other))),
         }
+    }
+}
+
+fn parse_queue(name: &str, depth: &str) -> Result<Command, String> {
+    let name_q = quote(name);
+    if name.chars().count() > QUOTE_CHARS {
+        return Err(format!("queue {name_q}: no such queue"));
+    }
+    match depth.parse::<usize>() {
+        Ok(d) if d > MAX_QUEUE_DEPTH => Err(format!(
+            "queue {name}: depth {d} is above the limit of {MAX_QUEUE_DEPTH} \
+             (as pipeline.*_queue_depth)"
+        )),
+        Ok(d) if d >= 1 => Ok(Command::Queue {
+            name: name.to_string(),
+            depth: d,
+        }),
+        _ => Err(format!(
+            "queue {name}: depth {} must be a whole number >= 1 and <= {MAX_QUEUE_DEPTH}",
+            quote(depth)
+        )),
+    }
+}
+
+fn parse_profile(secs: &str) -> Result<Command, String> {
+    match secs.parse::<f64>() {
+        Ok(s) if s == 0.0 || (s >= MIN_PROFILE_INTERVAL_S && s.is_finite()) => {
+            Ok(Command::Profile { seconds: s })
+        }
+        Ok(s) if s > 0.0 && s < MIN_PROFILE_INTERVAL_S => Err(format!(
+            "profile: {s} s is below the {MIN_PROFILE_INTERVAL_S} s minimum (0 = off)"
+        )),
+        _ => Err(format!(
+            "profile: {} must be a number of seconds >= {MIN_PROFILE_INTERVAL_S} (0 = off)",
+            quote(secs)
+        )),
+    }
+}
+
+/// `text` in quotes, cut after [`QUOTE_CHARS`] characters with "…" (for error messages).
+pub fn quote(text: &str) -> String {
+    match text.char_indices().nth(QUOTE_CHARS) {
+        Some((cut, _)) => format!("{:?}…", &text[..cut]),
+        None => format!("{text:?}"),
     }
 }
 
@@ -83,8 +124,11 @@ mod tests {
             "pause",
             "resume",
             "queue feature_q 2",
+            "queue batch_q 1024",
             "checkpoint",
             "profile 10",
+            "profile 1",
+            "profile 0",
             "stop",
             "stop --no-checkpoint",
         ] {
@@ -94,9 +138,43 @@ mod tests {
             .unwrap_err()
             .contains(">= 1"));
         assert!(Command::parse("profile -3").is_err());
+        assert!(Command::parse("profile NaN").is_err());
+        assert!(Command::parse("profile inf").is_err());
         assert!(Command::parse("explode")
             .unwrap_err()
             .contains("unknown command"));
         assert!(Command::parse("   ").is_err());
+    }
+
+    #[test]
+    fn queue_depth_and_profile_interval_have_limits() {
+        assert_eq!(
+            Command::parse("queue batch_q 1000000").unwrap_err(),
+            "queue batch_q: depth 1000000 is above the limit of 1024 (as pipeline.*_queue_depth)"
+        );
+        assert_eq!(
+            Command::parse("profile 0.001").unwrap_err(),
+            "profile: 0.001 s is below the 1 s minimum (0 = off)"
+        );
+        assert!(Command::parse("queue batch_q 99999999999999999999999")
+            .unwrap_err()
+            .contains("<= 1024"));
+    }
+
+    #[test]
+    fn errors_quote_a_short_prefix_of_what_was_sent() {
+        let long = "x".repeat(10_000_000);
+        for line in [
+            long.clone(),
+            format!("queue {long} 2"),
+            format!("queue batch_q {long}"),
+            format!("profile {long}"),
+        ] {
+            let e = Command::parse(&line).unwrap_err();
+            assert!(e.len() < 200, "{} bytes: {}", e.len(), &e[..200]);
+            assert!(e.contains(&format!("\"{}\"…", "x".repeat(40))), "{e}");
+        }
+        assert_eq!(quote("ünïcödé"), "\"ünïcödé\"");
+        assert_eq!(quote(&"é".repeat(41)), format!("\"{}\"…", "é".repeat(40)));
     }
 }

@@ -2,46 +2,17 @@
 //! tables, queue and GPU records, commands from stdin and signals.
 
 use std::io::BufRead;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::command::Command;
 use super::control::Request;
+use super::signals::{SignalFlags, SignalRequest};
 use super::trainer::{RunOutcome, TrainerHandle};
 use crate::telemetry::gpu::GpuMonitor;
 use crate::telemetry::records::{GpuRecord, MetricsRecord, Snapshot, ValidationRecord};
-
-/// Signals: SIGINT/SIGTERM stop with a checkpoint (a second one stops at once), SIGUSR1
-/// checkpoints. Handlers only count.
-pub struct SignalFlags {
-    pub stop: Arc<AtomicUsize>,
-    pub checkpoint: Arc<AtomicUsize>,
-}
-
-impl SignalFlags {
-    pub fn install() -> Self {
-        let stop = Arc::new(AtomicUsize::new(0));
-        let checkpoint = Arc::new(AtomicUsize::new(0));
-        for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-            let flag = stop.clone();
-            // SAFETY: the handler only increments an atomic counter.
-            let _ = unsafe {
-                signal_hook::low_level::register(sig, move || {
-                    flag.fetch_add(1, Ordering::SeqCst);
-                })
-            };
-        }
-        let flag = checkpoint.clone();
-        // SAFETY: as above.
-        let _ = unsafe {
-            signal_hook::low_level::register(signal_hook::consts::SIGUSR1, move || {
-                flag.fetch_add(1, Ordering::SeqCst);
-            })
-        };
-        SignalFlags { stop, checkpoint }
-    }
-}
 
 fn fmt_duration(s: f64) -> String {
     let s = s.max(0.0) as u64;
@@ -121,61 +92,85 @@ pub fn spawn_stdin_reader(requests: crossbeam_channel::Sender<Request>) {
         });
 }
 
-/// Applies queued requests; replies go back to their sender, or to stdout.
-pub fn apply_requests(handle: &TrainerHandle, requests: &crossbeam_channel::Receiver<Request>) {
-    while let Ok(req) = requests.try_recv() {
-        let reply = handle.command(&req.command);
-        match req.reply {
-            Some(tx) => {
-                let _ = tx.send(reply);
+/// How often the loop looks at the run when no request arrives.
+const TICK: Duration = Duration::from_millis(50);
+
+fn apply_request(handle: &TrainerHandle, req: Request) {
+    let reply = handle.command(&req.command);
+    match req.reply {
+        Some(tx) => {
+            let _ = tx.send(reply);
+        }
+        None => match reply {
+            Ok(r) => println!("ok: {r}"),
+            Err(e) => println!("error: {e}"),
+        },
+    }
+}
+
+/// Acts on the signals received since the last look (the signal thread logs them);
+/// `first_step` is the step the run started from.
+fn apply_signals(handle: &TrainerHandle, signals: &mut SignalFlags, first_step: u64) {
+    for request in signals.take(handle.progress().0 > first_step) {
+        match request {
+            SignalRequest::Command(command) => {
+                if let Err(e) = handle.command(&command) {
+                    log::warn!("signal: {e}");
+                }
             }
-            None => match reply {
-                Ok(r) => println!("ok: {r}"),
-                Err(e) => println!("error: {e}"),
-            },
+            SignalRequest::Abort => handle.abort(),
         }
     }
 }
 
-/// Runs the headless front end until the trainer ends.
-pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> RunOutcome {
-    let signals = SignalFlags::install();
+/// Answers requests as they arrive (a socket client waits for its reply) until `deadline`,
+/// also under a storm of them: the loop's other work must come round.
+fn answer_requests_until(handle: &TrainerHandle, requests: &Receiver<Request>, deadline: Instant) {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        match requests.recv_timeout(left) {
+            Ok(req) => apply_request(handle, req),
+            Err(RecvTimeoutError::Timeout) => return,
+            Err(RecvTimeoutError::Disconnected) => return std::thread::sleep(left),
+        }
+    }
+}
+
+/// Runs the headless front end until the trainer ends. A control socket that cannot be
+/// served stops the run: `ctl` would otherwise report no trainer while it trains.
+pub fn run(
+    handle: TrainerHandle,
+    mut signals: SignalFlags,
+    log_every_steps: u64,
+    gpu_interval_s: f64,
+) -> Result<RunOutcome> {
+    signals.running();
     let (req_tx, req_rx) = super::control::channel();
-    spawn_stdin_reader(req_tx.clone());
-    let _socket = match super::control::serve(&handle.shared.run_dir, req_tx) {
-        Ok(s) => Some(s),
+    let _socket = match super::control::serve(&handle.shared.run_dir, req_tx.clone()) {
+        Ok(socket) => socket,
         Err(e) => {
-            log::warn!("control socket unavailable: {e:#}");
-            None
+            handle.abort();
+            let _ = handle.join();
+            return Err(e.context(
+                "the run is stopped: without its control socket, ctl could not reach it",
+            ));
         }
     };
+    spawn_stdin_reader(req_tx);
     let gpu = GpuMonitor::open().ok();
     let mut last_logged = u64::MAX;
     let mut last_validation = None;
     let mut last_profile = Instant::now();
     let mut last_queues = Instant::now();
     let mut last_gpu = Instant::now();
-    let mut stops_seen = 0;
-    let mut checkpoints_seen = 0;
     let started = Instant::now();
+    let first_step = handle.progress().0;
     while !handle.is_finished() {
-        apply_requests(&handle, &req_rx);
-        let stops = signals.stop.load(Ordering::SeqCst);
-        if stops > stops_seen {
-            stops_seen = stops;
-            if stops == 1 {
-                log::warn!("signal: stopping with a checkpoint (send again to stop at once)");
-                let _ = handle.command(&Command::Stop { checkpoint: true });
-            } else {
-                log::warn!("second signal: stopping now");
-                handle.abort();
-            }
-        }
-        let cps = signals.checkpoint.load(Ordering::SeqCst);
-        if cps > checkpoints_seen {
-            checkpoints_seen = cps;
-            let _ = handle.command(&Command::Checkpoint);
-        }
+        let tick_end = Instant::now() + TICK;
+        apply_signals(&handle, &mut signals, first_step);
         let snap = handle.snapshot();
         if snap.step != last_logged
             && snap.step > 0
@@ -214,11 +209,11 @@ pub fn run(handle: TrainerHandle, log_every_steps: u64, gpu_interval_s: f64) -> 
                 }
             }
         }
-        std::thread::sleep(Duration::from_millis(50));
+        answer_requests_until(&handle, &req_rx, tick_end);
     }
     let report = handle.profile_report();
     log::info!("\n{}", report.table());
-    handle.join()
+    Ok(handle.join())
 }
 
 #[cfg(test)]

@@ -10,4 +10,5 @@ pub mod headless;
 mod held_out;
 pub mod nccl;
 pub mod queue;
+pub mod signals;
 pub mod trainer;

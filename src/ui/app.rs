@@ -19,7 +19,7 @@ use super::render::render;
 use super::state::AppState;
 use super::update::{update, Action, Effect, Key};
 use crate::pipeline::control::{self, Request};
-use crate::pipeline::headless::SignalFlags;
+use crate::pipeline::signals::{SignalFlags, SignalRequest};
 use crate::pipeline::trainer::{RunOutcome, TrainerHandle};
 use crate::telemetry::gpu::GpuMonitor;
 
@@ -87,12 +87,26 @@ impl Drop for TerminalGuard {
     }
 }
 
-/// Runs the control room until the run has ended and a key was pressed.
-pub fn run(handle: TrainerHandle, gpu_interval_s: f64) -> Result<RunOutcome> {
+/// Runs the control room until the run has ended and a key was pressed. A control socket
+/// that cannot be served stops the run before the screen opens.
+pub fn run(
+    handle: TrainerHandle,
+    mut signals: SignalFlags,
+    gpu_interval_s: f64,
+) -> Result<RunOutcome> {
+    signals.running();
     let run_dir = handle.shared.run_dir.clone();
-    let signals = SignalFlags::install();
     let (req_tx, req_rx) = control::channel();
-    let _socket = control::serve(&run_dir, req_tx.clone()).ok();
+    let _socket = match control::serve(&run_dir, req_tx) {
+        Ok(socket) => socket,
+        Err(e) => {
+            handle.abort();
+            let _ = handle.join();
+            return Err(e.context(
+                "the run is stopped: without its control socket, ctl could not reach it",
+            ));
+        }
+    };
 
     crossterm::terminal::enable_raw_mode().context("cannot put the terminal in raw mode")?;
     let _guard = TerminalGuard;
@@ -133,30 +147,24 @@ pub fn run(handle: TrainerHandle, gpu_interval_s: f64) -> Result<RunOutcome> {
     let mut last_gpu = Instant::now() - Duration::from_secs(3600);
     let mut last_profile = Instant::now();
     let mut state = AppState::new(handle.snapshot());
-    let (mut stops_seen, mut checkpoints_seen) = (0, 0);
     let mut pending_requests: Vec<Request> = Vec::new();
+    let first_step = handle.progress().0;
 
     while !state.quit {
         let frame_start = Instant::now();
         // Merge bursts: everything that arrived since the last frame.
         let mut actions: Vec<Action> = act_rx.try_iter().collect();
         pending_requests.extend(req_rx.try_iter());
-        let stops = signals.stop.load(Ordering::SeqCst);
-        if stops > stops_seen {
-            stops_seen = stops;
-            actions.push(if stops == 1 {
-                Action::Command(crate::pipeline::command::Command::Stop { checkpoint: true })
-            } else {
-                Action::Abort
-            });
-        }
-        let cps = signals.checkpoint.load(Ordering::SeqCst);
-        if cps > checkpoints_seen {
-            checkpoints_seen = cps;
-            actions.push(Action::Command(
-                crate::pipeline::command::Command::Checkpoint,
-            ));
-        }
+        let trained = handle.progress().0 > first_step;
+        actions.extend(
+            signals
+                .take(trained)
+                .into_iter()
+                .map(|request| match request {
+                    SignalRequest::Command(command) => Action::Command(command),
+                    SignalRequest::Abort => Action::Abort,
+                }),
+        );
         // Socket requests are answered directly; the reply is also shown.
         for req in pending_requests.drain(..) {
             let reply = handle.command(&req.command);

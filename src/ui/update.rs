@@ -1,6 +1,7 @@
 //! The control room's pure update: one `Action` type for every control path (keys, the `:`
 //! line, stdin, the control socket, signals), turned into state changes and effects.
 
+use crate::config::MAX_QUEUE_DEPTH;
 use crate::pipeline::command::Command;
 use crate::telemetry::records::{Phase, Snapshot};
 
@@ -191,6 +192,11 @@ fn normal_key(state: &mut AppState, key: Key) -> Vec<Effect> {
                 state.status = Some((format!("{}: depth must stay at least 1", q.name), true));
                 return vec![];
             }
+            if depth > MAX_QUEUE_DEPTH {
+                let why = format!("{}: depth is at its limit of {MAX_QUEUE_DEPTH}", q.name);
+                state.status = Some((why, true));
+                return vec![];
+            }
             vec![Effect::Send(Command::Queue {
                 name: q.name.clone(),
                 depth,
@@ -321,6 +327,13 @@ mod tests {
         assert_eq!(s.selected_queue, 0);
         update(&mut s, Action::Key(Key::BackTab));
         assert_eq!(s.selected_queue, 1);
+        // '+' stops at the limit the config and `queue NAME DEPTH` share
+        s.snapshot.queues[1].capacity = MAX_QUEUE_DEPTH;
+        assert_eq!(update(&mut s, Action::Key(Key::Char('+'))), vec![]);
+        assert!(s
+            .status
+            .as_ref()
+            .is_some_and(|(m, err)| *err && m.contains("limit of 1024")));
     }
 
     #[test]

@@ -1,0 +1,182 @@
+//! Signals of a training run, handled from start-up on: SIGINT/SIGTERM stop with a checkpoint
+//! (a second one stops at once), SIGUSR1 writes a checkpoint. The handlers are installed before
+//! any model loads (SIGUSR1's default action, before they were, killed the process); what
+//! arrives is counted and acted on by the front end once the trainer runs. A second SIGINT or
+//! SIGTERM while the models still load exits at once, as Ctrl-C did before.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+use signal_hook::iterator::Signals;
+
+use super::command::Command;
+
+/// What the signals received since the last look ask of the run.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SignalRequest {
+    Command(Command),
+    /// Stop every stage now (a second SIGINT/SIGTERM).
+    Abort,
+}
+
+/// Counters of the signals received, shared with the thread that receives them.
+pub struct SignalFlags {
+    stops: Arc<AtomicUsize>,
+    checkpoints: Arc<AtomicUsize>,
+    /// True until a front end takes over: a second stop signal then exits the process.
+    starting: Arc<AtomicBool>,
+    /// Armed by the first stop signal during start-up; the handler exits when it is set.
+    exit_now: Arc<AtomicBool>,
+    stops_seen: usize,
+    checkpoints_seen: usize,
+}
+
+impl SignalFlags {
+    /// Counters that no signal moves (front ends run in-process by tests).
+    pub fn none() -> Self {
+        SignalFlags {
+            stops: Arc::default(),
+            checkpoints: Arc::default(),
+            starting: Arc::new(AtomicBool::new(true)),
+            exit_now: Arc::default(),
+            stops_seen: 0,
+            checkpoints_seen: 0,
+        }
+    }
+
+    /// Installs the handlers and a thread that counts and logs each signal.
+    pub fn install() -> Result<Self> {
+        let flags = Self::none();
+        for sig in [SIGINT, SIGTERM] {
+            signal_hook::flag::register_conditional_shutdown(
+                sig,
+                128 + sig,
+                flags.exit_now.clone(),
+            )
+            .context("cannot install the signal handlers")?;
+        }
+        let mut signals = Signals::new([SIGINT, SIGTERM, SIGUSR1])
+            .context("cannot install the signal handlers")?;
+        let counters = (
+            flags.stops.clone(),
+            flags.checkpoints.clone(),
+            flags.starting.clone(),
+            flags.exit_now.clone(),
+        );
+        std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || {
+                let (stops, checkpoints, starting, exit_now) = counters;
+                for sig in signals.forever() {
+                    let starting = starting.load(Ordering::SeqCst);
+                    if sig == SIGUSR1 {
+                        checkpoints.fetch_add(1, Ordering::SeqCst);
+                        log_checkpoint(starting);
+                    } else {
+                        let n = stops.fetch_add(1, Ordering::SeqCst) + 1;
+                        exit_now.store(starting, Ordering::SeqCst);
+                        log_stop(sig, n, starting);
+                    }
+                }
+            })
+            .context("cannot start the signal thread")?;
+        log::info!(
+            "pid {}: SIGUSR1 = checkpoint, SIGINT/SIGTERM = stop with a checkpoint (twice: at once)",
+            std::process::id()
+        );
+        Ok(flags)
+    }
+
+    /// A front end has taken over: a second stop signal now stops the run instead of the
+    /// process.
+    pub fn running(&self) {
+        self.starting.store(false, Ordering::SeqCst);
+        self.exit_now.store(false, Ordering::SeqCst);
+    }
+
+    /// What arrived since the last call: the stop first, then a checkpoint. A checkpoint waits
+    /// until the run has `trained` a step (the trainer has nothing to save before and drops the
+    /// request), so SIGUSR1 during start-up is kept for after the first step.
+    pub fn take(&mut self, trained: bool) -> Vec<SignalRequest> {
+        let mut out = Vec::new();
+        let stops = self.stops.load(Ordering::SeqCst);
+        if stops > self.stops_seen {
+            self.stops_seen = stops;
+            out.push(if stops == 1 {
+                SignalRequest::Command(Command::Stop { checkpoint: true })
+            } else {
+                SignalRequest::Abort
+            });
+        }
+        let checkpoints = self.checkpoints.load(Ordering::SeqCst);
+        if checkpoints > self.checkpoints_seen && trained {
+            self.checkpoints_seen = checkpoints;
+            out.push(SignalRequest::Command(Command::Checkpoint));
+        }
+        out
+    }
+
+    /// Counts a signal as the handler thread would.
+    #[cfg(test)]
+    fn simulate(&self, stop: bool) {
+        let counter = if stop { &self.stops } else { &self.checkpoints };
+        counter.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn log_checkpoint(starting: bool) {
+    if starting {
+        log::warn!("SIGUSR1 during start-up: a checkpoint follows after the first step");
+    } else {
+        log::info!("SIGUSR1: checkpoint at the next step boundary");
+    }
+}
+
+fn log_stop(sig: i32, n: usize, starting: bool) {
+    let name = if sig == SIGINT { "SIGINT" } else { "SIGTERM" };
+    match (n, starting) {
+        (1, true) => log::warn!(
+            "{name} during start-up: the run stops at its first step boundary with a checkpoint \
+             (send it again to exit now)"
+        ),
+        (1, false) => {
+            log::warn!("{name}: stopping with a checkpoint (send it again to stop at once)")
+        }
+        _ => log::warn!("{name} again: stopping now"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_stop_checkpoints_a_second_aborts_and_checkpoints_wait_for_a_step() {
+        let mut flags = SignalFlags::none();
+        assert!(flags.take(true).is_empty());
+        flags.simulate(false);
+        flags.simulate(false);
+        flags.simulate(true);
+        assert_eq!(
+            flags.take(false),
+            vec![SignalRequest::Command(Command::Stop { checkpoint: true })],
+            "checkpoints wait for the first step"
+        );
+        assert_eq!(
+            flags.take(true),
+            vec![SignalRequest::Command(Command::Checkpoint)]
+        );
+        flags.simulate(true);
+        flags.simulate(false);
+        assert_eq!(
+            flags.take(true),
+            vec![
+                SignalRequest::Abort,
+                SignalRequest::Command(Command::Checkpoint)
+            ]
+        );
+        assert!(flags.take(true).is_empty());
+    }
+}
