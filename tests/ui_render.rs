@@ -3,7 +3,8 @@
 
 use dflash_tui::pipeline::queue::QueueLevel;
 use dflash_tui::telemetry::gpu::GpuReading;
-use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow};
+use dflash_tui::telemetry::host::HostReading;
+use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow, StageWorkers};
 use dflash_tui::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
 use dflash_tui::ui::render::{downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS, NO_TAU};
 use dflash_tui::ui::state::{AppState, Mode};
@@ -75,13 +76,16 @@ fn profile() -> ProfileReport {
     ProfileReport {
         interval_s: 10.0,
         elapsed_s: 390.0,
+        workers: StageWorkers::default(),
         rows: rows
             .iter()
             .map(|&(event, count, mean, max, share)| ProfileRow {
                 event: event.to_string(),
                 interval: stats(count, mean, max),
                 cumulative: stats(count * 39, mean * 1.02, max * 1.3),
-                share,
+                // step.total spans overlapping steps: no stage's share
+                share: (event != "step.total").then_some(share),
+                all_time_share: (event != "step.total").then_some(share * 1.02),
             })
             .collect(),
     }
@@ -143,6 +147,7 @@ fn training() -> Snapshot {
         profile_interval_s: 10.0,
         gpus: Some(vec![h200(0, 87)]),
         gpu_error: None,
+        host: None,
         stage_devices: vec![
             ("loader".to_string(), "cpu".to_string()),
             ("target".to_string(), "cuda:0".to_string()),
@@ -153,8 +158,26 @@ fn training() -> Snapshot {
     }
 }
 
+/// The run log's last lines, as train.log has them.
+fn log_lines() -> Vec<String> {
+    [
+        "14:02:51 I pid 4242: SIGUSR1 = checkpoint, SIGINT/SIGTERM = stop with a checkpoint (twice: at once), SIGHUP = go on without the terminal",
+        "14:03:02 I target SmolLM2-135M-Instruct (Llama, 134.5 M parameters) on Cuda(0) as BFloat16 in 1.9 s",
+        "14:09:20 I step 250/10000 epoch 0 loss 1.3001 acc 0.642 accept 3.36 lr 5.99e-4 tok/s 13208 samples/s 6.45 | batch_q 4/8, feature_q 2/2 | ETA 3h31m",
+        "14:09:21 I checkpoint at step 250: runs/smollm2-dflash/checkpoints/step-000250 in 0.21 s",
+        "14:09:40 W command queue feature_q 9999 refused: queue feature_q: depth 9999 is above the limit of 1024 (as pipeline.*_queue_depth)",
+        "14:09:52 I command pause: paused: stages stop at the next item boundary",
+        "14:09:58 I command resume: resumed",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect()
+}
+
 fn one_gpu() -> AppState {
-    AppState::new(training())
+    let mut state = AppState::new(training());
+    state.log = log_lines();
+    state
 }
 
 fn eight_gpus() -> AppState {
@@ -185,6 +208,12 @@ fn nvml_absent() -> AppState {
         ("target".to_string(), "cpu".to_string()),
         ("drafter".to_string(), "cpu".to_string()),
     ];
+    s.host = Some(HostReading {
+        cpu_cores: 1.93,
+        cores: 2,
+        memory_bytes: 1_234 << 20,
+        memory_total_bytes: 23 * GIB,
+    });
     AppState::new(s)
 }
 
@@ -311,7 +340,22 @@ fn one_gpu_screen() {
         assert!(s.contains("3:30:10"), "ETA: {s}");
     }
     assert!(big.contains("quit"), "{big}");
-    assert!(big.contains("blocking"), "{big}");
+    assert!(big.contains("full"), "{big}");
+    // the verdict: the busiest stage of the interval, and the queues
+    assert!(
+        big.contains("bottleneck: target (busy 100 %); batch_q ok, feature_q full"),
+        "{big}"
+    );
+    // compact log lines, each on one row: its start shown, its end cut
+    assert!(big.contains("14:09:52 I command pause"), "{big}");
+    assert!(big.contains("14:09:40 W command queue feature_q"), "{big}");
+    // no share above 100 %; step.total has none (overlapping steps are no stage's time)
+    assert!(
+        !big.contains("100.0%") || big.contains("step.total"),
+        "{big}"
+    );
+    let total_row = big.lines().find(|l| l.contains("step.total")).unwrap();
+    assert!(total_row.contains(" - "), "{total_row}");
 }
 
 /// Periodic evaluations at steps 100, 200, 300, the run evaluating now.
@@ -431,16 +475,23 @@ fn eight_gpus_screen() {
 #[test]
 fn nvml_absent_screen() {
     let (big, small) = snap_both!("nvml_absent", nvml_absent());
-    assert!(big.contains("NVML unavailable: libnvidia-ml.so.1: cannot open shared object file"));
-    assert!(small.contains("NVML unavailable: libnvidia-ml.so.1"));
+    for s in [&big, &small] {
+        assert!(s.contains("Process (no GPUs: NVML unavailable)"), "{s}");
+        assert!(
+            s.contains("CPU 1.9 of 2 cores │ memory 1.21 of 23.0 GiB"),
+            "{s}"
+        );
+    }
 }
 
 #[test]
 fn nvml_absent_without_reason() {
     let mut state = nvml_absent();
     state.snapshot.gpu_error = None;
+    state.snapshot.host = None;
     let s = screen(&state, 80, 24);
     assert!(s.contains("NVML unavailable"), "{s}");
+    assert!(s.contains("no reading yet"), "{s}");
 }
 
 #[test]
@@ -450,8 +501,8 @@ fn paused_screen() {
         assert!(s.contains("paused"), "{s}");
         assert!(s.contains("ETA -"), "{s}");
     }
-    assert!(big.contains("starving"), "{big}");
-    assert!(big.contains("blocking"), "{big}");
+    assert!(big.contains("empty"), "{big}");
+    assert!(big.contains("full"), "{big}");
 }
 
 #[test]
@@ -515,7 +566,8 @@ fn quit_dialog() {
     assert!(s.contains("> checkpoint and stop <"), "{s}");
     assert!(s.contains("stop"), "{s}");
     assert!(s.contains("cancel"), "{s}");
-    state.mode = Mode::QuitDialog { selected: 2 };
+    assert!(s.contains("leave (the run goes on)"), "{s}");
+    state.mode = Mode::QuitDialog { selected: 3 };
     let s = screen(&state, 120, 40);
     assert!(s.contains("> cancel <"), "{s}");
     assert!(!s.contains("> checkpoint and stop <"), "{s}");
@@ -541,6 +593,10 @@ fn ended_popup() {
     assert!(s.contains("press any key"), "{s}");
     assert!(s.contains("step-010000"), "{s}");
     assert!(s.lines().last().unwrap().contains("press any key"), "{s}");
+    // a finished run: its averages, no ETA
+    assert!(s.contains("took 3:36:40"), "{s}");
+    assert!(s.contains("avg "), "{s}");
+    assert!(!s.contains("ETA"), "{s}");
 
     let mut state = failed();
     state.mode = Mode::Ended;
@@ -665,4 +721,17 @@ fn number_and_duration_formats() {
     assert_eq!(fmt_duration(3_725.0), "1:02:05");
     assert_eq!(fmt_duration(100_000.0), "27:46:40");
     assert_eq!(fmt_duration(f64::INFINITY), "-");
+}
+
+#[test]
+fn queues_show_no_state_before_data_flows() {
+    let mut state = one_gpu();
+    for q in &mut state.snapshot.queues {
+        (q.len, q.pushed, q.popped) = (0, 0, 0);
+    }
+    let s = screen(&state, 120, 40);
+    assert_eq!(s.matches("no data").count(), 2, "{s}");
+    assert!(!s.contains("empty"), "{s}");
+    // and the verdict names no queue state
+    assert!(s.contains("bottleneck: target (busy 100 %)\u{20}"), "{s}");
 }

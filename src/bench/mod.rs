@@ -18,7 +18,7 @@ use crate::pipeline::command::Command;
 use crate::pipeline::trainer::{self, measure_stages_alone, StageAloneRates};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::gpu::GpuMonitor;
-use crate::telemetry::profile::ProfileReport;
+use crate::telemetry::profile::{stage_busy, ProfileReport, StageWorkers};
 use crate::telemetry::records::{Phase, StepRecord};
 
 /// H200 dense bf16 peak (benchmarks spec).
@@ -303,21 +303,14 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
     // Stage occupancy from ProfileStats over the same span (queue waits are idle time).
     let span = (p1.elapsed_s - p0.elapsed_s).max(1e-9);
     let diff = |events: &[&str]| totals(&p1, events) - totals(&p0, events);
-    let n_targets = cfg.devices.target_devices.len() as f64;
-    let n_drafters = cfg.devices.drafter_devices.len() as f64;
-    let mut stage_busy = BTreeMap::new();
-    stage_busy.insert(
-        "loader".to_string(),
-        (diff(&["loader.fetch", "loader.pack"]) / span).clamp(0.0, 1.0),
-    );
-    stage_busy.insert(
-        "target".to_string(),
-        (1.0 - diff(&["batch_q.wait", "target.handoff"]) / (span * n_targets)).clamp(0.0, 1.0),
-    );
-    stage_busy.insert(
-        "drafter".to_string(),
-        (1.0 - diff(&["feature_q.wait"]) / (span * n_drafters)).clamp(0.0, 1.0),
-    );
+    let workers = StageWorkers {
+        targets: cfg.devices.target_devices.len(),
+        drafters: cfg.devices.drafter_devices.len(),
+    };
+    let stage_busy: BTreeMap<String, f64> = stage_busy(diff, span, workers)
+        .into_iter()
+        .map(|(stage, busy)| (stage.to_string(), busy))
+        .collect();
 
     let mut alone_rates = BTreeMap::new();
     alone_rates.insert("loader".to_string(), alone.loader_tokens_per_s);

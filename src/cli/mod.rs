@@ -13,6 +13,7 @@ mod doctor;
 mod eval;
 mod generate;
 mod import;
+mod logging;
 mod models;
 mod regenerate;
 mod train;
@@ -181,12 +182,24 @@ pub enum Command {
         #[arg(long)]
         no_tui: bool,
     },
-    /// Send a command to a running trainer through RUN_DIR/control.sock and print the reply.
+    /// Send a command to a running trainer through RUN_DIR/control.sock and print the reply
+    /// (`status`: the run's state as one JSON object).
     Ctl {
+        /// The run directory of the trainer.
         run_dir: PathBuf,
-        /// pause, resume, queue NAME DEPTH, checkpoint, profile SECONDS, stop
+        /// pause, resume, queue NAME DEPTH, checkpoint, profile SECONDS, stop, status
         #[arg(required = true, num_args = 1.., allow_hyphen_values = true)]
         command: Vec<String>,
+    },
+    /// Open the control room of a run: a running one (started with or without the screen,
+    /// several screens at once) through its control socket, or a finished one from its
+    /// records. Leaving the screen (q, Ctrl-C) never stops the run.
+    Attach {
+        /// The run directory.
+        run_dir: PathBuf,
+        /// Look only: keys that would change the run are refused.
+        #[arg(long)]
+        read_only: bool,
     },
     /// Benchmark of the training pipeline (benchmarks spec): the real pipeline for a warm-up
     /// and a measured window, every stage alone on the same batches, one JSON object.
@@ -244,7 +257,7 @@ pub fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     if !matches!(cli.command, Command::Train { .. }) {
-        init_logging(&cli.log_level, None);
+        logging::init(&cli.log_level, None, true);
     }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -253,57 +266,6 @@ pub fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Log lines go to stderr, and to `log_file` as well when given (a run's train.log).
-fn init_logging(level: &str, log_file: Option<&std::path::Path>) {
-    let mut builder = env_logger::Builder::new();
-    builder.parse_filters(level).format_timestamp_secs();
-    match log_file.and_then(|p| {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(p)
-            .ok()
-    }) {
-        Some(file) => {
-            builder.target(env_logger::Target::Pipe(Box::new(Tee { file })));
-        }
-        None => {
-            builder.target(env_logger::Target::Stderr);
-        }
-    }
-    let _ = builder.try_init();
-}
-
-/// The control room's logger: tui-logger (shown in the screen's log pane) and the run log.
-fn init_tui_logging(level: &str, log_file: Option<&std::path::Path>) {
-    let filter = level
-        .parse::<log::LevelFilter>()
-        .unwrap_or(log::LevelFilter::Info);
-    if tui_logger::init_logger(log::LevelFilter::Trace).is_ok() {
-        tui_logger::set_default_level(filter);
-        if let Some(path) = log_file.and_then(|p| p.to_str()) {
-            tui_logger::set_log_file(tui_logger::TuiLoggerFile::new(path));
-        }
-    }
-}
-
-/// Writes to a file and to stderr.
-struct Tee {
-    file: std::fs::File,
-}
-
-impl std::io::Write for Tee {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let _ = std::io::stderr().write_all(buf);
-        self.file.write_all(buf)?;
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        let _ = std::io::stderr().flush();
-        self.file.flush()
     }
 }
 
@@ -326,13 +288,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 allow_schedule_change,
                 no_tui,
             },
-            |log_file, tui| {
-                if tui {
-                    init_tui_logging(&level, log_file)
-                } else {
-                    init_logging(&level, log_file)
-                }
-            },
+            |log_file| logging::init(&level, Some(log_file), true),
         ),
         Command::Doctor => {
             let runtime = TorchRuntime::init();
@@ -399,10 +355,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(())
         }
+        Command::Attach { run_dir, read_only } => {
+            let close = std::sync::atomic::AtomicBool::new(false);
+            crate::ui::app::run(
+                &run_dir,
+                crate::ui::state::Viewer::Attached { read_only },
+                &close,
+            )
+        }
         Command::Ctl { run_dir, command } => {
             let reply = crate::pipeline::control::send(&run_dir, &command.join(" "))?;
             if reply.ok {
-                println!("{}", reply.message);
+                match reply.data {
+                    Some(data) => println!("{data}"),
+                    None => println!("{}", reply.message),
+                }
                 Ok(())
             } else {
                 anyhow::bail!("{}", reply.message)

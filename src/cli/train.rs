@@ -1,16 +1,21 @@
 //! `train`: a training run in this process, headless for now.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
 use crate::config::{self, TrainConfig};
 use crate::paths::Locations;
+use crate::pipeline::headless::{RunLoopOptions, ScreenLink};
 use crate::pipeline::signals::SignalFlags;
 use crate::pipeline::{control, headless, trainer};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
 use crate::train::run_lock::RunLock;
+use crate::ui::state::Viewer;
 
 pub struct TrainArgs {
     pub config: Option<PathBuf>,
@@ -123,30 +128,71 @@ pub fn prepare_run_dir(
     Ok((dir, lock, changes.unwrap_or_default()))
 }
 
-/// `init_logging(log_file, tui)`: the screen shows logs in its own pane, so with `tui` the
-/// logger must not write to the terminal.
-pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>, bool)) -> Result<()> {
+/// `init_logging(log_file)` installs the logger (the run log and the terminal) and returns its
+/// terminal switch. With the screen the run loop and the screen run side by side: the screen is
+/// a viewer of the run (as `attach`), so a closed screen or a terminal that is gone leaves the
+/// run training.
+pub fn run(args: TrainArgs, init_logging: impl FnOnce(&Path) -> Arc<AtomicBool>) -> Result<()> {
     use std::io::IsTerminal;
     let config = load_config(&args)?;
     let (run_dir, _lock, changes) = prepare_run_dir(&config, &args)?;
     let tui = !args.no_tui && std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
-    init_logging(Some(&run_dir.join("train.log")), tui);
+    let log_to_terminal = init_logging(&run_dir.join("train.log"));
     for change in &changes {
         log::info!("resume with a changed configuration: {change}");
     }
     let signals = SignalFlags::install()?;
     let runtime = TorchRuntime::init();
     let handle = trainer::start(&runtime, &config, &run_dir, args.resume.is_some())?;
-    let outcome = if tui {
-        crate::ui::app::run(handle, signals, config.telemetry.gpu_sample_interval_s)?
-    } else {
-        headless::run(
-            handle,
-            signals,
-            config.telemetry.log_every_steps,
-            config.telemetry.gpu_sample_interval_s,
-        )?
+    let screen = tui.then(|| {
+        // The screen shows train.log: the logger leaves the terminal to it.
+        log_to_terminal.store(false, Ordering::SeqCst);
+        let link = ScreenLink {
+            close: Arc::new(AtomicBool::new(false)),
+            closed: Arc::new(AtomicBool::new(false)),
+        };
+        let (dir, close, closed) = (run_dir.clone(), link.close.clone(), link.closed.clone());
+        let thread = std::thread::Builder::new()
+            .name("screen".into())
+            .spawn(move || {
+                if let Err(e) = crate::ui::app::run(&dir, Viewer::Trainer, &close) {
+                    log::warn!("the screen closed: {e:#}");
+                }
+                closed.store(true, Ordering::SeqCst);
+            });
+        (link, thread)
+    });
+    let (link, screen_thread) = match screen {
+        Some((link, Ok(thread))) => (Some(link), Some(thread)),
+        Some((_, Err(e))) => {
+            log_to_terminal.store(true, Ordering::SeqCst);
+            log::warn!("cannot open the screen ({e}); going on headless");
+            (None, None)
+        }
+        None => (None, None),
     };
+    let close = link.as_ref().map(|l| l.close.clone());
+    let (outcome, end) = headless::run(
+        handle,
+        signals,
+        RunLoopOptions {
+            log_every_steps: config.telemetry.log_every_steps,
+            gpu_interval_s: config.telemetry.gpu_sample_interval_s,
+            log_to_terminal: log_to_terminal.clone(),
+            screen: link,
+        },
+    )?;
+    if let (Some(close), Some(thread)) = (close, screen_thread) {
+        // A stop by signal (a scheduler's SIGTERM) ends the process without waiting for a key;
+        // otherwise the screen shows the end until a key is pressed.
+        if end.stop_signalled || end.hung_up {
+            close.store(true, Ordering::SeqCst);
+        }
+        let _ = thread.join();
+    }
+    if end.hung_up {
+        log::info!("the run ended without its terminal");
+    }
     match (&outcome.phase, &outcome.error) {
         (Phase::Finished, None) => {
             let last = outcome.final_step.as_ref();
@@ -154,7 +200,9 @@ pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>, bool)) -> R
                 Some(reason) => format!("run finished ({reason})"),
                 None => "run finished".to_string(),
             };
-            println!(
+            // The terminal may be gone (SIGHUP): the summary is in train.log and metrics.jsonl.
+            let _ = writeln!(
+                std::io::stdout(),
                 "{ended}: {} steps, loss {}, accuracy {}, anchor-mean acceptance (train) {}, last checkpoint {}, run dir {}",
                 outcome.steps,
                 last.map_or("-".into(), |l| format!("{:.4}", l.loss)),

@@ -32,6 +32,20 @@ pub enum Command {
     Stop {
         checkpoint: bool,
     },
+    /// Read-only: the run's state as one JSON object (`ctl status`).
+    Status,
+    /// Read-only: everything a screen shows as JSON, with the step records after `since`
+    /// (all when None); what `attach` polls.
+    Snapshot {
+        since: Option<u64>,
+    },
+}
+
+impl Command {
+    /// Queries read the run's state and change nothing: a read-only viewer may send them.
+    pub fn is_query(&self) -> bool {
+        matches!(self, Command::Status | Command::Snapshot { .. })
+    }
 }
 
 impl Command {
@@ -39,7 +53,9 @@ impl Command {
     /// [`QUOTE_CHARS`] characters of what was sent.
     pub fn parse(line: &str) -> Result<Command, String> {
         let words: Vec<&str> = line.split_whitespace().collect();
-        let usage = "commands: pause, resume, queue NAME DEPTH, checkpoint, profile SECONDS, stop";
+        let usage =
+            "commands: pause, resume, queue NAME DEPTH, checkpoint, profile SECONDS, stop, \
+                     status";
         match words.as_slice() {
             ["pause"] => Ok(Command::Pause),
             ["resume"] => Ok(Command::Resume),
@@ -50,6 +66,12 @@ impl Command {
             ["queue", ..] => Err("usage: queue NAME DEPTH".into()),
             ["profile", secs] => parse_profile(secs),
             ["profile", ..] => Err("usage: profile SECONDS".into()),
+            ["status"] => Ok(Command::Status),
+            ["snapshot"] => Ok(Command::Snapshot { since: None }),
+            ["snapshot", since] => match since.parse::<u64>() {
+                Ok(step) => Ok(Command::Snapshot { since: Some(step) }),
+                Err(_) => Err(format!("snapshot: {} is not a step number", quote(since))),
+            },
             [] => Err(format!("empty command; {usage}")),
             [other, ..] => Err(format!("unknown command {}; {usage}", quote(other))),
         }
@@ -110,6 +132,9 @@ impl fmt::Display for Command {
             Command::Profile { seconds } => write!(f, "profile {seconds}"),
             Command::Stop { checkpoint: true } => write!(f, "stop"),
             Command::Stop { checkpoint: false } => write!(f, "stop --no-checkpoint"),
+            Command::Status => write!(f, "status"),
+            Command::Snapshot { since: None } => write!(f, "snapshot"),
+            Command::Snapshot { since: Some(step) } => write!(f, "snapshot {step}"),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The control socket of a run: a Unix socket `RUN_DIR/control.sock` (mode 0600) taking
 //! newline-delimited JSON requests `{"command": "pause"}` (or the bare words) and answering
-//! `{"ok": true, "message": "..."}`. `dflash-tui ctl RUN_DIR COMMAND` is its client.
+//! `{"ok": true, "message": "..."}` (queries, `status` and `snapshot`, add `"data": {...}`).
+//! `dflash-tui ctl RUN_DIR COMMAND` and `dflash-tui attach RUN_DIR` are its clients.
 //!
 //! A client cannot take the run down ([`Limits`]): at most 16 connections are open at once
 //! (600 idle ones exhausted the file descriptors and the next checkpoint failed). When a 17th
@@ -74,11 +75,40 @@ pub struct WireRequest {
 pub struct WireReply {
     pub ok: bool,
     pub message: String,
+    /// The answer to a query (`status`, `snapshot`) as JSON.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<serde_json::Value>,
 }
 
 impl WireReply {
     fn error(message: String) -> Self {
-        WireReply { ok: false, message }
+        WireReply {
+            ok: false,
+            message,
+            data: None,
+        }
+    }
+
+    /// A front end's reply: a query's answer is JSON text, carried as JSON.
+    fn from_reply(command: Option<&Command>, reply: Result<String, String>) -> Self {
+        match reply {
+            Ok(text) if command.is_some_and(Command::is_query) => {
+                match serde_json::from_str(&text) {
+                    Ok(data) => WireReply {
+                        ok: true,
+                        message: command.map(|c| c.to_string()).unwrap_or_default(),
+                        data: Some(data),
+                    },
+                    Err(e) => WireReply::error(format!("the front end's answer is not JSON: {e}")),
+                }
+            }
+            Ok(message) => WireReply {
+                ok: true,
+                message,
+                data: None,
+            },
+            Err(message) => WireReply::error(message),
+        }
     }
 }
 
@@ -427,11 +457,11 @@ fn answer(bytes: &[u8], requests: &Sender<Request>) -> Option<WireReply> {
         return None;
     }
     let words = serde_json::from_str::<WireRequest>(text).map_or(text.to_string(), |r| r.command);
-    let reply = Command::parse(&words).and_then(|command| forward(command, requests));
-    Some(match reply {
-        Ok(message) => WireReply { ok: true, message },
-        Err(message) => WireReply::error(message),
-    })
+    let command = Command::parse(&words);
+    let reply = command
+        .clone()
+        .and_then(|command| forward(command, requests));
+    Some(WireReply::from_reply(command.as_ref().ok(), reply))
 }
 
 /// Hands a command to the front end and waits for the trainer's answer.
@@ -479,6 +509,42 @@ pub fn send(run_dir: &Path, command: &str) -> Result<WireReply> {
     }
     serde_json::from_str(&line)
         .with_context(|| format!("{}: unreadable reply {line:?}", path.display()))
+}
+
+/// A connection kept open for many requests (a screen polls the run several times a second).
+pub struct ControlClient {
+    reader: BufReader<UnixStream>,
+}
+
+impl ControlClient {
+    /// Connects to the run's socket; fails when no trainer serves it.
+    pub fn connect(run_dir: &Path) -> Result<Self> {
+        check_socket_path(run_dir)?;
+        let path = run_dir.join(SOCKET_NAME);
+        let stream = UnixStream::connect(&path)
+            .with_context(|| format!("{}: no running trainer (cannot connect)", path.display()))?;
+        stream.set_read_timeout(Some(REPLY_TIMEOUT + Duration::from_secs(10)))?;
+        stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+        Ok(ControlClient {
+            reader: BufReader::new(stream),
+        })
+    }
+
+    /// Sends one command line and reads its reply.
+    pub fn request(&mut self, command: &str) -> Result<WireReply> {
+        let request = serde_json::to_string(&WireRequest {
+            command: command.to_string(),
+        })?;
+        writeln!(self.reader.get_ref(), "{request}").context("cannot send the request")?;
+        let mut line = String::new();
+        self.reader
+            .read_line(&mut line)
+            .context("no reply from the trainer")?;
+        if line.is_empty() {
+            bail!("the trainer closed the connection");
+        }
+        serde_json::from_str(&line).context("unreadable reply")
+    }
 }
 
 /// A receiver and its sender, for the front ends.

@@ -1,7 +1,13 @@
-//! The headless front end (`--no-tui`, or stdout not a terminal): human lines, ProfileStats
-//! tables, queue and GPU records, commands from stdin and signals.
+//! The run loop of a training process, under either front end: it answers the control
+//! socket (commands, and the `status` and `snapshot` queries that `ctl` and `attach` send),
+//! acts on signals, writes the queue, GPU and process records and the progress lines, and reads
+//! stdin commands when no screen owns the terminal. The screen, when there is one, is a viewer
+//! of the run through its socket like `attach`: it can close (a key, a dead terminal) while the
+//! run goes on.
 
-use std::io::BufRead;
+use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
@@ -11,10 +17,13 @@ use super::command::Command;
 use super::control::Request;
 use super::signals::{SignalFlags, SignalRequest};
 use super::trainer::{RunOutcome, TrainerHandle};
-use crate::telemetry::gpu::GpuMonitor;
-use crate::telemetry::records::{GpuRecord, MetricsRecord, Snapshot, ValidationRecord};
+use crate::telemetry::gpu::{GpuMonitor, GpuReading};
+use crate::telemetry::host::{HostMonitor, HostReading};
+use crate::telemetry::records::{
+    GpuRecord, MetricsRecord, RunStatus, Snapshot, StepRecord, ValidationRecord,
+};
 
-fn fmt_duration(s: f64) -> String {
+pub fn fmt_duration(s: f64) -> String {
     let s = s.max(0.0) as u64;
     if s >= 3600 {
         format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
@@ -25,10 +34,28 @@ fn fmt_duration(s: f64) -> String {
     }
 }
 
-/// The human line of a snapshot; `validation`, a pass made since the previous line, is added
-/// at its end.
-pub fn human_line(s: &Snapshot, validation: Option<&ValidationRecord>) -> String {
-    let line = progress_line(s);
+/// The human line of step `r` (a record of the run `s` shows now); `validation`, a pass made
+/// since the previous line, is added at its end.
+pub fn human_line(s: &Snapshot, r: &StepRecord, validation: Option<&ValidationRecord>) -> String {
+    let q: Vec<String> = s
+        .queues
+        .iter()
+        .map(|q| format!("{} {}/{}", q.name, q.len, q.capacity))
+        .collect();
+    let line = format!(
+        "step {}/{} epoch {} loss {:.4} acc {:.3} accept {:.2} lr {:.2e} tok/s {:.0} samples/s {:.2} | {} | ETA {}",
+        r.step,
+        s.total_steps,
+        r.epoch,
+        r.loss,
+        r.accuracy,
+        r.accept_mean,
+        r.lr,
+        r.tokens_per_s,
+        r.samples_per_s,
+        q.join(", "),
+        s.eta_s.map(fmt_duration).unwrap_or_else(|| "?".into())
+    );
     match validation {
         Some(v) => format!(
             "{line} | val (step {}) loss {:.4} acc {:.3} tau {:.2}",
@@ -38,29 +65,9 @@ pub fn human_line(s: &Snapshot, validation: Option<&ValidationRecord>) -> String
     }
 }
 
-fn progress_line(s: &Snapshot) -> String {
-    let q: Vec<String> = s
-        .queues
-        .iter()
-        .map(|q| format!("{} {}/{}", q.name, q.len, q.capacity))
-        .collect();
-    match &s.last {
-        Some(l) => format!(
-            "step {}/{} epoch {} loss {:.4} acc {:.3} accept {:.2} lr {:.2e} tok/s {:.0} samples/s {:.2} | {} | ETA {}",
-            s.step,
-            s.total_steps,
-            s.epoch,
-            l.loss,
-            l.accuracy,
-            l.accept_mean,
-            l.lr,
-            s.tokens_per_s,
-            s.samples_per_s,
-            q.join(", "),
-            s.eta_s.map(fmt_duration).unwrap_or_else(|| "?".into())
-        ),
-        None => format!("{} | step {}/{} | {}", s.phase, s.step, s.total_steps, q.join(", ")),
-    }
+/// Prints a line on stdout; a terminal that is gone (SIGHUP) is not an error.
+fn say(line: &str) {
+    let _ = writeln!(std::io::stdout(), "{line}");
 }
 
 /// Reads commands from stdin lines until EOF (no stdin, as in CI, ends it at once).
@@ -86,7 +93,7 @@ pub fn spawn_stdin_reader(requests: crossbeam_channel::Sender<Request>) {
                             break;
                         }
                     }
-                    Err(e) => println!("error: {e}"),
+                    Err(e) => say(&format!("error: {e}")),
                 }
             }
         });
@@ -95,22 +102,116 @@ pub fn spawn_stdin_reader(requests: crossbeam_channel::Sender<Request>) {
 /// How often the loop looks at the run when no request arrives.
 const TICK: Duration = Duration::from_millis(50);
 
-fn apply_request(handle: &TrainerHandle, req: Request) {
-    let reply = handle.command(&req.command);
-    match req.reply {
-        Some(tx) => {
-            let _ = tx.send(reply);
+/// How the run loop is set up.
+pub struct RunLoopOptions {
+    pub log_every_steps: u64,
+    pub gpu_interval_s: f64,
+    /// The logger's terminal output (off while a screen is up and once the terminal is gone).
+    pub log_to_terminal: Arc<AtomicBool>,
+    /// The screen of this process, if any.
+    pub screen: Option<ScreenLink>,
+}
+
+/// The run loop's hold on this process's screen (a viewer thread).
+pub struct ScreenLink {
+    /// Set to close the screen (its terminal is gone, or the run was stopped by a signal).
+    pub close: Arc<AtomicBool>,
+    /// Set by the screen when it has closed.
+    pub closed: Arc<AtomicBool>,
+}
+
+/// How the run ended, beyond its outcome.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RunEnd {
+    /// SIGINT or SIGTERM stopped it: nobody waits at a screen for a key.
+    pub stop_signalled: bool,
+    /// The terminal went away (SIGHUP).
+    pub hung_up: bool,
+}
+
+/// What the run loop keeps between ticks.
+struct Live {
+    gpu: Option<GpuMonitor>,
+    gpu_error: Option<String>,
+    gpus: Option<Vec<GpuReading>>,
+    host: HostMonitor,
+    host_reading: Option<HostReading>,
+}
+
+impl Live {
+    /// The trainer's snapshot with the machine's readings, as screens show it.
+    fn snapshot(&self, handle: &TrainerHandle) -> Snapshot {
+        let mut snap = handle.snapshot();
+        snap.gpus = self.gpus.clone();
+        snap.gpu_error = self.gpu_error.clone();
+        snap.host = self.host_reading.clone();
+        snap
+    }
+
+    /// Answers a query as JSON text.
+    fn query(&self, handle: &TrainerHandle, command: &Command) -> Result<String, String> {
+        let mut snap = self.snapshot(handle);
+        let json = match command {
+            Command::Status => serde_json::to_string(&RunStatus::new(&snap, std::process::id())),
+            Command::Snapshot { since } => {
+                if let Some(after) = since {
+                    snap.history.retain(|r| r.step > *after);
+                }
+                serde_json::to_string(&snap)
+            }
+            other => return Err(format!("{other} is not a query")),
+        };
+        json.map_err(|e| format!("cannot encode the answer: {e}"))
+    }
+
+    fn answer(&self, handle: &TrainerHandle, req: Request) {
+        let reply = if req.command.is_query() {
+            self.query(handle, &req.command)
+        } else {
+            handle.command(&req.command)
+        };
+        match req.reply {
+            Some(tx) => {
+                let _ = tx.send(reply);
+            }
+            None => match reply {
+                Ok(r) => say(&format!("ok: {r}")),
+                Err(e) => say(&format!("error: {e}")),
+            },
         }
-        None => match reply {
-            Ok(r) => println!("ok: {r}"),
-            Err(e) => println!("error: {e}"),
-        },
+    }
+
+    /// Answers requests as they arrive (a socket client waits for its reply) until
+    /// `deadline`, also under a storm of them: the loop's other work must come round.
+    fn answer_until(
+        &self,
+        handle: &TrainerHandle,
+        requests: &Receiver<Request>,
+        deadline: Instant,
+    ) {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            match requests.recv_timeout(left) {
+                Ok(req) => self.answer(handle, req),
+                Err(RecvTimeoutError::Timeout) => return,
+                Err(RecvTimeoutError::Disconnected) => return std::thread::sleep(left),
+            }
+        }
     }
 }
 
-/// Acts on the signals received since the last look (the signal thread logs them);
+/// Acts on the signals received since the last look (the signal thread logs the stops);
 /// `first_step` is the step the run started from.
-fn apply_signals(handle: &TrainerHandle, signals: &mut SignalFlags, first_step: u64) {
+fn apply_signals(
+    handle: &TrainerHandle,
+    signals: &mut SignalFlags,
+    first_step: u64,
+    opts: &RunLoopOptions,
+    end: &mut RunEnd,
+) {
     for request in signals.take(handle.progress().0 > first_step) {
         match request {
             SignalRequest::Command(command) => {
@@ -119,37 +220,37 @@ fn apply_signals(handle: &TrainerHandle, signals: &mut SignalFlags, first_step: 
                 }
             }
             SignalRequest::Abort => handle.abort(),
+            SignalRequest::HangUp => {
+                end.hung_up = true;
+                opts.log_to_terminal.store(false, Ordering::SeqCst);
+                if let Some(screen) = &opts.screen {
+                    screen.close.store(true, Ordering::SeqCst);
+                }
+                let run_dir = handle.shared.run_dir.display().to_string();
+                log::warn!(
+                    "SIGHUP: the terminal is gone; training goes on without it (log: \
+                     {run_dir}/train.log; screen: dflash-tui attach {run_dir})"
+                );
+                // What was trained so far is saved now, whatever happens to this process next.
+                if let Err(e) = handle.command(&Command::Checkpoint) {
+                    log::warn!("SIGHUP: {e}");
+                }
+            }
         }
     }
+    end.stop_signalled |= signals.stop_signalled();
 }
 
-/// Answers requests as they arrive (a socket client waits for its reply) until `deadline`,
-/// also under a storm of them: the loop's other work must come round.
-fn answer_requests_until(handle: &TrainerHandle, requests: &Receiver<Request>, deadline: Instant) {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return;
-        }
-        match requests.recv_timeout(left) {
-            Ok(req) => apply_request(handle, req),
-            Err(RecvTimeoutError::Timeout) => return,
-            Err(RecvTimeoutError::Disconnected) => return std::thread::sleep(left),
-        }
-    }
-}
-
-/// Runs the headless front end until the trainer ends. A control socket that cannot be
-/// served stops the run: `ctl` would otherwise report no trainer while it trains.
+/// Runs the loop until the trainer ends. A control socket that cannot be served stops the
+/// run: `ctl` and `attach` would otherwise find no trainer while it trains.
 pub fn run(
     handle: TrainerHandle,
     mut signals: SignalFlags,
-    log_every_steps: u64,
-    gpu_interval_s: f64,
-) -> Result<RunOutcome> {
+    opts: RunLoopOptions,
+) -> Result<(RunOutcome, RunEnd)> {
     signals.running();
     let (req_tx, req_rx) = super::control::channel();
-    let _socket = match super::control::serve(&handle.shared.run_dir, req_tx.clone()) {
+    let socket = match super::control::serve(&handle.shared.run_dir, req_tx.clone()) {
         Ok(socket) => socket,
         Err(e) => {
             handle.abort();
@@ -159,61 +260,101 @@ pub fn run(
             ));
         }
     };
-    spawn_stdin_reader(req_tx);
-    let gpu = GpuMonitor::open().ok();
-    let mut last_logged = u64::MAX;
+    if opts.screen.is_none() {
+        spawn_stdin_reader(req_tx);
+    }
+    let gpu = GpuMonitor::open();
+    let mut live = Live {
+        gpu_error: gpu.as_ref().err().cloned(),
+        gpu: gpu.ok(),
+        gpus: None,
+        host: HostMonitor::for_this_process(),
+        host_reading: None,
+    };
+    let mut end = RunEnd::default();
+    let mut last_logged = handle.progress().0;
     let mut last_validation = None;
     let mut last_profile = Instant::now();
     let mut last_queues = Instant::now();
-    let mut last_gpu = Instant::now();
-    let started = Instant::now();
+    let mut last_sample: Option<Instant> = None;
+    let mut screen_open = opts.screen.is_some();
     let first_step = handle.progress().0;
+    let every = opts.log_every_steps.max(1);
     while !handle.is_finished() {
         let tick_end = Instant::now() + TICK;
-        apply_signals(&handle, &mut signals, first_step);
-        let snap = handle.snapshot();
-        if snap.step != last_logged
-            && snap.step > 0
-            && (snap.step.is_multiple_of(log_every_steps.max(1)) || snap.step == snap.total_steps)
-        {
-            last_logged = snap.step;
-            let validation = snap
-                .validations
-                .last()
-                .filter(|v| last_validation != Some(v.step));
-            last_validation = snap.validations.last().map(|v| v.step);
-            log::info!("{}", human_line(&snap, validation));
+        apply_signals(&handle, &mut signals, first_step, &opts, &mut end);
+        if let Some(screen) = &opts.screen {
+            if screen_open && screen.closed.load(Ordering::SeqCst) {
+                screen_open = false;
+                if !end.hung_up {
+                    // The operator left the screen: the terminal is theirs again.
+                    opts.log_to_terminal.store(true, Ordering::SeqCst);
+                }
+                log::info!(
+                    "the screen is closed; the run goes on (dflash-tui attach {} opens it again)",
+                    handle.shared.run_dir.display()
+                );
+            }
+        }
+        let snap = live.snapshot(&handle);
+        // Every `log_every_steps`-th step gets its line, also when steps finish back to back.
+        let due: Vec<&StepRecord> = snap
+            .history
+            .iter()
+            .filter(|r| r.step > last_logged && (r.step % every == 0 || r.step == snap.total_steps))
+            .collect();
+        if let Some(newest) = snap.history.last() {
+            last_logged = last_logged.max(newest.step);
+        }
+        for (k, r) in due.iter().enumerate() {
+            let newest_val = snap.validations.last();
+            let validation =
+                newest_val.filter(|v| k + 1 == due.len() && last_validation != Some(v.step));
+            if validation.is_some() {
+                last_validation = newest_val.map(|v| v.step);
+            }
+            log::info!("{}", human_line(&snap, r, validation));
         }
         let interval = handle.profile_interval_s();
         if interval > 0.0 && last_profile.elapsed().as_secs_f64() >= interval {
             last_profile = Instant::now();
-            log::info!("\n{}", handle.profile_report().table());
+            let report = handle.profile_report();
+            let mut with_report = snap.clone();
+            with_report.profile = Some(report.clone());
+            let verdict = with_report.verdict().unwrap_or_default();
+            log::info!("\n{}{verdict}", report.table());
         }
         if last_queues.elapsed() >= Duration::from_secs(5) {
             last_queues = Instant::now();
             handle.write_record(&MetricsRecord::Queues {
-                elapsed_s: started.elapsed().as_secs_f64(),
+                elapsed_s: snap.elapsed_s,
                 queues: snap.queues.clone(),
             });
         }
-        if let Some(g) = &gpu {
-            if last_gpu.elapsed().as_secs_f64() >= gpu_interval_s {
-                last_gpu = Instant::now();
+        if last_sample.is_none_or(|t| t.elapsed().as_secs_f64() >= opts.gpu_interval_s) {
+            last_sample = Some(Instant::now());
+            live.host_reading = live.host.sample();
+            if let Some(g) = &live.gpu {
                 if let Ok(readings) = g.sample() {
                     for r in &readings {
                         handle.write_record(&MetricsRecord::Gpu(GpuRecord::from_reading(
-                            started.elapsed().as_secs_f64(),
+                            snap.elapsed_s,
                             r,
                         )));
                     }
+                    live.gpus = Some(readings);
                 }
             }
         }
-        answer_requests_until(&handle, &req_rx, tick_end);
+        live.answer_until(&handle, &req_rx, tick_end);
     }
     let report = handle.profile_report();
     log::info!("\n{}", report.table());
-    Ok(handle.join())
+    let outcome = handle.join();
+    // The summary is written: screens and `attach` now read the end from metrics.jsonl.
+    drop(socket);
+    end.stop_signalled |= signals.stop_signalled();
+    Ok((outcome, end))
 }
 
 #[cfg(test)]
@@ -223,7 +364,8 @@ mod tests {
     #[test]
     fn a_new_validation_pass_ends_the_progress_line() {
         let snap = crate::ui::sample::synthetic_state(10, 1).snapshot;
-        let plain = human_line(&snap, None);
+        let last = snap.history.last().unwrap().clone();
+        let plain = human_line(&snap, &last, None);
         assert!(plain.starts_with("step 10/20 epoch 0 loss "), "{plain}");
         assert!(plain.contains(" accept 1.00 "), "{plain}");
         assert!(!plain.contains("tau"), "{plain}");
@@ -242,7 +384,7 @@ mod tests {
             best: true,
             elapsed_s: 2.5,
         };
-        let line = human_line(&snap, Some(&v));
+        let line = human_line(&snap, &last, Some(&v));
         assert_eq!(
             line,
             format!("{plain} | val (step 10) loss 2.5000 acc 0.250 tau 1.50")

@@ -1,5 +1,6 @@
 //! Signals of a training run, handled from start-up on: SIGINT/SIGTERM stop with a checkpoint
-//! (a second one stops at once), SIGUSR1 writes a checkpoint. The handlers are installed before
+//! (a second one stops at once), SIGUSR1 writes a checkpoint, SIGHUP (the terminal is gone: a
+//! closed SSH session or tmux window) leaves the run training without it, with a checkpoint. The handlers are installed before
 //! any model loads (SIGUSR1's default action, before they were, killed the process); what
 //! arrives is counted and acted on by the front end once the trainer runs. A second SIGINT or
 //! SIGTERM while the models still load exits at once, as Ctrl-C did before.
@@ -8,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 
 use super::command::Command;
@@ -19,18 +20,22 @@ pub enum SignalRequest {
     Command(Command),
     /// Stop every stage now (a second SIGINT/SIGTERM).
     Abort,
+    /// The terminal is gone (SIGHUP): go on without it.
+    HangUp,
 }
 
 /// Counters of the signals received, shared with the thread that receives them.
 pub struct SignalFlags {
     stops: Arc<AtomicUsize>,
     checkpoints: Arc<AtomicUsize>,
+    hangups: Arc<AtomicUsize>,
     /// True until a front end takes over: a second stop signal then exits the process.
     starting: Arc<AtomicBool>,
     /// Armed by the first stop signal during start-up; the handler exits when it is set.
     exit_now: Arc<AtomicBool>,
     stops_seen: usize,
     checkpoints_seen: usize,
+    hangups_seen: usize,
 }
 
 impl SignalFlags {
@@ -39,10 +44,12 @@ impl SignalFlags {
         SignalFlags {
             stops: Arc::default(),
             checkpoints: Arc::default(),
+            hangups: Arc::default(),
             starting: Arc::new(AtomicBool::new(true)),
             exit_now: Arc::default(),
             stops_seen: 0,
             checkpoints_seen: 0,
+            hangups_seen: 0,
         }
     }
 
@@ -57,21 +64,25 @@ impl SignalFlags {
             )
             .context("cannot install the signal handlers")?;
         }
-        let mut signals = Signals::new([SIGINT, SIGTERM, SIGUSR1])
+        let mut signals = Signals::new([SIGINT, SIGTERM, SIGUSR1, SIGHUP])
             .context("cannot install the signal handlers")?;
         let counters = (
             flags.stops.clone(),
             flags.checkpoints.clone(),
+            flags.hangups.clone(),
             flags.starting.clone(),
             flags.exit_now.clone(),
         );
         std::thread::Builder::new()
             .name("signals".into())
             .spawn(move || {
-                let (stops, checkpoints, starting, exit_now) = counters;
+                let (stops, checkpoints, hangups, starting, exit_now) = counters;
                 for sig in signals.forever() {
                     let starting = starting.load(Ordering::SeqCst);
-                    if sig == SIGUSR1 {
+                    if sig == SIGHUP {
+                        // Logged by the front end, which first stops writing to the terminal.
+                        hangups.fetch_add(1, Ordering::SeqCst);
+                    } else if sig == SIGUSR1 {
                         checkpoints.fetch_add(1, Ordering::SeqCst);
                         log_checkpoint(starting);
                     } else {
@@ -83,7 +94,8 @@ impl SignalFlags {
             })
             .context("cannot start the signal thread")?;
         log::info!(
-            "pid {}: SIGUSR1 = checkpoint, SIGINT/SIGTERM = stop with a checkpoint (twice: at once)",
+            "pid {}: SIGUSR1 = checkpoint, SIGINT/SIGTERM = stop with a checkpoint (twice: at once), \
+             SIGHUP = go on without the terminal",
             std::process::id()
         );
         Ok(flags)
@@ -101,6 +113,11 @@ impl SignalFlags {
     /// request), so SIGUSR1 during start-up is kept for after the first step.
     pub fn take(&mut self, trained: bool) -> Vec<SignalRequest> {
         let mut out = Vec::new();
+        let hangups = self.hangups.load(Ordering::SeqCst);
+        if hangups > self.hangups_seen {
+            self.hangups_seen = hangups;
+            out.push(SignalRequest::HangUp);
+        }
         let stops = self.stops.load(Ordering::SeqCst);
         if stops > self.stops_seen {
             self.stops_seen = stops;
@@ -116,6 +133,12 @@ impl SignalFlags {
             out.push(SignalRequest::Command(Command::Checkpoint));
         }
         out
+    }
+
+    /// Whether a stop signal (SIGINT/SIGTERM) has arrived: the run then ends without waiting
+    /// for a key.
+    pub fn stop_signalled(&self) -> bool {
+        self.stops.load(Ordering::SeqCst) > 0
     }
 
     /// Counts a signal as the handler thread would.

@@ -29,9 +29,11 @@ use crate::model::{
     TargetModel,
 };
 use crate::runtime::TorchRuntime;
-use crate::telemetry::profile::{Event, ProfileReport, ProfileStats};
+use crate::telemetry::profile::{Event, ProfileReport, ProfileStats, StageWorkers};
+use crate::telemetry::rate::RateWindow;
 use crate::telemetry::records::{
-    EvalRecord, MetricsRecord, MetricsWriter, Phase, Snapshot, StepRecord, ValidationRecord,
+    EvalRecord, MetricsRecord, MetricsWriter, Phase, RunHistory, Snapshot, StepRecord,
+    ValidationRecord,
 };
 use crate::train::checkpoint::{
     newest_checkpoint, read_state, remove_stale_partials, repair_latest, save_checkpoint, BestEval,
@@ -93,8 +95,8 @@ struct Status {
     /// Why the run stopped before its last step, if it did.
     stop_reason: Option<String>,
     last_checkpoint: Option<PathBuf>,
-    tokens_per_s: f64,
-    samples_per_s: f64,
+    /// Completed steps over a window: the live rates and the ETA.
+    rates: RateWindow,
     last_profile: Option<ProfileReport>,
     stage_devices: Vec<(String, String)>,
 }
@@ -117,12 +119,19 @@ pub struct Shared {
     /// How often each sample reached a drafter worker (store index).
     pub sample_visits: Vec<AtomicU32>,
     started: Instant,
+    /// Seconds the run had trained before this process (a resumed run continues its clock).
+    elapsed_before_s: f64,
     pub run_dir: PathBuf,
     pub run_name: String,
     total_steps: u64,
 }
 
 impl Shared {
+    /// Seconds since the run began, across resumes.
+    fn elapsed_s(&self) -> f64 {
+        self.elapsed_before_s + self.started.elapsed().as_secs_f64()
+    }
+
     fn status(&self) -> std::sync::MutexGuard<'_, Status> {
         self.status.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -147,7 +156,7 @@ impl Shared {
     fn event(&self, kind: &str, message: String) {
         log::info!("{message}");
         self.metrics.write(&MetricsRecord::Event {
-            elapsed_s: self.started.elapsed().as_secs_f64(),
+            elapsed_s: self.elapsed_s(),
             kind: kind.to_string(),
             message,
         });
@@ -169,7 +178,7 @@ impl Shared {
         }
         log::error!("{message}");
         self.metrics.write(&MetricsRecord::Event {
-            elapsed_s: self.started.elapsed().as_secs_f64(),
+            elapsed_s: self.elapsed_s(),
             kind: "error".into(),
             message,
         });
@@ -537,10 +546,11 @@ pub fn start(
         log::info!("removed {}, left by a writer that is gone", gone.display());
     }
     let metrics_path = run_dir.join("metrics.jsonl");
-    let metrics = if resume {
-        MetricsWriter::open_resumed(&metrics_path, prepared.start_step)?
+    let (metrics, before) = if resume {
+        let metrics = MetricsWriter::open_resumed(&metrics_path, prepared.start_step)?;
+        (metrics, RunHistory::read(&metrics_path)?)
     } else {
-        MetricsWriter::open(&metrics_path)?
+        (MetricsWriter::open(&metrics_path)?, RunHistory::default())
     };
     let stop = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
@@ -556,7 +566,10 @@ pub fn start(
         pause_cv: Condvar::new(),
         checkpoint_requested: AtomicBool::new(false),
         stop_requested: AtomicU8::new(0),
-        profile: ProfileStats::new(),
+        profile: ProfileStats::with_workers(StageWorkers {
+            targets: prepared.target_devices.len(),
+            drafters: prepared.drafter_devices.len(),
+        }),
         profile_interval_s: Mutex::new(config.telemetry.profile_interval_s),
         status: Mutex::new(Status {
             phase: Some(Phase::WarmingUp),
@@ -575,6 +588,9 @@ pub fn start(
                         .map(|d| ("drafter".to_string(), device_name(*d))),
                 )
                 .collect(),
+            history: tail(before.steps, HISTORY),
+            evals: tail(before.evals, EVAL_HISTORY),
+            validations: tail(before.validations, EVAL_HISTORY),
             ..Default::default()
         }),
         metrics,
@@ -582,6 +598,7 @@ pub fn start(
             .map(|_| AtomicU32::new(0))
             .collect(),
         started: Instant::now(),
+        elapsed_before_s: before.elapsed_s,
         run_dir: run_dir.to_path_buf(),
         run_name: config.run.name.clone(),
         total_steps: prepared.total_steps,
@@ -599,6 +616,13 @@ pub fn start(
         ),
     );
     spawn_stages(shared, prepared)
+}
+
+/// The last `n` of `items`.
+fn tail<T>(mut items: Vec<T>, n: usize) -> Vec<T> {
+    let cut = items.len().saturating_sub(n);
+    items.drain(..cut);
+    items
 }
 
 fn device_name(d: Device) -> String {
@@ -694,8 +718,6 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         queued: None,
         events: DeviceEvents::load(),
         last_step_end: Instant::now(),
-        tokens_ema: 0.0,
-        samples_ema: 0.0,
     };
     {
         let shared = shared.clone();
@@ -1274,8 +1296,6 @@ struct Coordinator {
     /// CUDA events (see [`QueuedStep`]); `None` on the CPU or without the CUDA runtime.
     events: Option<DeviceEvents>,
     last_step_end: Instant,
-    tokens_ema: f64,
-    samples_ema: f64,
 }
 
 impl Coordinator {
@@ -1486,9 +1506,11 @@ impl Coordinator {
         self.shared
             .profile
             .record(Event::STEP_TOTAL, now.duration_since(q.started));
-        let alpha = if self.tokens_ema == 0.0 { 1.0 } else { 0.1 };
-        self.tokens_ema = alpha * q.tokens as f64 / step_s + (1.0 - alpha) * self.tokens_ema;
-        self.samples_ema = alpha * q.samples as f64 / step_s + (1.0 - alpha) * self.samples_ema;
+        let rates = {
+            let mut st = self.shared.status();
+            st.rates.complete(now, q.tokens, q.samples);
+            st.rates.windowed(now)
+        };
         let record = StepRecord {
             step: q.step,
             epoch: q.epoch,
@@ -1501,9 +1523,9 @@ impl Coordinator {
             samples: q.samples,
             blocks: sums.blocks.round() as u64,
             step_s,
-            tokens_per_s: self.tokens_ema,
-            samples_per_s: self.samples_ema,
-            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+            tokens_per_s: rates.tokens_per_s,
+            samples_per_s: rates.samples_per_s,
+            elapsed_s: self.shared.elapsed_s(),
         };
         if !record.loss.is_finite() {
             bail!("step {}: the loss is {} (diverged)", q.step, record.loss);
@@ -1516,8 +1538,6 @@ impl Coordinator {
         st.epoch = q.epoch;
         st.tokens_seen = q.tokens_seen;
         st.samples_seen = q.samples_seen;
-        st.tokens_per_s = self.tokens_ema;
-        st.samples_per_s = self.samples_ema;
         if st.history.len() >= HISTORY {
             st.history.remove(0);
         }
@@ -1578,7 +1598,7 @@ impl Coordinator {
             accepted_by_slot: summary.accepted_by_slot,
             eval_s,
             best,
-            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+            elapsed_s: self.shared.elapsed_s(),
         };
         self.shared
             .metrics
@@ -1646,7 +1666,7 @@ impl Coordinator {
             blocks: v.blocks,
             validation_s,
             best,
-            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+            elapsed_s: self.shared.elapsed_s(),
         };
         self.shared
             .metrics
@@ -1786,7 +1806,7 @@ impl Coordinator {
                 );
                 log::warn!("{message}");
                 self.shared.metrics.write(&MetricsRecord::Event {
-                    elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+                    elapsed_s: self.shared.elapsed_s(),
                     kind: "checkpoint_failed".into(),
                     message,
                 });
@@ -1857,7 +1877,7 @@ impl Coordinator {
             seed: cfg.run.seed,
             lr: last.as_ref().map_or(0.0, |l| l.lr),
             loss: last.as_ref().map_or(f64::NAN, |l| l.loss),
-            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+            elapsed_s: self.shared.elapsed_s(),
             saved_at_unix: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
@@ -1900,6 +1920,16 @@ impl Coordinator {
 impl TrainerHandle {
     /// Applies a command; the reply says what happened or why it could not apply.
     pub fn command(&self, cmd: &Command) -> std::result::Result<String, String> {
+        let reply = self.apply(cmd);
+        // Every operator command and its answer, whichever way it came.
+        match &reply {
+            Ok(r) => log::info!("command {cmd}: {r}"),
+            Err(e) => log::warn!("command {cmd} refused: {e}"),
+        }
+        reply
+    }
+
+    fn apply(&self, cmd: &Command) -> std::result::Result<String, String> {
         let s = &self.shared;
         let phase = s.status().phase;
         if matches!(phase, Some(Phase::Finished) | Some(Phase::Failed)) {
@@ -1964,9 +1994,14 @@ impl TrainerHandle {
                     "stopping without checkpoint".to_string()
                 }
             }
+            Command::Status | Command::Snapshot { .. } => {
+                return Err(format!(
+                    "{cmd} is answered by the front end, not the trainer"
+                ))
+            }
         };
         s.metrics.write(&MetricsRecord::Event {
-            elapsed_s: s.started.elapsed().as_secs_f64(),
+            elapsed_s: s.elapsed_s(),
             kind: "command".into(),
             message: format!("{cmd}: {reply}"),
         });
@@ -2021,11 +2056,15 @@ impl TrainerHandle {
         let s = &self.shared;
         let st = s.status();
         let last = st.history.last().cloned();
-        let eta_s = last.as_ref().and_then(|l| {
-            let remaining = s.total_steps.saturating_sub(st.step) as f64;
-            let per_step = l.elapsed_s / (st.history.len().max(1)) as f64;
-            (st.history.len() > 1).then_some(remaining * per_step)
-        });
+        let now = Instant::now();
+        let ended = matches!(st.phase, Some(Phase::Finished | Phase::Failed));
+        // A finished run shows its final averages and no ETA.
+        let (rates, eta_s) = if ended {
+            (st.rates.final_rates(), None)
+        } else {
+            let remaining = s.total_steps.saturating_sub(st.step);
+            (st.rates.windowed(now), st.rates.eta_s(now, remaining))
+        };
         Snapshot {
             run_name: s.run_name.clone(),
             run_dir: s.run_dir.display().to_string(),
@@ -2033,10 +2072,10 @@ impl TrainerHandle {
             step: st.step,
             total_steps: s.total_steps,
             epoch: st.epoch,
-            elapsed_s: s.started.elapsed().as_secs_f64(),
+            elapsed_s: s.elapsed_s(),
             eta_s,
-            tokens_per_s: st.tokens_per_s,
-            samples_per_s: st.samples_per_s,
+            tokens_per_s: rates.tokens_per_s,
+            samples_per_s: rates.samples_per_s,
             last,
             history: st.history.clone(),
             evals: st.evals.clone(),
@@ -2049,6 +2088,7 @@ impl TrainerHandle {
                 .unwrap_or_else(|e| e.into_inner()),
             gpus: None,
             gpu_error: None,
+            host: None,
             stage_devices: st.stage_devices.clone(),
             last_checkpoint: st.last_checkpoint.as_ref().map(|p| p.display().to_string()),
             error: st.error.clone(),
@@ -2073,7 +2113,7 @@ impl TrainerHandle {
         self.shared.metrics.write(&MetricsRecord::Summary {
             phase,
             steps: st.step,
-            elapsed_s: self.shared.started.elapsed().as_secs_f64(),
+            elapsed_s: self.shared.elapsed_s(),
             tokens_seen: st.tokens_seen,
             samples_seen: st.samples_seen,
             final_loss: last.as_ref().map(|l| l.loss),

@@ -135,14 +135,59 @@ impl EventStats {
     }
 }
 
+/// The stage an event's time belongs to: the share of an event is of its stage's wall time
+/// (with two target workers, target.forward was 122 % of the interval).
+pub fn stage_of(event: &str) -> Option<&'static str> {
+    match event.split('.').next() {
+        Some("loader") => Some("loader"),
+        Some("batch_q" | "target") => Some("target"),
+        // The coordinator is drafter worker 0: it syncs, steps and checkpoints.
+        Some("feature_q" | "drafter" | "grad" | "optim" | "checkpoint") => Some("drafter"),
+        // step.total spans overlapping steps (the next begins before the last is read): no
+        // stage's time, so no share.
+        _ => None,
+    }
+}
+
+/// Threads of each stage: what a stage's wall time is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StageWorkers {
+    pub targets: usize,
+    pub drafters: usize,
+}
+
+impl Default for StageWorkers {
+    fn default() -> Self {
+        StageWorkers {
+            targets: 1,
+            drafters: 1,
+        }
+    }
+}
+
+impl StageWorkers {
+    fn of(&self, stage: &str) -> usize {
+        match stage {
+            "target" => self.targets,
+            "drafter" => self.drafters,
+            _ => 1,
+        }
+        .max(1)
+    }
+}
+
 /// One row of a report.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ProfileRow {
     pub event: String,
     pub interval: EventStats,
     pub cumulative: EventStats,
-    /// interval total / interval wall time
-    pub share: f64,
+    /// Interval total over the wall time of its stage's threads in the interval (at most 1);
+    /// None for events of no stage (step.total).
+    pub share: Option<f64>,
+    /// The same since start.
+    #[serde(default)]
+    pub all_time_share: Option<f64>,
 }
 
 /// A report: the interval since the previous report and everything since start.
@@ -150,8 +195,63 @@ pub struct ProfileRow {
 pub struct ProfileReport {
     pub interval_s: f64,
     pub elapsed_s: f64,
+    #[serde(default)]
+    pub workers: StageWorkers,
     /// Sorted by share of the interval, largest first.
     pub rows: Vec<ProfileRow>,
+}
+
+/// How busy each stage was in a report's interval: its threads' time not spent waiting on
+/// its input queue (or handing off), over their wall time. The formulas `bench` uses for
+/// `stage_busy`.
+pub fn stage_busy(
+    interval_total_s: impl Fn(&[&str]) -> f64,
+    span_s: f64,
+    workers: StageWorkers,
+) -> Vec<(&'static str, f64)> {
+    let span = span_s.max(1e-9);
+    vec![
+        (
+            "loader",
+            (interval_total_s(&["loader.fetch", "loader.pack"]) / span).clamp(0.0, 1.0),
+        ),
+        (
+            "target",
+            (1.0 - interval_total_s(&["batch_q.wait", "target.handoff"])
+                / (span * workers.targets.max(1) as f64))
+                .clamp(0.0, 1.0),
+        ),
+        (
+            "drafter",
+            (1.0 - interval_total_s(&["feature_q.wait"]) / (span * workers.drafters.max(1) as f64))
+                .clamp(0.0, 1.0),
+        ),
+    ]
+}
+
+impl ProfileReport {
+    /// Each stage's busy share over the interval (see [`stage_busy`]).
+    pub fn stage_busy(&self) -> Vec<(&'static str, f64)> {
+        let total = |events: &[&str]| {
+            self.rows
+                .iter()
+                .filter(|r| events.contains(&r.event.as_str()))
+                .map(|r| r.interval.total_s)
+                .sum::<f64>()
+        };
+        stage_busy(total, self.interval_s, self.workers)
+    }
+
+    /// The busiest stage and its share: the one that limits the pipeline. None before any
+    /// step's work was timed.
+    pub fn bottleneck(&self) -> Option<(&'static str, f64)> {
+        if self.rows.iter().all(|r| r.interval.count == 0) {
+            return None;
+        }
+        self.stage_busy()
+            .into_iter()
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+    }
 }
 
 impl ProfileReport {
@@ -163,14 +263,14 @@ impl ProfileReport {
         );
         for r in &self.rows {
             out.push_str(&format!(
-                "{:<18} {:>7} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>6.1}% {:>12.3}\n",
+                "{:<18} {:>7} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>7} {:>12.3}\n",
                 r.event,
                 r.interval.count,
                 r.interval.total_s,
                 r.interval.mean_s * 1e3,
                 r.interval.min_s * 1e3,
                 r.interval.max_s * 1e3,
-                r.share * 100.0,
+                fmt_share(r.share),
                 r.cumulative.total_s
             ));
         }
@@ -178,8 +278,14 @@ impl ProfileReport {
     }
 }
 
+/// A share as a percentage, "-" for none.
+pub fn fmt_share(share: Option<f64>) -> String {
+    share.map_or("-".into(), |s| format!("{:.1}%", s * 100.0))
+}
+
 /// The shared recorder.
 pub struct ProfileStats {
+    workers: StageWorkers,
     slots: Vec<Slot>,
     cumulative: Mutex<Vec<EventStats>>,
     started: Instant,
@@ -194,8 +300,14 @@ impl Default for ProfileStats {
 
 impl ProfileStats {
     pub fn new() -> Self {
+        Self::with_workers(StageWorkers::default())
+    }
+
+    /// A recorder for a pipeline with these stage threads.
+    pub fn with_workers(workers: StageWorkers) -> Self {
         let now = Instant::now();
         ProfileStats {
+            workers,
             slots: EVENTS.iter().map(|_| Slot::new()).collect(),
             cumulative: Mutex::new(vec![EventStats::default(); EVENTS.len()]),
             started: now,
@@ -227,7 +339,13 @@ impl ProfileStats {
             *last = now;
             s
         };
+        let elapsed_s = now.duration_since(self.started).as_secs_f64();
         let mut cumulative = self.cumulative.lock().unwrap_or_else(|e| e.into_inner());
+        let share = |total: f64, wall: f64, stage: Option<&str>| {
+            let threads = self.workers.of(stage?) as f64;
+            // Clock reads of different threads may overlap the edges by a hair.
+            (wall > 0.0).then(|| (total / (wall * threads)).min(1.0))
+        };
         let mut rows: Vec<ProfileRow> = self
             .slots
             .iter()
@@ -235,22 +353,26 @@ impl ProfileStats {
             .map(|(i, slot)| {
                 let interval = slot.take();
                 cumulative[i].merge(&interval);
+                let stage = stage_of(EVENTS[i]);
                 ProfileRow {
                     event: EVENTS[i].to_string(),
                     interval,
                     cumulative: cumulative[i],
-                    share: if interval_s > 0.0 {
-                        interval.total_s / interval_s
-                    } else {
-                        0.0
-                    },
+                    share: share(interval.total_s, interval_s, stage),
+                    all_time_share: share(cumulative[i].total_s, elapsed_s, stage),
                 }
             })
             .collect();
-        rows.sort_by(|a, b| b.share.total_cmp(&a.share));
+        rows.sort_by(|a, b| {
+            let share = |r: &ProfileRow| r.share.unwrap_or(f64::INFINITY);
+            share(b)
+                .total_cmp(&share(a))
+                .then(b.interval.total_s.total_cmp(&a.interval.total_s))
+        });
         ProfileReport {
             interval_s,
-            elapsed_s: now.duration_since(self.started).as_secs_f64(),
+            elapsed_s,
+            workers: self.workers,
             rows,
         }
     }
@@ -285,7 +407,11 @@ mod tests {
         assert!((fwd.interval.mean_s - 0.003).abs() < 1e-9);
         assert!((fwd.interval.min_s - 0.002).abs() < 1e-9);
         assert!((fwd.interval.max_s - 0.004).abs() < 1e-9);
-        assert_eq!(r.rows[0].event, "drafter.forward", "sorted by share");
+        assert_eq!(
+            r.rows[0].event, "step.total",
+            "the row without a share first"
+        );
+        assert_eq!(r.rows[1].event, "drafter.forward", "then by share");
         p.record(Event::DRAFTER_FORWARD, Duration::from_millis(10));
         let r2 = p.report();
         let fwd = r2
@@ -298,5 +424,46 @@ mod tests {
         assert!((fwd.cumulative.max_s - 0.010).abs() < 1e-9);
         assert_eq!(Event::named("step.total"), Some(Event::STEP_TOTAL));
         assert!(r2.table().contains("drafter.forward"));
+    }
+
+    #[test]
+    fn shares_are_of_the_stage_threads_wall_time() {
+        let p = ProfileStats::with_workers(StageWorkers {
+            targets: 2,
+            drafters: 1,
+        });
+        // Two target workers both busy the whole time, a drafter waiting half of it.
+        let t = Instant::now();
+        std::thread::sleep(Duration::from_millis(40));
+        let wall = t.elapsed();
+        p.record(Event::named("target.forward").unwrap(), wall);
+        p.record(Event::named("target.forward").unwrap(), wall);
+        p.record(Event::named("feature_q.wait").unwrap(), wall / 2);
+        p.record(Event::STEP_TOTAL, wall * 3);
+        let r = p.report();
+        let row = |e: &str| r.rows.iter().find(|r| r.event == e).unwrap().clone();
+        let fwd = row("target.forward").share.unwrap();
+        assert!(
+            fwd > 0.9 && fwd <= 1.0,
+            "{fwd}: two workers' time over two workers"
+        );
+        assert_eq!(row("step.total").share, None);
+        let wait = row("feature_q.wait").share.unwrap();
+        assert!(wait > 0.4 && wait <= 0.5, "{wait}");
+        assert!(r
+            .rows
+            .iter()
+            .filter_map(|r| r.all_time_share)
+            .all(|s| s <= 1.0));
+        let (stage, busy) = r.bottleneck().unwrap();
+        assert_eq!(stage, "target");
+        assert!(busy > 0.99, "{busy}");
+        let drafter = r
+            .stage_busy()
+            .into_iter()
+            .find(|s| s.0 == "drafter")
+            .unwrap()
+            .1;
+        assert!((0.5..0.6).contains(&drafter), "{drafter}");
     }
 }

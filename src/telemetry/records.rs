@@ -9,6 +9,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::gpu::GpuReading;
+use super::host::HostReading;
 use super::profile::ProfileReport;
 use crate::pipeline::queue::QueueLevel;
 
@@ -289,6 +290,57 @@ fn records_up_to_step(text: &str, step: u64) -> String {
     out
 }
 
+/// What a resumed run continues from: the records kept in `metrics.jsonl` (see
+/// [`MetricsWriter::open_resumed`]), so that its charts, evaluations and clock go on instead of
+/// starting again.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunHistory {
+    pub steps: Vec<StepRecord>,
+    pub evals: Vec<EvalRecord>,
+    pub validations: Vec<ValidationRecord>,
+    /// The run's clock at its last record.
+    pub elapsed_s: f64,
+}
+
+impl RunHistory {
+    /// The history in `metrics.jsonl` text; lines that do not parse are left out.
+    pub fn from_text(text: &str) -> Self {
+        let mut h = RunHistory::default();
+        for record in text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<MetricsRecord>(l).ok())
+        {
+            let elapsed = match &record {
+                MetricsRecord::Step(r) => r.elapsed_s,
+                MetricsRecord::Eval(r) => r.elapsed_s,
+                MetricsRecord::Validation(r) => r.elapsed_s,
+                MetricsRecord::Gpu(r) => r.elapsed_s,
+                MetricsRecord::Queues { elapsed_s, .. }
+                | MetricsRecord::Event { elapsed_s, .. }
+                | MetricsRecord::Summary { elapsed_s, .. } => *elapsed_s,
+                MetricsRecord::Profile(_) => 0.0,
+            };
+            h.elapsed_s = h.elapsed_s.max(elapsed);
+            match record {
+                MetricsRecord::Step(r) => h.steps.push(r),
+                MetricsRecord::Eval(r) => h.evals.push(r),
+                MetricsRecord::Validation(r) => h.validations.push(r),
+                _ => {}
+            }
+        }
+        h
+    }
+
+    /// The history of the run whose metrics are at `path` (empty when there are none).
+    pub fn read(path: &Path) -> anyhow::Result<Self> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Ok(Self::from_text(&text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
+            Err(e) => Err(anyhow::anyhow!("{}: cannot read: {e}", path.display())),
+        }
+    }
+}
+
 /// Reads `metrics.jsonl` back into records.
 pub fn read_metrics(path: &Path) -> anyhow::Result<Vec<MetricsRecord>> {
     let text = std::fs::read_to_string(path)
@@ -330,10 +382,97 @@ pub struct Snapshot {
     pub profile_interval_s: f64,
     pub gpus: Option<Vec<GpuReading>>,
     pub gpu_error: Option<String>,
+    /// The trainer process's CPU and memory use (shown where NVML is unavailable).
+    #[serde(default)]
+    pub host: Option<HostReading>,
     /// Devices each stage runs on, e.g. ("target", "cuda:0").
     pub stage_devices: Vec<(String, String)>,
     pub last_checkpoint: Option<String>,
     pub error: Option<String>,
+}
+
+/// A queue's state in words, once data flows through it (before, its level means nothing).
+pub fn queue_state(q: &QueueLevel) -> Option<&'static str> {
+    if q.pushed == 0 && q.popped == 0 {
+        None
+    } else if q.len >= q.capacity {
+        Some("full")
+    } else if q.len == 0 {
+        Some("empty")
+    } else {
+        Some("ok")
+    }
+}
+
+impl Snapshot {
+    /// The one-line verdict on where the time goes: the busiest stage of the last ProfileStats
+    /// interval and the state of each queue, e.g. `bottleneck: drafter (busy 99 %); batch_q
+    /// full, feature_q full`. None before a profile report with timed work.
+    pub fn verdict(&self) -> Option<String> {
+        let (stage, busy) = self.profile.as_ref()?.bottleneck()?;
+        let queues: Vec<String> = self
+            .queues
+            .iter()
+            .filter_map(|q| queue_state(q).map(|state| format!("{} {state}", q.name)))
+            .collect();
+        let mut line = format!("bottleneck: {stage} (busy {:.0} %)", busy * 100.0);
+        if !queues.is_empty() {
+            line.push_str("; ");
+            line.push_str(&queues.join(", "));
+        }
+        Some(line)
+    }
+}
+
+/// `ctl status`: the run's state as one JSON object, for people and scripts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunStatus {
+    pub run_name: String,
+    pub run_dir: String,
+    pub pid: u32,
+    pub phase: Phase,
+    pub step: u64,
+    pub total_steps: u64,
+    pub epoch: u64,
+    pub elapsed_s: f64,
+    pub eta_s: Option<f64>,
+    /// Over the last 30 s (the whole run once it has finished).
+    pub tokens_per_s: f64,
+    pub samples_per_s: f64,
+    pub loss: Option<f64>,
+    pub accuracy: Option<f64>,
+    pub queues: Vec<QueueLevel>,
+    pub last_checkpoint: Option<String>,
+    pub last_eval: Option<EvalRecord>,
+    pub last_validation: Option<ValidationRecord>,
+    pub verdict: Option<String>,
+    pub error: Option<String>,
+}
+
+impl RunStatus {
+    pub fn new(s: &Snapshot, pid: u32) -> Self {
+        RunStatus {
+            run_name: s.run_name.clone(),
+            run_dir: s.run_dir.clone(),
+            pid,
+            phase: s.phase,
+            step: s.step,
+            total_steps: s.total_steps,
+            epoch: s.epoch,
+            elapsed_s: s.elapsed_s,
+            eta_s: s.eta_s,
+            tokens_per_s: s.tokens_per_s,
+            samples_per_s: s.samples_per_s,
+            loss: s.last.as_ref().map(|l| l.loss),
+            accuracy: s.last.as_ref().map(|l| l.accuracy),
+            queues: s.queues.clone(),
+            last_checkpoint: s.last_checkpoint.clone(),
+            last_eval: s.evals.last().cloned(),
+            last_validation: s.validations.last().cloned(),
+            verdict: s.verdict(),
+            error: s.error.clone(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -56,4 +56,15 @@ impl RunLock {
             .with_context(|| format!("{}: cannot write the lock file", path.display()))?;
         Ok(RunLock { _file: file, path })
     }
+
+    /// The PID of the trainer that holds `run_dir`, if one is alive. Read from the lock file
+    /// without locking it (a viewer's peek must never make a starting trainer fail).
+    pub fn holder(run_dir: &Path) -> Option<u32> {
+        let text = std::fs::read_to_string(run_dir.join(LOCK_NAME)).ok()?;
+        let pid: u32 = text.trim().parse().ok()?;
+        // The PID of a trainer that is gone may be another process's now: it must be ours.
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let name = String::from_utf8_lossy(&cmdline);
+        name.contains("dflash-tui").then_some(pid)
+    }
 }

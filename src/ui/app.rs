@@ -1,7 +1,9 @@
-//! The terminal loop of the control room: an input thread (crossterm), the trainer's
-//! telemetry, NVML readings, requests from the control socket and signals, all turned into
+//! The terminal loop of the control room: an input thread (crossterm) and the run as
+//! [`RunFeed`] reads it (its state through the control socket, its log, its records) become
 //! `Action`s for the pure `update`; the screen is redrawn from the state about ten times a
-//! second. While the screen is up, whatever libtorch or CUDA write to fd 2 goes to the run log.
+//! second. The same loop is the trainer's own screen and `attach`: it is a viewer of the run,
+//! and leaving it (a key, a terminal that is gone) never stops the run. On the trainer's own
+//! screen, whatever libtorch or CUDA write to fd 2 goes to the run log while it is up.
 
 use std::io::Stdout;
 use std::os::fd::AsRawFd;
@@ -15,13 +17,10 @@ use crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::backend::CrosstermBackend;
 use ratatui::Terminal;
 
+use super::feed::{recorded_snapshot, RunFeed};
 use super::render::render;
-use super::state::AppState;
+use super::state::{AppState, Viewer};
 use super::update::{update, Action, Effect, Key};
-use crate::pipeline::control::{self, Request};
-use crate::pipeline::signals::{SignalFlags, SignalRequest};
-use crate::pipeline::trainer::{RunOutcome, TrainerHandle};
-use crate::telemetry::gpu::GpuMonitor;
 
 const FRAME: Duration = Duration::from_millis(100);
 
@@ -87,36 +86,38 @@ impl Drop for TerminalGuard {
     }
 }
 
-/// Runs the control room until the run has ended and a key was pressed. A control socket
-/// that cannot be served stops the run before the screen opens.
-pub fn run(
-    handle: TrainerHandle,
-    mut signals: SignalFlags,
-    gpu_interval_s: f64,
-) -> Result<RunOutcome> {
-    signals.running();
-    let run_dir = handle.shared.run_dir.clone();
-    let (req_tx, req_rx) = control::channel();
-    let _socket = match control::serve(&run_dir, req_tx) {
-        Ok(socket) => socket,
-        Err(e) => {
-            handle.abort();
-            let _ = handle.join();
-            return Err(e.context(
-                "the run is stopped: without its control socket, ctl could not reach it",
-            ));
-        }
-    };
+/// How often the screen asks the run for its state.
+const POLL: Duration = Duration::from_millis(250);
+
+/// Runs the control room of the run in `run_dir` until the operator leaves it, the run has
+/// ended and a key was pressed, or `close` is set (the trainer's terminal is gone, or a signal
+/// stopped the run).
+pub fn run(run_dir: &Path, viewer: Viewer, close: &AtomicBool) -> Result<()> {
+    let mut feed = RunFeed::new(run_dir);
+    let first = feed.poll();
+    let snapshot = first
+        .snapshot
+        .clone()
+        .or_else(|| recorded_snapshot(run_dir, true))
+        .with_context(|| {
+            format!(
+                "{}: no trainer runs there and it has no metrics.jsonl (not a run directory?)",
+                run_dir.display()
+            )
+        })?;
 
     crossterm::terminal::enable_raw_mode().context("cannot put the terminal in raw mode")?;
     let _guard = TerminalGuard;
     crossterm::execute!(std::io::stdout(), crossterm::terminal::EnterAlternateScreen)?;
-    let _stderr = StderrRedirect::to_file(&run_dir.join("train.log")).ok();
+    let _stderr = match viewer {
+        Viewer::Trainer => StderrRedirect::to_file(&run_dir.join("train.log")).ok(),
+        Viewer::Attached { .. } => None,
+    };
     let mut terminal: Terminal<CrosstermBackend<Stdout>> =
         Terminal::new(CrosstermBackend::new(std::io::stdout()))?;
     terminal.clear()?;
 
-    // Input thread: keys become actions.
+    // Input thread: keys become actions. It ends with the screen, or when the terminal fails.
     let (act_tx, act_rx) = crossbeam_channel::unbounded::<Action>();
     let input_stop = Arc::new(AtomicBool::new(false));
     {
@@ -126,90 +127,66 @@ pub fn run(
             .name("input".into())
             .spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
-                    if let Ok(true) = event::poll(Duration::from_millis(50)) {
-                        if let Ok(Event::Key(k)) = event::read() {
-                            if k.kind != KeyEventKind::Release {
-                                if let Some(key) = map_key(k.code, k.modifiers) {
-                                    if tx.send(Action::Key(key)).is_err() {
-                                        break;
-                                    }
-                                }
-                            }
+                    match event::poll(Duration::from_millis(50)) {
+                        Ok(true) => {}
+                        Ok(false) => continue,
+                        Err(_) => break,
+                    }
+                    let key = match event::read() {
+                        Ok(Event::Key(k)) if k.kind != KeyEventKind::Release => {
+                            map_key(k.code, k.modifiers)
+                        }
+                        Ok(_) => None,
+                        Err(_) => break,
+                    };
+                    if let Some(key) = key {
+                        if tx.send(Action::Key(key)).is_err() {
+                            break;
                         }
                     }
                 }
             })?;
     }
 
-    let gpu = GpuMonitor::open();
-    let mut gpus = None;
-    let gpu_error = gpu.as_ref().err().cloned();
-    let mut last_gpu = Instant::now() - Duration::from_secs(3600);
-    let mut last_profile = Instant::now();
-    let mut state = AppState::new(handle.snapshot());
-    let mut pending_requests: Vec<Request> = Vec::new();
-    let first_step = handle.progress().0;
-
-    while !state.quit {
+    let mut state = AppState::new(snapshot);
+    state.viewer = viewer;
+    let mut pending = vec![Action::Log(first.log), Action::Offline(first.offline)];
+    let mut last_poll = Instant::now();
+    let drawn = loop {
+        if state.quit || close.load(Ordering::SeqCst) {
+            break Ok(());
+        }
         let frame_start = Instant::now();
-        // Merge bursts: everything that arrived since the last frame.
-        let mut actions: Vec<Action> = act_rx.try_iter().collect();
-        pending_requests.extend(req_rx.try_iter());
-        let trained = handle.progress().0 > first_step;
-        actions.extend(
-            signals
-                .take(trained)
-                .into_iter()
-                .map(|request| match request {
-                    SignalRequest::Command(command) => Action::Command(command),
-                    SignalRequest::Abort => Action::Abort,
-                }),
-        );
-        // Socket requests are answered directly; the reply is also shown.
-        for req in pending_requests.drain(..) {
-            let reply = handle.command(&req.command);
-            if let Some(tx) = req.reply {
-                let _ = tx.send(reply.clone());
-            }
-            actions.push(Action::Reply(reply));
-        }
-        if let Ok(g) = &gpu {
-            if last_gpu.elapsed().as_secs_f64() >= gpu_interval_s {
-                last_gpu = Instant::now();
-                gpus = g.sample().ok();
+        let mut actions: Vec<Action> = std::mem::take(&mut pending);
+        actions.extend(act_rx.try_iter());
+        if last_poll.elapsed() >= POLL {
+            last_poll = Instant::now();
+            let seen = feed.poll();
+            actions.push(Action::Log(seen.log));
+            actions.push(Action::Offline(seen.offline));
+            if let Some(snap) = seen.snapshot {
+                actions.push(Action::Telemetry(Box::new(snap)));
             }
         }
-        let interval = handle.profile_interval_s();
-        if interval > 0.0 && last_profile.elapsed().as_secs_f64() >= interval {
-            last_profile = Instant::now();
-            let _ = handle.profile_report();
-        }
-        let mut snap = handle.snapshot();
-        snap.gpus = gpus.clone();
-        snap.gpu_error = gpu_error.clone();
-        actions.push(Action::Telemetry(Box::new(snap)));
         for action in actions {
             for effect in update(&mut state, action) {
                 match effect {
                     Effect::Send(cmd) => {
-                        let reply = handle.command(&cmd);
+                        let reply = feed.send(&cmd);
                         update(&mut state, Action::Reply(reply));
                     }
-                    Effect::Abort => handle.abort(),
+                    // Signals reach the trainer's run loop, not its screen.
+                    Effect::Abort => {}
                 }
             }
         }
-        tui_logger::move_events();
-        terminal.draw(|f| render(f, &state))?;
+        if let Err(e) = terminal.draw(|f| render(f, &state)) {
+            break Err(anyhow::Error::new(e).context("the terminal is gone"));
+        }
         if let Some(rest) = FRAME.checked_sub(frame_start.elapsed()) {
             std::thread::sleep(rest);
         }
-    }
+    };
     input_stop.store(true, Ordering::Relaxed);
-    if !handle.is_finished() {
-        // Leaving before the end (second signal): stop every stage now.
-        handle.abort();
-    }
-    drop(terminal);
-    Ok(handle.join())
+    drawn
 }

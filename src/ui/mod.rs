@@ -2,6 +2,7 @@
 //! the terminal loop).
 
 pub mod app;
+pub mod feed;
 pub mod render;
 pub mod sample;
 pub mod state;

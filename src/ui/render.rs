@@ -1,6 +1,6 @@
 //! The pure render of the control room (control-room spec §4): draws the whole screen from an
-//! [`AppState`] only. No I/O, no clocks; the one global read is tui-logger's log buffer, which
-//! the logs pane shows.
+//! [`AppState`] only: no I/O, no clocks, no global state (the logs pane shows the run log's
+//! lines the state holds).
 //!
 //! Layout, top to bottom: header (2 lines), a red error line when the run failed, GPUs,
 //! queues beside the ProfileStats table, charts beside the logs, and the status bar. Overlays
@@ -18,9 +18,12 @@ use ratatui::Frame;
 
 use crate::pipeline::queue::QueueLevel;
 use crate::telemetry::gpu::GpuReading;
-use crate::telemetry::profile::ProfileReport;
-use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
-use crate::ui::state::{AppState, Mode, ZOOM_LEVELS};
+use crate::telemetry::host::HostReading;
+use crate::telemetry::profile::{fmt_share, ProfileReport};
+use crate::telemetry::records::{
+    queue_state, EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord,
+};
+use crate::ui::state::{AppState, Mode, Viewer, QUIT_CHOICES, ZOOM_LEVELS};
 
 /// The smallest terminal the layout is drawn in.
 pub const MIN_WIDTH: u16 = 80;
@@ -268,18 +271,26 @@ fn render_header(frame: &mut Frame, area: Rect, state: &AppState) {
         sep(),
         Span::raw(format!("step {} / {}{pct}", snap.step, snap.total_steps)),
     ]);
-    let eta = snap.eta_s.map(fmt_duration).unwrap_or_else(|| "-".into());
     let zoom = match ZOOM_LEVELS[state.zoom.min(ZOOM_LEVELS.len() - 1)] {
         None => "all steps".to_string(),
         Some(n) => format!("last {n} steps"),
     };
+    // Live: rates over the last 30 s and the ETA at that pace; ended: the run's averages.
+    let ended = matches!(snap.phase, Phase::Finished | Phase::Failed);
+    let (clock, rate_label) = if ended {
+        (format!(" took {}", fmt_duration(snap.elapsed_s)), "avg ")
+    } else {
+        let eta = snap.eta_s.map(fmt_duration).unwrap_or_else(|| "-".into());
+        (
+            format!(" elapsed {} │ ETA {eta}", fmt_duration(snap.elapsed_s)),
+            "",
+        )
+    };
     let mut spans = vec![
-        Span::raw(format!(" elapsed {}", fmt_duration(snap.elapsed_s))),
-        sep(),
-        Span::raw(format!("ETA {eta}")),
+        Span::raw(clock),
         sep(),
         Span::styled(
-            format!("{} tok/s", fmt_si(snap.tokens_per_s)),
+            format!("{rate_label}{} tok/s", fmt_si(snap.tokens_per_s)),
             Style::new().fg(Color::Cyan).bold(),
         ),
         sep(),
@@ -303,7 +314,7 @@ fn render_body(frame: &mut Frame, area: Rect, state: &AppState) {
     let rest = area.height.saturating_sub(gpu_h);
     let queue_h = snap.queues.len().max(1) as u16 + 2;
     let profile_h = match &snap.profile {
-        Some(p) if !p.rows.is_empty() => p.rows.len() as u16 + 3,
+        Some(p) if !p.rows.is_empty() => p.rows.len() as u16 + 4,
         _ => 3,
     };
     let mid_h = queue_h.max(profile_h).min((rest * 2 / 5).max(4));
@@ -324,11 +335,13 @@ fn render_body(frame: &mut Frame, area: Rect, state: &AppState) {
     let [queues, profile] =
         Layout::horizontal([Constraint::Length(queue_w), Constraint::Min(0)]).areas(mid);
     render_queues(frame, queues, &snap.queues, state.selected_queue);
+    let verdict = snap.verdict();
     render_profile(
         frame,
         profile,
         snap.profile.as_ref(),
         snap.profile_interval_s,
+        verdict.as_deref(),
     );
 
     let [charts, logs] =
@@ -340,13 +353,29 @@ fn render_body(frame: &mut Frame, area: Rect, state: &AppState) {
         &snap.evals,
         &snap.validations,
     );
-    frame.render_widget(
-        tui_logger::TuiLoggerWidget::default()
-            .output_file(false)
-            .output_line(false)
-            .block(Block::bordered().title(" Logs ")),
-        logs,
-    );
+    render_logs(frame, logs, &state.log);
+}
+
+/// The newest log lines that fit, each cut to the pane's width (a long line would wrap over
+/// several rows and push the rest out), coloured by level.
+fn render_logs(frame: &mut Frame, area: Rect, log: &[String]) {
+    let block = Block::bordered().title(" Logs ");
+    let inner = block.inner(area);
+    let width = inner.width as usize;
+    let rows = inner.height as usize;
+    let lines: Vec<Line> = log[log.len().saturating_sub(rows)..]
+        .iter()
+        .map(|l| {
+            let style = match l.split(' ').nth(1) {
+                Some("E") => Style::new().fg(Color::Red),
+                Some("W") => Style::new().fg(Color::Yellow),
+                Some("D" | "T") => dim(),
+                _ => Style::new(),
+            };
+            Line::from(Span::styled(truncate(l, width), style))
+        })
+        .collect();
+    frame.render_widget(Paragraph::new(lines).block(block), area);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -587,18 +616,7 @@ fn gpu_line(f: &GpuFields, c: &GpuColumns, width: usize) -> Line<'static> {
 
 fn render_gpus(frame: &mut Frame, area: Rect, snap: &Snapshot) {
     let gpus = match &snap.gpus {
-        None => {
-            let msg = match &snap.gpu_error {
-                Some(e) => format!("NVML unavailable: {e}"),
-                None => "NVML unavailable".to_string(),
-            };
-            frame.render_widget(
-                Paragraph::new(Span::styled(msg, Style::new().fg(Color::Yellow)))
-                    .block(Block::bordered().title(" GPUs ")),
-                area,
-            );
-            return;
-        }
+        None => return render_host(frame, area, snap.host.as_ref()),
         Some(g) => g,
     };
     let block = Block::bordered().title(format!(" GPUs ({}) ", gpus.len()));
@@ -649,6 +667,57 @@ fn render_gpus(frame: &mut Frame, area: Rect, snap: &Snapshot) {
     frame.render_widget(Paragraph::new(lines), inner);
 }
 
+/// Without NVML (a CPU run): the trainer process's CPU and memory use.
+fn render_host(frame: &mut Frame, area: Rect, host: Option<&HostReading>) {
+    let block = Block::bordered().title(" Process (no GPUs: NVML unavailable) ");
+    let inner = block.inner(area);
+    frame.render_widget(block, area);
+    let Some(h) = host else {
+        frame.render_widget(Paragraph::new(Span::styled("no reading yet", dim())), inner);
+        return;
+    };
+    let cpu = h.cpu_cores / h.cores.max(1) as f64;
+    let mem = h.memory_bytes as f64 / h.memory_total_bytes.max(1) as f64;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let text = format!(
+        "CPU {:.1} of {} cores │ memory {:.2} of {:.1} GiB",
+        h.cpu_cores,
+        h.cores,
+        gib(h.memory_bytes),
+        gib(h.memory_total_bytes)
+    );
+    let [label, bars] = Layout::horizontal([
+        Constraint::Length(chars(&text) as u16 + 2),
+        Constraint::Min(0),
+    ])
+    .areas(Rect::new(
+        inner.x,
+        inner.y,
+        inner.width,
+        1.min(inner.height),
+    ));
+    frame.render_widget(Paragraph::new(text), label);
+    let half = bars.width / 2;
+    for (i, (name, ratio)) in [("cpu", cpu), ("mem", mem)].into_iter().enumerate() {
+        let a = Rect::new(
+            bars.x + i as u16 * half,
+            bars.y,
+            half.saturating_sub(1),
+            bars.height,
+        );
+        frame.render_widget(
+            LineGauge::default()
+                .ratio(ratio.clamp(0.0, 1.0))
+                .label(name)
+                .filled_symbol(BAR_FULL)
+                .unfilled_symbol(BAR_EMPTY)
+                .filled_style(Style::new().fg(util_color(Some((ratio * 100.0) as u32))))
+                .unfilled_style(dim()),
+            a,
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Queues
 
@@ -681,12 +750,12 @@ fn render_queues(frame: &mut Frame, area: Rect, queues: &[QueueLevel], selected:
         0
     };
     for (row, (i, q)) in queues.iter().enumerate().skip(first).take(rows).enumerate() {
-        let (word, color) = if q.len == 0 {
-            ("starving", Color::Yellow)
-        } else if q.len >= q.capacity {
-            ("blocking", Color::Magenta)
-        } else {
-            ("ok", Color::Green)
+        // A queue's level says something once data flows through it.
+        let (word, color) = match queue_state(q) {
+            None => ("no data", Color::DarkGray),
+            Some("empty") => ("empty", Color::Yellow),
+            Some("full") => ("full", Color::Magenta),
+            Some(other) => (other, Color::Green),
         };
         let is_sel = i == selected;
         let line_area = Rect::new(inner.x, inner.y + row as u16, inner.width, 1);
@@ -731,7 +800,13 @@ fn render_queues(frame: &mut Frame, area: Rect, queues: &[QueueLevel], selected:
 // ---------------------------------------------------------------------------------------------
 // ProfileStats
 
-fn render_profile(frame: &mut Frame, area: Rect, report: Option<&ProfileReport>, interval: f64) {
+fn render_profile(
+    frame: &mut Frame,
+    area: Rect,
+    report: Option<&ProfileReport>,
+    interval: f64,
+    verdict: Option<&str>,
+) {
     let report = match report {
         Some(r) if !r.rows.is_empty() => r,
         other => {
@@ -758,8 +833,24 @@ fn render_profile(frame: &mut Frame, area: Rect, report: Option<&ProfileReport>,
         fmt_secs(report.interval_s),
         fmt_duration(report.elapsed_s)
     ));
-    let inner_w = block.inner(area).width as usize;
-    let inner_h = block.inner(area).height as usize;
+    let inner = block.inner(area);
+    frame.render_widget(block, area);
+    // The verdict first: which stage limits the run, and how the queues stand.
+    let [verdict_area, table_area] = match verdict {
+        Some(_) => Layout::vertical([Constraint::Length(1), Constraint::Min(0)]).areas(inner),
+        None => Layout::vertical([Constraint::Length(0), Constraint::Min(0)]).areas(inner),
+    };
+    if let Some(v) = verdict {
+        frame.render_widget(
+            Paragraph::new(Span::styled(
+                truncate(v, verdict_area.width as usize),
+                Style::new().fg(Color::Cyan).bold(),
+            )),
+            verdict_area,
+        );
+    }
+    let inner_w = table_area.width as usize;
+    let inner_h = table_area.height as usize;
     let event_w = report
         .rows
         .iter()
@@ -775,7 +866,7 @@ fn render_profile(frame: &mut Frame, area: Rect, report: Option<&ProfileReport>,
         ("mean ms", 9, 2),
         ("max ms", 9, 3),
         ("share", 6, 1),
-        ("all-time s", 10, 5),
+        ("all-time", 8, 5),
     ];
     let mut keep = [true; 6];
     let width_of = |keep: &[bool; 6]| -> usize {
@@ -814,10 +905,10 @@ fn render_profile(frame: &mut Frame, area: Rect, report: Option<&ProfileReport>,
             right(r.interval.count.to_string()),
             right(fmt_ms(r.interval.mean_s)),
             right(fmt_ms(r.interval.max_s)),
-            right(format!("{:.1}%", r.share * 100.0)),
-            right(format!("{:.1}", r.cumulative.total_s)),
+            right(fmt_share(r.share)),
+            right(fmt_share(r.all_time_share)),
         ];
-        let style = if r.event.ends_with(".wait") && r.share >= 0.2 {
+        let style = if r.event.ends_with(".wait") && r.share.is_some_and(|s| s >= 0.2) {
             Style::new().fg(Color::Yellow)
         } else {
             Style::new()
@@ -838,11 +929,8 @@ fn render_profile(frame: &mut Frame, area: Rect, report: Option<&ProfileReport>,
         .map(|(c, _)| Constraint::Length(c.1 as u16))
         .collect();
     frame.render_widget(
-        Table::new(rows, widths)
-            .header(header)
-            .column_spacing(1)
-            .block(block),
-        area,
+        Table::new(rows, widths).header(header).column_spacing(1),
+        table_area,
     );
 }
 
@@ -1181,6 +1269,20 @@ fn render_status_bar(frame: &mut Frame, area: Rect, state: &AppState) {
         frame.render_widget(Paragraph::new(line), area);
         return;
     }
+    if let (Some(why), None) = (&state.offline, &state.status) {
+        let line = Span::styled(truncate(why, width), Style::new().fg(Color::Yellow).bold());
+        frame.render_widget(Paragraph::new(line), area);
+        return;
+    }
+    if state.viewer == (Viewer::Attached { read_only: true }) && state.status.is_none() {
+        let mut spans = vec![Span::styled("read-only  ", Style::new().bold())];
+        spans.extend(key_spans(
+            &[("z/x", "zoom"), ("?", "help"), ("q", "leave")],
+            "  ",
+        ));
+        frame.render_widget(Paragraph::new(Line::from(spans)), area);
+        return;
+    }
     if let Some((msg, is_error)) = &state.status {
         let style = if *is_error {
             Style::new().fg(Color::Red).bold()
@@ -1275,8 +1377,6 @@ fn render_help(frame: &mut Frame, area: Rect) {
         inner,
     );
 }
-
-const QUIT_CHOICES: [&str; 3] = ["checkpoint and stop", "stop", "cancel"];
 
 fn render_quit_dialog(frame: &mut Frame, area: Rect, selected: usize) {
     let mut lines = vec![Line::raw("")];

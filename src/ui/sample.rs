@@ -34,6 +34,7 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
     let profile = ProfileReport {
         interval_s: 30.0,
         elapsed_s: steps as f64 * 0.2,
+        workers: Default::default(),
         rows: EVENTS
             .iter()
             .enumerate()
@@ -53,7 +54,8 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                     min_s: 0.001,
                     max_s: 0.09,
                 },
-                share: 1.0 / (i + 2) as f64,
+                share: (*e != "step.total").then_some(1.0 / (i + 2) as f64),
+                all_time_share: (*e != "step.total").then_some(1.0 / (i + 2) as f64),
             })
             .collect(),
     };
@@ -141,6 +143,7 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                 .collect(),
         ),
         gpu_error: None,
+        host: None,
         stage_devices: vec![
             ("target".into(), "cuda:0".into()),
             ("drafter".into(), "cuda:1".into()),

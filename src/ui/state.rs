@@ -15,12 +15,32 @@ pub enum Mode {
     Help,
     /// `:` command line with what was typed so far.
     CommandLine(String),
-    /// `q`: 0 = checkpoint and stop, 1 = stop, 2 = cancel.
+    /// `q`: one of [`QUIT_CHOICES`] (read-only viewers: leave or cancel).
     QuitDialog {
         selected: usize,
     },
     /// The run has ended; any key leaves.
     Ended,
+}
+
+/// The quit dialog's choices, in order.
+pub const QUIT_CHOICES: [&str; 4] = [
+    "checkpoint and stop",
+    "stop now",
+    "leave (the run goes on)",
+    "cancel",
+];
+
+/// Log lines the logs pane keeps.
+pub const LOG_LINES: usize = 300;
+
+/// Whose screen this is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Viewer {
+    /// The screen of `train` itself.
+    Trainer,
+    /// `attach`: another process's screen on the run; leaving it never stops the run.
+    Attached { read_only: bool },
 }
 
 /// The control room's state.
@@ -36,6 +56,12 @@ pub struct AppState {
     pub status: Option<(String, bool)>,
     /// Set when the front end should exit.
     pub quit: bool,
+    pub viewer: Viewer,
+    /// The newest lines of the run's log (train.log), oldest first.
+    pub log: Vec<String>,
+    /// Why the run's live state is not shown, when it is not (e.g. the trainer is gone and
+    /// the screen shows what metrics.jsonl recorded).
+    pub offline: Option<String>,
 }
 
 impl AppState {
@@ -47,7 +73,21 @@ impl AppState {
             mode: Mode::Normal,
             status: None,
             quit: false,
+            viewer: Viewer::Trainer,
+            log: Vec::new(),
+            offline: None,
         }
+    }
+
+    /// Appends log lines, keeping the newest [`LOG_LINES`].
+    pub fn push_log(&mut self, lines: impl IntoIterator<Item = String>) {
+        self.log.extend(lines);
+        let cut = self.log.len().saturating_sub(LOG_LINES);
+        self.log.drain(..cut);
+    }
+
+    pub fn read_only(&self) -> bool {
+        matches!(self.viewer, Viewer::Attached { read_only: true })
     }
 
     /// The steps the charts show.

@@ -5,7 +5,7 @@ use crate::config::MAX_QUEUE_DEPTH;
 use crate::pipeline::command::Command;
 use crate::telemetry::records::{Phase, Snapshot};
 
-use super::state::{AppState, Mode, ZOOM_LEVELS};
+use super::state::{AppState, Mode, Viewer, QUIT_CHOICES, ZOOM_LEVELS};
 
 /// A key, independent of the terminal library.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +36,10 @@ pub enum Action {
     Reply(Result<String, String>),
     /// A second stop signal: leave at once.
     Abort,
+    /// New lines of the run's log.
+    Log(Vec<String>),
+    /// The live state is unavailable, and why (None: live again).
+    Offline(Option<String>),
 }
 
 /// What the front end must do after an update.
@@ -53,9 +57,38 @@ fn run_ended(phase: Phase) -> bool {
     matches!(phase, Phase::Finished | Phase::Failed)
 }
 
-/// Applies one action.
+/// Applies one action. A read-only viewer sends queries only; what else it would send is
+/// answered on its status line.
 pub fn update(state: &mut AppState, action: Action) -> Vec<Effect> {
+    let effects = apply(state, action);
+    if !state.read_only() {
+        return effects;
+    }
+    effects
+        .into_iter()
+        .filter(|effect| match effect {
+            Effect::Send(cmd) if !cmd.is_query() => {
+                state.status = Some((
+                    format!("read-only viewer: {cmd} not sent (attach without --read-only)"),
+                    true,
+                ));
+                false
+            }
+            _ => true,
+        })
+        .collect()
+}
+
+fn apply(state: &mut AppState, action: Action) -> Vec<Effect> {
     match action {
+        Action::Log(lines) => {
+            state.push_log(lines);
+            vec![]
+        }
+        Action::Offline(why) => {
+            state.offline = why;
+            vec![]
+        }
         Action::Telemetry(snapshot) => {
             let ended = run_ended(snapshot.phase);
             state.snapshot = *snapshot;
@@ -127,13 +160,13 @@ fn on_key(state: &mut AppState, key: Key) -> Vec<Effect> {
         Mode::QuitDialog { selected } => match key {
             Key::Left | Key::Up | Key::BackTab => {
                 state.mode = Mode::QuitDialog {
-                    selected: (selected + 2) % 3,
+                    selected: (selected + QUIT_CHOICES.len() - 1) % QUIT_CHOICES.len(),
                 };
                 vec![]
             }
             Key::Right | Key::Down | Key::Tab => {
                 state.mode = Mode::QuitDialog {
-                    selected: (selected + 1) % 3,
+                    selected: (selected + 1) % QUIT_CHOICES.len(),
                 };
                 vec![]
             }
@@ -146,10 +179,14 @@ fn on_key(state: &mut AppState, key: Key) -> Vec<Effect> {
                 match selected {
                     0 => vec![Effect::Send(Command::Stop { checkpoint: true })],
                     1 => vec![Effect::Send(Command::Stop { checkpoint: false })],
+                    2 => {
+                        state.quit = true;
+                        vec![]
+                    }
                     _ => vec![],
                 }
             }
-            Key::Interrupt => vec![Effect::Send(Command::Stop { checkpoint: true })],
+            Key::Interrupt => interrupt(state),
             _ => vec![],
         },
         Mode::Normal => normal_key(state, key),
@@ -228,11 +265,29 @@ fn normal_key(state: &mut AppState, key: Key) -> Vec<Effect> {
             state.mode = Mode::Help;
             vec![]
         }
-        Key::Char('q') | Key::Interrupt => {
+        Key::Char('q') if state.read_only() => {
+            state.quit = true;
+            vec![]
+        }
+        Key::Char('q') => {
             state.mode = Mode::QuitDialog { selected: 0 };
             vec![]
         }
+        Key::Interrupt => interrupt(state),
         _ => vec![],
+    }
+}
+
+/// Ctrl-C: on the trainer's own screen what SIGINT does (stop with a checkpoint); an attached
+/// screen is left, the run going on.
+fn interrupt(state: &mut AppState) -> Vec<Effect> {
+    state.mode = Mode::Normal;
+    match state.viewer {
+        Viewer::Trainer => vec![Effect::Send(Command::Stop { checkpoint: true })],
+        Viewer::Attached { .. } => {
+            state.quit = true;
+            vec![]
+        }
     }
 }
 
@@ -277,6 +332,7 @@ mod tests {
             profile_interval_s: 30.0,
             gpus: None,
             gpu_error: None,
+            host: None,
             stage_devices: vec![],
             last_checkpoint: None,
             error: None,
@@ -372,6 +428,7 @@ mod tests {
             (0, vec![Effect::Send(Command::Stop { checkpoint: true })]),
             (1, vec![Effect::Send(Command::Stop { checkpoint: false })]),
             (2, vec![]),
+            (3, vec![]),
         ] {
             let mut s = state(Phase::Training);
             update(&mut s, Action::Key(Key::Char('q')));
@@ -380,6 +437,7 @@ mod tests {
             }
             assert_eq!(update(&mut s, Action::Key(Key::Enter)), want);
             assert_eq!(s.mode, Mode::Normal);
+            assert_eq!(s.quit, moves == 2, "leave closes the screen only");
         }
         let mut s = state(Phase::Training);
         update(&mut s, Action::Key(Key::Char('q')));
@@ -424,5 +482,50 @@ mod tests {
         );
         assert_eq!(update(&mut s, Action::Abort), vec![Effect::Abort]);
         assert!(s.quit);
+    }
+
+    #[test]
+    fn ctrl_c_stops_from_the_trainers_screen_and_leaves_an_attached_one() {
+        let mut s = state(Phase::Training);
+        assert_eq!(
+            update(&mut s, Action::Key(Key::Interrupt)),
+            vec![Effect::Send(Command::Stop { checkpoint: true })]
+        );
+        assert!(!s.quit);
+        let mut s = state(Phase::Training);
+        s.viewer = Viewer::Attached { read_only: false };
+        assert_eq!(update(&mut s, Action::Key(Key::Interrupt)), vec![]);
+        assert!(s.quit, "leaving an attached screen never stops the run");
+    }
+
+    #[test]
+    fn a_read_only_viewer_sends_no_commands() {
+        let mut s = state(Phase::Training);
+        s.viewer = Viewer::Attached { read_only: true };
+        for key in ['p', 'c', '+', 'i'] {
+            assert_eq!(update(&mut s, Action::Key(Key::Char(key))), vec![], "{key}");
+            assert!(s
+                .status
+                .as_ref()
+                .is_some_and(|(m, err)| *err && m.contains("read-only")));
+        }
+        assert_eq!(
+            update(&mut s, Action::Command(Command::Status)),
+            vec![Effect::Send(Command::Status)],
+            "queries pass"
+        );
+        assert_eq!(update(&mut s, Action::Key(Key::Char('q'))), vec![]);
+        assert!(s.quit, "q leaves at once");
+    }
+
+    #[test]
+    fn log_lines_are_kept_up_to_the_limit() {
+        let mut s = state(Phase::Training);
+        update(
+            &mut s,
+            Action::Log((0..400).map(|i| format!("line {i}")).collect()),
+        );
+        assert_eq!(s.log.len(), crate::ui::state::LOG_LINES);
+        assert_eq!(s.log.last().map(String::as_str), Some("line 399"));
     }
 }
