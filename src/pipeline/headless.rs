@@ -241,6 +241,40 @@ fn apply_signals(
     end.stop_signalled |= signals.stop_signalled();
 }
 
+/// The progress lines: every `log_every_steps`-th step gets its line, also when steps finish
+/// back to back between two looks.
+struct ProgressLines {
+    every: u64,
+    last_logged: u64,
+    last_validation: Option<u64>,
+}
+
+impl ProgressLines {
+    fn log_due(&mut self, snap: &Snapshot) {
+        let due: Vec<&StepRecord> = snap
+            .history
+            .iter()
+            .filter(|r| {
+                r.step > self.last_logged
+                    && (r.step % self.every == 0 || r.step == snap.total_steps)
+            })
+            .collect();
+        if let Some(newest) = snap.history.last() {
+            self.last_logged = self.last_logged.max(newest.step);
+        }
+        for (k, r) in due.iter().enumerate() {
+            // A validation pass made since the previous line goes with the newest.
+            let newest_val = snap.validations.last();
+            let validation =
+                newest_val.filter(|v| k + 1 == due.len() && self.last_validation != Some(v.step));
+            if validation.is_some() {
+                self.last_validation = newest_val.map(|v| v.step);
+            }
+            log::info!("{}", human_line(snap, r, validation));
+        }
+    }
+}
+
 /// Runs the loop until the trainer ends. A control socket that cannot be served stops the
 /// run: `ctl` and `attach` would otherwise find no trainer while it trains.
 pub fn run(
@@ -272,14 +306,16 @@ pub fn run(
         host_reading: None,
     };
     let mut end = RunEnd::default();
-    let mut last_logged = handle.progress().0;
-    let mut last_validation = None;
+    let mut progress = ProgressLines {
+        every: opts.log_every_steps.max(1),
+        last_logged: handle.progress().0,
+        last_validation: None,
+    };
     let mut last_profile = Instant::now();
     let mut last_queues = Instant::now();
     let mut last_sample: Option<Instant> = None;
     let mut screen_open = opts.screen.is_some();
     let first_step = handle.progress().0;
-    let every = opts.log_every_steps.max(1);
     while !handle.is_finished() {
         let tick_end = Instant::now() + TICK;
         apply_signals(&handle, &mut signals, first_step, &opts, &mut end);
@@ -297,24 +333,7 @@ pub fn run(
             }
         }
         let snap = live.snapshot(&handle);
-        // Every `log_every_steps`-th step gets its line, also when steps finish back to back.
-        let due: Vec<&StepRecord> = snap
-            .history
-            .iter()
-            .filter(|r| r.step > last_logged && (r.step % every == 0 || r.step == snap.total_steps))
-            .collect();
-        if let Some(newest) = snap.history.last() {
-            last_logged = last_logged.max(newest.step);
-        }
-        for (k, r) in due.iter().enumerate() {
-            let newest_val = snap.validations.last();
-            let validation =
-                newest_val.filter(|v| k + 1 == due.len() && last_validation != Some(v.step));
-            if validation.is_some() {
-                last_validation = newest_val.map(|v| v.step);
-            }
-            log::info!("{}", human_line(&snap, r, validation));
-        }
+        progress.log_due(&snap);
         let interval = handle.profile_interval_s();
         if interval > 0.0 && last_profile.elapsed().as_secs_f64() >= interval {
             last_profile = Instant::now();
@@ -348,6 +367,8 @@ pub fn run(
         }
         live.answer_until(&handle, &req_rx, tick_end);
     }
+    // Steps that finished after the last look.
+    progress.log_due(&live.snapshot(&handle));
     let report = handle.profile_report();
     log::info!("\n{}", report.table());
     let outcome = handle.join();

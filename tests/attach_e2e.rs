@@ -1,0 +1,358 @@
+//! Runs that outlive their terminal, end to end in tmux with the real binary on the tiny
+//! config: a closed terminal (tmux kill-session: SIGHUP) leaves the run training with a
+//! checkpoint, `attach` opens its control room again (keys work, two viewers at once, a
+//! read-only one), leaving a screen never stops the run, `ctl status` answers, SIGTERM ends a
+//! screen run without a key, and `attach` on a finished run shows its record.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_dflash-tui")
+}
+
+fn train_command(i: &common::TinyRun, run_dir: &Path, exit_file: &Path) -> String {
+    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
+    format!(
+        "{} train --config {} --set model.target={} --set data.path={} \
+         --set train.total_steps=1000000 --set checkpoint.save_every_steps=0 --run-dir {}; \
+         echo EXIT=$? > {}; sleep 60",
+        bin(),
+        config.display(),
+        i.target.display(),
+        i.data.display(),
+        run_dir.display(),
+        exit_file.display()
+    )
+}
+
+/// Polls `f` (a screen or a file: nothing to wait on) until it gives a value.
+fn wait_until<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let t = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            t.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn checkpoints(run_dir: &Path) -> usize {
+    dflash_tui::train::checkpoint::list_checkpoints(&run_dir.join("checkpoints")).len()
+}
+
+/// The newest step in metrics.jsonl.
+fn recorded_step(run_dir: &Path) -> u64 {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("\"type\":\"step\""))
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["step"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+/// A tmux session (120x40) running `cmd`; killed with the test.
+struct Tmux {
+    session: String,
+}
+
+impl Tmux {
+    fn start(name: &str, cmd: &str) -> Tmux {
+        let t = Tmux {
+            session: format!("dflash-{name}-{}", std::process::id()),
+        };
+        let ok = Command::new("tmux")
+            .args([
+                "new-session",
+                "-d",
+                "-s",
+                &t.session,
+                "-x",
+                "120",
+                "-y",
+                "40",
+                cmd,
+            ])
+            .status()
+            .expect("tmux is installed (make setup installs it)");
+        assert!(ok.success());
+        t
+    }
+
+    fn screen(&self) -> String {
+        let out = Command::new("tmux")
+            .args(["capture-pane", "-p", "-t", &self.session])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn keys(&self, keys: &[&str]) {
+        let mut args = vec!["send-keys", "-t", &self.session];
+        args.extend(keys);
+        Command::new("tmux").args(&args).output().unwrap();
+    }
+
+    /// The step number in the header ("step N / M").
+    fn step(&self) -> Option<u64> {
+        let screen = self.screen();
+        let at = screen.find("step ")?;
+        screen[at + 5..].split_whitespace().next()?.parse().ok()
+    }
+
+    /// Closes the window as a dropped SSH connection does: its processes get SIGHUP.
+    fn kill(&self) {
+        Command::new("tmux")
+            .args(["kill-session", "-t", &self.session])
+            .output()
+            .unwrap();
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The trainer of a run dir (its PID from the lock file); killed with the test.
+struct Trainer(i32);
+
+impl Trainer {
+    fn of(run_dir: &Path) -> Trainer {
+        let pid = wait_until("the run's lock file", Duration::from_secs(60), || {
+            std::fs::read_to_string(run_dir.join(".lock"))
+                .ok()
+                .and_then(|t| t.trim().parse().ok())
+        });
+        Trainer(pid)
+    }
+}
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        if alive(self.0) {
+            // SAFETY: the trainer this test started.
+            unsafe { libc::kill(self.0, libc::SIGKILL) };
+        }
+    }
+}
+
+fn ctl(run_dir: &Path, words: &[&str]) -> (bool, String) {
+    let out = Command::new(bin())
+        .arg("ctl")
+        .arg(run_dir)
+        .args(words)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[test]
+fn a_closed_terminal_leaves_the_run_training_and_attach_opens_it_again() {
+    let i = common::tiny_run(32, 3);
+    let run_dir = i.tmp.path().join("run");
+    let exit_file = i.tmp.path().join("exit");
+    let first = Tmux::start("hup", &train_command(&i, &run_dir, &exit_file));
+    let trainer = Trainer::of(&run_dir);
+    wait_until("steps on the screen", Duration::from_secs(60), || {
+        first.step().filter(|&s| s > 2)
+    });
+
+    // The terminal goes away.
+    let t = Instant::now();
+    let before = checkpoints(&run_dir);
+    first.kill();
+    wait_until(
+        "the checkpoint after SIGHUP",
+        Duration::from_secs(30),
+        || (checkpoints(&run_dir) > before).then_some(()),
+    );
+    let saved_in = t.elapsed();
+    let at = recorded_step(&run_dir);
+    wait_until("training after SIGHUP", Duration::from_secs(30), || {
+        (recorded_step(&run_dir) > at + 3).then_some(())
+    });
+    assert!(alive(trainer.0), "the trainer lives on");
+    let log = std::fs::read_to_string(run_dir.join("train.log")).unwrap();
+    assert!(
+        log.contains("SIGHUP: the terminal is gone; training goes on"),
+        "{log}"
+    );
+    eprintln!(
+        "tmux kill-session: trainer PID {} alive, checkpoint {:.2} s later, steps {at} -> {}",
+        trainer.0,
+        saved_in.as_secs_f64(),
+        recorded_step(&run_dir)
+    );
+
+    // ctl status: one JSON object.
+    let (ok, text) = ctl(&run_dir, &["status"]);
+    assert!(ok, "{text}");
+    let status: serde_json::Value = serde_json::from_str(text.trim()).expect(&text);
+    assert_eq!(status["pid"].as_i64(), Some(i64::from(trainer.0)));
+    assert_eq!(status["phase"], "training");
+    assert!(status["step"].as_u64().unwrap() > at, "{status}");
+    assert!(status["tokens_per_s"].as_f64().unwrap() > 0.0, "{status}");
+    assert!(status["last_checkpoint"].is_string(), "{status}");
+    assert_eq!(
+        status["queues"].as_array().map(Vec::len),
+        Some(2),
+        "{status}"
+    );
+
+    // attach: the control room again, advancing, its keys working.
+    let attach_exit = i.tmp.path().join("attach-exit");
+    let viewer = Tmux::start(
+        "attach",
+        &format!(
+            "{} attach {}; echo EXIT=$? > {}; sleep 60",
+            bin(),
+            run_dir.display(),
+            attach_exit.display()
+        ),
+    );
+    let seen = wait_until("the attached screen", Duration::from_secs(30), || {
+        viewer.step().filter(|&s| s > 0)
+    });
+    wait_until("steps advancing on it", Duration::from_secs(30), || {
+        viewer.step().filter(|&s| s > seen)
+    });
+    let screen = viewer.screen();
+    assert!(
+        screen.contains("Process (no GPUs: NVML unavailable)") || screen.contains("GPUs ("),
+        "the process's CPU and memory where NVML is missing: {screen}"
+    );
+    assert!(screen.contains(" I pid "), "compact log lines: {screen}");
+    viewer.keys(&["p"]);
+    wait_until("paused", Duration::from_secs(10), || {
+        viewer.screen().contains("paused").then_some(())
+    });
+
+    // A second, read-only viewer at the same time.
+    let reader = Tmux::start(
+        "reader",
+        &format!("{} attach --read-only {}", bin(), run_dir.display()),
+    );
+    wait_until(
+        "the read-only screen, paused",
+        Duration::from_secs(30),
+        || {
+            let s = reader.screen();
+            (s.contains("paused") && s.contains("read-only")).then_some(())
+        },
+    );
+    reader.keys(&["c"]);
+    wait_until("its refusal", Duration::from_secs(10), || {
+        reader
+            .screen()
+            .contains("read-only viewer: checkpoint not sent")
+            .then_some(())
+    });
+    viewer.keys(&["p"]);
+    wait_until("training again on both", Duration::from_secs(20), || {
+        let (a, b) = (viewer.screen(), reader.screen());
+        (a.contains("training") && b.contains("training")).then_some(())
+    });
+    let log = std::fs::read_to_string(run_dir.join("train.log")).unwrap();
+    assert!(
+        log.contains("command pause: paused"),
+        "the command is logged: {log}"
+    );
+
+    // Leaving a screen never stops the run.
+    viewer.keys(&["q"]);
+    wait_until("the quit dialog", Duration::from_secs(10), || {
+        viewer
+            .screen()
+            .contains("leave (the run goes on)")
+            .then_some(())
+    });
+    viewer.keys(&["Down"]);
+    viewer.keys(&["Down"]);
+    viewer.keys(&["Enter"]);
+    let exit = wait_until("attach to exit", Duration::from_secs(10), || {
+        std::fs::read_to_string(&attach_exit).ok()
+    });
+    assert_eq!(exit.trim(), "EXIT=0");
+    reader.keys(&["q"]);
+    let at = recorded_step(&run_dir);
+    wait_until("training after both left", Duration::from_secs(30), || {
+        (recorded_step(&run_dir) > at + 2).then_some(())
+    });
+    assert!(alive(trainer.0));
+
+    // Stopped: the process ends (nobody waits at its screen) and attach shows the record.
+    let (ok, text) = ctl(&run_dir, &["stop"]);
+    assert!(ok, "{text}");
+    wait_until("the trainer to exit", Duration::from_secs(30), || {
+        (!alive(trainer.0)).then_some(())
+    });
+    let done_exit = i.tmp.path().join("done-exit");
+    let done = Tmux::start(
+        "done",
+        &format!(
+            "{} attach {}; echo EXIT=$? > {}; sleep 60",
+            bin(),
+            run_dir.display(),
+            done_exit.display()
+        ),
+    );
+    let screen = wait_until("the finished run's screen", Duration::from_secs(30), || {
+        let s = done.screen();
+        s.contains("press any key").then_some(s)
+    });
+    assert!(screen.contains("run finished"), "{screen}");
+    assert!(screen.contains("avg "), "its averages: {screen}");
+    assert!(screen.contains("loss"), "its charts: {screen}");
+    done.keys(&["x"]);
+    let exit = wait_until("attach to exit", Duration::from_secs(10), || {
+        std::fs::read_to_string(&done_exit).ok()
+    });
+    assert_eq!(exit.trim(), "EXIT=0");
+    // A screen run writes the records a headless one does.
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"type\":\"queues\""), "queue records");
+}
+
+#[test]
+fn sigterm_ends_a_screen_run_with_a_checkpoint_and_no_key() {
+    let i = common::tiny_run(32, 3);
+    let run_dir = i.tmp.path().join("run");
+    let exit_file = i.tmp.path().join("exit");
+    let window = Tmux::start("term", &train_command(&i, &run_dir, &exit_file));
+    let trainer = Trainer::of(&run_dir);
+    wait_until("steps on the screen", Duration::from_secs(60), || {
+        window.step().filter(|&s| s > 2)
+    });
+    let t = Instant::now();
+    // SAFETY: the trainer this test started.
+    unsafe { libc::kill(trainer.0, libc::SIGTERM) };
+    let exit = wait_until("the exit without a key", Duration::from_secs(30), || {
+        std::fs::read_to_string(&exit_file).ok()
+    });
+    assert_eq!(exit.trim(), "EXIT=0");
+    assert_eq!(checkpoints(&run_dir), 1, "the stop wrote a checkpoint");
+    let screen = window.screen();
+    assert!(screen.contains("run finished (stop command)"), "{screen}");
+    eprintln!(
+        "SIGTERM on a screen run: exit 0 {:.2} s later with a checkpoint, no key pressed",
+        t.elapsed().as_secs_f64()
+    );
+}
