@@ -339,3 +339,50 @@ fn bench_dataset_was_prepared_by_the_setup() {
     // Qwen3 ids: below the 151,936-row embedding, and the mask token 151669 is not in the data.
     assert!(train.ids.tokens.iter().all(|&t| t < 151_669));
 }
+
+/// On a terminal (a pty made by `script`) prepare-data draws a progress bar on stderr with its
+/// rate and ETA; with stderr a pipe (every other test here) nothing but the summary appears.
+#[test]
+fn progress_bar_on_a_terminal_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = fixtures().join("chat20.jsonl");
+    let out = tmp.path().join("out");
+    let summary = tmp.path().join("summary.txt");
+    let command = format!(
+        "{} prepare-data --tokenizer {} --input {} --out {} --val-fraction 0 > {}",
+        env!("CARGO_BIN_EXE_dflash-tui"),
+        tokenizer_dir().display(),
+        input.display(),
+        out.display(),
+        summary.display()
+    );
+    let typescript = tmp.path().join("typescript");
+    let status = Command::new("script")
+        .args(["-qec", &command, typescript.to_str().unwrap()])
+        .env("DFLASH_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("script (util-linux) runs");
+    assert!(status.success());
+    let screen = String::from_utf8_lossy(&std::fs::read(&typescript).unwrap()).into_owned();
+    assert!(screen.contains("prepare-data ["), "{screen:?}");
+    assert!(screen.contains("/20 rows ("), "{screen:?}");
+    assert!(screen.contains(" rows/s, ETA "), "{screen:?}");
+    let text = std::fs::read_to_string(&summary).unwrap();
+    assert!(text.contains("20 records in, 20 kept"), "{text}");
+
+    // Not a terminal: no bar, no cursor movement, the summary on stdout as always.
+    let out2 = tmp.path().join("out2");
+    let (ok, stdout, stderr) = prepare(&[&input], &out2, &["--val-fraction", "0"]);
+    assert!(ok, "{stderr}");
+    assert!(
+        !stderr.contains('\r') && !stderr.contains('\u{1b}'),
+        "{stderr:?}"
+    );
+    assert!(!stderr.contains("rows/s"), "{stderr:?}");
+    assert!(
+        stdout.starts_with("prepare-data: 20 records in, 20 kept"),
+        "{stdout}"
+    );
+}

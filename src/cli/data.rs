@@ -12,13 +12,24 @@ use crate::data::prepare_run::{prepare_data, PrepareOptions};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
 use crate::text::TextTokenizer;
 
+use super::progress::Bars;
+
 pub fn prepare(
     tokenizer: &Path,
     inputs: &[PathBuf],
     out: &Path,
-    opts: &PrepareOptions,
+    opts: PrepareOptions,
+    bars: &Bars,
 ) -> Result<()> {
-    let summary = prepare_data(tokenizer, inputs, out, opts)?;
+    // The length grows as the inputs are read.
+    let bar = bars.bar("prepare-data", 0, "rows");
+    let opts = PrepareOptions {
+        progress: Some(bar.clone()),
+        ..opts
+    };
+    let summary = prepare_data(tokenizer, inputs, out, &opts);
+    bar.finish_and_clear();
+    let summary = summary?;
     println!("{summary}");
     Ok(())
 }

@@ -11,6 +11,8 @@ use crate::model::{Drafter, FrozenHead, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
 
 use super::generate::parse_kind;
+use super::progress::Bars;
+use indicatif::ProgressBar;
 
 #[derive(Debug, clap::Args)]
 pub struct EvalArgs {
@@ -57,6 +59,7 @@ fn run_shard(
     device: tch::Device,
     prompts: &[Vec<u32>],
     eos: &[u32],
+    bar: &ProgressBar,
 ) -> Result<EvalReport> {
     let kind = parse_kind(&args.dtype, device)?;
     let target = TargetModel::load(&args.target, device, kind)?;
@@ -65,6 +68,7 @@ fn run_shard(
     let opts = EvalOptions {
         graphs: runtime.graphs(!args.no_cuda_graphs),
         warmup_prompts: args.warmup,
+        progress: Some(bar.clone()),
     };
     log::info!(
         "eval on {device:?}: {} prompts x {} new tokens, {}",
@@ -87,7 +91,7 @@ fn run_shard(
     )
 }
 
-pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
+pub fn run(runtime: &TorchRuntime, args: EvalArgs, bars: &Bars) -> Result<()> {
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
@@ -115,9 +119,33 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
     )?;
     let eos = crate::model::model_eos_ids(&args.target, &target_config)?;
     let ids: Vec<Vec<u32>> = prompts.into_iter().map(|p| p.ids).collect();
+    let bar = bars.bar("eval", ids.len() as u64, "prompts");
+    let report = measure(&args, runtime, &devices, &ids, &eos, block_size, &bar);
+    // Cleared before anything is printed, also on an error.
+    bar.finish_and_clear();
+    let report = report?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    print_report(&report);
+    Ok(())
+}
+
+/// Decodes the prompts on every device (prompt i on device i % n) and merges the reports, the
+/// prompts in input order.
+fn measure(
+    args: &EvalArgs,
+    runtime: &TorchRuntime,
+    devices: &[tch::Device],
+    ids: &[Vec<u32>],
+    eos: &[u32],
+    block_size: usize,
+    bar: &ProgressBar,
+) -> Result<EvalReport> {
     let n = devices.len();
-    let report = if n == 1 {
-        run_shard(&args, runtime, devices[0], &ids, &eos)?
+    Ok(if n == 1 {
+        run_shard(args, runtime, devices[0], ids, eos, bar)?
     } else {
         // Prompt i goes to device i % n; the merged report lists prompts in input order.
         let shards: Vec<Vec<Vec<u32>>> = (0..n)
@@ -128,8 +156,7 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
                 .iter()
                 .zip(&shards)
                 .map(|(&dev, shard)| {
-                    let (args, eos) = (&args, &eos);
-                    s.spawn(move || run_shard(args, runtime, dev, shard, eos))
+                    s.spawn(move || run_shard(args, runtime, dev, shard, eos, bar))
                 })
                 .collect();
             handles
@@ -158,13 +185,7 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
         }
         merged.prompts = ordered;
         merged
-    };
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-        return Ok(());
-    }
-    print_report(&report);
-    Ok(())
+    })
 }
 
 fn print_report(report: &EvalReport) {

@@ -14,6 +14,7 @@ mod eval;
 mod generate;
 mod import;
 mod models;
+pub mod progress;
 mod regenerate;
 mod train;
 
@@ -243,10 +244,12 @@ pub fn main() -> ExitCode {
         std::env::set_var(ALLOC_CONF, "expandable_segments:True");
     }
     let cli = Cli::parse();
+    // One set of progress bars, shared with the logger so that log lines do not cut into them.
+    let bars = progress::Bars::stderr();
     if !matches!(cli.command, Command::Train { .. }) {
-        init_logging(&cli.log_level, None);
+        init_logging(&cli.log_level, None, Some(&bars));
     }
-    match run(cli) {
+    match run(cli, &bars) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // One line naming what went wrong, with its causes.
@@ -256,8 +259,9 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// Log lines go to stderr, and to `log_file` as well when given (a run's train.log).
-fn init_logging(level: &str, log_file: Option<&std::path::Path>) {
+/// Log lines go to stderr, and to `log_file` as well when given (a run's train.log); with
+/// `bars`, through their writer, which clears the progress bars around each line.
+fn init_logging(level: &str, log_file: Option<&std::path::Path>, bars: Option<&progress::Bars>) {
     let mut builder = env_logger::Builder::new();
     builder.parse_filters(level).format_timestamp_secs();
     match log_file.and_then(|p| {
@@ -270,9 +274,21 @@ fn init_logging(level: &str, log_file: Option<&std::path::Path>) {
         Some(file) => {
             builder.target(env_logger::Target::Pipe(Box::new(Tee { file })));
         }
-        None => {
-            builder.target(env_logger::Target::Stderr);
-        }
+        None => match bars {
+            Some(bars) => {
+                // A pipe gets no colours unless asked for: the same ones as on stderr.
+                use std::io::IsTerminal;
+                builder.write_style(if std::io::stderr().is_terminal() {
+                    env_logger::WriteStyle::Always
+                } else {
+                    env_logger::WriteStyle::Never
+                });
+                builder.target(env_logger::Target::Pipe(Box::new(bars.log_writer())));
+            }
+            None => {
+                builder.target(env_logger::Target::Stderr);
+            }
+        },
     }
     let _ = builder.try_init();
 }
@@ -307,7 +323,7 @@ impl std::io::Write for Tee {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
     let level = cli.log_level.clone();
     match cli.command {
         Command::Train {
@@ -330,7 +346,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 if tui {
                     init_tui_logging(&level, log_file)
                 } else {
-                    init_logging(&level, log_file)
+                    init_logging(&level, log_file, None)
                 }
             },
         ),
@@ -386,9 +402,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     device,
                     dtype,
                 },
+                bars,
             )
         }
-        Command::Eval(args) => eval::run(&TorchRuntime::init(), args),
+        Command::Eval(args) => eval::run(&TorchRuntime::init(), args, bars),
         Command::BenchUi {
             history,
             frames,
@@ -421,16 +438,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             &tokenizer,
             &input,
             &out,
-            &crate::data::prepare_run::PrepareOptions {
+            crate::data::prepare_run::PrepareOptions {
                 max_len,
                 shard_rows,
                 val_fraction,
                 seed,
                 limit,
-                progress: true,
+                progress: None,
             },
+            bars,
         ),
-        Command::Regenerate(args) => regenerate::run(&TorchRuntime::init(), args),
+        Command::Regenerate(args) => regenerate::run(&TorchRuntime::init(), args, bars),
         Command::InspectData {
             path,
             split,

@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
+use indicatif::ProgressBar;
 use tch::{Kind, Tensor};
 
 use crate::aten_ext::graph::GraphLibrary;
@@ -465,13 +466,15 @@ fn count_slots(by_slot: &mut [u64], accept_lengths: &[usize]) {
 }
 
 /// How [`evaluate`] runs.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct EvalOptions {
     /// CUDA graphs for the decoding steps (GPU only).
     pub graphs: Option<GraphLibrary>,
     /// The first this many prompts are decoded once, untimed, before the measured pass
     /// (graph capture, libtorch's lazy set-up, caches): the timing then shows steady decoding.
     pub warmup_prompts: usize,
+    /// Advanced by one for each measured prompt, between prompts (outside the timing).
+    pub progress: Option<ProgressBar>,
 }
 
 /// Spread of a per-prompt number.
@@ -610,12 +613,24 @@ pub fn evaluate(
             Ok((plain, fast))
         })
     };
+    let bar = opts.progress.as_ref();
+    if opts.warmup_prompts > 0 {
+        if let Some(bar) = bar {
+            bar.set_message("warming up");
+        }
+    }
     for prompt in prompts.iter().take(opts.warmup_prompts) {
         run(prompt)?;
+    }
+    if let Some(bar) = bar {
+        bar.set_message("");
     }
     let mut results = Vec::new();
     for prompt in &prompts {
         let (plain, fast) = run(prompt)?;
+        if let Some(bar) = bar {
+            bar.inc(1);
+        }
         let first_mismatch = plain
             .output_ids
             .iter()
