@@ -123,7 +123,15 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs, bars: &Bars) -> Result<()> {
     let report = measure(&args, runtime, &devices, &ids, &eos, block_size, &bar);
     // Cleared before anything is printed, also on an error.
     bar.finish_and_clear();
-    let report = report?;
+    let mut report = report?;
+    report.speedup_warnings = report.speedup_warnings(devices.iter().any(|d| !d.is_cuda()));
+    if !report.speedup_warnings.is_empty() {
+        log::warn!(
+            "the speed-up ({:.2}x) is not a trustworthy measurement:\n  - {}",
+            report.speedup,
+            report.speedup_warnings.join("\n  - ")
+        );
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
