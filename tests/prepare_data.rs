@@ -469,6 +469,64 @@ fn tool_calls_are_rendered_and_trained_with_a_template_that_supports_them() {
     }
 }
 
+#[test]
+fn inspect_data_on_chat_data_names_prepare_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let chat = tmp.path().join("chat.jsonl");
+    std::fs::write(
+        &chat,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}\n",
+    )
+    .unwrap();
+    let (ok, _, stderr) = dflash(&["inspect-data", chat.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(
+        stderr.contains(
+            "chat.jsonl: not a prepared dataset (a JSON file, which looks like chat data)"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("dflash-tui prepare-data --tokenizer MODEL_DIR"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+
+    // A folder of chat files.
+    let (ok, _, stderr) = dflash(&["inspect-data", tmp.path().to_str().unwrap()]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("not a prepared dataset (a folder without dataset_dict.json, state.json or .arrow/.parquet files; it holds chat.jsonl)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("prepare-data"), "{stderr}");
+
+    // Arrow data without an input_ids column.
+    let other = tmp.path().join("other.arrow");
+    {
+        use arrow::array::{ArrayRef, Int32Array, RecordBatch};
+        let col: ArrayRef = std::sync::Arc::new(Int32Array::from(vec![1, 2]));
+        let batch = RecordBatch::try_from_iter([("label", col)]).unwrap();
+        let file = std::fs::File::create(&other).unwrap();
+        let mut w = arrow::ipc::writer::StreamWriter::try_new(file, &batch.schema()).unwrap();
+        w.write(&batch).unwrap();
+        w.finish().unwrap();
+    }
+    let (ok, _, stderr) = dflash(&["inspect-data", other.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("other.arrow: not a prepared dataset (no input_ids column)")
+            && stderr.contains("prepare-data")
+            && stderr.contains("no column \"input_ids\" (columns: label)"),
+        "{stderr}"
+    );
+
+    // A path that is not there is just that.
+    let (ok, _, stderr) = dflash(&["inspect-data", tmp.path().join("nope").to_str().unwrap()]);
+    assert!(!ok);
+    assert!(stderr.contains("nope: no such file or folder"), "{stderr}");
+}
+
 /// On a terminal (a pty made by `script`) prepare-data draws a progress bar on stderr with its
 /// rate and ETA; with stderr a pipe (every other test here) nothing but the summary appears.
 #[test]
