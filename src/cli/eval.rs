@@ -16,8 +16,10 @@ use indicatif::ProgressBar;
 
 #[derive(Debug, clap::Args)]
 pub struct EvalArgs {
+    /// The target's Hugging Face model folder.
     #[arg(long)]
     pub target: PathBuf,
+    /// The drafter folder (init-drafter or a training checkpoint's drafter/).
     #[arg(long)]
     pub drafter: PathBuf,
     /// A tokenised dataset (its validation split); prompts end where the assistant starts.
@@ -26,11 +28,13 @@ pub struct EvalArgs {
     /// JSONL prompts: {"messages": [...]} or {"prompt_ids": [...]}.
     #[arg(long)]
     pub prompts: Option<PathBuf>,
+    /// Prompts evaluated at most (the first ones).
     #[arg(long, default_value_t = 20)]
     pub limit: usize,
     /// The split of a --data dataset folder the prompts come from.
     #[arg(long, default_value = "validation")]
     pub split: String,
+    /// Tokens generated per prompt at most (fewer when the target ends its answer).
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
     /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices: the prompts are
