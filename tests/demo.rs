@@ -111,6 +111,8 @@ fn demo_perplexity_matches_transformers() {
     let data = dflash_tui::data::arrow_io::read_token_column(&path, "input_ids").unwrap();
     assert_eq!(data.len(), 20);
     let model = TargetModel::load(&dir, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    // A hidden bar still counts: every input token of the 20 sequences went through.
+    let bar = indicatif::ProgressBar::hidden();
     let report = dflash_tui::eval::perplexity::perplexity(
         &model,
         &data,
@@ -118,9 +120,12 @@ fn demo_perplexity_matches_transformers() {
             limit: None,
             max_len: 1024,
             batch_tokens: 4096,
+            progress: Some(bar.clone()),
         },
     )
     .unwrap();
+    assert_eq!(bar.position(), report.tokens + report.sequences as u64);
+    assert_eq!(bar.length(), Some(bar.position()));
     eprintln!("demo perplexity: {report:?}");
     assert_eq!(report.tokens, 17_309, "predicted tokens: {report:?}");
     assert_eq!(report.sequences, 20);

@@ -219,6 +219,7 @@ fn gpu_dflash_with_graphs_is_lossless_in_f32_and_equals_eager_in_bf16() {
     let opts = EvalOptions {
         graphs,
         warmup_prompts: 1,
+        progress: None,
     };
     let report = evaluate(&target, &drafter, &head, &prompts, 40, &[], &opts).unwrap();
     assert_eq!(

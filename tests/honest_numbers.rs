@@ -86,7 +86,11 @@ fn a_resumed_run_continues_its_clock_and_history() {
             .stdin(Stdio::null())
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     };
     let cfg = config.display().to_string();
     let dir = run_dir.display().to_string();

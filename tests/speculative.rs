@@ -112,6 +112,28 @@ fn eval_command_prints_json_with_tau_speedup_and_outputs() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["mismatches"], 0);
+    // Two prompts of 12 tokens on the CPU: the speed-up is flagged, with the reasons, in the
+    // JSON and on stderr.
+    let warnings: Vec<&str> = v["speedup_warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w.as_str().unwrap())
+        .collect();
+    assert!(
+        warnings.iter().any(|w| w.contains("on the CPU")),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings.iter().any(|w| w.contains("only 2 prompt(s)")),
+        "{warnings:?}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("is not a trustworthy measurement"),
+        "{stderr}"
+    );
+    assert!(stderr.contains(warnings[0]), "{stderr}");
     let tau = v["tau"].as_f64().unwrap();
     assert!((1.0..=4.0).contains(&tau), "{tau}");
     assert!(v["speedup"].as_f64().unwrap() > 0.0);

@@ -12,13 +12,24 @@ use crate::data::prepare_run::{prepare_data, PrepareOptions};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
 use crate::text::TextTokenizer;
 
+use super::progress::Bars;
+
 pub fn prepare(
     tokenizer: &Path,
     inputs: &[PathBuf],
     out: &Path,
-    opts: &PrepareOptions,
+    opts: PrepareOptions,
+    bars: &Bars,
 ) -> Result<()> {
-    let summary = prepare_data(tokenizer, inputs, out, opts)?;
+    // The length grows as the inputs are read.
+    let bar = bars.bar("prepare-data", 0, "rows");
+    let opts = PrepareOptions {
+        progress: Some(bar.clone()),
+        ..opts
+    };
+    let summary = prepare_data(tokenizer, inputs, out, &opts);
+    bar.finish_and_clear();
+    let summary = summary?;
     println!("{summary}");
     Ok(())
 }
@@ -38,16 +49,88 @@ fn histogram(lengths: &[usize]) -> Vec<(usize, usize, usize)> {
     buckets
 }
 
+/// What to do with chat data that is not a dataset yet.
+const PREPARE_HINT: &str = "make one from chat data (ShareGPT, {\"messages\"} or {\"text\"} JSON/JSONL) with `dflash-tui prepare-data --tokenizer MODEL_DIR --input FILE... --out DIR`";
+
+/// Why `path` is not a prepared dataset at all (a JSON file, a folder without Arrow or Parquet
+/// files), as opposed to a dataset with a fault of its own; `None` when it looks like one or
+/// does not exist.
+fn not_a_dataset(path: &Path) -> Option<String> {
+    let is_data = |p: &Path| {
+        p.extension()
+            .is_some_and(|e| e == "arrow" || e == "parquet")
+    };
+    if path.is_dir() {
+        if path.join("dataset_dict.json").is_file() || path.join("state.json").is_file() {
+            return None;
+        }
+        let entries: Vec<PathBuf> = std::fs::read_dir(path)
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        if entries.iter().any(|p| is_data(p)) {
+            return None;
+        }
+        let mut chat: Vec<String> = entries
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "json" || e == "jsonl"))
+            .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect();
+        chat.sort();
+        let why = "a folder without dataset_dict.json, state.json or .arrow/.parquet files";
+        return Some(match chat.len() {
+            0 => why.to_string(),
+            n => format!(
+                "{why}; it holds {}{}",
+                chat[..n.min(3)].join(", "),
+                if n > 3 { ", ..." } else { "" }
+            ),
+        });
+    }
+    if !path.is_file() || is_data(path) {
+        return None;
+    }
+    let mut head = [0u8; 512];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+        .ok()?;
+    let head = &head[..n];
+    // Parquet, an Arrow IPC file, an Arrow IPC stream (continuation marker).
+    if head.starts_with(b"PAR1") || head.starts_with(b"ARROW1") || head.starts_with(&[0xff; 4]) {
+        return None;
+    }
+    Some(match head.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') | Some(b'[') => "a JSON file, which looks like chat data".to_string(),
+        _ => "neither an Arrow nor a Parquet file".to_string(),
+    })
+}
+
 pub fn inspect(
     path: &Path,
     split: Option<&str>,
     tokenizer: Option<&Path>,
     sample: usize,
 ) -> Result<()> {
+    if let Some(why) = not_a_dataset(path) {
+        anyhow::bail!(
+            "{}: not a prepared dataset ({why}); {PREPARE_HINT}",
+            path.display()
+        );
+    }
     let path = resolve_split(path, split)?;
     let files = dataset_files(&path)?;
-    let data = read_token_data(&path, "input_ids", Some("loss_mask"))
-        .or_else(|_| read_token_data(&path, "input_ids", None))?;
+    let data = match read_token_data(&path, "input_ids", Some("loss_mask"))
+        .or_else(|_| read_token_data(&path, "input_ids", None))
+    {
+        Ok(data) => data,
+        Err(e) if format!("{e:#}").contains("no column \"input_ids\"") => {
+            return Err(e.context(format!(
+                "{}: not a prepared dataset (no input_ids column); {PREPARE_HINT}",
+                path.display()
+            )))
+        }
+        Err(e) => return Err(e),
+    };
     let rows = data.ids.len();
     let lengths: Vec<usize> = data.ids.iter().map(|s| s.len()).collect();
     let tokens: usize = lengths.iter().sum();

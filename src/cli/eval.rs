@@ -11,11 +11,15 @@ use crate::model::{Drafter, FrozenHead, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
 
 use super::generate::parse_kind;
+use super::progress::Bars;
+use indicatif::ProgressBar;
 
 #[derive(Debug, clap::Args)]
 pub struct EvalArgs {
+    /// The target's Hugging Face model folder.
     #[arg(long)]
     pub target: PathBuf,
+    /// The drafter folder (init-drafter or a training checkpoint's drafter/).
     #[arg(long)]
     pub drafter: PathBuf,
     /// A tokenised dataset (its validation split); prompts end where the assistant starts.
@@ -24,11 +28,13 @@ pub struct EvalArgs {
     /// JSONL prompts: {"messages": [...]} or {"prompt_ids": [...]}.
     #[arg(long)]
     pub prompts: Option<PathBuf>,
+    /// Prompts evaluated at most (the first ones).
     #[arg(long, default_value_t = 20)]
     pub limit: usize,
     /// The split of a --data dataset folder the prompts come from.
     #[arg(long, default_value = "validation")]
     pub split: String,
+    /// Tokens generated per prompt at most (fewer when the target ends its answer).
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
     /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices: the prompts are
@@ -57,6 +63,7 @@ fn run_shard(
     device: tch::Device,
     prompts: &[Vec<u32>],
     eos: &[u32],
+    bar: &ProgressBar,
 ) -> Result<EvalReport> {
     let kind = parse_kind(&args.dtype, device)?;
     let target = TargetModel::load(&args.target, device, kind)?;
@@ -65,6 +72,7 @@ fn run_shard(
     let opts = EvalOptions {
         graphs: runtime.graphs(!args.no_cuda_graphs),
         warmup_prompts: args.warmup,
+        progress: Some(bar.clone()),
     };
     log::info!(
         "eval on {device:?}: {} prompts x {} new tokens, {}",
@@ -87,7 +95,7 @@ fn run_shard(
     )
 }
 
-pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
+pub fn run(runtime: &TorchRuntime, args: EvalArgs, bars: &Bars) -> Result<()> {
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
@@ -115,9 +123,41 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
     )?;
     let eos = crate::model::model_eos_ids(&args.target, &target_config)?;
     let ids: Vec<Vec<u32>> = prompts.into_iter().map(|p| p.ids).collect();
+    let bar = bars.bar("eval", ids.len() as u64, "prompts");
+    let report = measure(&args, runtime, &devices, &ids, &eos, block_size, &bar);
+    // Cleared before anything is printed, also on an error.
+    bar.finish_and_clear();
+    let mut report = report?;
+    report.speedup_warnings = report.speedup_warnings(devices.iter().any(|d| !d.is_cuda()));
+    if !report.speedup_warnings.is_empty() {
+        log::warn!(
+            "the speed-up ({:.2}x) is not a trustworthy measurement:\n  - {}",
+            report.speedup,
+            report.speedup_warnings.join("\n  - ")
+        );
+    }
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    print_report(&report);
+    Ok(())
+}
+
+/// Decodes the prompts on every device (prompt i on device i % n) and merges the reports, the
+/// prompts in input order.
+fn measure(
+    args: &EvalArgs,
+    runtime: &TorchRuntime,
+    devices: &[tch::Device],
+    ids: &[Vec<u32>],
+    eos: &[u32],
+    block_size: usize,
+    bar: &ProgressBar,
+) -> Result<EvalReport> {
     let n = devices.len();
-    let report = if n == 1 {
-        run_shard(&args, runtime, devices[0], &ids, &eos)?
+    Ok(if n == 1 {
+        run_shard(args, runtime, devices[0], ids, eos, bar)?
     } else {
         // Prompt i goes to device i % n; the merged report lists prompts in input order.
         let shards: Vec<Vec<Vec<u32>>> = (0..n)
@@ -128,8 +168,7 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
                 .iter()
                 .zip(&shards)
                 .map(|(&dev, shard)| {
-                    let (args, eos) = (&args, &eos);
-                    s.spawn(move || run_shard(args, runtime, dev, shard, eos))
+                    s.spawn(move || run_shard(args, runtime, dev, shard, eos, bar))
                 })
                 .collect();
             handles
@@ -158,13 +197,7 @@ pub fn run(runtime: &TorchRuntime, args: EvalArgs) -> Result<()> {
         }
         merged.prompts = ordered;
         merged
-    };
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-        return Ok(());
-    }
-    print_report(&report);
-    Ok(())
+    })
 }
 
 fn print_report(report: &EvalReport) {

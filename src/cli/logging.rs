@@ -20,17 +20,22 @@ fn letter(level: log::Level) -> char {
     }
 }
 
-/// Where lines go: the run log, and the terminal while `to_terminal` is set.
+/// Where lines go: the run log, and the terminal while `to_terminal` is set (through
+/// `terminal`, e.g. the progress bars' writer, or stderr).
 struct Sink {
     file: Option<File>,
     to_terminal: Arc<AtomicBool>,
+    terminal: Option<Box<dyn Write + Send>>,
 }
 
 impl Write for Sink {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if self.to_terminal.load(Ordering::Relaxed) {
             // A terminal that is gone must not stop the logging to the file.
-            let _ = std::io::stderr().write_all(buf);
+            let _ = match &mut self.terminal {
+                Some(terminal) => terminal.write_all(buf),
+                None => std::io::stderr().write_all(buf),
+            };
         }
         if let Some(file) = &mut self.file {
             file.write_all(buf)?;
@@ -39,7 +44,10 @@ impl Write for Sink {
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
-        let _ = std::io::stderr().flush();
+        let _ = match &mut self.terminal {
+            Some(terminal) => terminal.flush(),
+            None => std::io::stderr().flush(),
+        };
         match &mut self.file {
             Some(file) => file.flush(),
             None => Ok(()),
@@ -50,6 +58,17 @@ impl Write for Sink {
 /// Installs the logger at `level` (a filter such as `info` or `dflash_tui=debug`). Lines go to
 /// `log_file` when given (appended) and to stderr while the returned switch is on.
 pub fn init(level: &str, log_file: Option<&Path>, to_terminal: bool) -> Arc<AtomicBool> {
+    init_with(level, log_file, to_terminal, None)
+}
+
+/// [`init`], writing the terminal's lines through `terminal` (the progress bars' writer,
+/// which clears the bars around each line) instead of stderr.
+pub fn init_with(
+    level: &str,
+    log_file: Option<&Path>,
+    to_terminal: bool,
+    terminal: Option<Box<dyn Write + Send>>,
+) -> Arc<AtomicBool> {
     let switch = Arc::new(AtomicBool::new(to_terminal));
     let file = log_file.and_then(|p| {
         std::fs::OpenOptions::new()
@@ -69,6 +88,7 @@ pub fn init(level: &str, log_file: Option<&Path>, to_terminal: bool) -> Arc<Atom
         .target(env_logger::Target::Pipe(Box::new(Sink {
             file,
             to_terminal: switch.clone(),
+            terminal,
         })));
     let _ = builder.try_init();
     switch

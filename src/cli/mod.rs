@@ -15,6 +15,7 @@ mod generate;
 mod import;
 mod logging;
 mod models;
+pub mod progress;
 mod regenerate;
 mod train;
 
@@ -65,6 +66,7 @@ pub enum Command {
         /// A system message (otherwise the template's default, if any).
         #[arg(long)]
         system: Option<String>,
+        /// Most tokens generated after the prompt (fewer when the model ends its answer).
         #[arg(long, default_value_t = 128)]
         max_new_tokens: usize,
         /// auto, cpu, cuda or cuda:N.
@@ -85,8 +87,11 @@ pub enum Command {
         /// The drafter folder to create.
         #[arg(long)]
         out: PathBuf,
+        /// Transformer layers of the drafter.
         #[arg(long, default_value_t = 5)]
         layers: i64,
+        /// Tokens per drafted block (the token after the last accepted one + block_size - 1
+        /// drafts).
         #[arg(long, default_value_t = 16)]
         block_size: i64,
         /// Token id fed in the masked block slots; its embedding row stays frozen. Pick a
@@ -99,6 +104,7 @@ pub enum Command {
         /// Number of tapped layers when --target-layer-ids is not given.
         #[arg(long, default_value_t = 5)]
         num_taps: usize,
+        /// Seed of the random initialisation (the same seed gives the same weights).
         #[arg(long, default_value_t = 0)]
         seed: i64,
     },
@@ -115,6 +121,7 @@ pub enum Command {
         /// The dataset folder to create.
         #[arg(long)]
         out: PathBuf,
+        /// Longest sample in tokens; longer conversations are cut to it (and counted).
         #[arg(long, default_value_t = 3072)]
         max_len: usize,
         /// Rows per Arrow shard.
@@ -136,6 +143,7 @@ pub enum Command {
     Regenerate(regenerate::RegenerateArgs),
     /// Counts, length histogram, loss-mask share and one decoded sample of a dataset.
     InspectData {
+        /// A prepare-data output folder, one split folder, or an Arrow / Parquet file.
         path: PathBuf,
         /// Split of a dataset with splits (default: train).
         #[arg(long)]
@@ -150,9 +158,12 @@ pub enum Command {
     /// Benchmark of the data loader: random access per sample, batches per second, and the
     /// same access through pyarrow.
     BenchData {
+        /// A prepared dataset (folder, split folder or Arrow / Parquet file).
         path: PathBuf,
+        /// Random single-row reads timed.
         #[arg(long, default_value_t = 1_000_000)]
         samples: usize,
+        /// Packed training batches timed.
         #[arg(long, default_value_t = 2_000)]
         batches: usize,
         /// Python with pyarrow, for the comparison.
@@ -185,7 +196,7 @@ pub enum Command {
     /// Send a command to a running trainer through RUN_DIR/control.sock and print the reply
     /// (`status`: the run's state as one JSON object).
     Ctl {
-        /// The run directory of the trainer.
+        /// The run directory of the running trainer (it holds control.sock).
         run_dir: PathBuf,
         /// pause, resume, queue NAME DEPTH, checkpoint, profile SECONDS, stop, status
         #[arg(required = true, num_args = 1.., allow_hyphen_values = true)]
@@ -223,8 +234,10 @@ pub enum Command {
     /// Perplexity of a model over a tokenised dataset (Arrow IPC, save_to_disk folder or
     /// Parquet with an input_ids column); prints one JSON object.
     Perplexity {
+        /// Hugging Face model folder.
         #[arg(long)]
         model: PathBuf,
+        /// The tokenised dataset: a folder, split folder, Arrow or Parquet file.
         #[arg(long)]
         data: PathBuf,
         /// The token column.
@@ -239,8 +252,10 @@ pub enum Command {
         /// Padded tokens per forward batch.
         #[arg(long, default_value_t = 8192)]
         batch_tokens: usize,
+        /// auto, cpu, cuda or cuda:N.
         #[arg(long, default_value = "auto")]
         device: String,
+        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
         #[arg(long, default_value = "auto")]
         dtype: String,
     },
@@ -256,10 +271,17 @@ pub fn main() -> ExitCode {
         std::env::set_var(ALLOC_CONF, "expandable_segments:True");
     }
     let cli = Cli::parse();
+    // One set of progress bars, shared with the logger so that log lines do not cut into them.
+    let bars = progress::Bars::stderr();
     if !matches!(cli.command, Command::Train { .. }) {
-        logging::init(&cli.log_level, None, true);
+        logging::init_with(
+            &cli.log_level,
+            None,
+            true,
+            Some(Box::new(bars.log_writer())),
+        );
     }
-    match run(cli) {
+    match run(cli, &bars) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // One line naming what went wrong, with its causes.
@@ -269,7 +291,7 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
     let level = cli.log_level.clone();
     match cli.command {
         Command::Train {
@@ -342,9 +364,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     device,
                     dtype,
                 },
+                bars,
             )
         }
-        Command::Eval(args) => eval::run(&TorchRuntime::init(), args),
+        Command::Eval(args) => eval::run(&TorchRuntime::init(), args, bars),
         Command::BenchUi {
             history,
             frames,
@@ -388,16 +411,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             &tokenizer,
             &input,
             &out,
-            &crate::data::prepare_run::PrepareOptions {
+            crate::data::prepare_run::PrepareOptions {
                 max_len,
                 shard_rows,
                 val_fraction,
                 seed,
                 limit,
-                progress: true,
+                progress: None,
             },
+            bars,
         ),
-        Command::Regenerate(args) => regenerate::run(&TorchRuntime::init(), args),
+        Command::Regenerate(args) => regenerate::run(&TorchRuntime::init(), args, bars),
         Command::InspectData {
             path,
             split,
@@ -496,4 +520,43 @@ fn bench_ui(history: usize, frames: usize, seconds: f64) -> anyhow::Result<()> {
         }))?
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every option and positional of every subcommand, with the path of subcommands to it,
+    /// that has no help text (clap's own --help and --version aside).
+    fn undocumented(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for arg in cmd.get_arguments() {
+            let id = arg.get_id().as_str();
+            if matches!(id, "help" | "version") {
+                continue;
+            }
+            let help = arg.get_help().or(arg.get_long_help());
+            if help.is_none_or(|h| h.to_string().trim().is_empty()) {
+                out.push(format!("{path} {id}"));
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            undocumented(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+
+    #[test]
+    fn every_option_and_positional_has_help() {
+        let cli = Cli::command();
+        let mut missing = Vec::new();
+        undocumented(&cli, cli.get_name(), &mut missing);
+        assert!(
+            missing.is_empty(),
+            "arguments without help text:\n{}",
+            missing.join("\n")
+        );
+        // The walk does see the subcommands' arguments.
+        let eval = cli.find_subcommand("eval").expect("an eval subcommand");
+        assert!(eval.get_arguments().any(|a| a.get_id() == "max_new_tokens"));
+    }
 }

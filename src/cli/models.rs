@@ -10,6 +10,7 @@ use crate::model::{Drafter, DrafterConfig, DrafterShape, TargetConfig, TargetMod
 use crate::runtime::TorchRuntime;
 
 use super::generate::parse_kind;
+use super::progress::Bars;
 
 pub struct InitDrafterArgs {
     pub target: PathBuf,
@@ -55,11 +56,12 @@ pub struct PerplexityArgs {
     pub dtype: String,
 }
 
-pub fn run_perplexity(runtime: &TorchRuntime, args: PerplexityArgs) -> Result<()> {
+pub fn run_perplexity(runtime: &TorchRuntime, args: PerplexityArgs, bars: &Bars) -> Result<()> {
     let device = runtime.device(&args.device)?;
     let kind = parse_kind(&args.dtype, device)?;
     let model = TargetModel::load(&args.model, device, kind)?;
     let data = read_token_column(&args.data, &args.column)?;
+    let bar = bars.bar("perplexity", 0, "tokens");
     let report = perplexity(
         &model,
         &data,
@@ -67,9 +69,11 @@ pub fn run_perplexity(runtime: &TorchRuntime, args: PerplexityArgs) -> Result<()
             limit: args.limit,
             max_len: args.max_len,
             batch_tokens: args.batch_tokens.max(args.max_len),
+            progress: Some(bar.clone()),
         },
-    )
-    .with_context(|| format!("{}", args.data.display()))?;
+    );
+    bar.finish_and_clear();
+    let report = report.with_context(|| format!("{}", args.data.display()))?;
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
 }

@@ -9,6 +9,7 @@ use crate::eval::regenerate::Sampling;
 use crate::runtime::TorchRuntime;
 
 use super::generate::parse_kind;
+use super::progress::Bars;
 
 #[derive(Debug, clap::Args)]
 pub struct RegenerateArgs {
@@ -72,9 +73,11 @@ pub struct RegenerateArgs {
     pub stop_after_chunks: Option<usize>,
 }
 
-pub fn run(runtime: &TorchRuntime, args: RegenerateArgs) -> Result<()> {
+pub fn run(runtime: &TorchRuntime, args: RegenerateArgs, bars: &Bars) -> Result<()> {
     let devices = runtime.device_list(&args.device)?;
     let kind = parse_kind(&args.dtype, devices[0])?;
+    // The length is set once the input is read.
+    let bar = bars.bar("regenerate", 0, "rows");
     let opts = RegenerateOptions {
         max_new_tokens: args.max_new_tokens,
         batch_size: args.batch_size,
@@ -91,9 +94,12 @@ pub fn run(runtime: &TorchRuntime, args: RegenerateArgs) -> Result<()> {
         stop_after_chunks: args.stop_after_chunks,
         engine: args.engine,
         graphs: runtime.graphs(!args.no_cuda_graphs),
+        progress: Some(bar.clone()),
         ..RegenerateOptions::default()
     };
-    let summary = regenerate(&args.target, &args.input, &args.out, &devices, kind, &opts)?;
+    let summary = regenerate(&args.target, &args.input, &args.out, &devices, kind, &opts);
+    bar.finish_and_clear();
+    let summary = summary?;
     println!("{summary}");
     Ok(())
 }

@@ -65,9 +65,9 @@ fn parse_value(value: serde_json::Value, origin: &str) -> std::result::Result<Ch
             serde_json::from_value(value).map_err(|e| format!("not a ShareGPT record: {e}"))?;
         RecordBody::Chat(conv.to_messages()?)
     } else if let Some(messages) = value.get("messages") {
-        let messages: Vec<Message> = serde_json::from_value(messages.clone())
-            .map_err(|e| format!("\"messages\" is not a list of {{role, content}}: {e}"))?;
-        RecordBody::Chat(messages)
+        RecordBody::Chat(
+            crate::text::messages_from_json(messages).map_err(|e| format!("bad message: {e}"))?,
+        )
     } else if let Some(text) = value.get("text") {
         RecordBody::Text(
             text.as_str()

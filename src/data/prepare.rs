@@ -37,13 +37,18 @@ pub struct PreparedSample {
     pub was_cut: bool,
 }
 
-/// The messages with every assistant content replaced by a numbered marker, and the indices
-/// of those assistant messages.
+/// An assistant turn that calls tools: its span is found by [`tool_call_span`].
+fn calls_tools(m: &Message) -> bool {
+    m.role == "assistant" && m.tool_calls().is_some()
+}
+
+/// The messages with every assistant content (but those of turns that call tools) replaced by
+/// a numbered marker, and the indices of those assistant messages.
 fn with_markers(messages: &[Message]) -> (Vec<Message>, Vec<usize>) {
     let mut marked = messages.to_vec();
     let mut turns = Vec::new();
     for (i, m) in marked.iter_mut().enumerate() {
-        if m.role == "assistant" {
+        if m.role == "assistant" && !calls_tools(m) {
             m.content = marker(turns.len());
             turns.push(i);
         }
@@ -69,13 +74,76 @@ pub fn assistant_spans(
         .as_ref()
         .ok_or_else(|| "the tokenizer has no chat template".to_string())?;
     let eos = tokenizer.eos_token.as_deref().filter(|e| !e.is_empty());
+    template_spans(template, eos, messages, full)
+}
+
+/// [`assistant_spans`] with a template and end-of-turn token.
+fn template_spans(
+    template: &crate::text::ChatTemplate,
+    eos: Option<&str>,
+    messages: &[Message],
+    full: &str,
+) -> std::result::Result<Vec<Range<usize>>, String> {
     let (marked, turns) = with_markers(messages);
-    if let Ok(skeleton) = template.render(&marked, false) {
-        if let Some(spans) = align_with_markers(&skeleton, full, messages, &turns, eos) {
-            return Ok(spans);
+    let aligned = template
+        .render(&marked, false)
+        .ok()
+        .and_then(|skeleton| align_with_markers(&skeleton, full, messages, &turns, eos));
+    let mut spans = match aligned {
+        Some(spans) => spans,
+        None => find_contents(messages, full, eos)?,
+    };
+    for (i, m) in messages.iter().enumerate() {
+        if calls_tools(m) {
+            spans.push(tool_call_span(template, messages, i, full, eos)?);
         }
     }
-    find_contents(messages, full, eos)
+    spans.sort_by_key(|s| s.start);
+    Ok(spans)
+}
+
+/// The span of assistant turn `i`, which calls tools, in `full`: from where its content starts
+/// (where rendering a marker as its content makes the text differ; with no content, that is
+/// where its tool calls start) through the first end-of-turn token after it, so that the
+/// content and the tool calls, all of it written by the assistant, are trained.
+fn tool_call_span(
+    template: &crate::text::ChatTemplate,
+    messages: &[Message],
+    i: usize,
+    full: &str,
+    eos: Option<&str>,
+) -> std::result::Result<Range<usize>, String> {
+    let mut marked = messages.to_vec();
+    marked[i].content = marker(0);
+    marked[i].content_is_null = false;
+    let other = template
+        .render(&marked, false)
+        .map_err(|e| format!("assistant turn {i} (tool calls): {e:#}"))?;
+    if other == full {
+        return Err(format!(
+            "assistant turn {i} (tool calls): the template does not show its content, so where the turn starts cannot be found"
+        ));
+    }
+    let mut start = full
+        .bytes()
+        .zip(other.bytes())
+        .take_while(|(a, b)| a == b)
+        .count();
+    while !full.is_char_boundary(start) {
+        start -= 1;
+    }
+    let eos = eos.ok_or_else(|| {
+        format!(
+            "assistant turn {i} (tool calls): the tokenizer names no end-of-turn token to end it"
+        )
+    })?;
+    let end = full[start..]
+        .find(eos)
+        .map(|p| start + p + eos.len())
+        .ok_or_else(|| {
+            format!("assistant turn {i} (tool calls): no end-of-turn token {eos:?} after it")
+        })?;
+    Ok(start..end)
 }
 
 /// Where the template text between the markers of `skeleton` lies in `full`: the spans of the
@@ -154,7 +222,7 @@ fn find_contents(
     let mut spans = Vec::new();
     let mut cursor = 0;
     for (i, m) in messages.iter().enumerate() {
-        if m.role != "assistant" {
+        if m.role != "assistant" || calls_tools(m) {
             continue;
         }
         let (at, len) = [m.content.as_str(), m.content.trim()]
@@ -186,6 +254,33 @@ fn without_leading_answers(messages: &[Message]) -> Vec<Message> {
         .filter(|(i, m)| m.role != "assistant" || first_user.is_some_and(|u| *i > u))
         .map(|(_, m)| m.clone())
         .collect()
+}
+
+/// Tool calls and tool answers need a template that renders them; only an assistant turn
+/// that calls tools may have no content (OpenAI's rule). `Err` names the message.
+fn check_tool_use(
+    messages: &[Message],
+    template_supports_tools: bool,
+) -> std::result::Result<(), String> {
+    for (i, m) in messages.iter().enumerate() {
+        if m.uses_tools() && !template_supports_tools {
+            let what = if m.role == "tool" {
+                "is a tool's answer"
+            } else {
+                "calls tools"
+            };
+            return Err(format!(
+                "the chat template does not support tool calls: messages[{i}] {what}"
+            ));
+        }
+        if m.content_is_null && !calls_tools(m) {
+            return Err(format!(
+                "no content: messages[{i}] ({}) has null content and calls no tool",
+                m.role
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Renders and tokenises one record. `Err` carries the reason the record is skipped.
@@ -223,6 +318,7 @@ pub fn prepare_record(
                 .chat_template
                 .as_ref()
                 .ok_or_else(|| "the tokenizer has no chat template".to_string())?;
+            check_tool_use(all_messages, template.supports_tools())?;
             let full = template
                 .render(messages, false)
                 .map_err(|e| e.to_string())?;
@@ -341,6 +437,69 @@ mod tests {
         ]);
         assert!(!full.contains("<think>"));
         assert_eq!(spans, ["<|im_start|>user\n<|im_end|>"]);
+    }
+
+    /// The tool parts of Qwen2.5's template: content only when there is some, each tool call
+    /// as JSON in `<tool_call>` tags, tool answers in a user turn.
+    const QWEN_TOOLS: &str = "{%- for message in messages %}\
+{%- if message.role == 'user' or message.role == 'system' or (message.role == 'assistant' and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\
+{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}\
+{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}\
+{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}\
+{%- elif message.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}\
+{%- endif %}{%- endfor %}";
+
+    fn tool_conversation(content: serde_json::Value) -> Vec<Message> {
+        crate::text::messages_from_json(&serde_json::json!([
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": content, "tool_calls": [
+                {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+            ]},
+            {"role": "tool", "tool_call_id": "1", "content": "22 C"},
+            {"role": "assistant", "content": "It is 22 C."},
+        ]))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_tool_calling_turn_is_trained_from_its_content_or_calls_to_its_end() {
+        let t = ChatTemplate::new(QWEN_TOOLS, None, Some("<|im_end|>".into())).unwrap();
+        let eos = Some("<|im_end|>");
+        let call = "<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>";
+        for (content, trained) in [
+            (serde_json::Value::Null, call.to_string()),
+            (
+                serde_json::json!("Let me look."),
+                format!("Let me look.\n{call}"),
+            ),
+        ] {
+            let messages = tool_conversation(content);
+            let full = t.render(&messages, false).unwrap();
+            let spans = template_spans(&t, eos, &messages, &full).unwrap();
+            let texts: Vec<&str> = spans.iter().map(|s| &full[s.clone()]).collect();
+            assert_eq!(texts, [trained.as_str(), "It is 22 C.<|im_end|>"], "{full}");
+        }
+    }
+
+    #[test]
+    fn tool_use_needs_a_template_that_supports_it() {
+        let messages = tool_conversation(serde_json::Value::Null);
+        assert_eq!(check_tool_use(&messages, true), Ok(()));
+        let err = check_tool_use(&messages, false).unwrap_err();
+        assert_eq!(
+            err,
+            "the chat template does not support tool calls: messages[1] calls tools"
+        );
+        let answer_only = [Message::new("user", "q"), Message::new("tool", "x")];
+        assert!(check_tool_use(&answer_only, false)
+            .unwrap_err()
+            .ends_with("messages[1] is a tool's answer"));
+        let mut empty = Message::new("user", "");
+        empty.content_is_null = true;
+        assert_eq!(
+            check_tool_use(&[empty], true).unwrap_err(),
+            "no content: messages[0] (user) has null content and calls no tool"
+        );
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use indicatif::ProgressBar;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rayon::prelude::*;
@@ -28,8 +29,10 @@ pub struct PrepareOptions {
     pub seed: u64,
     /// Keep only the first this many usable records (in input order).
     pub limit: Option<usize>,
-    /// Print progress to stderr.
-    pub progress: bool,
+    /// Progress: the bar counts the records tokenised, its length grows by the records handed
+    /// to tokenising (each input's, or with `limit` about what is still needed); when it is
+    /// hidden (stderr is not a terminal), a line every 2 s on stderr instead. `None`: silent.
+    pub progress: Option<ProgressBar>,
 }
 
 /// What `prepare-data` did.
@@ -108,10 +111,15 @@ impl Collected {
         let total = records.len();
         let done = AtomicUsize::new(0);
         let last_report = std::sync::Mutex::new(Instant::now());
+        let bar = opts.progress.as_ref();
+        let lines = bar.is_some_and(|b| b.is_hidden());
         let tokenise = |r: &ChatRecord| {
             let out = prepare_record(tokenizer, r, opts.max_len);
             let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-            if opts.progress {
+            if let Some(bar) = bar {
+                bar.inc(1);
+            }
+            if lines {
                 if let Ok(mut last) = last_report.try_lock() {
                     if last.elapsed() > Duration::from_secs(2) {
                         *last = Instant::now();
@@ -131,6 +139,9 @@ impl Collected {
                 }
                 None => total - start,
             };
+            if let Some(bar) = bar {
+                bar.inc_length(chunk as u64);
+            }
             let results: Vec<_> = records[start..start + chunk]
                 .par_iter()
                 .map(&tokenise)
@@ -192,6 +203,11 @@ pub fn prepare_data(
             break;
         }
         let mut read = ReadOutcome::default();
+        if let Some(bar) = &opts.progress {
+            // The name only: the bar has one line.
+            let name = input.file_name().unwrap_or(input.as_os_str());
+            bar.set_message(name.to_string_lossy().into_owned());
+        }
         read_input(input, &mut read)?;
         records_read += read.records.len();
         acc.truncated.extend(read.truncated.iter().cloned());

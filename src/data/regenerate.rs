@@ -22,6 +22,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use indicatif::ProgressBar;
 use tch::{Device, Kind};
 
 use super::arrow_io::{
@@ -58,8 +59,10 @@ pub struct RegenerateOptions {
     /// Stop (without assembling) once this many chunks were done in this run (for tests of
     /// the resumption).
     pub stop_after_chunks: Option<usize>,
-    /// Progress lines on stderr.
-    pub progress: bool,
+    /// Progress: the bar counts the rows done (its length is set to the rows in all, resumed
+    /// ones already counted); when it is hidden (stderr is not a terminal), a log line every
+    /// 5 s instead. `None`: silent.
+    pub progress: Option<ProgressBar>,
     /// How answers are decoded.
     pub engine: RegenerateEngine,
     /// CUDA graphs for the continuous engine's decoding step (GPU only).
@@ -91,7 +94,7 @@ impl Default for RegenerateOptions {
             prefill_tokens: BatchLimits::default().prefill_tokens,
             shard_rows: 50_000,
             stop_after_chunks: None,
-            progress: true,
+            progress: Some(ProgressBar::hidden()),
             engine: RegenerateEngine::Continuous,
             graphs: None,
         }
@@ -328,7 +331,7 @@ struct ChunkOutput {
 
 /// Progress lines on stderr.
 struct Progress {
-    enabled: bool,
+    bar: Option<ProgressBar>,
     total_rows: usize,
     rows_before: usize,
     started: Instant,
@@ -353,11 +356,29 @@ impl Progress {
         };
         st.rows += rows;
         st.tokens += tokens;
-        if !self.enabled || st.last.elapsed() < Duration::from_secs(5) {
+        let Some(bar) = &self.bar else {
+            return;
+        };
+        if rows > 0 {
+            bar.inc(rows as u64);
+        }
+        let elapsed = self.started.elapsed().as_secs_f64().max(1e-9);
+        if !bar.is_hidden() {
+            // Tokens change at every decoding step: the message is renewed a few times a second.
+            if st.last.elapsed() >= Duration::from_millis(200) {
+                st.last = Instant::now();
+                bar.set_message(format!(
+                    "{} tokens, {:.0} tokens/s",
+                    st.tokens,
+                    st.tokens as f64 / elapsed
+                ));
+            }
+            return;
+        }
+        if st.last.elapsed() < Duration::from_secs(5) {
             return;
         }
         st.last = Instant::now();
-        let elapsed = self.started.elapsed().as_secs_f64().max(1e-9);
         let done = self.rows_before + st.rows;
         let remaining = self.total_rows.saturating_sub(done);
         let eta = if st.rows > 0 {
@@ -949,8 +970,14 @@ pub fn regenerate(
         );
     }
 
+    if let Some(bar) = &opts.progress {
+        bar.set_length(total_rows as u64);
+        bar.set_position(rows_before as u64);
+        // The rate and ETA are of this run's rows, not of the resumed ones.
+        bar.reset_eta();
+    }
     let progress = Progress {
-        enabled: opts.progress,
+        bar: opts.progress.clone(),
         total_rows,
         rows_before,
         started: Instant::now(),

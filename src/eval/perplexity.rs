@@ -2,6 +2,7 @@
 //! prediction inside the (cut) sequences.
 
 use anyhow::Result;
+use indicatif::ProgressBar;
 use tch::{Kind, Reduction, Tensor};
 
 use crate::data::arrow_io::TokenColumn;
@@ -26,6 +27,9 @@ pub struct PerplexityOptions {
     pub max_len: usize,
     /// Upper bound on padded tokens per forward batch.
     pub batch_tokens: usize,
+    /// Advanced by the (cut) sequences' tokens after each batch; its length is set to all of
+    /// them.
+    pub progress: Option<ProgressBar>,
 }
 
 /// Rows of LM-head output computed at once, so that the full-vocabulary logits are never
@@ -52,6 +56,9 @@ pub fn perplexity(
         }
     }
 
+    if let Some(bar) = &opts.progress {
+        bar.set_length(seqs.iter().map(|s| s.len() as u64).sum());
+    }
     let started = std::time::Instant::now();
     let mut nll = 0f64;
     let mut predicted = 0u64;
@@ -120,6 +127,9 @@ pub fn perplexity(
             });
             nll += loss.to_kind(Kind::Double).double_value(&[]);
             start += len;
+        }
+        if let Some(bar) = &opts.progress {
+            bar.inc(batch.iter().map(|s| s.len() as u64).sum());
         }
         i = j;
     }

@@ -39,9 +39,7 @@ pub fn prompts_from_file(path: &Path, model_dir: &Path, limit: usize) -> Result<
                 .with_context(|| format!("{source}: prompt_ids must be a list of token ids"))?
         } else if v.get("messages").is_some() || v.get("turns").is_some() {
             let messages: Vec<Message> = if let Some(m) = v.get("messages") {
-                serde_json::from_value(m.clone()).with_context(|| {
-                    format!("{source}: messages must be a list of {{\"role\", \"content\"}}")
-                })?
+                crate::text::messages_from_json(m).map_err(|e| anyhow::anyhow!("{source}: {e}"))?
             } else {
                 let first = v
                     .get("turns")

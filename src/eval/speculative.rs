@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
+use indicatif::ProgressBar;
 use tch::{Kind, Tensor};
 
 use crate::aten_ext::graph::GraphLibrary;
@@ -465,13 +466,15 @@ fn count_slots(by_slot: &mut [u64], accept_lengths: &[usize]) {
 }
 
 /// How [`evaluate`] runs.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct EvalOptions {
     /// CUDA graphs for the decoding steps (GPU only).
     pub graphs: Option<GraphLibrary>,
     /// The first this many prompts are decoded once, untimed, before the measured pass
     /// (graph capture, libtorch's lazy set-up, caches): the timing then shows steady decoding.
     pub warmup_prompts: usize,
+    /// Advanced by one for each measured prompt, between prompts (outside the timing).
+    pub progress: Option<ProgressBar>,
 }
 
 /// Spread of a per-prompt number.
@@ -542,8 +545,19 @@ pub struct EvalReport {
     pub warmup_prompts: usize,
     /// Whether the decoding steps ran as CUDA graphs.
     pub cuda_graphs: bool,
+    /// Why `speedup` should not be trusted, each reason with what to do; empty when nothing
+    /// stands out (see [`EvalReport::speedup_warnings`]; `eval` fills it in).
+    pub speedup_warnings: Vec<String>,
     pub prompts: Vec<PromptResult>,
 }
+
+/// Fewer timed prompts than this: the speed-up is one of a few samples.
+pub const MIN_TRUSTED_PROMPTS: usize = 10;
+/// Fewer timed output tokens (per decoder) than this: a few milliseconds of noise move it.
+pub const MIN_TRUSTED_TOKENS: usize = 500;
+/// Per-prompt speed-ups whose p10..p90 range is wider than this share of their median
+/// disagree too much for one number to stand for them.
+pub const MAX_TRUSTED_SPREAD: f64 = 0.5;
 
 /// One prompt's result.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -610,12 +624,24 @@ pub fn evaluate(
             Ok((plain, fast))
         })
     };
+    let bar = opts.progress.as_ref();
+    if opts.warmup_prompts > 0 {
+        if let Some(bar) = bar {
+            bar.set_message("warming up");
+        }
+    }
     for prompt in prompts.iter().take(opts.warmup_prompts) {
         run(prompt)?;
+    }
+    if let Some(bar) = bar {
+        bar.set_message("");
     }
     let mut results = Vec::new();
     for prompt in &prompts {
         let (plain, fast) = run(prompt)?;
+        if let Some(bar) = bar {
+            bar.inc(1);
+        }
         let first_mismatch = plain
             .output_ids
             .iter()
@@ -693,8 +719,47 @@ impl EvalReport {
             accepted_by_slot: by_slot,
             warmup_prompts: 0,
             cuda_graphs: false,
+            speedup_warnings: Vec::new(),
             prompts,
         }
+    }
+
+    /// Why this report's speed-up is not a trustworthy measurement, each reason with what to
+    /// do; empty when nothing stands out. `on_cpu`: some of the decoding ran on the CPU. tau and
+    /// the mismatches do not depend on timing and are not concerned.
+    pub fn speedup_warnings(&self, on_cpu: bool) -> Vec<String> {
+        let mut out = Vec::new();
+        if on_cpu {
+            // Identical CPU runs of the same model measured 2.78x, 0.42x and 1.83x.
+            out.push(
+                "decoding ran on the CPU, where the time per token swings with other processes, thread scheduling and clock speed (identical CPU runs have measured anywhere from 0.4x to 2.8x): measure the speed-up on a GPU (--device cuda)".to_string(),
+            );
+        }
+        let n = self.prompts.len();
+        if n < MIN_TRUSTED_PROMPTS {
+            out.push(format!(
+                "only {n} prompt(s) were timed: time at least {MIN_TRUSTED_PROMPTS} (--limit 20 or more, and as many prompts in the data)"
+            ));
+        }
+        let tokens = self.greedy_tokens.min(self.dflash_tokens);
+        if tokens < MIN_TRUSTED_TOKENS {
+            out.push(format!(
+                "only {tokens} output tokens were timed: time at least {MIN_TRUSTED_TOKENS} (a larger --max-new-tokens or --limit)"
+            ));
+        }
+        let sp = &self.speedup_spread;
+        if n >= 2 && sp.median > 0.0 && (sp.p90 - sp.p10) / sp.median > MAX_TRUSTED_SPREAD {
+            out.push(format!(
+                "the per-prompt speed-ups range from {:.2}x (p10) to {:.2}x (p90) around a median of {:.2}x: time more prompts, on an otherwise idle machine or a GPU",
+                sp.p10, sp.p90, sp.median
+            ));
+        }
+        if self.warmup_prompts == 0 {
+            out.push(
+                "no prompt was decoded untimed first (--warmup 0): the first prompt's time includes the set-up (libtorch's lazy initialisation, CUDA graph capture); use --warmup 1".to_string(),
+            );
+        }
+        out
     }
 
     /// Reports of disjoint prompt shards (e.g. one per device) as one, prompts in the given
@@ -707,5 +772,77 @@ impl EvalReport {
         report.warmup_prompts = warmup;
         report.cuda_graphs = graphs;
         report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prompt timed at `greedy_s` / `dflash_s` seconds for `tokens` tokens each.
+    fn timed(greedy_s: f64, dflash_s: f64, tokens: usize) -> PromptResult {
+        PromptResult {
+            prompt_ids: vec![1],
+            tau: 2.0,
+            output_ids: vec![2; tokens + 1],
+            accept_lengths: vec![2],
+            drafts: vec![],
+            matches_greedy: true,
+            first_mismatch: None,
+            mismatch_margin: None,
+            greedy_s,
+            dflash_s,
+            greedy_tokens: tokens,
+            dflash_tokens: tokens,
+            greedy_times: StepTimes::default(),
+            dflash_times: StepTimes::default(),
+        }
+    }
+
+    fn report(prompts: Vec<PromptResult>, warmup: usize) -> EvalReport {
+        let mut r = EvalReport::from_prompts(4, prompts);
+        r.warmup_prompts = warmup;
+        r
+    }
+
+    #[test]
+    fn a_steady_gpu_like_measurement_has_no_warning() {
+        let prompts = (0..20)
+            .map(|i| timed(1.0, 0.5 + 0.001 * i as f64, 100))
+            .collect();
+        assert!(report(prompts, 1).speedup_warnings(false).is_empty());
+    }
+
+    #[test]
+    fn each_untrustworthy_measurement_is_named_with_what_to_do() {
+        let steady = || (0..20).map(|_| timed(1.0, 0.5, 100)).collect::<Vec<_>>();
+        // On the CPU.
+        let w = report(steady(), 1).speedup_warnings(true);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("CPU") && w[0].contains("GPU"), "{w:?}");
+        // Too few prompts, and so too few tokens.
+        let w = report(steady()[..3].to_vec(), 1).speedup_warnings(false);
+        assert!(
+            w.iter()
+                .any(|m| m.contains("only 3 prompt(s)") && m.contains("--limit")),
+            "{w:?}"
+        );
+        assert!(
+            w.iter().any(|m| m.contains("only 300 output tokens")),
+            "{w:?}"
+        );
+        // Speed-ups from 0.4x to 2.8x around a median of 1.4x.
+        let wide: Vec<_> = (0..20)
+            .map(|i| timed(1.0, 1.0 / (0.4 + 0.125 * i as f64), 100))
+            .collect();
+        let w = report(wide, 1).speedup_warnings(false);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("range from") && w[0].contains("more prompts"),
+            "{w:?}"
+        );
+        // No warm-up.
+        let w = report(steady(), 0).speedup_warnings(false);
+        assert!(w.len() == 1 && w[0].contains("--warmup 1"), "{w:?}");
     }
 }

@@ -11,11 +11,19 @@ pub mod chat_template;
 
 pub use chat_template::ChatTemplate;
 
-/// One chat message.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One chat message, as a chat template sees it: like Hugging Face, which hands the message
+/// dicts to the template as they are, every field is passed through.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Message {
     pub role: String,
+    /// The text. An OpenAI-style list of content parts is read as its text parts joined by
+    /// newlines (as vLLM does for text-only models); other parts (images, audio) are left out.
     pub content: String,
+    /// The content was `null` or missing (an assistant turn with only tool calls): the template
+    /// sees none, as in Hugging Face.
+    pub content_is_null: bool,
+    /// The other fields (`tool_calls`, `tool_call_id`, `name`, ...), as they were.
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Message {
@@ -23,7 +31,146 @@ impl Message {
         Message {
             role: role.to_string(),
             content: content.to_string(),
+            ..Message::default()
         }
+    }
+
+    /// The message's tool calls, when it has any.
+    pub fn tool_calls(&self) -> Option<&[serde_json::Value]> {
+        self.extra
+            .get("tool_calls")
+            .and_then(|t| t.as_array())
+            .map(Vec::as_slice)
+            .filter(|t| !t.is_empty())
+    }
+
+    /// A tool call or a tool's answer: only templates that know tools can render it.
+    pub fn uses_tools(&self) -> bool {
+        self.role == "tool" || self.tool_calls().is_some()
+    }
+
+    /// Reads one message of a `messages` list; `Err` says what is wrong with it.
+    pub fn from_json(value: &serde_json::Value) -> std::result::Result<Self, String> {
+        use serde_json::Value;
+        let Value::Object(fields) = value else {
+            return Err(format!(
+                "is {}, expected an object with \"role\" and \"content\"",
+                json_kind(value)
+            ));
+        };
+        let mut extra = fields.clone();
+        let role = match extra.remove("role") {
+            Some(Value::String(r)) => r,
+            Some(other) => {
+                return Err(format!(
+                    "\"role\" is {}, expected a string",
+                    json_kind(&other)
+                ))
+            }
+            None => return Err("has no \"role\"".into()),
+        };
+        let (content, content_is_null) = match extra.remove("content") {
+            None | Some(Value::Null) => (String::new(), true),
+            Some(Value::String(c)) => (c, false),
+            Some(Value::Array(parts)) => (text_of_parts(&parts)?, false),
+            Some(other) => {
+                return Err(format!(
+                    "\"content\" is {}, expected a string, null or a list of parts",
+                    json_kind(&other)
+                ))
+            }
+        };
+        match extra.get("tool_calls") {
+            // OpenAI exports write `"tool_calls": null` on every plain turn.
+            Some(Value::Null) => {
+                extra.remove("tool_calls");
+            }
+            Some(Value::Array(_)) | None => {}
+            Some(other) => {
+                return Err(format!(
+                    "\"tool_calls\" is {}, expected a list",
+                    json_kind(other)
+                ))
+            }
+        }
+        Ok(Message {
+            role,
+            content,
+            content_is_null,
+            extra,
+        })
+    }
+}
+
+/// Reads a `messages` list; `Err` names the message and what is wrong with it.
+pub fn messages_from_json(value: &serde_json::Value) -> std::result::Result<Vec<Message>, String> {
+    let list = value
+        .as_array()
+        .ok_or_else(|| format!("\"messages\" is {}, expected a list", json_kind(value)))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| Message::from_json(m).map_err(|e| format!("messages[{i}] {e}")))
+        .collect()
+}
+
+/// The text parts of an OpenAI-style content list, joined by newlines.
+fn text_of_parts(parts: &[serde_json::Value]) -> std::result::Result<String, String> {
+    let mut texts = Vec::new();
+    for (j, part) in parts.iter().enumerate() {
+        match part.get("type").and_then(|t| t.as_str()) {
+            Some("text") => match part.get("text").and_then(|t| t.as_str()) {
+                Some(t) => texts.push(t),
+                None => {
+                    return Err(format!(
+                        "\"content\"[{j}] is a text part without a \"text\" string"
+                    ))
+                }
+            },
+            // Images, audio, files: a text model has no use for them.
+            Some(_) => {}
+            None => {
+                return Err(format!(
+                    "\"content\"[{j}] has no \"type\" (a content part is {{\"type\": \"text\", \"text\": ...}})"
+                ))
+            }
+        }
+    }
+    Ok(texts.join("\n"))
+}
+
+/// "a number", "an object", ... for messages about JSON values.
+fn json_kind(value: &serde_json::Value) -> &'static str {
+    use serde_json::Value;
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+impl Serialize for Message {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(2 + self.extra.len()))?;
+        map.serialize_entry("role", &self.role)?;
+        map.serialize_entry(
+            "content",
+            &(!self.content_is_null).then_some(self.content.as_str()),
+        )?;
+        for (k, v) in &self.extra {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Message {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let value = serde_json::Value::deserialize(d)?;
+        Message::from_json(&value).map_err(serde::de::Error::custom)
     }
 }
 
@@ -172,5 +319,70 @@ impl TextTokenizer {
             .context("the model's tokenizer_config.json has no chat_template")?;
         let text = template.render(messages, add_generation_prompt)?;
         self.encode(&text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn openai_message_shapes() {
+        // Null content with tool calls: the template sees none, the calls pass through.
+        let m = Message::from_json(&json!({"role": "assistant", "content": null,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}))
+        .unwrap();
+        assert!(m.content_is_null && m.uses_tools());
+        assert_eq!(m.tool_calls().map(<[_]>::len), Some(1));
+        let seen = serde_json::to_value(&m).unwrap();
+        assert_eq!(seen["content"], serde_json::Value::Null);
+        assert_eq!(seen["tool_calls"][0]["function"]["name"], "f");
+        // A list of parts: the text parts, joined by newlines.
+        let m = Message::from_json(&json!({"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}},
+            {"type": "text", "text": "b"}]}))
+        .unwrap();
+        assert_eq!((m.content.as_str(), m.content_is_null), ("a\nb", false));
+        // `"tool_calls": null` is no tool call; other fields pass through.
+        let m = Message::from_json(&json!({"role": "tool", "content": "42",
+            "tool_call_id": "c1", "tool_calls": null}))
+        .unwrap();
+        assert!(m.tool_calls().is_none() && m.uses_tools());
+        assert_eq!(serde_json::to_value(&m).unwrap()["tool_call_id"], "c1");
+        assert!(!m.extra.contains_key("tool_calls"));
+    }
+
+    #[test]
+    fn bad_messages_are_named() {
+        let err = |v: serde_json::Value| messages_from_json(&v).unwrap_err();
+        assert_eq!(
+            err(json!({"role": "user"})),
+            "\"messages\" is an object, expected a list"
+        );
+        assert_eq!(
+            err(json!([{"content": "x"}])),
+            "messages[0] has no \"role\""
+        );
+        assert_eq!(
+            err(json!([{"role": "user", "content": "a"}, {"role": 1, "content": "x"}])),
+            "messages[1] \"role\" is a number, expected a string"
+        );
+        assert_eq!(
+            err(json!([{"role": "user", "content": {"text": "x"}}])),
+            "messages[0] \"content\" is an object, expected a string, null or a list of parts"
+        );
+        assert_eq!(
+            err(json!([{"role": "user", "content": [{"type": "text", "text": 3}]}])),
+            "messages[0] \"content\"[0] is a text part without a \"text\" string"
+        );
+        assert_eq!(
+            err(json!([{"role": "assistant", "content": "x", "tool_calls": {}}])),
+            "messages[0] \"tool_calls\" is an object, expected a list"
+        );
+        assert_eq!(
+            err(json!(["hi"])),
+            "messages[0] is a string, expected an object with \"role\" and \"content\""
+        );
     }
 }
