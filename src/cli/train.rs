@@ -10,7 +10,7 @@ use crate::pipeline::signals::SignalFlags;
 use crate::pipeline::{control, headless, trainer};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
-use crate::train::run_lock::RunLock;
+use crate::train::run_lock::{RunLock, LOCK_NAME};
 
 pub struct TrainArgs {
     pub config: Option<PathBuf>,
@@ -87,13 +87,57 @@ fn check_resume(run: &Path, config: &TrainConfig, args: &TrainArgs) -> Result<Ve
     Ok(changes.schedule.into_iter().chain(changes.free).collect())
 }
 
-/// Creates the run directory, takes its lock (one trainer per run directory) and writes the
-/// resolved configuration, before any model is loaded. On a resume every check runs first, so
-/// that a refused resume leaves the run directory as it was.
-pub fn prepare_run_dir(
-    config: &TrainConfig,
-    args: &TrainArgs,
-) -> Result<(PathBuf, RunLock, Vec<String>)> {
+/// What a run writes in its directory: a directory holding any of them holds a run.
+const RUN_FILES: &[&str] = &[
+    "config.toml",
+    "metrics.jsonl",
+    "train.log",
+    "checkpoints",
+    "best",
+    control::SOCKET_NAME,
+    LOCK_NAME,
+];
+
+/// Refuses to start a new run in a directory that holds one (its files would be mixed with
+/// the new run's, its checkpoints overwritten); reads only. An empty or absent directory, or
+/// one with none of a run's files, is fine.
+fn refuse_existing_run(dir: &Path) -> Result<()> {
+    let found: Vec<String> = RUN_FILES
+        .iter()
+        .filter_map(|name| {
+            let meta = dir.join(name).symlink_metadata().ok()?;
+            Some(if meta.is_dir() {
+                format!("{name}/")
+            } else {
+                (*name).to_string()
+            })
+        })
+        .collect();
+    if found.is_empty() {
+        return Ok(());
+    }
+    // A trainer at work there is named first: --resume would be refused too.
+    RunLock::check_free(dir)?;
+    let resume = if crate::train::checkpoint::newest_checkpoint(dir).is_ok() {
+        format!("continue it with --resume {}", dir.display())
+    } else {
+        format!(
+            "it has no checkpoint yet, so --resume {} cannot continue it",
+            dir.display()
+        )
+    };
+    bail!(
+        "{}: already holds a run ({}); {resume}, or start a new run with another --run-dir; nothing in {} was changed",
+        dir.display(),
+        found.join(", "),
+        dir.display()
+    )
+}
+
+/// The run directory and, on a resume, the changes of configuration to log; checked without
+/// writing anything: a resume's checks, a new run's directory holds no run, the control
+/// socket's path fits.
+fn check_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<(PathBuf, Option<Vec<String>>)> {
     let changes = match &args.resume {
         Some(run) => Some(check_resume(run, config, args)?),
         None => None,
@@ -111,16 +155,28 @@ pub fn prepare_run_dir(
         }
     };
     control::check_socket_path(&dir)?;
-    std::fs::create_dir_all(&dir)
+    if args.resume.is_none() {
+        refuse_existing_run(&dir)?;
+    }
+    Ok((dir, changes))
+}
+
+/// Creates the run directory checked by [`check_run_dir`], takes its lock (one trainer per run
+/// directory) and writes the resolved configuration (unless a resume changes nothing).
+fn create_run_dir(
+    dir: &Path,
+    config: &TrainConfig,
+    changes: Option<&Vec<String>>,
+) -> Result<RunLock> {
+    std::fs::create_dir_all(dir)
         .with_context(|| format!("{}: cannot create the run directory", dir.display()))?;
-    let lock = RunLock::acquire(&dir)?;
+    let lock = RunLock::acquire(dir)?;
     let resolved = dir.join("config.toml");
-    let changed = changes.as_ref().is_none_or(|c| !c.is_empty());
-    if changed {
+    if changes.is_none_or(|c| !c.is_empty()) {
         std::fs::write(&resolved, config.to_toml_string()?)
             .with_context(|| format!("{}: the run directory is not writable", dir.display()))?;
     }
-    Ok((dir, lock, changes.unwrap_or_default()))
+    Ok(lock)
 }
 
 /// `init_logging(log_file, tui)`: the screen shows logs in its own pane, so with `tui` the
@@ -128,10 +184,12 @@ pub fn prepare_run_dir(
 pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>, bool)) -> Result<()> {
     use std::io::IsTerminal;
     let config = load_config(&args)?;
-    let (run_dir, _lock, changes) = prepare_run_dir(&config, &args)?;
+    // Every check before anything is written or loaded: a refusal leaves no trace.
+    let (run_dir, changes) = check_run_dir(&config, &args)?;
+    let _lock = create_run_dir(&run_dir, &config, changes.as_ref())?;
     let tui = !args.no_tui && std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
     init_logging(Some(&run_dir.join("train.log")), tui);
-    for change in &changes {
+    for change in changes.iter().flatten() {
         log::info!("resume with a changed configuration: {change}");
     }
     let signals = SignalFlags::install()?;
