@@ -1,10 +1,15 @@
 //! `train`: a training run in this process, headless for now.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
 use crate::config::{self, TrainConfig};
+use crate::data::arrow_io::resolve_split;
+use crate::data::check::scan_tokens;
+use crate::data::store::DataColumns;
+use crate::model::{Drafter, DrafterConfig, DrafterShape, TargetConfig};
 use crate::paths::Locations;
 use crate::pipeline::signals::SignalFlags;
 use crate::pipeline::{control, headless, trainer};
@@ -161,6 +166,82 @@ fn check_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<(PathBuf, Opt
     Ok((dir, changes))
 }
 
+/// The inputs' checks, before anything is written or any model loads: the target's
+/// config.json and the drafter's shape (or the `drafter_init` drafter), the held-out splits,
+/// and one pass over the training split's token columns (files and columns present, ids inside
+/// the vocabulary, masks of 0 and 1, a mask token the loss never trains on). Returns a line
+/// to log.
+pub fn check_inputs(config: &TrainConfig) -> Result<String> {
+    let started = Instant::now();
+    let target_dir = Path::new(&config.model.target);
+    let target = TargetConfig::from_model_dir(target_dir)?;
+    let shape = DrafterShape {
+        layers: config.model.drafter_layers,
+        block_size: config.model.block_size,
+        mask_token_id: config.model.mask_token_id,
+        target_layer_ids: (!config.model.target_layer_ids.is_empty())
+            .then(|| config.model.target_layer_ids.clone()),
+        num_taps: config.model.num_taps,
+    };
+    DrafterConfig::for_target(&target, &shape).with_context(|| {
+        format!(
+            "config: model section does not fit the target {}",
+            target_dir.display()
+        )
+    })?;
+    // A released drafter brings its own mask token.
+    type Fix = Box<dyn Fn(u32) -> String>;
+    let (mask, field, fix): (i64, String, Fix) = if config.model.drafter_init.is_empty() {
+        (
+            config.model.mask_token_id,
+            "config: model.mask_token_id".into(),
+            Box::new(|id| format!("--set model.mask_token_id={id}")),
+        )
+    } else {
+        let init = Path::new(&config.model.drafter_init);
+        let c = Drafter::config_for_target(init, &target)?;
+        (
+            c.mask_token_id(),
+            format!(
+                "{}: dflash_config.mask_token_id",
+                init.join("config.json").display()
+            ),
+            Box::new(|id| format!("a drafter made with init-drafter --mask-token-id {id}")),
+        )
+    };
+
+    let data = Path::new(&config.data.path);
+    let splits = data.join("dataset_dict.json").is_file();
+    let data_path = resolve_split(data, splits.then_some(config.data.split.as_str()))?;
+    if splits && config.validation.every_steps > 0 {
+        resolve_split(data, Some(&config.validation.split)).with_context(|| {
+            "config: validation (sequences come from data.path, split validation.split)"
+        })?;
+    }
+    if splits && config.eval.every_steps > 0 {
+        resolve_split(data, Some(&config.eval.split))
+            .with_context(|| "config: eval (prompts come from data.path, split eval.split)")?;
+    }
+    let columns = DataColumns {
+        input_ids: config.data.input_ids_column.clone(),
+        loss_mask: (!config.data.loss_mask_column.is_empty())
+            .then(|| config.data.loss_mask_column.clone()),
+    };
+    let mask_id = u32::try_from(mask).with_context(|| format!("{field} = {mask} is negative"))?;
+    let scan = scan_tokens(&data_path, &columns, target.vocab_size as usize, mask_id)?;
+    scan.refuse_trained_mask_token(&field, target_dir, fix)?;
+    Ok(format!(
+        "checked {} in {:.2} s: {} rows, {} tokens ({} trained), ids inside the vocabulary of {}, mask token {mask_id} not trained ({} times in the context)",
+        data_path.display(),
+        started.elapsed().as_secs_f64(),
+        scan.rows,
+        scan.tokens,
+        scan.trained,
+        target.vocab_size,
+        scan.counts[mask_id as usize]
+    ))
+}
+
 /// Creates the run directory checked by [`check_run_dir`], takes its lock (one trainer per run
 /// directory) and writes the resolved configuration (unless a resume changes nothing).
 fn create_run_dir(
@@ -186,9 +267,15 @@ pub fn run(args: TrainArgs, init_logging: impl FnOnce(Option<&Path>, bool)) -> R
     let config = load_config(&args)?;
     // Every check before anything is written or loaded: a refusal leaves no trace.
     let (run_dir, changes) = check_run_dir(&config, &args)?;
+    let checked = check_inputs(&config)?;
+    if args.resume.is_none() {
+        // Again, just before writing: a run may have started there during the checks.
+        refuse_existing_run(&run_dir)?;
+    }
     let _lock = create_run_dir(&run_dir, &config, changes.as_ref())?;
     let tui = !args.no_tui && std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
     init_logging(Some(&run_dir.join("train.log")), tui);
+    log::info!("{checked}");
     for change in changes.iter().flatten() {
         log::info!("resume with a changed configuration: {change}");
     }
