@@ -69,7 +69,7 @@ train)
     cat "$W"/regen.tar.xz.* | xz -dc | tar -C "$W" -xf - || exit 1
   fi
   args=(--config "$CONFIG" --no-tui --set model.target="$W/smol" --set data.path="$W/regen")
-  if [ -f "$W/run/latest/trainer_state.json" ] || [ -d "$W/run/latest" ]; then
+  if [ -e "$W/run/checkpoints/latest" ]; then
     args=(--resume "$W/run" --no-tui)
   else
     args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-4000}")

@@ -366,41 +366,31 @@ fn a_step_folder_of_an_earlier_run_is_replaced_not_kept() {
     let set = ["train.total_steps=4", "checkpoint.save_every_steps=2"];
     let (code, out) = Run::start(&train_args(&i, &run_dir, &set)).finish(LIMIT);
     assert_eq!(code, 0, "{out}");
-    let weights = |step: &str| {
-        std::fs::read(
-            run_dir
-                .join("checkpoints")
-                .join(step)
-                .join("drafter/model.safetensors"),
-        )
-        .unwrap()
-    };
-    let first = weights("step-000004");
-    // another run (another seed and rate) in the same directory writes the same step names
-    let set = [
-        "train.total_steps=4",
-        "checkpoint.save_every_steps=2",
-        "run.seed=7",
-        "train.lr=1e-2",
-    ];
-    let (code, out) = Run::start(&train_args(&i, &run_dir, &set)).finish(LIMIT);
+    // A new run cannot start in a run's directory any more; a step folder is met again by a
+    // resume from an older checkpoint: here step-000004 is left incomplete (no
+    // trainer_state.json, so the resume starts at step 2) and holds a stale file and stale
+    // weights.
+    let step4 = run_dir.join("checkpoints/step-000004");
+    std::fs::remove_file(step4.join("trainer_state.json")).unwrap();
+    std::fs::write(step4.join("stale"), b"from the earlier run").unwrap();
+    let stale_weights = b"stale weights".to_vec();
+    std::fs::write(step4.join("drafter/model.safetensors"), &stale_weights).unwrap();
+    let (code, out) = Run::start(&resume_args(&run_dir)).finish(LIMIT);
     assert_eq!(code, 0, "{out}");
-    let second = weights("step-000004");
+    assert!(out.contains("at step 2"), "{out}");
+    assert!(!step4.join("stale").exists(), "the stale file was kept");
     assert_ne!(
-        first, second,
-        "the step folder still holds the first run's weights"
+        std::fs::read(step4.join("drafter/model.safetensors")).unwrap(),
+        stale_weights,
+        "the step folder still holds the earlier weights"
     );
-    let state = read_state(&run_dir.join("checkpoints/step-000004")).unwrap();
-    assert_eq!(state.seed, 7);
+    assert_eq!(newest_loads(&run_dir), 4);
     assert!(
         hidden_leftovers(&run_dir).is_empty(),
         "{:?}",
         hidden_leftovers(&run_dir)
     );
-    eprintln!(
-        "reused step folder: step-000004 replaced by the second run's weights (seed {})",
-        state.seed
-    );
+    eprintln!("reused step folder: an incomplete step-000004 with stale files replaced whole by the resumed run's");
 }
 
 #[test]

@@ -107,6 +107,10 @@ pub enum Command {
         /// Seed of the random initialisation (the same seed gives the same weights).
         #[arg(long, default_value_t = 0)]
         seed: i64,
+        /// A prepared dataset (prepare-data output; its train split) to check the mask token
+        /// against: refused when the loss trains on it there (loss_mask 1).
+        #[arg(long)]
+        data: Option<PathBuf>,
     },
     /// Tokenise chat data (ShareGPT JSON/JSONL, {"messages"} JSONL, {"text"} JSONL) with a
     /// model's chat template into a Hugging Face dataset (save_to_disk layout, train and
@@ -331,6 +335,7 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             target_layer_ids,
             num_taps,
             seed,
+            data,
         } => models::init_drafter(models::InitDrafterArgs {
             target,
             out,
@@ -340,6 +345,7 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             target_layer_ids,
             num_taps,
             seed,
+            data,
         }),
         Command::Perplexity {
             model,

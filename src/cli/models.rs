@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
-use crate::data::arrow_io::read_token_column;
+use crate::data::arrow_io::{read_token_column, resolve_split};
+use crate::data::check::scan_tokens;
+use crate::data::store::DataColumns;
 use crate::eval::perplexity::{perplexity, PerplexityOptions};
 use crate::model::{Drafter, DrafterConfig, DrafterShape, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
@@ -21,6 +23,8 @@ pub struct InitDrafterArgs {
     pub target_layer_ids: Option<Vec<usize>>,
     pub num_taps: usize,
     pub seed: i64,
+    /// A dataset to check the mask token against.
+    pub data: Option<PathBuf>,
 }
 
 pub fn init_drafter(args: InitDrafterArgs) -> Result<()> {
@@ -38,6 +42,26 @@ pub fn init_drafter(args: InitDrafterArgs) -> Result<()> {
             args.target.join("config.json").display()
         )
     })?;
+    if let Some(data) = &args.data {
+        // Before anything is written: a drafter with this mask token would be refused by train.
+        let path = resolve_split(data, None)?;
+        let mask = u32::try_from(args.mask_token_id).context("--mask-token-id is negative")?;
+        let scan = scan_tokens(
+            &path,
+            &DataColumns::default(),
+            target.vocab_size as usize,
+            mask,
+        )?;
+        scan.refuse_trained_mask_token("--mask-token-id", &args.target, |id| {
+            format!("--mask-token-id {id}")
+        })?;
+        println!(
+            "checked {}: {} rows, mask token {mask} not trained ({} times in the context)",
+            path.display(),
+            scan.rows,
+            scan.counts[mask as usize]
+        );
+    }
     let drafter = Drafter::init(config, tch::Device::Cpu, tch::Kind::Float, args.seed as u64)?;
     let out = drafter.save(&args.out)?;
     println!("{}", drafter.describe());

@@ -4,17 +4,22 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
 use crate::config::{self, TrainConfig};
+use crate::data::arrow_io::resolve_split;
+use crate::data::check::scan_tokens;
+use crate::data::store::DataColumns;
+use crate::model::{Drafter, DrafterConfig, DrafterShape, TargetConfig};
 use crate::paths::Locations;
 use crate::pipeline::headless::{RunLoopOptions, ScreenLink};
 use crate::pipeline::signals::SignalFlags;
 use crate::pipeline::{control, headless, trainer};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
-use crate::train::run_lock::RunLock;
+use crate::train::run_lock::{RunLock, LOCK_NAME};
 use crate::ui::state::Viewer;
 
 pub struct TrainArgs {
@@ -92,13 +97,57 @@ fn check_resume(run: &Path, config: &TrainConfig, args: &TrainArgs) -> Result<Ve
     Ok(changes.schedule.into_iter().chain(changes.free).collect())
 }
 
-/// Creates the run directory, takes its lock (one trainer per run directory) and writes the
-/// resolved configuration, before any model is loaded. On a resume every check runs first, so
-/// that a refused resume leaves the run directory as it was.
-pub fn prepare_run_dir(
-    config: &TrainConfig,
-    args: &TrainArgs,
-) -> Result<(PathBuf, RunLock, Vec<String>)> {
+/// What a run writes in its directory: a directory holding any of them holds a run.
+const RUN_FILES: &[&str] = &[
+    "config.toml",
+    "metrics.jsonl",
+    "train.log",
+    "checkpoints",
+    "best",
+    control::SOCKET_NAME,
+    LOCK_NAME,
+];
+
+/// Refuses to start a new run in a directory that holds one (its files would be mixed with
+/// the new run's, its checkpoints overwritten); reads only. An empty or absent directory, or
+/// one with none of a run's files, is fine.
+fn refuse_existing_run(dir: &Path) -> Result<()> {
+    let found: Vec<String> = RUN_FILES
+        .iter()
+        .filter_map(|name| {
+            let meta = dir.join(name).symlink_metadata().ok()?;
+            Some(if meta.is_dir() {
+                format!("{name}/")
+            } else {
+                (*name).to_string()
+            })
+        })
+        .collect();
+    if found.is_empty() {
+        return Ok(());
+    }
+    // A trainer at work there is named first: --resume would be refused too.
+    RunLock::check_free(dir)?;
+    let resume = if crate::train::checkpoint::newest_checkpoint(dir).is_ok() {
+        format!("continue it with --resume {}", dir.display())
+    } else {
+        format!(
+            "it has no checkpoint yet, so --resume {} cannot continue it",
+            dir.display()
+        )
+    };
+    bail!(
+        "{}: already holds a run ({}); {resume}, or start a new run with another --run-dir; nothing in {} was changed",
+        dir.display(),
+        found.join(", "),
+        dir.display()
+    )
+}
+
+/// The run directory and, on a resume, the changes of configuration to log; checked without
+/// writing anything: a resume's checks, a new run's directory holds no run, the control
+/// socket's path fits.
+fn check_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<(PathBuf, Option<Vec<String>>)> {
     let changes = match &args.resume {
         Some(run) => Some(check_resume(run, config, args)?),
         None => None,
@@ -116,16 +165,104 @@ pub fn prepare_run_dir(
         }
     };
     control::check_socket_path(&dir)?;
-    std::fs::create_dir_all(&dir)
+    if args.resume.is_none() {
+        refuse_existing_run(&dir)?;
+    }
+    Ok((dir, changes))
+}
+
+/// The inputs' checks, before anything is written or any model loads: the target's
+/// config.json and the drafter's shape (or the `drafter_init` drafter), the held-out splits,
+/// and one pass over the training split's token columns (files and columns present, ids inside
+/// the vocabulary, masks of 0 and 1, a mask token the loss never trains on). Returns a line
+/// to log.
+pub fn check_inputs(config: &TrainConfig) -> Result<String> {
+    let started = Instant::now();
+    let target_dir = Path::new(&config.model.target);
+    let target = TargetConfig::from_model_dir(target_dir)?;
+    let shape = DrafterShape {
+        layers: config.model.drafter_layers,
+        block_size: config.model.block_size,
+        mask_token_id: config.model.mask_token_id,
+        target_layer_ids: (!config.model.target_layer_ids.is_empty())
+            .then(|| config.model.target_layer_ids.clone()),
+        num_taps: config.model.num_taps,
+    };
+    DrafterConfig::for_target(&target, &shape).with_context(|| {
+        format!(
+            "config: model section does not fit the target {}",
+            target_dir.display()
+        )
+    })?;
+    // A released drafter brings its own mask token.
+    type Fix = Box<dyn Fn(u32) -> String>;
+    let (mask, field, fix): (i64, String, Fix) = if config.model.drafter_init.is_empty() {
+        (
+            config.model.mask_token_id,
+            "config: model.mask_token_id".into(),
+            Box::new(|id| format!("--set model.mask_token_id={id}")),
+        )
+    } else {
+        let init = Path::new(&config.model.drafter_init);
+        let c = Drafter::config_for_target(init, &target)?;
+        (
+            c.mask_token_id(),
+            format!(
+                "{}: dflash_config.mask_token_id",
+                init.join("config.json").display()
+            ),
+            Box::new(|id| format!("a drafter made with init-drafter --mask-token-id {id}")),
+        )
+    };
+
+    let data = Path::new(&config.data.path);
+    let splits = data.join("dataset_dict.json").is_file();
+    let data_path = resolve_split(data, splits.then_some(config.data.split.as_str()))?;
+    if splits && config.validation.every_steps > 0 {
+        resolve_split(data, Some(&config.validation.split)).with_context(|| {
+            "config: validation (sequences come from data.path, split validation.split)"
+        })?;
+    }
+    if splits && config.eval.every_steps > 0 {
+        resolve_split(data, Some(&config.eval.split))
+            .with_context(|| "config: eval (prompts come from data.path, split eval.split)")?;
+    }
+    let columns = DataColumns {
+        input_ids: config.data.input_ids_column.clone(),
+        loss_mask: (!config.data.loss_mask_column.is_empty())
+            .then(|| config.data.loss_mask_column.clone()),
+    };
+    let mask_id = u32::try_from(mask).with_context(|| format!("{field} = {mask} is negative"))?;
+    let scan = scan_tokens(&data_path, &columns, target.vocab_size as usize, mask_id)?;
+    scan.refuse_trained_mask_token(&field, target_dir, fix)?;
+    Ok(format!(
+        "checked {} in {:.2} s: {} rows, {} tokens ({} trained), ids inside the vocabulary of {}, mask token {mask_id} not trained ({} times in the context)",
+        data_path.display(),
+        started.elapsed().as_secs_f64(),
+        scan.rows,
+        scan.tokens,
+        scan.trained,
+        target.vocab_size,
+        scan.counts[mask_id as usize]
+    ))
+}
+
+/// Creates the run directory checked by [`check_run_dir`], takes its lock (one trainer per run
+/// directory) and writes the resolved configuration (unless a resume changes nothing).
+fn create_run_dir(
+    dir: &Path,
+    config: &TrainConfig,
+    changes: Option<&Vec<String>>,
+) -> Result<RunLock> {
+    std::fs::create_dir_all(dir)
         .with_context(|| format!("{}: cannot create the run directory", dir.display()))?;
-    let lock = RunLock::acquire(&dir)?;
+    let lock = RunLock::acquire(dir)?;
     let resolved = dir.join("config.toml");
-    let changed = changes.as_ref().is_none_or(|c| !c.is_empty());
-    if changed {
+    if changes.is_none_or(|c| !c.is_empty()) {
         std::fs::write(&resolved, config.to_toml_string()?)
             .with_context(|| format!("{}: the run directory is not writable", dir.display()))?;
     }
-    Ok((dir, lock, changes.unwrap_or_default()))
+    Ok(lock)
 }
 
 /// `init_logging(log_file)` installs the logger (the run log and the terminal) and returns its
@@ -135,10 +272,18 @@ pub fn prepare_run_dir(
 pub fn run(args: TrainArgs, init_logging: impl FnOnce(&Path) -> Arc<AtomicBool>) -> Result<()> {
     use std::io::IsTerminal;
     let config = load_config(&args)?;
-    let (run_dir, _lock, changes) = prepare_run_dir(&config, &args)?;
+    // Every check before anything is written or loaded: a refusal leaves no trace.
+    let (run_dir, changes) = check_run_dir(&config, &args)?;
+    let checked = check_inputs(&config)?;
+    if args.resume.is_none() {
+        // Again, just before writing: a run may have started there during the checks.
+        refuse_existing_run(&run_dir)?;
+    }
+    let _lock = create_run_dir(&run_dir, &config, changes.as_ref())?;
     let tui = !args.no_tui && std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
     let log_to_terminal = init_logging(&run_dir.join("train.log"));
-    for change in &changes {
+    log::info!("{checked}");
+    for change in changes.iter().flatten() {
         log::info!("resume with a changed configuration: {change}");
     }
     let signals = SignalFlags::install()?;

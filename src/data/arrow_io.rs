@@ -159,45 +159,57 @@ pub fn dataset_files(path: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-/// Reads every record batch of one Arrow IPC (file or stream) or Parquet file.
-pub fn read_batches(path: &Path) -> Result<Vec<RecordBatch>> {
+/// The record batches of one file, read one at a time.
+pub type BatchReader =
+    Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow::error::ArrowError>>>;
+
+/// Opens one Arrow IPC (file or stream) or Parquet file for reading its record batches in
+/// order (the schema is read here, the data as the batches are taken).
+pub fn batch_reader(path: &Path) -> Result<BatchReader> {
     let mut file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
     let mut magic = [0u8; 6];
     let n = file.read(&mut magic).unwrap_or(0);
     drop(file);
     let file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-    let batches: std::result::Result<Vec<RecordBatch>, arrow::error::ArrowError> = if n >= 4
-        && &magic[..4] == b"PAR1"
-    {
+    Ok(if n >= 4 && &magic[..4] == b"PAR1" {
         let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
             .with_context(|| format!("{}: not a readable Parquet file", path.display()))?
             .build()
             .with_context(|| format!("{}: not a readable Parquet file", path.display()))?;
-        reader.collect()
+        Box::new(reader)
     } else if n == 6 && &magic == b"ARROW1" {
-        arrow::ipc::reader::FileReader::try_new(file, None)
-            .with_context(|| format!("{}: not a readable Arrow IPC file", path.display()))?
-            .collect()
+        Box::new(
+            arrow::ipc::reader::FileReader::try_new(file, None)
+                .with_context(|| format!("{}: not a readable Arrow IPC file", path.display()))?,
+        )
     } else {
-        arrow::ipc::reader::StreamReader::try_new(BufReader::new(file), None)
-            .with_context(|| {
-                format!(
-                    "{}: neither Parquet, nor an Arrow IPC file or stream",
-                    path.display()
-                )
-            })?
-            .collect()
-    };
+        Box::new(
+            arrow::ipc::reader::StreamReader::try_new(BufReader::new(file), None).with_context(
+                || {
+                    format!(
+                        "{}: neither Parquet, nor an Arrow IPC file or stream",
+                        path.display()
+                    )
+                },
+            )?,
+        )
+    })
+}
+
+/// Reads every record batch of one Arrow IPC (file or stream) or Parquet file.
+pub fn read_batches(path: &Path) -> Result<Vec<RecordBatch>> {
+    let batches: std::result::Result<Vec<RecordBatch>, arrow::error::ArrowError> =
+        batch_reader(path)?.collect();
     batches.with_context(|| format!("{}: cannot read record batches", path.display()))
 }
 
 /// A list column of one record batch: row offsets into `values`.
-struct ListColumn {
-    offsets: Vec<usize>,
-    values: ArrayRef,
+pub(crate) struct ListColumn {
+    pub offsets: Vec<usize>,
+    pub values: ArrayRef,
 }
 
-fn list_column(batch: &RecordBatch, file: &Path, column: &str) -> Result<ListColumn> {
+pub(crate) fn list_column(batch: &RecordBatch, file: &Path, column: &str) -> Result<ListColumn> {
     let col = batch.column_by_name(column).with_context(|| {
         let names: Vec<String> = batch
             .schema()

@@ -3,6 +3,7 @@
 
 pub mod arrow_io;
 pub mod chat;
+pub mod check;
 pub mod packer;
 pub mod prepare;
 pub mod prepare_run;

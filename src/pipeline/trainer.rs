@@ -264,6 +264,26 @@ pub(super) fn load_target(
     }
 }
 
+/// "N layers, X GB" of the target in `dir` (its config.json and safetensors files), for the
+/// line announcing its loading.
+fn target_files_summary(config: &TrainConfig, dir: &Path) -> String {
+    let layers = crate::model::TargetConfig::from_model_dir(dir).map_or("? layers".into(), |c| {
+        format!("{} layers", c.num_hidden_layers)
+    });
+    if config.model.random_weights {
+        return format!("{layers}, random weights");
+    }
+    let bytes: u64 = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    format!("{layers}, {:.2} GB", bytes as f64 / 1e9)
+}
+
 fn prepare(
     runtime: &TorchRuntime,
     config: &TrainConfig,
@@ -307,14 +327,20 @@ fn prepare(
             targets.push(t.clone());
             continue;
         }
+        // Start-up time goes here for a big target: say so before, and how long after.
+        log::info!(
+            "loading target {} ({}) on {dev:?} as {target_kind:?} ...",
+            target_dir.display(),
+            target_files_summary(config, &target_dir)
+        );
         let started = Instant::now();
         let t = load_target(config, &target_dir, dev, target_kind)?;
         log::info!(
-            "target {} ({:?}, {:.1} M parameters) on {dev:?} as {target_kind:?} in {:.1} s",
+            "target loaded in {:.1} s: {} ({:?}, {:.1} M parameters) on {dev:?}",
+            started.elapsed().as_secs_f64(),
             target_dir.display(),
             t.family,
             t.parameter_count() as f64 / 1e6,
-            started.elapsed().as_secs_f64()
         );
         targets.push(Arc::new(SharedTarget::new(t)));
     }
@@ -352,6 +378,7 @@ fn prepare(
             .then(|| config.data.loss_mask_column.clone()),
     };
     let block = config.model.block_size as usize;
+    let read_started = Instant::now();
     let (store, report) = TokenStore::load(
         &data_path,
         &columns,
@@ -363,8 +390,9 @@ fn prepare(
         },
     )?;
     log::info!(
-        "data {}: {} samples kept of {} ({} cut to {}, {} with fewer than {} loss tokens dropped{}), {} tokens, {:.1} MiB in memory",
+        "data {} read in {:.1} s: {} samples kept of {} ({} cut to {}, {} with fewer than {} loss tokens dropped{}), {} tokens, {:.1} MiB in memory",
         data_path.display(),
+        read_started.elapsed().as_secs_f64(),
         report.kept,
         report.rows,
         report.cut,

@@ -7,7 +7,7 @@ use std::io::{Read, Seek, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 
 pub const LOCK_NAME: &str = ".lock";
 
@@ -34,19 +34,7 @@ impl RunLock {
         if !taken {
             let err = std::io::Error::last_os_error();
             if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                let mut text = String::new();
-                let _ = file.read_to_string(&mut text);
-                let holder = text.trim();
-                bail!(
-                    "{}: another trainer is running in this run directory ({}); one trainer per run directory: stop it first (dflash-tui ctl {} stop), or choose another --run-dir",
-                    run_dir.display(),
-                    if holder.is_empty() {
-                        "its PID is not recorded".to_string()
-                    } else {
-                        format!("PID {holder}")
-                    },
-                    run_dir.display()
-                );
+                return Err(held(run_dir, &mut file));
             }
             return Err(err).with_context(|| format!("{}: cannot lock", path.display()));
         }
@@ -67,4 +55,37 @@ impl RunLock {
         let name = String::from_utf8_lossy(&cmdline);
         name.contains("dflash-tui").then_some(pid)
     }
+
+    /// Fails as [`RunLock::acquire`] does when a trainer holds the lock of `run_dir`, but
+    /// creates and writes nothing (for checks that must leave a run directory as it was).
+    pub fn check_free(run_dir: &Path) -> Result<()> {
+        let Ok(mut file) = File::open(run_dir.join(LOCK_NAME)) else {
+            return Ok(());
+        };
+        // A shared lock is refused only while a trainer holds the exclusive one; it goes
+        // when `file` is dropped.
+        // SAFETY: flock on a descriptor this function owns.
+        let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0;
+        if !taken && std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(held(run_dir, &mut file));
+        }
+        Ok(())
+    }
+}
+
+/// The refusal naming the trainer that holds `run_dir` (its PID is in the lock file).
+fn held(run_dir: &Path, file: &mut File) -> anyhow::Error {
+    let mut text = String::new();
+    let _ = file.read_to_string(&mut text);
+    let holder = text.trim();
+    anyhow::anyhow!(
+        "{}: another trainer is running in this run directory ({}); one trainer per run directory: stop it first (dflash-tui ctl {} stop), or choose another --run-dir",
+        run_dir.display(),
+        if holder.is_empty() {
+            "its PID is not recorded".to_string()
+        } else {
+            format!("PID {holder}")
+        },
+        run_dir.display()
+    )
 }
