@@ -39,6 +39,8 @@ test: setup
 	$(CARGO) test --release --locked
 
 lint: libtorch
+	@$(CARGO) fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+	@$(CARGO) clippy --version >/dev/null 2>&1 || rustup component add clippy
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --all-targets --locked -- -D warnings
 

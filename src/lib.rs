@@ -1,3 +1,4 @@
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 //! dflash-tui: train DFlash speculative-decoding drafters and steer the training live.
 
 pub mod aten_ext;
@@ -5,6 +6,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod device_event;
 pub mod eval;
 pub mod fsutil;
 pub mod gguf;

@@ -126,15 +126,6 @@ pub fn read_input(path: &Path, out: &mut ReadOutcome) -> Result<()> {
     Ok(())
 }
 
-/// Reads all inputs in order.
-pub fn read_inputs(paths: &[std::path::PathBuf]) -> Result<ReadOutcome> {
-    let mut out = ReadOutcome::default();
-    for p in paths {
-        read_input(p, &mut out)?;
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

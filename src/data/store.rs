@@ -164,10 +164,6 @@ impl TokenStore {
         self.rows[i] as usize
     }
 
-    pub fn total_tokens(&self) -> usize {
-        self.tokens.len()
-    }
-
     /// Bytes held.
     pub fn memory_bytes(&self) -> usize {
         self.tokens.len() * 4 + self.masks.len() + self.offsets.len() * 8 + self.rows.len() * 4

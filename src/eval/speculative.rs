@@ -9,9 +9,9 @@ use indicatif::ProgressBar;
 use tch::{Kind, Tensor};
 
 use crate::aten_ext::graph::GraphLibrary;
+use crate::device_event::{DeviceEvents, TimingEvent};
 use crate::model::decode::{DrafterDecoder, TargetDecoder};
 use crate::model::{Drafter, FrozenHead, TargetModel};
-use crate::pipeline::device_event::{DeviceEvents, TimingEvent};
 
 /// What one prompt produced.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

@@ -5,6 +5,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
+use super::rope_scaling::RopeScaling;
+
 /// The architecture families the target implementation covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
@@ -85,7 +87,7 @@ pub struct TargetConfig {
     #[serde(default)]
     pub hidden_act: Option<String>,
     #[serde(default)]
-    pub rope_scaling: Option<serde_json::Value>,
+    pub rope_scaling: RopeScaling,
     #[serde(default)]
     pub bos_token_id: Option<TokenIds>,
     #[serde(default)]
@@ -173,9 +175,6 @@ impl TargetConfig {
                 bail!("field hidden_act = {act:?} is not supported (only \"silu\")");
             }
         }
-        // rope_scaling is checked where the rotary embedding is built (layers::Rope).
-        crate::model::layers::Rope::new(self, tch::Device::Cpu)
-            .map_err(|e| anyhow::anyhow!("field rope_scaling: {e}"))?;
         Ok(())
     }
 }

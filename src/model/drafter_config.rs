@@ -6,6 +6,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::config::TargetConfig;
+use super::rope_scaling::RopeScaling;
 
 /// `dflash_config` inside config.json.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -32,8 +33,8 @@ pub struct DrafterConfig {
     pub attention_bias: bool,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "RopeScaling::is_default")]
+    pub rope_scaling: RopeScaling,
     pub max_position_embeddings: i64,
     pub vocab_size: i64,
     pub tie_word_embeddings: bool,
@@ -103,7 +104,7 @@ impl DrafterConfig {
             attention_bias: false,
             rms_norm_eps: target.rms_norm_eps,
             rope_theta: target.rope_theta,
-            rope_scaling: target.rope_scaling.clone().filter(|s| !s.is_null()),
+            rope_scaling: target.rope_scaling,
             max_position_embeddings: target.max_position_embeddings,
             vocab_size: target.vocab_size,
             tie_word_embeddings: false,
@@ -167,7 +168,7 @@ impl DrafterConfig {
             max_position_embeddings: self.max_position_embeddings,
             attention_bias: false,
             hidden_act: Some(self.hidden_act.clone()),
-            rope_scaling: self.rope_scaling.clone(),
+            rope_scaling: self.rope_scaling,
             bos_token_id: None,
             eos_token_id: None,
         }

@@ -1,7 +1,7 @@
 //! Building blocks shared by the target and the drafter: RMSNorm, rotary position embedding,
 //! the projections of one attention layer, the SwiGLU MLP.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
@@ -32,45 +32,7 @@ impl Rope {
         let mut inv_freq: Vec<f64> = (0..d / 2)
             .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d as f64))
             .collect();
-        if let Some(scaling) = config.rope_scaling.as_ref().filter(|s| !s.is_null()) {
-            let get = |k: &str| scaling.get(k).and_then(|v| v.as_f64());
-            let kind = scaling
-                .get("rope_type")
-                .or_else(|| scaling.get("type"))
-                .and_then(|v| v.as_str())
-                .unwrap_or("default");
-            match kind {
-                "default" => {}
-                "linear" => {
-                    let factor = get("factor").unwrap_or(1.0);
-                    inv_freq.iter_mut().for_each(|f| *f /= factor);
-                }
-                "llama3" => {
-                    let (Some(factor), Some(low), Some(high), Some(original)) = (
-                        get("factor"),
-                        get("low_freq_factor"),
-                        get("high_freq_factor"),
-                        get("original_max_position_embeddings"),
-                    ) else {
-                        bail!("rope_scaling of type llama3 needs factor, low_freq_factor, high_freq_factor and original_max_position_embeddings");
-                    };
-                    let low_wavelen = original / low;
-                    let high_wavelen = original / high;
-                    for f in inv_freq.iter_mut() {
-                        let wavelen = 2.0 * std::f64::consts::PI / *f;
-                        if wavelen > low_wavelen {
-                            *f /= factor;
-                        } else if wavelen >= high_wavelen {
-                            let smooth = (original / wavelen - low) / (high - low);
-                            *f = (1.0 - smooth) * *f / factor + smooth * *f;
-                        }
-                    }
-                }
-                other => {
-                    bail!("rope_scaling type {other:?} is not supported (default, linear, llama3)")
-                }
-            }
-        }
+        config.rope_scaling.scale(&mut inv_freq);
         let inv_freq: Vec<f32> = inv_freq.into_iter().map(|f| f as f32).collect();
         Ok(Rope {
             inv_freq: Tensor::from_slice(&inv_freq).to_device(device),

@@ -7,6 +7,7 @@ pub mod drafter;
 pub mod drafter_config;
 pub mod generate;
 pub mod layers;
+pub mod rope_scaling;
 pub mod slots;
 pub mod target;
 pub mod weights;

@@ -5,7 +5,8 @@
 pub mod collective;
 pub mod command;
 pub mod control;
-pub mod device_event;
+/// CUDA events live below the pipeline (eval times with them too).
+pub use crate::device_event;
 pub mod headless;
 mod held_out;
 pub mod nccl;

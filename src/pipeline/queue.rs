@@ -25,21 +25,8 @@ struct Inner<T> {
     closed: bool,
 }
 
-/// Fill level of a queue, for the screen.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct QueueLevel {
-    pub name: String,
-    pub len: usize,
-    pub capacity: usize,
-    pub pushed: u64,
-    pub popped: u64,
-}
-
-impl QueueLevel {
-    pub fn fill(&self) -> f64 {
-        self.len as f64 / self.capacity.max(1) as f64
-    }
-}
+/// A queue's level is telemetry (the screen, metrics.jsonl): defined there, below the pipeline.
+pub use crate::telemetry::records::QueueLevel;
 
 /// A resizable bounded FIFO queue.
 pub struct ResizableQueue<T> {

@@ -82,15 +82,6 @@ impl Slot {
             self.max_ns.swap(0, Ordering::Relaxed),
         )
     }
-
-    fn read(&self) -> EventStats {
-        EventStats::from_raw(
-            self.count.load(Ordering::Relaxed),
-            self.total_ns.load(Ordering::Relaxed),
-            self.min_ns.load(Ordering::Relaxed),
-            self.max_ns.load(Ordering::Relaxed),
-        )
-    }
 }
 
 /// Timings of one event over some window, in seconds.
@@ -375,15 +366,6 @@ impl ProfileStats {
             workers: self.workers,
             rows,
         }
-    }
-
-    /// The current interval so far, without closing it (for live views).
-    pub fn peek(&self) -> Vec<(String, EventStats)> {
-        self.slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (EVENTS[i].to_string(), s.read()))
-            .collect()
     }
 }
 

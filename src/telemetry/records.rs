@@ -11,7 +11,22 @@ use serde::{Deserialize, Serialize};
 use super::gpu::GpuReading;
 use super::host::HostReading;
 use super::profile::ProfileReport;
-use crate::pipeline::queue::QueueLevel;
+
+/// Fill level of a queue, for the screen.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueLevel {
+    pub name: String,
+    pub len: usize,
+    pub capacity: usize,
+    pub pushed: u64,
+    pub popped: u64,
+}
+
+impl QueueLevel {
+    pub fn fill(&self) -> f64 {
+        self.len as f64 / self.capacity.max(1) as f64
+    }
+}
 
 /// What the run is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
