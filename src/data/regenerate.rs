@@ -34,9 +34,10 @@ use crate::eval::continuous::{
     ContinuousGenerator, ContinuousLimits, ContinuousStats, Next, Request,
 };
 use crate::eval::regenerate::{generate_all, Answer, BatchLimits, Prompt, Sampling};
-use crate::fsutil::{write_json, StagedDir};
+use crate::fsutil::{write_atomic, write_json, StagedDir};
 use crate::model::model_eos_ids;
 use crate::model::{TargetConfig, TargetModel};
+use crate::seed::splitmix64;
 
 /// Options of `regenerate`.
 #[derive(Debug, Clone)]
@@ -236,13 +237,6 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     })
-}
-
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 /// The sampling seed of one answer: from the run's seed, the row id and the turn.
@@ -665,16 +659,6 @@ fn run_continuous(
     }
     ran?;
     Ok(engine.stats)
-}
-
-/// Writes a file under a temporary name, then renames it into place.
-fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    write(&tmp)?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
 }
 
 fn save_chunk(partial: &Path, split: &str, chunk: usize, out: &ChunkOutput) -> Result<()> {
