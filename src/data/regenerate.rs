@@ -30,11 +30,11 @@ use super::arrow_io::{
     SplitSummary, TokenColumn, TokenData, TokenRow,
 };
 use crate::aten_ext::graph::GraphLibrary;
-use crate::eval::continuous::{
-    ContinuousGenerator, ContinuousLimits, ContinuousStats, Next, Request,
-};
-use crate::eval::regenerate::{generate_all, Answer, BatchLimits, Prompt, Sampling};
 use crate::fsutil::{write_atomic, write_json, StagedDir};
+use crate::model::generate::{
+    generate_all, Answer, BatchLimits, ContinuousGenerator, ContinuousLimits, ContinuousStats,
+    Next, Prompt, Request, Sampling,
+};
 use crate::model::model_eos_ids;
 use crate::model::{TargetConfig, TargetModel};
 use crate::seed::splitmix64;
