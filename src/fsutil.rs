@@ -1,4 +1,4 @@
-//! File-system helpers: output directories that appear whole or not at all.
+//! File-system helpers: output files and directories that appear whole or not at all.
 
 use std::path::{Path, PathBuf};
 
@@ -102,4 +102,25 @@ pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let mut text = serde_json::to_string_pretty(value)?;
     text.push('\n');
     std::fs::write(path, text).with_context(|| format!("{}: cannot write", path.display()))
+}
+
+/// Writes a file through `write` under a temporary name beside `path` (in the same folder, so
+/// the rename cannot cross file systems), then renames it into place: `path` is either absent,
+/// its earlier content, or complete. On failure the temporary file is removed.
+pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("{}: not a usable file name", path.display()))?
+        .to_string_lossy()
+        .into_owned();
+    // Hidden and per process: never a name the user chose, nor another writer's.
+    let tmp = path.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+    let result = write(&tmp).and_then(|()| {
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("cannot move {} to {}", tmp.display(), path.display()))
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }

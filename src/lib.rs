@@ -14,6 +14,7 @@ pub mod model;
 pub mod paths;
 pub mod pipeline;
 pub mod runtime;
+pub mod seed;
 pub mod telemetry;
 pub mod text;
 pub mod train;

@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use common::{dflash, tiny_target_dir, write_token_dataset};
 use dflash_tui::data::arrow_io::{write_split, TokenRow};
 use dflash_tui::data::store::{DataColumns, StoreOptions, TokenStore};
-use dflash_tui::eval::regenerate::{generate_all, generate_batch, BatchLimits, Prompt, Sampling};
-use dflash_tui::model::generate::greedy_generate;
+use dflash_tui::model::generate::{
+    generate_all, generate_batch, greedy_generate, BatchLimits, Prompt, Sampling,
+};
 use dflash_tui::model::{ForwardRequest, KvCache, TargetModel};
 use tch::{Device, Kind, Tensor};
 

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 
 use crate::data::regenerate::{regenerate, RegenerateEngine, RegenerateOptions};
-use crate::eval::regenerate::Sampling;
+use crate::model::generate::Sampling;
 use crate::runtime::TorchRuntime;
 
 use super::generate::parse_kind;

@@ -22,6 +22,14 @@ impl TrainConfig {
     /// Checks every field against its allowed range; returns the first problem found, in
     /// section order and field order.
     pub fn validate(&self) -> Result<()> {
+        self.check_run_and_model()?;
+        self.check_data()?;
+        self.check_train()?;
+        self.check_devices()?;
+        self.check_stages()
+    }
+
+    fn check_run_and_model(&self) -> Result<()> {
         let run = &self.run;
         let name = run.name.as_str();
         if name.trim().is_empty() {
@@ -45,8 +53,10 @@ impl TrainConfig {
             );
         }
         int_between("model.num_taps", model.num_taps, 1, 16)?;
-        one_of("model.dtype", &model.dtype, DTYPES)?;
+        one_of("model.dtype", &model.dtype, DTYPES)
+    }
 
+    fn check_data(&self) -> Result<()> {
         let data = &self.data;
         if data.path.trim().is_empty() {
             bail!("config: data.path is required (a tokenised dataset: a save_to_disk folder, Arrow or Parquet file)");
@@ -60,8 +70,10 @@ impl TrainConfig {
         at_least("data.max_len", data.max_len, 8)?;
         at_least("data.token_budget", data.token_budget, 1)?;
         at_least("data.max_batch", data.max_batch, 1)?;
-        at_least("data.bucket_window", data.bucket_window, 1)?;
+        at_least("data.bucket_window", data.bucket_window, 1)
+    }
 
+    fn check_train(&self) -> Result<()> {
         let t = &self.train;
         float("train.epochs", t.epochs, t.epochs > 0.0, "> 0")?;
         at_least("train.num_anchors", t.num_anchors, 1)?;
@@ -112,8 +124,10 @@ impl TrainConfig {
             t.kl_temperature > 0.0,
             "> 0",
         )?;
-        unit("train.streak_alpha", t.streak_alpha)?;
+        unit("train.streak_alpha", t.streak_alpha)
+    }
 
+    fn check_devices(&self) -> Result<()> {
         devices("devices.target_devices", &self.devices.target_devices)?;
         devices("devices.drafter_devices", &self.devices.drafter_devices)?;
         one_of("devices.grad_sync", &self.devices.grad_sync, GRAD_SYNCS)?;
@@ -138,7 +152,12 @@ impl TrainConfig {
                 );
             }
         }
+        Ok(())
+    }
 
+    /// The sections of the stages around training: pipeline, checkpoint, eval, validation,
+    /// telemetry and debug.
+    fn check_stages(&self) -> Result<()> {
         let p = &self.pipeline;
         int_between(
             "pipeline.batch_queue_depth",

@@ -196,35 +196,7 @@ pub fn prepare_data(
         bail!("--limit must be at least 1");
     }
     let tokenizer = TextTokenizer::from_model_dir(tokenizer_dir)?;
-    let mut acc = Collected::default();
-    let mut records_read = 0;
-    for input in inputs {
-        if acc.full(opts.limit) {
-            break;
-        }
-        let mut read = ReadOutcome::default();
-        if let Some(bar) = &opts.progress {
-            // The name only: the bar has one line.
-            let name = input.file_name().unwrap_or(input.as_os_str());
-            bar.set_message(name.to_string_lossy().into_owned());
-        }
-        read_input(input, &mut read)?;
-        records_read += read.records.len();
-        acc.truncated.extend(read.truncated.iter().cloned());
-        acc.take(&tokenizer, read, opts);
-    }
-    if records_read == 0 {
-        let names: Vec<String> = inputs.iter().map(|p| p.display().to_string()).collect();
-        bail!(
-            "{}: no usable records ({} skipped{})",
-            names.join(", "),
-            acc.skipped.len(),
-            acc.skipped
-                .first()
-                .map(|s| format!(", e.g. {}: {}", s.origin, s.reason))
-                .unwrap_or_default()
-        );
-    }
+    let acc = collect(&tokenizer, inputs, opts)?;
     let Collected {
         samples,
         skipped: skipped_list,
@@ -240,44 +212,7 @@ pub fn prepare_data(
             skipped_list[0].reason
         );
     }
-
-    // Validation: a seeded random subset, the same for the same inputs and seed.
-    let mut order: Vec<usize> = (0..samples.len()).collect();
-    order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed));
-    let n_val = if opts.val_fraction > 0.0 && samples.len() > 1 {
-        ((samples.len() as f64 * opts.val_fraction).round() as usize).clamp(1, samples.len() - 1)
-    } else {
-        0
-    };
-    let mut is_val = vec![false; samples.len()];
-    for &i in &order[..n_val] {
-        is_val[i] = true;
-    }
-    let rows = |val: bool| -> Vec<TokenRow<'_>> {
-        samples
-            .iter()
-            .zip(&is_val)
-            .filter(|(_, &v)| v == val)
-            .map(|(s, _)| TokenRow {
-                id: &s.id,
-                input_ids: &s.input_ids,
-                loss_mask: &s.loss_mask,
-            })
-            .collect()
-    };
-
-    let staged = StagedDir::create(out_dir)?;
-    let mut split_summaries = Vec::new();
-    for (name, val) in [("train", false), ("validation", true)] {
-        let dir = staged.path().join(name);
-        std::fs::create_dir(&dir)?;
-        split_summaries.push(write_split(&dir, name, &rows(val), opts.shard_rows)?);
-    }
-    write_json(
-        &staged.path().join("dataset_dict.json"),
-        &serde_json::json!({"splits": ["train", "validation"]}),
-    )?;
-    let out_dir = staged.commit()?;
+    let (out_dir, mut split_summaries) = write_splits(out_dir, &samples, opts)?;
 
     let mut lengths: Vec<usize> = samples.iter().map(|s| s.input_ids.len()).collect();
     lengths.sort_unstable();
@@ -322,6 +257,91 @@ pub fn prepare_data(
         ],
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Reads and tokenises the inputs in order, until `opts.limit` samples are kept; refuses
+/// inputs without a usable record.
+fn collect(
+    tokenizer: &TextTokenizer,
+    inputs: &[PathBuf],
+    opts: &PrepareOptions,
+) -> Result<Collected> {
+    let mut acc = Collected::default();
+    let mut records_read = 0;
+    for input in inputs {
+        if acc.full(opts.limit) {
+            break;
+        }
+        let mut read = ReadOutcome::default();
+        if let Some(bar) = &opts.progress {
+            // The name only: the bar has one line.
+            let name = input.file_name().unwrap_or(input.as_os_str());
+            bar.set_message(name.to_string_lossy().into_owned());
+        }
+        read_input(input, &mut read)?;
+        records_read += read.records.len();
+        acc.truncated.extend(read.truncated.iter().cloned());
+        acc.take(tokenizer, read, opts);
+    }
+    if records_read == 0 {
+        let names: Vec<String> = inputs.iter().map(|p| p.display().to_string()).collect();
+        bail!(
+            "{}: no usable records ({} skipped{})",
+            names.join(", "),
+            acc.skipped.len(),
+            acc.skipped
+                .first()
+                .map(|s| format!(", e.g. {}: {}", s.origin, s.reason))
+                .unwrap_or_default()
+        );
+    }
+    Ok(acc)
+}
+
+/// Writes the samples to `out_dir` (which appears whole, or not at all) as a train and a
+/// validation split; returns the folder and the two splits' summaries.
+fn write_splits(
+    out_dir: &Path,
+    samples: &[PreparedSample],
+    opts: &PrepareOptions,
+) -> Result<(PathBuf, Vec<SplitSummary>)> {
+    // Validation: a seeded random subset, the same for the same inputs and seed.
+    let mut order: Vec<usize> = (0..samples.len()).collect();
+    order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed));
+    let n_val = if opts.val_fraction > 0.0 && samples.len() > 1 {
+        ((samples.len() as f64 * opts.val_fraction).round() as usize).clamp(1, samples.len() - 1)
+    } else {
+        0
+    };
+    let mut is_val = vec![false; samples.len()];
+    for &i in &order[..n_val] {
+        is_val[i] = true;
+    }
+    let rows = |val: bool| -> Vec<TokenRow<'_>> {
+        samples
+            .iter()
+            .zip(&is_val)
+            .filter(|(_, &v)| v == val)
+            .map(|(s, _)| TokenRow {
+                id: &s.id,
+                input_ids: &s.input_ids,
+                loss_mask: &s.loss_mask,
+            })
+            .collect()
+    };
+
+    let staged = StagedDir::create(out_dir)?;
+    let mut split_summaries = Vec::new();
+    for (name, val) in [("train", false), ("validation", true)] {
+        let dir = staged.path().join(name);
+        std::fs::create_dir(&dir)?;
+        split_summaries.push(write_split(&dir, name, &rows(val), opts.shard_rows)?);
+    }
+    write_json(
+        &staged.path().join("dataset_dict.json"),
+        &serde_json::json!({"splits": ["train", "validation"]}),
+    )?;
+    Ok((staged.commit()?, split_summaries))
 }
 
 impl std::fmt::Display for PrepareSummary {

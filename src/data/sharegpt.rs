@@ -167,15 +167,8 @@ pub fn write_jsonl(conversations: &[Conversation], path: &Path) -> Result<()> {
     };
     std::fs::create_dir_all(&parent)
         .with_context(|| format!("{}: cannot create folder", parent.display()))?;
-    let tmp = parent.join(format!(
-        ".{}.partial-{}",
-        path.file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default(),
-        std::process::id()
-    ));
-    let result = (|| -> Result<()> {
-        let file = std::fs::File::create(&tmp)
+    crate::fsutil::write_atomic(path, |tmp| {
+        let file = std::fs::File::create(tmp)
             .with_context(|| format!("{}: cannot write into this folder", parent.display()))?;
         let mut w = std::io::BufWriter::new(file);
         for c in conversations {
@@ -183,13 +176,8 @@ pub fn write_jsonl(conversations: &[Conversation], path: &Path) -> Result<()> {
             w.write_all(b"\n")?;
         }
         w.flush()?;
-        std::fs::rename(&tmp, path).with_context(|| format!("{}: cannot write", path.display()))?;
         Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    })
 }
 
 #[cfg(test)]

@@ -1,8 +1,6 @@
 //! Evaluation: perplexity of a target model, and acceptance length of a drafter by real
 //! speculative decoding.
 
-pub mod continuous;
 pub mod perplexity;
 pub mod prompts;
-pub mod regenerate;
 pub mod speculative;

@@ -1,12 +1,22 @@
-//! Plain greedy decoding with a KV cache, and the tokens that end an answer.
+//! Generation with the target: plain greedy decoding (the reference), batched generation with
+//! left-padded batches, and continuous batching over cache slots (both for `regenerate`); the
+//! token choice they share, and the tokens that end an answer.
+
+mod batched;
+mod continuous;
+mod greedy;
+mod sampling;
+
+pub use batched::{generate_all, generate_batch, BatchLimits, Prompt};
+pub use continuous::{ContinuousGenerator, ContinuousLimits, ContinuousStats, Next, Request};
+pub use greedy::greedy_generate;
+pub use sampling::Sampling;
 
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use tch::{Kind, Tensor};
 
 use super::config::TargetConfig;
-use super::target::{KvCache, TargetModel};
 
 /// The EOS token ids of a model folder: `eos_token_id` (an id or a list) of `config.json` and of
 /// `generation_config.json`, and the tokenizer's `eos_token` when the folder has a tokenizer.
@@ -49,33 +59,11 @@ pub fn model_eos_ids(dir: &Path, config: &TargetConfig) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
-/// The tokens greedy decoding produces after `prompt` (stopping after an `eos_ids` token, which
-/// is included, or after `max_new_tokens`).
-pub fn greedy_generate(
-    model: &TargetModel,
-    prompt: &[u32],
-    max_new_tokens: usize,
-    eos_ids: &[u32],
-) -> Vec<u32> {
-    let mut out = Vec::with_capacity(max_new_tokens);
-    if prompt.is_empty() || max_new_tokens == 0 {
-        return out;
-    }
-    let mut cache = KvCache::new();
-    let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
-    let mut input = Tensor::from_slice(&ids).unsqueeze(0);
-    while out.len() < max_new_tokens {
-        let logits = model.forward(&input, Some(&mut cache));
-        let next = logits
-            .select(1, -1)
-            .argmax(-1, false)
-            .to_kind(Kind::Int64)
-            .int64_value(&[0]) as u32;
-        out.push(next);
-        if eos_ids.contains(&next) {
-            break;
-        }
-        input = Tensor::from_slice(&[next as i64]).unsqueeze(0);
-    }
-    out
+/// What one prompt produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// The new tokens, ending with the EOS token when `eos` is true.
+    pub tokens: Vec<u32>,
+    /// Stopped at an EOS token (otherwise at `max_new`).
+    pub eos: bool,
 }

@@ -5,7 +5,7 @@
 //! buffers of fixed shape, captured once as a CUDA graph on a GPU. New requests are prefilled
 //! together, in packed forwards of variable-length sequences.
 //!
-//! The tokens are those of [`super::regenerate::generate_batch`] (the plain, rounds-based path,
+//! The tokens are those of [`super::generate_batch`] (the plain, rounds-based path,
 //! kept as the reference): the same picks from the same logits, sampling with one uniform draw
 //! per token from a generator seeded per answer.
 
@@ -15,7 +15,8 @@ use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use tch::Tensor;
 
-use super::regenerate::{pick, Answer, Sampling};
+use super::sampling::{pick, Sampling};
+use super::Answer;
 use crate::aten_ext::graph::{CudaGraph, GraphLibrary};
 use crate::model::layers::upload;
 use crate::model::{SeqSpan, SlotBatch, SlotCache, SlotLogits, TargetModel};

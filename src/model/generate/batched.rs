@@ -8,27 +8,9 @@ use anyhow::{bail, Context, Result};
 use rand::{Rng, SeedableRng};
 use tch::{Kind, Tensor};
 
+use super::sampling::{pick, Sampling};
+use super::Answer;
 use crate::model::{ForwardRequest, KvCache, TargetModel};
-
-/// How the next token is chosen.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Sampling {
-    /// 0 = greedy (argmax); above 0, sample from softmax(logits / temperature).
-    pub temperature: f64,
-    /// Nucleus: sample among the most likely tokens whose mass reaches `top_p` (1 = all).
-    pub top_p: f64,
-}
-
-impl Sampling {
-    pub const GREEDY: Sampling = Sampling {
-        temperature: 0.0,
-        top_p: 1.0,
-    };
-
-    pub fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0
-    }
-}
 
 /// One prompt to answer.
 #[derive(Debug, Clone, Copy)]
@@ -38,15 +20,6 @@ pub struct Prompt<'a> {
     pub max_new: usize,
     /// Seed of this prompt's sampling stream (unused when greedy).
     pub seed: u64,
-}
-
-/// What one prompt produced.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Answer {
-    /// The new tokens, ending with the EOS token when `eos` is true.
-    pub tokens: Vec<u32>,
-    /// Stopped at an EOS token (otherwise at `max_new`).
-    pub eos: bool,
 }
 
 /// Batching limits.
@@ -65,40 +38,6 @@ impl Default for BatchLimits {
             prefill_tokens: 16_384,
         }
     }
-}
-
-/// Next tokens of every batch row from `logits` [rows, vocab] (float32). `uniforms` holds one
-/// draw in [0, 1) per row when sampling.
-pub(crate) fn pick(logits: &Tensor, sampling: &Sampling, uniforms: &[f64]) -> Result<Vec<u32>> {
-    let chosen = if sampling.is_greedy() {
-        logits.argmax(-1, false)
-    } else {
-        let vocab = logits.size()[1];
-        let probs = (logits / sampling.temperature).softmax(-1, Kind::Float);
-        let (sorted, order) = probs.sort(-1, true);
-        let kept = if sampling.top_p < 1.0 {
-            // Keep a token while the mass before it is below top_p (the first always).
-            let before = sorted.cumsum(-1, Kind::Float) - &sorted;
-            &sorted * before.lt(sampling.top_p).to_kind(Kind::Float)
-        } else {
-            sorted
-        };
-        let cum = kept.cumsum(-1, Kind::Float);
-        let total = cum.narrow(1, vocab - 1, 1);
-        let u = Tensor::from_slice(uniforms)
-            .to_kind(Kind::Float)
-            .to_device(logits.device())
-            .unsqueeze(1);
-        // Inverse CDF: the first sorted token whose cumulative mass reaches u * total.
-        let at = cum
-            .lt_tensor(&(u * total))
-            .sum_dim_intlist(-1, true, Kind::Int64)
-            .clamp_max(vocab - 1);
-        order.gather(1, &at, false).squeeze_dim(1)
-    };
-    let chosen = chosen.to_kind(Kind::Int64).to_device(tch::Device::Cpu);
-    let ids = Vec::<i64>::try_from(&chosen).context("cannot read the chosen tokens")?;
-    Ok(ids.into_iter().map(|t| t as u32).collect())
 }
 
 /// Padded prompt lengths on CUDA are multiples of this.
@@ -123,7 +62,7 @@ pub fn generate_batch(
         })
         .collect();
     // Rows that take part: a prompt and room for at least one token.
-    let mut active: Vec<usize> = (0..prompts.len())
+    let active: Vec<usize> = (0..prompts.len())
         .filter(|&i| prompts[i].max_new > 0)
         .collect();
     if let Some(&i) = active.iter().find(|&&i| prompts[i].ids.is_empty()) {
@@ -156,6 +95,38 @@ pub fn generate_batch(
         .map(|&i| prompts[i].max_new)
         .max()
         .unwrap_or(0) as i64;
+    let (ids, key_mask) = left_pad(prompts, &active, longest, dev);
+    let mut cache = KvCache::with_capacity(longest + most_new);
+    let piece = ((prefill_tokens as i64 / rows) / align * align).max(align);
+    let hidden = prefill(model, &ids, &key_mask, &mut cache, piece)?;
+
+    let batch = Batch {
+        active,
+        key_mask,
+        cache,
+        hidden,
+    };
+    let times = decode(model, prompts, eos, sampling, batch, &mut answers, started)?;
+    let (prefill_s, steps) = (times.prefill_s, times.steps);
+    log::debug!(
+        "batch of {rows} prompts padded to {longest} tokens: prefill {prefill_s:.3} s, {steps} decode steps in {:.3} s ({:.2} ms per step: {:.2} issuing, {:.2} waiting)",
+        started.elapsed().as_secs_f64() - prefill_s,
+        1e3 * (started.elapsed().as_secs_f64() - prefill_s) / steps.max(1) as f64,
+        1e3 * times.issue_s / steps.max(1) as f64,
+        1e3 * times.wait_s / steps.max(1) as f64,
+    );
+    Ok(answers)
+}
+
+/// The prompts of the `active` rows left-padded to `longest` tokens: ids [rows, longest] and
+/// the mask of real (not padding) positions, on `dev`.
+fn left_pad(
+    prompts: &[Prompt<'_>],
+    active: &[usize],
+    longest: i64,
+    dev: tch::Device,
+) -> (Tensor, Tensor) {
+    let rows = active.len() as i64;
     let mut ids = vec![0i64; (rows * longest) as usize];
     let mut real = vec![0u8; (rows * longest) as usize];
     for (r, &i) in active.iter().enumerate() {
@@ -169,21 +140,27 @@ pub fn generate_batch(
     let ids = Tensor::from_slice(&ids)
         .view([rows, longest])
         .to_device(dev);
-    let mut key_mask = Tensor::from_slice(&real)
+    let key_mask = Tensor::from_slice(&real)
         .view([rows, longest])
         .to_device(dev)
         .to_kind(Kind::Bool);
-    let mut rngs: Vec<rand_chacha::ChaCha8Rng> = prompts
-        .iter()
-        .map(|p| rand_chacha::ChaCha8Rng::seed_from_u64(p.seed))
-        .collect();
+    (ids, key_mask)
+}
 
-    let mut cache = KvCache::with_capacity(longest + most_new);
+/// Prefills `cache` with the padded prompts `ids`, `piece` positions per forward; returns the
+/// final hidden state of each row's last position.
+fn prefill(
+    model: &TargetModel,
+    ids: &Tensor,
+    key_mask: &Tensor,
+    cache: &mut KvCache,
+    piece: i64,
+) -> Result<Tensor> {
+    let longest = ids.size()[1];
     let hidden_req = ForwardRequest {
         final_hidden: true,
         ..Default::default()
     };
-    let piece = ((prefill_tokens as i64 / rows) / align * align).max(align);
     let mut start = 0;
     let mut last_hidden = None;
     while start < longest {
@@ -196,7 +173,7 @@ pub fn generate_batch(
         };
         let out = model.run_padded(
             &ids.narrow(1, start, end - start),
-            Some(&mut cache),
+            Some(&mut *cache),
             &req,
             Some(&key_mask.narrow(1, 0, end)),
         );
@@ -205,10 +182,53 @@ pub fn generate_batch(
         }
         start = end;
     }
-    let mut hidden = last_hidden.context("the prefill returned no hidden states")?;
+    last_hidden.context("the prefill returned no hidden states")
+}
 
+/// The rows still decoding: their prompt indices, key mask, cache and last hidden states.
+struct Batch {
+    active: Vec<usize>,
+    key_mask: Tensor,
+    cache: KvCache,
+    hidden: Tensor,
+}
+
+/// Where the time of a batch went (debug log): the prefill (until the first pick), issuing the
+/// decoding forwards, and waiting for their results.
+struct DecodeTimes {
+    prefill_s: f64,
+    issue_s: f64,
+    wait_s: f64,
+    steps: usize,
+}
+
+/// Decodes one token per step for every row of `batch` into `answers` until each ended (at an
+/// EOS token or `max_new`); finished rows leave the batch once a quarter of it has finished.
+fn decode(
+    model: &TargetModel,
+    prompts: &[Prompt<'_>],
+    eos: &[u32],
+    sampling: &Sampling,
+    batch: Batch,
+    answers: &mut [Answer],
+    started: Instant,
+) -> Result<DecodeTimes> {
+    let dev = model.device;
+    let Batch {
+        mut active,
+        mut key_mask,
+        mut cache,
+        mut hidden,
+    } = batch;
+    let hidden_req = ForwardRequest {
+        final_hidden: true,
+        ..Default::default()
+    };
+    let mut rngs: Vec<rand_chacha::ChaCha8Rng> = prompts
+        .iter()
+        .map(|p| rand_chacha::ChaCha8Rng::seed_from_u64(p.seed))
+        .collect();
     let mut done = vec![false; prompts.len()];
-    // Where the time goes (debug log): issuing the forwards, and waiting for their results.
     let (mut issue_s, mut wait_s, mut steps) = (0.0, 0.0, 0usize);
     let mut prefill_s = None;
     loop {
@@ -268,15 +288,12 @@ pub fn generate_batch(
         issue_s += t.elapsed().as_secs_f64();
         steps += 1;
     }
-    let prefill_s = prefill_s.unwrap_or(0.0);
-    log::debug!(
-        "batch of {rows} prompts padded to {longest} tokens: prefill {prefill_s:.3} s, {steps} decode steps in {:.3} s ({:.2} ms per step: {:.2} issuing, {:.2} waiting)",
-        started.elapsed().as_secs_f64() - prefill_s,
-        1e3 * (started.elapsed().as_secs_f64() - prefill_s) / steps.max(1) as f64,
-        1e3 * issue_s / steps.max(1) as f64,
-        1e3 * wait_s / steps.max(1) as f64,
-    );
-    Ok(answers)
+    Ok(DecodeTimes {
+        prefill_s: prefill_s.unwrap_or(0.0),
+        issue_s,
+        wait_s,
+        steps,
+    })
 }
 
 /// Answers many prompts: sorted by length (longest first), decoded in batches of

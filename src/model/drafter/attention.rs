@@ -1,0 +1,142 @@
+//! The formulation of the drafter's training attention ([`TrainAttention`]: dense or chunked,
+//! with its automatic chunk size and text form) and the bucketed context length of the chunked
+//! one.
+
+use std::fmt;
+use std::str::FromStr;
+
+use anyhow::{bail, Result};
+
+/// How [`Drafter::forward_train`] computes the attention of its N anchor blocks (spec §2.4).
+/// Both formulations are exact; they differ in cost only.
+///
+/// - `Dense`: one fused attention call per layer over all N*B block queries of a sequence
+///   against [context (S); all N*B block keys] with one boolean mask. Only B of the N*B block
+///   keys are visible to a query, so for large N the block-block part (N*B x N*B) dominates
+///   the cost. Kept as the reference.
+/// - `Chunked`: the N (sorted) blocks of a sequence are cut into chunks of consecutive blocks;
+///   each chunk's queries attend over [context (S); the chunk's own block keys] only, every
+///   chunk of the batch in one fused call (chunks along the batch axis). Cost per query:
+///   S + C*B keys instead of S + N*B. The context keys and values are copied once per chunk
+///   (N/C copies). `blocks_per_chunk` is C; 0 chooses it from S (see
+///   [`TrainAttention::blocks_per_chunk`]). The context is padded to a bucketed length and
+///   the chunks go through fused calls of a fixed size, so that the calls' shapes repeat.
+///
+/// Text form (for configs): `dense`, `chunked` (automatic chunk size), `chunked:C`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum TrainAttention {
+    Dense,
+    Chunked { blocks_per_chunk: usize },
+}
+
+impl Default for TrainAttention {
+    fn default() -> Self {
+        TrainAttention::AUTO
+    }
+}
+
+impl TrainAttention {
+    /// The automatic chunk size with the default `Chunked { blocks_per_chunk: 0 }`.
+    pub const AUTO: TrainAttention = TrainAttention::Chunked {
+        blocks_per_chunk: 0,
+    };
+
+    /// The number of blocks per chunk actually used for `n` blocks of `block` tokens per
+    /// sequence, against `context` positions, with `heads` query heads and `kv_heads` key/value
+    /// heads; `None` for `Dense`.
+    ///
+    /// Automatic choice: per query, the fused kernel's work grows with the keys it reads,
+    /// S + C*B, while copying the context keys and values once per chunk costs about
+    /// S * kv_heads * head_dim / (C*B) per query (memory traffic, forward and backward). The
+    /// sum is smallest at C*B = sqrt(r * S) with r = 640 * kv_heads / heads (measured on an
+    /// H200 with cuDNN's fused attention, head_dim 128: the step time falls from C = 4 to
+    /// C = 32 at S = 1522, for 16/8 and 32/8 heads); the optimum is flat, so C is rounded to a
+    /// power of two. Examples (GQA 32/8 heads, B = 16): S = 256 -> 16, S = 1024 -> 32,
+    /// S = 3072 -> 32, S = 8192 -> 64.
+    ///
+    /// C does not depend on the number of blocks: with the bucketed context length
+    /// ([`context_bucket`]) it fixes the shape of every fused attention call, and a fused
+    /// kernel builds its plan once per shape.
+    pub fn blocks_per_chunk(
+        &self,
+        block: i64,
+        context: i64,
+        heads: i64,
+        kv_heads: i64,
+    ) -> Option<i64> {
+        let TrainAttention::Chunked { blocks_per_chunk } = *self else {
+            return None;
+        };
+        let c = if blocks_per_chunk > 0 {
+            blocks_per_chunk as i64
+        } else {
+            let r = 640.0 * kv_heads.max(1) as f64 / heads.max(1) as f64;
+            let rows = (r * context.max(1) as f64).sqrt();
+            let c = (rows / block.max(1) as f64).max(1.0);
+            1i64 << (c.log2().round() as i64).clamp(0, 20)
+        };
+        Some(c.max(1))
+    }
+}
+
+/// The context length the chunked training attention pads `s` to: a multiple of 1/16 of the
+/// largest power of two not above `s`, and of at least 128 (128 up to 4096, 256 up to 8192,
+/// ...): fewer than max(128, s/16) padding keys, 24 distinct lengths up to 3072. Fused
+/// attention kernels (cuDNN's) build a plan per shape, tens of milliseconds of host time
+/// each: with raw sequence lengths nearly every batch would build new ones.
+pub fn context_bucket(s: i64) -> i64 {
+    let s = s.max(1);
+    let floor_pow2 = 1i64 << (63 - s.leading_zeros() as i64);
+    let step = (floor_pow2 / 16).max(128);
+    (s + step - 1) / step * step
+}
+
+impl fmt::Display for TrainAttention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TrainAttention::Dense => write!(f, "dense"),
+            TrainAttention::Chunked {
+                blocks_per_chunk: 0,
+            } => write!(f, "chunked"),
+            TrainAttention::Chunked { blocks_per_chunk } => write!(f, "chunked:{blocks_per_chunk}"),
+        }
+    }
+}
+
+impl FromStr for TrainAttention {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "dense" => Ok(TrainAttention::Dense),
+            "chunked" | "chunked:auto" | "chunked:0" => Ok(TrainAttention::AUTO),
+            _ => {
+                let c = t
+                    .strip_prefix("chunked:")
+                    .and_then(|c| c.trim().parse::<usize>().ok())
+                    .filter(|&c| (1..=1 << 20).contains(&c));
+                match c {
+                    Some(blocks_per_chunk) => Ok(TrainAttention::Chunked { blocks_per_chunk }),
+                    None => bail!(
+                        "attention {s:?}: expected \"dense\", \"chunked\" (automatic chunk size) or \"chunked:C\" with C blocks per chunk, 1 <= C <= 1048576"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+impl TryFrom<String> for TrainAttention {
+    type Error = anyhow::Error;
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<TrainAttention> for String {
+    fn from(a: TrainAttention) -> String {
+        a.to_string()
+    }
+}

@@ -1,0 +1,128 @@
+//! The drafter's side of decoding over a [`SlotCache`]: context keys and values written to
+//! slots, blocks attending to their slots, the cache itself and a copy with fused projections.
+
+use anyhow::{Context, Result};
+use tch::Tensor;
+
+use super::{Drafter, FrozenHead};
+use crate::model::layers::{rms_norm, Rope};
+use crate::model::slots::{SlotBatch, SlotCache};
+
+impl Drafter {
+    /// Decoding over a [`SlotCache`] (see [`crate::model::decode`]): writes the context keys and
+    /// values of the target features `features` [c, K*H] of newly accepted tokens to the rows
+    /// and positions of `batch` (c tokens). The context only ever serves as keys, so nothing
+    /// attends here.
+    pub fn append_context_slots(
+        &self,
+        features: &Tensor,
+        batch: &SlotBatch,
+        cache: &mut SlotCache,
+    ) {
+        tch::no_grad(|| {
+            let ctx = self.fuse_context(&features.unsqueeze(0));
+            let (cos, sin) = self.rotary(cache, &batch.positions);
+            for (idx, layer) in self.layers.iter().enumerate() {
+                let (k, v) = self.context_kv(layer, &ctx, &cos, &sin);
+                cache.write(idx, &k, &v, &batch.rows);
+            }
+        })
+    }
+
+    /// Decoding over a [`SlotCache`]: the blocks `block_ids` [n] (int64 on the device; each
+    /// sequence's block at the positions of `batch`, a uniform batch of one block per
+    /// sequence) attend to their sequence's context rows and to their own block, not causally.
+    /// Their keys and values are written after the context rows, where the next context
+    /// overwrites them. Returns the final-normed hidden states [n, H].
+    pub fn block_slots(
+        &self,
+        head: &FrozenHead,
+        block_ids: &Tensor,
+        batch: &SlotBatch,
+        cache: &mut SlotCache,
+    ) -> Result<Tensor> {
+        tch::no_grad(|| {
+            let c = &self.config;
+            let (heads, kv_heads, d, eps) = (
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.rms_norm_eps,
+            );
+            let n = batch.tokens();
+            let (cos, sin) = self.rope.cos_sin(&batch.positions, self.kind);
+            let mut h = Tensor::embedding(
+                &head.embed_tokens,
+                &block_ids.view([1, n]),
+                -1,
+                false,
+                false,
+            )
+            .to_kind(self.kind);
+            for (idx, layer) in self.layers.iter().enumerate() {
+                let x = rms_norm(&h, &layer.input_norm, eps);
+                let q = Rope::apply(&layer.attn.queries(&x, heads, d, eps), &cos, &sin);
+                let k = Rope::apply(&layer.attn.keys(&x, kv_heads, d, eps), &cos, &sin);
+                let v = layer.attn.values(&x, kv_heads, d);
+                let a = cache.attend(idx, &q, &k, &v, batch, false)?;
+                h = &h + layer.attn.output(&a);
+                h = &h + layer.mlp.forward(&rms_norm(&h, &layer.post_norm, eps));
+            }
+            Ok(rms_norm(&h, &self.norm, eps).squeeze_dim(0))
+        })
+    }
+
+    /// The rotary cos and sin of `positions`: from the cache's table when it has one.
+    fn rotary(&self, cache: &SlotCache, positions: &Tensor) -> (Tensor, Tensor) {
+        match &cache.rope {
+            Some(table) => table.at(positions),
+            None => self.rope.cos_sin(positions, self.kind),
+        }
+    }
+
+    /// A decoding cache of one sequence of up to `capacity` positions for this drafter: the
+    /// flash attention where the kernel takes its shapes, its rotary table.
+    pub fn slot_cache(&self, capacity: i64) -> Result<SlotCache> {
+        let c = &self.config;
+        let attention = crate::model::slots::SlotAttention::for_model(
+            self.device,
+            self.kind,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        );
+        Ok(SlotCache::new(
+            self.layers.len(),
+            1,
+            capacity,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.kind,
+            self.device,
+            attention,
+        )?
+        .with_rope(self.rope.table(capacity, self.kind)))
+    }
+
+    /// A copy for decoding: the same weights, detached from training, with the q, k, v and the
+    /// gate, up projections each stored as one matrix (one matrix product instead of several;
+    /// see [`crate::model::layers::AttentionWeights::fuse`]).
+    pub fn decode_copy(&self) -> Result<Drafter> {
+        let params: std::collections::HashMap<String, Tensor> = self
+            .named_parameters()
+            .into_iter()
+            .map(|(n, t)| (n, t.detach().copy()))
+            .collect();
+        let mut copy = Self::build(self.config.clone(), self.device, self.kind, |name, _| {
+            params
+                .get(name)
+                .map(Tensor::shallow_clone)
+                .with_context(|| format!("the drafter has no tensor {name}"))
+        })?;
+        for layer in &mut copy.layers {
+            layer.attn.fuse();
+            layer.mlp.fuse();
+        }
+        Ok(copy)
+    }
+}

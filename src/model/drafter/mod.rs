@@ -1,0 +1,501 @@
+//! The DFlash drafter (dflash spec §1-2): Qwen3-style layers with the target's dimensions,
+//! `fc` + `hidden_norm` fusion of the tapped target features, KV injection of that context in
+//! every layer, the target's frozen embedding and LM head, its own final norm.
+
+mod attention;
+mod chunks;
+mod decode;
+mod init;
+
+pub use attention::{context_bucket, TrainAttention};
+
+use chunks::{chunked_attention, dense_block_mask, BlockAttention};
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use tch::{Device, Kind, Tensor};
+
+use super::drafter_config::DrafterConfig;
+use super::layers::{attention, rms_norm, upload, AttentionWeights, Mlp, Rope};
+use super::target::TargetModel;
+use super::weights::WeightFiles;
+use crate::fsutil::StagedDir;
+
+/// The target's frozen input embedding and LM head, on the drafter's device.
+#[derive(Debug)]
+pub struct FrozenHead {
+    pub embed_tokens: Tensor,
+    pub lm_head: Tensor,
+}
+
+impl FrozenHead {
+    /// Shares the target's tensors when the devices and dtypes match, copies otherwise.
+    pub fn from_target(target: &TargetModel, device: Device, kind: Kind) -> Self {
+        let take = |t: &Tensor| t.to_device(device).to_kind(kind).detach();
+        FrozenHead {
+            embed_tokens: take(target.embed_tokens()),
+            lm_head: take(target.lm_head()),
+        }
+    }
+}
+
+struct DrafterLayer {
+    input_norm: Tensor,
+    attn: AttentionWeights,
+    post_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// A DFlash drafter.
+pub struct Drafter {
+    pub config: DrafterConfig,
+    pub device: Device,
+    pub kind: Kind,
+    layers: Vec<DrafterLayer>,
+    fc: Tensor,
+    hidden_norm: Tensor,
+    norm: Tensor,
+    rope: Rope,
+    train_attention: TrainAttention,
+}
+
+impl std::fmt::Debug for Drafter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drafter")
+            .field("layers", &self.layers.len())
+            .field("block_size", &self.config.block_size)
+            .field("device", &self.device)
+            .field("kind", &self.kind)
+            .field("train_attention", &self.train_attention)
+            .finish()
+    }
+}
+
+/// Training input: sequences and the anchors of their blocks (spec §2).
+#[derive(Debug)]
+pub struct AnchorBatch {
+    /// [B, S] int64 token ids.
+    pub input_ids: Tensor,
+    /// [B, N] int64 anchor positions, sorted ascending per row; padded entries may hold any
+    /// position in 0..S.
+    pub anchors: Tensor,
+    /// [B, N] bool: false for padding blocks (zero loss weight).
+    pub valid: Tensor,
+}
+
+/// The public tensor names of a drafter with `layers` layers (spec §6), in a fixed order.
+pub fn tensor_names(layers: i64) -> Vec<String> {
+    let mut names = Vec::new();
+    for i in 0..layers {
+        for part in [
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+        ] {
+            names.push(format!("layers.{i}.{part}"));
+        }
+    }
+    names.extend(["fc.weight", "hidden_norm.weight", "norm.weight"].map(String::from));
+    names
+}
+
+impl Drafter {
+    /// The shape of every tensor, by public name.
+    pub fn tensor_shape(config: &DrafterConfig, name: &str) -> Option<Vec<i64>> {
+        let h = config.hidden_size;
+        let d = config.head_dim;
+        let q = config.num_attention_heads * d;
+        let kv = config.num_key_value_heads * d;
+        let i = config.intermediate_size;
+        let k = config.num_taps() as i64;
+        let part = match name.strip_prefix("layers.") {
+            Some(rest) => rest.split_once('.')?.1,
+            None => name,
+        };
+        Some(match part {
+            "self_attn.q_proj.weight" => vec![q, h],
+            "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => vec![kv, h],
+            "self_attn.o_proj.weight" => vec![h, q],
+            "self_attn.q_norm.weight" | "self_attn.k_norm.weight" => vec![d],
+            "mlp.gate_proj.weight" | "mlp.up_proj.weight" => vec![i, h],
+            "mlp.down_proj.weight" => vec![h, i],
+            "input_layernorm.weight" | "post_attention_layernorm.weight" => vec![h],
+            "fc.weight" => vec![h, k * h],
+            "hidden_norm.weight" | "norm.weight" => vec![h],
+            _ => return None,
+        })
+    }
+
+    /// Builds the drafter from a source of tensors by name.
+    fn build(
+        config: DrafterConfig,
+        device: Device,
+        kind: Kind,
+        mut get: impl FnMut(&str, &[i64]) -> Result<Tensor>,
+    ) -> Result<Self> {
+        let mut take = |name: String| -> Result<Tensor> {
+            let shape = Self::tensor_shape(&config, &name)
+                .with_context(|| format!("no shape for {name}"))?;
+            get(&name, &shape)
+        };
+        let mut layers = Vec::new();
+        for l in 0..config.num_hidden_layers {
+            let p = |s: &str| format!("layers.{l}.{s}");
+            layers.push(DrafterLayer {
+                attn: AttentionWeights {
+                    q_proj: take(p("self_attn.q_proj.weight"))?,
+                    k_proj: take(p("self_attn.k_proj.weight"))?,
+                    v_proj: take(p("self_attn.v_proj.weight"))?,
+                    o_proj: take(p("self_attn.o_proj.weight"))?,
+                    q_bias: None,
+                    k_bias: None,
+                    v_bias: None,
+                    q_norm: Some(take(p("self_attn.q_norm.weight"))?),
+                    k_norm: Some(take(p("self_attn.k_norm.weight"))?),
+                    fused: None,
+                },
+                mlp: Mlp {
+                    gate_proj: take(p("mlp.gate_proj.weight"))?,
+                    up_proj: take(p("mlp.up_proj.weight"))?,
+                    down_proj: take(p("mlp.down_proj.weight"))?,
+                    fused: None,
+                },
+                input_norm: take(p("input_layernorm.weight"))?,
+                post_norm: take(p("post_attention_layernorm.weight"))?,
+            });
+        }
+        let fc = take("fc.weight".into())?;
+        let hidden_norm = take("hidden_norm.weight".into())?;
+        let norm = take("norm.weight".into())?;
+        let rope = Rope::new(&config.as_rope_config(), device)?;
+        Ok(Drafter {
+            config,
+            device,
+            kind,
+            layers,
+            fc,
+            hidden_norm,
+            norm,
+            rope,
+            train_attention: TrainAttention::default(),
+        })
+    }
+
+    /// Loads a drafter folder (config.json + model.safetensors), checking that the file holds
+    /// exactly the public tensors with the right shapes.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
+        Self::load_checked(dir, None, device, kind)
+    }
+
+    /// Like [`Drafter::load`], and first checks that the drafter fits `target` (hidden size,
+    /// vocabulary, layer count).
+    pub fn load_for_target(
+        dir: &Path,
+        target: &super::config::TargetConfig,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self> {
+        Self::load_checked(dir, Some(target), device, kind)
+    }
+
+    /// The configuration of the drafter in `dir`, checked against the target (no weights read).
+    pub fn config_for_target(
+        dir: &Path,
+        target: &super::config::TargetConfig,
+    ) -> Result<DrafterConfig> {
+        let config = DrafterConfig::from_dir(dir)?;
+        config.check_against(target).with_context(|| {
+            format!(
+                "{}: the drafter does not fit the target",
+                dir.join("config.json").display()
+            )
+        })?;
+        Ok(config)
+    }
+
+    fn load_checked(
+        dir: &Path,
+        target: Option<&super::config::TargetConfig>,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self> {
+        let config = match target {
+            Some(target) => Self::config_for_target(dir, target)?,
+            None => DrafterConfig::from_dir(dir)?,
+        };
+        let weights = WeightFiles::open(dir)?;
+        let file = dir.join("model.safetensors");
+        let expected: BTreeSet<String> =
+            tensor_names(config.num_hidden_layers).into_iter().collect();
+        let found: BTreeSet<String> = weights.names().map(str::to_string).collect();
+        if let Some(extra) = found.difference(&expected).next() {
+            bail!(
+                "{}: unexpected tensor {extra:?}: not part of a {}-layer DFlash drafter",
+                file.display(),
+                config.num_hidden_layers
+            );
+        }
+        if let Some(missing) = expected.difference(&found).next() {
+            bail!("{}: tensor {missing:?} is missing", file.display());
+        }
+        let drafter = Self::build(config, device, kind, |name, shape| {
+            Ok(weights
+                .load(name, shape, kind, device)?
+                .set_requires_grad(true))
+        })?;
+        log::info!("{}: {}", dir.display(), drafter.describe());
+        Ok(drafter)
+    }
+
+    /// Every parameter with its public name, in [`tensor_names`] order.
+    pub fn named_parameters(&self) -> Vec<(String, &Tensor)> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            let a = &l.attn;
+            let norms = (a.q_norm.as_ref(), a.k_norm.as_ref());
+            let (Some(q_norm), Some(k_norm)) = norms else {
+                continue;
+            };
+            for (part, t) in [
+                ("self_attn.q_proj.weight", &a.q_proj),
+                ("self_attn.k_proj.weight", &a.k_proj),
+                ("self_attn.v_proj.weight", &a.v_proj),
+                ("self_attn.o_proj.weight", &a.o_proj),
+                ("self_attn.q_norm.weight", q_norm),
+                ("self_attn.k_norm.weight", k_norm),
+                ("mlp.gate_proj.weight", &l.mlp.gate_proj),
+                ("mlp.up_proj.weight", &l.mlp.up_proj),
+                ("mlp.down_proj.weight", &l.mlp.down_proj),
+                ("input_layernorm.weight", &l.input_norm),
+                ("post_attention_layernorm.weight", &l.post_norm),
+            ] {
+                out.push((format!("layers.{i}.{part}"), t));
+            }
+        }
+        out.push(("fc.weight".into(), &self.fc));
+        out.push(("hidden_norm.weight".into(), &self.hidden_norm));
+        out.push(("norm.weight".into(), &self.norm));
+        out
+    }
+
+    pub fn parameter_count(&self) -> i64 {
+        self.named_parameters()
+            .iter()
+            .map(|(_, t)| t.numel() as i64)
+            .sum()
+    }
+
+    /// One line for logs: size and memory estimate.
+    pub fn describe(&self) -> String {
+        let n = self.parameter_count() as f64;
+        let bytes = match self.kind {
+            Kind::Float => 4.0,
+            Kind::Double => 8.0,
+            _ => 2.0,
+        };
+        format!(
+            "DFlash drafter: {} layers, block size {}, taps {:?}, mask token {}, {:.2} M parameters; weights {:.1} MiB as {:?}, training state about {:.1} MiB (fp32 master weights, AdamW moments, gradients)",
+            self.config.num_hidden_layers,
+            self.config.block_size,
+            self.config.target_layer_ids(),
+            self.config.mask_token_id(),
+            n / 1e6,
+            n * bytes / (1u64 << 20) as f64,
+            self.kind,
+            n * 16.0 / (1u64 << 20) as f64,
+        )
+    }
+
+    /// Writes a servable checkpoint: config.json + model.safetensors (bf16, public names). The
+    /// folder appears only when complete.
+    pub fn save(&self, dir: &Path) -> Result<PathBuf> {
+        let staged = StagedDir::create(dir)?;
+        self.config.write(&staged.path().join("config.json"))?;
+        let tensors: Vec<(String, Tensor)> = self
+            .named_parameters()
+            .into_iter()
+            .map(|(n, t)| (n, t.detach().to_kind(Kind::BFloat16)))
+            .collect();
+        super::weights::save_safetensors(&staged.path().join("model.safetensors"), &tensors)?;
+        staged.commit()
+    }
+
+    /// `ctx = hidden_norm(fc(features))`: [B, S, K*H] -> [B, S, H].
+    fn fuse_context(&self, features: &Tensor) -> Tensor {
+        let f = features.to_device(self.device).to_kind(self.kind);
+        rms_norm(
+            &f.linear::<&Tensor>(&self.fc, None),
+            &self.hidden_norm,
+            self.config.rms_norm_eps,
+        )
+    }
+
+    fn layer_forward(
+        &self,
+        layer: &DrafterLayer,
+        h: &Tensor,
+        ctx_kv: (&Tensor, &Tensor),
+        block_rope: (&Tensor, &Tensor),
+        attn: BlockAttention<'_>,
+    ) -> Tensor {
+        let c = &self.config;
+        let (heads, kv_heads, d, eps) = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+        );
+        let x = rms_norm(h, &layer.input_norm, eps);
+        // Queries and the block's keys share the block positions.
+        let (cos, sin) = block_rope;
+        let q = Rope::apply(&layer.attn.queries(&x, heads, d, eps), cos, sin);
+        let k_block = Rope::apply(&layer.attn.keys(&x, kv_heads, d, eps), cos, sin);
+        let v_block = layer.attn.values(&x, kv_heads, d);
+        let a = match attn {
+            BlockAttention::Full(mask) => {
+                let k = Tensor::cat(&[ctx_kv.0, &k_block], 2);
+                let v = Tensor::cat(&[ctx_kv.1, &v_block], 2);
+                layer.attn.output(&attention(&q, &k, &v, mask, false))
+            }
+            BlockAttention::Chunked(plan) => {
+                let rows = chunked_attention(&q, ctx_kv, (&k_block, &v_block), plan);
+                rows.linear::<&Tensor>(&layer.attn.o_proj, None)
+            }
+        };
+        let h = h + a;
+        let m = layer.mlp.forward(&rms_norm(&h, &layer.post_norm, eps));
+        h + m
+    }
+
+    /// Keys (normed, rotated) and values of the context for one layer: [B, kv_heads, S, d].
+    fn context_kv(
+        &self,
+        layer: &DrafterLayer,
+        ctx: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> (Tensor, Tensor) {
+        let c = &self.config;
+        let (k, v) = layer
+            .attn
+            .project_kv(ctx, c.num_key_value_heads, c.head_dim, c.rms_norm_eps);
+        (Rope::apply(&k, cos, sin), v)
+    }
+
+    /// The formulation [`Drafter::forward_train`] uses (default: chunked, automatic size).
+    pub fn train_attention(&self) -> TrainAttention {
+        self.train_attention
+    }
+
+    /// Chooses the formulation of the training attention; both are exact.
+    pub fn set_train_attention(&mut self, attention: TrainAttention) {
+        self.train_attention = attention;
+    }
+
+    /// [`Drafter::set_train_attention`], by value.
+    pub fn with_train_attention(mut self, attention: TrainAttention) -> Self {
+        self.train_attention = attention;
+        self
+    }
+
+    /// Training forward over N anchor blocks per sequence (spec §2). `features` [B, S, K*H] are
+    /// the tapped target features. Returns the final-normed hidden states [B, N, block, H].
+    ///
+    /// Visibility: a query in block j sees context positions p < a_j and all positions of its
+    /// own block, nothing of any other block. A padding block still sees its own block, so no
+    /// row of the attention is empty (no NaN).
+    ///
+    /// The attention runs as [`Drafter::train_attention`] says. The host never waits for the
+    /// device here: host tensors of `batch` go up through pinned memory without blocking.
+    pub fn forward_train(
+        &self,
+        head: &FrozenHead,
+        features: &Tensor,
+        batch: &AnchorBatch,
+    ) -> Tensor {
+        self.forward_train_with(head, features, batch, self.train_attention)
+    }
+
+    /// [`Drafter::forward_train`] with an explicit formulation of the attention.
+    pub fn forward_train_with(
+        &self,
+        head: &FrozenHead,
+        features: &Tensor,
+        batch: &AnchorBatch,
+        attention: TrainAttention,
+    ) -> Tensor {
+        let c = &self.config;
+        let bs = c.block_size;
+        let dev = self.device;
+        let (b, s) = batch.input_ids.size2().unwrap_or((0, 0));
+        let n = batch.anchors.size()[1];
+        let ids = upload(&batch.input_ids, dev).to_kind(Kind::Int64);
+        let anchors = upload(&batch.anchors, dev).to_kind(Kind::Int64);
+
+        // Block inputs: [x[a_j], MASK, ..., MASK]
+        let first = ids.gather(1, &anchors, false).unsqueeze(-1); // [B, N, 1]
+        let masks = Tensor::full([b, n, bs - 1], c.mask_token_id(), (Kind::Int64, dev));
+        let block_ids = Tensor::cat(&[first, masks], -1).view([b, n * bs]);
+        let mut h =
+            Tensor::embedding(&head.embed_tokens, &block_ids, -1, false, false).to_kind(self.kind);
+
+        // Positions: slot k of block j at a_j + k; context position p at p.
+        let offsets = Tensor::arange(bs, (Kind::Int64, dev));
+        let block_pos = (anchors.unsqueeze(-1) + &offsets).view([b, n * bs]);
+        // The chunked attention reads a context padded to a bucketed length (the padding
+        // positions lie after every anchor, so no query sees them).
+        let chunked = matches!(attention, TrainAttention::Chunked { .. }) && n > 0;
+        let s_ctx = if chunked { context_bucket(s) } else { s };
+        let ctx_pos = Tensor::arange(s_ctx, (Kind::Int64, dev))
+            .unsqueeze(0)
+            .expand([b, s_ctx], false);
+        let (q_cos, q_sin) = self.rope.cos_sin(&block_pos, self.kind);
+        let (q_cos, q_sin) = (q_cos.unsqueeze(1), q_sin.unsqueeze(1));
+        let (c_cos, c_sin) = self.rope.cos_sin(&ctx_pos, self.kind);
+        let (c_cos, c_sin) = (c_cos.unsqueeze(1), c_sin.unsqueeze(1));
+
+        let per_chunk =
+            attention.blocks_per_chunk(bs, s_ctx, c.num_attention_heads, c.num_key_value_heads);
+        let dense_mask;
+        let plan;
+        let attn = match per_chunk {
+            Some(cpc) if chunked => {
+                plan = self.chunk_plan(&anchors, s_ctx, cpc);
+                BlockAttention::Chunked(&plan)
+            }
+            _ => {
+                dense_mask = dense_block_mask(&anchors, s, bs);
+                BlockAttention::Full(Some(&dense_mask))
+            }
+        };
+
+        let ctx = self.fuse_context(features);
+        let ctx = if s_ctx > s {
+            ctx.constant_pad_nd([0, 0, 0, s_ctx - s])
+        } else {
+            ctx
+        };
+        for layer in &self.layers {
+            let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin);
+            h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn);
+        }
+        rms_norm(&h, &self.norm, self.config.rms_norm_eps).view([b, n, bs, -1])
+    }
+
+    /// Logits through the target's frozen LM head, in float32.
+    pub fn logits(&self, head: &FrozenHead, hidden: &Tensor) -> Tensor {
+        hidden
+            .linear::<&Tensor>(&head.lm_head, None)
+            .to_kind(Kind::Float)
+    }
+}
