@@ -1,5 +1,9 @@
 //! Numbers, durations and text cut to a width, as the panels show them.
 
+/// Seconds as `h:mm:ss` (`-` when not finite or negative): the screen uses the shared clock
+/// style, under the name its callers and tests know.
+pub use crate::telemetry::format::fmt_duration_clock as fmt_duration;
+
 /// A number with an SI suffix: `950`, `12.3k`, `3.4M`, `1.2G`; below 100 one decimal (`4.2`).
 pub fn fmt_si(x: f64) -> String {
     if !x.is_finite() {
@@ -21,15 +25,6 @@ pub fn fmt_si(x: f64) -> String {
     } else {
         format!("{:.1}G", x / 1e9)
     }
-}
-
-/// Seconds as `h:mm:ss` (`-` when not finite or negative).
-pub fn fmt_duration(seconds: f64) -> String {
-    if !seconds.is_finite() || seconds < 0.0 {
-        return "-".into();
-    }
-    let s = seconds.round() as u64;
-    format!("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60)
 }
 
 /// A chart value: 4 significant digits, scientific for very small or large magnitudes.
