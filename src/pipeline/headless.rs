@@ -17,22 +17,12 @@ use super::command::Command;
 use super::control::Request;
 use super::signals::{SignalFlags, SignalRequest};
 use super::trainer::{RunOutcome, TrainerHandle};
+use crate::telemetry::format::fmt_duration_compact;
 use crate::telemetry::gpu::{GpuMonitor, GpuReading};
 use crate::telemetry::host::{HostMonitor, HostReading};
 use crate::telemetry::records::{
     GpuRecord, MetricsRecord, RunStatus, Snapshot, StepRecord, ValidationRecord,
 };
-
-pub fn fmt_duration(s: f64) -> String {
-    let s = s.max(0.0) as u64;
-    if s >= 3600 {
-        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
-    } else if s >= 60 {
-        format!("{}m{:02}s", s / 60, s % 60)
-    } else {
-        format!("{s}s")
-    }
-}
 
 /// The human line of step `r` (a record of the run `s` shows now); `validation`, a pass made
 /// since the previous line, is added at its end.
@@ -54,7 +44,7 @@ pub fn human_line(s: &Snapshot, r: &StepRecord, validation: Option<&ValidationRe
         r.tokens_per_s,
         r.samples_per_s,
         q.join(", "),
-        s.eta_s.map(fmt_duration).unwrap_or_else(|| "?".into())
+        s.eta_s.map(fmt_duration_compact).unwrap_or_else(|| "?".into())
     );
     match validation {
         Some(v) => format!(

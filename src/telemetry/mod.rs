@@ -1,5 +1,7 @@
-//! Telemetry: what the machine and the run are doing (GPU readings from NVML for now).
+//! Telemetry: what the machine and the run are doing (GPU readings from NVML for now), and how
+//! its durations read (below pipeline and ui, so both front ends format them alike).
 
+pub mod format;
 pub mod gpu;
 pub mod host;
 pub mod profile;

@@ -170,14 +170,9 @@ pub fn run(run_dir: &Path, viewer: Viewer, close: &AtomicBool) -> Result<()> {
         }
         for action in actions {
             for effect in update(&mut state, action) {
-                match effect {
-                    Effect::Send(cmd) => {
-                        let reply = feed.send(&cmd);
-                        update(&mut state, Action::Reply(reply));
-                    }
-                    // Signals reach the trainer's run loop, not its screen.
-                    Effect::Abort => {}
-                }
+                let Effect::Send(cmd) = effect;
+                let reply = feed.send(&cmd);
+                update(&mut state, Action::Reply(reply));
             }
         }
         if let Err(e) = terminal.draw(|f| render(f, &state)) {

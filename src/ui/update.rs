@@ -1,5 +1,7 @@
-//! The control room's pure update: one `Action` type for every control path (keys, the `:`
-//! line, stdin, the control socket, signals), turned into state changes and effects.
+//! The control room's pure update: one `Action` type for what reaches the screen (keys, the
+//! `:` line, the run's state, log and replies), turned into state changes and effects. Signals
+//! are not among them: the run loop acts on them (`pipeline::headless`), as for a run without
+//! a screen.
 
 use crate::config::MAX_QUEUE_DEPTH;
 use crate::pipeline::command::Command;
@@ -28,14 +30,12 @@ pub enum Key {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     Key(Key),
-    /// A command from stdin, the socket or a signal.
+    /// A command to send as it is (not typed on this screen).
     Command(Command),
     /// New telemetry.
     Telemetry(Box<Snapshot>),
     /// The reply to a command that was sent.
     Reply(Result<String, String>),
-    /// A second stop signal: leave at once.
-    Abort,
     /// New lines of the run's log.
     Log(Vec<String>),
     /// The live state is unavailable, and why (None: live again).
@@ -47,8 +47,6 @@ pub enum Action {
 pub enum Effect {
     /// Send a command to the trainer (its reply comes back as `Action::Reply`).
     Send(Command),
-    /// Stop every stage now.
-    Abort,
 }
 
 const PROFILE_STEPS: [f64; 5] = [0.0, 5.0, 10.0, 30.0, 60.0];
@@ -109,10 +107,6 @@ fn apply(state: &mut AppState, action: Action) -> Vec<Effect> {
             vec![]
         }
         Action::Command(cmd) => vec![Effect::Send(cmd)],
-        Action::Abort => {
-            state.quit = true;
-            vec![Effect::Abort]
-        }
         Action::Key(key) => on_key(state, key),
     }
 }
@@ -480,8 +474,6 @@ mod tests {
             update(&mut s, Action::Command(Command::Checkpoint)),
             vec![Effect::Send(Command::Checkpoint)]
         );
-        assert_eq!(update(&mut s, Action::Abort), vec![Effect::Abort]);
-        assert!(s.quit);
     }
 
     #[test]
