@@ -1,6 +1,7 @@
 //! Progress of `regenerate`: a bar of the rows done with the token rate, or, when the bar is
 //! hidden (stderr is not a terminal), a log line every 5 s.
 
+use crate::telemetry::format::fmt_duration_clock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -19,11 +20,6 @@ struct ProgressState {
     rows: usize,
     tokens: u64,
     last: Instant,
-}
-
-fn hms(seconds: f64) -> String {
-    let s = seconds.max(0.0).round() as u64;
-    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
 }
 
 impl Progress {
@@ -85,7 +81,7 @@ impl Progress {
         let done = self.rows_before + st.rows;
         let remaining = self.total_rows.saturating_sub(done);
         let eta = if st.rows > 0 {
-            hms(remaining as f64 * elapsed / st.rows as f64)
+            fmt_duration_clock(remaining as f64 * elapsed / st.rows as f64)
         } else {
             "?".into()
         };
