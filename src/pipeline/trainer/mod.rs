@@ -50,23 +50,23 @@ const HISTORY: usize = 20_000;
 const EVAL_HISTORY: usize = 2_000;
 
 /// A batch on its way to a target worker.
-struct BatchItem {
+pub(crate) struct BatchItem {
     seq: u64,
     resume: PackerState,
     epoch: u64,
     samples: Vec<usize>,
-    lengths: Vec<usize>,
+    pub(crate) lengths: Vec<usize>,
     stride: usize,
     ids: Vec<i64>,
     mask: Vec<i64>,
-    input_ids: Tensor,
+    pub(crate) input_ids: Tensor,
 }
 
 /// Target features on their way to a drafter worker.
-struct FeatureItem {
-    batch: BatchItem,
-    features: Tensor,
-    teacher_hidden: Option<Tensor>,
+pub(crate) struct FeatureItem {
+    pub(crate) batch: BatchItem,
+    pub(crate) features: Tensor,
+    pub(crate) teacher_hidden: Option<Tensor>,
 }
 
 /// A replica's contribution to a step.
@@ -232,21 +232,21 @@ fn seed_for(seed: u64, step: u64, replica: usize, micro: usize) -> u64 {
 
 /// Everything the stages need, prepared before any thread starts (so configuration and input
 /// errors are reported before training begins).
-struct Prepared {
+pub(crate) struct Prepared {
     config: TrainConfig,
-    store: Arc<TokenStore>,
-    targets: Vec<Arc<SharedTarget>>,
-    drafters: Vec<Drafter>,
-    heads: Vec<FrozenHead>,
-    optimizer: AdamW,
-    packer: Packer,
+    pub(crate) store: Arc<TokenStore>,
+    pub(crate) targets: Vec<Arc<SharedTarget>>,
+    pub(crate) drafters: Vec<Drafter>,
+    pub(crate) heads: Vec<FrozenHead>,
+    pub(crate) optimizer: AdamW,
+    pub(crate) packer: Packer,
     start_step: u64,
     start_epoch: u64,
     tokens_seen: u64,
     samples_seen: u64,
     total_steps: u64,
-    target_devices: Vec<Device>,
-    drafter_devices: Vec<Device>,
+    pub(crate) target_devices: Vec<Device>,
+    pub(crate) drafter_devices: Vec<Device>,
     grad_sync: GradSyncPlan,
     held_out: Option<HeldOut>,
 }
@@ -284,7 +284,7 @@ fn target_files_summary(config: &TrainConfig, dir: &Path) -> String {
     format!("{layers}, {:.2} GB", bytes as f64 / 1e9)
 }
 
-fn prepare(
+pub(crate) fn prepare(
     runtime: &TorchRuntime,
     config: &TrainConfig,
     resume: Option<&Path>,
@@ -846,7 +846,7 @@ fn run_stage(shared: &Shared, stage: &str, work: impl FnOnce() -> Result<()>) {
 }
 
 /// A packed batch as the target and drafter stages take it.
-fn batch_item(
+pub(crate) fn batch_item(
     store: &TokenStore,
     batch: &crate::data::packer::Batch,
     seq: u64,
@@ -946,7 +946,7 @@ struct MicroResult {
 /// device: reading them is the step's one synchronisation, after the backward is queued.
 /// Clip, AdamW on the fp32 master weights, and the new weights into the compute copy; returns
 /// the gradient norm before clipping, still on the device.
-fn apply_update(
+pub(crate) fn apply_update(
     optimizer: &mut AdamW,
     params: &[(String, &Tensor)],
     grad: &mut Tensor,
@@ -980,142 +980,13 @@ fn warm_up_attention(
     }
 }
 
-fn sync_device(device: Device) {
+pub(crate) fn sync_device(device: Device) {
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
     }
 }
 
-/// Target tokens per second of each stage run alone, one stage after the other on the same
-/// batches, with the models and settings `train` would use (the benchmark's reference for the
-/// pipeline efficiency). The packer's batches `skip .. skip + batches` are timed (a run's
-/// measured window sees exactly these when `skip` is its warm-up's batch count); up to two
-/// batches before them run first, untimed, as the stages' own warm-up. The drafter stage
-/// trains a scratch copy (one optimizer step per batch). Several target or drafter devices
-/// are counted as that many times one device's rate.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct StageAloneRates {
-    pub batches: usize,
-    pub tokens: u64,
-    pub loader_tokens_per_s: f64,
-    pub target_tokens_per_s: f64,
-    pub drafter_tokens_per_s: f64,
-}
-
-pub fn measure_stages_alone(
-    runtime: &TorchRuntime,
-    config: &TrainConfig,
-    skip: usize,
-    batches: usize,
-) -> Result<StageAloneRates> {
-    let mut p = prepare(runtime, config, None)?;
-    let profile = ProfileStats::new();
-    let packer = &mut p.packer;
-    let warmup = skip.min(2);
-    for _ in 0..skip - warmup {
-        packer
-            .next()
-            .ok_or_else(|| anyhow!("the data set yields no batch"))?;
-    }
-    let total = warmup + batches.max(1);
-    let tokens_of = |b: &BatchItem| b.lengths.iter().map(|&l| l as u64).sum::<u64>();
-
-    let mut items = Vec::with_capacity(total);
-    let mut loader_s = 0.0;
-    for seq in 0..total {
-        let t = Instant::now();
-        let batch = packer
-            .next()
-            .ok_or_else(|| anyhow!("the data set yields no batch"))?;
-        let item = batch_item(&p.store, &batch, seq as u64, packer.state());
-        if seq >= warmup {
-            loader_s += t.elapsed().as_secs_f64();
-        }
-        items.push(item);
-    }
-    let tokens: u64 = items[warmup..].iter().map(tokens_of).sum();
-
-    let target = &p.targets[0];
-    let req = ForwardRequest {
-        tap_layers: p.drafters[0].config.target_layer_ids().to_vec(),
-        final_hidden: config.train.kl_weight > 0.0,
-        logits: false,
-    };
-    // Each device stage is timed over its measured batches as a whole, with one wait for the
-    // device at the end (as in the pipeline, the host queues the next batch's work while the
-    // device still runs the last one); the warm-up batches are waited for before the clock
-    // starts.
-    let mut features = Vec::with_capacity(total);
-    let mut target_clock = None;
-    for (i, batch) in items.into_iter().enumerate() {
-        if i == warmup {
-            sync_device(target.device);
-            target_clock = Some(Instant::now());
-        }
-        let out = target.run(&upload(&batch.input_ids, target.device), None, &req);
-        features.push(FeatureItem {
-            features: out
-                .features
-                .ok_or_else(|| anyhow!("the target returned no features"))?,
-            teacher_hidden: out.final_hidden,
-            batch,
-        });
-    }
-    sync_device(target.device);
-    let target_s = target_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
-
-    let drafter = &p.drafters[0];
-    let head = &p.heads[0];
-    let mut optimizer = p.optimizer;
-    let params = drafter.named_parameters();
-    // the learning rates the run uses at these steps (a full rate on a fresh drafter would
-    // blow its weights up, and denormal arithmetic is slow on CPUs)
-    let total_steps = config.train.total_steps.max(1);
-    let warmup_steps = (config.train.warmup_ratio * total_steps as f64).round() as u64;
-    let first_step = (skip - warmup) as u64;
-    // this thread's kernel plans, as the pipeline's drafter threads make theirs at their start
-    drafter.warm_up_attention(head, config.data.max_len);
-    let mut drafter_clock = None;
-    for (i, item) in features.iter().enumerate() {
-        if i == warmup {
-            sync_device(drafter.device);
-            drafter_clock = Some(Instant::now());
-        }
-        train_on_item(&profile, config, drafter, head, item, i as u64, 1.0);
-        let mut grad = AdamW::flatten_grads(&params);
-        let lr = lr_at(
-            first_step + i as u64,
-            total_steps,
-            warmup_steps,
-            config.train.lr,
-            config.train.min_lr_ratio,
-        );
-        let _norm = apply_update(
-            &mut optimizer,
-            &params,
-            &mut grad,
-            config.train.clip_grad_norm,
-            lr,
-        )?;
-    }
-    sync_device(drafter.device);
-    let drafter_s = drafter_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
-    let distinct = |devs: &[Device]| {
-        let mut d = devs.to_vec();
-        d.dedup();
-        d.len().max(1) as f64
-    };
-    let rate = |s: f64| tokens as f64 / s.max(1e-9);
-    Ok(StageAloneRates {
-        batches: batches.max(1),
-        tokens,
-        loader_tokens_per_s: rate(loader_s),
-        target_tokens_per_s: rate(target_s) * distinct(&p.target_devices),
-        drafter_tokens_per_s: rate(drafter_s) * distinct(&p.drafter_devices),
-    })
-}
-
-fn train_on_item(
+pub(crate) fn train_on_item(
     profile: &ProfileStats,
     cfg: &TrainConfig,
     drafter: &Drafter,
