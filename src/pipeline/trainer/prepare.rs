@@ -11,11 +11,13 @@ use tch::{Device, Kind};
 use crate::config::TrainConfig;
 use crate::data::packer::{Packer, PackerConfig, PackerState};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
-use crate::model::{Drafter, DrafterConfig, DrafterShape, FrozenHead, SharedTarget, TargetModel};
+use crate::model::{
+    Drafter, DrafterConfig, DrafterShape, FrozenHead, SharedTarget, TargetConfig, TargetModel,
+};
 use crate::pipeline::collective::{self, GradSyncPlan};
 use crate::pipeline::held_out::{HeldOut, Resumed};
 use crate::runtime::TorchRuntime;
-use crate::train::checkpoint::{newest_checkpoint, read_state, repair_latest};
+use crate::train::checkpoint::{newest_checkpoint, read_state, repair_latest, TrainerState};
 use crate::train::optim::{AdamW, AdamWConfig};
 
 /// Everything the stages need, prepared before any thread starts (so configuration and input
@@ -87,26 +89,16 @@ pub(crate) fn prepare(
     resume: Option<&Path>,
 ) -> Result<Prepared> {
     let target_dir = PathBuf::from(&config.model.target);
-    let target_devices = config
-        .devices
-        .target_devices
-        .iter()
-        .map(|d| {
-            runtime
-                .device(d)
-                .with_context(|| "config: devices.target_devices".to_string())
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let drafter_devices = config
-        .devices
-        .drafter_devices
-        .iter()
-        .map(|d| {
-            runtime
-                .device(d)
-                .with_context(|| "config: devices.drafter_devices".to_string())
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let target_devices = devices(
+        runtime,
+        &config.devices.target_devices,
+        "devices.target_devices",
+    )?;
+    let drafter_devices = devices(
+        runtime,
+        &config.devices.drafter_devices,
+        "devices.drafter_devices",
+    )?;
     // Decided (and libnccl loaded, where NCCL is to be used) before any model is loaded.
     let grad_sync = collective::plan(
         &config.devices.grad_sync,
@@ -116,22 +108,117 @@ pub(crate) fn prepare(
     )?;
     let target_kind = resolve_kind(&config.model.dtype, target_devices[0])?;
     let drafter_kind = resolve_kind(&config.model.dtype, drafter_devices[0])?;
+    let targets = load_targets(config, &target_dir, &target_devices, target_kind)?;
+    let target_cfg = &targets[0].config;
 
-    // Targets: loaded once per device.
+    // Drafter configuration: from drafter_init, the resume checkpoint, or fresh.
+    let drafter_config = fit_drafter_config(config, target_cfg, &target_dir)?;
+    let init_dir =
+        (!config.model.drafter_init.is_empty()).then(|| PathBuf::from(&config.model.drafter_init));
+
+    let store = load_store(config, target_cfg.vocab_size as usize)?;
+    let packer_config = packer_config(config);
+    let drafters = load_drafters(
+        config,
+        init_dir.as_deref(),
+        &drafter_config,
+        target_cfg,
+        &drafter_devices,
+        drafter_kind,
+    )?;
+    let mut optimizer = new_optimizer(config, &drafters[0], drafter_devices[0]);
+    let total_steps = planned_steps(config, &store, &packer_config);
+
+    let resumed = resume
+        .map(|run_dir| resume_point(run_dir, &mut optimizer))
+        .transpose()?;
+    let (resumed_from, state) = match &resumed {
+        Some((ckpt, state)) => (Some(ckpt), Some(state)),
+        None => (None, None),
+    };
+    let packer_state = state.map_or(PackerState::default(), |s| s.packer);
+    let packer = start_packer(&store, &packer_config, packer_state, resumed_from)?;
+    // Every replica starts from the master weights (exactly those saved, on resume).
+    for d in &drafters {
+        optimizer.write_params(&d.named_parameters())?;
+    }
+    let heads = drafter_devices
+        .iter()
+        .map(|&d| FrozenHead::from_target(&targets[0], d, drafter_kind))
+        .collect();
+    let dev = drafter_devices[0];
+    let held_out = HeldOut::prepare(
+        config,
+        &targets,
+        dev,
+        || load_target(config, &target_dir, dev, target_kind),
+        resume.map(|run_dir| Resumed {
+            run_dir,
+            validations_since_best: state.map_or(0, |s| s.validations_since_best),
+        }),
+    )?;
+    // Everything loaded: now the run directory may be touched.
+    if let (Some(run_dir), Some(ckpt)) = (resume, resumed_from) {
+        if repair_latest(run_dir, ckpt)? {
+            log::warn!(
+                "checkpoints/latest pointed at an older checkpoint than {} (a run killed between saving and pointing at it): repaired",
+                ckpt.display()
+            );
+        }
+    }
+    Ok(Prepared {
+        held_out,
+        config: config.clone(),
+        heads,
+        store,
+        targets,
+        drafters,
+        optimizer,
+        packer,
+        start_step: state.map_or(0, |s| s.step),
+        start_epoch: state.map_or(0, |s| s.epoch),
+        tokens_seen: state.map_or(0, |s| s.tokens_seen),
+        samples_seen: state.map_or(0, |s| s.samples_seen),
+        total_steps,
+        target_devices,
+        drafter_devices,
+        grad_sync,
+    })
+}
+
+/// The devices a `devices.*` setting names.
+fn devices(runtime: &TorchRuntime, names: &[String], setting: &str) -> Result<Vec<Device>> {
+    names
+        .iter()
+        .map(|d| {
+            runtime
+                .device(d)
+                .with_context(|| format!("config: {setting}"))
+        })
+        .collect()
+}
+
+/// The target on each target device, loaded once per device (workers on one device share it).
+fn load_targets(
+    config: &TrainConfig,
+    target_dir: &Path,
+    devices: &[Device],
+    kind: Kind,
+) -> Result<Vec<Arc<SharedTarget>>> {
     let mut targets: Vec<Arc<SharedTarget>> = Vec::new();
-    for &dev in &target_devices {
+    for &dev in devices {
         if let Some(t) = targets.iter().find(|t| t.device == dev) {
             targets.push(t.clone());
             continue;
         }
         // Start-up time goes here for a big target: say so before, and how long after.
         log::info!(
-            "loading target {} ({}) on {dev:?} as {target_kind:?} ...",
+            "loading target {} ({}) on {dev:?} as {kind:?} ...",
             target_dir.display(),
-            target_files_summary(config, &target_dir)
+            target_files_summary(config, target_dir)
         );
         let started = Instant::now();
-        let t = load_target(config, &target_dir, dev, target_kind)?;
+        let t = load_target(config, target_dir, dev, kind)?;
         log::info!(
             "target loaded in {:.1} s: {} ({:?}, {:.1} M parameters) on {dev:?}",
             started.elapsed().as_secs_f64(),
@@ -141,9 +228,15 @@ pub(crate) fn prepare(
         );
         targets.push(Arc::new(SharedTarget::new(t)));
     }
-    let target_cfg = &targets[0].config;
+    Ok(targets)
+}
 
-    // Drafter configuration: from drafter_init, the resume checkpoint, or fresh.
+/// The drafter shape the `model` section asks for, fitted to the target.
+fn fit_drafter_config(
+    config: &TrainConfig,
+    target_cfg: &TargetConfig,
+    target_dir: &Path,
+) -> Result<DrafterConfig> {
     let shape = DrafterShape {
         layers: config.model.drafter_layers,
         block_size: config.model.block_size,
@@ -152,16 +245,17 @@ pub(crate) fn prepare(
             .then(|| config.model.target_layer_ids.clone()),
         num_taps: config.model.num_taps,
     };
-    let drafter_config = DrafterConfig::for_target(target_cfg, &shape).with_context(|| {
+    DrafterConfig::for_target(target_cfg, &shape).with_context(|| {
         format!(
             "config: model section does not fit the target {}",
             target_dir.display()
         )
-    })?;
-    let init_dir =
-        (!config.model.drafter_init.is_empty()).then(|| PathBuf::from(&config.model.drafter_init));
+    })
+}
 
-    // Data.
+/// The training split of `data.path`, tokens checked against the target's vocabulary; samples
+/// with fewer than two blocks of loss tokens are dropped.
+fn load_store(config: &TrainConfig, vocab_size: usize) -> Result<Arc<TokenStore>> {
     let data_path = crate::data::arrow_io::resolve_split(
         Path::new(&config.data.path),
         Path::new(&config.data.path)
@@ -180,7 +274,7 @@ pub(crate) fn prepare(
         &data_path,
         &columns,
         &StoreOptions {
-            vocab_size: target_cfg.vocab_size as usize,
+            vocab_size,
             max_len: config.data.max_len,
             min_loss_tokens: 2 * block,
             max_samples: config.data.max_samples,
@@ -214,15 +308,23 @@ pub(crate) fn prepare(
             2 * block
         );
     }
-    let store = Arc::new(store);
-    let packer_config = packer_config(config);
+    Ok(Arc::new(store))
+}
 
-    // Drafter replicas and the optimizer.
+/// A drafter replica on each drafter device: from `init_dir` (`model.drafter_init`) or fresh.
+fn load_drafters(
+    config: &TrainConfig,
+    init_dir: Option<&Path>,
+    drafter_config: &DrafterConfig,
+    target_cfg: &TargetConfig,
+    devices: &[Device],
+    kind: Kind,
+) -> Result<Vec<Drafter>> {
     let mut drafters = Vec::new();
-    for &dev in &drafter_devices {
-        let d = match &init_dir {
-            Some(dir) => Drafter::load_for_target(dir, target_cfg, dev, drafter_kind)?,
-            None => Drafter::init(drafter_config.clone(), dev, drafter_kind, config.run.seed)?,
+    for &dev in devices {
+        let d = match init_dir {
+            Some(dir) => Drafter::load_for_target(dir, target_cfg, dev, kind)?,
+            None => Drafter::init(drafter_config.clone(), dev, kind, config.run.seed)?,
         };
         drafters.push(d.with_train_attention(config.train.attention));
     }
@@ -239,100 +341,63 @@ pub(crate) fn prepare(
         }
     }
     log::info!("{}", drafters[0].describe());
+    Ok(drafters)
+}
+
+/// AdamW over `drafter`'s parameters, its fp32 master weights on `device`.
+fn new_optimizer(config: &TrainConfig, drafter: &Drafter, device: Device) -> AdamW {
     let adam = AdamWConfig {
         beta1: config.train.beta1,
         beta2: config.train.beta2,
         eps: config.train.eps,
         weight_decay: config.train.weight_decay,
     };
-    let mut optimizer = AdamW::new(&drafters[0].named_parameters(), drafter_devices[0], adam);
+    AdamW::new(&drafter.named_parameters(), device, adam)
+}
 
+/// `train.total_steps`, or the steps of `train.epochs` over the data.
+fn planned_steps(
+    config: &TrainConfig,
+    store: &Arc<TokenStore>,
+    packer_config: &PackerConfig,
+) -> u64 {
     let per_step = config.step_batches() as u64;
-    let total_steps = if config.train.total_steps > 0 {
+    if config.train.total_steps > 0 {
         config.train.total_steps
     } else {
-        let batches = batches_per_epoch(&store, &packer_config);
+        let batches = batches_per_epoch(store, packer_config);
         ((batches as f64 * config.train.epochs) / per_step as f64)
             .ceil()
             .max(1.0) as u64
-    };
+    }
+}
 
-    let mut packer_state = PackerState::default();
-    let (mut start_step, mut start_epoch, mut tokens_seen, mut samples_seen) = (0, 0, 0, 0);
-    let mut validations_since_best = 0;
-    let mut resumed_from = None;
-    if let Some(run_dir) = resume {
-        let ckpt = newest_checkpoint(run_dir)?;
-        let state = read_state(&ckpt)?;
-        optimizer
-            .load(&ckpt.join("optimizer.safetensors"), state.step)
-            .with_context(|| format!("cannot resume from {}", ckpt.display()))?;
-        packer_state = state.packer;
-        start_step = state.step;
-        start_epoch = state.epoch;
-        tokens_seen = state.tokens_seen;
-        samples_seen = state.samples_seen;
-        validations_since_best = state.validations_since_best;
-        log::info!("resuming from {} at step {}", ckpt.display(), state.step);
-        resumed_from = Some(ckpt);
-    }
-    // The data stream where it stopped (a position beyond its window is refused here, before
-    // any thread starts, instead of a skip loop that never ends).
-    let packer =
-        Packer::resume(store.clone(), packer_config.clone(), packer_state).with_context(|| {
-            match &resumed_from {
-                Some(ckpt) => format!(
-                    "{}: cannot resume the data stream",
-                    ckpt.join("trainer_state.json").display()
-                ),
-                None => "cannot start the data stream".to_string(),
-            }
-        })?;
-    // Every replica starts from the master weights (exactly those saved, on resume).
-    for d in &drafters {
-        optimizer.write_params(&d.named_parameters())?;
-    }
-    let heads = drafter_devices
-        .iter()
-        .map(|&d| FrozenHead::from_target(&targets[0], d, drafter_kind))
-        .collect();
-    let dev = drafter_devices[0];
-    let held_out = HeldOut::prepare(
-        config,
-        &targets,
-        dev,
-        || load_target(config, &target_dir, dev, target_kind),
-        resume.map(|run_dir| Resumed {
-            run_dir,
-            validations_since_best,
-        }),
-    )?;
-    // Everything loaded: now the run directory may be touched.
-    if let (Some(run_dir), Some(ckpt)) = (resume, &resumed_from) {
-        if repair_latest(run_dir, ckpt)? {
-            log::warn!(
-                "checkpoints/latest pointed at an older checkpoint than {} (a run killed between saving and pointing at it): repaired",
-                ckpt.display()
-            );
-        }
-    }
-    Ok(Prepared {
-        held_out,
-        config: config.clone(),
-        heads,
-        store,
-        targets,
-        drafters,
-        optimizer,
-        packer,
-        start_step,
-        start_epoch,
-        tokens_seen,
-        samples_seen,
-        total_steps,
-        target_devices,
-        drafter_devices,
-        grad_sync,
+/// The newest checkpoint of `run_dir` and its trainer state, its optimizer state loaded.
+fn resume_point(run_dir: &Path, optimizer: &mut AdamW) -> Result<(PathBuf, TrainerState)> {
+    let ckpt = newest_checkpoint(run_dir)?;
+    let state = read_state(&ckpt)?;
+    optimizer
+        .load(&ckpt.join("optimizer.safetensors"), state.step)
+        .with_context(|| format!("cannot resume from {}", ckpt.display()))?;
+    log::info!("resuming from {} at step {}", ckpt.display(), state.step);
+    Ok((ckpt, state))
+}
+
+/// The data stream where it stopped (a position beyond its window is refused here, before
+/// any thread starts, instead of a skip loop that never ends).
+fn start_packer(
+    store: &Arc<TokenStore>,
+    packer_config: &PackerConfig,
+    state: PackerState,
+    resumed_from: Option<&PathBuf>,
+) -> Result<Packer> {
+    Packer::resume(store.clone(), packer_config.clone(), state).with_context(|| match &resumed_from
+    {
+        Some(ckpt) => format!(
+            "{}: cannot resume the data stream",
+            ckpt.join("trainer_state.json").display()
+        ),
+        None => "cannot start the data stream".to_string(),
     })
 }
 
