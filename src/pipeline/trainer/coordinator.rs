@@ -11,8 +11,8 @@ use anyhow::{bail, Result};
 use crossbeam_channel::{Receiver, Sender};
 use tch::{Device, Tensor};
 
-use super::drafter_stage::{accumulate, warm_up_attention, GradMsg};
-use super::shared::{injected_failure, sync_device, Shared, HISTORY};
+use super::drafter_stage::{accumulate, warm_up_attention, GradMsg, MicroResult};
+use super::shared::{sync_device, Shared, HISTORY};
 use crate::config::TrainConfig;
 use crate::data::packer::PackerState;
 use crate::model::{Drafter, FrozenHead};
@@ -50,6 +50,19 @@ pub(super) enum Readiness {
     AfterEvent(DeviceEvent),
     /// Host copies, but the runtime gave no event: there once the device has finished.
     AfterDevice,
+}
+
+/// A step's contributions from every drafter worker.
+struct Gathered {
+    sums: LossTensors,
+    tokens: u64,
+    samples: u64,
+    /// (seq, resume, epoch) of the newest batch consumed
+    newest: Option<(u64, PackerState, u64)>,
+    /// The replicas' flat gradients, in replica (rank) order.
+    grads: Vec<Tensor>,
+    /// Their NCCL weight buffers (none without NCCL), in the same order.
+    buffers: Vec<Tensor>,
 }
 
 pub(super) struct Coordinator {
@@ -95,140 +108,12 @@ impl Coordinator {
             if self.shared.paused.load(Ordering::Relaxed) || self.shared.feature_q.is_empty() {
                 self.finish_queued()?;
             }
-            let step_started = Instant::now();
-            let Some(res) =
-                accumulate(&self.shared, &cfg, &self.drafter, &self.head, 0, self.step)?
-            else {
+            if !self.train_step(&cfg, warmup)? {
                 // stopping: the last step's record still goes out
                 return self.finish_queued();
-            };
-            let params = self.drafter.named_parameters();
-            let t = Instant::now();
-            let mut grad = AdamW::flatten_grads(&params);
-            let mut sums = res.sums;
-            let (mut tokens, mut samples) = (res.tokens, res.samples);
-            let mut newest = res.last;
-            let mut outgoing = Vec::with_capacity(self.param_txs.len());
-            for _ in 0..self.param_txs.len() {
-                let Some(msg) = self.receive_replica()? else {
-                    // a stage failed (or the run was aborted) while this step waited
-                    return self.finish_queued();
-                };
-                outgoing.push((msg.replica, msg.out));
-                sums.add(&msg.sums);
-                tokens += msg.tokens;
-                samples += msg.samples;
-                if msg
-                    .last
-                    .is_some_and(|(s, _, _)| newest.is_none_or(|(n, _, _)| s > n))
-                {
-                    newest = msg.last;
-                }
             }
-            // the replicas' gradients and NCCL weight buffers in replica (rank) order
-            outgoing.sort_by_key(|(replica, _)| *replica);
-            let (others, buffers): (Vec<Tensor>, Vec<Option<Tensor>>) = outgoing
-                .into_iter()
-                .map(|(_, o)| (o.grad, o.weights))
-                .unzip();
-            let buffers: Vec<Tensor> = buffers.into_iter().flatten().collect();
-            // (each replica's gradient is already scaled to its share of the step's mean)
-            self.sync.reduce(&mut grad, &others)?;
-            drop(others);
-            self.shared.profile.record(Event::GRAD_SYNC, t.elapsed());
-            let lr = lr_at(
-                self.step,
-                self.total_steps,
-                warmup,
-                cfg.train.lr,
-                cfg.train.min_lr_ratio,
-            );
-            let grad_norm = self.shared.profile.time(Event::OPTIM_STEP, || {
-                apply_update(
-                    &mut self.optimizer,
-                    &params,
-                    &mut grad,
-                    cfg.train.clip_grad_norm,
-                    lr,
-                )
-            })?;
-            self.sync.hand_back(&params, &buffers, &self.param_txs)?;
-            self.step += 1;
-            if newest.is_some() {
-                self.last_seen = newest;
-            }
-            self.tokens_seen += tokens;
-            self.samples_seen += samples;
-            // This step's numbers go to the host behind its work, and an event marks their
-            // arrival; they are read once the next step is queued, and waiting for the event
-            // waits for this step only (a blocking read would wait for everything queued by
-            // then, the next step included, and leave the device idle between steps).
-            let dev = self.drafter.device;
-            let (sums, grad_norm, ready) = match self.events.filter(|_| dev.is_cuda()) {
-                Some(events) => {
-                    let sums = sums.to_host_async();
-                    let norm = grad_norm.to_device_(Device::Cpu, grad_norm.kind(), true, false);
-                    let ready = match events.record(dev) {
-                        Some(event) => Readiness::AfterEvent(event),
-                        None => Readiness::AfterDevice,
-                    };
-                    (sums, norm, ready)
-                }
-                None => (sums, grad_norm, Readiness::OnDevice),
-            };
-            let queued = QueuedStep {
-                step: self.step,
-                epoch: self.last_seen.map_or(0, |(_, _, e)| e),
-                tokens_seen: self.tokens_seen,
-                samples_seen: self.samples_seen,
-                sums,
-                grad_norm,
-                ready,
-                lr,
-                tokens,
-                samples,
-                started: step_started,
-            };
-            if let Some(previous) = self.queued.replace(queued) {
-                self.finish_step(previous)?;
-            }
-            let eval_due =
-                cfg.eval.every_steps > 0 && self.step.is_multiple_of(cfg.eval.every_steps);
-            let validation_due = cfg.validation.every_steps > 0
-                && (eval_due || self.step.is_multiple_of(cfg.validation.every_steps));
-            let periodic_steps = cfg.checkpoint.save_every_steps > 0
-                && self.step.is_multiple_of(cfg.checkpoint.save_every_steps);
-            // (a checkpoint that failed is retried on its own schedule)
-            let periodic_time = cfg.checkpoint.save_every_minutes > 0.0
-                && self.retry.is_none()
-                && self.last_save.elapsed().as_secs_f64()
-                    >= cfg.checkpoint.save_every_minutes * 60.0;
-            let fault_due = cfg.debug.fail_stage == "drafter"
-                && cfg.debug.fail_at_step > 0
-                && self.step == cfg.debug.fail_at_step;
-            if eval_due || validation_due || periodic_steps || periodic_time || fault_due {
-                self.finish_queued()?;
-            }
-            if fault_due {
-                return Err(injected_failure(&cfg, format!("step {}", self.step)));
-            }
-            if eval_due {
-                self.evaluate()?;
-            }
-            if validation_due {
-                self.validate()?;
-                if let Some(reason) = self.patience_exhausted() {
-                    return self.stop_early(reason);
-                }
-            }
-            let retry_due = self.retry.is_some_and(|(at, _)| self.step >= at);
-            if periodic_steps || periodic_time || retry_due {
-                self.finish_queued()?;
-                self.checkpoint(if retry_due && !(periodic_steps || periodic_time) {
-                    "retry"
-                } else {
-                    "periodic"
-                });
+            if self.at_step_boundary(&cfg)? {
+                return Ok(());
             }
         }
         self.finish_queued()?;
@@ -237,6 +122,146 @@ impl Coordinator {
         self.shared.set_phase(Phase::Finished);
         self.shared
             .event("finished", format!("finished after {} steps", self.step));
+        Ok(())
+    }
+
+    /// One optimizer step: this worker's share and the replicas' gradients averaged, clipped,
+    /// AdamW, the new weights handed back; its numbers are queued (see [`QueuedStep`]). False
+    /// when the run stops (or a stage fails) while the step waits.
+    fn train_step(&mut self, cfg: &TrainConfig, warmup: u64) -> Result<bool> {
+        let step_started = Instant::now();
+        let Some(res) = accumulate(&self.shared, cfg, &self.drafter, &self.head, 0, self.step)?
+        else {
+            return Ok(false);
+        };
+        let params = self.drafter.named_parameters();
+        let t = Instant::now();
+        let mut grad = AdamW::flatten_grads(&params);
+        let Some(Gathered {
+            sums,
+            tokens,
+            samples,
+            newest,
+            grads: others,
+            buffers,
+        }) = self.gather_replicas(res)?
+        else {
+            // a stage failed (or the run was aborted) while this step waited
+            return Ok(false);
+        };
+        // (each replica's gradient is already scaled to its share of the step's mean)
+        self.sync.reduce(&mut grad, &others)?;
+        drop(others);
+        self.shared.profile.record(Event::GRAD_SYNC, t.elapsed());
+        let lr = lr_at(
+            self.step,
+            self.total_steps,
+            warmup,
+            cfg.train.lr,
+            cfg.train.min_lr_ratio,
+        );
+        let grad_norm = self.shared.profile.time(Event::OPTIM_STEP, || {
+            apply_update(
+                &mut self.optimizer,
+                &params,
+                &mut grad,
+                cfg.train.clip_grad_norm,
+                lr,
+            )
+        })?;
+        self.sync.hand_back(&params, &buffers, &self.param_txs)?;
+        self.step += 1;
+        if newest.is_some() {
+            self.last_seen = newest;
+        }
+        self.tokens_seen += tokens;
+        self.samples_seen += samples;
+        self.queue_step(sums, grad_norm, lr, tokens, samples, step_started)?;
+        Ok(true)
+    }
+
+    /// The replicas' contributions to this step, added to this worker's `own`; `None` once the
+    /// run stops.
+    fn gather_replicas(&self, own: MicroResult) -> Result<Option<Gathered>> {
+        let mut sums = own.sums;
+        let (mut tokens, mut samples) = (own.tokens, own.samples);
+        let mut newest = own.last;
+        let mut outgoing = Vec::with_capacity(self.param_txs.len());
+        for _ in 0..self.param_txs.len() {
+            let Some(msg) = self.receive_replica()? else {
+                return Ok(None);
+            };
+            outgoing.push((msg.replica, msg.out));
+            sums.add(&msg.sums);
+            tokens += msg.tokens;
+            samples += msg.samples;
+            if msg
+                .last
+                .is_some_and(|(s, _, _)| newest.is_none_or(|(n, _, _)| s > n))
+            {
+                newest = msg.last;
+            }
+        }
+        // the replicas' gradients and NCCL weight buffers in replica (rank) order
+        outgoing.sort_by_key(|(replica, _)| *replica);
+        let (grads, buffers): (Vec<Tensor>, Vec<Option<Tensor>>) = outgoing
+            .into_iter()
+            .map(|(_, o)| (o.grad, o.weights))
+            .unzip();
+        let buffers: Vec<Tensor> = buffers.into_iter().flatten().collect();
+        Ok(Some(Gathered {
+            sums,
+            tokens,
+            samples,
+            newest,
+            grads,
+            buffers,
+        }))
+    }
+
+    /// Queues the numbers of the step just taken and records the step queued before it.
+    fn queue_step(
+        &mut self,
+        sums: LossTensors,
+        grad_norm: Tensor,
+        lr: f64,
+        tokens: u64,
+        samples: u64,
+        started: Instant,
+    ) -> Result<()> {
+        // This step's numbers go to the host behind its work, and an event marks their
+        // arrival; they are read once the next step is queued, and waiting for the event
+        // waits for this step only (a blocking read would wait for everything queued by
+        // then, the next step included, and leave the device idle between steps).
+        let dev = self.drafter.device;
+        let (sums, grad_norm, ready) = match self.events.filter(|_| dev.is_cuda()) {
+            Some(events) => {
+                let sums = sums.to_host_async();
+                let norm = grad_norm.to_device_(Device::Cpu, grad_norm.kind(), true, false);
+                let ready = match events.record(dev) {
+                    Some(event) => Readiness::AfterEvent(event),
+                    None => Readiness::AfterDevice,
+                };
+                (sums, norm, ready)
+            }
+            None => (sums, grad_norm, Readiness::OnDevice),
+        };
+        let queued = QueuedStep {
+            step: self.step,
+            epoch: self.last_seen.map_or(0, |(_, _, e)| e),
+            tokens_seen: self.tokens_seen,
+            samples_seen: self.samples_seen,
+            sums,
+            grad_norm,
+            ready,
+            lr,
+            tokens,
+            samples,
+            started,
+        };
+        if let Some(previous) = self.queued.replace(queued) {
+            self.finish_step(previous)?;
+        }
         Ok(())
     }
 

@@ -8,7 +8,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 use super::coordinator::Coordinator;
-use super::shared::EVAL_HISTORY;
+use super::shared::{injected_failure, EVAL_HISTORY};
+use crate::config::TrainConfig;
 use crate::data::packer::PackerState;
 use crate::telemetry::profile::Event;
 use crate::telemetry::records::{EvalRecord, MetricsRecord, Phase, ValidationRecord};
@@ -17,6 +18,49 @@ use crate::train::checkpoint::{
 };
 
 impl Coordinator {
+    /// The work due after the step just taken: evaluation, validation and early stopping,
+    /// periodic and retried checkpoints, an injected fault. True when the run ended here.
+    pub(super) fn at_step_boundary(&mut self, cfg: &TrainConfig) -> Result<bool> {
+        let eval_due = cfg.eval.every_steps > 0 && self.step.is_multiple_of(cfg.eval.every_steps);
+        let validation_due = cfg.validation.every_steps > 0
+            && (eval_due || self.step.is_multiple_of(cfg.validation.every_steps));
+        let periodic_steps = cfg.checkpoint.save_every_steps > 0
+            && self.step.is_multiple_of(cfg.checkpoint.save_every_steps);
+        // (a checkpoint that failed is retried on its own schedule)
+        let periodic_time = cfg.checkpoint.save_every_minutes > 0.0
+            && self.retry.is_none()
+            && self.last_save.elapsed().as_secs_f64() >= cfg.checkpoint.save_every_minutes * 60.0;
+        let fault_due = cfg.debug.fail_stage == "drafter"
+            && cfg.debug.fail_at_step > 0
+            && self.step == cfg.debug.fail_at_step;
+        if eval_due || validation_due || periodic_steps || periodic_time || fault_due {
+            self.finish_queued()?;
+        }
+        if fault_due {
+            return Err(injected_failure(cfg, format!("step {}", self.step)));
+        }
+        if eval_due {
+            self.evaluate()?;
+        }
+        if validation_due {
+            self.validate()?;
+            if let Some(reason) = self.patience_exhausted() {
+                self.stop_early(reason)?;
+                return Ok(true);
+            }
+        }
+        let retry_due = self.retry.is_some_and(|(at, _)| self.step >= at);
+        if periodic_steps || periodic_time || retry_due {
+            self.finish_queued()?;
+            self.checkpoint(if retry_due && !(periodic_steps || periodic_time) {
+                "retry"
+            } else {
+                "periodic"
+            });
+        }
+        Ok(false)
+    }
+
     /// At the end of a run, the last weights are evaluated and validated too (unless this
     /// step already was), so that `best/` never misses them.
     pub(super) fn final_measurements(&mut self) -> Result<()> {
@@ -37,7 +81,7 @@ impl Coordinator {
 
     /// Acceptance length on the held-out prompts by real speculative decoding; without
     /// validation, a new best drafter is saved to `RUN_DIR/best/`.
-    pub(super) fn evaluate(&mut self) -> Result<()> {
+    fn evaluate(&mut self) -> Result<()> {
         let Some(h) = self.held_out.as_mut() else {
             return Ok(());
         };
@@ -95,7 +139,7 @@ impl Coordinator {
 
     /// A validation pass on the held-out sequences (see [`crate::train::validation`]); a new
     /// best walk tau saves the drafter to `RUN_DIR/best/`.
-    pub(super) fn validate(&mut self) -> Result<()> {
+    fn validate(&mut self) -> Result<()> {
         let Some(h) = self.held_out.as_mut() else {
             return Ok(());
         };
@@ -186,7 +230,7 @@ impl Coordinator {
     }
 
     /// Why the run stops here, when `validation.patience` passes went by without a new best.
-    pub(super) fn patience_exhausted(&self) -> Option<String> {
+    fn patience_exhausted(&self) -> Option<String> {
         let patience = self.config.validation.patience;
         let h = self.held_out.as_ref()?;
         if patience == 0 || h.since_best < patience {
@@ -204,7 +248,7 @@ impl Coordinator {
 
     /// Ends the run before its last step: the last weights measured (as at the end of a run)
     /// and checkpointed, and `reason` in the log and the summary.
-    pub(super) fn stop_early(&mut self, reason: String) -> Result<()> {
+    fn stop_early(&mut self, reason: String) -> Result<()> {
         self.shared.set_phase(Phase::Stopping);
         self.final_measurements()?;
         self.final_checkpoint("early stop")?;
@@ -256,7 +300,7 @@ impl Coordinator {
     /// A checkpoint during the run. A failure (a full disk, permissions) does not end the run:
     /// it is reported (log, screen, `metrics.jsonl`), the previous checkpoint stays, and the
     /// checkpoint is tried again after 1, 2, 4, ... up to 64 steps.
-    pub(super) fn checkpoint(&mut self, why: &str) {
+    fn checkpoint(&mut self, why: &str) {
         match self.write_checkpoint(why) {
             Ok(()) => {
                 if self.retry.take().is_some() {
