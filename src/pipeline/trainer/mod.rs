@@ -17,13 +17,17 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
+use crossbeam_channel::{Receiver, Sender};
 use tch::Device;
 
-use super::collective::ParamsMsg;
+use super::collective::{ParamsMsg, ReplicaSync};
 use super::command::Command;
 use super::device_event::DeviceEvents;
 use super::queue::ResizableQueue;
 use crate::config::TrainConfig;
+use crate::data::packer::Packer;
+use crate::data::store::TokenStore;
+use crate::model::{Drafter, FrozenHead, SharedTarget};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::profile::{ProfileReport, ProfileStats, StageWorkers};
 use crate::telemetry::records::{
@@ -70,7 +74,7 @@ pub struct RunOutcome {
 /// A running trainer.
 pub struct TrainerHandle {
     pub shared: Arc<Shared>,
-    threads: Vec<(String, JoinHandle<()>)>,
+    threads: Vec<StageThread>,
 }
 
 /// Starts a run: loads everything, then the stage threads. Errors before the threads start
@@ -173,55 +177,24 @@ fn device_name(d: Device) -> String {
     }
 }
 
+/// A stage's thread and its name.
+type StageThread = (String, JoinHandle<()>);
+
 fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
-    let mut threads = Vec::new();
-    let spawn = |name: String, f: Box<dyn FnOnce() + Send>| -> Result<(String, JoinHandle<()>)> {
-        let h = std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(f)
-            .with_context(|| format!("cannot start thread {name}"))?;
-        Ok((name, h))
-    };
     let config = Arc::new(p.config.clone());
     // The NCCL communicators, if any, before any thread starts.
     let (coordinator_sync, replica_syncs, sync_note) = p.grad_sync.connect(&p.drafter_devices)?;
     shared.event("grad_sync", sync_note);
 
-    // Loader.
-    {
-        let shared = shared.clone();
-        let store = p.store.clone();
-        let cfg = config.clone();
-        let packer = p.packer;
-        threads.push(spawn(
-            "loader".into(),
-            Box::new(move || {
-                run_stage(&shared, "loader", || loader(&shared, store, &cfg, packer));
-                shared.batch_q.close();
-            }),
-        )?);
-    }
-    // Target workers.
-    let n_targets = p.targets.len();
-    let finished_targets = Arc::new(AtomicU32::new(0));
-    for (i, target) in p.targets.into_iter().enumerate() {
-        let shared = shared.clone();
-        let cfg = config.clone();
-        let taps = p.drafters[0].config.target_layer_ids().to_vec();
-        let done = finished_targets.clone();
-        let wait_for_device = !p.drafter_devices.contains(&target.device);
-        threads.push(spawn(
-            format!("target-{i}"),
-            Box::new(move || {
-                run_stage(&shared, &format!("target worker {i}"), || {
-                    target_worker(&shared, &target, &taps, &cfg, wait_for_device)
-                });
-                if done.fetch_add(1, Ordering::SeqCst) + 1 == n_targets as u32 {
-                    shared.feature_q.close();
-                }
-            }),
-        )?);
-    }
+    let mut threads = vec![spawn_loader(&shared, &config, p.store.clone(), p.packer)?];
+    let taps = p.drafters[0].config.target_layer_ids().to_vec();
+    threads.extend(spawn_targets(
+        &shared,
+        &config,
+        p.targets,
+        &taps,
+        &p.drafter_devices,
+    )?);
     // Drafter workers: 0 coordinates.
     let replicas = p.drafters.len();
     let (grad_tx, grad_rx) = crossbeam_channel::unbounded::<GradMsg>();
@@ -259,23 +232,97 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         events: DeviceEvents::load(),
         last_step_end: Instant::now(),
     };
-    {
+    threads.push(spawn_coordinator(&shared, coordinator)?);
+    let workers = drafters.zip(heads.zip(param_rxs.into_iter().zip(replica_syncs)));
+    threads.extend(spawn_replicas(&shared, &config, workers, &grad_tx)?);
+    shared.set_phase(Phase::WarmingUp);
+    Ok(TrainerHandle { shared, threads })
+}
+
+fn spawn(name: String, f: Box<dyn FnOnce() + Send>) -> Result<StageThread> {
+    let h = std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(f)
+        .with_context(|| format!("cannot start thread {name}"))?;
+    Ok((name, h))
+}
+
+/// The loader; `batch_q` closes when it ends.
+fn spawn_loader(
+    shared: &Arc<Shared>,
+    config: &Arc<TrainConfig>,
+    store: Arc<TokenStore>,
+    packer: Packer,
+) -> Result<StageThread> {
+    let shared = shared.clone();
+    let cfg = config.clone();
+    spawn(
+        "loader".into(),
+        Box::new(move || {
+            run_stage(&shared, "loader", || loader(&shared, store, &cfg, packer));
+            shared.batch_q.close();
+        }),
+    )
+}
+
+/// One worker per target device; `feature_q` closes when the last one ends.
+fn spawn_targets(
+    shared: &Arc<Shared>,
+    config: &Arc<TrainConfig>,
+    targets: Vec<Arc<SharedTarget>>,
+    taps: &[usize],
+    drafter_devices: &[Device],
+) -> Result<Vec<StageThread>> {
+    let mut threads = Vec::new();
+    let n_targets = targets.len();
+    let finished_targets = Arc::new(AtomicU32::new(0));
+    for (i, target) in targets.into_iter().enumerate() {
         let shared = shared.clone();
+        let cfg = config.clone();
+        let taps = taps.to_vec();
+        let done = finished_targets.clone();
+        let wait_for_device = !drafter_devices.contains(&target.device);
         threads.push(spawn(
-            "drafter-0".into(),
+            format!("target-{i}"),
             Box::new(move || {
-                let mut c = coordinator;
-                run_stage(&shared, "drafter worker 0", || c.run());
-                for tx in &c.param_txs {
-                    let _ = tx.send(ParamsMsg::Stop);
+                run_stage(&shared, &format!("target worker {i}"), || {
+                    target_worker(&shared, &target, &taps, &cfg, wait_for_device)
+                });
+                if done.fetch_add(1, Ordering::SeqCst) + 1 == n_targets as u32 {
+                    shared.feature_q.close();
                 }
-                shared.stop.store(true, Ordering::Relaxed);
-                shared.batch_q.wake_all();
-                shared.feature_q.wake_all();
             }),
         )?);
     }
-    let workers = drafters.zip(heads.zip(param_rxs.into_iter().zip(replica_syncs)));
+    Ok(threads)
+}
+
+/// Drafter worker 0; when it ends, the replicas and every other stage stop.
+fn spawn_coordinator(shared: &Arc<Shared>, coordinator: Coordinator) -> Result<StageThread> {
+    let shared = shared.clone();
+    spawn(
+        "drafter-0".into(),
+        Box::new(move || {
+            let mut c = coordinator;
+            run_stage(&shared, "drafter worker 0", || c.run());
+            for tx in &c.param_txs {
+                let _ = tx.send(ParamsMsg::Stop);
+            }
+            shared.stop.store(true, Ordering::Relaxed);
+            shared.batch_q.wake_all();
+            shared.feature_q.wake_all();
+        }),
+    )
+}
+
+/// Drafter workers 1.., each with its drafter, head, weights channel and collective.
+fn spawn_replicas(
+    shared: &Arc<Shared>,
+    config: &Arc<TrainConfig>,
+    workers: impl Iterator<Item = (Drafter, (FrozenHead, (Receiver<ParamsMsg>, ReplicaSync)))>,
+    grad_tx: &Sender<GradMsg>,
+) -> Result<Vec<StageThread>> {
+    let mut threads = Vec::new();
     for (r, (drafter, (head, (rx, sync)))) in workers.enumerate() {
         let r = r + 1;
         let shared = shared.clone();
@@ -294,8 +341,7 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
             }),
         )?);
     }
-    shared.set_phase(Phase::WarmingUp);
-    Ok(TrainerHandle { shared, threads })
+    Ok(threads)
 }
 
 /// Runs a stage's work, turning a panic into the run's failure like an error: the panic
