@@ -15,11 +15,15 @@ use serde::Serialize;
 use crate::config::{self, TrainConfig};
 use crate::model::{DrafterConfig, DrafterShape, TargetConfig};
 use crate::pipeline::command::Command;
-use crate::pipeline::trainer::{self, measure_stages_alone, StageAloneRates};
+use crate::pipeline::trainer;
 use crate::runtime::TorchRuntime;
 use crate::telemetry::gpu::GpuMonitor;
 use crate::telemetry::profile::{stage_busy, ProfileReport, StageWorkers};
 use crate::telemetry::records::{Phase, StepRecord};
+use stages_alone::{measure_stages_alone, StageAloneRates};
+
+// Each stage alone on the pipeline's code: only the bench uses it.
+mod stages_alone;
 
 /// H200 dense bf16 peak (benchmarks spec).
 pub const PEAK_FLOPS_PER_GPU: f64 = 989e12;

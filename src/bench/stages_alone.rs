@@ -1,0 +1,146 @@
+//! Each stage of the training pipeline run alone, on the pipeline's own code: the bench's
+//! reference rates for the pipeline efficiency.
+
+use std::time::Instant;
+
+use anyhow::{anyhow, Result};
+use tch::Device;
+
+use crate::config::TrainConfig;
+use crate::model::layers::upload;
+use crate::model::ForwardRequest;
+use crate::pipeline::trainer::{
+    apply_update, batch_item, prepare, sync_device, train_on_item, BatchItem, FeatureItem,
+};
+use crate::runtime::TorchRuntime;
+use crate::telemetry::profile::ProfileStats;
+use crate::train::optim::{lr_at, AdamW};
+
+/// Target tokens per second of each stage run alone, one stage after the other on the same
+/// batches, with the models and settings `train` would use (the benchmark's reference for the
+/// pipeline efficiency). The packer's batches `skip .. skip + batches` are timed (a run's
+/// measured window sees exactly these when `skip` is its warm-up's batch count); up to two
+/// batches before them run first, untimed, as the stages' own warm-up. The drafter stage
+/// trains a scratch copy (one optimizer step per batch). Several target or drafter devices
+/// are counted as that many times one device's rate.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub(crate) struct StageAloneRates {
+    pub batches: usize,
+    pub tokens: u64,
+    pub loader_tokens_per_s: f64,
+    pub target_tokens_per_s: f64,
+    pub drafter_tokens_per_s: f64,
+}
+
+pub(crate) fn measure_stages_alone(
+    runtime: &TorchRuntime,
+    config: &TrainConfig,
+    skip: usize,
+    batches: usize,
+) -> Result<StageAloneRates> {
+    let mut p = prepare(runtime, config, None)?;
+    let profile = ProfileStats::new();
+    let packer = &mut p.packer;
+    let warmup = skip.min(2);
+    for _ in 0..skip - warmup {
+        packer
+            .next()
+            .ok_or_else(|| anyhow!("the data set yields no batch"))?;
+    }
+    let total = warmup + batches.max(1);
+    let tokens_of = |b: &BatchItem| b.lengths.iter().map(|&l| l as u64).sum::<u64>();
+
+    let mut items = Vec::with_capacity(total);
+    let mut loader_s = 0.0;
+    for seq in 0..total {
+        let t = Instant::now();
+        let batch = packer
+            .next()
+            .ok_or_else(|| anyhow!("the data set yields no batch"))?;
+        let item = batch_item(&p.store, &batch, seq as u64, packer.state());
+        if seq >= warmup {
+            loader_s += t.elapsed().as_secs_f64();
+        }
+        items.push(item);
+    }
+    let tokens: u64 = items[warmup..].iter().map(tokens_of).sum();
+
+    let target = &p.targets[0];
+    let req = ForwardRequest {
+        tap_layers: p.drafters[0].config.target_layer_ids().to_vec(),
+        final_hidden: config.train.kl_weight > 0.0,
+        logits: false,
+    };
+    // Each device stage is timed over its measured batches as a whole, with one wait for the
+    // device at the end (as in the pipeline, the host queues the next batch's work while the
+    // device still runs the last one); the warm-up batches are waited for before the clock
+    // starts.
+    let mut features = Vec::with_capacity(total);
+    let mut target_clock = None;
+    for (i, batch) in items.into_iter().enumerate() {
+        if i == warmup {
+            sync_device(target.device);
+            target_clock = Some(Instant::now());
+        }
+        let out = target.run(&upload(&batch.input_ids, target.device), None, &req);
+        features.push(FeatureItem {
+            features: out
+                .features
+                .ok_or_else(|| anyhow!("the target returned no features"))?,
+            teacher_hidden: out.final_hidden,
+            batch,
+        });
+    }
+    sync_device(target.device);
+    let target_s = target_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
+
+    let drafter = &p.drafters[0];
+    let head = &p.heads[0];
+    let mut optimizer = p.optimizer;
+    let params = drafter.named_parameters();
+    // the learning rates the run uses at these steps (a full rate on a fresh drafter would
+    // blow its weights up, and denormal arithmetic is slow on CPUs)
+    let total_steps = config.train.total_steps.max(1);
+    let warmup_steps = (config.train.warmup_ratio * total_steps as f64).round() as u64;
+    let first_step = (skip - warmup) as u64;
+    // this thread's kernel plans, as the pipeline's drafter threads make theirs at their start
+    drafter.warm_up_attention(head, config.data.max_len);
+    let mut drafter_clock = None;
+    for (i, item) in features.iter().enumerate() {
+        if i == warmup {
+            sync_device(drafter.device);
+            drafter_clock = Some(Instant::now());
+        }
+        train_on_item(&profile, config, drafter, head, item, i as u64, 1.0);
+        let mut grad = AdamW::flatten_grads(&params);
+        let lr = lr_at(
+            first_step + i as u64,
+            total_steps,
+            warmup_steps,
+            config.train.lr,
+            config.train.min_lr_ratio,
+        );
+        let _norm = apply_update(
+            &mut optimizer,
+            &params,
+            &mut grad,
+            config.train.clip_grad_norm,
+            lr,
+        )?;
+    }
+    sync_device(drafter.device);
+    let drafter_s = drafter_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let distinct = |devs: &[Device]| {
+        let mut d = devs.to_vec();
+        d.dedup();
+        d.len().max(1) as f64
+    };
+    let rate = |s: f64| tokens as f64 / s.max(1e-9);
+    Ok(StageAloneRates {
+        batches: batches.max(1),
+        tokens,
+        loader_tokens_per_s: rate(loader_s),
+        target_tokens_per_s: rate(target_s) * distinct(&p.target_devices),
+        drafter_tokens_per_s: rate(drafter_s) * distinct(&p.drafter_devices),
+    })
+}

@@ -1,0 +1,152 @@
+//! What the stages and the front ends share: the queues, the run's status, pause and stop,
+//! the metrics writer; and small helpers every stage uses.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::anyhow;
+use tch::Device;
+
+use super::loader::BatchItem;
+use super::target_stage::FeatureItem;
+use crate::config::TrainConfig;
+use crate::pipeline::queue::{QueueLevel, ResizableQueue};
+use crate::telemetry::profile::{ProfileReport, ProfileStats};
+use crate::telemetry::rate::RateWindow;
+use crate::telemetry::records::{
+    EvalRecord, MetricsRecord, MetricsWriter, Phase, StepRecord, ValidationRecord,
+};
+
+/// Steps kept for the charts.
+pub(super) const HISTORY: usize = 20_000;
+/// Periodic evaluations and validation passes kept for the charts.
+pub(super) const EVAL_HISTORY: usize = 2_000;
+
+#[derive(Debug, Default)]
+pub(super) struct Status {
+    pub(super) phase: Option<Phase>,
+    pub(super) step: u64,
+    pub(super) epoch: u64,
+    pub(super) tokens_seen: u64,
+    pub(super) samples_seen: u64,
+    pub(super) history: Vec<StepRecord>,
+    pub(super) evals: Vec<EvalRecord>,
+    pub(super) validations: Vec<ValidationRecord>,
+    pub(super) error: Option<String>,
+    /// Why the run stopped before its last step, if it did.
+    pub(super) stop_reason: Option<String>,
+    pub(super) last_checkpoint: Option<PathBuf>,
+    /// Completed steps over a window: the live rates and the ETA.
+    pub(super) rates: RateWindow,
+    pub(super) last_profile: Option<ProfileReport>,
+    pub(super) stage_devices: Vec<(String, String)>,
+}
+
+/// State shared by the stages and the front ends.
+pub struct Shared {
+    pub stop: Arc<AtomicBool>,
+    pub(super) paused: AtomicBool,
+    pub(super) pause_lock: Mutex<()>,
+    pub(super) pause_cv: Condvar,
+    pub(super) checkpoint_requested: AtomicBool,
+    /// 0: run on; 1: stop with checkpoint; 2: stop without.
+    pub(super) stop_requested: AtomicU8,
+    pub profile: ProfileStats,
+    pub(super) profile_interval_s: Mutex<f64>,
+    pub(super) batch_q: ResizableQueue<BatchItem>,
+    pub(super) feature_q: ResizableQueue<FeatureItem>,
+    pub(super) status: Mutex<Status>,
+    pub(super) metrics: MetricsWriter,
+    /// How often each sample reached a drafter worker (store index).
+    pub sample_visits: Vec<AtomicU32>,
+    pub(super) started: Instant,
+    /// Seconds the run had trained before this process (a resumed run continues its clock).
+    pub(super) elapsed_before_s: f64,
+    pub run_dir: PathBuf,
+    pub run_name: String,
+    pub(super) total_steps: u64,
+}
+
+impl Shared {
+    /// Seconds since the run began, across resumes.
+    pub(super) fn elapsed_s(&self) -> f64 {
+        self.elapsed_before_s + self.started.elapsed().as_secs_f64()
+    }
+
+    pub(super) fn status(&self) -> std::sync::MutexGuard<'_, Status> {
+        self.status.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
+
+    /// Blocks while paused; false once the pipeline stops.
+    pub(super) fn wait_if_paused(&self) -> bool {
+        let mut guard = self.pause_lock.lock().unwrap_or_else(|e| e.into_inner());
+        while self.paused.load(Ordering::Relaxed) && !self.stopping() {
+            guard = self
+                .pause_cv
+                .wait_timeout(guard, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        !self.stopping()
+    }
+
+    pub(super) fn event(&self, kind: &str, message: String) {
+        log::info!("{message}");
+        self.metrics.write(&MetricsRecord::Event {
+            elapsed_s: self.elapsed_s(),
+            kind: kind.to_string(),
+            message,
+        });
+    }
+
+    pub(super) fn set_phase(&self, phase: Phase) {
+        self.status().phase = Some(phase);
+    }
+
+    /// Records the first error and stops every stage.
+    pub(super) fn fail(&self, stage: &str, error: &anyhow::Error) {
+        let message = format!("{stage} failed: {error:#}");
+        {
+            let mut st = self.status();
+            if st.error.is_none() {
+                st.error = Some(message.clone());
+                st.phase = Some(Phase::Failed);
+            }
+        }
+        log::error!("{message}");
+        self.metrics.write(&MetricsRecord::Event {
+            elapsed_s: self.elapsed_s(),
+            kind: "error".into(),
+            message,
+        });
+        self.stop.store(true, Ordering::Relaxed);
+        self.batch_q.wake_all();
+        self.feature_q.wake_all();
+    }
+
+    pub fn queue_levels(&self) -> Vec<QueueLevel> {
+        vec![self.batch_q.level(), self.feature_q.level()]
+    }
+}
+
+/// An injected failure of a stage (`[debug]`): an error, or a panic as a libtorch error inside
+/// a tch call gives.
+pub(super) fn injected_failure(cfg: &TrainConfig, what: String) -> anyhow::Error {
+    let stage = &cfg.debug.fail_stage;
+    if cfg.debug.fail_mode == "panic" {
+        panic!("{what}: injected panic (debug.fail_stage = \"{stage}\")");
+    }
+    anyhow!("{what}: injected failure (debug.fail_stage = \"{stage}\")")
+}
+
+pub(crate) fn sync_device(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
