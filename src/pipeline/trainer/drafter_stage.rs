@@ -45,14 +45,12 @@ pub(super) struct MicroResult {
 }
 
 fn seed_for(seed: u64, step: u64, replica: usize, micro: usize) -> u64 {
-    // SplitMix-style mixing: distinct streams per (step, replica, micro-batch).
-    let mut x = seed
-        ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ ((replica as u64) << 40)
-        ^ ((micro as u64) << 20);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
+    // Distinct streams per (step, replica, micro-batch).
+    crate::seed::mix64(
+        seed ^ step.wrapping_mul(crate::seed::GOLDEN_GAMMA)
+            ^ ((replica as u64) << 40)
+            ^ ((micro as u64) << 20),
+    )
 }
 
 /// [`Drafter::warm_up_attention`] on a drafter worker's thread (the kernels' plans are kept
