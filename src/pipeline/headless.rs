@@ -357,8 +357,13 @@ pub fn run(
         }
         live.answer_until(&handle, &req_rx, tick_end);
     }
-    // Steps that finished after the last look.
-    progress.log_due(&live.snapshot(&handle));
+    // Steps that finished after the last look, and the queues as the run ends.
+    let last = live.snapshot(&handle);
+    progress.log_due(&last);
+    handle.write_record(&MetricsRecord::Queues {
+        elapsed_s: last.elapsed_s,
+        queues: last.queues,
+    });
     let report = handle.profile_report();
     log::info!("\n{}", report.table());
     let outcome = handle.join();
