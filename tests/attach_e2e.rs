@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::{ctl, wait_until};
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -27,21 +29,6 @@ fn train_command(i: &common::TinyRun, run_dir: &Path, exit_file: &Path) -> Strin
         run_dir.display(),
         exit_file.display()
     )
-}
-
-/// Polls `f` (a screen or a file: nothing to wait on) until it gives a value.
-fn wait_until<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let t = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            t.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 fn checkpoints(run_dir: &Path) -> usize {
@@ -150,18 +137,6 @@ impl Drop for Trainer {
             unsafe { libc::kill(self.0, libc::SIGKILL) };
         }
     }
-}
-
-fn ctl(run_dir: &Path, words: &[&str]) -> (bool, String) {
-    let out = Command::new(bin())
-        .arg("ctl")
-        .arg(run_dir)
-        .args(words)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
 }
 
 #[test]

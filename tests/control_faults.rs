@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::ctl;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -500,18 +502,6 @@ impl Drop for Trainer {
             let _ = child.wait();
         }
     }
-}
-
-fn ctl(run_dir: &Path, words: &[&str]) -> (bool, String) {
-    let out = Command::new(bin())
-        .arg("ctl")
-        .arg(run_dir)
-        .args(words)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
 }
 
 /// One storm command and whether it must be accepted.

@@ -4,9 +4,11 @@
 
 mod common;
 
+use common::{ctl, wait_until};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_dflash-tui")
@@ -35,17 +37,6 @@ fn train_args(i: &Inputs, run_dir: &Path) -> Vec<String> {
         "--run-dir".into(),
         run_dir.display().to_string(),
     ]
-}
-
-fn wait_until<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let t = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(t.elapsed() < limit, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 fn checkpoints(run_dir: &Path) -> usize {
@@ -187,18 +178,6 @@ fn keys_drive_the_control_room_in_tmux() {
         "summary printed: {}",
         t.screen()
     );
-}
-
-fn ctl(run_dir: &Path, command: &[&str]) -> (bool, String) {
-    let out = Command::new(bin())
-        .arg("ctl")
-        .arg(run_dir)
-        .args(command)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
 }
 
 #[test]

@@ -586,3 +586,35 @@ pub fn dflash(args: &[&str]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// `dflash-tui ctl RUN_DIR WORDS...`: (success, stdout and stderr).
+pub fn ctl(run_dir: &Path, words: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .arg("ctl")
+        .arg(run_dir)
+        .args(words)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Polls `f` (a screen or a file: nothing to wait on) every 100 ms until it gives a value.
+pub fn wait_until<T>(
+    what: &str,
+    limit: std::time::Duration,
+    mut f: impl FnMut() -> Option<T>,
+) -> T {
+    let t = std::time::Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            t.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
