@@ -326,6 +326,62 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             dtype,
         } => import::import_gguf(&file, &out_dir, dtype),
         Command::ImportSharegpt { file, out } => import::import_sharegpt(&file, &out),
+        Command::Eval(args) => eval::run(&TorchRuntime::init(), args, bars),
+        Command::BenchUi {
+            history,
+            frames,
+            seconds,
+        } => bench_ui(history, frames, seconds),
+        Command::Bench(opts) => {
+            let report = crate::bench::run(&TorchRuntime::init(), &opts)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
+        Command::Attach { run_dir, read_only } => {
+            let close = std::sync::atomic::AtomicBool::new(false);
+            crate::ui::app::run(
+                &run_dir,
+                crate::ui::state::Viewer::Attached { read_only },
+                &close,
+            )
+        }
+        Command::Ctl { run_dir, command } => ctl(&run_dir, &command),
+        command @ (Command::InitDrafter { .. }
+        | Command::Perplexity { .. }
+        | Command::PrepareData { .. }
+        | Command::Generate { .. }) => run_model_or_data(command, bars),
+        Command::Regenerate(args) => regenerate::run(&TorchRuntime::init(), args, bars),
+        Command::InspectData {
+            path,
+            split,
+            tokenizer,
+            sample,
+        } => data::inspect(&path, split.as_deref(), tokenizer.as_deref(), sample),
+        Command::BenchData {
+            path,
+            samples,
+            batches,
+            python,
+        } => data::bench(&path, samples, batches, &python),
+    }
+}
+
+/// `ctl`: one command through the run's socket; a query's answer printed as JSON.
+fn ctl(run_dir: &std::path::Path, words: &[String]) -> anyhow::Result<()> {
+    let reply = crate::pipeline::control::send(run_dir, &words.join(" "))?;
+    if !reply.ok {
+        anyhow::bail!("{}", reply.message)
+    }
+    match reply.data {
+        Some(data) => println!("{data}"),
+        None => println!("{}", reply.message),
+    }
+    Ok(())
+}
+
+/// The commands that make models and data (their arguments passed on as structs).
+fn run_model_or_data(command: Command, bars: &progress::Bars) -> anyhow::Result<()> {
+    match command {
         Command::InitDrafter {
             target,
             out,
@@ -373,37 +429,6 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
                 bars,
             )
         }
-        Command::Eval(args) => eval::run(&TorchRuntime::init(), args, bars),
-        Command::BenchUi {
-            history,
-            frames,
-            seconds,
-        } => bench_ui(history, frames, seconds),
-        Command::Bench(opts) => {
-            let report = crate::bench::run(&TorchRuntime::init(), &opts)?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            Ok(())
-        }
-        Command::Attach { run_dir, read_only } => {
-            let close = std::sync::atomic::AtomicBool::new(false);
-            crate::ui::app::run(
-                &run_dir,
-                crate::ui::state::Viewer::Attached { read_only },
-                &close,
-            )
-        }
-        Command::Ctl { run_dir, command } => {
-            let reply = crate::pipeline::control::send(&run_dir, &command.join(" "))?;
-            if reply.ok {
-                match reply.data {
-                    Some(data) => println!("{data}"),
-                    None => println!("{}", reply.message),
-                }
-                Ok(())
-            } else {
-                anyhow::bail!("{}", reply.message)
-            }
-        }
         Command::PrepareData {
             tokenizer,
             input,
@@ -427,19 +452,6 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             },
             bars,
         ),
-        Command::Regenerate(args) => regenerate::run(&TorchRuntime::init(), args, bars),
-        Command::InspectData {
-            path,
-            split,
-            tokenizer,
-            sample,
-        } => data::inspect(&path, split.as_deref(), tokenizer.as_deref(), sample),
-        Command::BenchData {
-            path,
-            samples,
-            batches,
-            python,
-        } => data::bench(&path, samples, batches, &python),
         Command::Generate {
             model,
             prompt,
@@ -463,6 +475,7 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
                 },
             )
         }
+        other => anyhow::bail!("{other:?} is not a model or data command"),
     }
 }
 
