@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 use crate::config::{self, TrainConfig};
-use crate::model::{DrafterConfig, DrafterShape, TargetConfig};
+use crate::model::{DrafterConfig, TargetConfig};
 use crate::pipeline::command::Command;
 use crate::pipeline::trainer;
 use crate::runtime::TorchRuntime;
@@ -129,14 +129,7 @@ fn layer_params(h: f64, q_dim: f64, kv_dim: f64, inter: f64) -> f64 {
 
 fn model_flops_counts(cfg: &TrainConfig) -> Result<(f64, f64, f64, f64, i64)> {
     let target = TargetConfig::from_model_dir(Path::new(&cfg.model.target))?;
-    let shape = DrafterShape {
-        layers: cfg.model.drafter_layers,
-        block_size: cfg.model.block_size,
-        mask_token_id: cfg.model.mask_token_id,
-        target_layer_ids: (!cfg.model.target_layer_ids.is_empty())
-            .then(|| cfg.model.target_layer_ids.clone()),
-        num_taps: cfg.model.num_taps,
-    };
+    let shape = cfg.drafter_shape();
     let drafter = DrafterConfig::for_target(&target, &shape)?;
     let h = target.hidden_size as f64;
     let d = target.head_dim() as f64;

@@ -12,7 +12,7 @@ use crate::config::{self, TrainConfig};
 use crate::data::arrow_io::resolve_split;
 use crate::data::check::scan_tokens;
 use crate::data::store::DataColumns;
-use crate::model::{Drafter, DrafterConfig, DrafterShape, TargetConfig};
+use crate::model::{Drafter, DrafterConfig, TargetConfig};
 use crate::paths::Locations;
 use crate::pipeline::headless::{RunLoopOptions, ScreenLink};
 use crate::pipeline::signals::SignalFlags;
@@ -180,14 +180,7 @@ pub fn check_inputs(config: &TrainConfig) -> Result<String> {
     let started = Instant::now();
     let target_dir = Path::new(&config.model.target);
     let target = TargetConfig::from_model_dir(target_dir)?;
-    let shape = DrafterShape {
-        layers: config.model.drafter_layers,
-        block_size: config.model.block_size,
-        mask_token_id: config.model.mask_token_id,
-        target_layer_ids: (!config.model.target_layer_ids.is_empty())
-            .then(|| config.model.target_layer_ids.clone()),
-        num_taps: config.model.num_taps,
-    };
+    let shape = config.drafter_shape();
     DrafterConfig::for_target(&target, &shape).with_context(|| {
         format!(
             "config: model section does not fit the target {}",

@@ -517,6 +517,18 @@ pub fn from_toml_str(text: &str, source: &str, overrides: &[String]) -> Result<T
 }
 
 impl TrainConfig {
+    /// The drafter's shape as `[model]` asks for it (target_layer_ids empty: the formula's).
+    pub fn drafter_shape(&self) -> crate::model::DrafterShape {
+        crate::model::DrafterShape {
+            layers: self.model.drafter_layers,
+            block_size: self.model.block_size,
+            mask_token_id: self.model.mask_token_id,
+            target_layer_ids: (!self.model.target_layer_ids.is_empty())
+                .then(|| self.model.target_layer_ids.clone()),
+            num_taps: self.model.num_taps,
+        }
+    }
+
     /// The configuration as TOML with every field written out; [`from_toml_str`] reads it back
     /// to an equal configuration.
     pub fn to_toml_string(&self) -> Result<String> {

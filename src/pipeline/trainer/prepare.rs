@@ -11,9 +11,7 @@ use tch::{Device, Kind};
 use crate::config::TrainConfig;
 use crate::data::packer::{Packer, PackerConfig, PackerState};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
-use crate::model::{
-    Drafter, DrafterConfig, DrafterShape, FrozenHead, SharedTarget, TargetConfig, TargetModel,
-};
+use crate::model::{Drafter, DrafterConfig, FrozenHead, SharedTarget, TargetConfig, TargetModel};
 use crate::pipeline::collective::{self, GradSyncPlan};
 use crate::pipeline::held_out::{HeldOut, Resumed};
 use crate::runtime::TorchRuntime;
@@ -237,14 +235,7 @@ fn fit_drafter_config(
     target_cfg: &TargetConfig,
     target_dir: &Path,
 ) -> Result<DrafterConfig> {
-    let shape = DrafterShape {
-        layers: config.model.drafter_layers,
-        block_size: config.model.block_size,
-        mask_token_id: config.model.mask_token_id,
-        target_layer_ids: (!config.model.target_layer_ids.is_empty())
-            .then(|| config.model.target_layer_ids.clone()),
-        num_taps: config.model.num_taps,
-    };
+    let shape = config.drafter_shape();
     DrafterConfig::for_target(target_cfg, &shape).with_context(|| {
         format!(
             "config: model section does not fit the target {}",
