@@ -110,9 +110,7 @@ eval)
     mkdir -p "$W/drafter-in" && D=$W/drafter-in
     cat "$W"/drafter.safetensors.* > "$D/model.safetensors" && cp "$W/drafter-config.json" "$D/config.json"
   fi
-  [ -f "$W/sg/dataset_dict.json" ] || { xz -dc "$W/sharegpt.jsonl.xz" > "$W/sharegpt.jsonl" &&
-    "$B" prepare-data --tokenizer "$W/smol" --input "$W/sharegpt.jsonl" --out "$W/sg" \
-      --max-len "${MAX_LEN:-2048}" 2>&1 | tail -1; }
+  [ -f "$W/regen/dataset_dict.json" ] || { cat "$W"/regen.tar.xz.* | xz -dc | tar -C "$W" -xf - || exit 1; }
   t eval-sharegpt
   # the regenerated validation split: prompts up to the first answer (the same prompts as
   # the prepared split's; the answers are the target's)

@@ -104,6 +104,9 @@ pub struct AttentionWeights {
     /// After [`AttentionWeights::fuse`]: the q, k, v projections as one matrix [q; k; v] (and
     /// its bias), of which `q_proj`, `k_proj`, `v_proj` are views.
     pub fused: Option<(Tensor, Option<Tensor>)>,
+    /// After [`AttentionWeights::fuse`], with q/k norms: their weights per head of the fused
+    /// queries and keys, [heads + kv_heads, head_dim] (one multiplication for both).
+    pub fused_qk_norm: Option<Tensor>,
 }
 
 impl AttentionWeights {
@@ -129,6 +132,50 @@ impl AttentionWeights {
             self.v_bias = Some(b.narrow(0, nq + nk, nv));
         }
         self.fused = Some((w, b));
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            let d = qn.size()[0].max(1);
+            let rows = |n: &Tensor, width: i64| n.unsqueeze(0).expand([width / d, d], false);
+            self.fused_qk_norm = Some(Tensor::cat(&[rows(qn, nq), rows(kn, nk)], 0));
+        }
+    }
+
+    /// Queries [B, heads, L, d] and keys [B, kv_heads, L, d] rotated by `cos`, `sin` [L, d],
+    /// and values [B, kv_heads, L, d], of `x` [B, L, H]. After [`AttentionWeights::fuse`] the
+    /// queries and keys stay one tensor until they are rotated: one matrix product, one norm and
+    /// one rotation for both (decoding steps cost their kernel launches). The norm then rounds
+    /// twice, as Hugging Face's does (normalised, then times the weight).
+    #[allow(clippy::too_many_arguments)]
+    pub fn project_qkv_rotated(
+        &self,
+        x: &Tensor,
+        heads: i64,
+        kv_heads: i64,
+        d: i64,
+        eps: f64,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> (Tensor, Tensor, Tensor) {
+        let has_norms = self.q_norm.is_some() || self.k_norm.is_some();
+        let (Some((w, b)), true) = (&self.fused, !has_norms || self.fused_qk_norm.is_some()) else {
+            let (q, k, v) = self.project_qkv(x, heads, kv_heads, d, eps);
+            return (Rope::apply(&q, cos, sin), Rope::apply(&k, cos, sin), v);
+        };
+        let (batch, len) = (x.size()[0], x.size()[1]);
+        let y = x
+            .linear(w, b.as_ref())
+            .view([batch, len, heads + 2 * kv_heads, d]);
+        let qk = y.narrow(2, 0, heads + kv_heads);
+        let qk = match &self.fused_qk_norm {
+            Some(weight) => qk.rms_norm([d], None::<&Tensor>, eps) * weight,
+            None => qk,
+        };
+        // [L, d] -> [L, 1, d]: one angle per position, for every head
+        let qk = Rope::apply(&qk, &cos.unsqueeze(-2), &sin.unsqueeze(-2));
+        (
+            qk.narrow(2, 0, heads).transpose(1, 2),
+            qk.narrow(2, heads, kv_heads).transpose(1, 2),
+            y.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2),
+        )
     }
 
     /// Queries [B, heads, L, d], keys and values [B, kv_heads, L, d] of `x` [B, L, H], with the

@@ -43,6 +43,11 @@ impl SlotAttention {
 /// The cache.
 #[derive(Debug)]
 pub struct SlotCache {
+    /// Every layer's keys and values, [layers, slots * capacity, kv_heads, head_dim]: one
+    /// write can fill a row of all layers ([`SlotCache::write_all_layers`]).
+    all_keys: Tensor,
+    all_values: Tensor,
+    /// Per layer, views of the above.
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     pub slots: i64,
@@ -90,16 +95,15 @@ impl SlotCache {
             bail!("a cache needs at least one slot and one position ({slots} x {capacity})");
         }
         let rows = slots * capacity;
-        let zeros = || Tensor::f_zeros([rows, kv_heads, head_dim], (kind, device));
-        let mut keys = Vec::with_capacity(layers);
-        let mut values = Vec::with_capacity(layers);
-        for _ in 0..layers {
-            keys.push(zeros()?);
-            values.push(zeros()?);
-        }
+        let shape = [layers as i64, rows, kv_heads, head_dim];
+        let all_keys = Tensor::f_zeros(shape, (kind, device))?;
+        let all_values = Tensor::f_zeros(shape, (kind, device))?;
+        let per_layer = |all: &Tensor| (0..layers as i64).map(|l| all.select(0, l)).collect();
         Ok(SlotCache {
-            keys,
-            values,
+            keys: per_layer(&all_keys),
+            values: per_layer(&all_values),
+            all_keys,
+            all_values,
             slots,
             capacity,
             kv_heads,
@@ -188,6 +192,13 @@ impl SlotCache {
         let as_rows = |t: &Tensor| t.squeeze_dim(0).transpose(0, 1);
         let _ = self.keys[layer].index_copy_(0, rows, &as_rows(k));
         let _ = self.values[layer].index_copy_(0, rows, &as_rows(v));
+    }
+
+    /// Writes the keys and values `k`, `v` [n, layers, kv_heads, d] of every layer to the rows
+    /// `rows` [n] at once (the drafter's context: the same rows in every layer).
+    pub fn write_all_layers(&mut self, k: &Tensor, v: &Tensor, rows: &Tensor) {
+        let _ = self.all_keys.index_copy_(1, rows, &k.transpose(0, 1));
+        let _ = self.all_values.index_copy_(1, rows, &v.transpose(0, 1));
     }
 
     /// A slot's rows as [batch, kv_heads, capacity, d] for the first `batch` slots.

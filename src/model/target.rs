@@ -267,6 +267,7 @@ impl TargetModel {
                     q_norm: norm("q_norm")?,
                     k_norm: norm("k_norm")?,
                     fused: None,
+                    fused_qk_norm: None,
                 },
                 post_norm: load(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 mlp: Mlp {
@@ -480,7 +481,7 @@ impl TargetModel {
 
 impl TargetModel {
     /// The decoder layers `0..last_layer` over the embedded inputs `x` [B, L, H] at the
-    /// rotary angles `rope` (cos, signed sin): `attend(layer, q, k, v)` gets the rotated
+    /// rotary angles `rope` (cos, signed sin, [L, d]): `attend(layer, q, k, v)` gets the rotated
     /// queries [B, heads, L, d], keys and values [B, kv_heads, L, d] and returns the attention
     /// output [B, heads, L, d] (it owns the cache). Returns the last residual stream and the
     /// outputs of the `taps` layers, in order (`None` where a tap lies past `last_layer`).
@@ -499,9 +500,9 @@ impl TargetModel {
         let mut tapped: Vec<Option<Tensor>> = taps.iter().map(|_| None).collect();
         for (idx, layer) in self.layers.iter().enumerate().take(last_layer) {
             let h = rms_norm(&x, &layer.input_norm, eps);
-            let (q, k, v) = layer.attn.project_qkv(&h, heads, kv_heads, d, eps);
-            let q = Rope::apply(&q, cos, sin);
-            let k = Rope::apply(&k, cos, sin);
+            let (q, k, v) = layer
+                .attn
+                .project_qkv_rotated(&h, heads, kv_heads, d, eps, cos, sin);
             let a = attend(idx, &q, k, v)?;
             x += layer.attn.output(&a);
             x += layer.mlp.forward(&rms_norm(&x, &layer.post_norm, eps));

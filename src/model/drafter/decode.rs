@@ -8,6 +8,42 @@ use super::{Drafter, FrozenHead};
 use crate::model::layers::{rms_norm, Rope};
 use crate::model::slots::{SlotBatch, SlotCache};
 
+/// The key and value projections of every layer of a decoding copy stacked, for the context:
+/// every layer reads the same fused features, so one matrix product, one norm and one rotation
+/// serve all layers and one write fills their cache rows (a decoding step costs its kernel
+/// launches, not its arithmetic).
+pub(super) struct ContextKv {
+    /// [layers * 2 * kv_heads * d, H]: per layer its keys' rows, then its values'.
+    weight: Tensor,
+    /// [layers, 1, d]: each layer's key norm.
+    k_norm: Tensor,
+}
+
+impl ContextKv {
+    /// Stacks the fused layers' projections; `None` where a layer has biases or no key norm
+    /// (not a drafter's layout).
+    fn stack(drafter: &Drafter) -> Option<Self> {
+        let c = &drafter.config;
+        let (nq, kv) = (
+            c.num_attention_heads * c.head_dim,
+            2 * c.num_key_value_heads * c.head_dim,
+        );
+        let mut weights = Vec::with_capacity(drafter.layers.len());
+        let mut norms = Vec::with_capacity(drafter.layers.len());
+        for layer in &drafter.layers {
+            let (Some((w, None)), Some(k_norm)) = (&layer.attn.fused, &layer.attn.k_norm) else {
+                return None;
+            };
+            weights.push(w.narrow(0, nq, kv));
+            norms.push(k_norm.view([1, 1, -1]));
+        }
+        Some(ContextKv {
+            weight: Tensor::cat(&weights, 0),
+            k_norm: Tensor::cat(&norms, 0),
+        })
+    }
+}
+
 impl Drafter {
     /// Decoding over a [`SlotCache`] (see [`crate::model::decode`]): writes the context keys and
     /// values of the target features `features` [c, K*H] of newly accepted tokens to the rows
@@ -22,6 +58,24 @@ impl Drafter {
         tch::no_grad(|| {
             let ctx = self.fuse_context(&features.unsqueeze(0));
             let (cos, sin) = self.rotary(cache, &batch.positions);
+            if let Some(stacked) = &self.context_kv {
+                let c = &self.config;
+                let (n, d) = (batch.tokens(), c.head_dim);
+                let shape = [n, self.layers.len() as i64, 2, c.num_key_value_heads, d];
+                let kv = ctx
+                    .squeeze_dim(0)
+                    .linear::<&Tensor>(&stacked.weight, None)
+                    .view(shape);
+                // normalised, then times the weight (rounded twice, as Hugging Face's norm)
+                let k = kv
+                    .select(2, 0)
+                    .rms_norm([d], None::<&Tensor>, c.rms_norm_eps)
+                    * &stacked.k_norm;
+                let angles = |t: &Tensor| t.view([n, 1, 1, d]);
+                let k = Rope::apply(&k, &angles(&cos), &angles(&sin));
+                cache.write_all_layers(&k, &kv.select(2, 1), &batch.rows);
+                return;
+            }
             for (idx, layer) in self.layers.iter().enumerate() {
                 let (k, v) = self.context_kv(layer, &ctx, &cos, &sin);
                 cache.write(idx, &k, &v, &batch.rows);
@@ -50,7 +104,7 @@ impl Drafter {
                 c.rms_norm_eps,
             );
             let n = batch.tokens();
-            let (cos, sin) = self.rope.cos_sin(&batch.positions, self.kind);
+            let (cos, sin) = self.rotary(cache, &batch.positions);
             let mut h = Tensor::embedding(
                 &head.embed_tokens,
                 &block_ids.view([1, n]),
@@ -61,9 +115,9 @@ impl Drafter {
             .to_kind(self.kind);
             for (idx, layer) in self.layers.iter().enumerate() {
                 let x = rms_norm(&h, &layer.input_norm, eps);
-                let q = Rope::apply(&layer.attn.queries(&x, heads, d, eps), &cos, &sin);
-                let k = Rope::apply(&layer.attn.keys(&x, kv_heads, d, eps), &cos, &sin);
-                let v = layer.attn.values(&x, kv_heads, d);
+                let (q, k, v) = layer
+                    .attn
+                    .project_qkv_rotated(&x, heads, kv_heads, d, eps, &cos, &sin);
                 let a = cache.attend(idx, &q, &k, &v, batch, false)?;
                 h = &h + layer.attn.output(&a);
                 h = &h + layer.mlp.forward(&rms_norm(&h, &layer.post_norm, eps));
@@ -123,6 +177,7 @@ impl Drafter {
             layer.attn.fuse();
             layer.mlp.fuse();
         }
+        copy.context_kv = ContextKv::stack(&copy);
         Ok(copy)
     }
 }

@@ -59,6 +59,9 @@ pub struct Drafter {
     norm: Tensor,
     rope: Rope,
     train_attention: TrainAttention,
+    /// A decoding copy's context projections of all layers at once (see
+    /// [`Drafter::decode_copy`]).
+    context_kv: Option<decode::ContextKv>,
 }
 
 impl std::fmt::Debug for Drafter {
@@ -163,6 +166,7 @@ impl Drafter {
                     q_norm: Some(take(p("self_attn.q_norm.weight"))?),
                     k_norm: Some(take(p("self_attn.k_norm.weight"))?),
                     fused: None,
+                    fused_qk_norm: None,
                 },
                 mlp: Mlp {
                     gate_proj: take(p("mlp.gate_proj.weight"))?,
@@ -188,6 +192,7 @@ impl Drafter {
             norm,
             rope,
             train_attention: TrainAttention::default(),
+            context_kv: None,
         })
     }
 
