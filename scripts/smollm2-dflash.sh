@@ -7,9 +7,11 @@
 # data   import the demo GGUF, tokenise all 17,671 demo conversations (train / validation
 #        splits) and regenerate EVERY assistant turn with the target (greedy, continuous
 #        batching, CUDA graph): the drafter learns the target's own answers.
-# train  train the drafter for TRAIN_S seconds (a SIGINT then checkpoints); the validation
-#        pass every validation.every_steps keeps the best drafter in run/best. A second call
-#        on the same machine resumes the run.
+# train  train the drafter for TRAIN_S seconds (a SIGINT then checkpoints) and STEPS steps,
+#        at learning rate LR (default: the config's); the validation pass every
+#        validation.every_steps keeps the best drafter in run/best. A second call on the same
+#        machine resumes the run; on a fresh machine with a previous stage's drafter carried
+#        in (drafter.safetensors.* + drafter-config.json) a new run starts from it.
 # ablate one run of an equal budget (TRAIN_S seconds, STEPS steps) on the first ROWS training
 #        conversations (0 = all) with LAYERS drafter layers, then `eval` of its best drafter on
 #        the 100 ShareGPT prompts: where tau stalls, a row per (ROWS, LAYERS) shows whether more
@@ -72,7 +74,12 @@ train)
   if [ -e "$W/run/checkpoints/latest" ]; then
     args=(--resume "$W/run" --no-tui)
   else
-    args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-4000}")
+    args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-4000}" ${LR:+--set train.lr=$LR})
+    if [ ! -f "$W/drafter-in/model.safetensors" ] && [ -f "$W/drafter-config.json" ]; then
+      # a previous stage's drafter, carried in
+      mkdir -p "$W/drafter-in" && cat "$W"/drafter.safetensors.* > "$W/drafter-in/model.safetensors" &&
+        cp "$W/drafter-config.json" "$W/drafter-in/config.json" || exit 1
+    fi
     if [ -f "$W/drafter-in/model.safetensors" ]; then
       args+=(--set model.drafter_init="$W/drafter-in")
     fi
