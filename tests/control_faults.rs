@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use dflash_tui::pipeline::control::{self, ControlSocket, Limits, Request, WireReply};
+use dflash_tui::frontend::socket::{self as control, ControlSocket, Limits, Request, WireReply};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_dflash-tui")

@@ -465,7 +465,7 @@ fn a_second_trainer_on_a_run_directory_is_refused_naming_the_first() {
     }
     // the first one is untouched: its socket answers, and it stops cleanly
     assert!(socket.exists());
-    let reply = dflash_tui::pipeline::control::send(&run_dir, "pause").unwrap();
+    let reply = dflash_tui::frontend::socket::send(&run_dir, "pause").unwrap();
     assert!(reply.ok, "{}", reply.message);
     let (code, out) = first.stop(LIMIT);
     assert_eq!(code, 0, "{out}");

@@ -25,10 +25,11 @@ const LAYERS: &[&[&str]] = &[
     &["eval"],
     // training math: loss, optimizer, checkpoints, validation
     &["train"],
-    // the staged trainer, its control paths and run loop
+    // the staged trainer (stages, queues, gradient averaging) and the commands it takes
     &["pipeline"],
-    // front ends over the pipeline
-    &["ui", "bench"],
+    // over the pipeline: the front ends (signals, control socket, stdin, the run loop, the
+    // screen) and the benchmark
+    &["frontend", "bench"],
     // the command line
     &["cli"],
 ];
@@ -125,10 +126,13 @@ fn no_module_uses_a_layer_above_its_own() {
 #[test]
 fn the_check_sees_an_upward_import() {
     let code = code_of(
-        "use crate::pipeline::queue::QueueLevel;\n/// [`crate::ui::app`]\nfn f() {}\n\
+        "use crate::pipeline::queue::QueueLevel;\n/// [`crate::frontend::tui::app`]\nfn f() {}\n\
          #[cfg(test)]\nmod tests {\n use crate::cli::x;\n}\n",
     );
     let uses: Vec<String> = crate_uses(&code).into_iter().map(|u| u.0).collect();
     assert_eq!(uses, vec!["pipeline"], "comments and tests are left out");
     assert!(layer_of("pipeline") > layer_of("telemetry"));
+    // The front ends sit above the trainer and below the command line only.
+    assert!(layer_of("frontend") > layer_of("pipeline"));
+    assert!(layer_of("cli") > layer_of("frontend"));
 }

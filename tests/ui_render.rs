@@ -1,13 +1,15 @@
 //! The pure render of the control room: snapshot tests of whole screens (insta) plus plain
 //! assertions on their content.
 
+use dflash_tui::frontend::tui::render::{
+    downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS, NO_TAU,
+};
+use dflash_tui::frontend::tui::state::{AppState, Mode};
 use dflash_tui::pipeline::queue::QueueLevel;
 use dflash_tui::telemetry::gpu::GpuReading;
 use dflash_tui::telemetry::host::HostReading;
 use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow, StageWorkers};
 use dflash_tui::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
-use dflash_tui::ui::render::{downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS, NO_TAU};
-use dflash_tui::ui::state::{AppState, Mode};
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
 

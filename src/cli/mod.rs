@@ -339,9 +339,9 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
         }
         Command::Attach { run_dir, read_only } => {
             let close = std::sync::atomic::AtomicBool::new(false);
-            crate::ui::app::run(
+            crate::frontend::tui::app::run(
                 &run_dir,
-                crate::ui::state::Viewer::Attached { read_only },
+                crate::frontend::tui::state::Viewer::Attached { read_only },
                 &close,
             )
         }
@@ -368,7 +368,7 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
 
 /// `ctl`: one command through the run's socket; a query's answer printed as JSON.
 fn ctl(run_dir: &std::path::Path, words: &[String]) -> anyhow::Result<()> {
-    let reply = crate::pipeline::control::send(run_dir, &words.join(" "))?;
+    let reply = crate::frontend::socket::send(run_dir, &words.join(" "))?;
     if !reply.ok {
         anyhow::bail!("{}", reply.message)
     }
@@ -494,13 +494,13 @@ fn thread_cpu_s() -> f64 {
 fn bench_ui(history: usize, frames: usize, seconds: f64) -> anyhow::Result<()> {
     use ratatui::backend::TestBackend;
     use std::time::{Duration, Instant};
-    let mut state = crate::ui::sample::synthetic_state(history, 2);
+    let mut state = crate::frontend::tui::sample::synthetic_state(history, 2);
     let mut terminal = ratatui::Terminal::new(TestBackend::new(120, 40))?;
-    terminal.draw(|f| crate::ui::render::render(f, &state))?;
+    terminal.draw(|f| crate::frontend::tui::render::render(f, &state))?;
     let mut times = Vec::with_capacity(frames);
     for _ in 0..frames.max(1) {
         let t = Instant::now();
-        terminal.draw(|f| crate::ui::render::render(f, &state))?;
+        terminal.draw(|f| crate::frontend::tui::render::render(f, &state))?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
     times.sort_by(f64::total_cmp);
@@ -513,7 +513,7 @@ fn bench_ui(history: usize, frames: usize, seconds: f64) -> anyhow::Result<()> {
     while wall0.elapsed().as_secs_f64() < seconds {
         let t = Instant::now();
         state.snapshot.step += 1;
-        terminal.draw(|f| crate::ui::render::render(f, &state))?;
+        terminal.draw(|f| crate::frontend::tui::render::render(f, &state))?;
         draw_s += t.elapsed().as_secs_f64();
         drawn += 1;
         if let Some(rest) = Duration::from_millis(100).checked_sub(t.elapsed()) {

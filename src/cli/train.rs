@@ -12,15 +12,16 @@ use crate::config::{self, TrainConfig};
 use crate::data::arrow_io::resolve_split;
 use crate::data::check::scan_tokens;
 use crate::data::store::DataColumns;
+use crate::frontend::headless::{self, RunLoopOptions, ScreenLink};
+use crate::frontend::signals::SignalFlags;
+use crate::frontend::socket;
+use crate::frontend::tui::state::Viewer;
 use crate::model::{Drafter, DrafterConfig, TargetConfig};
 use crate::paths::Locations;
-use crate::pipeline::headless::{RunLoopOptions, ScreenLink};
-use crate::pipeline::signals::SignalFlags;
-use crate::pipeline::{control, headless, trainer};
+use crate::pipeline::trainer;
 use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
 use crate::train::run_lock::{RunLock, LOCK_NAME};
-use crate::ui::state::Viewer;
 
 pub struct TrainArgs {
     pub config: Option<PathBuf>,
@@ -104,7 +105,7 @@ const RUN_FILES: &[&str] = &[
     "train.log",
     "checkpoints",
     "best",
-    control::SOCKET_NAME,
+    socket::SOCKET_NAME,
     LOCK_NAME,
 ];
 
@@ -164,7 +165,7 @@ fn check_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<(PathBuf, Opt
             root.join(format!("{}-{}", config.run.name, timestamp()))
         }
     };
-    control::check_socket_path(&dir)?;
+    socket::check_socket_path(&dir)?;
     if args.resume.is_none() {
         refuse_existing_run(&dir)?;
     }
@@ -293,7 +294,7 @@ pub fn run(args: TrainArgs, init_logging: impl FnOnce(&Path) -> Arc<AtomicBool>)
         let thread = std::thread::Builder::new()
             .name("screen".into())
             .spawn(move || {
-                if let Err(e) = crate::ui::app::run(&dir, Viewer::Trainer, &close) {
+                if let Err(e) = crate::frontend::tui::app::run(&dir, Viewer::Trainer, &close) {
                     log::warn!("the screen closed: {e:#}");
                 }
                 closed.store(true, Ordering::SeqCst);

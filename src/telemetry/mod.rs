@@ -1,5 +1,5 @@
 //! Telemetry: what the machine and the run are doing (GPU readings from NVML for now), and how
-//! its durations read (below pipeline and ui, so both front ends format them alike).
+//! its durations read (below pipeline and frontend, so the run loop and the screen format them alike).
 
 pub mod format;
 pub mod gpu;

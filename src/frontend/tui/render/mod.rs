@@ -23,7 +23,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Wrap};
 use ratatui::Frame;
 
-use crate::ui::state::{AppState, Mode};
+use crate::frontend::tui::state::{AppState, Mode};
 
 pub use charts::{downsample, EMPTY_CHARTS, NO_TAU};
 pub use format::{fmt_duration, fmt_si, fmt_value};

@@ -1,6 +1,6 @@
 //! The control room's pure update: one `Action` type for what reaches the screen (keys, the
 //! `:` line, the run's state, log and replies), turned into state changes and effects. Signals
-//! are not among them: the run loop acts on them (`pipeline::headless`), as for a run without
+//! are not among them: the run loop acts on them (`frontend::headless`), as for a run without
 //! a screen.
 
 use crate::config::MAX_QUEUE_DEPTH;
@@ -517,7 +517,7 @@ mod tests {
             &mut s,
             Action::Log((0..400).map(|i| format!("line {i}")).collect()),
         );
-        assert_eq!(s.log.len(), crate::ui::state::LOG_LINES);
+        assert_eq!(s.log.len(), crate::frontend::tui::state::LOG_LINES);
         assert_eq!(s.log.last().map(String::as_str), Some("line 399"));
     }
 }

@@ -8,8 +8,8 @@ use ratatui::Frame;
 
 use super::dim;
 use super::format::{fmt_duration, fmt_si};
+use crate::frontend::tui::state::{AppState, ZOOM_LEVELS};
 use crate::telemetry::records::Phase;
-use crate::ui::state::{AppState, ZOOM_LEVELS};
 
 fn phase_style(phase: Phase) -> Style {
     match phase {

@@ -8,8 +8,8 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::frontend::socket::ControlClient;
 use crate::pipeline::command::Command;
-use crate::pipeline::control::ControlClient;
 use crate::telemetry::profile::ProfileReport;
 use crate::telemetry::records::{MetricsRecord, Phase, Snapshot, StepRecord};
 use crate::train::run_lock::RunLock;

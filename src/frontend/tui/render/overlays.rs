@@ -8,8 +8,8 @@ use ratatui::Frame;
 
 use super::dim;
 use super::format::fmt_duration;
+use crate::frontend::tui::state::QUIT_CHOICES;
 use crate::telemetry::records::{Phase, Snapshot};
-use crate::ui::state::QUIT_CHOICES;
 
 /// A rectangle of at most `width` x `height`, centred in `area`.
 fn centered(area: Rect, width: u16, height: u16) -> Rect {

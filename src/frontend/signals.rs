@@ -1,9 +1,10 @@
-//! Signals of a training run, handled from start-up on: SIGINT/SIGTERM stop with a checkpoint
-//! (a second one stops at once), SIGUSR1 writes a checkpoint, SIGHUP (the terminal is gone: a
-//! closed SSH session or tmux window) leaves the run training without it, with a checkpoint. The handlers are installed before
-//! any model loads (SIGUSR1's default action, before they were, killed the process); what
-//! arrives is counted and acted on by the front end once the trainer runs. A second SIGINT or
-//! SIGTERM while the models still load exits at once, as Ctrl-C did before.
+//! Signals of a training run, handled from start-up on: SIGINT/SIGTERM stop with a checkpoint (a
+//! second one stops at once), SIGUSR1 writes a checkpoint, SIGHUP (the terminal is gone: a closed
+//! SSH session or tmux window) leaves the run training without it, with a checkpoint. The handlers
+//! are installed before any model loads (SIGUSR1's default action, before they were, killed the
+//! process); what arrives is counted and acted on by the run loop (`headless`) once the trainer
+//! runs. A second SIGINT or SIGTERM while the models still load exits at once, as Ctrl-C did
+//! before.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use anyhow::{Context, Result};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 
-use super::command::Command;
+use crate::pipeline::command::Command;
 
 /// What the signals received since the last look ask of the run.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,7 +1,8 @@
 //! The control socket of a run: a Unix socket `RUN_DIR/control.sock` (mode 0600) taking
 //! newline-delimited JSON requests `{"command": "pause"}` (or the bare words) and answering
 //! `{"ok": true, "message": "..."}` (queries, `status` and `snapshot`, add `"data": {...}`).
-//! `dflash-tui ctl RUN_DIR COMMAND` and `dflash-tui attach RUN_DIR` are its clients.
+//! `dflash-tui ctl RUN_DIR COMMAND`, `dflash-tui attach RUN_DIR` and the trainer's own screen
+//! are its clients.
 //!
 //! A client cannot take the run down ([`Limits`]): at most 16 connections are open at once
 //! (600 idle ones exhausted the file descriptors and the next checkpoint failed). When a 17th
@@ -23,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use crossbeam_channel::{Receiver, Sender};
 use serde::{Deserialize, Serialize};
 
-use super::command::{quote, Command};
+use crate::pipeline::command::{quote, Command};
 
 pub const SOCKET_NAME: &str = "control.sock";
 

@@ -8,7 +8,7 @@ use ratatui::Frame;
 
 use super::dim;
 use super::format::truncate;
-use crate::ui::state::{AppState, Mode, Viewer};
+use crate::frontend::tui::state::{AppState, Mode, Viewer};
 
 fn key_style() -> Style {
     Style::new().fg(Color::Black).bg(Color::Gray).bold()

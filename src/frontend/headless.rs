@@ -5,7 +5,6 @@
 //! of the run through its socket like `attach`: it can close (a key, a dead terminal) while the
 //! run goes on.
 
-use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,10 +12,11 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use super::command::Command;
-use super::control::Request;
 use super::signals::{SignalFlags, SignalRequest};
-use super::trainer::{RunOutcome, TrainerHandle};
+use super::socket::Request;
+use super::stdin::{say, spawn_stdin_reader};
+use crate::pipeline::command::Command;
+use crate::pipeline::trainer::{RunOutcome, TrainerHandle};
 use crate::telemetry::format::fmt_duration_compact;
 use crate::telemetry::gpu::{GpuMonitor, GpuReading};
 use crate::telemetry::host::{HostMonitor, HostReading};
@@ -53,40 +53,6 @@ pub fn human_line(s: &Snapshot, r: &StepRecord, validation: Option<&ValidationRe
         ),
         None => line,
     }
-}
-
-/// Prints a line on stdout; a terminal that is gone (SIGHUP) is not an error.
-fn say(line: &str) {
-    let _ = writeln!(std::io::stdout(), "{line}");
-}
-
-/// Reads commands from stdin lines until EOF (no stdin, as in CI, ends it at once).
-pub fn spawn_stdin_reader(requests: crossbeam_channel::Sender<Request>) {
-    let _ = std::thread::Builder::new()
-        .name("stdin".into())
-        .spawn(move || {
-            let stdin = std::io::stdin();
-            for line in stdin.lock().lines() {
-                let Ok(line) = line else { break };
-                if line.trim().is_empty() {
-                    continue;
-                }
-                match Command::parse(&line) {
-                    Ok(command) => {
-                        if requests
-                            .send(Request {
-                                command,
-                                reply: None,
-                            })
-                            .is_err()
-                        {
-                            break;
-                        }
-                    }
-                    Err(e) => say(&format!("error: {e}")),
-                }
-            }
-        });
 }
 
 /// How often the loop looks at the run when no request arrives.
@@ -273,8 +239,8 @@ pub fn run(
     opts: RunLoopOptions,
 ) -> Result<(RunOutcome, RunEnd)> {
     signals.running();
-    let (req_tx, req_rx) = super::control::channel();
-    let socket = match super::control::serve(&handle.shared.run_dir, req_tx.clone()) {
+    let (req_tx, req_rx) = super::socket::channel();
+    let socket = match super::socket::serve(&handle.shared.run_dir, req_tx.clone()) {
         Ok(socket) => socket,
         Err(e) => {
             handle.abort();
@@ -379,7 +345,7 @@ mod tests {
 
     #[test]
     fn a_new_validation_pass_ends_the_progress_line() {
-        let snap = crate::ui::sample::synthetic_state(10, 1).snapshot;
+        let snap = crate::frontend::tui::sample::synthetic_state(10, 1).snapshot;
         let last = snap.history.last().unwrap().clone();
         let plain = human_line(&snap, &last, None);
         assert!(plain.starts_with("step 10/20 epoch 0 loss "), "{plain}");
