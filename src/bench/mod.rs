@@ -15,11 +15,11 @@ use serde::Serialize;
 use crate::config::{self, TrainConfig};
 use crate::model::{DrafterConfig, TargetConfig};
 use crate::pipeline::command::Command;
-use crate::pipeline::trainer;
+use crate::pipeline::trainer::{self, TrainerHandle};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::gpu::GpuMonitor;
 use crate::telemetry::profile::{stage_busy, ProfileReport, StageWorkers};
-use crate::telemetry::records::{Phase, StepRecord};
+use crate::telemetry::records::{Phase, Snapshot, StepRecord};
 use stages_alone::{measure_stages_alone, StageAloneRates};
 
 // Each stage alone on the pipeline's code: only the bench uses it.
@@ -127,33 +127,55 @@ fn layer_params(h: f64, q_dim: f64, kv_dim: f64, inter: f64) -> f64 {
     h * q_dim * 2.0 + h * kv_dim * 2.0 + 3.0 * h * inter
 }
 
-fn model_flops_counts(cfg: &TrainConfig) -> Result<(f64, f64, f64, f64, i64)> {
-    let target = TargetConfig::from_model_dir(Path::new(&cfg.model.target))?;
-    let shape = cfg.drafter_shape();
-    let drafter = DrafterConfig::for_target(&target, &shape)?;
-    let h = target.hidden_size as f64;
-    let d = target.head_dim() as f64;
-    let per_layer = layer_params(
-        h,
-        target.num_attention_heads as f64 * d,
-        target.kv_heads() as f64 * d,
-        target.intermediate_size as f64,
-    );
-    let run_layers = drafter
-        .target_layer_ids()
-        .iter()
-        .map(|&l| l + 1)
-        .max()
-        .unwrap_or(0) as f64;
-    let taps = drafter.target_layer_ids().len() as f64;
-    let drafter_params = per_layer * drafter.num_hidden_layers as f64 + taps * h * h;
-    Ok((
-        per_layer * run_layers,
-        drafter_params,
-        h,
-        target.vocab_size as f64,
-        drafter.block_size,
-    ))
+/// What the FLOP count of a window is computed from: parameters used per target token and
+/// per drafted position, and the LM head's size.
+struct ModelFlops {
+    /// Target layers actually run (up to the last tapped layer, no embedding).
+    target_params: f64,
+    /// Drafter trainable parameters.
+    drafter_params: f64,
+    hidden: f64,
+    vocab: f64,
+    block: i64,
+}
+
+impl ModelFlops {
+    fn of(cfg: &TrainConfig) -> Result<ModelFlops> {
+        let target = TargetConfig::from_model_dir(Path::new(&cfg.model.target))?;
+        let shape = cfg.drafter_shape();
+        let drafter = DrafterConfig::for_target(&target, &shape)?;
+        let h = target.hidden_size as f64;
+        let d = target.head_dim() as f64;
+        let per_layer = layer_params(
+            h,
+            target.num_attention_heads as f64 * d,
+            target.kv_heads() as f64 * d,
+            target.intermediate_size as f64,
+        );
+        let run_layers = drafter
+            .target_layer_ids()
+            .iter()
+            .map(|&l| l + 1)
+            .max()
+            .unwrap_or(0) as f64;
+        let taps = drafter.target_layer_ids().len() as f64;
+        let drafter_params = per_layer * drafter.num_hidden_layers as f64 + taps * h * h;
+        Ok(ModelFlops {
+            target_params: per_layer * run_layers,
+            drafter_params,
+            hidden: h,
+            vocab: target.vocab_size as f64,
+            block: drafter.block_size,
+        })
+    }
+
+    /// Model FLOPs of `tokens` target tokens and `positions` drafted positions: the target's
+    /// forward, the drafter's forward and backward, the LM head's forward and backward.
+    fn flops(&self, tokens: u64, positions: f64) -> f64 {
+        2.0 * self.target_params * tokens as f64
+            + 6.0 * self.drafter_params * positions
+            + 4.0 * self.hidden * self.vocab * positions
+    }
 }
 
 /// Cumulative seconds of the named events.
@@ -166,19 +188,10 @@ fn totals(report: &ProfileReport, events: &[&str]) -> f64 {
         .sum()
 }
 
-pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
-    if opts.steps == 0 {
-        bail!("--steps must be at least 1");
-    }
-    let path = profile_path(&opts.profile);
-    if !path.is_file() {
-        bail!(
-            "{}: no such benchmark config (profiles: {})",
-            path.display(),
-            PROFILES.join(", ")
-        );
-    }
-    let mut cfg = config::load(&path, &opts.overrides)?;
+/// The config a benchmark runs: the profile's, changed so that the run never ends, saves or
+/// evaluates by itself within the window.
+fn bench_config(path: &Path, opts: &BenchOptions) -> Result<TrainConfig> {
+    let mut cfg = config::load(path, &opts.overrides)?;
     // More steps than measured: the run is stopped after the window (never reaching its end,
     // where it would save a final checkpoint).
     cfg.train.total_steps = opts.warmup_steps + opts.steps + 1000;
@@ -186,77 +199,152 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
     cfg.checkpoint.save_every_minutes = 0.0;
     cfg.eval.every_steps = 0;
     cfg.telemetry.profile_interval_s = 0.0;
-    let (target_params, drafter_params, hidden, vocab, block) = model_flops_counts(&cfg)?;
+    Ok(cfg)
+}
 
-    // GPU sampling for the whole pipeline run; utilisation is averaged over the window only.
-    let monitor = GpuMonitor::open().ok();
-    let in_window = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicBool::new(false));
-    type GpuStats = BTreeMap<String, (f64, u64, f64)>; // util sum, samples, peak bytes
-    let gpu_stats: Arc<Mutex<GpuStats>> = Arc::default();
-    let sampler = monitor.map(|m| {
-        let (in_window, done, stats) = (in_window.clone(), done.clone(), gpu_stats.clone());
-        std::thread::spawn(move || {
-            while !done.load(Ordering::Relaxed) {
-                if let Ok(readings) = m.sample() {
-                    let mut st = stats.lock().unwrap_or_else(|e| e.into_inner());
-                    for g in readings {
-                        let e = st.entry(format!("gpu{}", g.index)).or_default();
-                        if in_window.load(Ordering::Relaxed) {
-                            e.0 += g.utilization_pct.unwrap_or(0) as f64;
-                            e.1 += 1;
+/// Per GPU: utilisation sum and samples over the window, peak memory bytes over the run.
+type GpuStats = BTreeMap<String, (f64, u64, f64)>;
+
+/// GPU sampling (NVML, every 200 ms) for the whole pipeline run; utilisation is summed only
+/// while `in_window` is set. Without NVML it samples nothing.
+struct GpuSampler {
+    in_window: Arc<AtomicBool>,
+    done: Arc<AtomicBool>,
+    stats: Arc<Mutex<GpuStats>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl GpuSampler {
+    fn start() -> GpuSampler {
+        let monitor = GpuMonitor::open().ok();
+        let in_window = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicBool::new(false));
+        let stats: Arc<Mutex<GpuStats>> = Arc::default();
+        let thread = monitor.map(|m| {
+            let (in_window, done, stats) = (in_window.clone(), done.clone(), stats.clone());
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    if let Ok(readings) = m.sample() {
+                        let mut st = stats.lock().unwrap_or_else(|e| e.into_inner());
+                        for g in readings {
+                            let e = st.entry(format!("gpu{}", g.index)).or_default();
+                            if in_window.load(Ordering::Relaxed) {
+                                e.0 += g.utilization_pct.unwrap_or(0) as f64;
+                                e.1 += 1;
+                            }
+                            e.2 = e.2.max(g.memory_used_bytes.unwrap_or(0) as f64);
                         }
-                        e.2 = e.2.max(g.memory_used_bytes.unwrap_or(0) as f64);
                     }
+                    std::thread::sleep(Duration::from_millis(200));
                 }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-        })
-    });
+            })
+        });
+        GpuSampler {
+            in_window,
+            done,
+            stats,
+            thread,
+        }
+    }
 
+    fn set_in_window(&self, on: bool) {
+        self.in_window.store(on, Ordering::Relaxed);
+    }
+
+    /// Stops sampling and waits for the sampling thread.
+    fn stop(&mut self) {
+        self.done.store(true, Ordering::Relaxed);
+        if let Some(s) = self.thread.take() {
+            let _ = s.join();
+        }
+    }
+
+    /// Mean utilisation (0..1) over the window of each GPU sampled in it, and peak memory in
+    /// GB of each GPU.
+    fn summary(&self) -> (BTreeMap<String, f64>, BTreeMap<String, f64>) {
+        let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let gpu_util = stats
+            .iter()
+            .filter(|(_, s)| s.1 > 0)
+            .map(|(k, s)| (k.clone(), s.0 / s.1 as f64 / 100.0))
+            .collect();
+        let peak_mem_gb = stats.iter().map(|(k, s)| (k.clone(), s.2 / 1e9)).collect();
+        (gpu_util, peak_mem_gb)
+    }
+}
+
+/// What the pipeline run leaves to measure: the profile at the window's start and end, and
+/// the run's snapshot at its end.
+struct PipelineWindow {
+    p0: ProfileReport,
+    p1: ProfileReport,
+    snap: Snapshot,
+    /// The run's temporary directory, removed when the benchmark is done.
+    _run_dir: tempfile::TempDir,
+}
+
+/// Waits until the pipeline has done `step` steps; an error if it ends before.
+fn wait_for_step(handle: &TrainerHandle, step: u64) -> Result<()> {
+    loop {
+        let (done, phase, error) = handle.progress();
+        if done >= step {
+            return Ok(());
+        }
+        if matches!(phase, Phase::Failed | Phase::Finished) {
+            bail!(
+                "the pipeline ended at step {done} before step {step}: {}",
+                error.unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Runs the real pipeline through the warm-up and the measured window (GPU utilisation is
+/// sampled over the window), then stops it without a checkpoint and stops the sampler.
+fn run_pipeline(
+    runtime: &TorchRuntime,
+    cfg: &TrainConfig,
+    opts: &BenchOptions,
+    sampler: &mut GpuSampler,
+) -> Result<PipelineWindow> {
     let run_dir = tempfile::Builder::new()
         .prefix("dflash-bench-")
         .tempdir()
         .context("cannot create a temporary run directory")?;
-    let handle = trainer::start(runtime, &cfg, run_dir.path(), false)?;
-    let wait_for_step = |step: u64| -> Result<()> {
-        loop {
-            let (done, phase, error) = handle.progress();
-            if done >= step {
-                return Ok(());
-            }
-            if matches!(phase, Phase::Failed | Phase::Finished) {
-                bail!(
-                    "the pipeline ended at step {done} before step {step}: {}",
-                    error.unwrap_or_default()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    };
-    let waited = wait_for_step(opts.warmup_steps.max(1));
+    let handle = trainer::start(runtime, cfg, run_dir.path(), false)?;
+    let waited = wait_for_step(&handle, opts.warmup_steps.max(1));
     let p0 = handle.profile_report();
-    in_window.store(true, Ordering::Relaxed);
-    let waited = waited.and_then(|_| wait_for_step(opts.warmup_steps + opts.steps));
-    in_window.store(false, Ordering::Relaxed);
+    sampler.set_in_window(true);
+    let waited = waited.and_then(|_| wait_for_step(&handle, opts.warmup_steps + opts.steps));
+    sampler.set_in_window(false);
     let p1 = handle.profile_report();
     let snap = handle.snapshot();
     // A benchmark's weights are thrown away: stop without the final checkpoint (for an 8B
     // target's drafter that is 20 GB of training state written to disk).
     let _ = handle.command(&Command::Stop { checkpoint: false });
     let outcome = handle.join();
-    done.store(true, Ordering::Relaxed);
-    if let Some(s) = sampler {
-        let _ = s.join();
-    }
+    sampler.stop();
     waited?;
     if outcome.phase == Phase::Failed {
         bail!("the pipeline failed: {}", outcome.error.unwrap_or_default());
     }
+    Ok(PipelineWindow {
+        p0,
+        p1,
+        snap,
+        _run_dir: run_dir,
+    })
+}
 
-    // Each stage alone on the same batches as the measured window (the packer's order after
-    // the warm-up's), after the pipeline run, so that its memory does not count in the
-    // pipeline's peak.
+/// Each stage alone on the same batches as the measured window (the packer's order after
+/// the warm-up's); run after the pipeline, so that its memory does not count in the
+/// pipeline's peak.
+fn stages_alone(
+    runtime: &TorchRuntime,
+    cfg: &TrainConfig,
+    opts: &BenchOptions,
+) -> Result<StageAloneRates> {
     let per_step = cfg.step_batches();
     let skip = (opts.warmup_steps.max(1) as usize) * per_step;
     let batches = if opts.stage_batches > 0 {
@@ -268,53 +356,83 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
         "bench {}: each stage alone on {batches} batches",
         opts.profile
     );
-    let alone: StageAloneRates = measure_stages_alone(runtime, &cfg, skip, batches)?;
+    let alone: StageAloneRates = measure_stages_alone(runtime, cfg, skip, batches)?;
     log::info!(
         "alone: loader {:.0}, target {:.0}, drafter {:.0} tokens/s",
         alone.loader_tokens_per_s,
         alone.target_tokens_per_s,
         alone.drafter_tokens_per_s
     );
+    Ok(alone)
+}
 
-    // The window: steps after the warm-up, timed by the step records themselves.
-    let first = opts.warmup_steps.max(1);
-    let start = snap
-        .history
-        .iter()
-        .find(|r| r.step == first)
-        .map(|r| r.elapsed_s)
-        .context("the warm-up's last step is not in the history")?;
-    let window: Vec<&StepRecord> = snap
-        .history
-        .iter()
-        .filter(|r| r.step > first && r.step <= opts.warmup_steps + opts.steps)
-        .collect();
-    let end = window.last().map_or(start, |r| r.elapsed_s);
-    let window_s = (end - start).max(1e-9);
-    let tokens: u64 = window.iter().map(|r| r.tokens).sum();
-    let samples: u64 = window.iter().map(|r| r.samples).sum();
-    let blocks: u64 = window.iter().map(|r| r.blocks).sum();
-    let positions = (blocks as i64 * block) as f64;
-    let tokens_per_s = tokens as f64 / window_s;
+/// The measured window's counts: steps after the warm-up, timed by the step records
+/// themselves.
+struct WindowCounts {
+    window_s: f64,
+    steps: usize,
+    tokens: u64,
+    samples: u64,
+    blocks: u64,
+    /// Drafted positions: blocks times the block size.
+    positions: f64,
+}
 
-    // Stage occupancy from ProfileStats over the same span (queue waits are idle time).
+impl WindowCounts {
+    fn of(history: &[StepRecord], opts: &BenchOptions, block: i64) -> Result<WindowCounts> {
+        let first = opts.warmup_steps.max(1);
+        let start = history
+            .iter()
+            .find(|r| r.step == first)
+            .map(|r| r.elapsed_s)
+            .context("the warm-up's last step is not in the history")?;
+        let window: Vec<&StepRecord> = history
+            .iter()
+            .filter(|r| r.step > first && r.step <= opts.warmup_steps + opts.steps)
+            .collect();
+        let end = window.last().map_or(start, |r| r.elapsed_s);
+        let blocks: u64 = window.iter().map(|r| r.blocks).sum();
+        Ok(WindowCounts {
+            window_s: (end - start).max(1e-9),
+            steps: window.len(),
+            tokens: window.iter().map(|r| r.tokens).sum(),
+            samples: window.iter().map(|r| r.samples).sum(),
+            blocks,
+            positions: (blocks as i64 * block) as f64,
+        })
+    }
+}
+
+/// Stage occupancy from ProfileStats between `p0` and `p1` (queue waits are idle time).
+fn stage_occupancy(
+    cfg: &TrainConfig,
+    p0: &ProfileReport,
+    p1: &ProfileReport,
+) -> BTreeMap<String, f64> {
     let span = (p1.elapsed_s - p0.elapsed_s).max(1e-9);
-    let diff = |events: &[&str]| totals(&p1, events) - totals(&p0, events);
+    let diff = |events: &[&str]| totals(p1, events) - totals(p0, events);
     let workers = StageWorkers {
         targets: cfg.devices.target_devices.len(),
         drafters: cfg.devices.drafter_devices.len(),
     };
-    let stage_busy: BTreeMap<String, f64> = stage_busy(diff, span, workers)
+    stage_busy(diff, span, workers)
         .into_iter()
         .map(|(stage, busy)| (stage.to_string(), busy))
-        .collect();
+        .collect()
+}
 
+/// The stages' rates alone, by name, and the slowest of them with its rate. Target and
+/// drafter on the same devices: each token costs that device the time of both stages, so
+/// what the pipeline can reach there is their sequential rate ("target+drafter"), which then
+/// stands for both in the choice of the slowest.
+fn alone_rates_and_slowest(
+    cfg: &TrainConfig,
+    alone: &StageAloneRates,
+) -> (BTreeMap<String, f64>, String, f64) {
     let mut alone_rates = BTreeMap::new();
     alone_rates.insert("loader".to_string(), alone.loader_tokens_per_s);
     alone_rates.insert("target".to_string(), alone.target_tokens_per_s);
     alone_rates.insert("drafter".to_string(), alone.drafter_tokens_per_s);
-    // Target and drafter on the same devices: each token costs that device the time of both
-    // stages, so what the pipeline can reach there is their sequential rate.
     let mut candidates = alone_rates.clone();
     if shared_devices(&cfg.devices.target_devices, &cfg.devices.drafter_devices) {
         let both = 1.0
@@ -330,6 +448,12 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
         .min_by(|a, b| a.1.total_cmp(b.1))
         .map(|(k, v)| (k.clone(), *v))
         .unwrap_or_default();
+    (alone_rates, slowest, slowest_rate)
+}
+
+/// Host time per ProfileStats event between `p0` and `p1`: mean ms per occurrence and the
+/// number of occurrences, for the events that occurred.
+fn profile_means(p0: &ProfileReport, p1: &ProfileReport) -> BTreeMap<String, (f64, u64)> {
     let mut profile_ms = BTreeMap::new();
     for row in &p1.rows {
         let before = p0.rows.iter().find(|r| r.event == row.event);
@@ -339,10 +463,17 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
             profile_ms.insert(row.event.clone(), (total * 1e3 / count as f64, count));
         }
     }
+    profile_ms
+}
 
-    let flops = 2.0 * target_params * tokens as f64
-        + 6.0 * drafter_params * positions
-        + 4.0 * hidden * vocab * positions;
+/// Model FLOP utilisation of `flops` over `window_s` on the GPUs the run used (each counted
+/// once); None when it used none.
+fn model_flops_utilisation(
+    runtime: &TorchRuntime,
+    cfg: &TrainConfig,
+    flops: f64,
+    window_s: f64,
+) -> Option<f64> {
     let mut cuda: Vec<String> = cfg
         .devices
         .target_devices
@@ -353,16 +484,41 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
         .collect();
     cuda.sort();
     cuda.dedup();
-    let mfu =
-        (!cuda.is_empty()).then(|| flops / window_s / (PEAK_FLOPS_PER_GPU * cuda.len() as f64));
+    (!cuda.is_empty()).then(|| flops / window_s / (PEAK_FLOPS_PER_GPU * cuda.len() as f64))
+}
 
-    let stats = gpu_stats.lock().unwrap_or_else(|e| e.into_inner());
-    let gpu_util = stats
-        .iter()
-        .filter(|(_, s)| s.1 > 0)
-        .map(|(k, s)| (k.clone(), s.0 / s.1 as f64 / 100.0))
-        .collect();
-    let peak_mem_gb = stats.iter().map(|(k, s)| (k.clone(), s.2 / 1e9)).collect();
+pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
+    if opts.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let path = profile_path(&opts.profile);
+    if !path.is_file() {
+        bail!(
+            "{}: no such benchmark config (profiles: {})",
+            path.display(),
+            PROFILES.join(", ")
+        );
+    }
+    let cfg = bench_config(&path, opts)?;
+    let model = ModelFlops::of(&cfg)?;
+
+    let mut sampler = GpuSampler::start();
+    let PipelineWindow {
+        p0,
+        p1,
+        snap,
+        _run_dir,
+    } = run_pipeline(runtime, &cfg, opts, &mut sampler)?;
+    let alone = stages_alone(runtime, &cfg, opts)?;
+
+    let w = WindowCounts::of(&snap.history, opts, model.block)?;
+    let tokens_per_s = w.tokens as f64 / w.window_s;
+    let stage_busy = stage_occupancy(&cfg, &p0, &p1);
+    let (alone_rates, slowest, slowest_rate) = alone_rates_and_slowest(&cfg, &alone);
+    let profile_ms = profile_means(&p0, &p1);
+    let flops = model.flops(w.tokens, w.positions);
+    let mfu = model_flops_utilisation(runtime, &cfg, flops, w.window_s);
+    let (gpu_util, peak_mem_gb) = sampler.summary();
 
     Ok(BenchReport {
         profile: opts.profile.clone(),
@@ -371,11 +527,11 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
         drafter_devices: cfg.devices.drafter_devices.clone(),
         warmup_steps: opts.warmup_steps,
         steps: opts.steps,
-        window_s,
+        window_s: w.window_s,
         tokens_per_s,
-        samples_per_s: samples as f64 / window_s,
-        draft_positions_per_s: positions / window_s,
-        step_ms: window_s * 1e3 / window.len().max(1) as f64,
+        samples_per_s: w.samples as f64 / w.window_s,
+        draft_positions_per_s: w.positions / w.window_s,
+        step_ms: w.window_s * 1e3 / w.steps.max(1) as f64,
         stage_busy,
         gpu_util,
         mfu,
@@ -384,11 +540,11 @@ pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
         slowest_stage: slowest,
         profile_ms,
         peak_mem_gb,
-        target_params_used: target_params,
-        drafter_params,
-        model_flops_per_s: flops / window_s,
-        tokens,
-        samples,
-        draft_blocks: blocks,
+        target_params_used: model.target_params,
+        drafter_params: model.drafter_params,
+        model_flops_per_s: flops / w.window_s,
+        tokens: w.tokens,
+        samples: w.samples,
+        draft_blocks: w.blocks,
     })
 }

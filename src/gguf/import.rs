@@ -12,7 +12,7 @@ use safetensors::tensor::{Dtype, View};
 
 use super::quant::GgmlType;
 use super::reader::{GgufFile, TensorInfo};
-use super::vocab;
+use super::vocab::{self, VocabInfo};
 use crate::fsutil::{write_json, StagedDir};
 
 /// Element type of the written weights.
@@ -278,111 +278,18 @@ pub fn import_gguf(gguf_path: &Path, out_dir: &Path, dtype: OutputDtype) -> Resu
     let hp = LlamaHparams::read(&gguf, vocab_info.tokens.len())?;
 
     // Check every tensor before anything is written.
-    let mut pending = Vec::new();
-    let mut source_types = BTreeMap::new();
-    let mut parameters = 0u64;
-    for info in &gguf.tensors {
-        if info.name == "rope_freqs.weight" {
-            continue; // derived from the rope settings, not a weight
-        }
-        let mapping = map_name(&info.name, &hp).with_context(|| {
-            format!(
-                "{}: tensor {:?} has no Hugging Face Llama counterpart",
-                gguf_path.display(),
-                info.name
-            )
-        })?;
-        if matches!(info.ggml_type, GgmlType::Unsupported(_)) {
-            return Err(gguf.unsupported(info).into());
-        }
-        let shape = info.torch_shape();
-        if let Some(heads) = mapping.unpermute_heads {
-            let rows = shape[0] as u64;
-            if !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
-                bail!(
-                    "{}: tensor {:?} has {rows} rows, which do not split into {heads} heads of even size",
-                    gguf_path.display(),
-                    info.name
-                );
-            }
-        }
-        *source_types.entry(info.ggml_type.to_string()).or_insert(0) += 1;
-        parameters += info.element_count();
-        pending.push((
-            mapping.hf_name,
-            PendingTensor {
-                gguf: &gguf,
-                info,
-                unpermute_heads: mapping.unpermute_heads,
-                shape,
-                dtype,
-                failure: Default::default(),
-            },
-        ));
-    }
-    for required in ["model.embed_tokens.weight", "model.norm.weight"] {
-        if !pending.iter().any(|(n, _)| n == required) {
-            bail!(
-                "{}: the model has no tensor for {required}",
-                gguf_path.display()
-            );
-        }
-    }
+    let plan = TensorPlan::check(&gguf, gguf_path, &hp, dtype)?;
 
     let staged = StagedDir::create(out_dir)?;
     let dir = staged.path();
-    safetensors::serialize_to_file(
-        pending.iter().map(|(n, p)| (n.as_str(), p)),
-        Some(std::collections::HashMap::from([(
-            "format".to_string(),
-            "pt".to_string(),
-        )])),
-        &dir.join("model.safetensors"),
-    )
-    .with_context(|| format!("{}: cannot write model.safetensors", out_dir.display()))?;
-    for (_, p) in &pending {
-        if let Some(e) = p.failure.borrow_mut().take() {
-            return Err(e);
-        }
-    }
-
-    let bos = vocab_info.bos_id;
-    let eos = vocab_info.eos_id;
+    plan.write_safetensors(&dir.join("model.safetensors"), out_dir)?;
     write_json(
         &dir.join("config.json"),
-        &serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": hp.hidden,
-            "intermediate_size": hp.intermediate,
-            "num_hidden_layers": hp.layers,
-            "num_attention_heads": hp.heads,
-            "num_key_value_heads": hp.kv_heads,
-            "head_dim": hp.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": hp.context_length,
-            "rms_norm_eps": hp.rms_eps,
-            "rope_theta": hp.rope_theta,
-            "rope_scaling": null,
-            "attention_bias": false,
-            "mlp_bias": false,
-            "tie_word_embeddings": hp.tied_embeddings,
-            "vocab_size": hp.vocab_size,
-            "bos_token_id": bos,
-            "eos_token_id": eos,
-            "pad_token_id": vocab_info.pad_id,
-            "torch_dtype": dtype.torch_name(),
-            "imported_from": gguf_path.file_name().map(|n| n.to_string_lossy().into_owned()),
-        }),
+        &hf_config(&hp, &vocab_info, dtype, gguf_path),
     )?;
     write_json(
         &dir.join("generation_config.json"),
-        &serde_json::json!({
-            "bos_token_id": bos,
-            "eos_token_id": eos,
-            "pad_token_id": vocab_info.pad_id,
-            "do_sample": false,
-        }),
+        &generation_config(&vocab_info),
     )?;
     vocab::save_tokenizer(&tokenizer, &dir.join("tokenizer.json"))?;
     write_json(
@@ -392,11 +299,163 @@ pub fn import_gguf(gguf_path: &Path, out_dir: &Path, dtype: OutputDtype) -> Resu
     let out_dir = staged.commit()?;
     Ok(ImportSummary {
         out_dir,
-        tensors: pending.len(),
-        parameters,
-        source_types,
+        tensors: plan.pending.len(),
+        parameters: plan.parameters,
+        source_types: plan.source_types,
         hparams: hp,
         vocab_size: vocab_info.tokens.len(),
+    })
+}
+
+/// Every tensor of a GGUF file to write, checked, under its Hugging Face name, and what they
+/// hold.
+struct TensorPlan<'a> {
+    pending: Vec<(String, PendingTensor<'a>)>,
+    /// Tensors per GGUF element type.
+    source_types: BTreeMap<String, usize>,
+    parameters: u64,
+}
+
+impl<'a> TensorPlan<'a> {
+    /// Maps and checks every tensor of `gguf` (read from `gguf_path`), and that the model has
+    /// an embedding and a final norm.
+    fn check(
+        gguf: &'a GgufFile,
+        gguf_path: &Path,
+        hp: &LlamaHparams,
+        dtype: OutputDtype,
+    ) -> Result<TensorPlan<'a>> {
+        let mut pending = Vec::new();
+        let mut source_types = BTreeMap::new();
+        let mut parameters = 0u64;
+        for info in &gguf.tensors {
+            if info.name == "rope_freqs.weight" {
+                continue; // derived from the rope settings, not a weight
+            }
+            let (hf_name, tensor) = pending_tensor(gguf, gguf_path, info, hp, dtype)?;
+            *source_types.entry(info.ggml_type.to_string()).or_insert(0) += 1;
+            parameters += info.element_count();
+            pending.push((hf_name, tensor));
+        }
+        for required in ["model.embed_tokens.weight", "model.norm.weight"] {
+            if !pending.iter().any(|(n, _)| n == required) {
+                bail!(
+                    "{}: the model has no tensor for {required}",
+                    gguf_path.display()
+                );
+            }
+        }
+        Ok(TensorPlan {
+            pending,
+            source_types,
+            parameters,
+        })
+    }
+
+    /// Writes the tensors to `path` (in the staged copy of `out_dir`), converting one at a
+    /// time; a conversion failure is returned after writing.
+    fn write_safetensors(&self, path: &Path, out_dir: &Path) -> Result<()> {
+        safetensors::serialize_to_file(
+            self.pending.iter().map(|(n, p)| (n.as_str(), p)),
+            Some(std::collections::HashMap::from([(
+                "format".to_string(),
+                "pt".to_string(),
+            )])),
+            path,
+        )
+        .with_context(|| format!("{}: cannot write model.safetensors", out_dir.display()))?;
+        for (_, p) in &self.pending {
+            if let Some(e) = p.failure.borrow_mut().take() {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The Hugging Face name of one GGUF tensor and its conversion, once checked: it has a
+/// counterpart, a supported element type, and (for Q and K) rows that split into heads.
+fn pending_tensor<'a>(
+    gguf: &'a GgufFile,
+    gguf_path: &Path,
+    info: &'a TensorInfo,
+    hp: &LlamaHparams,
+    dtype: OutputDtype,
+) -> Result<(String, PendingTensor<'a>)> {
+    let mapping = map_name(&info.name, hp).with_context(|| {
+        format!(
+            "{}: tensor {:?} has no Hugging Face Llama counterpart",
+            gguf_path.display(),
+            info.name
+        )
+    })?;
+    if matches!(info.ggml_type, GgmlType::Unsupported(_)) {
+        return Err(gguf.unsupported(info).into());
+    }
+    let shape = info.torch_shape();
+    if let Some(heads) = mapping.unpermute_heads {
+        let rows = shape[0] as u64;
+        if !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
+            bail!(
+                "{}: tensor {:?} has {rows} rows, which do not split into {heads} heads of even size",
+                gguf_path.display(),
+                info.name
+            );
+        }
+    }
+    Ok((
+        mapping.hf_name,
+        PendingTensor {
+            gguf,
+            info,
+            unpermute_heads: mapping.unpermute_heads,
+            shape,
+            dtype,
+            failure: Default::default(),
+        },
+    ))
+}
+
+/// config.json of the imported model.
+fn hf_config(
+    hp: &LlamaHparams,
+    vocab_info: &VocabInfo,
+    dtype: OutputDtype,
+    gguf_path: &Path,
+) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hp.hidden,
+        "intermediate_size": hp.intermediate,
+        "num_hidden_layers": hp.layers,
+        "num_attention_heads": hp.heads,
+        "num_key_value_heads": hp.kv_heads,
+        "head_dim": hp.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": hp.context_length,
+        "rms_norm_eps": hp.rms_eps,
+        "rope_theta": hp.rope_theta,
+        "rope_scaling": null,
+        "attention_bias": false,
+        "mlp_bias": false,
+        "tie_word_embeddings": hp.tied_embeddings,
+        "vocab_size": hp.vocab_size,
+        "bos_token_id": vocab_info.bos_id,
+        "eos_token_id": vocab_info.eos_id,
+        "pad_token_id": vocab_info.pad_id,
+        "torch_dtype": dtype.torch_name(),
+        "imported_from": gguf_path.file_name().map(|n| n.to_string_lossy().into_owned()),
+    })
+}
+
+/// generation_config.json of the imported model: greedy, with its special tokens.
+fn generation_config(vocab_info: &VocabInfo) -> serde_json::Value {
+    serde_json::json!({
+        "bos_token_id": vocab_info.bos_id,
+        "eos_token_id": vocab_info.eos_id,
+        "pad_token_id": vocab_info.pad_id,
+        "do_sample": false,
     })
 }
 

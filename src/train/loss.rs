@@ -295,79 +295,174 @@ pub fn loss_and_backward_deferred(
     let size = hidden.size();
     let (b, n, block, h) = (size[0], size[1], size[2], size[3]);
     let device = hidden.device();
-    // Rows that matter: slots k >= 1 of valid blocks (block-major, k contiguous).
+    let rows = trained_rows(valid, block);
+    let blocks = rows.len() as i64 / (block - 1).max(1);
+    if rows.is_empty() {
+        return (LossTensors::zeros(device), None);
+    }
+    let picked = PickedRows::upload(hidden, [b, n, block, h], targets, &rows, teacher_hidden);
+    let chunk = opts.chunk_rows.max(1);
+    let weights = row_weights(&picked, lm_head, opts, chunk, blocks, block);
+    let norm = Normalisation::of(&weights, &picked.base_w, grad_scale);
+    let head = RowLosses {
+        lm_head,
+        labels: &picked.labels,
+        teacher: picked.teacher.as_ref(),
+        opts,
+    };
+    let pass = lm_head_backward(&picked, &head, &weights, &norm.grad_factor, chunk, device);
+    let grad = pass.hd.grad();
+    let selected = picked.selected;
+    let pending = grad.defined().then(|| PendingBackward { selected, grad });
+    let sums = pass.metric_sums(&norm, blocks, block, device);
+    (sums, pending)
+}
+
+/// Rows that matter: slots k >= 1 of valid blocks, as indices into the [B * N * block] slots
+/// (block-major, k contiguous).
+fn trained_rows(valid: &[bool], block: i64) -> Vec<i64> {
     let mut rows: Vec<i64> = Vec::new();
     for (slot, &ok) in valid.iter().enumerate() {
         if ok {
             rows.extend((1..block).map(|k| slot as i64 * block + k));
         }
     }
-    let blocks = rows.len() as i64 / (block - 1).max(1);
-    if rows.is_empty() {
-        return (LossTensors::zeros(device), None);
-    }
-    // Picked on the host, so only the rows used go up to the device.
-    let host_labels: Vec<i64> = rows.iter().map(|&r| targets.labels[r as usize]).collect();
-    let host_w: Vec<f32> = rows.iter().map(|&r| targets.weights[r as usize]).collect();
-    let idx = upload(&Tensor::from_slice(&rows), device);
-    let labels = upload(&Tensor::from_slice(&host_labels), device);
-    let base_w = upload(&Tensor::from_slice(&host_w), device);
-    let selected = hidden.reshape([b * n * block, h]).index_select(0, &idx);
-    let teacher = teacher_hidden.map(|t| {
-        let s = t.size()[1];
-        let flat = t.reshape([b * s, h]);
-        // teacher position of slot (r, j, k) lives in row r of the teacher states
-        let mut pos = Vec::with_capacity(rows.len());
-        for &row in &rows {
-            let r = row / (n * block);
-            pos.push(r * s + targets.teacher_pos[row as usize]);
-        }
-        flat.index_select(0, &upload(&Tensor::from_slice(&pos), device))
-    });
+    rows
+}
 
-    let m = rows.len() as i64;
-    let chunk = opts.chunk_rows.max(1);
-    let t = opts.kl_temperature;
-    let row_losses = |hd: &Tensor, start: i64, len: i64| -> (Tensor, Tensor) {
+/// The trained rows of a micro-batch on the device, picked on the host, so that only the rows
+/// used go up.
+struct PickedRows {
+    /// Number of rows.
+    m: i64,
+    /// Label of each row [m].
+    labels: Tensor,
+    /// Decay and mask weight of each row [m] (no streak weighting).
+    base_w: Tensor,
+    /// The drafter's hidden states of the rows [m, H] (in the autograd graph).
+    selected: Tensor,
+    /// The teacher's states at each row's teacher position [m, H], with soft labels.
+    teacher: Option<Tensor>,
+}
+
+impl PickedRows {
+    /// `dims` is `hidden`'s [B, N, block, H].
+    fn upload(
+        hidden: &Tensor,
+        dims: [i64; 4],
+        targets: &BlockTargets,
+        rows: &[i64],
+        teacher_hidden: Option<&Tensor>,
+    ) -> PickedRows {
+        let [b, n, block, h] = dims;
+        let device = hidden.device();
+        let host_labels: Vec<i64> = rows.iter().map(|&r| targets.labels[r as usize]).collect();
+        let host_w: Vec<f32> = rows.iter().map(|&r| targets.weights[r as usize]).collect();
+        let idx = upload(&Tensor::from_slice(rows), device);
+        let labels = upload(&Tensor::from_slice(&host_labels), device);
+        let base_w = upload(&Tensor::from_slice(&host_w), device);
+        let selected = hidden.reshape([b * n * block, h]).index_select(0, &idx);
+        let teacher = teacher_hidden.map(|t| {
+            let s = t.size()[1];
+            let flat = t.reshape([b * s, h]);
+            // teacher position of slot (r, j, k) lives in row r of the teacher states
+            let mut pos = Vec::with_capacity(rows.len());
+            for &row in rows {
+                let r = row / (n * block);
+                pos.push(r * s + targets.teacher_pos[row as usize]);
+            }
+            flat.index_select(0, &upload(&Tensor::from_slice(&pos), device))
+        });
+        PickedRows {
+            m: rows.len() as i64,
+            labels,
+            base_w,
+            selected,
+            teacher,
+        }
+    }
+}
+
+/// The per-row loss of the LM head's output, one chunk of rows at a time: cross-entropy, mixed
+/// with the KL divergence from the teacher when soft labels are on.
+struct RowLosses<'a> {
+    lm_head: &'a Tensor,
+    labels: &'a Tensor,
+    teacher: Option<&'a Tensor>,
+    opts: &'a LossOptions,
+}
+
+impl RowLosses<'_> {
+    /// Loss [len] and whether the argmax is the label [len] (float32) of rows
+    /// `start..start + len` of `hd`.
+    fn chunk(&self, hd: &Tensor, start: i64, len: i64) -> (Tensor, Tensor) {
         // Logits stay in the compute dtype; the log-softmax reads them and works and writes in
         // float32 (the same numbers as converting first: bf16 -> f32 is exact, without a
         // float32 copy of the logits and its backward pass).
-        let logits = hd.narrow(0, start, len).linear::<&Tensor>(lm_head, None);
-        let lab = labels.narrow(0, start, len);
+        let logits = hd
+            .narrow(0, start, len)
+            .linear::<&Tensor>(self.lm_head, None);
+        let lab = self.labels.narrow(0, start, len);
         let ce = cross_entropy_f32(&logits, &lab);
         let correct = logits
             .argmax(-1, false)
             .eq_tensor(&lab)
             .to_kind(Kind::Float);
-        let loss = match (&teacher, opts.kl_weight > 0.0) {
-            (Some(th), true) => {
-                let logits = logits.to_kind(Kind::Float);
-                let tl = tch::no_grad(|| {
-                    th.narrow(0, start, len)
-                        .linear::<&Tensor>(lm_head, None)
-                        .to_kind(Kind::Float)
-                });
-                let p_t = (tl / t).softmax(-1, Kind::Float);
-                let log_p_t = p_t.clamp_min(1e-30).log();
-                let log_p_d = (&logits / t).log_softmax(-1, Kind::Float);
-                let kl = (&p_t * (log_p_t - log_p_d)).sum_dim_intlist(-1, false, Kind::Float);
-                &ce * (1.0 - opts.kl_weight) + kl * (opts.kl_weight * t * t)
-            }
+        let loss = match (self.teacher, self.opts.kl_weight > 0.0) {
+            (Some(th), true) => self.with_soft_labels(&ce, &logits, th, start, len),
             _ => ce.shallow_clone(),
         };
         (loss, correct)
-    };
+    }
 
-    // Streak weighting needs every slot's CE before any weight is final: a first pass without
-    // gradients.
-    let weights = if opts.streak_alpha > 0.0 {
+    /// `(1 - kl_weight) * ce + kl_weight * T^2 * KL(teacher || drafter)` at temperature T, the
+    /// teacher's logits from rows `start..start + len` of `th` (no gradient).
+    fn with_soft_labels(
+        &self,
+        ce: &Tensor,
+        logits: &Tensor,
+        th: &Tensor,
+        start: i64,
+        len: i64,
+    ) -> Tensor {
+        let t = self.opts.kl_temperature;
+        let logits = logits.to_kind(Kind::Float);
+        let tl = tch::no_grad(|| {
+            th.narrow(0, start, len)
+                .linear::<&Tensor>(self.lm_head, None)
+                .to_kind(Kind::Float)
+        });
+        let p_t = (tl / t).softmax(-1, Kind::Float);
+        let log_p_t = p_t.clamp_min(1e-30).log();
+        let log_p_d = (&logits / t).log_softmax(-1, Kind::Float);
+        let kl = (&p_t * (log_p_t - log_p_d)).sum_dim_intlist(-1, false, Kind::Float);
+        ce * (1.0 - self.opts.kl_weight) + kl * (self.opts.kl_weight * t * t)
+    }
+}
+
+/// The weight of each row [m]: the base weight, times the streak weight when streak
+/// weighting is on. Streak weighting needs every slot's CE before any weight is final: a
+/// first pass without gradients.
+fn row_weights(
+    picked: &PickedRows,
+    lm_head: &Tensor,
+    opts: &LossOptions,
+    chunk: i64,
+    blocks: i64,
+    block: i64,
+) -> Tensor {
+    if opts.streak_alpha > 0.0 {
+        let m = picked.m;
         let ce_all = tch::no_grad(|| {
             let mut parts = Vec::new();
             let mut s = 0;
             while s < m {
                 let len = chunk.min(m - s);
-                let logits = selected.narrow(0, s, len).linear::<&Tensor>(lm_head, None);
-                parts.push(cross_entropy_f32(&logits, &labels.narrow(0, s, len)));
+                let logits = picked
+                    .selected
+                    .narrow(0, s, len)
+                    .linear::<&Tensor>(lm_head, None);
+                parts.push(cross_entropy_f32(&logits, &picked.labels.narrow(0, s, len)));
                 s += len;
             }
             Tensor::cat(&parts, 0)
@@ -377,50 +472,109 @@ pub fn loss_and_backward_deferred(
         let c = q.cumprod(1, Kind::Float);
         // s_k = sum_{m >= k} C_m: a reversed cumulative sum
         let s = c.flip([1]).cumsum(1, Kind::Float).flip([1]).view([m]);
-        &base_w * s
+        &picked.base_w * s
     } else {
-        base_w.shallow_clone()
-    };
-    // 1 / sum(w), or 0 when no slot has weight: everything below stays on the device.
-    let w_sum = weights.sum(Kind::Float);
-    let base_sum = base_w.sum(Kind::Float);
-    let inv_w = w_sum.gt(0.0).to_kind(Kind::Float) / w_sum.clamp_min(1e-12);
-    let grad_factor = &inv_w * grad_scale;
+        picked.base_w.shallow_clone()
+    }
+}
 
-    let hd = selected.detach().set_requires_grad(true);
+/// The normalisation by `sum(w)`, on the device.
+struct Normalisation {
+    /// sum of the base weights (streak weights excluded)
+    base_sum: Tensor,
+    /// 1 / sum(w), or 0 when no slot has weight
+    inv_w: Tensor,
+    /// `grad_scale / sum(w)`: the scale of the backward pass
+    grad_factor: Tensor,
+}
+
+impl Normalisation {
+    fn of(weights: &Tensor, base_w: &Tensor, grad_scale: f64) -> Normalisation {
+        let w_sum = weights.sum(Kind::Float);
+        let base_sum = base_w.sum(Kind::Float);
+        let inv_w = w_sum.gt(0.0).to_kind(Kind::Float) / w_sum.clamp_min(1e-12);
+        let grad_factor = &inv_w * grad_scale;
+        Normalisation {
+            base_sum,
+            inv_w,
+            grad_factor,
+        }
+    }
+}
+
+/// The LM head's forward and backward pass, chunk by chunk, and what the metrics need of it.
+struct LmHeadPass {
+    /// Detached copy of the rows' hidden states; its gradient is the one into the drafter.
+    hd: Tensor,
+    /// sum of w * loss (streak weights included)
+    loss_sum: Tensor,
+    /// sum of base w * correct
+    weighted_correct: Tensor,
+    /// Whether the argmax is the label, per row, chunk by chunk.
+    correct: Vec<Tensor>,
+}
+
+/// Runs the loss chunk by chunk through the LM head, each chunk's backward scaled by
+/// `grad_factor`, accumulating the gradient into a detached copy of the rows' hidden states.
+fn lm_head_backward(
+    picked: &PickedRows,
+    head: &RowLosses,
+    weights: &Tensor,
+    grad_factor: &Tensor,
+    chunk: i64,
+    device: Device,
+) -> LmHeadPass {
+    let m = picked.m;
+    let hd = picked.selected.detach().set_requires_grad(true);
     let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
     let mut weighted_correct = Tensor::zeros([], (Kind::Float, device));
     let mut correct_all = Vec::new();
     let mut s = 0;
     while s < m {
         let len = chunk.min(m - s);
-        let (loss, correct) = row_losses(&hd, s, len);
+        let (loss, correct) = head.chunk(&hd, s, len);
         let w = weights.narrow(0, s, len);
         let part = (&loss * &w).sum(Kind::Float);
-        (&part * &grad_factor).backward();
+        (&part * grad_factor).backward();
         loss_sum += part.detach();
-        weighted_correct += (&correct * base_w.narrow(0, s, len)).sum(Kind::Float);
+        weighted_correct += (&correct * picked.base_w.narrow(0, s, len)).sum(Kind::Float);
         correct_all.push(correct);
         s += len;
     }
-    let grad = hd.grad();
-    let pending = grad.defined().then(|| PendingBackward { selected, grad });
-    let correct = Tensor::cat(&correct_all, 0).view([blocks, block - 1]);
-    let accepted = correct.cumprod(1, Kind::Float).sum(Kind::Float);
-    // weighted_loss is normalised like the loss (streak weights included) and scaled back to
-    // the base weight, so that LossSums::loss() = sum(w * loss) / sum(w).
-    let weighted_loss = loss_sum * &base_sum * &inv_w;
-    let sums = Tensor::stack(
-        &[
-            weighted_loss.to_kind(Kind::Double),
-            base_sum.to_kind(Kind::Double),
-            weighted_correct.to_kind(Kind::Double),
-            accepted.to_kind(Kind::Double),
-            Tensor::full([], blocks as f64, (Kind::Double, device)),
-        ],
-        0,
-    );
-    (LossTensors { sums }, pending)
+    LmHeadPass {
+        hd,
+        loss_sum,
+        weighted_correct,
+        correct: correct_all,
+    }
+}
+
+impl LmHeadPass {
+    /// The metric sums of [`LossTensors`], on the device.
+    fn metric_sums(
+        self,
+        norm: &Normalisation,
+        blocks: i64,
+        block: i64,
+        device: Device,
+    ) -> LossTensors {
+        let correct = Tensor::cat(&self.correct, 0).view([blocks, block - 1]);
+        let accepted = correct.cumprod(1, Kind::Float).sum(Kind::Float);
+        // weighted_loss is normalised like the loss (streak weights included) and scaled back
+        // to the base weight, so that LossSums::loss() = sum(w * loss) / sum(w).
+        let weighted_loss = self.loss_sum * &norm.base_sum * &norm.inv_w;
+        let sums = Tensor::stack(
+            &[
+                weighted_loss.to_kind(Kind::Double),
+                norm.base_sum.to_kind(Kind::Double),
+                self.weighted_correct.to_kind(Kind::Double),
+                accepted.to_kind(Kind::Double),
+                Tensor::full([], blocks as f64, (Kind::Double, device)),
+            ],
+            0,
+        );
+        LossTensors { sums }
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,41 @@ use super::state::AppState;
 
 /// A training run `steps` long, with smooth curves and full telemetry.
 pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
-    let history: Vec<StepRecord> = (1..=steps as u64)
+    let history = step_history(steps);
+    let snapshot = Snapshot {
+        run_name: "bench".into(),
+        run_dir: "/tmp/bench".into(),
+        phase: Phase::Training,
+        step: steps as u64,
+        total_steps: steps as u64 * 2,
+        epoch: 0,
+        elapsed_s: steps as f64 * 0.2,
+        eta_s: Some(steps as f64 * 0.2),
+        tokens_per_s: 80_000.0,
+        samples_per_s: 45.0,
+        last: history.last().cloned(),
+        evals: eval_records(steps),
+        validations: validation_records(steps),
+        history,
+        queues: queue_levels(),
+        profile: Some(profile_report(steps)),
+        profile_interval_s: 30.0,
+        gpus: Some(gpu_readings(gpus)),
+        gpu_error: None,
+        host: None,
+        stage_devices: vec![
+            ("target".into(), "cuda:0".into()),
+            ("drafter".into(), "cuda:1".into()),
+        ],
+        last_checkpoint: Some("/tmp/bench/checkpoints/step-001000".into()),
+        error: None,
+    };
+    AppState::new(snapshot)
+}
+
+/// One step record per step, 0.2 s each: loss falling, accuracy and acceptance rising.
+fn step_history(steps: usize) -> Vec<StepRecord> {
+    (1..=steps as u64)
         .map(|s| {
             let x = s as f64;
             StepRecord {
@@ -30,8 +64,12 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                 elapsed_s: x * 0.2,
             }
         })
-        .collect();
-    let profile = ProfileReport {
+        .collect()
+}
+
+/// A profile with every event, later events taking smaller shares.
+fn profile_report(steps: usize) -> ProfileReport {
+    ProfileReport {
         interval_s: 30.0,
         elapsed_s: steps as f64 * 0.2,
         workers: Default::default(),
@@ -58,98 +96,87 @@ pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
                 all_time_share: (*e != "step.total").then_some(1.0 / (i + 2) as f64),
             })
             .collect(),
-    };
-    let snapshot = Snapshot {
-        run_name: "bench".into(),
-        run_dir: "/tmp/bench".into(),
-        phase: Phase::Training,
-        step: steps as u64,
-        total_steps: steps as u64 * 2,
-        epoch: 0,
-        elapsed_s: steps as f64 * 0.2,
-        eta_s: Some(steps as f64 * 0.2),
-        tokens_per_s: 80_000.0,
-        samples_per_s: 45.0,
-        last: history.last().cloned(),
-        evals: (1..=steps as u64 / 500)
-            .map(|i| {
-                let step = i * 500;
-                let tau = 1.0 + 2.2 * (1.0 - (-(step as f64) / 5000.0).exp());
-                EvalRecord {
-                    step,
-                    tau,
-                    prompts: 16,
-                    decode_steps: 100,
-                    generated_tokens: (100.0 * tau) as u64,
-                    accepted_by_slot: vec![100; 16],
-                    eval_s: 3.0,
-                    best: true,
-                    elapsed_s: step as f64 * 0.2,
-                }
-            })
-            .collect(),
-        validations: (1..=steps as u64 / 250)
-            .map(|i| {
-                let step = i * 250;
-                let x = step as f64;
-                ValidationRecord {
-                    step,
-                    loss: 2.4 + 8.0 / (1.0 + x / 300.0),
-                    accuracy: 0.5 * (1.0 - (-x / 4000.0).exp()),
-                    accept_mean: 1.0 + 2.0 * (1.0 - (-x / 5000.0).exp()),
-                    tau: 1.0 + 1.8 * (1.0 - (-x / 5000.0).exp()),
-                    sequences: 64,
-                    answers: 80,
-                    answer_steps: 4000,
-                    tokens: (4000.0 * (1.0 + x / 10_000.0)) as u64,
-                    blocks: 12_000,
-                    validation_s: 0.8,
-                    best: true,
-                    elapsed_s: x * 0.2,
-                }
-            })
-            .collect(),
-        history,
-        queues: vec![
-            QueueLevel {
-                name: "batch_q".into(),
-                len: 3,
-                capacity: 4,
-                pushed: 100,
-                popped: 97,
-            },
-            QueueLevel {
-                name: "feature_q".into(),
-                len: 2,
-                capacity: 2,
-                pushed: 97,
-                popped: 95,
-            },
-        ],
-        profile: Some(profile),
-        profile_interval_s: 30.0,
-        gpus: Some(
-            (0..gpus as u32)
-                .map(|i| GpuReading {
-                    index: i,
-                    name: "NVIDIA H200".into(),
-                    utilization_pct: Some(90 + i % 10),
-                    memory_used_bytes: Some(60 << 30),
-                    memory_total_bytes: Some(141 << 30),
-                    power_watts: Some(600.0),
-                    power_limit_watts: Some(700.0),
-                    temperature_c: Some(60),
-                })
-                .collect(),
-        ),
-        gpu_error: None,
-        host: None,
-        stage_devices: vec![
-            ("target".into(), "cuda:0".into()),
-            ("drafter".into(), "cuda:1".into()),
-        ],
-        last_checkpoint: Some("/tmp/bench/checkpoints/step-001000".into()),
-        error: None,
-    };
-    AppState::new(snapshot)
+    }
+}
+
+/// An evaluation every 500 steps, tau rising, each one the best so far.
+fn eval_records(steps: usize) -> Vec<EvalRecord> {
+    (1..=steps as u64 / 500)
+        .map(|i| {
+            let step = i * 500;
+            let tau = 1.0 + 2.2 * (1.0 - (-(step as f64) / 5000.0).exp());
+            EvalRecord {
+                step,
+                tau,
+                prompts: 16,
+                decode_steps: 100,
+                generated_tokens: (100.0 * tau) as u64,
+                accepted_by_slot: vec![100; 16],
+                eval_s: 3.0,
+                best: true,
+                elapsed_s: step as f64 * 0.2,
+            }
+        })
+        .collect()
+}
+
+/// A validation every 250 steps, each one the best so far.
+fn validation_records(steps: usize) -> Vec<ValidationRecord> {
+    (1..=steps as u64 / 250)
+        .map(|i| {
+            let step = i * 250;
+            let x = step as f64;
+            ValidationRecord {
+                step,
+                loss: 2.4 + 8.0 / (1.0 + x / 300.0),
+                accuracy: 0.5 * (1.0 - (-x / 4000.0).exp()),
+                accept_mean: 1.0 + 2.0 * (1.0 - (-x / 5000.0).exp()),
+                tau: 1.0 + 1.8 * (1.0 - (-x / 5000.0).exp()),
+                sequences: 64,
+                answers: 80,
+                answer_steps: 4000,
+                tokens: (4000.0 * (1.0 + x / 10_000.0)) as u64,
+                blocks: 12_000,
+                validation_s: 0.8,
+                best: true,
+                elapsed_s: x * 0.2,
+            }
+        })
+        .collect()
+}
+
+/// The two queues, nearly full.
+fn queue_levels() -> Vec<QueueLevel> {
+    vec![
+        QueueLevel {
+            name: "batch_q".into(),
+            len: 3,
+            capacity: 4,
+            pushed: 100,
+            popped: 97,
+        },
+        QueueLevel {
+            name: "feature_q".into(),
+            len: 2,
+            capacity: 2,
+            pushed: 97,
+            popped: 95,
+        },
+    ]
+}
+
+/// `gpus` busy H200s.
+fn gpu_readings(gpus: usize) -> Vec<GpuReading> {
+    (0..gpus as u32)
+        .map(|i| GpuReading {
+            index: i,
+            name: "NVIDIA H200".into(),
+            utilization_pct: Some(90 + i % 10),
+            memory_used_bytes: Some(60 << 30),
+            memory_total_bytes: Some(141 << 30),
+            power_watts: Some(600.0),
+            power_limit_watts: Some(700.0),
+            temperature_c: Some(60),
+        })
+        .collect()
 }
