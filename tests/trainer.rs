@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dflash_tui::config::{self, TrainConfig};
+use dflash_tui::config::{self, GradSync, TrainConfig};
 use dflash_tui::pipeline::command::Command;
 use dflash_tui::pipeline::trainer::{self, RunOutcome, TrainerHandle};
 use dflash_tui::runtime::TorchRuntime;
@@ -563,7 +563,7 @@ fn two_drafter_replicas_average_gradients_and_learn() {
     let last: f64 = st[35..].iter().map(|r| r.loss).sum::<f64>() / 5.0;
     assert!(last < 0.7 * first, "loss {first} -> {last}");
     // devices.grad_sync = "auto" (the default) takes the copy path on CPU devices
-    assert_eq!(cfg.devices.grad_sync, "auto");
+    assert_eq!(cfg.devices.grad_sync, GradSync::Auto);
     let sync = grad_sync_events(&run);
     assert_eq!(sync.len(), 1, "{sync:?}");
     assert!(sync[0].starts_with("gradient sync: copy ("), "{sync:?}");

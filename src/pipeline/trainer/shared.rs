@@ -11,7 +11,7 @@ use tch::Device;
 
 use super::loader::BatchItem;
 use super::target_stage::FeatureItem;
-use crate::config::TrainConfig;
+use crate::config::{FailMode, TrainConfig};
 use crate::pipeline::queue::{QueueLevel, ResizableQueue};
 use crate::telemetry::profile::{ProfileReport, ProfileStats};
 use crate::telemetry::rate::RateWindow;
@@ -138,8 +138,8 @@ impl Shared {
 /// An injected failure of a stage (`[debug]`): an error, or a panic as a libtorch error inside
 /// a tch call gives.
 pub(super) fn injected_failure(cfg: &TrainConfig, what: String) -> anyhow::Error {
-    let stage = &cfg.debug.fail_stage;
-    if cfg.debug.fail_mode == "panic" {
+    let stage = cfg.debug.fail_stage;
+    if cfg.debug.fail_mode == FailMode::Panic {
         panic!("{what}: injected panic (debug.fail_stage = \"{stage}\")");
     }
     anyhow!("{what}: injected failure (debug.fail_stage = \"{stage}\")")
