@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use dflash_tui::config::{self, GradSync, TrainConfig};
 use dflash_tui::pipeline::command::Command;
+use dflash_tui::pipeline::queue::QueueName;
 use dflash_tui::pipeline::trainer::{self, RunOutcome, TrainerHandle};
 use dflash_tui::runtime::TorchRuntime;
 use dflash_tui::telemetry::records::{
@@ -195,11 +196,12 @@ fn resizing_queues_neither_loses_nor_duplicates_samples() {
     let mut k = 0;
     while !h.is_finished() {
         let depth = 1 + (k * 7) % 5;
-        let name = if k % 2 == 0 { "batch_q" } else { "feature_q" };
-        let _ = h.command(&Command::Queue {
-            name: name.into(),
-            depth,
-        });
+        let name = if k % 2 == 0 {
+            QueueName::Batch
+        } else {
+            QueueName::Feature
+        };
+        let _ = h.command(&Command::Queue { name, depth });
         if k == 3 {
             let levels = h.shared.queue_levels();
             assert!(
@@ -511,20 +513,21 @@ fn a_storm_of_random_commands_ends_without_deadlock() {
             0 | 1 => Command::Pause,
             2 | 3 => Command::Resume,
             4 => Command::Queue {
-                name: "batch_q".into(),
+                name: QueueName::Batch,
                 depth: 1 + (rng.next_u32() % 6) as usize,
             },
             5 => Command::Queue {
-                name: "feature_q".into(),
+                name: QueueName::Feature,
                 depth: 1 + (rng.next_u32() % 6) as usize,
             },
             6 => Command::Checkpoint,
             7 => Command::Profile {
                 seconds: (rng.next_u32() % 3) as f64,
             },
+            // refused (a queue name that is none is refused as the command is parsed)
             _ => Command::Queue {
-                name: "nope".into(),
-                depth: 2,
+                name: QueueName::Batch,
+                depth: 0,
             },
         };
         let _ = h.command(&cmd);

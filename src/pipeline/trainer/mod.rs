@@ -23,7 +23,7 @@ use tch::Device;
 use super::collective::{ParamsMsg, ReplicaSync};
 use super::command::Command;
 use super::device_event::DeviceEvents;
-use super::queue::ResizableQueue;
+use super::queue::{QueueName, ResizableQueue};
 use crate::config::TrainConfig;
 use crate::data::packer::Packer;
 use crate::data::store::TokenStore;
@@ -98,9 +98,13 @@ pub fn start(
     };
     let stop = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
-        batch_q: ResizableQueue::new("batch_q", config.pipeline.batch_queue_depth, stop.clone()),
+        batch_q: ResizableQueue::new(
+            QueueName::Batch,
+            config.pipeline.batch_queue_depth,
+            stop.clone(),
+        ),
         feature_q: ResizableQueue::new(
-            "feature_q",
+            QueueName::Feature,
             config.pipeline.feature_queue_depth,
             stop.clone(),
         ),
@@ -399,16 +403,10 @@ impl TrainerHandle {
                 "resumed".to_string()
             }
             Command::Queue { name, depth } => {
-                let q = match name.as_str() {
-                    "batch_q" => s.batch_q.set_capacity(*depth),
-                    "feature_q" => s.feature_q.set_capacity(*depth),
-                    other => {
-                        return Err(format!(
-                            "unknown queue {other:?} (queues: batch_q, feature_q)"
-                        ))
-                    }
-                };
-                q?;
+                match name {
+                    QueueName::Batch => s.batch_q.set_capacity(*depth),
+                    QueueName::Feature => s.feature_q.set_capacity(*depth),
+                }?;
                 format!("{name} depth set to {depth}")
             }
             Command::Checkpoint => {
