@@ -11,7 +11,7 @@
 //! the threads and is the front ends' handle on them.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -38,7 +38,7 @@ use coordinator::Coordinator;
 use drafter_stage::{replica, GradMsg};
 use loader::loader;
 use prepare::Prepared;
-use shared::{Status, EVAL_HISTORY, HISTORY};
+use shared::{Status, StopRequest, StopState, EVAL_HISTORY, HISTORY};
 use target_stage::target_worker;
 
 pub use shared::Shared;
@@ -113,7 +113,7 @@ pub fn start(
         pause_lock: Mutex::new(()),
         pause_cv: Condvar::new(),
         checkpoint_requested: AtomicBool::new(false),
-        stop_requested: AtomicU8::new(0),
+        stop_requested: StopRequest::default(),
         profile: ProfileStats::with_workers(StageWorkers {
             targets: prepared.target_devices.len(),
             drafters: prepared.drafter_devices.len(),
@@ -424,8 +424,11 @@ impl TrainerHandle {
                 }
             }
             Command::Stop { checkpoint } => {
-                s.stop_requested
-                    .store(if *checkpoint { 1 } else { 2 }, Ordering::SeqCst);
+                s.stop_requested.store(if *checkpoint {
+                    StopState::AfterCheckpoint
+                } else {
+                    StopState::WithoutCheckpoint
+                });
                 // Paused stages must wake up to reach the step boundary.
                 s.paused.store(false, Ordering::SeqCst);
                 s.pause_cv.notify_all();

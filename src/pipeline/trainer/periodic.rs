@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 use super::coordinator::Coordinator;
-use super::shared::{injected_failure, EVAL_HISTORY};
+use super::shared::{injected_failure, StopState, EVAL_HISTORY};
 use crate::config::{FailMode, FailStage, TrainConfig};
 use crate::data::packer::PackerState;
 use crate::telemetry::profile::Event;
@@ -261,7 +261,7 @@ impl Coordinator {
     /// Checkpoint and stop requests at a step boundary; true when the run should end.
     pub(super) fn handle_requests(&mut self) -> Result<bool> {
         let checkpoint = self.shared.checkpoint_requested.load(Ordering::SeqCst);
-        if checkpoint || self.shared.stop_requested.load(Ordering::SeqCst) != 0 {
+        if checkpoint || self.shared.stop_requested.load() != StopState::Running {
             self.finish_queued()?;
         }
         if self
@@ -271,8 +271,8 @@ impl Coordinator {
         {
             self.checkpoint("command");
         }
-        match self.shared.stop_requested.load(Ordering::SeqCst) {
-            1 => {
+        match self.shared.stop_requested.load() {
+            StopState::AfterCheckpoint => {
                 self.shared.set_phase(Phase::Stopping);
                 self.final_measurements()?;
                 self.final_checkpoint("stop")?;
@@ -284,7 +284,7 @@ impl Coordinator {
                 );
                 Ok(true)
             }
-            2 => {
+            StopState::WithoutCheckpoint => {
                 self.shared.status().stop_reason = Some("stop command, no checkpoint".into());
                 self.shared.set_phase(Phase::Finished);
                 self.shared.event(
@@ -293,7 +293,7 @@ impl Coordinator {
                 );
                 Ok(true)
             }
-            _ => Ok(false),
+            StopState::Running => Ok(false),
         }
     }
 
