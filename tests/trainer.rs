@@ -9,8 +9,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dflash_tui::config::{self, TrainConfig};
+use dflash_tui::config::{self, GradSync, TrainConfig};
 use dflash_tui::pipeline::command::Command;
+use dflash_tui::pipeline::queue::QueueName;
 use dflash_tui::pipeline::trainer::{self, RunOutcome, TrainerHandle};
 use dflash_tui::runtime::TorchRuntime;
 use dflash_tui::telemetry::records::{
@@ -195,11 +196,12 @@ fn resizing_queues_neither_loses_nor_duplicates_samples() {
     let mut k = 0;
     while !h.is_finished() {
         let depth = 1 + (k * 7) % 5;
-        let name = if k % 2 == 0 { "batch_q" } else { "feature_q" };
-        let _ = h.command(&Command::Queue {
-            name: name.into(),
-            depth,
-        });
+        let name = if k % 2 == 0 {
+            QueueName::Batch
+        } else {
+            QueueName::Feature
+        };
+        let _ = h.command(&Command::Queue { name, depth });
         if k == 3 {
             let levels = h.shared.queue_levels();
             assert!(
@@ -511,20 +513,21 @@ fn a_storm_of_random_commands_ends_without_deadlock() {
             0 | 1 => Command::Pause,
             2 | 3 => Command::Resume,
             4 => Command::Queue {
-                name: "batch_q".into(),
+                name: QueueName::Batch,
                 depth: 1 + (rng.next_u32() % 6) as usize,
             },
             5 => Command::Queue {
-                name: "feature_q".into(),
+                name: QueueName::Feature,
                 depth: 1 + (rng.next_u32() % 6) as usize,
             },
             6 => Command::Checkpoint,
             7 => Command::Profile {
                 seconds: (rng.next_u32() % 3) as f64,
             },
+            // refused (a queue name that is none is refused as the command is parsed)
             _ => Command::Queue {
-                name: "nope".into(),
-                depth: 2,
+                name: QueueName::Batch,
+                depth: 0,
             },
         };
         let _ = h.command(&cmd);
@@ -563,7 +566,7 @@ fn two_drafter_replicas_average_gradients_and_learn() {
     let last: f64 = st[35..].iter().map(|r| r.loss).sum::<f64>() / 5.0;
     assert!(last < 0.7 * first, "loss {first} -> {last}");
     // devices.grad_sync = "auto" (the default) takes the copy path on CPU devices
-    assert_eq!(cfg.devices.grad_sync, "auto");
+    assert_eq!(cfg.devices.grad_sync, GradSync::Auto);
     let sync = grad_sync_events(&run);
     assert_eq!(sync.len(), 1, "{sync:?}");
     assert!(sync[0].starts_with("gradient sync: copy ("), "{sync:?}");

@@ -5,7 +5,7 @@ use dflash_tui::frontend::tui::render::{
     downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS, NO_TAU,
 };
 use dflash_tui::frontend::tui::state::{AppState, Mode};
-use dflash_tui::pipeline::queue::QueueLevel;
+use dflash_tui::pipeline::queue::{QueueLevel, QueueName};
 use dflash_tui::telemetry::gpu::GpuReading;
 use dflash_tui::telemetry::host::HostReading;
 use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow, StageWorkers};
@@ -109,14 +109,14 @@ fn h200(index: u32, util: u32) -> GpuReading {
 fn queues() -> Vec<QueueLevel> {
     vec![
         QueueLevel {
-            name: "batch_q".to_string(),
+            name: QueueName::Batch,
             len: 4,
             capacity: 8,
             pushed: 1210,
             popped: 1206,
         },
         QueueLevel {
-            name: "feature_q".to_string(),
+            name: QueueName::Feature,
             len: 2,
             capacity: 2,
             pushed: 1206,

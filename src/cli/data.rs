@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use crate::data::arrow_io::{dataset_files, read_token_data, resolve_split};
+use crate::data::arrow_io::{dataset_files, read_token_data, resolve_split, ColumnError};
 use crate::data::packer::{collate, Packer, PackerConfig};
 use crate::data::prepare_run::{prepare_data, PrepareOptions};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
@@ -123,7 +123,10 @@ pub fn inspect(
         .or_else(|_| read_token_data(&path, "input_ids", None))
     {
         Ok(data) => data,
-        Err(e) if format!("{e:#}").contains("no column \"input_ids\"") => {
+        Err(e)
+            if e.downcast_ref::<ColumnError>()
+                .is_some_and(|c| c.is_missing("input_ids")) =>
+        {
             return Err(e.context(format!(
                 "{}: not a prepared dataset (no input_ids column); {PREPARE_HINT}",
                 path.display()

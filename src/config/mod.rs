@@ -36,7 +36,10 @@
 //!
 //! # Checks
 //!
-//! [`TrainConfig::validate`] checks every range and reports the first problem as
+//! A setting that takes one of a few words (`model.dtype`, `devices.grad_sync`,
+//! `debug.fail_stage`, `debug.fail_mode`) is an enum; a word that is not one of its values is
+//! refused as the file is read, as `config: section.field = "WORD" is not allowed (must be one
+//! of ...)`. [`TrainConfig::validate`] then checks every range and reports the first problem as
 //! `config: section.field = VALUE is out of range (must be ...)`. Checks that need the target
 //! model (the mask token against the vocabulary, tapped layers against the layer count) are
 //! made where the model is loaded.
@@ -44,11 +47,15 @@
 //! [`TrainConfig::to_toml_string`] writes the resolved configuration with every field spelled
 //! out (a run keeps it as `RUN_DIR/config.toml`); reading it back gives the same configuration.
 
+mod choices;
 mod parse;
 mod resume;
 mod validate;
 
+pub use choices::{Choice, Dtype, FailMode, FailStage, GradSync, UnknownChoice};
 pub use resume::{resume_changes, ResumeChanges};
+
+use choices::check_choices;
 
 use parse::{apply_override, deserialize_error, position, schema};
 
@@ -118,8 +125,8 @@ pub struct ModelSection {
     pub target_layer_ids: Vec<usize>,
     /// Number of tapped target layers when `target_layer_ids` is [], 1..=16. Default 5.
     pub num_taps: usize,
-    /// Compute dtype: "auto" (bf16 on a GPU, f32 on the CPU), "f32" or "bf16".
-    pub dtype: String,
+    /// Compute dtype: "auto" (bf16 on a GPU, f32 on the CPU), "f32" or "bf16". Default "auto".
+    pub dtype: Dtype,
     /// Random target weights (seeded by run.seed) instead of loading them: the target folder
     /// then needs only config.json. For benchmarks of a model's shape. Default false.
     pub random_weights: bool,
@@ -135,7 +142,7 @@ impl Default for ModelSection {
             mask_token_id: -1,
             target_layer_ids: Vec::new(),
             num_taps: 5,
-            dtype: "auto".into(),
+            dtype: Dtype::Auto,
             random_weights: false,
         }
     }
@@ -280,7 +287,7 @@ pub struct DevicesSection {
     /// libnccl loaded at run time), "copy" (tensor copies to and from the first drafter
     /// device; the reference, any devices), or "auto" (NCCL when there are 2+ distinct drafter
     /// devices, all CUDA, and libnccl loads; else copy). Default "auto".
-    pub grad_sync: String,
+    pub grad_sync: GradSync,
     /// Batches each drafter device trains per optimiser step, in the order of
     /// drafter_devices; [] = train.grad_accum on each. Unequal counts balance a layout where
     /// some GPUs also run target forwards (target on cuda:0, drafters on cuda:0 and cuda:1:
@@ -293,7 +300,7 @@ impl Default for DevicesSection {
         DevicesSection {
             target_devices: vec!["auto".into()],
             drafter_devices: vec!["auto".into()],
-            grad_sync: "auto".into(),
+            grad_sync: GradSync::Auto,
             drafter_batches: Vec::new(),
         }
     }
@@ -461,12 +468,12 @@ pub struct DebugSection {
     /// Step at which to inject a failure (0 = never). Default 0.
     pub fail_at_step: u64,
     /// Stage that fails: "loader", "target", "drafter" or "checkpoint". Default "drafter".
-    pub fail_stage: String,
+    pub fail_stage: FailStage,
     /// How a stage fails: "error" (returns an error; a checkpoint: disk full), "panic" (panics,
     /// as a libtorch error inside a tch call does), or for the checkpoint stage
     /// "hold-drafter" / "hold-optimizer" / "hold-rename" (the writer stops for good at that
     /// point, for tests that kill the process there). Default "error".
-    pub fail_mode: String,
+    pub fail_mode: FailMode,
     /// How many checkpoints fail ("checkpoint" stage), from `fail_at_step` on; 0 = every one.
     /// Default 0.
     pub fail_count: u64,
@@ -476,8 +483,8 @@ impl Default for DebugSection {
     fn default() -> Self {
         DebugSection {
             fail_at_step: 0,
-            fail_stage: "drafter".into(),
-            fail_mode: "error".into(),
+            fail_stage: FailStage::Drafter,
+            fail_mode: FailMode::Error,
             fail_count: 0,
         }
     }
@@ -509,6 +516,7 @@ pub fn from_toml_str(text: &str, source: &str, overrides: &[String]) -> Result<T
     for spec in overrides {
         applied.push((apply_override(&mut table, &schema, spec)?, spec.as_str()));
     }
+    check_choices(&table)?;
     let config: TrainConfig = toml::Value::Table(table)
         .try_into()
         .map_err(|e| deserialize_error(&e, text, source, &applied))?;

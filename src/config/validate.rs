@@ -1,22 +1,12 @@
 //! Range checks of a [`TrainConfig`]; each message names the field in dotted form, the value
-//! found and what is allowed.
+//! found and what is allowed. (The settings that take one of a few words are enums, checked as
+//! the file is read: see `choices.rs`.)
 
 use std::fmt::Display;
 
 use anyhow::{bail, Result};
 
-use super::{TrainConfig, MAX_QUEUE_DEPTH};
-
-const DTYPES: &[&str] = &["auto", "f32", "bf16"];
-const FAIL_STAGES: &[&str] = &["loader", "target", "drafter", "checkpoint"];
-const FAIL_MODES: &[&str] = &[
-    "error",
-    "panic",
-    "hold-drafter",
-    "hold-optimizer",
-    "hold-rename",
-];
-const GRAD_SYNCS: &[&str] = &["auto", "nccl", "copy"];
+use super::{FailStage, GradSync, TrainConfig, MAX_QUEUE_DEPTH};
 
 impl TrainConfig {
     /// Checks every field against its allowed range; returns the first problem found, in
@@ -52,8 +42,7 @@ impl TrainConfig {
                 model.mask_token_id
             );
         }
-        int_between("model.num_taps", model.num_taps, 1, 16)?;
-        one_of("model.dtype", &model.dtype, DTYPES)
+        int_between("model.num_taps", model.num_taps, 1, 16)
     }
 
     fn check_data(&self) -> Result<()> {
@@ -130,7 +119,6 @@ impl TrainConfig {
     fn check_devices(&self) -> Result<()> {
         devices("devices.target_devices", &self.devices.target_devices)?;
         devices("devices.drafter_devices", &self.devices.drafter_devices)?;
-        one_of("devices.grad_sync", &self.devices.grad_sync, GRAD_SYNCS)?;
         let batches = &self.devices.drafter_batches;
         if !batches.is_empty() && batches.len() != self.devices.drafter_devices.len() {
             bail!(
@@ -143,7 +131,7 @@ impl TrainConfig {
         for (i, &b) in batches.iter().enumerate() {
             int_between(&format!("devices.drafter_batches[{i}]"), b, 1, 1024)?;
         }
-        if self.devices.grad_sync == "nccl" {
+        if self.devices.grad_sync == GradSync::Nccl {
             // Devices that resolve to the CPU only at run time ("auto") are refused there.
             if let Some(i) = self.devices.drafter_devices.iter().position(|d| d == "cpu") {
                 bail!(
@@ -214,13 +202,12 @@ impl TrainConfig {
             "> 0",
         )?;
 
-        one_of("debug.fail_stage", &self.debug.fail_stage, FAIL_STAGES)?;
-        one_of("debug.fail_mode", &self.debug.fail_mode, FAIL_MODES)?;
-        if self.debug.fail_mode.starts_with("hold") && self.debug.fail_stage != "checkpoint" {
+        let d = &self.debug;
+        if d.fail_mode.holds() && d.fail_stage != FailStage::Checkpoint {
             bail!(
-                "debug.fail_mode = {:?} holds a checkpoint: it needs debug.fail_stage = \"checkpoint\", not {:?}",
-                self.debug.fail_mode,
-                self.debug.fail_stage
+                "debug.fail_mode = \"{}\" holds a checkpoint: it needs debug.fail_stage = \"checkpoint\", not \"{}\"",
+                d.fail_mode,
+                d.fail_stage
             );
         }
         Ok(())
@@ -260,16 +247,6 @@ fn float(field: &str, value: f64, ok: bool, rule: &str) -> Result<()> {
 /// A float in [0, 1].
 fn unit(field: &str, value: f64) -> Result<()> {
     float(field, value, (0.0..=1.0).contains(&value), ">= 0 and <= 1")
-}
-
-fn one_of(field: &str, value: &str, allowed: &[&str]) -> Result<()> {
-    if !allowed.contains(&value) {
-        bail!(
-            "config: {field} = {value:?} is not allowed (must be one of {})",
-            allowed.join(", ")
-        );
-    }
-    Ok(())
 }
 
 fn devices(field: &str, list: &[String]) -> Result<()> {

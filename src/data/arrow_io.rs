@@ -209,25 +209,62 @@ pub(crate) struct ListColumn {
     pub values: ArrayRef,
 }
 
-pub(crate) fn list_column(batch: &RecordBatch, file: &Path, column: &str) -> Result<ListColumn> {
-    let col = batch.column_by_name(column).with_context(|| {
-        let names: Vec<String> = batch
-            .schema()
-            .fields()
-            .iter()
-            .map(|f| f.name().clone())
-            .collect();
-        format!(
-            "{}: no column {column:?} (columns: {})",
-            file.display(),
-            names.join(", ")
-        )
-    })?;
+/// Why a list column could not be read. Callers branch on [`ColumnError::Missing`] (a file
+/// without `input_ids` is not a prepared dataset); the error reaches them inside an
+/// `anyhow::Error`, where `downcast_ref::<ColumnError>()` finds it.
+#[derive(Debug, thiserror::Error)]
+pub enum ColumnError {
+    #[error("{}: no column {column:?} (columns: {})", file.display(), columns.join(", "))]
+    Missing {
+        file: PathBuf,
+        column: String,
+        /// The columns the file has.
+        columns: Vec<String>,
+    },
+    #[error("{}: column {column:?}, row {row}: the list is null", file.display())]
+    NullList {
+        file: PathBuf,
+        column: String,
+        row: usize,
+    },
+    #[error("{}: column {column:?} has type {data_type}, expected a list of integers", file.display())]
+    NotAList {
+        file: PathBuf,
+        column: String,
+        data_type: DataType,
+    },
+}
+
+impl ColumnError {
+    /// Whether this is the column `name` missing.
+    pub fn is_missing(&self, name: &str) -> bool {
+        matches!(self, ColumnError::Missing { column, .. } if column == name)
+    }
+}
+
+pub(crate) fn list_column(
+    batch: &RecordBatch,
+    file: &Path,
+    column: &str,
+) -> std::result::Result<ListColumn, ColumnError> {
+    let Some(col) = batch.column_by_name(column) else {
+        return Err(ColumnError::Missing {
+            file: file.to_path_buf(),
+            column: column.to_string(),
+            columns: batch
+                .schema()
+                .fields()
+                .iter()
+                .map(|f| f.name().clone())
+                .collect(),
+        });
+    };
     let nulls = |row: Option<usize>| match row {
-        Some(r) => bail!(
-            "{}: column {column:?}, row {r}: the list is null",
-            file.display()
-        ),
+        Some(row) => Err(ColumnError::NullList {
+            file: file.to_path_buf(),
+            column: column.to_string(),
+            row,
+        }),
         None => Ok(()),
     };
     if let Some(list) = col.as_list_opt::<i32>() {
@@ -243,11 +280,11 @@ pub(crate) fn list_column(batch: &RecordBatch, file: &Path, column: &str) -> Res
             values: list.values().clone(),
         })
     } else {
-        bail!(
-            "{}: column {column:?} has type {}, expected a list of integers",
-            file.display(),
-            col.data_type()
-        )
+        Err(ColumnError::NotAList {
+            file: file.to_path_buf(),
+            column: column.to_string(),
+            data_type: col.data_type().clone(),
+        })
     }
 }
 

@@ -31,7 +31,46 @@ pub struct ChatRecord {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Skip {
     pub origin: String,
-    pub reason: String,
+    pub reason: SkipReason,
+}
+
+/// Why a record is skipped. The summary of `prepare-data` counts skips by
+/// [`SkipReason::category`]; the kinds it groups apart from their text are variants.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SkipReason {
+    /// A ShareGPT turn from a speaker that is no role.
+    #[error("turn {turn} is from unknown speaker {speaker:?}")]
+    UnknownSpeaker { turn: usize, speaker: String },
+    /// Cutting the sample at the longest length left no token to train.
+    #[error("no assistant token within the first {max_len} tokens")]
+    NoAssistantToken { max_len: usize },
+    /// Any other reason, as `category: detail` or a category alone.
+    #[error("{0}")]
+    Other(String),
+}
+
+impl SkipReason {
+    /// The group the summary counts the skip in: the variant's, or for
+    /// [`SkipReason::Other`] its text up to the first ':'.
+    pub fn category(&self) -> String {
+        match self {
+            SkipReason::UnknownSpeaker { .. } => "unknown speaker".into(),
+            SkipReason::NoAssistantToken { .. } => "no assistant token within max length".into(),
+            SkipReason::Other(text) => text.split(':').next().unwrap_or_default().to_string(),
+        }
+    }
+}
+
+impl From<String> for SkipReason {
+    fn from(text: String) -> Self {
+        SkipReason::Other(text)
+    }
+}
+
+impl From<&str> for SkipReason {
+    fn from(text: &str) -> Self {
+        SkipReason::Other(text.to_string())
+    }
 }
 
 /// Records read from the inputs, and the ones skipped on the way.
@@ -47,13 +86,16 @@ pub struct ReadOutcome {
 }
 
 impl ReadOutcome {
-    fn skip(&mut self, origin: String, reason: String) {
+    fn skip(&mut self, origin: String, reason: SkipReason) {
         self.skipped_after.push(self.records.len());
         self.skipped.push(Skip { origin, reason });
     }
 }
 
-fn parse_value(value: serde_json::Value, origin: &str) -> std::result::Result<ChatRecord, String> {
+fn parse_value(
+    value: serde_json::Value,
+    origin: &str,
+) -> std::result::Result<ChatRecord, SkipReason> {
     let id_of = |v: &serde_json::Value| match v.get("id") {
         Some(serde_json::Value::String(s)) => Some(s.clone()),
         Some(serde_json::Value::Number(n)) => Some(n.to_string()),
@@ -69,11 +111,7 @@ fn parse_value(value: serde_json::Value, origin: &str) -> std::result::Result<Ch
             crate::text::messages_from_json(messages).map_err(|e| format!("bad message: {e}"))?,
         )
     } else if let Some(text) = value.get("text") {
-        RecordBody::Text(
-            text.as_str()
-                .ok_or_else(|| "\"text\" is not a string".to_string())?
-                .to_string(),
-        )
+        RecordBody::Text(text.as_str().ok_or("\"text\" is not a string")?.to_string())
     } else {
         return Err("has none of \"conversations\", \"messages\", \"text\"".into());
     };
@@ -114,7 +152,7 @@ pub fn read_input(path: &Path, out: &mut ReadOutcome) -> Result<()> {
                 }
                 let origin = format!("{name}:{}", i + 1);
                 let parsed = serde_json::from_str::<serde_json::Value>(line)
-                    .map_err(|e| format!("malformed JSON line: {e}"))
+                    .map_err(|e| SkipReason::from(format!("malformed JSON line: {e}")))
                     .and_then(|v| parse_value(v, &origin));
                 match parsed {
                     Ok(r) => out.records.push(r),
@@ -162,9 +200,12 @@ mod tests {
         assert_eq!(out.records[2].body, RecordBody::Text("plain".into()));
         assert_eq!(out.skipped.len(), 3);
         assert!(
-            out.skipped[0].origin.ends_with(":5") && out.skipped[0].reason.contains("malformed")
+            out.skipped[0].origin.ends_with(":5")
+                && out.skipped[0].reason.to_string().contains("malformed")
         );
-        assert!(out.skipped[2].reason.contains("alien"));
+        assert!(out.skipped[2].reason.to_string().contains("alien"));
+        assert_eq!(out.skipped[2].reason.category(), "unknown speaker");
+        assert_eq!(out.skipped[0].reason.category(), "malformed JSON line");
     }
 
     #[test]

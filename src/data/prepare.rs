@@ -24,7 +24,7 @@ use std::ops::Range;
 
 use anyhow::{anyhow, Result};
 
-use super::chat::{ChatRecord, RecordBody};
+use super::chat::{ChatRecord, RecordBody, SkipReason};
 use crate::text::{Message, TextTokenizer};
 
 /// One tokenised conversation.
@@ -288,7 +288,7 @@ pub fn prepare_record(
     tokenizer: &TextTokenizer,
     record: &ChatRecord,
     max_len: usize,
-) -> std::result::Result<PreparedSample, String> {
+) -> std::result::Result<PreparedSample, SkipReason> {
     let (ids, offsets, spans) = match &record.body {
         RecordBody::Text(text) => {
             let (ids, offsets) = tokenizer
@@ -312,7 +312,7 @@ pub fn prepare_record(
                 .iter()
                 .find(|m| !matches!(m.role.as_str(), "user" | "assistant" | "system" | "tool"))
             {
-                return Err(format!("unknown role {:?}", m.role));
+                return Err(format!("unknown role {:?}", m.role).into());
             }
             let template = tokenizer
                 .chat_template
@@ -341,9 +341,7 @@ pub fn prepare_record(
     input_ids.truncate(max_len);
     loss_mask.truncate(max_len);
     if loss_mask.iter().all(|&m| m == 0) {
-        return Err(format!(
-            "no assistant token within the first {max_len} tokens"
-        ));
+        return Err(SkipReason::NoAssistantToken { max_len });
     }
     Ok(PreparedSample {
         id: record.id.clone(),

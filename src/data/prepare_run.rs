@@ -62,19 +62,6 @@ pub struct PrepareSummary {
     pub seconds: f64,
 }
 
-/// Reason categories for the summary (the detail stays in the examples).
-fn reason_category(reason: &str) -> String {
-    let cut = reason.find(':').unwrap_or(reason.len());
-    let head = &reason[..cut];
-    if head.starts_with("turn ") && reason.contains("unknown speaker") {
-        "unknown speaker".into()
-    } else if head.starts_with("no assistant token within") {
-        "no assistant token within max length".into()
-    } else {
-        head.to_string()
-    }
-}
-
 fn percentile(sorted: &[usize], p: f64) -> usize {
     if sorted.is_empty() {
         return 0;
@@ -218,7 +205,8 @@ pub fn prepare_data(
     lengths.sort_unstable();
     let mut skipped = BTreeMap::new();
     for s in &skipped_list {
-        *skipped.entry(reason_category(&s.reason)).or_insert(0) += 1;
+        // by category (the detail stays in the examples)
+        *skipped.entry(s.reason.category()).or_insert(0) += 1;
     }
     let validation = split_summaries.pop().unwrap_or(SplitSummary {
         rows: 0,

@@ -10,6 +10,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use super::chat::SkipReason;
+
 /// One turn of a ShareGPT conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Turn {
@@ -29,7 +31,7 @@ impl Conversation {
     /// The turns as chat messages: `human` -> user, `gpt` (and the other assistant names
     /// found in ShareGPT dumps: `chatgpt`, `bing`, `bard`, `assistant`) -> assistant,
     /// `system` -> system. Turns from any other speaker make the record unusable.
-    pub fn to_messages(&self) -> std::result::Result<Vec<crate::text::Message>, String> {
+    pub fn to_messages(&self) -> std::result::Result<Vec<crate::text::Message>, SkipReason> {
         self.conversations
             .iter()
             .enumerate()
@@ -38,7 +40,12 @@ impl Conversation {
                     "human" | "user" => "user",
                     "gpt" | "chatgpt" | "bing" | "bard" | "assistant" => "assistant",
                     "system" => "system",
-                    other => return Err(format!("turn {i} is from unknown speaker {other:?}")),
+                    other => {
+                        return Err(SkipReason::UnknownSpeaker {
+                            turn: i,
+                            speaker: other.to_string(),
+                        })
+                    }
                 };
                 Ok(crate::text::Message::new(role, &t.value))
             })

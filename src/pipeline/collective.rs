@@ -26,6 +26,7 @@ use crossbeam_channel::{Receiver, Sender};
 use tch::{Device, Kind, Tensor};
 
 use super::nccl::{self, NcclLibrary, NcclRank};
+use crate::config::GradSync;
 
 /// What the coordinator sends a replica after that replica's gradient message of a step.
 pub(crate) enum ParamsMsg {
@@ -75,7 +76,7 @@ impl GradSyncPlan {
 /// takes NCCL when there are two or more distinct CUDA drafter devices and libnccl loads, and
 /// the copy path otherwise. libnccl is loaded only when NCCL is otherwise possible.
 pub fn plan(
-    setting: &str,
+    setting: GradSync,
     specs: &[String],
     devices: &[Device],
     libtorch_dir: Option<&Path>,
@@ -88,10 +89,9 @@ pub fn plan(
     };
     let field = "config: devices.grad_sync";
     let explicit = match setting {
-        "copy" => return Ok(copy("devices.grad_sync = \"copy\"".into())),
-        "nccl" => true,
-        "auto" => false,
-        other => bail!("{field} = {other:?} is not allowed (must be one of auto, nccl, copy)"),
+        GradSync::Copy => return Ok(copy("devices.grad_sync = \"copy\"".into())),
+        GradSync::Nccl => true,
+        GradSync::Auto => false,
     };
     let spec = |i: usize| specs.get(i).map_or("?", String::as_str);
     if let Some(i) = devices.iter().position(|d| !d.is_cuda()) {
@@ -404,8 +404,9 @@ mod tests {
             .collect()
     }
 
+    /// `setting` as the configuration reads it (a bad word is refused there).
     fn plan_for(setting: &str, devices: &[Device]) -> Result<GradSyncPlan> {
-        plan(setting, &specs(devices), devices, None)
+        plan(setting.parse()?, &specs(devices), devices, None)
     }
 
     #[test]
@@ -621,8 +622,8 @@ mod tests {
         let dir = runtime.libtorch_dir.as_deref();
         let c = case(devices.len(), 3);
         for kind in [Kind::Float, Kind::BFloat16] {
-            let copy = plan("copy", &specs, &devices, dir).unwrap();
-            let nccl = plan("nccl", &specs, &devices, dir).unwrap();
+            let copy = plan(GradSync::Copy, &specs, &devices, dir).unwrap();
+            let nccl = plan(GradSync::Nccl, &specs, &devices, dir).unwrap();
             assert_eq!(nccl.kind, GradSyncKind::Nccl, "{}", nccl.describe());
             eprintln!("{kind:?}: {}", nccl.describe());
             let reference = run_steps(copy, &devices, kind, &c);

@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use super::queue::QueueName;
 use crate::config::MAX_QUEUE_DEPTH;
 
 /// The shortest non-zero ProfileStats interval: a report is a table in the log, and 0.001 s
@@ -19,7 +20,7 @@ pub enum Command {
     Resume,
     /// Set a queue's capacity (1..=[`MAX_QUEUE_DEPTH`]).
     Queue {
-        name: String,
+        name: QueueName,
         depth: usize,
     },
     /// Write a checkpoint at the next step boundary.
@@ -83,20 +84,24 @@ fn parse_queue(name: &str, depth: &str) -> Result<Command, String> {
     if name.chars().count() > QUOTE_CHARS {
         return Err(format!("queue {name_q}: no such queue"));
     }
-    match depth.parse::<usize>() {
-        Ok(d) if d > MAX_QUEUE_DEPTH => Err(format!(
-            "queue {name}: depth {d} is above the limit of {MAX_QUEUE_DEPTH} \
-             (as pipeline.*_queue_depth)"
-        )),
-        Ok(d) if d >= 1 => Ok(Command::Queue {
-            name: name.to_string(),
-            depth: d,
-        }),
-        _ => Err(format!(
-            "queue {name}: depth {} must be a whole number >= 1 and <= {MAX_QUEUE_DEPTH}",
-            quote(depth)
-        )),
-    }
+    let depth = match depth.parse::<usize>() {
+        Ok(d) if d > MAX_QUEUE_DEPTH => {
+            return Err(format!(
+                "queue {name}: depth {d} is above the limit of {MAX_QUEUE_DEPTH} \
+                 (as pipeline.*_queue_depth)"
+            ))
+        }
+        Ok(d) if d >= 1 => d,
+        _ => {
+            return Err(format!(
+                "queue {name}: depth {} must be a whole number >= 1 and <= {MAX_QUEUE_DEPTH}",
+                quote(depth)
+            ))
+        }
+    };
+    // (the name is at most QUOTE_CHARS characters here: the error may show it whole)
+    let name = name.parse::<QueueName>().map_err(|e| e.to_string())?;
+    Ok(Command::Queue { name, depth })
 }
 
 fn parse_profile(secs: &str) -> Result<Command, String> {

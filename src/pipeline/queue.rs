@@ -25,12 +25,13 @@ struct Inner<T> {
     closed: bool,
 }
 
-/// A queue's level is telemetry (the screen, metrics.jsonl): defined there, below the pipeline.
-pub use crate::telemetry::records::QueueLevel;
+/// A queue's level and name are telemetry (the screen, metrics.jsonl): defined there, below the
+/// pipeline.
+pub use crate::telemetry::records::{QueueLevel, QueueName, UnknownQueue};
 
 /// A resizable bounded FIFO queue.
 pub struct ResizableQueue<T> {
-    name: String,
+    name: QueueName,
     inner: Mutex<Inner<T>>,
     not_empty: Condvar,
     not_full: Condvar,
@@ -43,9 +44,9 @@ pub struct ResizableQueue<T> {
 const STOP_POLL: Duration = Duration::from_millis(50);
 
 impl<T> ResizableQueue<T> {
-    pub fn new(name: &str, capacity: usize, stop: Arc<AtomicBool>) -> Self {
+    pub fn new(name: QueueName, capacity: usize, stop: Arc<AtomicBool>) -> Self {
         ResizableQueue {
-            name: name.to_string(),
+            name,
             inner: Mutex::new(Inner {
                 items: VecDeque::new(),
                 capacity: capacity.max(1),
@@ -59,8 +60,8 @@ impl<T> ResizableQueue<T> {
         }
     }
 
-    pub fn name(&self) -> &str {
-        &self.name
+    pub fn name(&self) -> QueueName {
+        self.name
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner<T>> {
@@ -142,7 +143,7 @@ impl<T> ResizableQueue<T> {
     pub fn level(&self) -> QueueLevel {
         let inner = self.lock();
         QueueLevel {
-            name: self.name.clone(),
+            name: self.name,
             len: inner.items.len(),
             capacity: inner.capacity,
             pushed: self.pushed.load(Ordering::Relaxed),
@@ -170,7 +171,7 @@ mod tests {
     #[test]
     fn resizing_keeps_every_item_in_order() {
         let stop = Arc::new(AtomicBool::new(false));
-        let q = Arc::new(ResizableQueue::new("q", 8, stop.clone()));
+        let q = Arc::new(ResizableQueue::new(QueueName::Batch, 8, stop.clone()));
         for i in 0..8 {
             q.push(i).unwrap();
         }
@@ -202,13 +203,21 @@ mod tests {
     #[test]
     fn stop_wakes_blocked_producers_and_consumers() {
         let stop = Arc::new(AtomicBool::new(false));
-        let q = Arc::new(ResizableQueue::<u32>::new("q", 1, stop.clone()));
+        let q = Arc::new(ResizableQueue::<u32>::new(
+            QueueName::Batch,
+            1,
+            stop.clone(),
+        ));
         q.push(1).unwrap();
         let blocked_push = {
             let q = q.clone();
             thread::spawn(move || q.push(2).map_err(|(_, why)| why))
         };
-        let empty = Arc::new(ResizableQueue::<u32>::new("e", 1, stop.clone()));
+        let empty = Arc::new(ResizableQueue::<u32>::new(
+            QueueName::Feature,
+            1,
+            stop.clone(),
+        ));
         let blocked_pop = {
             let e = empty.clone();
             thread::spawn(move || e.pop())

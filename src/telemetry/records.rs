@@ -12,10 +12,55 @@ use super::gpu::GpuReading;
 use super::host::HostReading;
 use super::profile::ProfileReport;
 
+/// The pipeline's queues, by the names the `queue NAME DEPTH` command, the screen and
+/// `metrics.jsonl` use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum QueueName {
+    /// Batches waiting between the data loader and the target.
+    #[serde(rename = "batch_q")]
+    Batch,
+    /// Target features waiting for the drafter.
+    #[serde(rename = "feature_q")]
+    Feature,
+}
+
+impl QueueName {
+    /// Every queue, in pipeline order.
+    pub const ALL: [QueueName; 2] = [QueueName::Batch, QueueName::Feature];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueName::Batch => "batch_q",
+            QueueName::Feature => "feature_q",
+        }
+    }
+}
+
+impl std::fmt::Display for QueueName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+/// A name that is no queue's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown queue {0:?} (queues: batch_q, feature_q)")]
+pub struct UnknownQueue(pub String);
+
+impl std::str::FromStr for QueueName {
+    type Err = UnknownQueue;
+    fn from_str(s: &str) -> Result<Self, UnknownQueue> {
+        QueueName::ALL
+            .into_iter()
+            .find(|q| q.as_str() == s)
+            .ok_or_else(|| UnknownQueue(s.to_string()))
+    }
+}
+
 /// Fill level of a queue, for the screen.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct QueueLevel {
-    pub name: String,
+    pub name: QueueName,
     pub len: usize,
     pub capacity: usize,
     pub pushed: u64,
@@ -495,6 +540,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn queue_names_are_the_same_words_everywhere() {
+        for q in QueueName::ALL {
+            let json = serde_json::to_string(&q).unwrap();
+            assert_eq!(json, format!("\"{q}\""));
+            assert_eq!(serde_json::from_str::<QueueName>(&json).unwrap(), q);
+            assert_eq!(q.as_str().parse::<QueueName>(), Ok(q));
+        }
+        assert_eq!(QueueName::Batch.to_string(), "batch_q");
+        assert_eq!(format!("{:<10}|", QueueName::Feature), "feature_q |");
+        let listed: Vec<&str> = QueueName::ALL.iter().map(|q| q.as_str()).collect();
+        assert_eq!(
+            "nowhere".parse::<QueueName>().unwrap_err().to_string(),
+            format!("unknown queue \"nowhere\" (queues: {})", listed.join(", "))
+        );
+    }
+
+    #[test]
     fn every_record_type_parses_back() {
         let step = StepRecord {
             step: 3,
@@ -553,7 +615,7 @@ mod tests {
             MetricsRecord::Queues {
                 elapsed_s: 2.0,
                 queues: vec![QueueLevel {
-                    name: "batch_q".into(),
+                    name: QueueName::Batch,
                     len: 1,
                     capacity: 4,
                     pushed: 9,

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::config::FailMode;
 use crate::data::packer::PackerState;
 use crate::fsutil::StagedDir;
 use crate::model::Drafter;
@@ -76,13 +77,13 @@ pub enum HoldPoint {
 }
 
 impl HoldPoint {
-    /// The `debug.fail_mode` that asks for it.
-    pub fn from_mode(mode: &str) -> Option<HoldPoint> {
+    /// Where the `debug.fail_mode` `mode` holds the writer (None: it does not).
+    pub fn from_mode(mode: FailMode) -> Option<HoldPoint> {
         match mode {
-            "hold-drafter" => Some(HoldPoint::AfterDrafter),
-            "hold-optimizer" => Some(HoldPoint::AfterOptimizer),
-            "hold-rename" => Some(HoldPoint::AfterRename),
-            _ => None,
+            FailMode::HoldDrafter => Some(HoldPoint::AfterDrafter),
+            FailMode::HoldOptimizer => Some(HoldPoint::AfterOptimizer),
+            FailMode::HoldRename => Some(HoldPoint::AfterRename),
+            FailMode::Error | FailMode::Panic => None,
         }
     }
 }

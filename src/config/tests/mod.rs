@@ -49,7 +49,7 @@ fn defaults() {
     assert_eq!(c.model.mask_token_id, -1);
     assert!(c.model.target_layer_ids.is_empty());
     assert_eq!(c.model.num_taps, 5);
-    assert_eq!(c.model.dtype, "auto");
+    assert_eq!(c.model.dtype, Dtype::Auto);
     assert_eq!(c.data.path, "");
     assert_eq!(c.data.split, "train");
     assert_eq!(c.data.input_ids_column, "input_ids");
@@ -80,7 +80,7 @@ fn defaults() {
     );
     assert_eq!(c.devices.target_devices, vec!["auto"]);
     assert_eq!(c.devices.drafter_devices, vec!["auto"]);
-    assert_eq!(c.devices.grad_sync, "auto");
+    assert_eq!(c.devices.grad_sync, GradSync::Auto);
     assert_eq!(
         (c.pipeline.batch_queue_depth, c.pipeline.feature_queue_depth),
         (4, 2)
@@ -95,7 +95,7 @@ fn defaults() {
     assert_eq!(c.telemetry.profile_interval_s, 30.0);
     assert_eq!(c.telemetry.gpu_sample_interval_s, 1.0);
     assert_eq!(c.debug.fail_at_step, 0);
-    assert_eq!(c.debug.fail_stage, "drafter");
+    assert_eq!(c.debug.fail_stage, FailStage::Drafter);
 
     // Missing sections and fields take their defaults.
     let m = minimal(&[]).unwrap();
@@ -212,7 +212,7 @@ fn overrides_of_numbers_strings_and_arrays() {
     assert_eq!(c.model.block_size, 8);
     assert_eq!(c.run.name, "foo");
     assert_eq!(c.run.runs_dir, "/tmp/my runs");
-    assert_eq!(c.model.dtype, "bf16");
+    assert_eq!(c.model.dtype, Dtype::Bf16);
     assert_eq!(c.devices.drafter_devices, vec!["cpu", "cpu"]);
     assert_eq!(c.devices.target_devices, vec!["cuda:0", "cuda:1"]);
     assert_eq!(c.model.target_layer_ids, vec![1, 8, 15]);
@@ -391,7 +391,7 @@ fn shipped_configs_parse_validate_and_list_every_field() {
     assert_eq!((tiny.train.lr, tiny.train.warmup_ratio), (3e-3, 0.1));
     assert_eq!(tiny.devices.target_devices, vec!["cpu"]);
     assert_eq!(tiny.devices.drafter_devices, vec!["cpu"]);
-    assert_eq!(tiny.devices.grad_sync, "auto");
+    assert_eq!(tiny.devices.grad_sync, GradSync::Auto);
     assert_eq!(tiny.checkpoint.save_every_steps, 10);
     assert_eq!(tiny.checkpoint.save_every_minutes, 0.0);
     assert_eq!(tiny.telemetry.log_every_steps, 5);
@@ -430,7 +430,7 @@ fn shipped_configs_parse_validate_and_list_every_field() {
     assert_eq!((gpu.train.total_steps, gpu.train.epochs), (0, 1.0));
     assert_eq!(gpu.devices.target_devices, vec!["cuda:0"]);
     assert_eq!(gpu.devices.drafter_devices, vec!["cuda:0"]);
-    assert_eq!(gpu.devices.grad_sync, "auto");
+    assert_eq!(gpu.devices.grad_sync, GradSync::Auto);
     assert_eq!(
         (gpu.validation.every_steps, gpu.validation.sequences),
         (100, 64)

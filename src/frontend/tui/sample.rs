@@ -1,7 +1,7 @@
 //! A synthetic, deterministic control-room state (a run of N steps on two GPUs), for the render
 //! benchmark.
 
-use crate::pipeline::queue::QueueLevel;
+use crate::pipeline::queue::{QueueLevel, QueueName};
 use crate::telemetry::gpu::GpuReading;
 use crate::telemetry::profile::{EventStats, ProfileReport, ProfileRow, EVENTS};
 use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
@@ -149,14 +149,14 @@ fn validation_records(steps: usize) -> Vec<ValidationRecord> {
 fn queue_levels() -> Vec<QueueLevel> {
     vec![
         QueueLevel {
-            name: "batch_q".into(),
+            name: QueueName::Batch,
             len: 3,
             capacity: 4,
             pushed: 100,
             popped: 97,
         },
         QueueLevel {
-            name: "feature_q".into(),
+            name: QueueName::Feature,
             len: 2,
             capacity: 2,
             pushed: 97,

@@ -229,7 +229,7 @@ fn normal_key(state: &mut AppState, key: Key) -> Vec<Effect> {
                 return vec![];
             }
             vec![Effect::Send(Command::Queue {
-                name: q.name.clone(),
+                name: q.name,
                 depth,
             })]
         }
@@ -288,7 +288,7 @@ fn interrupt(state: &mut AppState) -> Vec<Effect> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::queue::QueueLevel;
+    use crate::pipeline::queue::{QueueLevel, QueueName};
 
     fn snapshot(phase: Phase) -> Snapshot {
         Snapshot {
@@ -308,14 +308,14 @@ mod tests {
             validations: vec![],
             queues: vec![
                 QueueLevel {
-                    name: "batch_q".into(),
+                    name: QueueName::Batch,
                     len: 1,
                     capacity: 4,
                     pushed: 0,
                     popped: 0,
                 },
                 QueueLevel {
-                    name: "feature_q".into(),
+                    name: QueueName::Feature,
                     len: 0,
                     capacity: 1,
                     pushed: 0,
@@ -361,7 +361,7 @@ mod tests {
         assert_eq!(
             update(&mut s, Action::Key(Key::Char('+'))),
             vec![Effect::Send(Command::Queue {
-                name: "batch_q".into(),
+                name: QueueName::Batch,
                 depth: 5
             })]
         );
@@ -398,7 +398,7 @@ mod tests {
         assert_eq!(
             fx,
             vec![Effect::Send(Command::Queue {
-                name: "feature_q".into(),
+                name: QueueName::Feature,
                 depth: 2
             })]
         );

@@ -6,7 +6,7 @@ use anyhow::{anyhow, Result};
 use tch::Tensor;
 
 use super::shared::{injected_failure, Shared};
-use crate::config::TrainConfig;
+use crate::config::{FailStage, TrainConfig};
 use crate::data::packer::{collate, Packer, PackerState};
 use crate::data::store::TokenStore;
 use crate::pipeline::queue::QueueClosed;
@@ -44,7 +44,7 @@ pub(super) fn loader(
         let item = shared.profile.time(Event::LOADER_PACK, || {
             batch_item(&store, &batch, seq, resume)
         });
-        if cfg.debug.fail_stage == "loader"
+        if cfg.debug.fail_stage == FailStage::Loader
             && cfg.debug.fail_at_step > 0
             && seq + 1 == cfg.debug.fail_at_step
         {

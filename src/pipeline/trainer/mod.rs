@@ -11,7 +11,7 @@
 //! the threads and is the front ends' handle on them.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -23,7 +23,7 @@ use tch::Device;
 use super::collective::{ParamsMsg, ReplicaSync};
 use super::command::Command;
 use super::device_event::DeviceEvents;
-use super::queue::ResizableQueue;
+use super::queue::{QueueName, ResizableQueue};
 use crate::config::TrainConfig;
 use crate::data::packer::Packer;
 use crate::data::store::TokenStore;
@@ -38,7 +38,7 @@ use coordinator::Coordinator;
 use drafter_stage::{replica, GradMsg};
 use loader::loader;
 use prepare::Prepared;
-use shared::{Status, EVAL_HISTORY, HISTORY};
+use shared::{Status, StopRequest, StopState, EVAL_HISTORY, HISTORY};
 use target_stage::target_worker;
 
 pub use shared::Shared;
@@ -98,9 +98,13 @@ pub fn start(
     };
     let stop = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
-        batch_q: ResizableQueue::new("batch_q", config.pipeline.batch_queue_depth, stop.clone()),
+        batch_q: ResizableQueue::new(
+            QueueName::Batch,
+            config.pipeline.batch_queue_depth,
+            stop.clone(),
+        ),
         feature_q: ResizableQueue::new(
-            "feature_q",
+            QueueName::Feature,
             config.pipeline.feature_queue_depth,
             stop.clone(),
         ),
@@ -109,7 +113,7 @@ pub fn start(
         pause_lock: Mutex::new(()),
         pause_cv: Condvar::new(),
         checkpoint_requested: AtomicBool::new(false),
-        stop_requested: AtomicU8::new(0),
+        stop_requested: StopRequest::default(),
         profile: ProfileStats::with_workers(StageWorkers {
             targets: prepared.target_devices.len(),
             drafters: prepared.drafter_devices.len(),
@@ -399,16 +403,10 @@ impl TrainerHandle {
                 "resumed".to_string()
             }
             Command::Queue { name, depth } => {
-                let q = match name.as_str() {
-                    "batch_q" => s.batch_q.set_capacity(*depth),
-                    "feature_q" => s.feature_q.set_capacity(*depth),
-                    other => {
-                        return Err(format!(
-                            "unknown queue {other:?} (queues: batch_q, feature_q)"
-                        ))
-                    }
-                };
-                q?;
+                match name {
+                    QueueName::Batch => s.batch_q.set_capacity(*depth),
+                    QueueName::Feature => s.feature_q.set_capacity(*depth),
+                }?;
                 format!("{name} depth set to {depth}")
             }
             Command::Checkpoint => {
@@ -426,8 +424,11 @@ impl TrainerHandle {
                 }
             }
             Command::Stop { checkpoint } => {
-                s.stop_requested
-                    .store(if *checkpoint { 1 } else { 2 }, Ordering::SeqCst);
+                s.stop_requested.store(if *checkpoint {
+                    StopState::AfterCheckpoint
+                } else {
+                    StopState::WithoutCheckpoint
+                });
                 // Paused stages must wake up to reach the step boundary.
                 s.paused.store(false, Ordering::SeqCst);
                 s.pause_cv.notify_all();

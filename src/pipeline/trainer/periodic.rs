@@ -8,8 +8,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 use super::coordinator::Coordinator;
-use super::shared::{injected_failure, EVAL_HISTORY};
-use crate::config::TrainConfig;
+use super::shared::{injected_failure, StopState, EVAL_HISTORY};
+use crate::config::{FailMode, FailStage, TrainConfig};
 use crate::data::packer::PackerState;
 use crate::telemetry::profile::Event;
 use crate::telemetry::records::{EvalRecord, MetricsRecord, Phase, ValidationRecord};
@@ -30,7 +30,7 @@ impl Coordinator {
         let periodic_time = cfg.checkpoint.save_every_minutes > 0.0
             && self.retry.is_none()
             && self.last_save.elapsed().as_secs_f64() >= cfg.checkpoint.save_every_minutes * 60.0;
-        let fault_due = cfg.debug.fail_stage == "drafter"
+        let fault_due = cfg.debug.fail_stage == FailStage::Drafter
             && cfg.debug.fail_at_step > 0
             && self.step == cfg.debug.fail_at_step;
         if eval_due || validation_due || periodic_steps || periodic_time || fault_due {
@@ -261,7 +261,7 @@ impl Coordinator {
     /// Checkpoint and stop requests at a step boundary; true when the run should end.
     pub(super) fn handle_requests(&mut self) -> Result<bool> {
         let checkpoint = self.shared.checkpoint_requested.load(Ordering::SeqCst);
-        if checkpoint || self.shared.stop_requested.load(Ordering::SeqCst) != 0 {
+        if checkpoint || self.shared.stop_requested.load() != StopState::Running {
             self.finish_queued()?;
         }
         if self
@@ -271,8 +271,8 @@ impl Coordinator {
         {
             self.checkpoint("command");
         }
-        match self.shared.stop_requested.load(Ordering::SeqCst) {
-            1 => {
+        match self.shared.stop_requested.load() {
+            StopState::AfterCheckpoint => {
                 self.shared.set_phase(Phase::Stopping);
                 self.final_measurements()?;
                 self.final_checkpoint("stop")?;
@@ -284,7 +284,7 @@ impl Coordinator {
                 );
                 Ok(true)
             }
-            2 => {
+            StopState::WithoutCheckpoint => {
                 self.shared.status().stop_reason = Some("stop command, no checkpoint".into());
                 self.shared.set_phase(Phase::Finished);
                 self.shared.event(
@@ -293,7 +293,7 @@ impl Coordinator {
                 );
                 Ok(true)
             }
-            _ => Ok(false),
+            StopState::Running => Ok(false),
         }
     }
 
@@ -355,16 +355,16 @@ impl Coordinator {
 
     fn save(&mut self, why: &str) -> Result<()> {
         let cfg = &self.config;
-        let injected = cfg.debug.fail_stage == "checkpoint"
+        let injected = cfg.debug.fail_stage == FailStage::Checkpoint
             && cfg.debug.fail_at_step > 0
             && self.step >= cfg.debug.fail_at_step
             && (cfg.debug.fail_count == 0
                 || self.injected_checkpoint_failures < cfg.debug.fail_count);
         let fault = if injected {
             self.injected_checkpoint_failures += 1;
-            match HoldPoint::from_mode(&cfg.debug.fail_mode) {
+            match HoldPoint::from_mode(cfg.debug.fail_mode) {
                 Some(point) => CheckpointFault::Hold(point),
-                None if cfg.debug.fail_mode == "panic" => {
+                None if cfg.debug.fail_mode == FailMode::Panic => {
                     panic!(
                         "checkpoint at step {}: injected panic (debug.fail_stage = \"checkpoint\")",
                         self.step

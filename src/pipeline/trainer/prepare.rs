@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind};
 
-use crate::config::TrainConfig;
+use crate::config::{Dtype, TrainConfig};
 use crate::data::packer::{Packer, PackerConfig, PackerState};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
 use crate::model::{Drafter, DrafterConfig, FrozenHead, SharedTarget, TargetConfig, TargetModel};
@@ -39,13 +39,12 @@ pub(crate) struct Prepared {
     pub(super) held_out: Option<HeldOut>,
 }
 
-fn resolve_kind(name: &str, device: Device) -> Result<Kind> {
-    Ok(match name {
-        "auto" if device.is_cuda() => Kind::BFloat16,
-        "auto" | "f32" => Kind::Float,
-        "bf16" => Kind::BFloat16,
-        other => bail!("config: model.dtype = {other:?} is not one of auto, f32, bf16"),
-    })
+fn resolve_kind(dtype: Dtype, device: Device) -> Kind {
+    match dtype {
+        Dtype::Auto if device.is_cuda() => Kind::BFloat16,
+        Dtype::Auto | Dtype::F32 => Kind::Float,
+        Dtype::Bf16 => Kind::BFloat16,
+    }
 }
 
 fn load_target(
@@ -99,13 +98,13 @@ pub(crate) fn prepare(
     )?;
     // Decided (and libnccl loaded, where NCCL is to be used) before any model is loaded.
     let grad_sync = collective::plan(
-        &config.devices.grad_sync,
+        config.devices.grad_sync,
         &config.devices.drafter_devices,
         &drafter_devices,
         runtime.libtorch_dir.as_deref(),
     )?;
-    let target_kind = resolve_kind(&config.model.dtype, target_devices[0])?;
-    let drafter_kind = resolve_kind(&config.model.dtype, drafter_devices[0])?;
+    let target_kind = resolve_kind(config.model.dtype, target_devices[0]);
+    let drafter_kind = resolve_kind(config.model.dtype, drafter_devices[0]);
     let targets = load_targets(config, &target_dir, &target_devices, target_kind)?;
     let target_cfg = &targets[0].config;
 

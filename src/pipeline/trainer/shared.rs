@@ -11,7 +11,7 @@ use tch::Device;
 
 use super::loader::BatchItem;
 use super::target_stage::FeatureItem;
-use crate::config::TrainConfig;
+use crate::config::{FailMode, TrainConfig};
 use crate::pipeline::queue::{QueueLevel, ResizableQueue};
 use crate::telemetry::profile::{ProfileReport, ProfileStats};
 use crate::telemetry::rate::RateWindow;
@@ -44,6 +44,54 @@ pub(super) struct Status {
     pub(super) stage_devices: Vec<(String, String)>,
 }
 
+/// What the stop command asked the coordinator to do at the next step boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub(super) enum StopState {
+    /// No stop asked for: the run goes on.
+    #[default]
+    Running = 0,
+    /// `stop`: measure and checkpoint the last weights, then end.
+    AfterCheckpoint = 1,
+    /// `stop --no-checkpoint`: end at once.
+    WithoutCheckpoint = 2,
+}
+
+impl From<StopState> for u8 {
+    fn from(state: StopState) -> u8 {
+        state as u8
+    }
+}
+
+impl TryFrom<u8> for StopState {
+    type Error = u8;
+    fn try_from(v: u8) -> Result<StopState, u8> {
+        [
+            StopState::Running,
+            StopState::AfterCheckpoint,
+            StopState::WithoutCheckpoint,
+        ]
+        .into_iter()
+        .find(|s| u8::from(*s) == v)
+        .ok_or(v)
+    }
+}
+
+/// A [`StopState`] shared between threads (the command path stores, the coordinator loads).
+#[derive(Debug, Default)]
+pub(super) struct StopRequest(AtomicU8);
+
+impl StopRequest {
+    pub(super) fn store(&self, state: StopState) {
+        self.0.store(state.into(), Ordering::SeqCst);
+    }
+
+    pub(super) fn load(&self) -> StopState {
+        // Only `store` writes the byte, always from a StopState.
+        StopState::try_from(self.0.load(Ordering::SeqCst)).unwrap_or_default()
+    }
+}
+
 /// State shared by the stages and the front ends.
 pub struct Shared {
     pub stop: Arc<AtomicBool>,
@@ -51,8 +99,8 @@ pub struct Shared {
     pub(super) pause_lock: Mutex<()>,
     pub(super) pause_cv: Condvar,
     pub(super) checkpoint_requested: AtomicBool,
-    /// 0: run on; 1: stop with checkpoint; 2: stop without.
-    pub(super) stop_requested: AtomicU8,
+    /// What the last stop command asked for, acted on at the next step boundary.
+    pub(super) stop_requested: StopRequest,
     pub profile: ProfileStats,
     pub(super) profile_interval_s: Mutex<f64>,
     pub(super) batch_q: ResizableQueue<BatchItem>,
@@ -138,8 +186,8 @@ impl Shared {
 /// An injected failure of a stage (`[debug]`): an error, or a panic as a libtorch error inside
 /// a tch call gives.
 pub(super) fn injected_failure(cfg: &TrainConfig, what: String) -> anyhow::Error {
-    let stage = &cfg.debug.fail_stage;
-    if cfg.debug.fail_mode == "panic" {
+    let stage = cfg.debug.fail_stage;
+    if cfg.debug.fail_mode == FailMode::Panic {
         panic!("{what}: injected panic (debug.fail_stage = \"{stage}\")");
     }
     anyhow!("{what}: injected failure (debug.fail_stage = \"{stage}\")")

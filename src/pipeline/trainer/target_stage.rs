@@ -8,7 +8,7 @@ use tch::Tensor;
 
 use super::loader::BatchItem;
 use super::shared::{injected_failure, sync_device, Shared};
-use crate::config::TrainConfig;
+use crate::config::{FailStage, TrainConfig};
 use crate::model::layers::upload;
 use crate::model::{ForwardRequest, TargetModel};
 use crate::telemetry::profile::Event;
@@ -60,7 +60,7 @@ pub(super) fn target_worker(
             out
         });
         count += 1;
-        if cfg.debug.fail_stage == "target"
+        if cfg.debug.fail_stage == FailStage::Target
             && cfg.debug.fail_at_step > 0
             && count == cfg.debug.fail_at_step
         {

@@ -22,7 +22,7 @@ pub(super) fn render_queues(frame: &mut Frame, area: Rect, queues: &[QueueLevel]
     }
     let name_w = queues
         .iter()
-        .map(|q| q.name.chars().count())
+        .map(|q| q.name.as_str().chars().count())
         .max()
         .unwrap_or(0);
     let num_w = queues
