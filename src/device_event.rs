@@ -24,7 +24,7 @@ const DISABLE_TIMING: u32 = 0x02;
 
 /// The CUDA runtime's event functions.
 #[derive(Clone, Copy)]
-pub struct DeviceEvents {
+pub(crate) struct DeviceEvents {
     create: EventCreate,
     record: EventRecord,
     synchronize: EventWait,
@@ -38,7 +38,7 @@ pub struct DeviceEvents {
 
 /// A recorded event: [`DeviceEvent::wait`] returns once the device has run everything queued
 /// before it was recorded.
-pub struct DeviceEvent {
+pub(crate) struct DeviceEvent {
     events: DeviceEvents,
     event: *mut c_void,
 }
@@ -48,7 +48,7 @@ unsafe impl Send for DeviceEvent {}
 
 impl DeviceEvents {
     /// The event functions of the CUDA runtime this process has loaded (libtorch's), if any.
-    pub fn load() -> Option<Self> {
+    pub(crate) fn load() -> Option<Self> {
         let path = crate::runtime::loaded_library(|f| f.starts_with("libcudart.so"))?;
         // SAFETY: RTLD_NOLOAD only returns a library that is already loaded (no initialisers
         // run); the symbols are the CUDA runtime's documented C functions with these types.
@@ -85,7 +85,7 @@ impl DeviceEvents {
 
     /// An event recorded now on `device`'s default stream; `None` for the CPU (its work is
     /// done when the call returns) or when the runtime refuses.
-    pub fn record(&self, device: Device) -> Option<DeviceEvent> {
+    pub(crate) fn record(&self, device: Device) -> Option<DeviceEvent> {
         let Device::Cuda(index) = device else {
             return None;
         };
@@ -113,7 +113,7 @@ impl DeviceEvents {
 
 /// An event that can be recorded again and again and measures device time between two
 /// recordings (for the decoding steps' time breakdown).
-pub struct TimingEvent {
+pub(crate) struct TimingEvent {
     events: DeviceEvents,
     event: *mut c_void,
     device: c_int,
@@ -122,7 +122,7 @@ pub struct TimingEvent {
 
 impl DeviceEvents {
     /// A timing event for `device`; `None` for the CPU or when the runtime refuses.
-    pub fn timing(&self, device: Device) -> Option<TimingEvent> {
+    pub(crate) fn timing(&self, device: Device) -> Option<TimingEvent> {
         let Device::Cuda(index) = device else {
             return None;
         };
@@ -144,7 +144,7 @@ impl DeviceEvents {
 
 impl TimingEvent {
     /// Records the event now on the device's default stream (the one libtorch queues on).
-    pub fn record(&self) {
+    pub(crate) fn record(&self) {
         // SAFETY: a live event of this runtime.
         unsafe {
             let ok = (self.events.set_device)(self.device) == 0
@@ -158,7 +158,7 @@ impl TimingEvent {
 
     /// Device seconds from this event's last recording to `later`'s (waits for `later`); 0
     /// where the runtime cannot tell (an event never recorded, say).
-    pub fn seconds_until(&self, later: &TimingEvent) -> f64 {
+    pub(crate) fn seconds_until(&self, later: &TimingEvent) -> f64 {
         if !(self.recorded.get() && later.recorded.get()) {
             return 0.0;
         }
@@ -188,7 +188,7 @@ impl Drop for TimingEvent {
 impl DeviceEvent {
     /// Blocks until the device has run everything queued before the event; false if the
     /// runtime reported an error (the caller then falls back to a blocking read).
-    pub fn wait(&self) -> bool {
+    pub(crate) fn wait(&self) -> bool {
         // SAFETY: a live event created by this runtime.
         unsafe { (self.events.synchronize)(self.event) == 0 }
     }

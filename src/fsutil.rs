@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 /// [`StagedDir::commit`]. Dropped without commit, it removes itself, so a failed command leaves
 /// no half-written output behind.
 #[derive(Debug)]
-pub struct StagedDir {
+pub(crate) struct StagedDir {
     staging: PathBuf,
     dest: PathBuf,
     committed: bool,
@@ -17,7 +17,7 @@ pub struct StagedDir {
 impl StagedDir {
     /// Prepares `dest`. Refuses a destination that exists and is not an empty directory, so that
     /// nothing already saved is overwritten.
-    pub fn create(dest: &Path) -> Result<Self> {
+    pub(crate) fn create(dest: &Path) -> Result<Self> {
         if dest.exists() {
             let empty = dest.is_dir()
                 && std::fs::read_dir(dest)
@@ -66,12 +66,12 @@ impl StagedDir {
     }
 
     /// Where files go until commit.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.staging
     }
 
     /// Moves the finished directory into place.
-    pub fn commit(mut self) -> Result<PathBuf> {
+    pub(crate) fn commit(mut self) -> Result<PathBuf> {
         if self.dest.is_dir() {
             // Only an empty directory can be here (checked in create); rename cannot replace it.
             std::fs::remove_dir(&self.dest)
@@ -98,7 +98,7 @@ impl Drop for StagedDir {
 }
 
 /// Writes `value` as pretty JSON with a trailing newline.
-pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+pub(crate) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let mut text = serde_json::to_string_pretty(value)?;
     text.push('\n');
     std::fs::write(path, text).with_context(|| format!("{}: cannot write", path.display()))
@@ -107,7 +107,7 @@ pub fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
 /// Writes a file through `write` under a temporary name beside `path` (in the same folder, so
 /// the rename cannot cross file systems), then renames it into place: `path` is either absent,
 /// its earlier content, or complete. On failure the temporary file is removed.
-pub fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let name = path
         .file_name()
         .with_context(|| format!("{}: not a usable file name", path.display()))?

@@ -3,13 +3,13 @@
 use std::path::PathBuf;
 
 /// Name of the demo model folder inside the demo directory.
-pub const DEMO_MODEL: &str = "SmolLM2-135M-Instruct";
+pub(crate) const DEMO_MODEL: &str = "SmolLM2-135M-Instruct";
 /// Name of the recovered ShareGPT conversations inside the demo directory.
-pub const DEMO_CONVERSATIONS: &str = "sharegpt.jsonl";
+pub(crate) const DEMO_CONVERSATIONS: &str = "sharegpt.jsonl";
 
 /// The directories dflash-tui uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Locations {
+pub(crate) struct Locations {
     /// Demo assets made by `scripts/setup-demo.sh`.
     pub demo_dir: PathBuf,
     /// Root of user data (platform data directory, or `DFLASH_HOME`).
@@ -23,7 +23,7 @@ impl Locations {
     /// Resolves the locations from the environment: `DFLASH_HOME` overrides the platform data
     /// directory, `DFLASH_DEMO_DIR` the demo assets (default `./assets/demo`, else the one of
     /// the source checkout this binary was built from).
-    pub fn from_env() -> Self {
+    pub(crate) fn from_env() -> Self {
         let data_dir = std::env::var_os("DFLASH_HOME")
             .map(PathBuf::from)
             .or_else(|| {
@@ -50,11 +50,11 @@ impl Locations {
         }
     }
 
-    pub fn demo_model(&self) -> PathBuf {
+    pub(crate) fn demo_model(&self) -> PathBuf {
         self.demo_dir.join(DEMO_MODEL)
     }
 
-    pub fn demo_conversations(&self) -> PathBuf {
+    pub(crate) fn demo_conversations(&self) -> PathBuf {
         self.demo_dir.join(DEMO_CONVERSATIONS)
     }
 }

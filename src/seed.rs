@@ -2,18 +2,18 @@
 //! some coordinates (a row, a turn, a step).
 
 /// SplitMix64's increment (2^64 / golden ratio): consecutive states are this far apart.
-pub const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+pub(crate) const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// SplitMix64's output function (Stafford's variant 13): a bijection of `u64` that spreads
 /// every input bit over the output.
-pub fn mix64(mut x: u64) -> u64 {
+pub(crate) fn mix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
 }
 
 /// One SplitMix64 step from state `x`: the output of the next state, `x + GOLDEN_GAMMA`.
-pub fn splitmix64(x: u64) -> u64 {
+pub(crate) fn splitmix64(x: u64) -> u64 {
     mix64(x.wrapping_add(GOLDEN_GAMMA))
 }
 

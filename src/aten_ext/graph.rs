@@ -121,7 +121,7 @@ impl GraphLibrary {
 
 /// A captured CUDA graph. Tensors made while capturing live in the graph's own memory pool and
 /// are rewritten by every replay; keep them (they are the graph's outputs).
-pub struct CudaGraph {
+pub(crate) struct CudaGraph {
     library: GraphLibrary,
     handle: *mut c_void,
 }
@@ -134,7 +134,7 @@ impl CudaGraph {
     /// before the capture as its inputs (a host value read or a host-to-device copy inside it
     /// would be frozen into the graph, or fail). Returns the graph and what the captured call
     /// returned (its output tensors).
-    pub fn capture<T>(
+    pub(crate) fn capture<T>(
         library: GraphLibrary,
         device: Device,
         warmup: usize,
@@ -191,7 +191,7 @@ impl CudaGraph {
     }
 
     /// Launches the captured work on the current (default) stream.
-    pub fn replay(&self) -> Result<()> {
+    pub(crate) fn replay(&self) -> Result<()> {
         // SAFETY: a live, captured graph.
         self.library
             .check(unsafe { (self.library.replay)(self.handle) }, "replay")
@@ -206,7 +206,7 @@ impl Drop for CudaGraph {
 }
 
 /// The first line of a panic's message.
-pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     let msg = payload
         .downcast_ref::<String>()
         .map(String::as_str)

@@ -4,7 +4,7 @@
 //! variable-length form over a key/value cache), and dropping a gradient; and CUDA graphs
 //! ([`graph`], a second library loaded once CUDA is there).
 
-pub mod graph;
+pub(crate) mod graph;
 
 use std::ffi::{c_char, c_void};
 
@@ -17,7 +17,7 @@ pub(crate) mod ffi {
     extern "C" {
         // The tensors are `at::Tensor *` (tch's `as_ptr`); `grad_scale` may be null. Each
         // returns null, or an error message to free with `dflash_free_error`.
-        pub fn dflash_fused_adamw(
+        pub(crate) fn dflash_fused_adamw(
             param: *const c_void,
             grad: *const c_void,
             exp_avg: *const c_void,
@@ -30,7 +30,7 @@ pub(crate) mod ffi {
             weight_decay: f64,
             eps: f64,
         ) -> *mut c_char;
-        pub fn dflash_flash_attention(
+        pub(crate) fn dflash_flash_attention(
             query: *const c_void,
             key: *const c_void,
             value: *const c_void,
@@ -38,7 +38,7 @@ pub(crate) mod ffi {
             out: *mut *mut c_void,
         ) -> *mut c_char;
         #[allow(clippy::too_many_arguments)]
-        pub fn dflash_flash_varlen(
+        pub(crate) fn dflash_flash_varlen(
             query: *const c_void,
             key: *const c_void,
             value: *const c_void,
@@ -50,8 +50,8 @@ pub(crate) mod ffi {
             is_causal: bool,
             out: *mut *mut c_void,
         ) -> *mut c_char;
-        pub fn dflash_clear_grad(tensor: *const c_void) -> *mut c_char;
-        pub fn dflash_free_error(err: *mut c_char);
+        pub(crate) fn dflash_clear_grad(tensor: *const c_void) -> *mut c_char;
+        pub(crate) fn dflash_free_error(err: *mut c_char);
     }
 }
 

@@ -26,10 +26,11 @@ use stages_alone::{measure_stages_alone, StageAloneRates};
 mod stages_alone;
 
 /// H200 dense bf16 peak (benchmarks spec).
-pub const PEAK_FLOPS_PER_GPU: f64 = 989e12;
+pub(crate) const PEAK_FLOPS_PER_GPU: f64 = 989e12;
 
 /// Profiles shipped in `configs/` as `bench-NAME.toml`.
-pub const PROFILES: [&str; 4] = ["cpu-tiny", "smollm2", "qwen3-0.6b-shape", "qwen3-8b-shape"];
+pub(crate) const PROFILES: [&str; 4] =
+    ["cpu-tiny", "smollm2", "qwen3-0.6b-shape", "qwen3-8b-shape"];
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchOptions {
@@ -53,7 +54,7 @@ pub struct BenchOptions {
 
 /// The benchmark's result (benchmarks spec fields, plus what they were computed from).
 #[derive(Debug, Clone, Serialize)]
-pub struct BenchReport {
+pub(crate) struct BenchReport {
     pub profile: String,
     pub config: String,
     pub target_devices: Vec<String>,
@@ -113,7 +114,7 @@ fn shared_devices(targets: &[String], drafters: &[String]) -> bool {
 }
 
 /// The config file of a profile name, or the path itself.
-pub fn profile_path(profile: &str) -> PathBuf {
+pub(crate) fn profile_path(profile: &str) -> PathBuf {
     let p = Path::new(profile);
     if p.extension().is_some_and(|e| e == "toml") || p.components().count() > 1 {
         p.to_path_buf()
@@ -487,7 +488,7 @@ fn model_flops_utilisation(
     (!cuda.is_empty()).then(|| flops / window_s / (PEAK_FLOPS_PER_GPU * cuda.len() as f64))
 }
 
-pub fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
+pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchReport> {
     if opts.steps == 0 {
         bail!("--steps must be at least 1");
     }

@@ -14,7 +14,7 @@ use crate::text::TextTokenizer;
 
 use super::progress::Bars;
 
-pub fn prepare(
+pub(super) fn prepare(
     tokenizer: &Path,
     inputs: &[PathBuf],
     out: &Path,
@@ -105,7 +105,7 @@ fn not_a_dataset(path: &Path) -> Option<String> {
     })
 }
 
-pub fn inspect(
+pub(super) fn inspect(
     path: &Path,
     split: Option<&str>,
     tokenizer: Option<&Path>,
@@ -226,7 +226,7 @@ pub fn inspect(
 
 /// Random-access latency of the token store and batches per second of the packer, and the
 /// same single-row access through pyarrow for comparison. Prints one JSON object.
-pub fn bench(path: &Path, samples: usize, batches: usize, python: &str) -> Result<()> {
+pub(super) fn bench(path: &Path, samples: usize, batches: usize, python: &str) -> Result<()> {
     let path = resolve_split(path, None)?;
     let started = Instant::now();
     let (store, report) = TokenStore::load(

@@ -16,7 +16,7 @@ fn presence(path: &std::path::Path) -> &'static str {
     }
 }
 
-pub fn run(runtime: &TorchRuntime) -> Result<()> {
+pub(super) fn run(runtime: &TorchRuntime) -> Result<()> {
     println!("dflash-tui {}", env!("CARGO_PKG_VERSION"));
     let dir = runtime.libtorch_dir.as_deref();
     println!(

@@ -95,7 +95,7 @@ fn run_shard(
     )
 }
 
-pub fn run(runtime: &TorchRuntime, args: EvalArgs, bars: &Bars) -> Result<()> {
+pub(super) fn run(runtime: &TorchRuntime, args: EvalArgs, bars: &Bars) -> Result<()> {
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }

@@ -11,7 +11,7 @@ use crate::paths::Locations;
 use crate::runtime::TorchRuntime;
 use crate::text::{Message, TextTokenizer};
 
-pub struct GenerateArgs {
+pub(super) struct GenerateArgs {
     pub model: Option<PathBuf>,
     pub prompt: String,
     pub system: Option<String>,
@@ -22,7 +22,7 @@ pub struct GenerateArgs {
 }
 
 /// Resolves a dtype name; `auto` is bf16 on GPU and f32 on CPU.
-pub fn parse_kind(name: &str, device: tch::Device) -> Result<Kind> {
+pub(super) fn parse_kind(name: &str, device: tch::Device) -> Result<Kind> {
     Ok(match name {
         "auto" => {
             if device.is_cuda() {
@@ -38,7 +38,7 @@ pub fn parse_kind(name: &str, device: tch::Device) -> Result<Kind> {
     })
 }
 
-pub fn run(runtime: &TorchRuntime, args: GenerateArgs) -> Result<()> {
+pub(super) fn run(runtime: &TorchRuntime, args: GenerateArgs) -> Result<()> {
     let model_dir = args
         .model
         .unwrap_or_else(|| Locations::from_env().demo_model());

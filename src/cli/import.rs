@@ -7,7 +7,7 @@ use anyhow::Result;
 use crate::data::sharegpt;
 use crate::gguf::{self, OutputDtype};
 
-pub fn import_gguf(file: &Path, out_dir: &Path, dtype: OutputDtype) -> Result<()> {
+pub(super) fn import_gguf(file: &Path, out_dir: &Path, dtype: OutputDtype) -> Result<()> {
     let started = std::time::Instant::now();
     let summary = gguf::import_gguf(file, out_dir, dtype)?;
     let hp = &summary.hparams;
@@ -36,7 +36,7 @@ pub fn import_gguf(file: &Path, out_dir: &Path, dtype: OutputDtype) -> Result<()
     Ok(())
 }
 
-pub fn import_sharegpt(file: &Path, out: &Path) -> Result<()> {
+pub(super) fn import_sharegpt(file: &Path, out: &Path) -> Result<()> {
     let (conversations, report) = sharegpt::read_conversations(file)?;
     sharegpt::write_jsonl(&conversations, out)?;
     println!(

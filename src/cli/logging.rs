@@ -57,13 +57,13 @@ impl Write for Sink {
 
 /// Installs the logger at `level` (a filter such as `info` or `dflash_tui=debug`). Lines go to
 /// `log_file` when given (appended) and to stderr while the returned switch is on.
-pub fn init(level: &str, log_file: Option<&Path>, to_terminal: bool) -> Arc<AtomicBool> {
+pub(super) fn init(level: &str, log_file: Option<&Path>, to_terminal: bool) -> Arc<AtomicBool> {
     init_with(level, log_file, to_terminal, None)
 }
 
 /// [`init`], writing the terminal's lines through `terminal` (the progress bars' writer,
 /// which clears the bars around each line) instead of stderr.
-pub fn init_with(
+pub(super) fn init_with(
     level: &str,
     log_file: Option<&Path>,
     to_terminal: bool,

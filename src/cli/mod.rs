@@ -15,7 +15,7 @@ mod generate;
 mod import;
 mod logging;
 mod models;
-pub mod progress;
+pub(crate) mod progress;
 mod regenerate;
 mod train;
 

@@ -14,7 +14,7 @@ use crate::runtime::TorchRuntime;
 use super::generate::parse_kind;
 use super::progress::Bars;
 
-pub struct InitDrafterArgs {
+pub(super) struct InitDrafterArgs {
     pub target: PathBuf,
     pub out: PathBuf,
     pub layers: i64,
@@ -27,7 +27,7 @@ pub struct InitDrafterArgs {
     pub data: Option<PathBuf>,
 }
 
-pub fn init_drafter(args: InitDrafterArgs) -> Result<()> {
+pub(super) fn init_drafter(args: InitDrafterArgs) -> Result<()> {
     let target = TargetConfig::from_model_dir(&args.target)?;
     let shape = DrafterShape {
         layers: args.layers,
@@ -69,7 +69,7 @@ pub fn init_drafter(args: InitDrafterArgs) -> Result<()> {
     Ok(())
 }
 
-pub struct PerplexityArgs {
+pub(super) struct PerplexityArgs {
     pub model: PathBuf,
     pub data: PathBuf,
     pub column: String,
@@ -80,7 +80,11 @@ pub struct PerplexityArgs {
     pub dtype: String,
 }
 
-pub fn run_perplexity(runtime: &TorchRuntime, args: PerplexityArgs, bars: &Bars) -> Result<()> {
+pub(super) fn run_perplexity(
+    runtime: &TorchRuntime,
+    args: PerplexityArgs,
+    bars: &Bars,
+) -> Result<()> {
     let device = runtime.device(&args.device)?;
     let kind = parse_kind(&args.dtype, device)?;
     let model = TargetModel::load(&args.model, device, kind)?;

@@ -10,24 +10,24 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressState, P
 /// The bars of one command. Made once in `main`, before the logger, so that the logger and
 /// every bar share the same draw target.
 #[derive(Clone, Debug)]
-pub struct Bars {
+pub(crate) struct Bars {
     multi: MultiProgress,
 }
 
 impl Bars {
     /// Bars on stderr (hidden when stderr is not a terminal).
-    pub fn stderr() -> Self {
+    pub(crate) fn stderr() -> Self {
         Self::with_draw_target(ProgressDrawTarget::stderr())
     }
 
-    pub fn with_draw_target(target: ProgressDrawTarget) -> Self {
+    pub(crate) fn with_draw_target(target: ProgressDrawTarget) -> Self {
         Bars {
             multi: MultiProgress::with_draw_target(target),
         }
     }
 
     /// A bar of `len` items of `unit` ("prompts", "rows", "tokens"), labelled `what`.
-    pub fn bar(&self, what: &str, len: u64, unit: &str) -> ProgressBar {
+    pub(crate) fn bar(&self, what: &str, len: u64, unit: &str) -> ProgressBar {
         let bar = self.multi.add(ProgressBar::new(len));
         bar.set_style(style(unit));
         bar.set_prefix(what.to_string());
@@ -36,12 +36,13 @@ impl Bars {
 
     /// Whether nothing is drawn (stderr is not a terminal): the commands then write their
     /// periodic progress lines to the log instead.
-    pub fn is_hidden(&self) -> bool {
+    #[cfg(test)]
+    fn is_hidden(&self) -> bool {
         self.multi.is_hidden()
     }
 
     /// The log's writer: stderr, with the bars cleared around each line.
-    pub fn log_writer(&self) -> LogWriter<std::io::Stderr> {
+    pub(crate) fn log_writer(&self) -> LogWriter<std::io::Stderr> {
         LogWriter {
             multi: self.multi.clone(),
             out: std::io::stderr(),
@@ -83,7 +84,7 @@ fn rate(per_s: f64) -> String {
 
 /// Writes log lines to `out` with the bars cleared while it writes (env_logger hands over each
 /// record in one write).
-pub struct LogWriter<W: Write> {
+pub(crate) struct LogWriter<W: Write> {
     multi: MultiProgress,
     out: W,
 }

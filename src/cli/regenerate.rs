@@ -73,7 +73,7 @@ pub struct RegenerateArgs {
     pub stop_after_chunks: Option<usize>,
 }
 
-pub fn run(runtime: &TorchRuntime, args: RegenerateArgs, bars: &Bars) -> Result<()> {
+pub(super) fn run(runtime: &TorchRuntime, args: RegenerateArgs, bars: &Bars) -> Result<()> {
     let devices = runtime.device_list(&args.device)?;
     let kind = parse_kind(&args.dtype, devices[0])?;
     // The length is set once the input is read.

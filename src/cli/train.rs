@@ -23,7 +23,7 @@ use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
 use crate::train::run_lock::{RunLock, LOCK_NAME};
 
-pub struct TrainArgs {
+pub(super) struct TrainArgs {
     pub config: Option<PathBuf>,
     pub set: Vec<String>,
     pub run_dir: Option<PathBuf>,
@@ -58,7 +58,7 @@ fn timestamp() -> String {
 
 /// Loads the configuration: `--config` with overrides, or the resolved config of the run
 /// being resumed.
-pub fn load_config(args: &TrainArgs) -> Result<TrainConfig> {
+pub(super) fn load_config(args: &TrainArgs) -> Result<TrainConfig> {
     match (&args.config, &args.resume) {
         (Some(path), _) => config::load(path, &args.set),
         (None, Some(run)) => config::load(&run.join("config.toml"), &args.set),
@@ -177,7 +177,7 @@ fn check_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<(PathBuf, Opt
 /// and one pass over the training split's token columns (files and columns present, ids inside
 /// the vocabulary, masks of 0 and 1, a mask token the loss never trains on). Returns a line
 /// to log.
-pub fn check_inputs(config: &TrainConfig) -> Result<String> {
+pub(super) fn check_inputs(config: &TrainConfig) -> Result<String> {
     let started = Instant::now();
     let target_dir = Path::new(&config.model.target);
     let target = TargetConfig::from_model_dir(target_dir)?;
@@ -263,7 +263,10 @@ fn create_run_dir(
 /// terminal switch. With the screen the run loop and the screen run side by side: the screen is
 /// a viewer of the run (as `attach`), so a closed screen or a terminal that is gone leaves the
 /// run training.
-pub fn run(args: TrainArgs, init_logging: impl FnOnce(&Path) -> Arc<AtomicBool>) -> Result<()> {
+pub(super) fn run(
+    args: TrainArgs,
+    init_logging: impl FnOnce(&Path) -> Arc<AtomicBool>,
+) -> Result<()> {
     use std::io::IsTerminal;
     let config = load_config(&args)?;
     // Every check before anything is written or loaded: a refusal leaves no trace.

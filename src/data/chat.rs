@@ -12,14 +12,14 @@ use crate::text::Message;
 
 /// What one input record holds.
 #[derive(Debug, Clone, PartialEq)]
-pub enum RecordBody {
+pub(crate) enum RecordBody {
     Chat(Vec<Message>),
     Text(String),
 }
 
 /// One input record.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ChatRecord {
+pub(crate) struct ChatRecord {
     /// The record's own id when it has one, else `file:row`.
     pub id: String,
     /// `file:row` (row counted from 0 in JSON arrays, from 1 as a line number in JSONL).
@@ -29,7 +29,7 @@ pub struct ChatRecord {
 
 /// A record that could not be used, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Skip {
+pub(crate) struct Skip {
     pub origin: String,
     pub reason: SkipReason,
 }
@@ -75,7 +75,7 @@ impl From<&str> for SkipReason {
 
 /// Records read from the inputs, and the ones skipped on the way.
 #[derive(Debug, Default)]
-pub struct ReadOutcome {
+pub(crate) struct ReadOutcome {
     pub records: Vec<ChatRecord>,
     pub skipped: Vec<Skip>,
     /// For each entry of `skipped`: how many records were read before it, so that records and
@@ -123,7 +123,7 @@ fn parse_value(
 }
 
 /// Reads one input file (JSON array or JSON lines), appending to `out`.
-pub fn read_input(path: &Path, out: &mut ReadOutcome) -> Result<()> {
+pub(crate) fn read_input(path: &Path, out: &mut ReadOutcome) -> Result<()> {
     let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
     let name = path.display().to_string();
     let first = bytes.iter().find(|b| !b.is_ascii_whitespace());

@@ -2,12 +2,12 @@
 //! (in-memory token store, resumable sampler, token-budget packer).
 
 pub mod arrow_io;
-pub mod chat;
+pub(crate) mod chat;
 pub mod check;
 pub mod packer;
-pub mod prepare;
-pub mod prepare_run;
-pub mod regenerate;
+pub(crate) mod prepare;
+pub(crate) mod prepare_run;
+pub(crate) mod regenerate;
 pub mod sampler;
 pub mod sharegpt;
 pub mod store;

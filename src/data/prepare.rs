@@ -29,7 +29,7 @@ use crate::text::{Message, TextTokenizer};
 
 /// One tokenised conversation.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PreparedSample {
+pub(crate) struct PreparedSample {
     pub id: String,
     pub input_ids: Vec<u32>,
     pub loss_mask: Vec<u8>,
@@ -64,7 +64,7 @@ fn marker(k: usize) -> String {
 
 /// Byte spans of the assistant turns (rendered content + end-of-turn token) in `full`, the
 /// rendered text of `messages`.
-pub fn assistant_spans(
+pub(crate) fn assistant_spans(
     tokenizer: &TextTokenizer,
     messages: &[Message],
     full: &str,
@@ -284,7 +284,7 @@ fn check_tool_use(
 }
 
 /// Renders and tokenises one record. `Err` carries the reason the record is skipped.
-pub fn prepare_record(
+pub(crate) fn prepare_record(
     tokenizer: &TextTokenizer,
     record: &ChatRecord,
     max_len: usize,
@@ -352,7 +352,7 @@ pub fn prepare_record(
 }
 
 /// Byte offsets `(start, end)` of a token in the text.
-pub type ByteSpan = (usize, usize);
+pub(crate) type ByteSpan = (usize, usize);
 
 impl TextTokenizer {
     /// Token ids and their byte offsets `(start, end)` in `text`.

@@ -22,7 +22,7 @@ use crate::text::TextTokenizer;
 
 /// Options of `prepare-data`.
 #[derive(Debug, Clone)]
-pub struct PrepareOptions {
+pub(crate) struct PrepareOptions {
     pub max_len: usize,
     pub shard_rows: usize,
     pub val_fraction: f64,
@@ -37,7 +37,7 @@ pub struct PrepareOptions {
 
 /// What `prepare-data` did.
 #[derive(Debug, Clone)]
-pub struct PrepareSummary {
+pub(crate) struct PrepareSummary {
     pub out_dir: PathBuf,
     /// Records looked at (with `limit`: up to the last one kept).
     pub records_in: usize,
@@ -163,7 +163,7 @@ impl Collected {
     }
 }
 
-pub fn prepare_data(
+pub(crate) fn prepare_data(
     tokenizer_dir: &Path,
     inputs: &[PathBuf],
     out_dir: &Path,

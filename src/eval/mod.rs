@@ -2,5 +2,5 @@
 //! speculative decoding.
 
 pub mod perplexity;
-pub mod prompts;
+pub(crate) mod prompts;
 pub mod speculative;

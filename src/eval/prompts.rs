@@ -12,7 +12,7 @@ use crate::text::{Message, TextTokenizer};
 
 /// A prompt and where it came from (for messages).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Prompt {
+pub(crate) struct Prompt {
     pub ids: Vec<u32>,
     /// "file: line N" or "split path: row N".
     pub source: String,
@@ -22,7 +22,11 @@ pub struct Prompt {
 /// the tokenizer of `model_dir`), `{"prompt_ids": [...]}`, or an MT-Bench question
 /// (`{"question_id", "category", "turns": [...]}`, FastChat's `question.jsonl`: its first turn
 /// as the user's message). At most `limit`.
-pub fn prompts_from_file(path: &Path, model_dir: &Path, limit: usize) -> Result<Vec<Prompt>> {
+pub(crate) fn prompts_from_file(
+    path: &Path,
+    model_dir: &Path,
+    limit: usize,
+) -> Result<Vec<Prompt>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("{}: cannot read", path.display()))?;
     let mut tokenizer: Option<TextTokenizer> = None;
@@ -67,7 +71,7 @@ pub fn prompts_from_file(path: &Path, model_dir: &Path, limit: usize) -> Result<
 
 /// Prompts from a tokenised dataset (`prepare-data` output, a split folder or a file): each
 /// sample up to its first trained (assistant) token. `split` applies to a dataset folder.
-pub fn prompts_from_data(path: &Path, split: &str, limit: usize) -> Result<Vec<Prompt>> {
+pub(crate) fn prompts_from_data(path: &Path, split: &str, limit: usize) -> Result<Vec<Prompt>> {
     let split_path = if path.join("dataset_dict.json").is_file() {
         resolve_split(path, Some(split))?
     } else {
@@ -98,7 +102,7 @@ pub fn prompts_from_data(path: &Path, split: &str, limit: usize) -> Result<Vec<P
 
 /// Checks a prompt set against the target before decoding: not empty, no empty prompt, every
 /// token in the vocabulary, and prompt + `max_new` + one block within the target's context.
-pub fn check_prompts(
+pub(crate) fn check_prompts(
     prompts: &[Prompt],
     target: &TargetConfig,
     max_new: usize,

@@ -26,7 +26,11 @@ use crate::telemetry::records::{
 
 /// The human line of step `r` (a record of the run `s` shows now); `validation`, a pass made
 /// since the previous line, is added at its end.
-pub fn human_line(s: &Snapshot, r: &StepRecord, validation: Option<&ValidationRecord>) -> String {
+pub(crate) fn human_line(
+    s: &Snapshot,
+    r: &StepRecord,
+    validation: Option<&ValidationRecord>,
+) -> String {
     let q: Vec<String> = s
         .queues
         .iter()
@@ -59,7 +63,7 @@ pub fn human_line(s: &Snapshot, r: &StepRecord, validation: Option<&ValidationRe
 const TICK: Duration = Duration::from_millis(50);
 
 /// How the run loop is set up.
-pub struct RunLoopOptions {
+pub(crate) struct RunLoopOptions {
     pub log_every_steps: u64,
     pub gpu_interval_s: f64,
     /// The logger's terminal output (off while a screen is up and once the terminal is gone).
@@ -69,7 +73,7 @@ pub struct RunLoopOptions {
 }
 
 /// The run loop's hold on this process's screen (a viewer thread).
-pub struct ScreenLink {
+pub(crate) struct ScreenLink {
     /// Set to close the screen (its terminal is gone, or the run was stopped by a signal).
     pub close: Arc<AtomicBool>,
     /// Set by the screen when it has closed.
@@ -78,7 +82,7 @@ pub struct ScreenLink {
 
 /// How the run ended, beyond its outcome.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct RunEnd {
+pub(crate) struct RunEnd {
     /// SIGINT or SIGTERM stopped it: nobody waits at a screen for a key.
     pub stop_signalled: bool,
     /// The terminal went away (SIGHUP).
@@ -233,7 +237,7 @@ impl ProgressLines {
 
 /// Runs the loop until the trainer ends. A control socket that cannot be served stops the
 /// run: `ctl` and `attach` would otherwise find no trainer while it trains.
-pub fn run(
+pub(crate) fn run(
     handle: TrainerHandle,
     mut signals: SignalFlags,
     opts: RunLoopOptions,

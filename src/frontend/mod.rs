@@ -13,8 +13,8 @@
 //! screen, [`tui`] (the control room), is a viewer of the run through its socket like `attach`:
 //! its keys and `:` line reach the run loop as socket requests.
 
-pub mod headless;
-pub mod signals;
+pub(crate) mod headless;
+pub(crate) mod signals;
 pub mod socket;
-pub mod stdin;
+pub(crate) mod stdin;
 pub mod tui;

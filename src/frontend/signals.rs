@@ -17,7 +17,7 @@ use crate::pipeline::command::Command;
 
 /// What the signals received since the last look ask of the run.
 #[derive(Debug, Clone, PartialEq)]
-pub enum SignalRequest {
+pub(crate) enum SignalRequest {
     Command(Command),
     /// Stop every stage now (a second SIGINT/SIGTERM).
     Abort,
@@ -26,7 +26,7 @@ pub enum SignalRequest {
 }
 
 /// Counters of the signals received, shared with the thread that receives them.
-pub struct SignalFlags {
+pub(crate) struct SignalFlags {
     stops: Arc<AtomicUsize>,
     checkpoints: Arc<AtomicUsize>,
     hangups: Arc<AtomicUsize>,
@@ -41,7 +41,7 @@ pub struct SignalFlags {
 
 impl SignalFlags {
     /// Counters that no signal moves (front ends run in-process by tests).
-    pub fn none() -> Self {
+    pub(crate) fn none() -> Self {
         SignalFlags {
             stops: Arc::default(),
             checkpoints: Arc::default(),
@@ -55,7 +55,7 @@ impl SignalFlags {
     }
 
     /// Installs the handlers and a thread that counts and logs each signal.
-    pub fn install() -> Result<Self> {
+    pub(crate) fn install() -> Result<Self> {
         let flags = Self::none();
         for sig in [SIGINT, SIGTERM] {
             signal_hook::flag::register_conditional_shutdown(
@@ -104,7 +104,7 @@ impl SignalFlags {
 
     /// A front end has taken over: a second stop signal now stops the run instead of the
     /// process.
-    pub fn running(&self) {
+    pub(crate) fn running(&self) {
         self.starting.store(false, Ordering::SeqCst);
         self.exit_now.store(false, Ordering::SeqCst);
     }
@@ -112,7 +112,7 @@ impl SignalFlags {
     /// What arrived since the last call: the stop first, then a checkpoint. A checkpoint waits
     /// until the run has `trained` a step (the trainer has nothing to save before and drops the
     /// request), so SIGUSR1 during start-up is kept for after the first step.
-    pub fn take(&mut self, trained: bool) -> Vec<SignalRequest> {
+    pub(crate) fn take(&mut self, trained: bool) -> Vec<SignalRequest> {
         let mut out = Vec::new();
         let hangups = self.hangups.load(Ordering::SeqCst);
         if hangups > self.hangups_seen {
@@ -138,7 +138,7 @@ impl SignalFlags {
 
     /// Whether a stop signal (SIGINT/SIGTERM) has arrived: the run then ends without waiting
     /// for a key.
-    pub fn stop_signalled(&self) -> bool {
+    pub(crate) fn stop_signalled(&self) -> bool {
         self.stops.load(Ordering::SeqCst) > 0
     }
 

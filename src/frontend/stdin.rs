@@ -14,7 +14,7 @@ pub(super) fn say(line: &str) {
 }
 
 /// Reads commands from stdin lines until EOF (no stdin, as in CI, ends it at once).
-pub fn spawn_stdin_reader(requests: crossbeam_channel::Sender<Request>) {
+pub(crate) fn spawn_stdin_reader(requests: crossbeam_channel::Sender<Request>) {
     let _ = std::thread::Builder::new()
         .name("stdin".into())
         .spawn(move || {

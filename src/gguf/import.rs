@@ -176,7 +176,7 @@ fn map_name(name: &str, hp: &LlamaHparams) -> Option<Mapping> {
 
 /// Inverts llama.cpp's permutation of Q/K rows: the rows of each head were reordered from
 /// [2, head_dim/2] (rotate-half layout) to [head_dim/2, 2] (interleaved pairs).
-pub fn unpermute_rows(values: &[f32], rows: usize, heads: usize) -> Option<Vec<f32>> {
+pub(crate) fn unpermute_rows(values: &[f32], rows: usize, heads: usize) -> Option<Vec<f32>> {
     if heads == 0
         || !rows.is_multiple_of(heads)
         || !(rows / heads).is_multiple_of(2)

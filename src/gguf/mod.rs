@@ -1,9 +1,9 @@
 //! GGUF (llama.cpp) models: reading, dequantising, and importing as Hugging Face folders.
 
-pub mod import;
-pub mod quant;
-pub mod reader;
-pub mod vocab;
+pub(crate) mod import;
+pub(crate) mod quant;
+pub(crate) mod reader;
+pub(crate) mod vocab;
 
 pub use import::{import_gguf, ImportSummary, OutputDtype};
 pub use quant::GgmlType;

@@ -10,7 +10,7 @@
 
 use half::{bf16, f16};
 
-pub const QK: usize = 32;
+pub(crate) const QK: usize = 32;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgmlType {

@@ -21,7 +21,7 @@ const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 /// What the tokenizer files need besides the tokenizer itself.
 #[derive(Debug, Clone)]
-pub struct VocabInfo {
+pub(crate) struct VocabInfo {
     pub tokens: Vec<String>,
     pub special_ids: Vec<u32>,
     pub bos_id: Option<u32>,
@@ -33,14 +33,14 @@ pub struct VocabInfo {
 }
 
 impl VocabInfo {
-    pub fn token(&self, id: Option<u32>) -> Option<&str> {
+    pub(crate) fn token(&self, id: Option<u32>) -> Option<&str> {
         id.and_then(|i| self.tokens.get(i as usize))
             .map(String::as_str)
     }
 }
 
 /// Reads the vocabulary metadata and builds the tokenizer.
-pub fn build_tokenizer(gguf: &GgufFile) -> Result<(Tokenizer, VocabInfo)> {
+pub(crate) fn build_tokenizer(gguf: &GgufFile) -> Result<(Tokenizer, VocabInfo)> {
     let path = gguf.path.display();
     let model = gguf.require_str("tokenizer.ggml.model")?;
     if model != "gpt2" {
@@ -153,7 +153,7 @@ fn pre_tokenizer(pre: &str) -> PreTokenizerWrapper {
 }
 
 /// `tokenizer_config.json` in the form `transformers` writes it.
-pub fn tokenizer_config(info: &VocabInfo, model_max_length: u64) -> serde_json::Value {
+pub(crate) fn tokenizer_config(info: &VocabInfo, model_max_length: u64) -> serde_json::Value {
     let mut added = serde_json::Map::new();
     for &id in &info.special_ids {
         added.insert(
@@ -196,7 +196,7 @@ pub fn tokenizer_config(info: &VocabInfo, model_max_length: u64) -> serde_json::
 }
 
 /// Saves the tokenizer as `tokenizer.json`.
-pub fn save_tokenizer(tokenizer: &Tokenizer, path: &std::path::Path) -> Result<()> {
+pub(crate) fn save_tokenizer(tokenizer: &Tokenizer, path: &std::path::Path) -> Result<()> {
     tokenizer
         .save(path, false)
         .map_err(|e| anyhow!("{e}"))

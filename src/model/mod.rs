@@ -1,16 +1,16 @@
 //! Models: the frozen target (Llama, Qwen2, Qwen3 families) and what it needs (config,
 //! weights, decoding), and the DFlash drafter.
 
-pub mod config;
+pub(crate) mod config;
 pub mod decode;
 pub mod drafter;
-pub mod drafter_config;
+pub(crate) mod drafter_config;
 pub mod generate;
 pub mod layers;
-pub mod rope_scaling;
-pub mod slots;
-pub mod target;
-pub mod weights;
+pub(crate) mod rope_scaling;
+pub(crate) mod slots;
+pub(crate) mod target;
+pub(crate) mod weights;
 
 pub use config::{Family, TargetConfig};
 pub use drafter::{AnchorBatch, Drafter, FrozenHead};

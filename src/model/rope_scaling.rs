@@ -61,8 +61,8 @@ impl RopeScaling {
     }
 
     /// The field as Hugging Face configs write it.
-    pub fn to_json(&self) -> Value {
-        match *self {
+    pub fn to_json(self) -> Value {
+        match self {
             RopeScaling::Default => Value::Null,
             RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),
             RopeScaling::Llama3 {

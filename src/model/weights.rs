@@ -11,7 +11,7 @@ use safetensors::{Dtype, SafeTensors};
 use tch::{Device, Kind, Tensor};
 
 /// The weight files of one model folder, memory-mapped.
-pub struct WeightFiles {
+pub(crate) struct WeightFiles {
     dir: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
     /// tensor name -> index into `files`
@@ -20,7 +20,7 @@ pub struct WeightFiles {
 
 impl WeightFiles {
     /// Opens `model.safetensors`, or the shards listed in `model.safetensors.index.json`.
-    pub fn open(dir: &Path) -> Result<Self> {
+    pub(crate) fn open(dir: &Path) -> Result<Self> {
         let single = dir.join("model.safetensors");
         let index_path = dir.join("model.safetensors.index.json");
         let shard_names: Vec<String> = if single.is_file() {
@@ -75,16 +75,22 @@ impl WeightFiles {
         })
     }
 
-    pub fn contains(&self, name: &str) -> bool {
+    pub(crate) fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }
 
-    pub fn names(&self) -> impl Iterator<Item = &str> {
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
         self.index.keys().map(String::as_str)
     }
 
     /// Loads one tensor, checks its shape, converts it to `kind` on `device`.
-    pub fn load(&self, name: &str, shape: &[i64], kind: Kind, device: Device) -> Result<Tensor> {
+    pub(crate) fn load(
+        &self,
+        name: &str,
+        shape: &[i64],
+        kind: Kind,
+        device: Device,
+    ) -> Result<Tensor> {
         let &file = self.index.get(name).with_context(|| {
             format!(
                 "{}: the weights have no tensor {name:?}",
@@ -161,7 +167,7 @@ impl WeightSource for WeightFiles {
 
 /// A seed for the tensor `name` of a model drawn with `seed`: FNV-1a of the name, mixed with
 /// the seed (the same name and seed always give the same value).
-pub fn name_seed(seed: u64, name: &str) -> u64 {
+pub(crate) fn name_seed(seed: u64, name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     })
@@ -170,7 +176,7 @@ pub fn name_seed(seed: u64, name: &str) -> u64 {
 /// Random weights of a model's shape, for benchmarks that need no trained model: norm weights
 /// are 1, everything else is drawn from N(0, std) on the device (seeded per tensor name, so a
 /// shape always gets the same weights).
-pub struct RandomWeights {
+pub(crate) struct RandomWeights {
     pub seed: u64,
     pub std: f64,
     /// Names that exist besides the ones every model has (e.g. an untied `lm_head.weight`).
@@ -193,7 +199,7 @@ impl WeightSource for RandomWeights {
     }
 }
 
-pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+pub(crate) fn save_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let mut prepared = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         let dtype = match t.kind() {

@@ -48,13 +48,13 @@ pub(crate) struct Outgoing {
 
 /// The resolved `devices.grad_sync`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GradSyncKind {
+pub(crate) enum GradSyncKind {
     Copy,
     Nccl,
 }
 
 /// What `devices.grad_sync` resolved to on this machine, and why.
-pub struct GradSyncPlan {
+pub(crate) struct GradSyncPlan {
     pub kind: GradSyncKind,
     pub reason: String,
     library: Option<&'static NcclLibrary>,
@@ -63,7 +63,7 @@ pub struct GradSyncPlan {
 }
 
 impl GradSyncPlan {
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self.kind {
             GradSyncKind::Copy => format!("gradient sync: copy ({})", self.reason),
             GradSyncKind::Nccl => format!("gradient sync: nccl ({})", self.reason),
@@ -75,7 +75,7 @@ impl GradSyncPlan {
 /// `devices` as resolved). "nccl" that cannot work here is an error naming the field; "auto"
 /// takes NCCL when there are two or more distinct CUDA drafter devices and libnccl loads, and
 /// the copy path otherwise. libnccl is loaded only when NCCL is otherwise possible.
-pub fn plan(
+pub(crate) fn plan(
     setting: GradSync,
     specs: &[String],
     devices: &[Device],
@@ -221,7 +221,7 @@ impl CoordinatorSync {
     /// Adds the replicas' gradients of this step (`others`, in replica order, as their
     /// messages carried them) into `grad`, the coordinator's own flat fp32 gradient: copy
     /// path: tensor additions on the coordinator's device; NCCL: one grouped reduce.
-    pub fn reduce(&self, grad: &mut Tensor, others: &[Tensor]) -> Result<()> {
+    pub(crate) fn reduce(&self, grad: &mut Tensor, others: &[Tensor]) -> Result<()> {
         match self {
             CoordinatorSync::Copy => {
                 for g in others {
@@ -247,7 +247,7 @@ impl CoordinatorSync {
     /// replicas: copy path: one flat fp32 tensor over each channel; NCCL: one grouped
     /// broadcast into the replicas' buffers (`buffers`, in replica order), then a message
     /// to each that it is queued.
-    pub fn hand_back(
+    pub(crate) fn hand_back(
         &self,
         params: &[(String, &Tensor)],
         buffers: &[Tensor],
@@ -295,7 +295,7 @@ fn check_count(ranks: &[NcclRank], replicas: usize) -> Result<()> {
 
 impl ReplicaSync {
     /// Allocates the weight buffer the broadcast writes, before the first step.
-    pub fn prepare(&mut self, params: &[(String, &Tensor)]) {
+    pub(crate) fn prepare(&mut self, params: &[(String, &Tensor)]) {
         if let ReplicaSync::Nccl { weights } = self {
             if weights.is_none() {
                 *weights = Some(weight_buffer(params));
@@ -306,7 +306,7 @@ impl ReplicaSync {
     /// Takes the replica's flat fp32 gradient of this step and returns what its gradient
     /// message carries (see [`Outgoing`]; the NCCL weight buffer is the one [`Self::prepare`]
     /// made).
-    pub fn outgoing(&mut self, flat: Tensor) -> Outgoing {
+    pub(crate) fn outgoing(&mut self, flat: Tensor) -> Outgoing {
         match self {
             ReplicaSync::Copy { dev0 } => Outgoing {
                 grad: flat.to_device(*dev0),
@@ -321,7 +321,7 @@ impl ReplicaSync {
 
     /// After the replica's gradient message went out: waits for the coordinator's answer and
     /// puts the new weights into `params` (Ok(true)), or returns Ok(false) when it says stop.
-    pub fn exchange(
+    pub(crate) fn exchange(
         &mut self,
         rx: &Receiver<ParamsMsg>,
         params: &[(String, &Tensor)],

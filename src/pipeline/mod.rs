@@ -3,11 +3,9 @@
 //! commands ([`command`]: the type and its parser live here, with the trainer that consumes
 //! them; the inputs that send them, the run loop and the screen are in `crate::frontend`).
 
-pub mod collective;
+pub(crate) mod collective;
 pub mod command;
-/// CUDA events live below the pipeline (eval times with them too).
-pub use crate::device_event;
 mod held_out;
-pub mod nccl;
+pub(crate) mod nccl;
 pub mod queue;
 pub mod trainer;

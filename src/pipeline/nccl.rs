@@ -26,7 +26,7 @@ use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t};
 use tch::{Device, Kind, Tensor};
 
 /// Environment variable naming the libnccl file to load (tried before anything else).
-pub const LIBRARY_ENV: &str = "DFLASH_NCCL_LIBRARY";
+pub(crate) const LIBRARY_ENV: &str = "DFLASH_NCCL_LIBRARY";
 
 // The entry points used, with `ncclResult_t` taken as a plain integer: NCCL versions differ in
 // the codes they may return, and a Rust enum must never hold a value it does not list.
@@ -56,7 +56,7 @@ type BroadcastFn = unsafe extern "C" fn(
 ) -> c_int;
 
 /// A loaded libnccl and the entry points the trainer uses.
-pub struct NcclLibrary {
+pub(crate) struct NcclLibrary {
     /// The file it was loaded from (as given to the dynamic loader).
     pub path: PathBuf,
     /// `ncclGetVersion`: major * 10000 + minor * 100 + patch (NCCL >= 2.9).
@@ -74,7 +74,7 @@ pub struct NcclLibrary {
 
 impl NcclLibrary {
     /// "2.28.9"
-    pub fn version_string(&self) -> String {
+    pub(crate) fn version_string(&self) -> String {
         let v = self.version;
         format!("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100)
     }
@@ -107,7 +107,7 @@ impl NcclLibrary {
 /// pip wheel's file beside the loaded libtorch (`<site-packages>/nvidia/nccl/lib/libnccl.so.2`,
 /// as `torch/lib/../../nvidia/...`), then `libnccl.so.2` and cudarc's usual names through the
 /// dynamic loader's search (LD_LIBRARY_PATH, the ld.so cache).
-pub fn library_candidates(libtorch_dir: Option<&Path>) -> Vec<PathBuf> {
+pub(crate) fn library_candidates(libtorch_dir: Option<&Path>) -> Vec<PathBuf> {
     if let Some(p) = std::env::var_os(LIBRARY_ENV).filter(|p| !p.is_empty()) {
         return vec![PathBuf::from(p)];
     }
@@ -156,7 +156,9 @@ fn loaded_nccl() -> Vec<PathBuf> {
 }
 
 /// Loads libnccl (once per process; later calls return the first outcome).
-pub fn library(libtorch_dir: Option<&Path>) -> std::result::Result<&'static NcclLibrary, String> {
+pub(crate) fn library(
+    libtorch_dir: Option<&Path>,
+) -> std::result::Result<&'static NcclLibrary, String> {
     static LIBRARY: OnceLock<std::result::Result<NcclLibrary, String>> = OnceLock::new();
     LIBRARY
         .get_or_init(|| load(&library_candidates(libtorch_dir)))
@@ -268,7 +270,7 @@ impl Drop for Clique {
 /// One rank's communicator. All ranks are driven by one thread (the coordinator's), every
 /// collective as one NCCL group over all ranks: no rank's half of a collective is ever queued
 /// on a GPU while another thread still has to queue the other half.
-pub struct NcclRank {
+pub(crate) struct NcclRank {
     clique: Arc<Clique>,
     rank: usize,
 }
@@ -276,7 +278,7 @@ pub struct NcclRank {
 /// Runs `issue` (which queues one call per rank) between `ncclGroupStart` and `ncclGroupEnd`:
 /// NCCL then launches the whole collective on every rank's device at once. On failure the
 /// clique is poisoned (some ranks' halves may be queued without the others').
-pub fn group(ranks: &[NcclRank], issue: impl FnOnce() -> Result<()>) -> Result<()> {
+pub(crate) fn group(ranks: &[NcclRank], issue: impl FnOnce() -> Result<()>) -> Result<()> {
     let Some(first) = ranks.first() else {
         return Ok(());
     };
@@ -295,7 +297,10 @@ pub fn group(ranks: &[NcclRank], issue: impl FnOnce() -> Result<()>) -> Result<(
 
 /// Creates one communicator per device (`ncclCommInitAll`, within this process); the ranks
 /// follow the order of `devices`, so rank 0 is the first drafter device.
-pub fn communicators(library: &'static NcclLibrary, devices: &[Device]) -> Result<Vec<NcclRank>> {
+pub(crate) fn communicators(
+    library: &'static NcclLibrary,
+    devices: &[Device],
+) -> Result<Vec<NcclRank>> {
     let ordinals = devices
         .iter()
         .map(|d| match d {
@@ -339,16 +344,12 @@ fn data_type(kind: Kind) -> Result<ncclDataType_t> {
 }
 
 impl NcclRank {
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
     fn comm(&self) -> ncclComm_t {
         self.clique.comms[self.rank].0
     }
 
     /// Marks the clique as failed mid-protocol (see [`Clique::poisoned`]).
-    pub fn poison(&self) {
+    pub(crate) fn poison(&self) {
         self.clique.poisoned.store(true, Ordering::SeqCst);
     }
 
@@ -370,7 +371,7 @@ impl NcclRank {
 
     /// Sums `t` over all ranks into rank 0's `t`, in place (other ranks' `t` is only read).
     /// Issued on the device's default stream, inside a [`group`] with the other ranks' calls.
-    pub fn reduce_sum_to_root(&self, t: &Tensor) -> Result<()> {
+    pub(crate) fn reduce_sum_to_root(&self, t: &Tensor) -> Result<()> {
         let (ptr, count, dtype) = self.buffer(t, "gradient")?;
         // SAFETY: `ptr` addresses `count` elements of `dtype` on this communicator's device,
         // alive until the queued reduce has run: the caller keeps `t` until later work on the
@@ -392,7 +393,7 @@ impl NcclRank {
 
     /// Copies rank 0's `t` into every other rank's `t` (same count and kind on every rank).
     /// Issued on the device's default stream, inside a [`group`] with the other ranks' calls.
-    pub fn broadcast_from_root(&self, t: &Tensor) -> Result<()> {
+    pub(crate) fn broadcast_from_root(&self, t: &Tensor) -> Result<()> {
         let (ptr, count, dtype) = self.buffer(t, "weight buffer")?;
         // SAFETY: as in `reduce_sum_to_root`; the root only reads `t`, the others write it.
         let code = unsafe {

@@ -13,7 +13,7 @@ pub fn fmt_duration_clock(seconds: f64) -> String {
 
 /// Seconds as a compact span with its two largest units, cut to the second: `3h31m`, `4m05s`,
 /// `12s` (negative or NaN reads as `0s`).
-pub fn fmt_duration_compact(seconds: f64) -> String {
+pub(crate) fn fmt_duration_compact(seconds: f64) -> String {
     let s = seconds.max(0.0) as u64;
     if s >= 3600 {
         format!("{}h{:02}m", s / 3600, (s % 3600) / 60)

@@ -1,9 +1,9 @@
 //! Telemetry: what the machine and the run are doing (GPU readings from NVML for now), and how
 //! its durations read (below pipeline and frontend, so the run loop and the screen format them alike).
 
-pub mod format;
+pub(crate) mod format;
 pub mod gpu;
 pub mod host;
 pub mod profile;
-pub mod rate;
+pub(crate) mod rate;
 pub mod records;

@@ -7,11 +7,11 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 /// The window the live rates and the ETA are measured over.
-pub const RATE_WINDOW: Duration = Duration::from_secs(30);
+pub(crate) const RATE_WINDOW: Duration = Duration::from_secs(30);
 
 /// Completed steps with their work, over a sliding window and since the start.
 #[derive(Debug, Clone)]
-pub struct RateWindow {
+pub(crate) struct RateWindow {
     window: Duration,
     /// When the measurement began (training started or resumed).
     origin: Instant,
@@ -32,14 +32,14 @@ impl Default for RateWindow {
 
 /// Rates at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Rates {
+pub(crate) struct Rates {
     pub tokens_per_s: f64,
     pub samples_per_s: f64,
     pub steps_per_s: f64,
 }
 
 impl RateWindow {
-    pub fn new(window: Duration, origin: Instant) -> Self {
+    pub(crate) fn new(window: Duration, origin: Instant) -> Self {
         RateWindow {
             window,
             origin,
@@ -52,7 +52,7 @@ impl RateWindow {
     }
 
     /// A step completed at `at` with this much work.
-    pub fn complete(&mut self, at: Instant, tokens: u64, samples: u64) {
+    pub(crate) fn complete(&mut self, at: Instant, tokens: u64, samples: u64) {
         self.recent.push_back((at, tokens, samples));
         self.total_steps += 1;
         self.total_tokens += tokens;
@@ -73,7 +73,7 @@ impl RateWindow {
 
     /// The work completed in the window ending at `now`, over the window's length (or the time
     /// since the origin, while that is shorter).
-    pub fn windowed(&self, now: Instant) -> Rates {
+    pub(crate) fn windowed(&self, now: Instant) -> Rates {
         let span = now.saturating_duration_since(self.origin).min(self.window);
         let from = now.checked_sub(span).unwrap_or(self.origin);
         let (mut steps, mut tokens, mut samples) = (0u64, 0u64, 0u64);
@@ -88,7 +88,7 @@ impl RateWindow {
     }
 
     /// The work completed since the origin, over the time since the origin.
-    pub fn whole_run(&self, now: Instant) -> Rates {
+    pub(crate) fn whole_run(&self, now: Instant) -> Rates {
         per_second(
             self.total_steps,
             self.total_tokens,
@@ -99,14 +99,14 @@ impl RateWindow {
 
     /// The whole-run average up to the last completed step (a finished run's rates, which
     /// do not decay while its screen stays open).
-    pub fn final_rates(&self) -> Rates {
+    pub(crate) fn final_rates(&self) -> Rates {
         self.last_at
             .map_or(Rates::default(), |last| self.whole_run(last))
     }
 
     /// Seconds for `remaining` steps at the window's step rate; None while no step completed in
     /// the window.
-    pub fn eta_s(&self, now: Instant, remaining: u64) -> Option<f64> {
+    pub(crate) fn eta_s(&self, now: Instant, remaining: u64) -> Option<f64> {
         let rates = self.windowed(now);
         (rates.steps_per_s > 0.0).then(|| remaining as f64 / rates.steps_per_s)
     }

@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{anyhow, Context, Result};
 use serde::{Deserialize, Serialize};
 
-pub mod chat_template;
+pub(crate) mod chat_template;
 
 pub use chat_template::ChatTemplate;
 

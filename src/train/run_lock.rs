@@ -5,22 +5,21 @@
 use std::fs::File;
 use std::io::{Read, Seek, Write};
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result};
 
-pub const LOCK_NAME: &str = ".lock";
+pub(crate) const LOCK_NAME: &str = ".lock";
 
 /// The held lock; released when dropped (or when the process ends).
 #[derive(Debug)]
-pub struct RunLock {
+pub(crate) struct RunLock {
     _file: File,
-    pub path: PathBuf,
 }
 
 impl RunLock {
     /// Takes the lock of `run_dir`, or fails naming the PID of the trainer that holds it.
-    pub fn acquire(run_dir: &Path) -> Result<RunLock> {
+    pub(crate) fn acquire(run_dir: &Path) -> Result<RunLock> {
         let path = run_dir.join(LOCK_NAME);
         let mut file = std::fs::OpenOptions::new()
             .read(true)
@@ -42,12 +41,12 @@ impl RunLock {
             .and_then(|_| file.rewind())
             .and_then(|_| writeln!(file, "{}", std::process::id()))
             .with_context(|| format!("{}: cannot write the lock file", path.display()))?;
-        Ok(RunLock { _file: file, path })
+        Ok(RunLock { _file: file })
     }
 
     /// The PID of the trainer that holds `run_dir`, if one is alive. Read from the lock file
     /// without locking it (a viewer's peek must never make a starting trainer fail).
-    pub fn holder(run_dir: &Path) -> Option<u32> {
+    pub(crate) fn holder(run_dir: &Path) -> Option<u32> {
         let text = std::fs::read_to_string(run_dir.join(LOCK_NAME)).ok()?;
         let pid: u32 = text.trim().parse().ok()?;
         // The PID of a trainer that is gone may be another process's now: it must be ours.
@@ -58,7 +57,7 @@ impl RunLock {
 
     /// Fails as [`RunLock::acquire`] does when a trainer holds the lock of `run_dir`, but
     /// creates and writes nothing (for checks that must leave a run directory as it was).
-    pub fn check_free(run_dir: &Path) -> Result<()> {
+    pub(crate) fn check_free(run_dir: &Path) -> Result<()> {
         let Ok(mut file) = File::open(run_dir.join(LOCK_NAME)) else {
             return Ok(());
         };

@@ -30,7 +30,7 @@ pub(super) struct ChunkOutput {
 }
 
 /// `<OUT>.partial` beside `<OUT>`.
-pub fn partial_dir(out: &Path) -> Result<PathBuf> {
+pub(crate) fn partial_dir(out: &Path) -> Result<PathBuf> {
     let name = out
         .file_name()
         .with_context(|| format!("{}: not a usable folder name", out.display()))?

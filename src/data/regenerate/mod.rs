@@ -24,9 +24,8 @@ mod progress;
 mod rows;
 mod summary;
 
-pub use chunks::partial_dir;
-pub use rows::answer_seed;
-pub use summary::{RegenerateStats, RegenerateSummary};
+pub(crate) use chunks::partial_dir;
+pub(crate) use summary::RegenerateSummary;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -46,7 +45,7 @@ use progress::Progress;
 
 /// Options of `regenerate`.
 #[derive(Debug, Clone)]
-pub struct RegenerateOptions {
+pub(crate) struct RegenerateOptions {
     pub max_new_tokens: usize,
     pub batch_size: usize,
     /// Regenerate at most this many assistant turns per row; later turns are dropped.
@@ -154,7 +153,7 @@ fn check_output_free(out: &Path) -> Result<()> {
 
 /// Runs `regenerate`: every pending chunk on `devices` (one worker and one loaded target per
 /// device), then assembles the output.
-pub fn regenerate(
+pub(crate) fn regenerate(
     target: &Path,
     input: &Path,
     out: &Path,

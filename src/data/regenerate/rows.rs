@@ -31,7 +31,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 /// The sampling seed of one answer: from the run's seed, the row id and the turn.
-pub fn answer_seed(seed: u64, row_id: &str, turn: usize) -> u64 {
+pub(crate) fn answer_seed(seed: u64, row_id: &str, turn: usize) -> u64 {
     splitmix64(seed ^ splitmix64(fnv1a(row_id.as_bytes()) ^ splitmix64(turn as u64)))
 }
 

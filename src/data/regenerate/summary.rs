@@ -8,7 +8,7 @@ use crate::data::arrow_io::SplitSummary;
 
 /// Counts of one chunk, or of the whole run.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct RegenerateStats {
+pub(crate) struct RegenerateStats {
     pub rows_in: usize,
     pub rows_out: usize,
     /// reason -> rows skipped
@@ -65,7 +65,7 @@ impl RegenerateStats {
 
 /// What `regenerate` did.
 #[derive(Debug, Clone)]
-pub struct RegenerateSummary {
+pub(crate) struct RegenerateSummary {
     /// The finished dataset; `None` when the run stopped before every chunk was done.
     pub out_dir: Option<PathBuf>,
     pub partial_dir: PathBuf,

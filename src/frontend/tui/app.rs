@@ -92,7 +92,7 @@ const POLL: Duration = Duration::from_millis(250);
 /// Runs the control room of the run in `run_dir` until the operator leaves it, the run has
 /// ended and a key was pressed, or `close` is set (the trainer's terminal is gone, or a signal
 /// stopped the run).
-pub fn run(run_dir: &Path, viewer: Viewer, close: &AtomicBool) -> Result<()> {
+pub(crate) fn run(run_dir: &Path, viewer: Viewer, close: &AtomicBool) -> Result<()> {
     let mut feed = RunFeed::new(run_dir);
     let first = feed.poll();
     let snapshot = first

@@ -22,7 +22,7 @@ const RECONNECT: Duration = Duration::from_secs(1);
 const LOG_BACKLOG_BYTES: u64 = 64 * 1024;
 
 /// New lines of a growing log file.
-pub struct LogTail {
+pub(crate) struct LogTail {
     path: PathBuf,
     pos: u64,
     /// A line not yet ended by a newline.
@@ -31,7 +31,7 @@ pub struct LogTail {
 
 impl LogTail {
     /// Starts at the last [`LOG_BACKLOG_BYTES`] of `path` (or its beginning when shorter).
-    pub fn open(path: &Path) -> Self {
+    pub(crate) fn open(path: &Path) -> Self {
         let len = std::fs::metadata(path).map_or(0, |m| m.len());
         LogTail {
             path: path.to_path_buf(),
@@ -41,7 +41,7 @@ impl LogTail {
     }
 
     /// The complete lines written since the last call.
-    pub fn poll(&mut self) -> Vec<String> {
+    pub(crate) fn poll(&mut self) -> Vec<String> {
         let Ok(mut file) = std::fs::File::open(&self.path) else {
             return Vec::new();
         };
@@ -72,7 +72,7 @@ impl LogTail {
 }
 
 /// A run as a screen sees it.
-pub struct RunFeed {
+pub(crate) struct RunFeed {
     run_dir: PathBuf,
     client: Option<ControlClient>,
     last_try: Option<Instant>,
@@ -81,7 +81,7 @@ pub struct RunFeed {
 }
 
 /// One look at the run.
-pub struct FeedUpdate {
+pub(crate) struct FeedUpdate {
     pub snapshot: Option<Snapshot>,
     /// Why the snapshot is not live (None when it is).
     pub offline: Option<String>,
@@ -89,7 +89,7 @@ pub struct FeedUpdate {
 }
 
 impl RunFeed {
-    pub fn new(run_dir: &Path) -> Self {
+    pub(crate) fn new(run_dir: &Path) -> Self {
         RunFeed {
             run_dir: run_dir.to_path_buf(),
             client: None,
@@ -109,7 +109,7 @@ impl RunFeed {
 
     /// Asks the trainer for its state (the step records after the newest already here); reads
     /// the recorded run when no trainer answers.
-    pub fn poll(&mut self) -> FeedUpdate {
+    pub(crate) fn poll(&mut self) -> FeedUpdate {
         let log = self.log.poll();
         let since = self.history.last().map(|r| r.step);
         let query = Command::Snapshot { since }.to_string();
@@ -154,7 +154,7 @@ impl RunFeed {
     }
 
     /// Sends a command to the trainer.
-    pub fn send(&mut self, command: &Command) -> Result<String, String> {
+    pub(crate) fn send(&mut self, command: &Command) -> Result<String, String> {
         let words = command.to_string();
         let Some(client) = self.connected() else {
             return Err(format!("{command}: no trainer runs in this run directory"));
@@ -194,7 +194,7 @@ impl RunFeed {
 /// A snapshot of the run from `metrics.jsonl` and `config.toml`: its charts, evaluations,
 /// last profile and queues, and its summary when it has one. `running`: a trainer holds the
 /// run (starting up), so no summary means it is still to come.
-pub fn recorded_snapshot(run_dir: &Path, running: bool) -> Option<Snapshot> {
+pub(crate) fn recorded_snapshot(run_dir: &Path, running: bool) -> Option<Snapshot> {
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).ok()?;
     let config = crate::config::load(&run_dir.join("config.toml"), &[]).ok();
     let mut snap = Snapshot {

@@ -4,9 +4,9 @@
 //! render (`render/`, one file per panel, and the number formats the panels share), and a
 //! synthetic state for the render benchmark (`sample`).
 
-pub mod app;
-pub mod feed;
+pub(crate) mod app;
+pub(crate) mod feed;
 pub mod render;
-pub mod sample;
+pub(crate) mod sample;
 pub mod state;
-pub mod update;
+pub(crate) mod update;

@@ -9,7 +9,7 @@ use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, Validat
 use super::state::AppState;
 
 /// A training run `steps` long, with smooth curves and full telemetry.
-pub fn synthetic_state(steps: usize, gpus: usize) -> AppState {
+pub(crate) fn synthetic_state(steps: usize, gpus: usize) -> AppState {
     let history = step_history(steps);
     let snapshot = Snapshot {
         run_name: "bench".into(),

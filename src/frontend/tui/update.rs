@@ -11,7 +11,7 @@ use super::state::{AppState, Mode, Viewer, QUIT_CHOICES, ZOOM_LEVELS};
 
 /// A key, independent of the terminal library.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Key {
+pub(crate) enum Key {
     Char(char),
     Enter,
     Esc,
@@ -28,10 +28,8 @@ pub enum Key {
 
 /// Everything that can happen to the control room.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Action {
+pub(crate) enum Action {
     Key(Key),
-    /// A command to send as it is (not typed on this screen).
-    Command(Command),
     /// New telemetry.
     Telemetry(Box<Snapshot>),
     /// The reply to a command that was sent.
@@ -44,7 +42,7 @@ pub enum Action {
 
 /// What the front end must do after an update.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Effect {
+pub(crate) enum Effect {
     /// Send a command to the trainer (its reply comes back as `Action::Reply`).
     Send(Command),
 }
@@ -57,7 +55,7 @@ fn run_ended(phase: Phase) -> bool {
 
 /// Applies one action. A read-only viewer sends queries only; what else it would send is
 /// answered on its status line.
-pub fn update(state: &mut AppState, action: Action) -> Vec<Effect> {
+pub(crate) fn update(state: &mut AppState, action: Action) -> Vec<Effect> {
     let effects = apply(state, action);
     if !state.read_only() {
         return effects;
@@ -106,7 +104,6 @@ fn apply(state: &mut AppState, action: Action) -> Vec<Effect> {
             });
             vec![]
         }
-        Action::Command(cmd) => vec![Effect::Send(cmd)],
         Action::Key(key) => on_key(state, key),
     }
 }
@@ -470,10 +467,6 @@ mod tests {
         );
         update(&mut s, Action::Reply(Err("nope".into())));
         assert_eq!(s.status, Some(("nope".into(), true)));
-        assert_eq!(
-            update(&mut s, Action::Command(Command::Checkpoint)),
-            vec![Effect::Send(Command::Checkpoint)]
-        );
     }
 
     #[test]
@@ -501,11 +494,6 @@ mod tests {
                 .as_ref()
                 .is_some_and(|(m, err)| *err && m.contains("read-only")));
         }
-        assert_eq!(
-            update(&mut s, Action::Command(Command::Status)),
-            vec![Effect::Send(Command::Status)],
-            "queries pass"
-        );
         assert_eq!(update(&mut s, Action::Key(Key::Char('q'))), vec![]);
         assert!(s.quit, "q leaves at once");
     }

@@ -22,11 +22,11 @@ use tch::Device;
 
 use super::collective::{ParamsMsg, ReplicaSync};
 use super::command::Command;
-use super::device_event::DeviceEvents;
 use super::queue::{QueueName, ResizableQueue};
 use crate::config::TrainConfig;
 use crate::data::packer::Packer;
 use crate::data::store::TokenStore;
+use crate::device_event::DeviceEvents;
 use crate::model::{Drafter, FrozenHead, SharedTarget};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::profile::{ProfileReport, ProfileStats, StageWorkers};
