@@ -88,7 +88,7 @@ impl TorchRuntime {
     /// Resolves a device name: `auto` (first GPU if any, else CPU), `cpu`, `cuda`, `cuda:N`.
     /// `auto`, `cpu`, `cuda`, `cuda:N`, or a comma-separated list of distinct CUDA devices
     /// (one worker each).
-    pub fn device_list(&self, spec: &str) -> Result<Vec<tch::Device>> {
+    pub(crate) fn device_list(&self, spec: &str) -> Result<Vec<tch::Device>> {
         let mut devices = Vec::new();
         for name in spec.split(',') {
             let device = self.device(name)?;
@@ -201,7 +201,7 @@ fn load_cuda(libtorch_dir: Option<&Path>) -> CudaSupport {
 
 /// The libtorch version compiled into torch-sys' headers, from the link folder's marker or the
 /// Python package's version file.
-pub fn libtorch_version(libtorch_dir: Option<&Path>) -> Option<String> {
+pub(crate) fn libtorch_version(libtorch_dir: Option<&Path>) -> Option<String> {
     let dir = libtorch_dir?;
     // torch/lib/../version.py holds `__version__ = '2.11.0+cu130'`.
     let version_py = dir.parent()?.join("version.py");

@@ -72,7 +72,7 @@ pub(crate) unsafe fn check(err: *mut c_char) -> Result<()> {
 /// divided by `grad_scale` when one is given), moments; `state_step` holds the step count `t`
 /// after this step and `grad_scale` divides the gradient (each one Float element on the
 /// weights' device).
-pub struct AdamWTensors<'a> {
+pub(crate) struct AdamWTensors<'a> {
     pub param: &'a Tensor,
     pub grad: &'a Tensor,
     pub exp_avg: &'a Tensor,
@@ -82,7 +82,7 @@ pub struct AdamWTensors<'a> {
 }
 
 /// Learning rate and hyper-parameters of one fused AdamW step.
-pub struct AdamWRates {
+pub(crate) struct AdamWRates {
     pub lr: f64,
     pub beta1: f64,
     pub beta2: f64,
@@ -96,7 +96,7 @@ pub struct AdamWRates {
 /// `param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)`. Every tensor is
 /// checked first (defined, fp32, contiguous, one device, matching sizes; `state_step` and
 /// `grad_scale` one element), so a mismatch is an error, never an out-of-bounds access.
-pub fn fused_adamw(t: &AdamWTensors, rates: &AdamWRates) -> Result<()> {
+pub(crate) fn fused_adamw(t: &AdamWTensors, rates: &AdamWRates) -> Result<()> {
     let device = t.param.device();
     let size = t.param.size();
     let named = [
@@ -168,7 +168,7 @@ pub(crate) unsafe fn fused_adamw_unchecked(t: &AdamWTensors, r: &AdamWRates) -> 
 /// `zero_grad(set_to_none=True)`: the next backward pass stores its gradient instead of
 /// adding it to zeros that something had to write first. Should the shim refuse, the gradient
 /// is zeroed instead (the same for the next backward pass, one pass more).
-pub fn clear_grad(t: &Tensor) {
+pub(crate) fn clear_grad(t: &Tensor) {
     // SAFETY: a live tensor.
     if unsafe { check(ffi::dflash_clear_grad(t.as_ptr().cast())) }.is_err() {
         let mut g = t.grad();
@@ -180,7 +180,7 @@ pub fn clear_grad(t: &Tensor) {
 
 /// Whether [`flash_attention`] can take these inputs: GPU tensors of bf16 or f16, a head size
 /// that is a multiple of 8 up to 256, key/value heads dividing the query heads.
-pub fn flash_eligible(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+pub(crate) fn flash_eligible(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let on_gpu = |t: &Tensor| matches!(t.device(), Device::Cuda(_));
     let half = |t: &Tensor| matches!(t.kind(), Kind::BFloat16 | Kind::Half);
     let (Ok((_, heads, _, d)), Ok((_, kv_heads, _, _))) = (q.size4(), k.size4()) else {
@@ -219,7 +219,7 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Resu
 
 /// The lengths of a variable-length flash attention call (see [`flash_varlen`]): int32 tensors
 /// on the device, so that a captured CUDA graph can be replayed with new values.
-pub struct VarlenLengths<'a> {
+pub(crate) struct VarlenLengths<'a> {
     /// [batch + 1]: sequence b's queries are rows `cu_q[b] .. cu_q[b + 1]` of the query.
     pub cu_q: &'a Tensor,
     /// [batch + 1]: sequence b's keys start at row `cu_k[b]` of the key and value (the start of
@@ -239,7 +239,7 @@ pub struct VarlenLengths<'a> {
 /// sees keys up to s - n + i (new tokens see the cache and each other causally). Scale
 /// 1/sqrt(D); grouped-query heads natively; bf16 or f16 on a GPU. Nothing is planned per shape,
 /// and with the lengths in device tensors the call can be captured in a CUDA graph.
-pub fn flash_varlen(
+pub(crate) fn flash_varlen(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

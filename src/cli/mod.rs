@@ -25,7 +25,7 @@ mod train;
     version,
     about = "Train DFlash speculative-decoding drafters and steer the training live"
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Log level for messages on stderr (error, warn, info, debug, trace).
     #[arg(long, global = true, default_value = "info", env = "DFLASH_LOG")]
     pub log_level: String,

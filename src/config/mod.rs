@@ -260,7 +260,7 @@ impl Default for TrainSection {
 impl TrainSection {
     /// The loss-decay gamma in use: `loss_decay_gamma` when set (> 0), otherwise the DFlash
     /// default for the block size: 7 for 16, 5 for 10, 4 for 8, else `block_size * 7 / 16`.
-    pub fn effective_gamma(&self, block_size: i64) -> f64 {
+    pub(crate) fn effective_gamma(&self, block_size: i64) -> f64 {
         if self.loss_decay_gamma > 0.0 {
             return self.loss_decay_gamma;
         }
@@ -308,7 +308,7 @@ impl Default for DevicesSection {
 
 impl TrainConfig {
     /// Batches drafter replica `replica` trains per optimiser step.
-    pub fn replica_batches(&self, replica: usize) -> usize {
+    pub(crate) fn replica_batches(&self, replica: usize) -> usize {
         self.devices
             .drafter_batches
             .get(replica)
@@ -317,7 +317,7 @@ impl TrainConfig {
     }
 
     /// Batches per optimiser step over all drafter replicas.
-    pub fn step_batches(&self) -> usize {
+    pub(crate) fn step_batches(&self) -> usize {
         (0..self.devices.drafter_devices.len().max(1))
             .map(|r| self.replica_batches(r))
             .sum()
@@ -326,7 +326,7 @@ impl TrainConfig {
 
 /// The most items a pipeline queue may hold: `pipeline.*_queue_depth` in the config and
 /// `queue NAME DEPTH` at run time (a batch_q of a million batches grew memory by 3.5 GB).
-pub const MAX_QUEUE_DEPTH: usize = 1024;
+pub(crate) const MAX_QUEUE_DEPTH: usize = 1024;
 
 /// `[pipeline]`: capacities of the queues between the background stages.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -500,7 +500,7 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<TrainConfig> {
 
 /// Parses configuration text (`source` names it in messages, usually the file path), applies
 /// the `--set key=value` overrides and checks the result.
-pub fn from_toml_str(text: &str, source: &str, overrides: &[String]) -> Result<TrainConfig> {
+pub(crate) fn from_toml_str(text: &str, source: &str, overrides: &[String]) -> Result<TrainConfig> {
     let mut table: toml::Table = toml::from_str(text).map_err(|e| {
         let at = e
             .span()
@@ -526,7 +526,7 @@ pub fn from_toml_str(text: &str, source: &str, overrides: &[String]) -> Result<T
 
 impl TrainConfig {
     /// The drafter's shape as `[model]` asks for it (target_layer_ids empty: the formula's).
-    pub fn drafter_shape(&self) -> crate::model::DrafterShape {
+    pub(crate) fn drafter_shape(&self) -> crate::model::DrafterShape {
         crate::model::DrafterShape {
             layers: self.model.drafter_layers,
             block_size: self.model.block_size,
@@ -539,7 +539,7 @@ impl TrainConfig {
 
     /// The configuration as TOML with every field written out; [`from_toml_str`] reads it back
     /// to an equal configuration.
-    pub fn to_toml_string(&self) -> Result<String> {
+    pub(crate) fn to_toml_string(&self) -> Result<String> {
         let body = toml::to_string(self).map_err(|e| anyhow!("config: cannot write TOML: {e}"))?;
         Ok(format!(
             "# dflash-tui training configuration, resolved (every field written out)\n\n{body}"

@@ -49,7 +49,7 @@ impl TokenColumn {
 
 /// A `DatasetDict` folder (with `dataset_dict.json`) stands for one of its splits: `split`, or
 /// "train" when none is named. Any other path stands for itself.
-pub fn resolve_split(path: &Path, split: Option<&str>) -> Result<PathBuf> {
+pub(crate) fn resolve_split(path: &Path, split: Option<&str>) -> Result<PathBuf> {
     let dict = path.join("dataset_dict.json");
     if !dict.is_file() {
         if let Some(s) = split {
@@ -86,7 +86,7 @@ pub fn resolve_split(path: &Path, split: Option<&str>) -> Result<PathBuf> {
 
 /// The split names listed in `path/dataset_dict.json`, or `None` when `path` is not a dataset
 /// with splits.
-pub fn split_names(path: &Path) -> Result<Option<Vec<String>>> {
+pub(crate) fn split_names(path: &Path) -> Result<Option<Vec<String>>> {
     let dict = path.join("dataset_dict.json");
     if !dict.is_file() {
         return Ok(None);
@@ -110,7 +110,7 @@ pub fn split_names(path: &Path) -> Result<Option<Vec<String>>> {
 }
 
 /// The files that make up a dataset at `path`, in order.
-pub fn dataset_files(path: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn dataset_files(path: &Path) -> Result<Vec<PathBuf>> {
     let path = &resolve_split(path, None)?;
     if path.is_file() {
         return Ok(vec![path.to_path_buf()]);
@@ -160,12 +160,12 @@ pub fn dataset_files(path: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// The record batches of one file, read one at a time.
-pub type BatchReader =
+pub(crate) type BatchReader =
     Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow::error::ArrowError>>>;
 
 /// Opens one Arrow IPC (file or stream) or Parquet file for reading its record batches in
 /// order (the schema is read here, the data as the batches are taken).
-pub fn batch_reader(path: &Path) -> Result<BatchReader> {
+pub(crate) fn batch_reader(path: &Path) -> Result<BatchReader> {
     let mut file = File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
     let mut magic = [0u8; 6];
     let n = file.read(&mut magic).unwrap_or(0);
@@ -213,7 +213,7 @@ pub(crate) struct ListColumn {
 /// without `input_ids` is not a prepared dataset); the error reaches them inside an
 /// `anyhow::Error`, where `downcast_ref::<ColumnError>()` finds it.
 #[derive(Debug, thiserror::Error)]
-pub enum ColumnError {
+pub(crate) enum ColumnError {
     #[error("{}: no column {column:?} (columns: {})", file.display(), columns.join(", "))]
     Missing {
         file: PathBuf,
@@ -237,7 +237,7 @@ pub enum ColumnError {
 
 impl ColumnError {
     /// Whether this is the column `name` missing.
-    pub fn is_missing(&self, name: &str) -> bool {
+    pub(crate) fn is_missing(&self, name: &str) -> bool {
         matches!(self, ColumnError::Missing { column, .. } if column == name)
     }
 }
@@ -317,7 +317,7 @@ pub struct TokenData {
 
 impl TokenData {
     /// `file: row r` for a global row index.
-    pub fn locate(&self, row: usize) -> String {
+    pub(crate) fn locate(&self, row: usize) -> String {
         match self.sources.iter().rev().find(|(_, first)| *first <= row) {
             Some((file, first)) => format!("{}: row {}", file.display(), row - first),
             None => format!("row {row}"),
@@ -458,7 +458,7 @@ pub fn read_string_column(path: &Path, column: &str) -> Result<Option<Vec<String
 
 /// Writes rows (id, input_ids, loss_mask) as one Arrow IPC stream file, in record batches of
 /// at most 1000 rows as `datasets` writes them; returns the bytes written.
-pub fn write_token_rows(path: &Path, rows: &[TokenRow<'_>]) -> Result<u64> {
+pub(crate) fn write_token_rows(path: &Path, rows: &[TokenRow<'_>]) -> Result<u64> {
     let batch = rows_batch(rows)?;
     let file = File::create(path).with_context(|| format!("{}: cannot write", path.display()))?;
     let mut writer =

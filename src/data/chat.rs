@@ -52,7 +52,7 @@ pub enum SkipReason {
 impl SkipReason {
     /// The group the summary counts the skip in: the variant's, or for
     /// [`SkipReason::Other`] its text up to the first ':'.
-    pub fn category(&self) -> String {
+    pub(crate) fn category(&self) -> String {
         match self {
             SkipReason::UnknownSpeaker { .. } => "unknown speaker".into(),
             SkipReason::NoAssistantToken { .. } => "no assistant token within max length".into(),

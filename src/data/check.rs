@@ -165,7 +165,7 @@ impl TokenScan {
     /// past the tokenizer's vocabulary (the tokenizer never produces it), else a special
     /// token named like a mask, an empty output or padding, else any special token, else the
     /// highest unused id.
-    pub fn unused_token(&self, tokenizer: Option<&tokenizers::Tokenizer>) -> Option<u32> {
+    pub(crate) fn unused_token(&self, tokenizer: Option<&tokenizers::Tokenizer>) -> Option<u32> {
         let unused = |id: u32| {
             id != self.mask_token && self.counts.get(id as usize).is_some_and(|&c| c == 0)
         };
@@ -197,7 +197,7 @@ impl TokenScan {
     /// the token (and its text, from the tokenizer of `model_dir` when it has one), how many
     /// trained positions hold it and the first, and suggests an unused token. `field` names
     /// where the token was set; `fix(id)` says how to set another.
-    pub fn refuse_trained_mask_token(
+    pub(crate) fn refuse_trained_mask_token(
         &self,
         field: &str,
         model_dir: &Path,

@@ -356,7 +356,7 @@ pub(crate) type ByteSpan = (usize, usize);
 
 impl TextTokenizer {
     /// Token ids and their byte offsets `(start, end)` in `text`.
-    pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<ByteSpan>)> {
+    pub(crate) fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<ByteSpan>)> {
         let enc = self
             .inner()
             .encode(text, false)

@@ -20,7 +20,7 @@ pub struct EpochSampler {
 }
 
 /// The permutation of `len` samples for one epoch.
-pub fn epoch_order(len: usize, seed: u64, epoch: u64) -> Vec<u32> {
+pub(crate) fn epoch_order(len: usize, seed: u64, epoch: u64) -> Vec<u32> {
     let mut order: Vec<u32> = (0..len as u32).collect();
     // Mixing the epoch into the seed keeps epochs independent and reproducible.
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
@@ -61,7 +61,7 @@ impl EpochSampler {
     }
 
     /// Starts the next epoch.
-    pub fn next_epoch(&mut self) {
+    pub(crate) fn next_epoch(&mut self) {
         self.state = SamplerState {
             epoch: self.state.epoch + 1,
             position: 0,

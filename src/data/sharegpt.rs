@@ -55,7 +55,7 @@ impl Conversation {
 
 /// How reading a ShareGPT array went.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RecoveryReport {
+pub(crate) struct RecoveryReport {
     /// Complete elements seen (kept + skipped).
     pub records_seen: usize,
     /// Elements that are valid JSON but not ShareGPT records, with the reason (first few).
@@ -77,7 +77,7 @@ fn skip_ws(bytes: &[u8], mut pos: usize) -> usize {
 
 /// Reads every complete element of the JSON array in `bytes`, stopping cleanly where the input
 /// is cut off. `source` names the input in messages.
-pub fn parse_values(
+pub(crate) fn parse_values(
     bytes: &[u8],
     source: &str,
 ) -> Result<(Vec<serde_json::Value>, RecoveryReport)> {
@@ -139,7 +139,7 @@ pub fn parse_values(
 
 /// Reads every complete conversation from the JSON array in `bytes`; elements that are not
 /// ShareGPT records are skipped and counted.
-pub fn parse_conversations(
+pub(crate) fn parse_conversations(
     bytes: &[u8],
     source: &str,
 ) -> Result<(Vec<Conversation>, RecoveryReport)> {
@@ -161,13 +161,13 @@ pub fn parse_conversations(
 }
 
 /// Reads a ShareGPT JSON file (see [`parse_conversations`]).
-pub fn read_conversations(path: &Path) -> Result<(Vec<Conversation>, RecoveryReport)> {
+pub(crate) fn read_conversations(path: &Path) -> Result<(Vec<Conversation>, RecoveryReport)> {
     let bytes = std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
     parse_conversations(&bytes, &path.display().to_string())
 }
 
 /// Writes conversations as JSON lines (one ShareGPT record per line), atomically.
-pub fn write_jsonl(conversations: &[Conversation], path: &Path) -> Result<()> {
+pub(crate) fn write_jsonl(conversations: &[Conversation], path: &Path) -> Result<()> {
     let parent = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => std::path::PathBuf::from("."),

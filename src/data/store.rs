@@ -79,7 +79,7 @@ impl TokenStore {
     }
 
     /// Validates (ids below the vocabulary) and applies the cut and drop rules.
-    pub fn from_data(data: &TokenData, opts: &StoreOptions) -> Result<(Self, LoadReport)> {
+    pub(crate) fn from_data(data: &TokenData, opts: &StoreOptions) -> Result<(Self, LoadReport)> {
         let mut store = TokenStore {
             tokens: Vec::with_capacity(data.ids.tokens.len()),
             masks: Vec::with_capacity(data.ids.tokens.len()),

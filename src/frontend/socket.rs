@@ -29,7 +29,7 @@ use crate::pipeline::command::{quote, Command};
 pub const SOCKET_NAME: &str = "control.sock";
 
 /// Bytes of a Unix socket address's path (`sun_path`), the terminating NUL included.
-pub const SOCKET_PATH_MAX: usize = 108;
+pub(crate) const SOCKET_PATH_MAX: usize = 108;
 
 /// How long a command waits for the trainer's answer.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -68,7 +68,7 @@ pub struct Request {
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-pub struct WireRequest {
+pub(crate) struct WireRequest {
     pub command: String,
 }
 
@@ -115,7 +115,7 @@ impl WireReply {
 
 /// Checks that `RUN_DIR/control.sock` fits a Unix socket address, before anything is loaded
 /// (a socket that cannot be created left `ctl` saying no trainer runs while it trained).
-pub fn check_socket_path(run_dir: &Path) -> Result<()> {
+pub(crate) fn check_socket_path(run_dir: &Path) -> Result<()> {
     let path = run_dir.join(SOCKET_NAME);
     let len = path.as_os_str().len();
     if len < SOCKET_PATH_MAX {
@@ -149,7 +149,7 @@ impl Drop for ControlSocket {
 }
 
 /// Binds `RUN_DIR/control.sock` and serves it on a background thread, forwarding requests.
-pub fn serve(run_dir: &Path, requests: Sender<Request>) -> Result<ControlSocket> {
+pub(crate) fn serve(run_dir: &Path, requests: Sender<Request>) -> Result<ControlSocket> {
     serve_with(run_dir, requests, Limits::default())
 }
 
@@ -513,13 +513,13 @@ pub fn send(run_dir: &Path, command: &str) -> Result<WireReply> {
 }
 
 /// A connection kept open for many requests (a screen polls the run several times a second).
-pub struct ControlClient {
+pub(crate) struct ControlClient {
     reader: BufReader<UnixStream>,
 }
 
 impl ControlClient {
     /// Connects to the run's socket; fails when no trainer serves it.
-    pub fn connect(run_dir: &Path) -> Result<Self> {
+    pub(crate) fn connect(run_dir: &Path) -> Result<Self> {
         check_socket_path(run_dir)?;
         let path = run_dir.join(SOCKET_NAME);
         let stream = UnixStream::connect(&path)
@@ -532,7 +532,7 @@ impl ControlClient {
     }
 
     /// Sends one command line and reads its reply.
-    pub fn request(&mut self, command: &str) -> Result<WireReply> {
+    pub(crate) fn request(&mut self, command: &str) -> Result<WireReply> {
         let request = serde_json::to_string(&WireRequest {
             command: command.to_string(),
         })?;

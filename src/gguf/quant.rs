@@ -25,9 +25,9 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
-    pub const SUPPORTED_NAMES: &'static str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
+    pub(crate) const SUPPORTED_NAMES: &'static str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
 
-    pub fn from_id(id: u32) -> Self {
+    pub(crate) fn from_id(id: u32) -> Self {
         match id {
             0 => GgmlType::F32,
             1 => GgmlType::F16,
@@ -65,7 +65,7 @@ impl GgmlType {
 
     /// Bytes that `elements` values occupy, if the type is supported and the count fits whole
     /// blocks.
-    pub fn byte_size(self, elements: u64) -> Option<u64> {
+    pub(crate) fn byte_size(self, elements: u64) -> Option<u64> {
         let (per_block, bytes) = self.block()?;
         if !elements.is_multiple_of(per_block) {
             return None;

@@ -113,7 +113,7 @@ impl MetaValue {
         }
     }
 
-    pub fn as_bool(&self) -> Option<bool> {
+    pub(crate) fn as_bool(&self) -> Option<bool> {
         match *self {
             MetaValue::Bool(b) => Some(b),
             _ => None,
@@ -140,12 +140,12 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
-    pub fn element_count(&self) -> u64 {
+    pub(crate) fn element_count(&self) -> u64 {
         self.dims.iter().product()
     }
 
     /// The shape in PyTorch / safetensors order (slowest dimension first).
-    pub fn torch_shape(&self) -> Vec<usize> {
+    pub(crate) fn torch_shape(&self) -> Vec<usize> {
         self.dims.iter().rev().map(|&d| d as usize).collect()
     }
 }
@@ -384,7 +384,7 @@ impl GgufFile {
     }
 
     /// The raw (possibly quantised) bytes of a tensor.
-    pub fn tensor_bytes(&self, info: &TensorInfo) -> Result<&[u8], GgufError> {
+    pub(crate) fn tensor_bytes(&self, info: &TensorInfo) -> Result<&[u8], GgufError> {
         let size = info
             .ggml_type
             .byte_size(info.element_count())
@@ -425,7 +425,7 @@ impl GgufFile {
         }
     }
 
-    pub fn require_u64(&self, key: &str) -> Result<u64, GgufError> {
+    pub(crate) fn require_u64(&self, key: &str) -> Result<u64, GgufError> {
         let v = self
             .get(key)
             .ok_or_else(|| self.missing(key, "is missing"))?;
@@ -433,14 +433,14 @@ impl GgufFile {
             .ok_or_else(|| self.missing(key, &format!("must be an unsigned integer, found {v:?}")))
     }
 
-    pub fn optional_u64(&self, key: &str) -> Result<Option<u64>, GgufError> {
+    pub(crate) fn optional_u64(&self, key: &str) -> Result<Option<u64>, GgufError> {
         match self.get(key) {
             None => Ok(None),
             Some(_) => self.require_u64(key).map(Some),
         }
     }
 
-    pub fn optional_f64(&self, key: &str) -> Result<Option<f64>, GgufError> {
+    pub(crate) fn optional_f64(&self, key: &str) -> Result<Option<f64>, GgufError> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -450,7 +450,7 @@ impl GgufFile {
         }
     }
 
-    pub fn require_str(&self, key: &str) -> Result<&str, GgufError> {
+    pub(crate) fn require_str(&self, key: &str) -> Result<&str, GgufError> {
         let v = self
             .get(key)
             .ok_or_else(|| self.missing(key, "is missing"))?;
@@ -458,7 +458,7 @@ impl GgufFile {
             .ok_or_else(|| self.missing(key, "must be a string"))
     }
 
-    pub fn string_array(&self, key: &str) -> Result<Vec<String>, GgufError> {
+    pub(crate) fn string_array(&self, key: &str) -> Result<Vec<String>, GgufError> {
         let v = self
             .get(key)
             .ok_or_else(|| self.missing(key, "is missing"))?;
@@ -475,7 +475,7 @@ impl GgufFile {
             .collect()
     }
 
-    pub fn i64_array(&self, key: &str) -> Result<Option<Vec<i64>>, GgufError> {
+    pub(crate) fn i64_array(&self, key: &str) -> Result<Option<Vec<i64>>, GgufError> {
         let Some(v) = self.get(key) else {
             return Ok(None);
         };

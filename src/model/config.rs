@@ -20,14 +20,14 @@ pub enum Family {
 
 impl Family {
     /// Whether q/k/v projections carry biases.
-    pub fn qkv_bias(self, config_attention_bias: bool) -> bool {
+    pub(crate) fn qkv_bias(self, config_attention_bias: bool) -> bool {
         match self {
             Family::Qwen2 => true,
             Family::Llama | Family::Qwen3 => config_attention_bias,
         }
     }
 
-    pub fn qk_norm(self) -> bool {
+    pub(crate) fn qk_norm(self) -> bool {
         self == Family::Qwen3
     }
 }

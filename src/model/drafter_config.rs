@@ -116,7 +116,7 @@ impl DrafterConfig {
     }
 
     /// Reads `DIR/config.json`.
-    pub fn from_dir(dir: &Path) -> Result<Self> {
+    pub(crate) fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         if !path.is_file() {
             bail!(
@@ -152,7 +152,7 @@ impl DrafterConfig {
     }
 
     /// The rotary / norm settings in target-config form (the layers module builds from it).
-    pub fn as_rope_config(&self) -> TargetConfig {
+    pub(crate) fn as_rope_config(&self) -> TargetConfig {
         TargetConfig {
             model_type: "qwen3".into(),
             hidden_size: self.hidden_size,
@@ -239,7 +239,7 @@ impl DrafterConfig {
     }
 
     /// The drafter must have the target's dimensions and vocabulary.
-    pub fn check_against(&self, target: &TargetConfig) -> Result<()> {
+    pub(crate) fn check_against(&self, target: &TargetConfig) -> Result<()> {
         for (name, drafter, target) in [
             ("hidden_size", self.hidden_size, target.hidden_size),
             ("vocab_size", self.vocab_size, target.vocab_size),

@@ -91,7 +91,7 @@ impl RopeTable {
 /// The weights of one attention layer. Biases exist for Qwen2; q/k norms for Qwen3 and the
 /// drafter.
 #[derive(Debug)]
-pub struct AttentionWeights {
+pub(crate) struct AttentionWeights {
     pub q_proj: Tensor,
     pub k_proj: Tensor,
     pub v_proj: Tensor,
@@ -113,7 +113,7 @@ impl AttentionWeights {
     /// Stores q, k and v as one matrix and makes the three projections views of it (no extra
     /// memory): one matrix product instead of three per forward, where each costs more to
     /// launch than to run (decoding). For frozen weights only (the views are not leaves).
-    pub fn fuse(&mut self) {
+    pub(crate) fn fuse(&mut self) {
         let w = Tensor::cat(&[&self.q_proj, &self.k_proj, &self.v_proj], 0);
         let (nq, nk) = (self.q_proj.size()[0], self.k_proj.size()[0]);
         let nv = self.v_proj.size()[0];
@@ -145,7 +145,7 @@ impl AttentionWeights {
     /// one rotation for both (decoding steps cost their kernel launches). The norm then rounds
     /// twice, as Hugging Face's does (normalised, then times the weight).
     #[allow(clippy::too_many_arguments)]
-    pub fn project_qkv_rotated(
+    pub(crate) fn project_qkv_rotated(
         &self,
         x: &Tensor,
         heads: i64,
@@ -180,7 +180,7 @@ impl AttentionWeights {
 
     /// Queries [B, heads, L, d], keys and values [B, kv_heads, L, d] of `x` [B, L, H], with the
     /// per-head norms where present (before any rotation).
-    pub fn project_qkv(
+    pub(crate) fn project_qkv(
         &self,
         x: &Tensor,
         heads: i64,
@@ -216,7 +216,13 @@ impl AttentionWeights {
 
     /// Keys (normed) and values [B, kv_heads, L, d] of `x` [B, L, H]: one matrix product when
     /// fused (the drafter's context).
-    pub fn project_kv(&self, x: &Tensor, kv_heads: i64, d: i64, eps: f64) -> (Tensor, Tensor) {
+    pub(crate) fn project_kv(
+        &self,
+        x: &Tensor,
+        kv_heads: i64,
+        d: i64,
+        eps: f64,
+    ) -> (Tensor, Tensor) {
         let Some((w, b)) = &self.fused else {
             return (self.keys(x, kv_heads, d, eps), self.values(x, kv_heads, d));
         };
@@ -258,7 +264,7 @@ impl AttentionWeights {
         y.transpose(1, 2)
     }
 
-    pub fn queries(&self, x: &Tensor, heads: i64, d: i64, eps: f64) -> Tensor {
+    pub(crate) fn queries(&self, x: &Tensor, heads: i64, d: i64, eps: f64) -> Tensor {
         Self::project(
             x,
             &self.q_proj,
@@ -270,7 +276,7 @@ impl AttentionWeights {
         )
     }
 
-    pub fn keys(&self, x: &Tensor, kv_heads: i64, d: i64, eps: f64) -> Tensor {
+    pub(crate) fn keys(&self, x: &Tensor, kv_heads: i64, d: i64, eps: f64) -> Tensor {
         Self::project(
             x,
             &self.k_proj,
@@ -282,7 +288,7 @@ impl AttentionWeights {
         )
     }
 
-    pub fn values(&self, x: &Tensor, kv_heads: i64, d: i64) -> Tensor {
+    pub(crate) fn values(&self, x: &Tensor, kv_heads: i64, d: i64) -> Tensor {
         Self::project(
             x,
             &self.v_proj,
@@ -295,7 +301,7 @@ impl AttentionWeights {
     }
 
     /// [B, heads, L, head_dim] attention output -> [B, L, H].
-    pub fn output(&self, attn: &Tensor) -> Tensor {
+    pub(crate) fn output(&self, attn: &Tensor) -> Tensor {
         let (batch, heads, len, d) = attn.size4().unwrap_or((0, 0, 0, 0));
         attn.transpose(1, 2)
             .contiguous()
@@ -303,7 +309,7 @@ impl AttentionWeights {
             .linear::<&Tensor>(&self.o_proj, None)
     }
 
-    pub fn tensors(&self) -> Vec<&Tensor> {
+    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
         let mut out = vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
         out.extend(
             [
@@ -322,7 +328,7 @@ impl AttentionWeights {
 
 /// SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
 #[derive(Debug)]
-pub struct Mlp {
+pub(crate) struct Mlp {
     pub gate_proj: Tensor,
     pub up_proj: Tensor,
     pub down_proj: Tensor,
@@ -332,7 +338,7 @@ pub struct Mlp {
 
 impl Mlp {
     /// Stores gate and up as one matrix (see [`AttentionWeights::fuse`]); frozen weights only.
-    pub fn fuse(&mut self) {
+    pub(crate) fn fuse(&mut self) {
         let w = Tensor::cat(&[&self.gate_proj, &self.up_proj], 0);
         let i = self.gate_proj.size()[0];
         self.gate_proj = w.narrow(0, 0, i);
@@ -340,7 +346,7 @@ impl Mlp {
         self.fused = Some(w);
     }
 
-    pub fn forward(&self, x: &Tensor) -> Tensor {
+    pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
         let gated = match &self.fused {
             Some(w) => {
                 let both = x.linear::<&Tensor>(w, None);
@@ -355,7 +361,7 @@ impl Mlp {
         gated.linear::<&Tensor>(&self.down_proj, None)
     }
 
-    pub fn tensors(&self) -> Vec<&Tensor> {
+    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
         vec![&self.gate_proj, &self.up_proj, &self.down_proj]
     }
 }
@@ -393,7 +399,7 @@ pub fn attention_with_bias(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) ->
 /// from pageable host memory to a GPU waits until the stream has finished all queued work;
 /// going through pinned memory with a non-blocking copy does not (libtorch's pinned-memory
 /// cache keeps the staging buffer until the copy is done). Other moves are plain `to_device`.
-pub fn upload(t: &Tensor, device: Device) -> Tensor {
+pub(crate) fn upload(t: &Tensor, device: Device) -> Tensor {
     if t.device() == device {
         t.shallow_clone()
     } else if t.device() == Device::Cpu && device.is_cuda() {

@@ -23,12 +23,12 @@ pub enum RopeScaling {
 }
 
 impl RopeScaling {
-    pub fn is_default(&self) -> bool {
+    pub(crate) fn is_default(&self) -> bool {
         *self == RopeScaling::Default
     }
 
     /// From the JSON value of the field (`rope_type`, or the older `type`, names the kind).
-    pub fn from_json(value: &Value) -> Result<Self, String> {
+    pub(crate) fn from_json(value: &Value) -> Result<Self, String> {
         if value.is_null() {
             return Ok(RopeScaling::Default);
         }
@@ -61,7 +61,7 @@ impl RopeScaling {
     }
 
     /// The field as Hugging Face configs write it.
-    pub fn to_json(self) -> Value {
+    pub(crate) fn to_json(self) -> Value {
         match self {
             RopeScaling::Default => Value::Null,
             RopeScaling::Linear { factor } => json!({"rope_type": "linear", "factor": factor}),

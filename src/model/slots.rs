@@ -29,7 +29,7 @@ pub enum SlotAttention {
 
 impl SlotAttention {
     /// Flash where the kernel takes the shapes, else dense.
-    pub fn for_model(device: Device, kind: Kind, heads: i64, kv_heads: i64, d: i64) -> Self {
+    pub(crate) fn for_model(device: Device, kind: Kind, heads: i64, kv_heads: i64, d: i64) -> Self {
         let half = matches!(kind, Kind::BFloat16 | Kind::Half);
         let heads_ok = kv_heads > 0 && heads % kv_heads == 0;
         if device.is_cuda() && half && d % 8 == 0 && d <= 256 && heads_ok {
@@ -75,7 +75,7 @@ struct UniformConstants {
 
 impl SlotCache {
     /// Uses `table` (from the model, covering the capacity) for the rotary angles.
-    pub fn with_rope(mut self, table: RopeTable) -> Self {
+    pub(crate) fn with_rope(mut self, table: RopeTable) -> Self {
         self.rope = Some(table);
         self
     }
@@ -196,7 +196,7 @@ impl SlotCache {
 
     /// Writes the keys and values `k`, `v` [n, layers, kv_heads, d] of every layer to the rows
     /// `rows` [n] at once (the drafter's context: the same rows in every layer).
-    pub fn write_all_layers(&mut self, k: &Tensor, v: &Tensor, rows: &Tensor) {
+    pub(crate) fn write_all_layers(&mut self, k: &Tensor, v: &Tensor, rows: &Tensor) {
         let _ = self.all_keys.index_copy_(1, rows, &k.transpose(0, 1));
         let _ = self.all_values.index_copy_(1, rows, &v.transpose(0, 1));
     }

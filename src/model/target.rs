@@ -213,7 +213,7 @@ impl TargetModel {
             .with_context(|| format!("{}: cannot build a random model", dir.display()))
     }
 
-    pub fn from_weights(
+    pub(crate) fn from_weights(
         config: TargetConfig,
         weights: &dyn WeightSource,
         device: Device,
@@ -520,7 +520,7 @@ impl TargetModel {
     /// values are written to the cache and each token attends causally to its sequence. Returns
     /// the float32 logits asked for by `logits` and the tapped features [n, K * H]. Built of
     /// tensor operations on device tensors only, so that a CUDA graph can capture it.
-    pub fn forward_slots(
+    pub(crate) fn forward_slots(
         &self,
         ids: &Tensor,
         batch: &SlotBatch,

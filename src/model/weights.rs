@@ -151,7 +151,7 @@ impl safetensors::View for &TensorBytes {
 /// Writes tensors to a safetensors file with the `{"format": "pt"}` metadata that
 /// `transformers` expects.
 /// Where a model's tensors come from: weight files, or a seeded random initialisation.
-pub trait WeightSource {
+pub(crate) trait WeightSource {
     fn contains(&self, name: &str) -> bool;
     fn load(&self, name: &str, shape: &[i64], kind: Kind, device: Device) -> Result<Tensor>;
 }

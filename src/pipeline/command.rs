@@ -8,7 +8,7 @@ use crate::config::MAX_QUEUE_DEPTH;
 
 /// The shortest non-zero ProfileStats interval: a report is a table in the log, and 0.001 s
 /// would write a thousand a second.
-pub const MIN_PROFILE_INTERVAL_S: f64 = 1.0;
+pub(crate) const MIN_PROFILE_INTERVAL_S: f64 = 1.0;
 
 /// Characters of a user's text quoted back in an error (a 10 MB line was echoed whole).
 const QUOTE_CHARS: usize = 40;
@@ -44,7 +44,7 @@ pub enum Command {
 
 impl Command {
     /// Queries read the run's state and change nothing: a read-only viewer may send them.
-    pub fn is_query(&self) -> bool {
+    pub(crate) fn is_query(&self) -> bool {
         matches!(self, Command::Status | Command::Snapshot { .. })
     }
 }
@@ -120,7 +120,7 @@ fn parse_profile(secs: &str) -> Result<Command, String> {
 }
 
 /// `text` in quotes, cut after [`QUOTE_CHARS`] characters with "…" (for error messages).
-pub fn quote(text: &str) -> String {
+pub(crate) fn quote(text: &str) -> String {
     match text.char_indices().nth(QUOTE_CHARS) {
         Some((cut, _)) => format!("{:?}…", &text[..cut]),
         None => format!("{text:?}"),

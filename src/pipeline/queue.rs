@@ -12,7 +12,7 @@ use crate::config::MAX_QUEUE_DEPTH;
 
 /// Why a push or pop gave up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QueueClosed {
+pub(crate) enum QueueClosed {
     /// The pipeline is stopping.
     Stopped,
     /// No more items will come (pop only).
@@ -30,7 +30,7 @@ struct Inner<T> {
 pub use crate::telemetry::records::{QueueLevel, QueueName, UnknownQueue};
 
 /// A resizable bounded FIFO queue.
-pub struct ResizableQueue<T> {
+pub(crate) struct ResizableQueue<T> {
     name: QueueName,
     inner: Mutex<Inner<T>>,
     not_empty: Condvar,
@@ -44,7 +44,7 @@ pub struct ResizableQueue<T> {
 const STOP_POLL: Duration = Duration::from_millis(50);
 
 impl<T> ResizableQueue<T> {
-    pub fn new(name: QueueName, capacity: usize, stop: Arc<AtomicBool>) -> Self {
+    pub(crate) fn new(name: QueueName, capacity: usize, stop: Arc<AtomicBool>) -> Self {
         ResizableQueue {
             name,
             inner: Mutex::new(Inner {
@@ -60,10 +60,6 @@ impl<T> ResizableQueue<T> {
         }
     }
 
-    pub fn name(&self) -> QueueName {
-        self.name
-    }
-
     fn lock(&self) -> MutexGuard<'_, Inner<T>> {
         // A panic while holding this lock cannot leave the deque half-updated.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
@@ -74,7 +70,7 @@ impl<T> ResizableQueue<T> {
     }
 
     /// Waits for room, then appends. Gives the item back if the pipeline stops first.
-    pub fn push(&self, item: T) -> Result<(), (T, QueueClosed)> {
+    pub(crate) fn push(&self, item: T) -> Result<(), (T, QueueClosed)> {
         let mut inner = self.lock();
         loop {
             if self.stopped() {
@@ -95,7 +91,7 @@ impl<T> ResizableQueue<T> {
     }
 
     /// Waits for an item. `Drained` once closed and empty.
-    pub fn pop(&self) -> Result<T, QueueClosed> {
+    pub(crate) fn pop(&self) -> Result<T, QueueClosed> {
         let mut inner = self.lock();
         loop {
             if self.stopped() {
@@ -118,14 +114,14 @@ impl<T> ResizableQueue<T> {
     }
 
     /// No more pushes will come; consumers drain what is left.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.lock().closed = true;
         self.not_empty.notify_all();
     }
 
     /// Sets the capacity (1..=[`MAX_QUEUE_DEPTH`]) at once. Items above a smaller capacity stay
     /// queued.
-    pub fn set_capacity(&self, capacity: usize) -> Result<(), String> {
+    pub(crate) fn set_capacity(&self, capacity: usize) -> Result<(), String> {
         if capacity == 0 {
             return Err(format!("queue {}: depth must be at least 1", self.name));
         }
@@ -140,7 +136,7 @@ impl<T> ResizableQueue<T> {
         Ok(())
     }
 
-    pub fn level(&self) -> QueueLevel {
+    pub(crate) fn level(&self) -> QueueLevel {
         let inner = self.lock();
         QueueLevel {
             name: self.name,
@@ -152,12 +148,12 @@ impl<T> ResizableQueue<T> {
     }
 
     /// Whether no item is waiting.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.lock().items.is_empty()
     }
 
     /// Wakes every waiter (after the stop flag was set).
-    pub fn wake_all(&self) {
+    pub(crate) fn wake_all(&self) {
         self.not_empty.notify_all();
         self.not_full.notify_all();
     }

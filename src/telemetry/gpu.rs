@@ -19,7 +19,7 @@ pub struct GpuReading {
 
 /// The NVML view of the machine.
 #[derive(Debug, Clone, PartialEq)]
-pub enum NvmlStatus {
+pub(crate) enum NvmlStatus {
     Available {
         driver_version: String,
         gpus: Vec<GpuReading>,
@@ -30,25 +30,25 @@ pub enum NvmlStatus {
 }
 
 /// A connection to NVML, kept open by samplers.
-pub struct GpuMonitor {
+pub(crate) struct GpuMonitor {
     nvml: Nvml,
 }
 
 impl GpuMonitor {
-    pub fn open() -> Result<Self, String> {
+    pub(crate) fn open() -> Result<Self, String> {
         Nvml::init()
             .map(|nvml| GpuMonitor { nvml })
             .map_err(|e| e.to_string())
     }
 
-    pub fn driver_version(&self) -> String {
+    pub(crate) fn driver_version(&self) -> String {
         self.nvml
             .sys_driver_version()
             .unwrap_or_else(|e| format!("unknown ({e})"))
     }
 
     /// Reads every GPU; a reading NVML cannot give is left empty.
-    pub fn sample(&self) -> Result<Vec<GpuReading>, String> {
+    pub(crate) fn sample(&self) -> Result<Vec<GpuReading>, String> {
         let count = self.nvml.device_count().map_err(|e| e.to_string())?;
         let mut out = Vec::with_capacity(count as usize);
         for index in 0..count {
@@ -76,7 +76,7 @@ impl GpuMonitor {
 }
 
 /// One-shot status for reports such as `doctor`.
-pub fn nvml_status() -> NvmlStatus {
+pub(crate) fn nvml_status() -> NvmlStatus {
     match GpuMonitor::open() {
         Err(reason) => NvmlStatus::Unavailable { reason },
         Ok(monitor) => match monitor.sample() {

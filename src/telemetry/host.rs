@@ -18,14 +18,14 @@ pub struct HostReading {
 }
 
 /// Samples one process (this one) with sysinfo.
-pub struct HostMonitor {
+pub(crate) struct HostMonitor {
     system: System,
     pid: Pid,
     cores: usize,
 }
 
 impl HostMonitor {
-    pub fn for_this_process() -> Self {
+    pub(crate) fn for_this_process() -> Self {
         let mut system = System::new();
         system.refresh_memory();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -48,7 +48,7 @@ impl HostMonitor {
     }
 
     /// The process's use since the previous call.
-    pub fn sample(&mut self) -> Option<HostReading> {
+    pub(crate) fn sample(&mut self) -> Option<HostReading> {
         self.refresh();
         let process = self.system.process(self.pid)?;
         Some(HostReading {

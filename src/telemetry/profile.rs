@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// The event names of the control-room spec §3, in pipeline order.
-pub const EVENTS: [&str; 15] = [
+pub(crate) const EVENTS: [&str; 15] = [
     "loader.fetch",
     "loader.pack",
     "batch_q.wait",
@@ -33,21 +33,21 @@ impl Event {
     pub fn named(name: &str) -> Option<Event> {
         EVENTS.iter().position(|e| *e == name).map(Event)
     }
-    pub const LOADER_FETCH: Event = Event(0);
-    pub const LOADER_PACK: Event = Event(1);
-    pub const BATCH_Q_WAIT: Event = Event(2);
-    pub const TARGET_H2D: Event = Event(3);
-    pub const TARGET_FORWARD: Event = Event(4);
-    pub const TARGET_HANDOFF: Event = Event(5);
-    pub const FEATURE_Q_WAIT: Event = Event(6);
-    pub const DRAFTER_ANCHORS: Event = Event(7);
-    pub const DRAFTER_FORWARD: Event = Event(8);
-    pub const DRAFTER_LOSS: Event = Event(9);
-    pub const DRAFTER_BACKWARD: Event = Event(10);
-    pub const GRAD_SYNC: Event = Event(11);
-    pub const OPTIM_STEP: Event = Event(12);
-    pub const CHECKPOINT_SAVE: Event = Event(13);
-    pub const STEP_TOTAL: Event = Event(14);
+    pub(crate) const LOADER_FETCH: Event = Event(0);
+    pub(crate) const LOADER_PACK: Event = Event(1);
+    pub(crate) const BATCH_Q_WAIT: Event = Event(2);
+    pub(crate) const TARGET_H2D: Event = Event(3);
+    pub(crate) const TARGET_FORWARD: Event = Event(4);
+    pub(crate) const TARGET_HANDOFF: Event = Event(5);
+    pub(crate) const FEATURE_Q_WAIT: Event = Event(6);
+    pub(crate) const DRAFTER_ANCHORS: Event = Event(7);
+    pub(crate) const DRAFTER_FORWARD: Event = Event(8);
+    pub(crate) const DRAFTER_LOSS: Event = Event(9);
+    pub(crate) const DRAFTER_BACKWARD: Event = Event(10);
+    pub(crate) const GRAD_SYNC: Event = Event(11);
+    pub(crate) const OPTIM_STEP: Event = Event(12);
+    pub(crate) const CHECKPOINT_SAVE: Event = Event(13);
+    pub(crate) const STEP_TOTAL: Event = Event(14);
 }
 
 struct Slot {
@@ -128,7 +128,7 @@ impl EventStats {
 
 /// The stage an event's time belongs to: the share of an event is of its stage's wall time
 /// (with two target workers, target.forward was 122 % of the interval).
-pub fn stage_of(event: &str) -> Option<&'static str> {
+pub(crate) fn stage_of(event: &str) -> Option<&'static str> {
     match event.split('.').next() {
         Some("loader") => Some("loader"),
         Some("batch_q" | "target") => Some("target"),
@@ -270,7 +270,7 @@ impl ProfileReport {
 }
 
 /// A share as a percentage, "-" for none.
-pub fn fmt_share(share: Option<f64>) -> String {
+pub(crate) fn fmt_share(share: Option<f64>) -> String {
     share.map_or("-".into(), |s| format!("{:.1}%", s * 100.0))
 }
 
@@ -295,7 +295,7 @@ impl ProfileStats {
     }
 
     /// A recorder for a pipeline with these stage threads.
-    pub fn with_workers(workers: StageWorkers) -> Self {
+    pub(crate) fn with_workers(workers: StageWorkers) -> Self {
         let now = Instant::now();
         ProfileStats {
             workers,

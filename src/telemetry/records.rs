@@ -26,7 +26,7 @@ pub enum QueueName {
 
 impl QueueName {
     /// Every queue, in pipeline order.
-    pub const ALL: [QueueName; 2] = [QueueName::Batch, QueueName::Feature];
+    pub(crate) const ALL: [QueueName; 2] = [QueueName::Batch, QueueName::Feature];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -68,7 +68,7 @@ pub struct QueueLevel {
 }
 
 impl QueueLevel {
-    pub fn fill(&self) -> f64 {
+    pub(crate) fn fill(&self) -> f64 {
         self.len as f64 / self.capacity.max(1) as f64
     }
 }
@@ -197,7 +197,7 @@ pub struct GpuRecord {
 }
 
 impl GpuRecord {
-    pub fn from_reading(elapsed_s: f64, g: &GpuReading) -> Self {
+    pub(crate) fn from_reading(elapsed_s: f64, g: &GpuReading) -> Self {
         GpuRecord {
             elapsed_s,
             index: g.index,
@@ -251,7 +251,7 @@ pub enum MetricsRecord {
 /// Telemetry never stops training: a write that fails (a full disk) is cut back off the file, so
 /// no half line stays behind, and counted; the log says so at the first failure and at each
 /// doubling of the count, not at every record, and once more when writes succeed again.
-pub struct MetricsWriter {
+pub(crate) struct MetricsWriter {
     inner: Mutex<MetricsFile>,
 }
 
@@ -261,7 +261,7 @@ struct MetricsFile {
 }
 
 impl MetricsWriter {
-    pub fn open(path: &Path) -> anyhow::Result<Self> {
+    pub(crate) fn open(path: &Path) -> anyhow::Result<Self> {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -276,7 +276,7 @@ impl MetricsWriter {
     /// (written before a crash, and about to be written again), a half-written last line and
     /// the earlier run's summary are dropped first (the file is rewritten beside and renamed),
     /// so a reader sees each step once.
-    pub fn open_resumed(path: &Path, step: u64) -> anyhow::Result<Self> {
+    pub(crate) fn open_resumed(path: &Path, step: u64) -> anyhow::Result<Self> {
         if path.is_file() {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
@@ -291,7 +291,7 @@ impl MetricsWriter {
         Self::open(path)
     }
 
-    pub fn write(&self, record: &MetricsRecord) {
+    pub(crate) fn write(&self, record: &MetricsRecord) {
         let Ok(mut line) = serde_json::to_string(record) else {
             return;
         };
@@ -325,7 +325,8 @@ impl MetricsWriter {
     }
 
     /// Records lost since the last write that succeeded.
-    pub fn failures(&self) -> u64 {
+    #[cfg(test)]
+    fn failures(&self) -> u64 {
         self.inner
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -354,7 +355,7 @@ fn records_up_to_step(text: &str, step: u64) -> String {
 /// [`MetricsWriter::open_resumed`]), so that its charts, evaluations and clock go on instead of
 /// starting again.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct RunHistory {
+pub(crate) struct RunHistory {
     pub steps: Vec<StepRecord>,
     pub evals: Vec<EvalRecord>,
     pub validations: Vec<ValidationRecord>,
@@ -364,7 +365,7 @@ pub struct RunHistory {
 
 impl RunHistory {
     /// The history in `metrics.jsonl` text; lines that do not parse are left out.
-    pub fn from_text(text: &str) -> Self {
+    pub(crate) fn from_text(text: &str) -> Self {
         let mut h = RunHistory::default();
         for record in text
             .lines()
@@ -392,7 +393,7 @@ impl RunHistory {
     }
 
     /// The history of the run whose metrics are at `path` (empty when there are none).
-    pub fn read(path: &Path) -> anyhow::Result<Self> {
+    pub(crate) fn read(path: &Path) -> anyhow::Result<Self> {
         match std::fs::read_to_string(path) {
             Ok(text) => Ok(Self::from_text(&text)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
@@ -452,7 +453,7 @@ pub struct Snapshot {
 }
 
 /// A queue's state in words, once data flows through it (before, its level means nothing).
-pub fn queue_state(q: &QueueLevel) -> Option<&'static str> {
+pub(crate) fn queue_state(q: &QueueLevel) -> Option<&'static str> {
     if q.pushed == 0 && q.popped == 0 {
         None
     } else if q.len >= q.capacity {
@@ -486,7 +487,7 @@ impl Snapshot {
 
 /// `ctl status`: the run's state as one JSON object, for people and scripts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RunStatus {
+pub(crate) struct RunStatus {
     pub run_name: String,
     pub run_dir: String,
     pub pid: u32,
@@ -510,7 +511,7 @@ pub struct RunStatus {
 }
 
 impl RunStatus {
-    pub fn new(s: &Snapshot, pid: u32) -> Self {
+    pub(crate) fn new(s: &Snapshot, pid: u32) -> Self {
         RunStatus {
             run_name: s.run_name.clone(),
             run_dir: s.run_dir.clone(),

@@ -150,7 +150,7 @@ impl ChatTemplate {
     }
 
     /// Whether the template renders tool calls (and so tool answers).
-    pub fn supports_tools(&self) -> bool {
+    pub(crate) fn supports_tools(&self) -> bool {
         self.supports_tools
     }
 

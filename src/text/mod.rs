@@ -45,12 +45,12 @@ impl Message {
     }
 
     /// A tool call or a tool's answer: only templates that know tools can render it.
-    pub fn uses_tools(&self) -> bool {
+    pub(crate) fn uses_tools(&self) -> bool {
         self.role == "tool" || self.tool_calls().is_some()
     }
 
     /// Reads one message of a `messages` list; `Err` says what is wrong with it.
-    pub fn from_json(value: &serde_json::Value) -> std::result::Result<Self, String> {
+    pub(crate) fn from_json(value: &serde_json::Value) -> std::result::Result<Self, String> {
         use serde_json::Value;
         let Value::Object(fields) = value else {
             return Err(format!(
@@ -103,7 +103,9 @@ impl Message {
 }
 
 /// Reads a `messages` list; `Err` names the message and what is wrong with it.
-pub fn messages_from_json(value: &serde_json::Value) -> std::result::Result<Vec<Message>, String> {
+pub(crate) fn messages_from_json(
+    value: &serde_json::Value,
+) -> std::result::Result<Vec<Message>, String> {
     let list = value
         .as_array()
         .ok_or_else(|| format!("\"messages\" is {}, expected a list", json_kind(value)))?;
@@ -299,12 +301,8 @@ impl TextTokenizer {
             .map_err(|e| anyhow!("cannot decode: {e}"))
     }
 
-    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+    pub(crate) fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
-    }
-
-    pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
     }
 
     /// `apply_chat_template(messages, tokenize=True, add_generation_prompt=...)`.

@@ -47,17 +47,17 @@ pub struct TrainerState {
     pub validations_since_best: u64,
 }
 
-pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
+pub(crate) fn checkpoints_dir(run_dir: &Path) -> PathBuf {
     run_dir.join("checkpoints")
 }
 
-pub fn step_name(step: u64) -> String {
+pub(crate) fn step_name(step: u64) -> String {
     format!("step-{step:06}")
 }
 
 /// Injected failure points (tests of failure handling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CheckpointFault {
+pub(crate) enum CheckpointFault {
     None,
     /// Fail with "no space left on device" after the drafter was written.
     DiskFullAfterDrafter,
@@ -67,22 +67,22 @@ pub enum CheckpointFault {
 
 /// Where [`CheckpointFault::Hold`] stops a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HoldPoint {
+pub(crate) enum HoldPoint {
     /// The drafter written into the staging folder, nothing else.
-    AfterDrafter,
+    DrafterWritten,
     /// Drafter and optimizer state written, the trainer state not yet.
-    AfterOptimizer,
+    OptimizerWritten,
     /// The step folder in place, `latest` not yet pointed at it.
-    AfterRename,
+    Renamed,
 }
 
 impl HoldPoint {
     /// Where the `debug.fail_mode` `mode` holds the writer (None: it does not).
-    pub fn from_mode(mode: FailMode) -> Option<HoldPoint> {
+    pub(crate) fn from_mode(mode: FailMode) -> Option<HoldPoint> {
         match mode {
-            FailMode::HoldDrafter => Some(HoldPoint::AfterDrafter),
-            FailMode::HoldOptimizer => Some(HoldPoint::AfterOptimizer),
-            FailMode::HoldRename => Some(HoldPoint::AfterRename),
+            FailMode::HoldDrafter => Some(HoldPoint::DrafterWritten),
+            FailMode::HoldOptimizer => Some(HoldPoint::OptimizerWritten),
+            FailMode::HoldRename => Some(HoldPoint::Renamed),
             FailMode::Error | FailMode::Panic => None,
         }
     }
@@ -101,7 +101,7 @@ fn hold_if(fault: CheckpointFault, point: HoldPoint, step: u64) {
 }
 
 /// Writes a checkpoint for `state.step`, then points `latest` at it and prunes old ones.
-pub fn save_checkpoint(
+pub(crate) fn save_checkpoint(
     run_dir: &Path,
     drafter: &Drafter,
     optimizer: &AdamW,
@@ -121,7 +121,7 @@ pub fn save_checkpoint(
     ));
     let staged = StagedDir::create(&fresh)?;
     drafter.save(&staged.path().join("drafter"))?;
-    hold_if(fault, HoldPoint::AfterDrafter, state.step);
+    hold_if(fault, HoldPoint::DrafterWritten, state.step);
     if fault == CheckpointFault::DiskFullAfterDrafter {
         bail!(
             "{}: cannot write optimizer.safetensors: No space left on device (os error 28, injected by debug.fail_stage = \"checkpoint\")",
@@ -129,7 +129,7 @@ pub fn save_checkpoint(
         );
     }
     optimizer.save(&staged.path().join("optimizer.safetensors"))?;
-    hold_if(fault, HoldPoint::AfterOptimizer, state.step);
+    hold_if(fault, HoldPoint::OptimizerWritten, state.step);
     let text = serde_json::to_string_pretty(state)?;
     std::fs::write(staged.path().join("trainer_state.json"), text).with_context(|| {
         format!(
@@ -139,7 +139,7 @@ pub fn save_checkpoint(
     })?;
     let fresh = staged.commit()?;
     replace_dir(&fresh, &dest)?;
-    hold_if(fault, HoldPoint::AfterRename, state.step);
+    hold_if(fault, HoldPoint::Renamed, state.step);
     point_latest(&dir, &step_name(state.step))?;
     prune(&dir, keep)?;
     Ok(dest)
@@ -178,7 +178,7 @@ fn replace_dir(fresh: &Path, dest: &Path) -> Result<()> {
 /// folders `.NAME.partial-PID`, `.NAME.new-PID` and `.NAME.old-PID`, and `.latest.tmp-PID`
 /// links, in the run directory and its `checkpoints/`, whose process is gone (or is this one,
 /// which has written nothing yet: a reused PID). Returns what was removed.
-pub fn remove_stale_partials(run_dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn remove_stale_partials(run_dir: &Path) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     for dir in [run_dir.to_path_buf(), checkpoints_dir(run_dir)] {
         let Ok(entries) = std::fs::read_dir(&dir) else {
@@ -233,7 +233,7 @@ fn process_alive(pid: u32) -> bool {
 /// How `RUN_DIR/best/` is chosen: the drafter with the highest tau of one kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum BestRule {
+pub(crate) enum BestRule {
     /// The periodic evaluation's tau by real speculative decoding (`[eval]`, without
     /// validation); files written before the rule was recorded.
     #[default]
@@ -244,7 +244,7 @@ pub enum BestRule {
 
 /// What `RUN_DIR/best/eval.json` records about the best drafter so far.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BestEval {
+pub(crate) struct BestEval {
     pub step: u64,
     pub tau: f64,
     /// What `tau` is, and so the rule that chose this drafter.
@@ -258,14 +258,14 @@ pub struct BestEval {
     pub max_new_tokens: usize,
 }
 
-pub fn best_dir(run_dir: &Path) -> PathBuf {
+pub(crate) fn best_dir(run_dir: &Path) -> PathBuf {
     run_dir.join("best")
 }
 
 /// Saves `drafter` as the best one so far: `RUN_DIR/best/drafter/` (servable) and
 /// `RUN_DIR/best/eval.json`, written beside and swapped in by renames, so that a failure keeps
 /// the previous best.
-pub fn save_best(run_dir: &Path, drafter: &Drafter, best: &BestEval) -> Result<PathBuf> {
+pub(crate) fn save_best(run_dir: &Path, drafter: &Drafter, best: &BestEval) -> Result<PathBuf> {
     let dest = best_dir(run_dir);
     let fresh = run_dir.join(format!(".best.new-{}", std::process::id()));
     let staged = StagedDir::create(&fresh)?;
@@ -289,7 +289,7 @@ pub fn save_best(run_dir: &Path, drafter: &Drafter, best: &BestEval) -> Result<P
 }
 
 /// The best evaluation recorded in a run directory, if any.
-pub fn read_best(run_dir: &Path) -> Option<BestEval> {
+pub(crate) fn read_best(run_dir: &Path) -> Option<BestEval> {
     let text = std::fs::read_to_string(best_dir(run_dir).join("eval.json")).ok()?;
     serde_json::from_str(&text).ok()
 }
@@ -346,7 +346,7 @@ pub fn newest_checkpoint(run_dir: &Path) -> Result<PathBuf> {
 }
 
 /// Points `latest` at `checkpoint` when it points elsewhere; true when it was repaired.
-pub fn repair_latest(run_dir: &Path, checkpoint: &Path) -> Result<bool> {
+pub(crate) fn repair_latest(run_dir: &Path, checkpoint: &Path) -> Result<bool> {
     let dir = checkpoints_dir(run_dir);
     let Some(name) = checkpoint.file_name() else {
         return Ok(false);

@@ -210,7 +210,7 @@ impl LossTensors {
     /// A copy on the host, queued behind the work the sums depend on without waiting for it
     /// (pinned memory, non-blocking): its values are there once the device has run that work
     /// (wait for an event recorded after this call, or for the device). On the CPU, a copy.
-    pub fn to_host_async(&self) -> LossTensors {
+    pub(crate) fn to_host_async(&self) -> LossTensors {
         LossTensors {
             sums: self.sums.to_device_(Device::Cpu, Kind::Double, true, false),
         }

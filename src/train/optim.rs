@@ -22,7 +22,7 @@ pub struct AdamWConfig {
 }
 
 /// Linear warm-up over `warmup` steps, then cosine from `base` to `base * min_ratio` at `total`.
-pub fn lr_at(step: u64, total: u64, warmup: u64, base: f64, min_ratio: f64) -> f64 {
+pub(crate) fn lr_at(step: u64, total: u64, warmup: u64, base: f64, min_ratio: f64) -> f64 {
     if warmup > 0 && step < warmup {
         return base * (step + 1) as f64 / warmup as f64;
     }
@@ -78,10 +78,6 @@ impl AdamW {
         }
     }
 
-    pub fn numel(&self) -> i64 {
-        self.master.numel() as i64
-    }
-
     /// The gradients of `params` as one flat fp32 buffer on their device (zeros where a
     /// parameter got none), and resets them. One pass: each gradient is copied (and cast)
     /// straight into its slice of the buffer.
@@ -121,7 +117,7 @@ impl AdamW {
 
     /// [`AdamW::clip`] without waiting for the device: the scale is computed there, and the
     /// norm (a scalar tensor) is read whenever the caller needs it.
-    pub fn clip_on_device(grad: &mut Tensor, max_norm: f64) -> Tensor {
+    pub(crate) fn clip_on_device(grad: &mut Tensor, max_norm: f64) -> Tensor {
         tch::no_grad(|| {
             let norm = grad.norm();
             if max_norm > 0.0 {
@@ -145,7 +141,8 @@ impl AdamW {
     /// `master -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)`. A zero
     /// learning rate (the end of a cosine schedule to 0) updates the moments and leaves the
     /// weights as they are (eps > 0).
-    pub fn update(&mut self, grad: &Tensor, lr: f64) -> Result<()> {
+    #[cfg(test)]
+    pub(crate) fn update(&mut self, grad: &Tensor, lr: f64) -> Result<()> {
         self.fused_update(grad, None, lr)
     }
 

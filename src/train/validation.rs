@@ -56,7 +56,7 @@ pub fn walk(accept: &[usize], tokens: &[u32], eos: &[u32], max_new: usize) -> Ve
 }
 
 /// The answers of a sequence: maximal runs of `loss_mask == 1`.
-pub fn answer_segments(loss_mask: &[u8]) -> Vec<Range<usize>> {
+pub(crate) fn answer_segments(loss_mask: &[u8]) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let mut start = None;
     for (p, &m) in loss_mask.iter().chain(std::iter::once(&0)).enumerate() {

@@ -110,7 +110,7 @@ impl StepTimes {
     }
 
     /// Mean milliseconds per step of each part.
-    pub fn per_step_ms(&self) -> StepTimesMs {
+    pub(crate) fn per_step_ms(&self) -> StepTimesMs {
         let per = |s: f64| 1e3 * s / self.steps.max(1) as f64;
         StepTimesMs {
             steps: self.steps,
@@ -169,7 +169,7 @@ impl StepClock {
 
 /// Plain greedy decoding with a [`TargetDecoder`] (the decoding steps of one token are CUDA
 /// graphs where it has them), timed after the prefill.
-pub fn greedy_decode(
+pub(crate) fn greedy_decode(
     engine: &mut TargetDecoder<'_>,
     prompt: &[u32],
     max_new: usize,
@@ -427,7 +427,7 @@ pub fn speculative_decode_with(
 
 /// Acceptance length only (no greedy baseline, no timing): what training measures periodically.
 #[derive(Debug, Clone, PartialEq)]
-pub struct TauSummary {
+pub(crate) struct TauSummary {
     pub tau: f64,
     pub decode_steps: u64,
     pub generated_tokens: u64,
@@ -436,7 +436,7 @@ pub struct TauSummary {
 
 /// Mean acceptance length of `drafter` over `prompts` (eager engines, no graphs: the trainer's
 /// other stages share the device).
-pub fn measure_tau(
+pub(crate) fn measure_tau(
     target: &TargetModel,
     drafter: &Drafter,
     head: &FrozenHead,

@@ -122,7 +122,7 @@ impl PromptResult {
 
 impl EvalReport {
     /// The totals over per-prompt results.
-    pub fn from_prompts(block_size: usize, prompts: Vec<PromptResult>) -> Self {
+    pub(crate) fn from_prompts(block_size: usize, prompts: Vec<PromptResult>) -> Self {
         let mut by_slot = vec![0u64; block_size];
         let (mut steps, mut accepted) = (0usize, 0usize);
         let (mut g_s, mut g_tok, mut d_s, mut d_tok) = (0.0, 0usize, 0.0, 0usize);
@@ -207,7 +207,7 @@ impl EvalReport {
 
     /// Reports of disjoint prompt shards (e.g. one per device) as one, prompts in the given
     /// order of shards.
-    pub fn merge(block_size: usize, shards: Vec<EvalReport>) -> Self {
+    pub(crate) fn merge(block_size: usize, shards: Vec<EvalReport>) -> Self {
         let warmup = shards.iter().map(|r| r.warmup_prompts).sum();
         let graphs = !shards.is_empty() && shards.iter().all(|r| r.cuda_graphs);
         let prompts = shards.into_iter().flat_map(|r| r.prompts).collect();

@@ -5,7 +5,7 @@
 use crate::telemetry::records::Snapshot;
 
 /// Chart windows (last N steps; `None` = whole run), cycled with `z` / `x`.
-pub const ZOOM_LEVELS: [Option<usize>; 4] = [None, Some(2000), Some(500), Some(100)];
+pub(crate) const ZOOM_LEVELS: [Option<usize>; 4] = [None, Some(2000), Some(500), Some(100)];
 
 /// What has the keyboard.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,7 +24,7 @@ pub enum Mode {
 }
 
 /// The quit dialog's choices, in order.
-pub const QUIT_CHOICES: [&str; 4] = [
+pub(crate) const QUIT_CHOICES: [&str; 4] = [
     "checkpoint and stop",
     "stop now",
     "leave (the run goes on)",
@@ -32,7 +32,7 @@ pub const QUIT_CHOICES: [&str; 4] = [
 ];
 
 /// Log lines the logs pane keeps.
-pub const LOG_LINES: usize = 300;
+pub(crate) const LOG_LINES: usize = 300;
 
 /// Whose screen this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,18 +80,18 @@ impl AppState {
     }
 
     /// Appends log lines, keeping the newest [`LOG_LINES`].
-    pub fn push_log(&mut self, lines: impl IntoIterator<Item = String>) {
+    pub(crate) fn push_log(&mut self, lines: impl IntoIterator<Item = String>) {
         self.log.extend(lines);
         let cut = self.log.len().saturating_sub(LOG_LINES);
         self.log.drain(..cut);
     }
 
-    pub fn read_only(&self) -> bool {
+    pub(crate) fn read_only(&self) -> bool {
         matches!(self.viewer, Viewer::Attached { read_only: true })
     }
 
     /// The steps the charts show.
-    pub fn chart_window(&self) -> &[crate::telemetry::records::StepRecord] {
+    pub(crate) fn chart_window(&self) -> &[crate::telemetry::records::StepRecord] {
         let h = &self.snapshot.history;
         match ZOOM_LEVELS[self.zoom.min(ZOOM_LEVELS.len() - 1)] {
             Some(n) if h.len() > n => &h[h.len() - n..],

@@ -43,7 +43,7 @@ impl Drafter {
     /// per-shape plans now instead of during the first steps of training (cuDNN's take tens of
     /// milliseconds each, per thread). Only on CUDA with the chunked attention; returns the
     /// number of context lengths warmed.
-    pub fn warm_up_attention(&self, head: &FrozenHead, max_len: usize) -> usize {
+    pub(crate) fn warm_up_attention(&self, head: &FrozenHead, max_len: usize) -> usize {
         let c = &self.config;
         let bs = c.block_size;
         let chunked = matches!(self.train_attention, TrainAttention::Chunked { .. });

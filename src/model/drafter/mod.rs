@@ -114,7 +114,7 @@ pub fn tensor_names(layers: i64) -> Vec<String> {
 
 impl Drafter {
     /// The shape of every tensor, by public name.
-    pub fn tensor_shape(config: &DrafterConfig, name: &str) -> Option<Vec<i64>> {
+    pub(crate) fn tensor_shape(config: &DrafterConfig, name: &str) -> Option<Vec<i64>> {
         let h = config.hidden_size;
         let d = config.head_dim;
         let q = config.num_attention_heads * d;
@@ -214,7 +214,7 @@ impl Drafter {
     }
 
     /// The configuration of the drafter in `dir`, checked against the target (no weights read).
-    pub fn config_for_target(
+    pub(crate) fn config_for_target(
         dir: &Path,
         target: &super::config::TargetConfig,
     ) -> Result<DrafterConfig> {
@@ -301,7 +301,7 @@ impl Drafter {
     }
 
     /// One line for logs: size and memory estimate.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let n = self.parameter_count() as f64;
         let bytes = match self.kind {
             Kind::Float => 4.0,

@@ -19,7 +19,7 @@ impl Sampling {
         top_p: 1.0,
     };
 
-    pub fn is_greedy(&self) -> bool {
+    pub(crate) fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
     }
 }

@@ -492,7 +492,7 @@ impl TrainerHandle {
         report
     }
 
-    pub fn write_record(&self, record: &MetricsRecord) {
+    pub(crate) fn write_record(&self, record: &MetricsRecord) {
         self.shared.metrics.write(record);
     }
 

@@ -39,9 +39,9 @@ use queues::render_queues;
 use status_bar::render_status_bar;
 
 /// The smallest terminal the layout is drawn in.
-pub const MIN_WIDTH: u16 = 80;
+pub(crate) const MIN_WIDTH: u16 = 80;
 /// The smallest terminal the layout is drawn in.
-pub const MIN_HEIGHT: u16 = 24;
+pub(crate) const MIN_HEIGHT: u16 = 24;
 
 // Bars drawn in text (GPUs) and in gauges (process, queues) look the same.
 const BAR_FULL: &str = "█";
