@@ -27,7 +27,7 @@ struct Inner<T> {
 
 /// A queue's level and name are telemetry (the screen, metrics.jsonl): defined there, below the
 /// pipeline.
-pub use crate::telemetry::records::{QueueLevel, QueueName, UnknownQueue};
+pub use crate::telemetry::queues::{QueueLevel, QueueName, UnknownQueue};
 
 /// A resizable bounded FIFO queue.
 pub(crate) struct ResizableQueue<T> {

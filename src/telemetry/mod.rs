@@ -5,5 +5,6 @@ pub(crate) mod format;
 pub mod gpu;
 pub mod host;
 pub mod profile;
+pub(crate) mod queues;
 pub(crate) mod rate;
 pub mod records;

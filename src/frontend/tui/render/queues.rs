@@ -8,7 +8,7 @@ use ratatui::Frame;
 
 use super::{dim, BAR_EMPTY, BAR_FULL};
 use crate::pipeline::queue::QueueLevel;
-use crate::telemetry::records::queue_state;
+use crate::telemetry::queues::queue_state;
 
 pub(super) fn render_queues(frame: &mut Frame, area: Rect, queues: &[QueueLevel], selected: usize) {
     let block = Block::bordered()
