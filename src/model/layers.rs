@@ -157,8 +157,10 @@ impl AttentionWeights {
     ) -> (Tensor, Tensor, Tensor) {
         let has_norms = self.q_norm.is_some() || self.k_norm.is_some();
         let (Some((w, b)), true) = (&self.fused, !has_norms || self.fused_qk_norm.is_some()) else {
-            let (q, k, v) = self.project_qkv(x, heads, kv_heads, d, eps);
-            return (Rope::apply(&q, cos, sin), Rope::apply(&k, cos, sin), v);
+            // unfused weights (or a q norm without a k norm): one product each
+            let q = Rope::apply(&self.queries(x, heads, d, eps), cos, sin);
+            let k = Rope::apply(&self.keys(x, kv_heads, d, eps), cos, sin);
+            return (q, k, self.values(x, kv_heads, d));
         };
         let (batch, len) = (x.size()[0], x.size()[1]);
         let y = x
@@ -178,73 +180,6 @@ impl AttentionWeights {
         )
     }
 
-    /// Queries [B, heads, L, d], keys and values [B, kv_heads, L, d] of `x` [B, L, H], with the
-    /// per-head norms where present (before any rotation).
-    pub(crate) fn project_qkv(
-        &self,
-        x: &Tensor,
-        heads: i64,
-        kv_heads: i64,
-        d: i64,
-        eps: f64,
-    ) -> (Tensor, Tensor, Tensor) {
-        let Some((w, b)) = &self.fused else {
-            return (
-                self.queries(x, heads, d, eps),
-                self.keys(x, kv_heads, d, eps),
-                self.values(x, kv_heads, d),
-            );
-        };
-        let (batch, len) = (x.size()[0], x.size()[1]);
-        let y = x
-            .linear(w, b.as_ref())
-            .view([batch, len, heads + 2 * kv_heads, d]);
-        let part = |from: i64, n: i64, norm: Option<&Tensor>| {
-            let p = y.narrow(2, from, n);
-            let p = match norm {
-                Some(norm) => rms_norm(&p, norm, eps),
-                None => p,
-            };
-            p.transpose(1, 2)
-        };
-        (
-            part(0, heads, self.q_norm.as_ref()),
-            part(heads, kv_heads, self.k_norm.as_ref()),
-            part(heads + kv_heads, kv_heads, None),
-        )
-    }
-
-    /// Keys (normed) and values [B, kv_heads, L, d] of `x` [B, L, H]: one matrix product when
-    /// fused (the drafter's context).
-    pub(crate) fn project_kv(
-        &self,
-        x: &Tensor,
-        kv_heads: i64,
-        d: i64,
-        eps: f64,
-    ) -> (Tensor, Tensor) {
-        let Some((w, b)) = &self.fused else {
-            return (self.keys(x, kv_heads, d, eps), self.values(x, kv_heads, d));
-        };
-        let nq = self.q_proj.size()[0];
-        let kv = 2 * kv_heads * d;
-        let (batch, len) = (x.size()[0], x.size()[1]);
-        let y = x
-            .linear(
-                &w.narrow(0, nq, kv),
-                b.as_ref().map(|b| b.narrow(0, nq, kv)).as_ref(),
-            )
-            .view([batch, len, 2 * kv_heads, d]);
-        let k = y.narrow(2, 0, kv_heads);
-        let k = match &self.k_norm {
-            Some(n) => rms_norm(&k, n, eps),
-            None => k,
-        };
-        (
-            k.transpose(1, 2),
-            y.narrow(2, kv_heads, kv_heads).transpose(1, 2),
-        )
-    }
     /// `x` [B, L, H] -> [B, heads, L, head_dim], with the per-head norm when present.
     fn project(
         x: &Tensor,

@@ -391,10 +391,12 @@ impl Drafter {
         sin: &Tensor,
     ) -> (Tensor, Tensor) {
         let c = &self.config;
-        let (k, v) = layer
-            .attn
-            .project_kv(ctx, c.num_key_value_heads, c.head_dim, c.rms_norm_eps);
-        (Rope::apply(&k, cos, sin), v)
+        let (kv_heads, d) = (c.num_key_value_heads, c.head_dim);
+        let k = layer.attn.keys(ctx, kv_heads, d, c.rms_norm_eps);
+        (
+            Rope::apply(&k, cos, sin),
+            layer.attn.values(ctx, kv_heads, d),
+        )
     }
 
     /// The formulation [`Drafter::forward_train`] uses (default: chunked, automatic size).
