@@ -2,7 +2,7 @@
 # The SmolLM2-135M-Instruct DFlash recipe on one GPU (configs/smollm2-dflash.toml), in stages of
 # at most 10 minutes each, for machines lent by the call (see README, "Results"):
 #
-#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|train|ablate|eval
+#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|train|ablate|eval|regen-bench
 #
 # data   import the demo GGUF, tokenise all 17,671 demo conversations (train / validation
 #        splits) and regenerate EVERY assistant turn with the target (greedy, continuous
@@ -16,6 +16,8 @@
 #        conversations (0 = all) with LAYERS drafter layers, then `eval` of its best drafter on
 #        the 100 ShareGPT prompts: where tau stalls, a row per (ROWS, LAYERS) shows whether more
 #        data or a bigger drafter moves it (one call each, e.g. ROWS=1700, 5000, 0; LAYERS=2, 8).
+# regen-bench  regenerate's speed (outputs discarded): the first answers of 10,000 conversations
+#        at batch 384, then every turn of all of them at BATCH slots (default 2048).
 # eval   `eval` of run/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
 #        prompts and MT-Bench's 80 first turns, 128 new tokens each; 20 prompts in f32
 #        (lossless); the drafter in z-lab's public implementation (scripts/check_public_dflash.py).
@@ -139,8 +141,32 @@ eval)
   cat "$OUT/public.json"
   t done
   ;;
+regen-bench)
+  # regenerate's speed, two workloads (outputs discarded): the first answers of 10,000
+  # conversations at batch 384 (the command the issue measured before the engines: 13,237
+  # tokens/s), then every turn of all conversations at BATCH slots (default 2048).
+  model || exit 1
+  if [ ! -f "$W/sg/dataset_dict.json" ]; then
+    xz -dc "$W/sharegpt.jsonl.xz" > "$W/sharegpt.jsonl"
+    "$B" prepare-data --tokenizer "$W/smol" --input "$W/sharegpt.jsonl" --out "$W/sg" \
+      --max-len 2048 2>&1 | tail -1
+  fi
+  for run in "first --max-turns 1 --max-new-tokens 320 --limit 10000 --batch-size 384" \
+             "all --max-new-tokens 512 --batch-size ${BATCH:-2048}"; do
+    set -- $run
+    name=$1; shift
+    rm -rf "$W/bench-$name" "$W/bench-$name.partial"
+    t "regenerate $name: $*"
+    "$B" regenerate --target "$W/smol" --input "$W/sg" --out "$W/bench-$name" --max-len 2048 "$@" \
+      2> "$OUT/regen-$name.err" > "$OUT/regen-$name.out"
+    echo "exit $?"
+    grep -E "tokens generated|regenerate on" "$OUT/regen-$name.err" | tail -4
+    tail -3 "$OUT/regen-$name.out"
+    rm -rf "$W/bench-$name"
+  done
+  ;;
 *)
-  echo "usage: W=DIR OUT=DIR $0 data|train|ablate|eval" >&2
+  echo "usage: W=DIR OUT=DIR $0 data|train|ablate|eval|regen-bench" >&2
   exit 2
   ;;
 esac
