@@ -90,42 +90,6 @@ struct ChunkWork<'a> {
     started: Instant,
 }
 
-/// Rows read ahead of the engine's slots, as a multiple of the slots: the rows of the chunks
-/// read so far go to the slots longest expected work first, so that the long multi-turn
-/// conversations start early instead of finishing alone at the end of the run with most
-/// slots idle (the tail). Four batches' worth of rows is enough for the longest rows
-/// (a whole --max-len of answers) to finish within the rows after them; the chunks in
-/// flight (saved once all their rows are done) are the price.
-const LOOKAHEAD_BATCHES: usize = 4;
-
-/// The rows waiting for a slot, across the chunks read so far: handed out longest expected
-/// work first (ties in input order).
-#[derive(Debug, Default)]
-pub(super) struct FeedQueue {
-    /// (expected work, reversed chunk index, reversed job index): a max-heap pops the longest
-    /// row, the earliest one among equals.
-    heap: std::collections::BinaryHeap<(usize, std::cmp::Reverse<usize>, std::cmp::Reverse<usize>)>,
-}
-
-impl FeedQueue {
-    pub(super) fn len(&self) -> usize {
-        self.heap.len()
-    }
-
-    /// Adds the jobs of chunk `chunk` by their expected work.
-    pub(super) fn push_chunk(&mut self, chunk: usize, work: impl IntoIterator<Item = usize>) {
-        use std::cmp::Reverse;
-        for (job, w) in work.into_iter().enumerate() {
-            self.heap.push((w, Reverse(chunk), Reverse(job)));
-        }
-    }
-
-    /// The (chunk, job) with the longest expected work.
-    pub(super) fn pop(&mut self) -> Option<(usize, usize)> {
-        self.heap.pop().map(|(_, c, j)| (c.0, j.0))
-    }
-}
-
 /// Regenerates chunks with the continuous engine until `take_chunk` has none left: rows stream
 /// through the engine's slots across chunk boundaries (so the batch stays full), each
 /// conversation's turns follow each other in its slot, and each chunk is handed to `save` once
@@ -166,42 +130,38 @@ pub(super) fn run_continuous(
             fail(e);
         }
     };
-    let queue = RefCell::new(FeedQueue::default());
-    let lookahead = LOOKAHEAD_BATCHES * opts.batch_size;
-    let next_request = || -> Option<((usize, usize), Request)> {
-        if failure.borrow().is_some() {
-            return None;
-        }
-        let mut chunks = chunks.borrow_mut();
-        let mut queue = queue.borrow_mut();
-        // Read chunks until the lookahead is full (or the input is used up).
-        while queue.len() < lookahead {
-            let Some(id) = take_chunk() else { break };
-            let (jobs, stats, skipped) = prepare_jobs(&splits[id.0], chunk_rows(&id), opts);
-            progress.add(skipped, 0);
-            let work = ChunkWork {
-                id,
-                open: jobs.len(),
-                jobs,
-                stats,
-                fed: 0,
-                started: Instant::now(),
-            };
-            if work.open == 0 {
-                complete(work);
-            } else {
-                queue.push_chunk(
-                    chunks.len(),
-                    work.jobs.iter().map(|j| j.expected_work(opts)),
-                );
-                chunks.push(Some(work));
+    let next_request =
+        || -> Option<((usize, usize), Request)> {
+            if failure.borrow().is_some() {
+                return None;
             }
-        }
-        let (ci, ji) = queue.pop()?;
-        let work = chunks[ci].as_mut()?;
-        work.fed += 1;
-        Some(((ci, ji), work.jobs[ji].request(0, opts)))
-    };
+            let mut chunks = chunks.borrow_mut();
+            loop {
+                if let Some((ci, work)) = chunks.iter_mut().enumerate().find_map(|(ci, w)| {
+                    w.as_mut().filter(|w| w.fed < w.jobs.len()).map(|w| (ci, w))
+                }) {
+                    let ji = work.fed;
+                    work.fed += 1;
+                    return Some(((ci, ji), work.jobs[ji].request(0, opts)));
+                }
+                let id = take_chunk()?;
+                let (jobs, stats, skipped) = prepare_jobs(&splits[id.0], chunk_rows(&id), opts);
+                progress.add(skipped, 0);
+                let work = ChunkWork {
+                    id,
+                    open: jobs.len(),
+                    jobs,
+                    stats,
+                    fed: 0,
+                    started: Instant::now(),
+                };
+                if work.open == 0 {
+                    complete(work);
+                } else {
+                    chunks.push(Some(work));
+                }
+            }
+        };
     let on_answer = |(ci, ji): (usize, usize), answer: Answer| -> Next {
         let mut chunks = chunks.borrow_mut();
         let Some(work) = chunks[ci].as_mut() else {
@@ -230,20 +190,4 @@ pub(super) fn run_continuous(
     }
     ran?;
     Ok(engine.stats)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_feed_queue_hands_out_the_longest_rows_first_ties_in_input_order() {
-        let mut q = FeedQueue::default();
-        q.push_chunk(0, [5, 40, 5]);
-        q.push_chunk(1, [40, 7]);
-        assert_eq!(q.len(), 5);
-        let order: Vec<(usize, usize)> = std::iter::from_fn(|| q.pop()).collect();
-        assert_eq!(order, [(0, 1), (1, 0), (1, 1), (0, 0), (0, 2)]);
-        assert_eq!(q.len(), 0);
-    }
 }

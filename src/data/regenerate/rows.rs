@@ -202,21 +202,6 @@ pub(super) fn finish_jobs(
 }
 
 impl RowJob<'_> {
-    /// The decoding steps this row is expected to take, before any is generated: its source
-    /// answers' lengths, each capped at --max-new-tokens, within the room --max-len leaves
-    /// after the first prompt (the target's answers differ from the source's, but long
-    /// conversations stay long). Orders the rows, longest first; nothing else depends on it.
-    pub(super) fn expected_work(&self, opts: &RegenerateOptions) -> usize {
-        let answers: usize = self
-            .segs
-            .iter()
-            .skip(1)
-            .step_by(2)
-            .map(|s| s.len().min(opts.max_new_tokens))
-            .sum();
-        answers.min(opts.max_len.saturating_sub(self.tokens.len()))
-    }
-
     /// The next answer's request: the tokens after the `cached` ones the model holds.
     pub(super) fn request(&self, cached: usize, opts: &RegenerateOptions) -> Request {
         Request {
@@ -224,42 +209,5 @@ impl RowJob<'_> {
             max_new: opts.max_new_tokens.min(opts.max_len - self.tokens.len()),
             seed: answer_seed(opts.seed, self.id, self.answers),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn job<'a>(src: &'a [u32], mask: &[u8]) -> RowJob<'a> {
-        let segs = segments(mask);
-        RowJob {
-            row: 0,
-            id: "r",
-            src,
-            tokens: src[segs[0].clone()].to_vec(),
-            loss: vec![0; segs[0].len()],
-            segs,
-            next: 1,
-            answers: 0,
-            open: true,
-        }
-    }
-
-    #[test]
-    fn expected_work_sums_the_capped_answers_within_the_room_left() {
-        let src: Vec<u32> = (0..20).collect();
-        // context 3, answer 6, context 2, answer 9
-        let mask: Vec<u8> = [vec![0; 3], vec![1; 6], vec![0; 2], vec![1; 9]].concat();
-        let opts = |max_new, max_len| RegenerateOptions {
-            max_new_tokens: max_new,
-            max_len,
-            ..RegenerateOptions::default()
-        };
-        let j = job(&src, &mask);
-        assert_eq!(j.expected_work(&opts(512, 100)), 15);
-        assert_eq!(j.expected_work(&opts(7, 100)), 6 + 7);
-        // room after the 3-token prompt: 10
-        assert_eq!(j.expected_work(&opts(512, 13)), 10);
     }
 }
