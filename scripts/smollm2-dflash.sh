@@ -17,7 +17,7 @@
 #        the 100 ShareGPT prompts: where tau stalls, a row per (ROWS, LAYERS) shows whether more
 #        data or a bigger drafter moves it (one call each, e.g. ROWS=1700, 5000, 0; LAYERS=2, 8).
 # regen-bench  regenerate's speed (outputs discarded): the first answers of 10,000 conversations
-#        at batch 384, then every turn of all of them at BATCH slots (default 2048).
+#        at batch 384, then every turn of all of them at BATCH slots (default 1024).
 # eval   `eval` of run/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
 #        prompts and MT-Bench's 80 first turns, 128 new tokens each; 20 prompts in f32
 #        (lossless); the drafter in z-lab's public implementation (scripts/check_public_dflash.py).
@@ -144,7 +144,7 @@ eval)
 regen-bench)
   # regenerate's speed, two workloads (outputs discarded): the first answers of 10,000
   # conversations at batch 384 (the command the issue measured before the engines: 13,237
-  # tokens/s), then every turn of all conversations at BATCH slots (default 2048).
+  # tokens/s), then every turn of all conversations at BATCH slots (default 1024).
   model || exit 1
   if [ ! -f "$W/sg/dataset_dict.json" ]; then
     xz -dc "$W/sharegpt.jsonl.xz" > "$W/sharegpt.jsonl"
@@ -152,7 +152,7 @@ regen-bench)
       --max-len 2048 2>&1 | tail -1
   fi
   for run in "first --max-turns 1 --max-new-tokens 320 --limit 10000 --batch-size 384" \
-             "all --max-new-tokens 512 --batch-size ${BATCH:-2048}"; do
+             "all --max-new-tokens 512 --batch-size ${BATCH:-1024}"; do
     set -- $run
     name=$1; shift
     rm -rf "$W/bench-$name" "$W/bench-$name.partial"
