@@ -754,3 +754,71 @@ fn bad_input_is_refused_with_one_clear_error() {
     assert_eq!(rows[0].1[..2], [5, 6]);
     assert_eq!(rows[0].2[..2], [0, 0]);
 }
+
+#[test]
+fn a_next_turn_does_not_wait_for_every_other_answer_when_the_batch_drains() {
+    // 32 slots, three conversations: one answer of 40 tokens, and two conversations of three
+    // turns of 5 tokens each. Their later turns are prefilled as soon as they wait (an eighth
+    // of the occupied slots), not once the long answer ended: every turn is done within the
+    // long answer's 39 decoding steps (its first token comes from the prefill).
+    use dflash_tui::model::generate::{
+        Answer, ContinuousGenerator, ContinuousLimits, Next, Request,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(&tiny_target_dir(
+        &tmp.path().join("t"),
+        "llama",
+        false,
+        None,
+        5,
+    ));
+    let limits = ContinuousLimits {
+        slots: 32,
+        max_len: 96,
+        prefill_tokens: 1024,
+    };
+    let mut engine = ContinuousGenerator::new(&m, limits, None).unwrap();
+    let request = |key: usize, max_new: usize| Request {
+        tokens: tokens(key, 4),
+        max_new,
+        seed: 0,
+    };
+    let mut fresh = vec![
+        (0usize, request(0, 40)),
+        (1, request(1, 5)),
+        (2, request(2, 5)),
+    ];
+    fresh.reverse();
+    let mut turns = [0usize; 3];
+    let mut lengths: Vec<(usize, usize)> = Vec::new();
+    // no end-of-sequence token: every answer runs to its max_new
+    engine
+        .run(
+            &Sampling::GREEDY,
+            &[],
+            || fresh.pop(),
+            |key: usize, answer: Answer| {
+                lengths.push((key, answer.tokens.len()));
+                turns[key] += 1;
+                if key > 0 && turns[key] < 3 {
+                    Next::Continue(Request {
+                        tokens: tokens(key + 10 * turns[key], 2),
+                        max_new: 5,
+                        seed: 0,
+                    })
+                } else {
+                    Next::Done
+                }
+            },
+            |_| {},
+        )
+        .unwrap();
+    assert_eq!(turns, [1, 3, 3]);
+    lengths.sort_unstable();
+    assert_eq!(
+        lengths,
+        [(0, 40), (1, 5), (1, 5), (1, 5), (2, 5), (2, 5), (2, 5)]
+    );
+    assert_eq!(engine.stats.generated_tokens, 70);
+    assert_eq!(engine.stats.decode_steps, 39, "{:?}", engine.stats);
+}

@@ -189,8 +189,11 @@ impl<'a> ContinuousGenerator<'a> {
             if waiting == 0 && decoding == 0 {
                 return Ok(());
             }
-            // Prefill when the decoding batch has thinned out (or nothing decodes).
-            if waiting > 0 && (decoding == 0 || waiting * 8 >= self.limits.slots) {
+            // Prefill once an eighth of the occupied slots wait (or nothing decodes). While the
+            // input lasts every slot is occupied, so that is an eighth of the batch; when the
+            // batch drains at the end, a conversation's next turn then starts after a few
+            // others ended instead of after every other answer.
+            if waiting > 0 && (decoding == 0 || waiting * 8 >= waiting + decoding) {
                 let finished = self.prefill(&mut slots, sampling, eos)?;
                 on_progress(finished.1);
                 self.finish(&mut slots, finished.0, &mut on_answer, eos)?;
