@@ -19,6 +19,11 @@ fn load(dir: &Path) -> TargetModel {
     TargetModel::load(dir, Device::Cpu, Kind::Float).unwrap()
 }
 
+/// A tiny random Llama target (untied), written under `dir` and loaded in f32.
+fn tiny_llama(dir: &Path, seed: i64) -> TargetModel {
+    load(&tiny_target_dir(&dir.join("t"), "llama", false, None, seed))
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
@@ -144,13 +149,7 @@ fn padding_masked_run_equals_the_unpadded_run() {
 #[test]
 fn batched_greedy_generation_equals_unbatched_greedy_decoding() {
     let tmp = tempfile::tempdir().unwrap();
-    let m = load(&tiny_target_dir(
-        &tmp.path().join("t"),
-        "llama",
-        false,
-        None,
-        5,
-    ));
+    let m = tiny_llama(tmp.path(), 5);
     let prompts_ids: Vec<Vec<u32>> = [3usize, 9, 1, 14, 6]
         .iter()
         .enumerate()
@@ -765,13 +764,7 @@ fn a_next_turn_does_not_wait_for_every_other_answer_when_the_batch_drains() {
         Answer, ContinuousGenerator, ContinuousLimits, Next, Request,
     };
     let tmp = tempfile::tempdir().unwrap();
-    let m = load(&tiny_target_dir(
-        &tmp.path().join("t"),
-        "llama",
-        false,
-        None,
-        5,
-    ));
+    let m = tiny_llama(tmp.path(), 5);
     let limits = ContinuousLimits {
         slots: 32,
         max_len: 96,
