@@ -1,5 +1,6 @@
 // 1. Compiles src/aten_ext/ops.cpp, the shim to libtorch's fused AdamW and flash attention
-//    kernels (tch does not bind them), against the libtorch headers with the flags torch-sys
+//    kernels, and src/aten_ext/profiler.cpp, the one to its profiler (tch binds neither),
+//    against the libtorch headers with the flags torch-sys
 //    compiles its own C++ with: the same include folders and the same _GLIBCXX_USE_CXX11_ABI, found the same way
 //    (LIBTORCH_USE_PYTORCH asks Python's torch; else LIBTORCH_INCLUDE or LIBTORCH, or a system
 //    libtorch under /usr; the ABI from LIBTORCH_CXX11_ABI, 1 by default). The symbols resolve
@@ -20,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 const SHIM: &str = "src/aten_ext/ops.cpp";
 const GRAPH_SHIM: &str = "src/aten_ext/cuda_graph.cpp";
+const PROFILER_SHIM: &str = "src/aten_ext/profiler.cpp";
 
 fn env_rerun(name: &str) -> Option<String> {
     println!("cargo:rerun-if-env-changed={name}");
@@ -151,6 +153,7 @@ fn build_graph_library(includes: &[PathBuf], abi: &str) -> bool {
 
 fn main() {
     println!("cargo:rerun-if-changed={SHIM}");
+    println!("cargo:rerun-if-changed={PROFILER_SHIM}");
     println!("cargo:rerun-if-changed=src/aten_ext/guard.h");
     let (includes, abi) = libtorch_headers();
     if build_graph_library(&includes, &abi) {
@@ -163,7 +166,8 @@ fn main() {
         .warnings(false)
         .std("c++17")
         .includes(&includes)
-        .file(SHIM);
+        .file(SHIM)
+        .file(PROFILER_SHIM);
     build.define("GLOG_USE_GLOG_EXPORT", None);
     // (torch-sys sets the ABI for GCC and Clang only)
     if std::env::var("CARGO_CFG_TARGET_ENV").as_deref() != Ok("msvc") {

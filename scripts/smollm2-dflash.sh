@@ -21,6 +21,8 @@
 # eval   `eval` of run/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
 #        prompts and MT-Bench's 80 first turns, 128 new tokens each; 20 prompts in f32
 #        (lossless); the drafter in z-lab's public implementation (scripts/check_public_dflash.py).
+#        TRACE=1: also a profiler trace of one prompt's decoding, totalled by kernel
+#        (scripts/trace_summary.py; the summary is returned, the trace stays in $W).
 #
 # Every stage first looks for what the previous one made in $W (a warm machine); on a fresh
 # machine it takes what the previous stage returned, carried into $W:
@@ -132,6 +134,13 @@ eval)
   "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 20 \
     --max-new-tokens 64 --dtype f32 --json > "$OUT/eval-f32.json" 2> "$OUT/eval-f32.err"
   python3 scripts/eval_summary.py "$OUT"/eval-sharegpt.json "$OUT"/eval-mtbench.json "$OUT"/eval-f32.json
+  if [ -n "${TRACE:-}" ]; then
+    t trace
+    "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 2 --max-new-tokens 128 \
+      --trace "$W/trace.json" > /dev/null 2> "$OUT/trace.err" && \
+      python3 scripts/trace_summary.py "$W/trace.json" --top 40 > "$OUT/trace-summary.txt"
+    head -48 "$OUT/trace-summary.txt"
+  fi
   t public-check
   mkdir -p "$W/site"
   python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('$W/site') for w in glob.glob('$W/whl/dflash-*.whl')]"

@@ -216,12 +216,24 @@ fn gpu_dflash_with_graphs_is_lossless_in_f32_and_equals_eager_in_bf16() {
     let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
     // f32 on the GPU: dense attention, graphs; the output equals greedy decoding exactly.
     let (target, drafter, head) = models(tmp.path(), dev, Kind::Float, 4);
+    let trace = tmp.path().join("trace.json");
     let opts = EvalOptions {
         graphs,
         warmup_prompts: 1,
         progress: None,
+        trace: Some(trace.clone()),
     };
     let report = evaluate(&target, &drafter, &head, &prompts, 40, &[], &opts).unwrap();
+    // The profiler trace of the extra decoding holds the device's kernels.
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let kernels = t["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "kernel")
+        .count();
+    assert!(kernels > 100, "{kernels} kernels in the trace");
     assert_eq!(
         report.mismatches, 0,
         "f32 DFlash must equal greedy decoding"

@@ -164,6 +164,83 @@ fn eval_command_prints_json_with_tau_speedup_and_outputs() {
     assert!(err.contains("prompts.jsonl: line 2"), "{err}");
 }
 
+#[test]
+fn eval_trace_writes_a_profiler_trace_of_one_more_decoding() {
+    // The Chrome trace JSON of libtorch's profiler: on the CPU, the operators of one decoding
+    // of the first prompt (greedy, then DFlash), with their input shapes; the measured pass
+    // is unchanged (two prompts in the report).
+    let (tmp, _target, drafter, _head) = models(4);
+    let drafter_dir = drafter.save(&tmp.path().join("d")).unwrap();
+    let prompts = tmp.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt_ids\": [5, 9, 13]}\n{\"prompt_ids\": [40, 2]}\n",
+    )
+    .unwrap();
+    let trace = tmp.path().join("trace.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args(["eval", "--device", "cpu", "--max-new-tokens", "8", "--json"])
+        .arg("--target")
+        .arg(tmp.path().join("t"))
+        .arg("--drafter")
+        .arg(&drafter_dir)
+        .arg("--prompts")
+        .arg(&prompts)
+        .arg("--trace")
+        .arg(&trace)
+        .env("DFLASH_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["prompts"].as_array().unwrap().len(), 2);
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let ops: Vec<&serde_json::Value> = t["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "cpu_op")
+        .collect();
+    let named = |name: &str| ops.iter().filter(|e| e["name"] == name).count();
+    // one forward per decoding step at least: the target's layers and the LM head
+    assert!(named("aten::linear") > 10, "{} cpu ops", ops.len());
+    assert!(named("aten::argmax") > 0);
+    assert!(ops.iter().any(|e| e["args"]["Input Dims"].is_array()));
+
+    // A folder that does not exist: one clear error, nothing measured.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args([
+            "eval",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "8",
+            "--target",
+        ])
+        .arg(tmp.path().join("t"))
+        .arg("--drafter")
+        .arg(&drafter_dir)
+        .arg("--prompts")
+        .arg(&prompts)
+        .arg("--trace")
+        .arg(tmp.path().join("no/such/trace.json"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(
+        errors[0].contains("no/such/trace.json") && errors[0].contains("does not exist"),
+        "{err}"
+    );
+}
+
 use common::proposers::{ids_tensor, ids_vec, AlwaysProposes, Oracle};
 use dflash_tui::eval::speculative::{speculative_decode, BlockDrafter};
 use dflash_tui::model::decode::DrafterDecoder;

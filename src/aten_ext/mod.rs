@@ -1,8 +1,9 @@
 //! libtorch operations that tch 0.24 does not bind, through a small C++ shim (ops.cpp, compiled
 //! by build.rs against the libtorch headers): the fused AdamW step (used by
 //! [`crate::train::optim`]), the flash attention kernel called directly (also in its
-//! variable-length form over a key/value cache), and dropping a gradient; and CUDA graphs
-//! ([`graph`], a second library loaded once CUDA is there).
+//! variable-length form over a key/value cache), and dropping a gradient; libtorch's profiler
+//! ([`ProfilerTrace`], profiler.cpp); and CUDA graphs ([`graph`], a second library loaded once
+//! CUDA is there).
 
 pub(crate) mod graph;
 
@@ -51,6 +52,8 @@ pub(crate) mod ffi {
             out: *mut *mut c_void,
         ) -> *mut c_char;
         pub(crate) fn dflash_clear_grad(tensor: *const c_void) -> *mut c_char;
+        pub(crate) fn dflash_profiler_start(cuda: i32) -> *mut c_char;
+        pub(crate) fn dflash_profiler_stop(path: *const c_char) -> *mut c_char;
         pub(crate) fn dflash_free_error(err: *mut c_char);
     }
 }
@@ -266,5 +269,53 @@ pub(crate) fn flash_varlen(
             return Err(anyhow!("flash attention returned no tensor"));
         }
         Ok(Tensor::from_ptr(out.cast()))
+    }
+}
+
+/// libtorch's profiler (Kineto, what torch.profiler runs on) recording on the calling thread:
+/// the operators it runs, with their input shapes, and with `cuda` the CUDA kernels and copies
+/// on the device. [`ProfilerTrace::save`] writes the trace
+/// as Chrome trace JSON, the file torch.profiler's `export_chrome_trace` writes (Perfetto and
+/// chrome://tracing open it; `scripts/trace_summary.py` totals it by kernel or operator).
+/// Dropped unsaved, it stops and the trace is discarded. One at a time per process.
+#[derive(Debug)]
+pub struct ProfilerTrace {
+    running: bool,
+}
+
+impl ProfilerTrace {
+    pub fn start(cuda: bool) -> Result<Self> {
+        // SAFETY: no pointers; errors come back as messages.
+        unsafe { check(ffi::dflash_profiler_start(cuda as i32))? };
+        Ok(ProfilerTrace { running: true })
+    }
+
+    /// Stops recording and writes the trace to `path`.
+    pub fn save(mut self, path: &std::path::Path) -> Result<()> {
+        self.running = false;
+        let text = path
+            .to_str()
+            .ok_or_else(|| anyhow!("{}: not a UTF-8 path", path.display()))?;
+        let c_path = std::ffi::CString::new(text)
+            .map_err(|_| anyhow!("{}: a path with a NUL byte", path.display()))?;
+        // (a stale file must not pass for this trace below)
+        let _ = std::fs::remove_file(path);
+        // SAFETY: `c_path` is a valid NUL-terminated string for the call.
+        unsafe { check(ffi::dflash_profiler_stop(c_path.as_ptr())) }
+            .map_err(|e| anyhow!("{}: cannot write the profiler trace: {e}", path.display()))?;
+        // libtorch reports a file it cannot open only in its log: check that the file is there.
+        if !path.is_file() {
+            bail!("{}: the profiler trace was not written", path.display());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ProfilerTrace {
+    fn drop(&mut self) {
+        if self.running {
+            // SAFETY: a null path drops the trace.
+            let _ = unsafe { check(ffi::dflash_profiler_stop(std::ptr::null())) };
+        }
     }
 }

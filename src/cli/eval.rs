@@ -51,12 +51,19 @@ pub struct EvalArgs {
     /// Decode eagerly (no CUDA graphs), e.g. to compare.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with
+    /// their shapes, and on a GPU the CUDA kernels) of one more decoding of the first prompt,
+    /// greedy then DFlash, untimed, to this file (on the first device). See
+    /// scripts/trace_summary.py.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
     /// One JSON object: tau, speedup, prompts (output_ids, accept_lengths), ...
     #[arg(long)]
     pub json: bool,
 }
 
-/// One device's share: every n-th prompt starting at `first`.
+/// One device's share: every n-th prompt starting at `first`; `trace`: the profiler trace's
+/// file, for the first device only.
 fn run_shard(
     args: &EvalArgs,
     runtime: &TorchRuntime,
@@ -64,6 +71,7 @@ fn run_shard(
     prompts: &[Vec<u32>],
     eos: &[u32],
     bar: &ProgressBar,
+    trace: Option<PathBuf>,
 ) -> Result<EvalReport> {
     let kind = parse_kind(&args.dtype, device)?;
     let target = TargetModel::load(&args.target, device, kind)?;
@@ -73,6 +81,7 @@ fn run_shard(
         graphs: runtime.graphs(!args.no_cuda_graphs),
         warmup_prompts: args.warmup,
         progress: Some(bar.clone()),
+        trace,
     };
     log::info!(
         "eval on {device:?}: {} prompts x {} new tokens, {}",
@@ -98,6 +107,13 @@ fn run_shard(
 pub(super) fn run(runtime: &TorchRuntime, args: EvalArgs, bars: &Bars) -> Result<()> {
     if args.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
+    }
+    if let Some(trace) = &args.trace {
+        // refused before the models load, not after the warm-up
+        let folder = trace.parent().filter(|p| !p.as_os_str().is_empty());
+        if folder.is_some_and(|f| !f.is_dir()) {
+            bail!("--trace {}: the folder does not exist", trace.display());
+        }
     }
     let devices = runtime.device_list(&args.device)?;
     let target_config = TargetConfig::from_model_dir(&args.target)?;
@@ -157,7 +173,7 @@ fn measure(
 ) -> Result<EvalReport> {
     let n = devices.len();
     Ok(if n == 1 {
-        run_shard(args, runtime, devices[0], ids, eos, bar)?
+        run_shard(args, runtime, devices[0], ids, eos, bar, args.trace.clone())?
     } else {
         // Prompt i goes to device i % n; the merged report lists prompts in input order.
         let shards: Vec<Vec<Vec<u32>>> = (0..n)
@@ -167,8 +183,10 @@ fn measure(
             let handles: Vec<_> = devices
                 .iter()
                 .zip(&shards)
-                .map(|(&dev, shard)| {
-                    s.spawn(move || run_shard(args, runtime, dev, shard, eos, bar))
+                .enumerate()
+                .map(|(i, (&dev, shard))| {
+                    let trace = args.trace.clone().filter(|_| i == 0);
+                    s.spawn(move || run_shard(args, runtime, dev, shard, eos, bar, trace))
                 })
                 .collect();
             handles

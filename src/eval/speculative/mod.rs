@@ -481,6 +481,9 @@ pub struct EvalOptions {
     pub warmup_prompts: usize,
     /// Advanced by one for each measured prompt, between prompts (outside the timing).
     pub progress: Option<ProgressBar>,
+    /// Writes a profiler trace ([`crate::aten_ext::ProfilerTrace`]) of one more decoding of the
+    /// first prompt, greedy then DFlash, after the warm-up and outside the measurement.
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// Runs both decoders on every prompt: one engine each, with room for the longest prompt, CUDA
@@ -522,6 +525,15 @@ pub fn evaluate(
     }
     for prompt in prompts.iter().take(opts.warmup_prompts) {
         run(prompt)?;
+    }
+    if let (Some(path), Some(prompt)) = (&opts.trace, prompts.first()) {
+        let trace = crate::aten_ext::ProfilerTrace::start(target.device.is_cuda())?;
+        run(prompt)?;
+        trace.save(path)?;
+        log::info!(
+            "eval: profiler trace of the first prompt's decoding (greedy, then DFlash) written to {}",
+            path.display()
+        );
     }
     if let Some(bar) = bar {
         bar.set_message("");
