@@ -17,7 +17,8 @@
 #        the 100 ShareGPT prompts: where tau stalls, a row per (ROWS, LAYERS) shows whether more
 #        data or a bigger drafter moves it (one call each, e.g. ROWS=1700, 5000, 0; LAYERS=2, 8).
 # regen-bench  regenerate's speed (outputs discarded): the first answers of 10,000 conversations
-#        at batch 384, then every turn of all of them at BATCH slots (default 1024).
+#        at batch 384, then every turn of all of them at BATCH slots (default 1024);
+#        TRACE_STEPS=FIRST:COUNT adds a profiler trace of those decoding steps, totalled.
 # eval   `eval` of run/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
 #        prompts and MT-Bench's 80 first turns, 128 new tokens each; 20 prompts in f32
 #        (lossless); the drafter in z-lab's public implementation (scripts/check_public_dflash.py).
@@ -165,12 +166,19 @@ regen-bench)
     set -- $run
     name=$1; shift
     rm -rf "$W/bench-$name" "$W/bench-$name.partial"
-    t "regenerate $name: $*"
+    # TRACE_STEPS=FIRST:COUNT: a profiler trace of those decoding steps of each run, totalled
+    trace=()
+    [ -n "${TRACE_STEPS:-}" ] && trace=(--trace "$W/trace-$name.json" --trace-steps "$TRACE_STEPS")
+    t "regenerate $name: $* ${trace[*]+${trace[*]}}"
     "$B" regenerate --target "$W/smol" --input "$W/sg" --out "$W/bench-$name" --max-len 2048 "$@" \
-      2> "$OUT/regen-$name.err" > "$OUT/regen-$name.out"
+      ${trace[@]+"${trace[@]}"} 2> "$OUT/regen-$name.err" > "$OUT/regen-$name.out"
     echo "exit $?"
     grep -E "tokens generated|regenerate on" "$OUT/regen-$name.err" | tail -4
     tail -3 "$OUT/regen-$name.out"
+    if [ -f "$W/trace-$name.json" ]; then
+      python3 scripts/trace_summary.py "$W/trace-$name.json" --top 40 > "$OUT/regen-trace-$name.txt"
+      head -30 "$OUT/regen-trace-$name.txt"
+    fi
     rm -rf "$W/bench-$name"
   done
   ;;

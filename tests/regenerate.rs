@@ -815,3 +815,69 @@ fn a_next_turn_does_not_wait_for_every_other_answer_when_the_batch_drains() {
     assert_eq!(engine.stats.generated_tokens, 70);
     assert_eq!(engine.stats.decode_steps, 39, "{:?}", engine.stats);
 }
+
+#[test]
+fn regenerate_trace_records_the_decoding_steps_asked_for() {
+    let f = fixture();
+    let trace = f.tmp.path().join("trace.json");
+    let out = f.tmp.path().join("traced");
+    let (ok, _, stderr) = regenerate(
+        &f,
+        &out,
+        &["--trace", trace.to_str().unwrap(), "--trace-steps", "2:3"],
+    );
+    assert!(ok, "{stderr}");
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let ops: Vec<&serde_json::Value> = t["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "cpu_op")
+        .collect();
+    // three decoding forwards of the tiny 4-layer target, each with its LM head
+    let linears = ops.iter().filter(|e| e["name"] == "aten::linear").count();
+    assert!(linears >= 3 * 5, "{linears} linear operators");
+    // the output is the same as without the trace
+    let plain = f.tmp.path().join("untraced");
+    let (ok, _, stderr) = regenerate(&f, &plain, &[]);
+    assert!(ok, "{stderr}");
+    for (split, _) in &f.splits {
+        assert_eq!(
+            read_split(&out, split),
+            read_split(&plain, split),
+            "{split}"
+        );
+    }
+
+    // A window the run never reaches: the output is written, the trace is not, and stderr
+    // says why.
+    let late = f.tmp.path().join("late.json");
+    let (ok, _, stderr) = regenerate(
+        &f,
+        &f.tmp.path().join("late"),
+        &[
+            "--trace",
+            late.to_str().unwrap(),
+            "--trace-steps",
+            "100000:5",
+        ],
+    );
+    assert!(ok, "{stderr}");
+    assert!(!late.exists());
+    assert!(stderr.contains("no profiler trace"), "{stderr}");
+
+    // Bad windows and the plain engine: one clear error each.
+    for (extra, expect) in [
+        (vec!["--trace-steps", "5"], "expected FIRST:COUNT"),
+        (vec!["--trace-steps", "5:0"], "COUNT must be at least 1"),
+        (vec!["--engine", "plain"], "not with --engine plain"),
+    ] {
+        let mut args = vec!["--trace", trace.to_str().unwrap()];
+        args.extend(extra);
+        let (ok, _, stderr) = regenerate(&f, &f.tmp.path().join("bad"), &args);
+        assert!(!ok);
+        assert!(stderr.contains(expect), "{expect:?} not in {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}

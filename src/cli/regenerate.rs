@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 
 use crate::data::regenerate::{regenerate, RegenerateEngine, RegenerateOptions};
-use crate::model::generate::Sampling;
+use crate::model::generate::{Sampling, TraceWindow};
 use crate::runtime::TorchRuntime;
 
 use super::generate::parse_kind;
@@ -68,6 +68,16 @@ pub struct RegenerateArgs {
     /// Decode eagerly (no CUDA graph), e.g. to compare.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with
+    /// their shapes, and on a GPU the CUDA kernels) of the continuous engine's decoding steps
+    /// --trace-steps to this file (the first device's worker). See scripts/trace_summary.py.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// The decoding steps --trace records, FIRST:COUNT (counted from 0; step 0 captures the
+    /// CUDA graph). The run's last line says how many steps it took: e.g. a window near the
+    /// end shows the steps of a draining batch.
+    #[arg(long, value_name = "FIRST:COUNT", default_value = "100:20", value_parser = parse_trace_steps)]
+    pub trace_steps: (u64, u64),
     /// Stop after this many chunks, without assembling the output (tests of resumption).
     #[arg(long, hide = true)]
     pub stop_after_chunks: Option<usize>,
@@ -94,6 +104,11 @@ pub(super) fn run(runtime: &TorchRuntime, args: RegenerateArgs, bars: &Bars) -> 
         stop_after_chunks: args.stop_after_chunks,
         engine: args.engine,
         graphs: runtime.graphs(!args.no_cuda_graphs),
+        trace: args.trace.clone().map(|path| TraceWindow {
+            path,
+            first: args.trace_steps.0,
+            steps: args.trace_steps.1,
+        }),
         progress: Some(bar.clone()),
         ..RegenerateOptions::default()
     };
@@ -102,4 +117,16 @@ pub(super) fn run(runtime: &TorchRuntime, args: RegenerateArgs, bars: &Bars) -> 
     let summary = summary?;
     println!("{summary}");
     Ok(())
+}
+
+/// `FIRST:COUNT` of --trace-steps.
+fn parse_trace_steps(text: &str) -> Result<(u64, u64), String> {
+    let bad = || format!("{text:?}: expected FIRST:COUNT, two whole numbers, e.g. 100:20");
+    let (first, count) = text.split_once(':').ok_or_else(bad)?;
+    let first = first.trim().parse::<u64>().map_err(|_| bad())?;
+    let count = count.trim().parse::<u64>().map_err(|_| bad())?;
+    if count == 0 {
+        return Err(format!("{text:?}: COUNT must be at least 1"));
+    }
+    Ok((first, count))
 }

@@ -17,7 +17,7 @@ use super::RegenerateOptions;
 use crate::aten_ext::graph::GraphLibrary;
 use crate::model::generate::{
     generate_all, Answer, BatchLimits, ContinuousGenerator, ContinuousLimits, ContinuousStats,
-    Next, Prompt, Request,
+    Next, Prompt, Request, TraceWindow,
 };
 use crate::model::TargetModel;
 
@@ -105,6 +105,7 @@ pub(super) fn run_continuous(
     opts: &RegenerateOptions,
     progress: &Progress,
     graphs: Option<GraphLibrary>,
+    trace: Option<TraceWindow>,
 ) -> Result<ContinuousStats> {
     let limits = ContinuousLimits {
         slots: opts.batch_size,
@@ -112,6 +113,9 @@ pub(super) fn run_continuous(
         prefill_tokens: opts.prefill_tokens,
     };
     let mut engine = ContinuousGenerator::new(model, limits, graphs)?;
+    if let Some(window) = trace {
+        engine.trace_steps(window);
+    }
     let chunks: RefCell<Vec<Option<ChunkWork<'_>>>> = RefCell::new(Vec::new());
     let failure: RefCell<Option<anyhow::Error>> = RefCell::new(None);
     let fail = |e: anyhow::Error| {

@@ -37,7 +37,7 @@ use indicatif::ProgressBar;
 use tch::{Device, Kind};
 
 use crate::aten_ext::graph::GraphLibrary;
-use crate::model::generate::{BatchLimits, Sampling};
+use crate::model::generate::{BatchLimits, Sampling, TraceWindow};
 use crate::model::{model_eos_ids, TargetConfig, TargetModel};
 use chunks::{ChunkId, ChunkOutput};
 use input::SplitInput;
@@ -72,6 +72,9 @@ pub(crate) struct RegenerateOptions {
     pub engine: RegenerateEngine,
     /// CUDA graphs for the continuous engine's decoding step (GPU only).
     pub graphs: Option<GraphLibrary>,
+    /// Decoding steps of the continuous engine recorded by the profiler (the first device's
+    /// worker only).
+    pub trace: Option<TraceWindow>,
 }
 
 /// How `regenerate` decodes.
@@ -102,6 +105,7 @@ impl Default for RegenerateOptions {
             progress: Some(ProgressBar::hidden()),
             engine: RegenerateEngine::Continuous,
             graphs: None,
+            trace: None,
         }
     }
 }
@@ -121,6 +125,23 @@ fn check_options(opts: &RegenerateOptions) -> Result<()> {
     }
     if opts.chunk_rows == 0 {
         bail!("--chunk-rows must be at least 1");
+    }
+    if let Some(trace) = &opts.trace {
+        if opts.engine != RegenerateEngine::Continuous {
+            bail!(
+                "--trace records the continuous engine's decoding steps: not with --engine plain"
+            );
+        }
+        if trace.steps == 0 {
+            bail!("--trace-steps: at least one step to record");
+        }
+        let folder = trace.path.parent().filter(|p| !p.as_os_str().is_empty());
+        if folder.is_some_and(|f| !f.is_dir()) {
+            bail!(
+                "--trace {}: the folder does not exist",
+                trace.path.display()
+            );
+        }
     }
     let t = opts.sampling.temperature;
     if !t.is_finite() || t < 0.0 {
@@ -313,12 +334,12 @@ fn run_workers(devices: &[Device], work: &Work<'_>) -> Result<usize> {
     if to_take > 0 {
         let workers = devices.len().min(to_take);
         std::thread::scope(|scope| {
-            for &device in devices.iter().take(workers) {
+            for (i, &device) in devices.iter().take(workers).enumerate() {
                 scope.spawn(move || {
                     // libtorch errors (CUDA out of memory, say) reach Rust as panics.
                     let result =
                         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            run_device(work, device)
+                            run_device(work, device, i == 0)
                         }))
                         .unwrap_or_else(|payload| {
                             let msg = payload
@@ -352,8 +373,9 @@ fn run_workers(devices: &[Device], work: &Work<'_>) -> Result<usize> {
     Ok(work.finished.load(Ordering::Relaxed))
 }
 
-/// One worker: loads the target on `device` and regenerates chunks until none is left.
-fn run_device(work: &Work<'_>, device: Device) -> Result<()> {
+/// One worker: loads the target on `device` and regenerates chunks until none is left; the
+/// `first` worker records the profiler trace, if one is asked for.
+fn run_device(work: &Work<'_>, device: Device, first: bool) -> Result<()> {
     let (target, kind, opts, splits) = (work.target, work.kind, work.opts, work.splits);
     let t = Instant::now();
     let model = TargetModel::load(target, device, kind)?;
@@ -375,6 +397,7 @@ fn run_device(work: &Work<'_>, device: Device) -> Result<()> {
                 opts,
                 work.progress,
                 opts.graphs,
+                opts.trace.clone().filter(|_| first),
             )?;
             log::info!(
                 "regenerate on {device:?}: {} decoding steps in {:.1} s ({:.2} ms each, {:.0} % of slot-steps busy{}), {} prefills of {} tokens in {:.1} s",

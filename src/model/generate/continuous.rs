@@ -18,6 +18,7 @@ use tch::Tensor;
 use super::sampling::{pick, Sampling};
 use super::Answer;
 use crate::aten_ext::graph::{CudaGraph, GraphLibrary};
+use crate::aten_ext::ProfilerTrace;
 use crate::model::layers::upload;
 use crate::model::{SeqSpan, SlotBatch, SlotCache, SlotLogits, TargetModel};
 
@@ -93,6 +94,16 @@ pub struct ContinuousStats {
     pub cuda_graph: bool,
 }
 
+/// Decoding steps to record with libtorch's profiler ([`ProfilerTrace`]): `steps` steps from
+/// step `first` (counted from 0; the first one captures the CUDA graph), prefills between them
+/// included, written to `path` (Chrome trace JSON).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceWindow {
+    pub path: std::path::PathBuf,
+    pub first: u64,
+    pub steps: u64,
+}
+
 /// The engine: a target model, its slots and (on a GPU) the captured decoding step.
 pub struct ContinuousGenerator<'a> {
     model: &'a TargetModel,
@@ -100,6 +111,7 @@ pub struct ContinuousGenerator<'a> {
     limits: ContinuousLimits,
     graphs: Option<GraphLibrary>,
     step: Option<StepGraph>,
+    trace: Option<(TraceWindow, Option<ProfilerTrace>)>,
     pub stats: ContinuousStats,
 }
 
@@ -138,8 +150,52 @@ impl<'a> ContinuousGenerator<'a> {
             limits,
             graphs: graphs.filter(|_| model.device.is_cuda()),
             step: None,
+            trace: None,
             stats: ContinuousStats::default(),
         })
+    }
+
+    /// Records the decoding steps of `window` with the profiler (see [`TraceWindow`]).
+    pub fn trace_steps(&mut self, window: TraceWindow) {
+        self.trace = Some((window, None));
+    }
+
+    /// Starts or ends the profiler's window around the next decoding step, or at the end of
+    /// the run (`finished`: what was recorded is written; a window the run never reached is
+    /// reported).
+    fn trace_at_step(&mut self, finished: bool) -> Result<()> {
+        let steps = self.stats.decode_steps;
+        let cuda = self.model.device.is_cuda();
+        let Some((window, running)) = &mut self.trace else {
+            return Ok(());
+        };
+        if running.is_none() && !finished && steps == window.first {
+            *running = Some(ProfilerTrace::start(cuda)?);
+            return Ok(());
+        }
+        let done = finished || steps >= window.first + window.steps;
+        if !done {
+            return Ok(());
+        }
+        match running.take() {
+            Some(trace) => {
+                trace.save(&window.path)?;
+                log::info!(
+                    "profiler trace of decoding steps {}..{} written to {}",
+                    window.first,
+                    steps,
+                    window.path.display()
+                );
+            }
+            None if finished => log::warn!(
+                "{}: no profiler trace: the run took {steps} decoding steps, the window starts at step {}",
+                window.path.display(),
+                window.first
+            ),
+            None => return Ok(()),
+        }
+        self.trace = None;
+        Ok(())
     }
 
     /// Answers requests until `next_request` has none left and every slot is free.
@@ -187,7 +243,7 @@ impl<'a> ContinuousGenerator<'a> {
                 .filter(|s| matches!(s, SlotState::Decoding(_)))
                 .count();
             if waiting == 0 && decoding == 0 {
-                return Ok(());
+                return self.trace_at_step(true);
             }
             // Prefill once an eighth of the occupied slots wait (or nothing decodes). While the
             // input lasts every slot is occupied, so that is an eighth of the batch; when the
@@ -199,6 +255,7 @@ impl<'a> ContinuousGenerator<'a> {
                 self.finish(&mut slots, finished.0, &mut on_answer, eos)?;
                 continue;
             }
+            self.trace_at_step(false)?;
             let finished = self.decode_step(&mut slots, sampling, eos)?;
             on_progress(finished.1);
             self.finish(&mut slots, finished.0, &mut on_answer, eos)?;

@@ -8,7 +8,9 @@ mod greedy;
 mod sampling;
 
 pub use batched::{generate_all, generate_batch, BatchLimits, Prompt};
-pub use continuous::{ContinuousGenerator, ContinuousLimits, ContinuousStats, Next, Request};
+pub use continuous::{
+    ContinuousGenerator, ContinuousLimits, ContinuousStats, Next, Request, TraceWindow,
+};
 pub use greedy::greedy_generate;
 pub use sampling::Sampling;
 
