@@ -225,14 +225,7 @@ fn gpu_dflash_with_graphs_is_lossless_in_f32_and_equals_eager_in_bf16() {
     };
     let report = evaluate(&target, &drafter, &head, &prompts, 40, &[], &opts).unwrap();
     // The profiler trace of the extra decoding holds the device's kernels.
-    let t: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
-    let kernels = t["traceEvents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["cat"] == "kernel")
-        .count();
+    let kernels = common::trace_events(&trace, "kernel").len();
     assert!(kernels > 100, "{kernels} kernels in the trace");
     assert_eq!(
         report.mismatches, 0,

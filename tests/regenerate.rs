@@ -21,7 +21,7 @@ fn load(dir: &Path) -> TargetModel {
 
 /// A tiny random Llama target (untied), written under `dir` and loaded in f32.
 fn tiny_llama(dir: &Path, seed: i64) -> TargetModel {
-    load(&tiny_target_dir(&dir.join("t"), "llama", false, None, seed))
+    load(&common::tiny_llama_dir(&dir.join("t"), false, seed))
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -827,14 +827,7 @@ fn regenerate_trace_records_the_decoding_steps_asked_for() {
         &["--trace", trace.to_str().unwrap(), "--trace-steps", "2:3"],
     );
     assert!(ok, "{stderr}");
-    let t: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
-    let ops: Vec<&serde_json::Value> = t["traceEvents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["cat"] == "cpu_op")
-        .collect();
+    let ops = common::trace_events(&trace, "cpu_op");
     // three decoding forwards of the tiny 4-layer target, each with its LM head
     let linears = ops.iter().filter(|e| e["name"] == "aten::linear").count();
     assert!(linears >= 3 * 5, "{linears} linear operators");

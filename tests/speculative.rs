@@ -87,30 +87,11 @@ fn eval_command_prints_json_with_tau_speedup_and_outputs() {
         "{\"prompt_ids\": [5, 9, 13]}\n\n{\"prompt_ids\": [40, 2]}\n",
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
-        .args([
-            "eval",
-            "--device",
-            "cpu",
-            "--max-new-tokens",
-            "12",
-            "--json",
-            "--target",
-        ])
-        .arg(&target_dir)
-        .arg("--drafter")
-        .arg(&drafter_dir)
-        .arg("--prompts")
-        .arg(&prompts)
-        .env("DFLASH_LOG", "warn")
+    let out = eval_command(&target_dir, &drafter_dir, &prompts)
+        .args(["--max-new-tokens", "12", "--json"])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_of_success(&out);
     assert_eq!(v["mismatches"], 0);
     // Two prompts of 12 tokens on the CPU: the speed-up is flagged, with the reasons, in the
     // JSON and on stderr.
@@ -150,13 +131,7 @@ fn eval_command_prints_json_with_tau_speedup_and_outputs() {
     }
     // a bad prompts file names the line
     std::fs::write(&prompts, "{\"prompt_ids\": [5]}\n{\"nothing\": 1}\n").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
-        .args(["eval", "--device", "cpu", "--target"])
-        .arg(&target_dir)
-        .arg("--drafter")
-        .arg(&drafter_dir)
-        .arg("--prompts")
-        .arg(&prompts)
+    let out = eval_command(&target_dir, &drafter_dir, &prompts)
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -178,34 +153,15 @@ fn eval_trace_writes_a_profiler_trace_of_one_more_decoding() {
     )
     .unwrap();
     let trace = tmp.path().join("trace.json");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
-        .args(["eval", "--device", "cpu", "--max-new-tokens", "8", "--json"])
-        .arg("--target")
-        .arg(tmp.path().join("t"))
-        .arg("--drafter")
-        .arg(&drafter_dir)
-        .arg("--prompts")
-        .arg(&prompts)
-        .arg("--trace")
+    let target_dir = tmp.path().join("t");
+    let out = eval_command(&target_dir, &drafter_dir, &prompts)
+        .args(["--max-new-tokens", "8", "--json", "--trace"])
         .arg(&trace)
-        .env("DFLASH_LOG", "warn")
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_of_success(&out);
     assert_eq!(v["prompts"].as_array().unwrap().len(), 2);
-    let t: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
-    let ops: Vec<&serde_json::Value> = t["traceEvents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["cat"] == "cpu_op")
-        .collect();
+    let ops = common::trace_events(&trace, "cpu_op");
     let named = |name: &str| ops.iter().filter(|e| e["name"] == name).count();
     // one forward per decoding step at least: the target's layers and the LM head
     assert!(named("aten::linear") > 10, "{} cpu ops", ops.len());
@@ -213,21 +169,8 @@ fn eval_trace_writes_a_profiler_trace_of_one_more_decoding() {
     assert!(ops.iter().any(|e| e["args"]["Input Dims"].is_array()));
 
     // A folder that does not exist: one clear error, nothing measured.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
-        .args([
-            "eval",
-            "--device",
-            "cpu",
-            "--max-new-tokens",
-            "8",
-            "--target",
-        ])
-        .arg(tmp.path().join("t"))
-        .arg("--drafter")
-        .arg(&drafter_dir)
-        .arg("--prompts")
-        .arg(&prompts)
-        .arg("--trace")
+    let out = eval_command(&target_dir, &drafter_dir, &prompts)
+        .args(["--max-new-tokens", "8", "--trace"])
         .arg(tmp.path().join("no/such/trace.json"))
         .output()
         .unwrap();
@@ -411,26 +354,41 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
     }
 }
 
-fn eval_cli(
+/// `dflash-tui eval` on the CPU with these models and prompts (warnings only on stderr); the
+/// caller adds the rest.
+fn eval_command(
     target: &std::path::Path,
     drafter: &std::path::Path,
     prompts: &std::path::Path,
-) -> (bool, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
-        .args([
-            "eval",
-            "--device",
-            "cpu",
-            "--max-new-tokens",
-            "12",
-            "--target",
-        ])
+) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"));
+    cmd.args(["eval", "--device", "cpu", "--target"])
         .arg(target)
         .arg("--drafter")
         .arg(drafter)
         .arg("--prompts")
         .arg(prompts)
-        .env("DFLASH_LOG", "warn")
+        .env("DFLASH_LOG", "warn");
+    cmd
+}
+
+/// The JSON on stdout of a command that must have succeeded (else its stderr is shown).
+fn json_of_success(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn eval_cli(
+    target: &std::path::Path,
+    drafter: &std::path::Path,
+    prompts: &std::path::Path,
+) -> (bool, String) {
+    let out = eval_command(target, drafter, prompts)
+        .args(["--max-new-tokens", "12"])
         .output()
         .unwrap();
     (

@@ -552,6 +552,15 @@ pub fn require_bench(path: &Path) -> PathBuf {
     path.to_path_buf()
 }
 
+/// The events of category `cat` ("cpu_op", "kernel", ...) of a profiler trace (Chrome trace
+/// JSON, as `--trace` writes it).
+pub fn trace_events(path: &Path, cat: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let events = trace["traceEvents"].as_array().cloned().unwrap_or_default();
+    events.into_iter().filter(|e| e["cat"] == cat).collect()
+}
+
 /// Rows (id, input_ids, loss_mask) of a dataset split folder or file written by prepare-data or
 /// regenerate.
 #[allow(dead_code)]
