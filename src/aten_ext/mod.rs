@@ -284,6 +284,16 @@ pub struct ProfilerTrace {
 }
 
 impl ProfilerTrace {
+    /// Refuses a `--trace` file whose folder does not exist, before any work is done (libtorch
+    /// would only log that it cannot write there, once the trace is recorded).
+    pub(crate) fn check_path(path: &std::path::Path) -> Result<()> {
+        let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
+        if folder.is_some_and(|f| !f.is_dir()) {
+            bail!("--trace {}: the folder does not exist", path.display());
+        }
+        Ok(())
+    }
+
     pub fn start(cuda: bool) -> Result<Self> {
         // SAFETY: no pointers; errors come back as messages.
         unsafe { check(ffi::dflash_profiler_start(cuda as i32))? };

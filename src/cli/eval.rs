@@ -110,10 +110,7 @@ pub(super) fn run(runtime: &TorchRuntime, args: EvalArgs, bars: &Bars) -> Result
     }
     if let Some(trace) = &args.trace {
         // refused before the models load, not after the warm-up
-        let folder = trace.parent().filter(|p| !p.as_os_str().is_empty());
-        if folder.is_some_and(|f| !f.is_dir()) {
-            bail!("--trace {}: the folder does not exist", trace.display());
-        }
+        crate::aten_ext::ProfilerTrace::check_path(trace)?;
     }
     let devices = runtime.device_list(&args.device)?;
     let target_config = TargetConfig::from_model_dir(&args.target)?;

@@ -135,13 +135,7 @@ fn check_options(opts: &RegenerateOptions) -> Result<()> {
         if trace.steps == 0 {
             bail!("--trace-steps: at least one step to record");
         }
-        let folder = trace.path.parent().filter(|p| !p.as_os_str().is_empty());
-        if folder.is_some_and(|f| !f.is_dir()) {
-            bail!(
-                "--trace {}: the folder does not exist",
-                trace.path.display()
-            );
-        }
+        crate::aten_ext::ProfilerTrace::check_path(&trace.path)?;
     }
     let t = opts.sampling.temperature;
     if !t.is_finite() || t < 0.0 {
