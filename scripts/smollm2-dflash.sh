@@ -2,11 +2,13 @@
 # The SmolLM2-135M-Instruct DFlash recipe on one GPU (configs/smollm2-dflash.toml), in stages of
 # at most 10 minutes each, for machines lent by the call (see README, "Results"):
 #
-#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|train|ablate|eval|regen-bench
+#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|more|train|ablate|eval|trace|regen-bench
 #
 # data   import the demo GGUF, tokenise all 17,671 demo conversations (train / validation
 #        splits) and regenerate EVERY assistant turn with the target (greedy, continuous
 #        batching, CUDA graph): the drafter learns the target's own answers.
+# more   a sampled second answer to every turn of the training conversations (TEMP, SEED),
+#        added to the training split of the regenerated data (run after data, before train).
 # train  train the drafter for TRAIN_S seconds (a SIGINT then checkpoints) and STEPS steps,
 #        at learning rate LR (default: the config's); the validation pass every
 #        validation.every_steps keeps the best drafter in run/best. A second call on the same
@@ -18,12 +20,15 @@
 #        data or a bigger drafter moves it (one call each, e.g. ROWS=1700, 5000, 0; LAYERS=2, 8).
 # regen-bench  regenerate's speed (outputs discarded): the first answers of 10,000 conversations
 #        at batch 384, then every turn of all of them at BATCH slots (default 1024);
-#        TRACE_STEPS=FIRST:COUNT adds a profiler trace of those decoding steps, totalled.
+#        TRACE_STEPS=FIRST:COUNT adds a profiler trace of those decoding steps, totalled;
+#        RUNS=all (or first) runs only that workload.
 # eval   `eval` of run/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
 #        prompts and MT-Bench's 80 first turns, 128 new tokens each; 20 prompts in f32
 #        (lossless); the drafter in z-lab's public implementation (scripts/check_public_dflash.py).
-#        TRACE=1: also a profiler trace of one prompt's decoding, totalled by kernel
-#        (scripts/trace_summary.py; the summary is returned, the trace stays in $W).
+#        TRACE=1: also the trace stage.
+# trace  a profiler trace of one prompt's decoding (greedy, then DFlash), totalled by kernel
+#        and by part of a step (scripts/trace_summary.py; the summary is returned, the trace
+#        stays in $W).
 #
 # Every stage first looks for what the previous one made in $W (a warm machine); on a fresh
 # machine it takes what the previous stage returned, carried into $W:
@@ -51,15 +56,38 @@ model() { # the target model folder
   "$B" import-gguf "$W/smol.gguf" "$W/smol" --dtype bf16 2>&1 | tail -1
 }
 
-case "${1:-}" in
-data)
-  model || exit 1
-  if [ ! -f "$W/sg/dataset_dict.json" ]; then
-    t prepare
-    xz -dc "$W/sharegpt.jsonl.xz" > "$W/sharegpt.jsonl"
+drafter() { # D: the drafter to evaluate (this machine's best, else the one carried in)
+  D=$W/run/best/drafter
+  [ -f "$D/model.safetensors" ] && return 0
+  D=$W/drafter-in
+  [ -f "$D/model.safetensors" ] && return 0
+  mkdir -p "$D" && cat "$W"/drafter.safetensors.* > "$D/model.safetensors" &&
+    cp "$W/drafter-config.json" "$D/config.json"
+}
+
+regen() { # the regenerated dataset, unpacked
+  [ -f "$W/regen/dataset_dict.json" ] || { cat "$W"/regen.tar.xz.* | xz -dc | tar -C "$W" -xf -; }
+}
+
+prepared() { # the demo conversations, tokenised (train / validation splits)
+  [ -f "$W/sg/dataset_dict.json" ] && return 0
+  t prepare
+  xz -dc "$W/sharegpt.jsonl.xz" > "$W/sharegpt.jsonl" &&
     "$B" prepare-data --tokenizer "$W/smol" --input "$W/sharegpt.jsonl" --out "$W/sg" \
       --max-len "${MAX_LEN:-2048}" 2>&1 | tail -4
-  fi
+}
+
+trace() { # a profiler trace of one prompt's decoding (greedy, then DFlash), totalled
+  t trace
+  "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 2 --max-new-tokens 128 \
+    --trace "$W/trace.json" > /dev/null 2> "$OUT/trace.err" &&
+    python3 scripts/trace_summary.py "$W/trace.json" --top 40 > "$OUT/trace-summary.txt"
+  head -60 "$OUT/trace-summary.txt"
+}
+
+case "${1:-}" in
+data)
+  model && prepared || exit 1
   t regenerate
   "$B" regenerate --target "$W/smol" --input "$W/sg" --out "$W/regen" \
     --max-new-tokens "${MAX_NEW:-512}" --max-len "${MAX_LEN:-2048}" \
@@ -69,6 +97,28 @@ data)
   t pack
   tar -C "$W" -cf - regen | xz -T0 -3 | split -b 15M - "$OUT/regen.tar.xz."
   ls -la "$OUT"
+  ;;
+more)
+  # a second answer to every turn of the training conversations, sampled at TEMP (default
+  # 0.7) with SEED (default 1), added to the training split of $W/regen: twice the distinct
+  # training tokens from the same conversations; the validation split stays the greedy one.
+  TEMP=${TEMP:-0.7} SEED=${SEED:-1}
+  model && prepared && regen || exit 1
+  if [ -f "$W/regen/train/more-$SEED.done" ]; then
+    echo "already added"
+  else
+    rm -rf "$W/regen-more"
+    t "regenerate sampled: temperature $TEMP, seed $SEED"
+    "$B" regenerate --target "$W/smol" --input "$W/sg/train" --out "$W/regen-more" \
+      --temperature "$TEMP" --seed "$SEED" --max-new-tokens "${MAX_NEW:-512}" \
+      --max-len "${MAX_LEN:-2048}" --batch-size "${BATCH:-1024}" ${LIMIT:+--limit $LIMIT} \
+      2> "$OUT/regenerate-more.err" || { grep -v "^frame" "$OUT/regenerate-more.err" | tail -3; exit 1; }
+    grep -E "regenerate on|tokens/s\)" "$OUT/regenerate-more.err" | tail -3
+    # the Hugging Face layout: a split is the Arrow files its state.json lists
+    python3 scripts/add_split_files.py "$W/regen-more/train" "$W/regen/train" "more-$SEED-" &&
+      touch "$W/regen/train/more-$SEED.done" || exit 1
+  fi
+  "$B" inspect-data "$W/regen" 2>&1 | head -6
   ;;
 train)
   model || exit 1
@@ -115,14 +165,12 @@ ablate)
     --max-new-tokens 128 --json > "$OUT/eval-$name.json" 2> "$OUT/eval-$name.err"
   python3 scripts/eval_summary.py "$OUT/eval-$name.json" | head -1
   ;;
+trace)
+  model && drafter && regen || exit 1
+  trace
+  ;;
 eval)
-  model || exit 1
-  D=$W/run/best/drafter
-  if [ ! -f "$D/model.safetensors" ]; then
-    mkdir -p "$W/drafter-in" && D=$W/drafter-in
-    cat "$W"/drafter.safetensors.* > "$D/model.safetensors" && cp "$W/drafter-config.json" "$D/config.json"
-  fi
-  [ -f "$W/regen/dataset_dict.json" ] || { cat "$W"/regen.tar.xz.* | xz -dc | tar -C "$W" -xf - || exit 1; }
+  model && drafter && regen || exit 1
   t eval-sharegpt
   # the regenerated validation split: prompts up to the first answer (the same prompts as
   # the prepared split's; the answers are the target's)
@@ -135,13 +183,7 @@ eval)
   "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 20 \
     --max-new-tokens 64 --dtype f32 --json > "$OUT/eval-f32.json" 2> "$OUT/eval-f32.err"
   python3 scripts/eval_summary.py "$OUT"/eval-sharegpt.json "$OUT"/eval-mtbench.json "$OUT"/eval-f32.json
-  if [ -n "${TRACE:-}" ]; then
-    t trace
-    "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 2 --max-new-tokens 128 \
-      --trace "$W/trace.json" > /dev/null 2> "$OUT/trace.err" && \
-      python3 scripts/trace_summary.py "$W/trace.json" --top 40 > "$OUT/trace-summary.txt"
-    head -48 "$OUT/trace-summary.txt"
-  fi
+  [ -n "${TRACE:-}" ] && trace
   t public-check
   mkdir -p "$W/site"
   python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('$W/site') for w in glob.glob('$W/whl/dflash-*.whl')]"
@@ -156,15 +198,13 @@ regen-bench)
   # conversations at batch 384 (the command the issue measured before the engines: 13,237
   # tokens/s), then every turn of all conversations at BATCH slots (default 1024).
   model || exit 1
-  if [ ! -f "$W/sg/dataset_dict.json" ]; then
-    xz -dc "$W/sharegpt.jsonl.xz" > "$W/sharegpt.jsonl"
-    "$B" prepare-data --tokenizer "$W/smol" --input "$W/sharegpt.jsonl" --out "$W/sg" \
-      --max-len 2048 2>&1 | tail -1
-  fi
+  prepared || exit 1
   for run in "first --max-turns 1 --max-new-tokens 320 --limit 10000 --batch-size 384" \
              "all --max-new-tokens 512 --batch-size ${BATCH:-1024}"; do
     set -- $run
     name=$1; shift
+    # RUNS=all (or first): only that workload
+    [[ " ${RUNS:-first all} " == *" $name "* ]] || continue
     rm -rf "$W/bench-$name" "$W/bench-$name.partial"
     # TRACE_STEPS=FIRST:COUNT: a profiler trace of those decoding steps of each run, totalled
     trace=()
@@ -183,7 +223,7 @@ regen-bench)
   done
   ;;
 *)
-  echo "usage: W=DIR OUT=DIR $0 data|train|ablate|eval|regen-bench" >&2
+  echo "usage: W=DIR OUT=DIR $0 data|more|train|ablate|eval|trace|regen-bench" >&2
   exit 2
   ;;
 esac

@@ -18,14 +18,21 @@ use dflash_tui::model::{
 use dflash_tui::runtime::TorchRuntime;
 use tch::{Device, Kind, Tensor};
 
-fn gpu() -> (TorchRuntime, Device) {
+/// One test at a time on the GPU: a CUDA graph capture in one test thread puts the device's
+/// random generator in capture mode, and another thread's `randn` then fails.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn gpu() -> (TorchRuntime, Device, std::sync::MutexGuard<'static, ()>) {
+    let turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let runtime = TorchRuntime::init();
     assert!(
         runtime.cuda_devices() > 0,
         "no CUDA device: {:?}",
         runtime.cuda
     );
-    (runtime, Device::Cuda(0))
+    (runtime, Device::Cuda(0), turn)
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -62,7 +69,7 @@ fn models(
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gpu_flash_varlen_attention_equals_dense_attention_over_the_cache() {
-    let (_rt, dev) = gpu();
+    let (_rt, dev, _turn) = gpu();
     let (heads, kv, d, slots, cap) = (6i64, 2i64, 64i64, 3i64, 40i64);
     let kind = Kind::BFloat16;
     let mut flash = SlotCache::new(1, slots, cap, kv, d, kind, dev, SlotAttention::Flash).unwrap();
@@ -157,7 +164,7 @@ fn gpu_flash_varlen_attention_equals_dense_attention_over_the_cache() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gpu_graph_replays_equal_eager_steps() {
-    let (rt, dev) = gpu();
+    let (rt, dev, _turn) = gpu();
     let graphs = rt.graphs(true);
     assert!(graphs.is_some(), "CUDA graphs unavailable: {:?}", rt.graphs);
     let tmp = tempfile::tempdir().unwrap();
@@ -210,7 +217,7 @@ fn gpu_graph_replays_equal_eager_steps() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gpu_dflash_with_graphs_is_lossless_in_f32_and_equals_eager_in_bf16() {
-    let (rt, dev) = gpu();
+    let (rt, dev, _turn) = gpu();
     let graphs = rt.graphs(true);
     let tmp = tempfile::tempdir().unwrap();
     let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];

@@ -54,6 +54,8 @@ pub(crate) mod ffi {
         pub(crate) fn dflash_clear_grad(tensor: *const c_void) -> *mut c_char;
         pub(crate) fn dflash_profiler_start(cuda: i32) -> *mut c_char;
         pub(crate) fn dflash_profiler_stop(path: *const c_char) -> *mut c_char;
+        pub(crate) fn dflash_profiler_range_begin(name: *const c_char) -> *mut c_void;
+        pub(crate) fn dflash_profiler_range_end(range: *mut c_void);
         pub(crate) fn dflash_free_error(err: *mut c_char);
     }
 }
@@ -318,6 +320,32 @@ impl ProfilerTrace {
             bail!("{}: the profiler trace was not written", path.display());
         }
         Ok(())
+    }
+}
+
+/// A named range of a profiler trace, open until dropped: what `torch.profiler.record_function`
+/// opens (a "user_annotation" enclosing the operators and kernel launches made inside it, so
+/// that `scripts/trace_summary.py` can total the kernels of each part of a step). Near free
+/// while no profiler runs.
+pub struct ProfilerRange {
+    handle: *mut c_void,
+}
+
+impl ProfilerRange {
+    pub fn new(name: &'static std::ffi::CStr) -> Self {
+        // SAFETY: `name` is NUL-terminated and outlives the range (it is static).
+        ProfilerRange {
+            handle: unsafe { ffi::dflash_profiler_range_begin(name.as_ptr()) },
+        }
+    }
+}
+
+impl Drop for ProfilerRange {
+    fn drop(&mut self) {
+        if !self.handle.is_null() {
+            // SAFETY: the handle came from `dflash_profiler_range_begin` and is closed once.
+            unsafe { ffi::dflash_profiler_range_end(self.handle) };
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 // CUDA it records the kernels on the device too.
 // Built by build.rs with ops.cpp; the symbols resolve from libtorch_cpu.
 
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include "guard.h"
@@ -48,6 +49,28 @@ char *dflash_profiler_stop(const char *path) {
         }
         return nullptr;
     });
+}
+
+// Opens a named range (what torch.profiler.record_function opens: a "user_annotation" in the
+// trace, enclosing the operators and launches made inside it) on this thread and returns it;
+// `dflash_profiler_range_end` closes it. Near free while no profiler runs. Null on failure.
+void *dflash_profiler_range_begin(const char *name) {
+    try {
+        auto *range = new at::RecordFunction(at::RecordScope::USER_SCOPE);
+        if (range->isActive()) {
+            range->before(name);
+        }
+        return range;
+    } catch (...) {
+        return nullptr;
+    }
+}
+
+void dflash_profiler_range_end(void *range) {
+    try {
+        delete static_cast<at::RecordFunction *>(range);
+    } catch (...) {
+    }
 }
 
 } // extern "C"

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::config::{Family, TargetConfig};
-use super::layers::{attention, rms_norm, AttentionWeights, Mlp, Rope};
+use super::layers::{attention, rms_norm, rows, AttentionWeights, Mlp, Rope};
 use super::slots::{SlotBatch, SlotCache};
 use super::weights::{RandomWeights, WeightFiles, WeightSource};
 
@@ -368,6 +368,21 @@ impl TargetModel {
             if self.kind == Kind::Float {
                 return hidden.linear::<&Tensor>(&self.lm_head, None);
             }
+            if self.device.is_cuda() {
+                // bf16 / f16 operands, float32 products and sums and result: the same values as
+                // the float32 product of the widened operands (widening is exact), at the
+                // cost of reading the half-width head (a decoding step's largest matrix).
+                let size = hidden.size();
+                let width = size.last().copied().unwrap_or(0);
+                let flat = hidden.reshape([-1, width]);
+                if let Ok(logits) = flat.f_mm_dtype(&self.lm_head.tr(), Kind::Float) {
+                    let mut out = size.clone();
+                    if let Some(last) = out.last_mut() {
+                        *last = self.lm_head.size()[0];
+                    }
+                    return logits.view(out.as_slice());
+                }
+            }
             let head = self
                 .lm_head_f32
                 .get_or_init(|| self.lm_head.to_kind(Kind::Float));
@@ -534,7 +549,7 @@ impl TargetModel {
                 Some(table) => table.at(&batch.positions),
                 None => self.rope.cos_sin(&batch.positions, self.kind),
             };
-            let x = Tensor::embedding(&self.embed_tokens, &ids.view([1, n]), -1, false, false);
+            let x = rows(&self.embed_tokens, &ids.view([n])).unsqueeze(0);
             // every layer: the cache must be filled
             let all = self.layers.len();
             let (x, taps) =

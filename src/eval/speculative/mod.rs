@@ -15,6 +15,7 @@ use indicatif::ProgressBar;
 use tch::{Kind, Tensor};
 
 use crate::aten_ext::graph::GraphLibrary;
+use crate::aten_ext::ProfilerRange;
 use crate::device_event::{DeviceEvents, TimingEvent};
 use crate::model::decode::{DrafterDecoder, TargetDecoder};
 use crate::model::{Drafter, FrozenHead, TargetModel};
@@ -188,12 +189,16 @@ pub(crate) fn greedy_decode(
     while out.len() < max_new && !eos.contains(&next) {
         let t = Instant::now();
         clock.mark(1);
+        let range = ProfilerRange::new(c"greedy step");
         let (logits, _) = engine.step(&next_dev, pos)?;
         let picked = logits.topk(2.min(logits.size()[1]), -1, true, true);
+        drop(range);
         clock.mark(2);
         times.verify_host_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
+        let range = ProfilerRange::new(c"greedy read");
         let (id_dev, id, margin) = top2_of(picked)?;
+        drop(range);
         times.host_wait_s += t.elapsed().as_secs_f64();
         times.verify_device_s += clock.device_parts().1;
         next_dev = id_dev;
@@ -358,6 +363,7 @@ pub fn speculative_decode_with(
     while out.len() < max_new && !eos.contains(&x) {
         let t = Instant::now();
         clock.mark(0);
+        let range = ProfilerRange::new(c"dflash draft");
         let draft = proposer.propose(&pending, x, &x_dev, n)?;
         if draft.size() != [bs as i64] {
             return Err(anyhow!(
@@ -366,18 +372,23 @@ pub fn speculative_decode_with(
             ));
         }
         let draft = draft.to_device(device).to_kind(Kind::Int64);
+        drop(range);
         times.draft_host_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
         clock.mark(1);
+        let range = ProfilerRange::new(c"dflash verify");
         // verify [x, d_1 .. d_{B-1}] (the proposal carries x in slot 0)
         let (vlogits, vfeats) = engine.step(&draft, n)?;
         let vfeats = vfeats.context("the target engine returned no features")?;
         let y_dev = vlogits.argmax(-1, false);
         let both = Tensor::cat(&[&draft, &y_dev], 0);
+        drop(range);
         clock.mark(2);
         times.verify_host_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
+        let range = ProfilerRange::new(c"dflash read");
         let ids = read_ids(&both)?;
+        drop(range);
         times.host_wait_s += t.elapsed().as_secs_f64();
         let (draft_ids, y) = ids.split_at(bs);
         let (draft_dev_s, verify_dev_s) = clock.device_parts();

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use tch::Tensor;
 
 use super::{Drafter, FrozenHead};
-use crate::model::layers::{rms_norm, Rope};
+use crate::model::layers::{rms_norm, rows, Rope};
 use crate::model::slots::{SlotBatch, SlotCache};
 
 /// The key and value projections of every layer of a decoding copy stacked, for the context:
@@ -105,14 +105,9 @@ impl Drafter {
             );
             let n = batch.tokens();
             let (cos, sin) = self.rotary(cache, &batch.positions);
-            let mut h = Tensor::embedding(
-                &head.embed_tokens,
-                &block_ids.view([1, n]),
-                -1,
-                false,
-                false,
-            )
-            .to_kind(self.kind);
+            let mut h = rows(&head.embed_tokens, &block_ids.view([n]))
+                .unsqueeze(0)
+                .to_kind(self.kind);
             for (idx, layer) in self.layers.iter().enumerate() {
                 let x = rms_norm(&h, &layer.input_norm, eps);
                 let (q, k, v) = layer

@@ -18,7 +18,7 @@ use tch::Tensor;
 use super::sampling::{pick, Sampling};
 use super::Answer;
 use crate::aten_ext::graph::{CudaGraph, GraphLibrary};
-use crate::aten_ext::ProfilerTrace;
+use crate::aten_ext::{ProfilerRange, ProfilerTrace};
 use crate::model::layers::upload;
 use crate::model::{SeqSpan, SlotBatch, SlotCache, SlotLogits, TargetModel};
 
@@ -306,6 +306,7 @@ impl<'a> ContinuousGenerator<'a> {
         eos: &[u32],
     ) -> Result<(Vec<usize>, u64)> {
         let t = Instant::now();
+        let _range = ProfilerRange::new(c"regenerate prefill");
         let mut chosen = Vec::new();
         let mut tokens = 0usize;
         for (i, s) in slots.iter().enumerate() {
@@ -379,6 +380,7 @@ impl<'a> ContinuousGenerator<'a> {
         eos: &[u32],
     ) -> Result<(Vec<usize>, u64)> {
         let t = Instant::now();
+        let _range = ProfilerRange::new(c"regenerate decode step");
         let n = slots.len();
         let mut ids = vec![0i64; n];
         let mut start = vec![0i64; n];
