@@ -8,7 +8,8 @@
 #        splits) and regenerate EVERY assistant turn with the target (greedy, continuous
 #        batching, CUDA graph): the drafter learns the target's own answers.
 # more   a sampled second answer to every turn of the training conversations (TEMP, SEED),
-#        added to the training split of the regenerated data (run after data, before train).
+#        added to the training split of the regenerated data (run after data, before train);
+#        returns regen-more-SEED.tar.xz.*, which a fresh machine adds back without the GPU.
 # train  train the drafter for TRAIN_S seconds (a SIGINT then checkpoints) and STEPS steps,
 #        at learning rate LR (default: the config's); the validation pass every
 #        validation.every_steps keeps the best drafter in run/best. A second call on the same
@@ -102,20 +103,30 @@ more)
   # a second answer to every turn of the training conversations, sampled at TEMP (default
   # 0.7) with SEED (default 1), added to the training split of $W/regen: twice the distinct
   # training tokens from the same conversations; the validation split stays the greedy one.
+  # Returns the answers as regen-more-SEED.tar.xz.*; carried into $W on a fresh machine, they
+  # are added again without regenerating (run this stage before train there).
   TEMP=${TEMP:-0.7} SEED=${SEED:-1}
-  model && prepared && regen || exit 1
+  more=$W/regen-more-$SEED
+  model && regen || exit 1
   if [ -f "$W/regen/train/more-$SEED.done" ]; then
     echo "already added"
   else
-    rm -rf "$W/regen-more"
-    t "regenerate sampled: temperature $TEMP, seed $SEED"
-    "$B" regenerate --target "$W/smol" --input "$W/sg/train" --out "$W/regen-more" \
-      --temperature "$TEMP" --seed "$SEED" --max-new-tokens "${MAX_NEW:-512}" \
-      --max-len "${MAX_LEN:-2048}" --batch-size "${BATCH:-1024}" ${LIMIT:+--limit $LIMIT} \
-      2> "$OUT/regenerate-more.err" || { grep -v "^frame" "$OUT/regenerate-more.err" | tail -3; exit 1; }
-    grep -E "regenerate on|tokens/s\)" "$OUT/regenerate-more.err" | tail -3
+    if compgen -G "$more.tar.xz.*" > /dev/null; then
+      t "unpack the sampled answers of seed $SEED"
+      rm -rf "$more" && cat "$more".tar.xz.* | xz -dc | tar -C "$W" -xf - || exit 1
+    else
+      prepared || exit 1
+      rm -rf "$more"
+      t "regenerate sampled: temperature $TEMP, seed $SEED"
+      "$B" regenerate --target "$W/smol" --input "$W/sg/train" --out "$more" \
+        --temperature "$TEMP" --seed "$SEED" --max-new-tokens "${MAX_NEW:-512}" \
+        --max-len "${MAX_LEN:-2048}" --batch-size "${BATCH:-1024}" ${LIMIT:+--limit $LIMIT} \
+        2> "$OUT/regenerate-more.err" || { grep -v "^frame" "$OUT/regenerate-more.err" | tail -3; exit 1; }
+      grep -E "regenerate on|tokens/s\)" "$OUT/regenerate-more.err" | tail -3
+      tar -C "$W" -cf - "$(basename "$more")" | xz -T0 -3 | split -b 15M - "$OUT/$(basename "$more").tar.xz."
+    fi
     # the Hugging Face layout: a split is the Arrow files its state.json lists
-    python3 scripts/add_split_files.py "$W/regen-more/train" "$W/regen/train" "more-$SEED-" &&
+    python3 scripts/add_split_files.py "$more/train" "$W/regen/train" "more-$SEED-" &&
       touch "$W/regen/train/more-$SEED.done" || exit 1
   fi
   "$B" inspect-data "$W/regen" 2>&1 | head -6
