@@ -57,13 +57,18 @@ model() { # the target model folder
   "$B" import-gguf "$W/smol.gguf" "$W/smol" --dtype bf16 2>&1 | tail -1
 }
 
+carried_drafter() { # $W/drafter-in from a previous stage's pieces; fails when none came
+  [ -f "$W/drafter-in/model.safetensors" ] && return 0
+  [ -f "$W/drafter-config.json" ] || return 1
+  mkdir -p "$W/drafter-in" && cat "$W"/drafter.safetensors.* > "$W/drafter-in/model.safetensors" &&
+    cp "$W/drafter-config.json" "$W/drafter-in/config.json"
+}
+
 drafter() { # D: the drafter to evaluate (this machine's best, else the one carried in)
   D=$W/run/best/drafter
   [ -f "$D/model.safetensors" ] && return 0
   D=$W/drafter-in
-  [ -f "$D/model.safetensors" ] && return 0
-  mkdir -p "$D" && cat "$W"/drafter.safetensors.* > "$D/model.safetensors" &&
-    cp "$W/drafter-config.json" "$D/config.json"
+  carried_drafter
 }
 
 regen() { # the regenerated dataset, unpacked
@@ -132,21 +137,15 @@ more)
   "$B" inspect-data "$W/regen" 2>&1 | head -6
   ;;
 train)
-  model || exit 1
-  if [ ! -f "$W/regen/dataset_dict.json" ]; then
-    cat "$W"/regen.tar.xz.* | xz -dc | tar -C "$W" -xf - || exit 1
-  fi
+  model && regen || exit 1
   args=(--config "$CONFIG" --no-tui --set model.target="$W/smol" --set data.path="$W/regen")
   if [ -e "$W/run/checkpoints/latest" ]; then
     args=(--resume "$W/run" --no-tui)
   else
     args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-4000}" ${LR:+--set train.lr=$LR})
-    if [ ! -f "$W/drafter-in/model.safetensors" ] && [ -f "$W/drafter-config.json" ]; then
-      # a previous stage's drafter, carried in
-      mkdir -p "$W/drafter-in" && cat "$W"/drafter.safetensors.* > "$W/drafter-in/model.safetensors" &&
-        cp "$W/drafter-config.json" "$W/drafter-in/config.json" || exit 1
-    fi
-    if [ -f "$W/drafter-in/model.safetensors" ]; then
+    # a previous stage's drafter, carried in, starts the new run
+    if [ -f "$W/drafter-in/model.safetensors" ] || [ -f "$W/drafter-config.json" ]; then
+      carried_drafter || exit 1
       args+=(--set model.drafter_init="$W/drafter-in")
     fi
   fi
@@ -161,8 +160,7 @@ train)
   split -b 15M "$W/run/best/drafter/model.safetensors" "$OUT/drafter.safetensors." 2>/dev/null
   ;;
 ablate)
-  model || exit 1
-  [ -f "$W/regen/dataset_dict.json" ] || { cat "$W"/regen.tar.xz.* | xz -dc | tar -C "$W" -xf - || exit 1; }
+  model && regen || exit 1
   name="rows${ROWS:-0}-layers${LAYERS:-5}"
   rm -rf "$W/ablate-$name"
   t "ablate $name"

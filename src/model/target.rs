@@ -172,9 +172,10 @@ pub struct TargetModel {
     layers: Vec<DecoderLayer>,
     norm: Tensor,
     lm_head: Tensor,
-    /// The LM head in float32, made on the first logits of a bf16 / f16 model (training only
-    /// taps features and never needs it): logits from it have no bf16 rounding, whose exact
-    /// ties would make greedy picks depend on the kernel.
+    /// The LM head in float32, made on the first logits of a bf16 / f16 model off the GPU
+    /// (training only taps features and never needs it; on a GPU one bf16 product with float32
+    /// output gives the same values): logits from it have no bf16 rounding, whose exact ties
+    /// would make greedy picks depend on the kernel.
     lm_head_f32: std::sync::OnceLock<Tensor>,
     rope: Rope,
 }
