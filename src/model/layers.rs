@@ -171,10 +171,19 @@ impl AttentionWeights {
         let y = x
             .linear(w, b.as_ref())
             .view([batch, len, heads + 2 * kv_heads, d]);
-        let qk = y.narrow(2, 0, heads + kv_heads);
+        // The norm and the rotation run on dense tensors: the queries and keys alone are a
+        // strided view of `y` (every token's values sit between them), which the norm and the
+        // roll would first copy, and on which the other elementwise kernels take their slower
+        // strided form. So the norm covers every head of `y` (the values' rows are then
+        // dropped, and the weight's product is a dense copy of the rest), and without norms the
+        // rotation covers every head, values included; the values are read from `y` itself.
         let qk = match &self.fused_qk_norm {
-            Some(weight) => qk.rms_norm([d], None::<&Tensor>, eps) * weight,
-            None => qk,
+            Some(weight) => {
+                y.rms_norm([d], None::<&Tensor>, eps)
+                    .narrow(2, 0, heads + kv_heads)
+                    * weight
+            }
+            None => y.shallow_clone(),
         };
         // [L, d] -> [L, 1, d]: one angle per position, for every head
         let qk = Rope::apply(&qk, &cos.unsqueeze(-2), &sin.unsqueeze(-2));
@@ -249,6 +258,17 @@ impl AttentionWeights {
             .linear::<&Tensor>(&self.o_proj, None)
     }
 
+    /// `residual += output(attn)` in place, the sum done by the matrix product itself
+    /// ([`add_product`]): inference only.
+    pub(crate) fn add_output(&self, residual: &mut Tensor, attn: &Tensor) {
+        let (batch, heads, len, d) = attn.size4().unwrap_or((0, 0, 0, 0));
+        let a = attn
+            .transpose(1, 2)
+            .contiguous()
+            .view([batch * len, heads * d]);
+        add_product(residual, &a, &self.o_proj);
+    }
+
     pub(crate) fn tensors(&self) -> Vec<&Tensor> {
         let mut out = vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
         out.extend(
@@ -263,6 +283,19 @@ impl AttentionWeights {
             .flatten(),
         );
         out
+    }
+}
+
+/// `residual += x W^T` for `x` [n, in] and `weight` [out, in], `residual` [..., out] holding n
+/// rows: one matrix product that adds into its output (`addmm_`, beta = 1) in place of a
+/// product and an addition (a decoding step is launch-bound: two kernels a layer fewer). A
+/// residual that is not dense takes the product and the addition.
+pub(crate) fn add_product(residual: &mut Tensor, x: &Tensor, weight: &Tensor) {
+    let out = weight.size()[0];
+    if residual.is_contiguous() {
+        let _ = residual.view([-1, out]).addmm_(x, &weight.tr());
+    } else {
+        *residual += x.matmul(&weight.tr()).view_as(residual);
     }
 }
 
@@ -287,7 +320,20 @@ impl Mlp {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
-        let gated = match &self.fused {
+        self.gated(x).linear::<&Tensor>(&self.down_proj, None)
+    }
+
+    /// `residual += forward(x)` in place, the sum done by the down projection's product
+    /// ([`add_product`]): inference only.
+    pub(crate) fn add_forward(&self, residual: &mut Tensor, x: &Tensor) {
+        let gated = self.gated(x);
+        let width = gated.size().last().copied().unwrap_or(0);
+        add_product(residual, &gated.view([-1, width]), &self.down_proj);
+    }
+
+    /// `silu(gate(x)) * up(x)`.
+    fn gated(&self, x: &Tensor) -> Tensor {
+        match &self.fused {
             Some(w) => {
                 let both = x.linear::<&Tensor>(w, None);
                 let i = self.gate_proj.size()[0];
@@ -297,8 +343,7 @@ impl Mlp {
                 x.linear::<&Tensor>(&self.gate_proj, None).silu()
                     * x.linear::<&Tensor>(&self.up_proj, None)
             }
-        };
-        gated.linear::<&Tensor>(&self.down_proj, None)
+        }
     }
 
     pub(crate) fn tensors(&self) -> Vec<&Tensor> {
@@ -350,5 +395,40 @@ pub(crate) fn upload(t: &Tensor, device: Device) -> Tensor {
             .to_device_(device, t.kind(), true, false)
     } else {
         t.to_device(device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `add_product` leaves the residual holding residual + x W^T, in its own storage: dense
+    /// (the product adds into it) and strided (the product, then the addition).
+    #[test]
+    fn add_product_adds_the_product_into_the_residual() {
+        let opts = (Kind::Double, Device::Cpu);
+        let x = Tensor::from_slice(&[1.0, 2.0, -1.0, 0.5, 3.0, -2.0]).view([3, 2]);
+        let w = Tensor::from_slice(&[2.0, 0.0, 1.0, -1.0])
+            .view([2, 2])
+            .to_kind(opts.0);
+        let x = x.to_kind(opts.0);
+        let base = Tensor::arange(6, opts).view([1, 3, 2]);
+        // x W^T row by row: [2, -1], [-2, -1.5], [6, 5]
+        let want = Tensor::from_slice(&[2.0, 0.0, 0.0, 1.5, 10.0, 10.0])
+            .view([1, 3, 2])
+            .to_kind(opts.0);
+
+        let mut dense = base.copy();
+        let ptr = dense.data_ptr();
+        add_product(&mut dense, &x, &w);
+        assert_eq!(dense.data_ptr(), ptr);
+        assert!(dense.allclose(&want, 0.0, 1e-12, false), "{dense}");
+
+        let storage = base.transpose(1, 2).contiguous(); // [1, 2, 3]
+        let mut strided = storage.transpose(1, 2); // [1, 3, 2], not dense
+        assert!(!strided.is_contiguous());
+        add_product(&mut strided, &x, &w);
+        assert!(strided.allclose(&want, 0.0, 1e-12, false), "{strided}");
+        assert!(storage.transpose(1, 2).allclose(&want, 0.0, 1e-12, false));
     }
 }

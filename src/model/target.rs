@@ -520,8 +520,9 @@ impl TargetModel {
                 .attn
                 .project_qkv_rotated(&h, heads, kv_heads, d, eps, cos, sin);
             let a = attend(idx, &q, k, v)?;
-            x += layer.attn.output(&a);
-            x += layer.mlp.forward(&rms_norm(&x, &layer.post_norm, eps));
+            layer.attn.add_output(&mut x, &a);
+            let normed = rms_norm(&x, &layer.post_norm, eps);
+            layer.mlp.add_forward(&mut x, &normed);
             for (slot, &tap) in tapped.iter_mut().zip(taps) {
                 if tap == idx {
                     *slot = Some(x.copy());

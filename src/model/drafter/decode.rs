@@ -114,8 +114,9 @@ impl Drafter {
                     .attn
                     .project_qkv_rotated(&x, heads, kv_heads, d, eps, &cos, &sin);
                 let a = cache.attend(idx, &q, &k, &v, batch, false)?;
-                h = &h + layer.attn.output(&a);
-                h = &h + layer.mlp.forward(&rms_norm(&h, &layer.post_norm, eps));
+                layer.attn.add_output(&mut h, &a);
+                let normed = rms_norm(&h, &layer.post_norm, eps);
+                layer.mlp.add_forward(&mut h, &normed);
             }
             Ok(rms_norm(&h, &self.norm, eps).squeeze_dim(0))
         })
