@@ -124,21 +124,31 @@ fn pause_stops_progress_and_resume_continues() {
         h.snapshot().step >= 3
     });
     h.command(&Command::Pause).unwrap();
-    // The steps in flight complete (on a loaded machine that can take seconds): the count
-    // settles, then stays.
+    // The step in flight completes (on a loaded machine that can take seconds); then the pause
+    // takes hold between steps and its event says at which step the count stays.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let paused_at = loop {
-        let before = h.snapshot().step;
-        std::thread::sleep(Duration::from_millis(1000));
-        let after = h.snapshot().step;
-        if after == before {
-            break after;
+        let at = checkpoint_events(&run, "paused").first().and_then(|m| {
+            m.strip_prefix("paused at step ")?
+                .split(':')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        });
+        if let Some(at) = at {
+            break at;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "steps never settled while paused"
+            "the pause never took hold"
         );
+        std::thread::sleep(Duration::from_millis(50));
     };
+    assert_eq!(
+        h.snapshot().step,
+        paused_at,
+        "the status is at the paused step"
+    );
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(h.snapshot().step, paused_at, "steps advanced while paused");
     assert_eq!(h.snapshot().phase, Phase::Paused);

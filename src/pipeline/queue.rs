@@ -113,6 +113,23 @@ impl<T> ResizableQueue<T> {
         }
     }
 
+    /// Waits up to `timeout` for an item; true once a [`ResizableQueue::pop`] would not block
+    /// (an item waits, or the queue is closed, or the pipeline stops), false if it is still
+    /// empty then. For a consumer that has other things to watch between items.
+    pub(crate) fn wait_for_item(&self, timeout: Duration) -> bool {
+        let ready = |inner: &Inner<T>| !inner.items.is_empty() || inner.closed || self.stopped();
+        let inner = self.lock();
+        if ready(&inner) {
+            return true;
+        }
+        let inner = self
+            .not_empty
+            .wait_timeout(inner, timeout.min(STOP_POLL))
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+        ready(&inner)
+    }
+
     /// No more pushes will come; consumers drain what is left.
     pub(crate) fn close(&self) {
         self.lock().closed = true;
@@ -163,6 +180,28 @@ impl<T> ResizableQueue<T> {
 mod tests {
     use super::*;
     use std::thread;
+
+    #[test]
+    fn waiting_for_an_item_says_whether_a_pop_would_block() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let q = ResizableQueue::new(QueueName::Feature, 2, stop.clone());
+        assert!(!q.wait_for_item(Duration::from_millis(1)), "empty");
+        q.push(7).unwrap();
+        assert!(q.wait_for_item(Duration::from_millis(1)), "an item waits");
+        assert_eq!(q.pop(), Ok(7));
+        q.close();
+        assert!(
+            q.wait_for_item(Duration::from_millis(1)),
+            "closed: pop says drained"
+        );
+        assert_eq!(q.pop(), Err(QueueClosed::Drained));
+        let open = ResizableQueue::<i32>::new(QueueName::Feature, 2, stop.clone());
+        stop.store(true, Ordering::SeqCst);
+        assert!(
+            open.wait_for_item(Duration::from_millis(1)),
+            "stopping: pop says so"
+        );
+    }
 
     #[test]
     fn resizing_keeps_every_item_in_order() {

@@ -272,6 +272,11 @@ pub(crate) fn recorded_snapshot(run_dir: &Path, running: bool) -> Option<Snapsho
     if let Some(last) = &snap.last {
         snap.step = snap.step.max(last.step);
         snap.epoch = last.epoch;
+        // a live trainer that has written steps is past loading (a busy one may not answer its
+        // socket for a while: the header must not fall back to "loading model" mid-run)
+        if running && !summary {
+            snap.phase = Phase::Training;
+        }
     }
     if snap.last_checkpoint.is_none() {
         snap.last_checkpoint = crate::train::checkpoint::newest_checkpoint(run_dir)
@@ -310,6 +315,11 @@ mod tests {
     #[test]
     fn a_finished_run_is_read_from_its_records() {
         let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("metrics.jsonl"), "").unwrap();
+        assert_eq!(
+            recorded_snapshot(dir.path(), true).unwrap().phase,
+            Phase::LoadingModel
+        );
         let step = |s: u64| {
             MetricsRecord::Step(StepRecord {
                 step: s,
@@ -334,6 +344,11 @@ mod tests {
             text.push('\n');
         }
         std::fs::write(dir.path().join("metrics.jsonl"), &text).unwrap();
+        // a live trainer with steps on record is training, one without is still loading
+        assert_eq!(
+            recorded_snapshot(dir.path(), true).unwrap().phase,
+            Phase::Training
+        );
         let killed = recorded_snapshot(dir.path(), false).unwrap();
         assert_eq!((killed.step, killed.history.len()), (4, 4));
         assert!(killed

@@ -65,6 +65,9 @@ struct Gathered {
     buffers: Vec<Tensor>,
 }
 
+/// How long the coordinator waits for features before it looks at pauses and requests again.
+const FEATURE_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
 pub(super) struct Coordinator {
     pub(super) shared: Arc<Shared>,
     pub(super) config: Arc<TrainConfig>,
@@ -99,16 +102,41 @@ impl Coordinator {
         let cfg = self.config.clone();
         warm_up_attention(&self.shared, &self.drafter, &self.head, &cfg, 0);
         let warmup = (cfg.train.warmup_ratio * self.total_steps as f64).round() as u64;
+        // time spent below waiting for features: the next step's first wait for its batch
+        let mut feature_wait = std::time::Duration::ZERO;
         while self.step < self.total_steps {
             if self.handle_requests()? {
                 return Ok(());
             }
             // About to wait (paused, or no features yet): the queued step's numbers first, so
             // that what the operator sees is not a step behind while nothing moves.
-            if self.shared.paused.load(Ordering::Relaxed) || self.shared.feature_q.is_empty() {
+            let paused = self.shared.paused.load(Ordering::Relaxed);
+            if paused || self.shared.feature_q.is_empty() {
                 self.finish_queued()?;
             }
-            if !self.train_step(&cfg, warmup)? {
+            // A pause takes hold here, between steps (the step in flight when it came has
+            // finished): every finished step is on record, and the count holds until the run
+            // resumes. The event says when, for the operator and for tests that wait on it.
+            if paused {
+                self.shared.event(
+                    "paused",
+                    format!("paused at step {}: the next step waits", self.step),
+                );
+                if !self.shared.wait_if_paused() {
+                    return Ok(());
+                }
+                continue;
+            }
+            // Features are waited for here, between steps, not inside the step: a pause or a
+            // request that comes meanwhile is seen at once. (A step needing more batches than
+            // are queued still waits for them inside; a pause then holds it there unannounced.)
+            let t = Instant::now();
+            let ready = self.shared.feature_q.wait_for_item(FEATURE_POLL);
+            feature_wait += t.elapsed();
+            if !ready {
+                continue;
+            }
+            if !self.train_step(&cfg, warmup, std::mem::take(&mut feature_wait))? {
                 // stopping: the last step's record still goes out
                 return self.finish_queued();
             }
@@ -128,9 +156,23 @@ impl Coordinator {
     /// One optimizer step: this worker's share and the replicas' gradients averaged, clipped,
     /// AdamW, the new weights handed back; its numbers are queued (see [`QueuedStep`]). False
     /// when the run stops (or a stage fails) while the step waits.
-    fn train_step(&mut self, cfg: &TrainConfig, warmup: u64) -> Result<bool> {
+    /// `feature_wait`: how long the loop already waited for this step's first batch.
+    fn train_step(
+        &mut self,
+        cfg: &TrainConfig,
+        warmup: u64,
+        feature_wait: std::time::Duration,
+    ) -> Result<bool> {
         let step_started = Instant::now();
-        let Some(res) = accumulate(&self.shared, cfg, &self.drafter, &self.head, 0, self.step)?
+        let Some(res) = accumulate(
+            &self.shared,
+            cfg,
+            &self.drafter,
+            &self.head,
+            0,
+            self.step,
+            feature_wait,
+        )?
         else {
             return Ok(false);
         };

@@ -143,6 +143,8 @@ pub(super) fn accumulate(
     head: &FrozenHead,
     replica: usize,
     step: u64,
+    // how long the caller already waited for the first batch (counted as its queue wait)
+    first_wait: std::time::Duration,
 ) -> Result<Option<MicroResult>> {
     let mut out = MicroResult {
         sums: LossTensors::zeros(drafter.device),
@@ -155,7 +157,14 @@ pub(super) fn accumulate(
     let micro_batches = cfg.replica_batches(replica);
     let scale = 1.0 / cfg.step_batches() as f64;
     for micro in 0..micro_batches {
-        if !shared.wait_if_paused() {
+        // Replica 0 runs on the coordinator, which waits out a pause between steps (so that a
+        // pause takes hold at a step boundary); the other replicas wait at their next batch.
+        let go_on = if replica == 0 {
+            !shared.stopping()
+        } else {
+            shared.wait_if_paused()
+        };
+        if !go_on {
             return Ok(None);
         }
         let t = Instant::now();
@@ -164,7 +173,14 @@ pub(super) fn accumulate(
             Err(QueueClosed::Stopped) => return Ok(None),
             Err(QueueClosed::Drained) => bail!("the target workers ended before training did"),
         };
-        shared.profile.record(Event::FEATURE_Q_WAIT, t.elapsed());
+        let waited_before = if micro == 0 {
+            first_wait
+        } else {
+            std::time::Duration::ZERO
+        };
+        shared
+            .profile
+            .record(Event::FEATURE_Q_WAIT, t.elapsed() + waited_before);
         let b = &item.batch;
         let sums = train_on_item(
             &shared.profile,
@@ -205,7 +221,8 @@ pub(super) fn replica(
     sync.prepare(&drafter.named_parameters());
     warm_up_attention(shared, &drafter, &head, cfg, r);
     loop {
-        let Some(res) = accumulate(shared, cfg, &drafter, &head, r, step)? else {
+        let Some(res) = accumulate(shared, cfg, &drafter, &head, r, step, Default::default())?
+        else {
             return Ok(());
         };
         let params = drafter.named_parameters();
