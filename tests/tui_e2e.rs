@@ -43,8 +43,24 @@ fn checkpoints(run_dir: &Path) -> usize {
     dflash_tui::train::checkpoint::list_checkpoints(&run_dir.join("checkpoints")).len()
 }
 
+/// A trainer started by a test, killed if the test fails before it ends (a trainer runs on
+/// without its test).
+struct Running(Option<std::process::Child>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 struct Tmux {
     session: String,
+    /// The run the trainer in the session holds: a trainer outlives its terminal by design,
+    /// so a test that fails half-way must stop it itself.
+    run_dir: PathBuf,
 }
 
 impl Tmux {
@@ -76,6 +92,19 @@ impl Drop for Tmux {
         let _ = Command::new("tmux")
             .args(["kill-session", "-t", &self.session])
             .output();
+        // the trainer still holding the run (its pid is in the run lock), if any
+        let holder = std::fs::read_to_string(self.run_dir.join(".lock"))
+            .ok()
+            .and_then(|t| t.trim().parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains("dflash-tui"))
+            });
+        if let Some(pid) = holder {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .output();
+        }
     }
 }
 
@@ -92,6 +121,7 @@ fn keys_drive_the_control_room_in_tmux() {
     );
     let t = Tmux {
         session: format!("dflash-e2e-{}", std::process::id()),
+        run_dir: run_dir.clone(),
     };
     let out = Command::new("tmux")
         .args([
@@ -118,15 +148,26 @@ fn keys_drive_the_control_room_in_tmux() {
     });
     assert!(t.screen().contains("training"), "{}", t.screen());
 
-    // p pauses: the header says paused and the step count stops
+    // p pauses: the header says paused; the step in flight finishes, the log says at which
+    // step the pause took hold, and the count stays there
     t.keys(&["p"]);
     wait_until("paused", Duration::from_secs(10), || {
         t.screen().contains("paused").then_some(())
     });
-    std::thread::sleep(Duration::from_millis(500));
-    let paused_at = t.step().unwrap();
+    let paused_at = wait_until("the pause to take hold", Duration::from_secs(60), || {
+        let screen = t.screen();
+        let at = screen.find("paused at step ")? + "paused at step ".len();
+        let digits: String = screen[at..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse::<u64>().ok()
+    });
+    wait_until("the header at that step", Duration::from_secs(10), || {
+        (t.step() == Some(paused_at)).then_some(())
+    });
     std::thread::sleep(Duration::from_millis(1500));
-    assert_eq!(t.step().unwrap(), paused_at, "steps advanced while paused");
+    assert_eq!(t.step(), Some(paused_at), "steps advanced while paused");
     // p resumes
     t.keys(&["p"]);
     wait_until("progress after resume", Duration::from_secs(20), || {
@@ -186,14 +227,17 @@ fn the_same_scenario_headless_through_ctl_and_signals() {
     let run_dir = i.tmp.path().join("run");
     let mut args = train_args(&i, &run_dir);
     args.push("--no-tui".into());
-    let child = Command::new(bin())
-        .args(&args)
-        .env("DFLASH_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = Running(Some(
+        Command::new(bin())
+            .args(&args)
+            .env("DFLASH_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    let pid = child.0.as_ref().map_or(0, |c| c.id() as i32);
     let socket = run_dir.join("control.sock");
     wait_until("the control socket", Duration::from_secs(60), || {
         socket.exists().then_some(())
@@ -218,13 +262,13 @@ fn the_same_scenario_headless_through_ctl_and_signals() {
 
     // SIGUSR1 checkpoints
     let before = checkpoints(&run_dir);
-    unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
+    unsafe { libc::kill(pid, libc::SIGUSR1) };
     wait_until("the SIGUSR1 checkpoint", Duration::from_secs(30), || {
         (checkpoints(&run_dir) > before).then_some(())
     });
     // SIGINT stops with a checkpoint and exits 0
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let out = child.wait_with_output().unwrap();
+    unsafe { libc::kill(pid, libc::SIGINT) };
+    let out = child.0.take().unwrap().wait_with_output().unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("run finished"));
     assert!(!socket.exists(), "the socket is removed at exit");

@@ -27,6 +27,8 @@ use serde::{Deserialize, Serialize};
 use crate::pipeline::command::{quote, Command};
 
 pub const SOCKET_NAME: &str = "control.sock";
+/// The socket's name until its mode is set (as long as [`SOCKET_NAME`]: the same paths fit).
+const FRESH_SOCKET_NAME: &str = ".control.new";
 
 /// Bytes of a Unix socket address's path (`sun_path`), the terminating NUL included.
 pub(crate) const SOCKET_PATH_MAX: usize = 108;
@@ -161,11 +163,16 @@ pub fn serve_with(
 ) -> Result<ControlSocket> {
     check_socket_path(run_dir)?;
     let path = run_dir.join(SOCKET_NAME);
-    let _ = std::fs::remove_file(&path);
-    let listener =
-        UnixListener::bind(&path).with_context(|| format!("{}: cannot listen", path.display()))?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("{}: cannot restrict to mode 0600", path.display()))?;
+    // Bound under a name of the same length, restricted to mode 0600, then renamed: the socket
+    // never appears under its own name with the umask's wider mode.
+    let fresh = run_dir.join(FRESH_SOCKET_NAME);
+    let _ = std::fs::remove_file(&fresh);
+    let listener = UnixListener::bind(&fresh)
+        .with_context(|| format!("{}: cannot listen", fresh.display()))?;
+    std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("{}: cannot restrict to mode 0600", fresh.display()))?;
+    std::fs::rename(&fresh, &path)
+        .with_context(|| format!("cannot move {} to {}", fresh.display(), path.display()))?;
     let closing = Arc::new(AtomicBool::new(false));
     let open = Arc::new(Connections::default());
     let server = Server {
