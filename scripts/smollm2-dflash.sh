@@ -11,7 +11,8 @@
 #        added to the training split of the regenerated data (run after data, before train);
 #        returns regen-more-SEED.tar.xz.*, which a fresh machine adds back without the GPU.
 # train  train the drafter for TRAIN_S seconds (a SIGINT then checkpoints) and STEPS steps,
-#        at learning rate LR (default: the config's); the validation pass every
+#        at learning rate LR (default: the config's), with SET="section.field=value ..."
+#        (further settings of a new run); the validation pass every
 #        validation.every_steps keeps the best drafter in run/best. A second call on the same
 #        machine resumes the run; on a fresh machine with a previous stage's drafter carried
 #        in (drafter.safetensors.* + drafter-config.json) a new run starts from it.
@@ -143,6 +144,8 @@ train)
     args=(--resume "$W/run" --no-tui)
   else
     args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-4000}" ${LR:+--set train.lr=$LR})
+    # SET="section.field=value ...": further settings of the new run
+    for kv in ${SET:-}; do args+=(--set "$kv"); done
     # a previous stage's drafter, carried in, starts the new run
     if [ -f "$W/drafter-in/model.safetensors" ] || [ -f "$W/drafter-config.json" ]; then
       carried_drafter || exit 1
