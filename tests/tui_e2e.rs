@@ -92,18 +92,9 @@ impl Drop for Tmux {
         let _ = Command::new("tmux")
             .args(["kill-session", "-t", &self.session])
             .output();
-        // the trainer still holding the run (its pid is in the run lock), if any
-        let holder = std::fs::read_to_string(self.run_dir.join(".lock"))
-            .ok()
-            .and_then(|t| t.trim().parse::<u32>().ok())
-            .filter(|pid| {
-                std::fs::read(format!("/proc/{pid}/cmdline"))
-                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains("dflash-tui"))
-            });
-        if let Some(pid) = holder {
-            let _ = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .output();
+        // the trainer still holding the run, if any
+        if let Some(pid) = dflash_tui::train::run_lock::RunLock::holder(&self.run_dir) {
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
         }
     }
 }

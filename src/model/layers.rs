@@ -251,22 +251,15 @@ impl AttentionWeights {
 
     /// [B, heads, L, head_dim] attention output -> [B, L, H].
     pub(crate) fn output(&self, attn: &Tensor) -> Tensor {
-        let (batch, heads, len, d) = attn.size4().unwrap_or((0, 0, 0, 0));
-        attn.transpose(1, 2)
-            .contiguous()
-            .view([batch, len, heads * d])
-            .linear::<&Tensor>(&self.o_proj, None)
+        merge_heads(attn).linear::<&Tensor>(&self.o_proj, None)
     }
 
     /// `residual += output(attn)` in place, the sum done by the matrix product itself
     /// ([`add_product`]): inference only.
     pub(crate) fn add_output(&self, residual: &mut Tensor, attn: &Tensor) {
-        let (batch, heads, len, d) = attn.size4().unwrap_or((0, 0, 0, 0));
-        let a = attn
-            .transpose(1, 2)
-            .contiguous()
-            .view([batch * len, heads * d]);
-        add_product(residual, &a, &self.o_proj);
+        let a = merge_heads(attn);
+        let width = a.size()[2];
+        add_product(residual, &a.view([-1, width]), &self.o_proj);
     }
 
     pub(crate) fn tensors(&self) -> Vec<&Tensor> {
@@ -284,6 +277,14 @@ impl AttentionWeights {
         );
         out
     }
+}
+
+/// [B, heads, L, head_dim] -> [B, L, heads * head_dim] (dense).
+fn merge_heads(attn: &Tensor) -> Tensor {
+    let (batch, heads, len, d) = attn.size4().unwrap_or((0, 0, 0, 0));
+    attn.transpose(1, 2)
+        .contiguous()
+        .view([batch, len, heads * d])
 }
 
 /// `residual += x W^T` for `x` [n, in] and `weight` [out, in], `residual` [..., out] holding n

@@ -124,7 +124,7 @@ impl<T> ResizableQueue<T> {
         }
         let inner = self
             .not_empty
-            .wait_timeout(inner, timeout.min(STOP_POLL))
+            .wait_timeout(inner, timeout)
             .unwrap_or_else(|e| e.into_inner())
             .0;
         ready(&inner)

@@ -3,5 +3,5 @@
 pub mod checkpoint;
 pub mod loss;
 pub mod optim;
-pub(crate) mod run_lock;
+pub mod run_lock;
 pub mod validation;

@@ -13,7 +13,7 @@ pub(crate) const LOCK_NAME: &str = ".lock";
 
 /// The held lock; released when dropped (or when the process ends).
 #[derive(Debug)]
-pub(crate) struct RunLock {
+pub struct RunLock {
     _file: File,
 }
 
@@ -46,7 +46,7 @@ impl RunLock {
 
     /// The PID of the trainer that holds `run_dir`, if one is alive. Read from the lock file
     /// without locking it (a viewer's peek must never make a starting trainer fail).
-    pub(crate) fn holder(run_dir: &Path) -> Option<u32> {
+    pub fn holder(run_dir: &Path) -> Option<u32> {
         let text = std::fs::read_to_string(run_dir.join(LOCK_NAME)).ok()?;
         let pid: u32 = text.trim().parse().ok()?;
         // The PID of a trainer that is gone may be another process's now: it must be ours.
