@@ -72,6 +72,11 @@ drafter() { # D: the drafter to evaluate (this machine's best, else the one carr
   carried_drafter
 }
 
+summary() { # the first $1 lines of inspect-data's summary of $W/regen (read whole: with
+  # pipefail, a `| head` that stops reading would fail the stage)
+  "$B" inspect-data "$W/regen" > "$W/inspect.txt" 2>&1 && head -"$1" "$W/inspect.txt"
+}
+
 regen() { # the regenerated dataset, unpacked
   [ -f "$W/regen/dataset_dict.json" ] || { cat "$W"/regen.tar.xz.* | xz -dc | tar -C "$W" -xf -; }
 }
@@ -100,7 +105,7 @@ data)
     --max-new-tokens "${MAX_NEW:-512}" --max-len "${MAX_LEN:-2048}" \
     --batch-size "${BATCH:-1024}" ${LIMIT:+--limit $LIMIT} 2> "$OUT/regenerate.err"
   grep -E "regenerate on|tokens/s\)" "$OUT/regenerate.err" | tail -3
-  "$B" inspect-data "$W/regen" 2>&1 | head -12
+  summary 12
   t pack
   tar -C "$W" -cf - regen | xz -T0 -3 | split -b 15M - "$OUT/regen.tar.xz."
   ls -la "$OUT"
@@ -135,7 +140,7 @@ more)
     python3 scripts/add_split_files.py "$more/train" "$W/regen/train" "more-$SEED-" &&
       touch "$W/regen/train/more-$SEED.done" || exit 1
   fi
-  "$B" inspect-data "$W/regen" 2>&1 | head -6
+  summary 6
   ;;
 train)
   model && regen || exit 1

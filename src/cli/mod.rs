@@ -275,6 +275,18 @@ pub fn main() -> ExitCode {
         std::env::set_var(ALLOC_CONF, "expandable_segments:True");
     }
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Doctor | Command::InspectData { .. } | Command::BenchData { .. }
+    ) {
+        // Report printers end quietly when their reader goes away (`inspect-data DIR | head`),
+        // as Unix tools do, instead of failing on the write. Rust ignores SIGPIPE so that a
+        // closed socket is an error, not death: the trainer and the control room keep that.
+        // SAFETY: setting a signal's disposition to the default, before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     // One set of progress bars, shared with the logger so that log lines do not cut into them.
     let bars = progress::Bars::stderr();
     if !matches!(cli.command, Command::Train { .. }) {
