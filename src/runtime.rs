@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 
+use crate::aten_ext::fused::FusedKernels;
 use crate::aten_ext::graph::GraphLibrary;
 
 const CUDA_LIBRARY: &str = "libtorch_cuda.so";
@@ -58,6 +59,26 @@ impl TorchRuntime {
         match self.cuda {
             CudaSupport::Loaded { devices, .. } => devices,
             _ => 0,
+        }
+    }
+
+    /// The drafter's fused decoding kernels compiled for `device`, when `wanted`, the device is
+    /// a GPU and they compile and load (else `None`, with a warning saying why: libtorch's
+    /// operations then do the same work).
+    pub fn fused_kernels(&self, wanted: bool, device: tch::Device) -> Option<FusedKernels> {
+        if !wanted || !device.is_cuda() {
+            return None;
+        }
+        let loaded = match &self.graphs {
+            Ok(graphs) => FusedKernels::load(*graphs, self.libtorch_dir.as_deref(), device),
+            Err(e) => Err(anyhow::anyhow!("no CUDA library ({e})")),
+        };
+        match loaded {
+            Ok(kernels) => Some(kernels),
+            Err(e) => {
+                log::warn!("fused kernels unavailable on {device:?}, decoding without: {e:#}");
+                None
+            }
         }
     }
 

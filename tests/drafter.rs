@@ -237,7 +237,8 @@ fn inference_forward_matches_the_training_forward() {
                     &feats.narrow(1, from, len).squeeze_dim(0),
                     &batch,
                     &mut cache,
-                );
+                )
+                .unwrap();
             }
         }
         let mut ids = vec![MASK; BLOCK as usize];

@@ -192,9 +192,13 @@ fn gpu_graph_replays_equal_eager_steps() {
             assert_eq!(max_diff(&fa.unwrap(), &fb.unwrap()), 0.0, "step {i}");
         }
         assert!(graphed.uses_graphs());
-        // the drafter: proposals after prompts and after accepted tokens
-        let mut eager = DrafterDecoder::new(&drafter, &head, 64, None).unwrap();
-        let mut graphed = DrafterDecoder::new(&drafter, &head, 64, graphs).unwrap();
+        // the drafter (with the fused kernels, launched inside the graph too): proposals after
+        // prompts and after accepted tokens
+        let kernels = rt.fused_kernels(true, dev);
+        assert!(kernels.is_some(), "the fused kernels did not load");
+        let mut eager = DrafterDecoder::new(&drafter, &head, 64, None, kernels).unwrap();
+        let mut graphed = DrafterDecoder::new(&drafter, &head, 64, graphs, kernels).unwrap();
+        assert!(graphed.uses_fused_kernels());
         let features = Tensor::randn([9, 2 * 32], (Kind::Float, dev)).to_kind(Kind::BFloat16);
         let x = Tensor::from_slice(&[3i64]).to_device(dev);
         let mut pos = 9;
@@ -224,16 +228,18 @@ fn gpu_dflash_with_graphs_is_lossless_in_f32_and_equals_eager_in_bf16() {
     // f32 on the GPU: dense attention, graphs; the output equals greedy decoding exactly.
     let (target, drafter, head) = models(tmp.path(), dev, Kind::Float, 4);
     let trace = tmp.path().join("trace.json");
+    let kernels = rt.fused_kernels(true, dev);
     let opts = EvalOptions {
         graphs,
+        kernels,
         warmup_prompts: 1,
         progress: None,
         trace: Some(trace.clone()),
     };
     let report = evaluate(&target, &drafter, &head, &prompts, 40, &[], &opts).unwrap();
     // The profiler trace of the extra decoding holds the device's kernels.
-    let kernels = common::trace_events(&trace, "kernel").len();
-    assert!(kernels > 100, "{kernels} kernels in the trace");
+    let traced = common::trace_events(&trace, "kernel").len();
+    assert!(traced > 100, "{traced} kernels in the trace");
     assert_eq!(
         report.mismatches, 0,
         "f32 DFlash must equal greedy decoding"
@@ -250,7 +256,7 @@ fn gpu_dflash_with_graphs_is_lossless_in_f32_and_equals_eager_in_bf16() {
         let cap = capacity_for(p.len(), 40, 4);
         let run = |g| {
             let mut engine = TargetDecoder::new(&target, cap, &taps, g).unwrap();
-            let mut proposer = DrafterDecoder::new(&drafter, &head, cap, g).unwrap();
+            let mut proposer = DrafterDecoder::new(&drafter, &head, cap, g, kernels).unwrap();
             tch::no_grad(|| speculative_decode_with(&mut engine, &mut proposer, p, 40, &[]))
                 .unwrap()
         };
@@ -259,4 +265,232 @@ fn gpu_dflash_with_graphs_is_lossless_in_f32_and_equals_eager_in_bf16() {
         assert_eq!(a.accept_lengths, b.accept_lengths);
         assert_eq!(a.drafts, b.drafts);
     }
+}
+
+/// Whether `got` equals `want` up to bf16 rounding: every element within `rel` of the reference
+/// (relative, plus a tiny absolute floor), and at least `exact` of them bit for bit. The fused
+/// kernels round where libtorch's operations round; only the order of a norm's float sum
+/// differs, which moves a rounding now and then.
+fn assert_close(what: &str, got: &Tensor, want: &Tensor, rel: f64, exact: f64) {
+    assert_eq!(got.size(), want.size(), "{what}: shapes");
+    let (g, w) = (got.to_kind(Kind::Float), want.to_kind(Kind::Float));
+    let diff = (&g - &w).abs();
+    let bound = w.abs() * rel + 1e-4;
+    let over = diff.gt_tensor(&bound).sum(Kind::Int64).int64_value(&[]);
+    let n = w.numel() as f64;
+    let same = diff.eq(0.0).sum(Kind::Int64).int64_value(&[]) as f64 / n;
+    assert_eq!(
+        over,
+        0,
+        "{what}: {over} elements off by more than {rel} (max {})",
+        max_diff(&g, &w)
+    );
+    assert!(
+        same >= exact,
+        "{what}: only {same:.4} of the elements are equal"
+    );
+}
+
+/// cos and the sign-folded sin of positions `start..start + n` for head size `d`, as
+/// `Rope::cos_sin` makes them ([n, d]).
+fn rotary(start: i64, n: i64, d: i64, kind: Kind, dev: Device) -> (Tensor, Tensor) {
+    let inv: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
+        .collect();
+    let pos = Tensor::arange_start(start, start + n, (Kind::Float, dev)).unsqueeze(-1);
+    let freqs = pos * Tensor::from_slice(&inv).to_device(dev);
+    let (c, s) = (freqs.cos(), freqs.sin());
+    (
+        Tensor::cat(&[&c, &c], -1).to_kind(kind),
+        Tensor::cat(&[&s.neg(), &s], -1).to_kind(kind),
+    )
+}
+
+/// The fused kernels against the libtorch operations they replace: the q/k norm, rotation and
+/// cache writes of one layer (with norms and without; head sizes 64 and 16, the latter with
+/// idle threads in the block), of several layers' context keys at once, and SwiGLU's product;
+/// in bf16 (up to rounding) and f32.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_fused_kernels_equal_the_libtorch_operations() {
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    let eps = 1e-6;
+    for kind in [Kind::BFloat16, Kind::Float] {
+        let (rel, exact) = if kind == Kind::Float {
+            (1e-5, 0.0)
+        } else {
+            (2e-2, 0.95)
+        };
+        let rand = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, dev)).to_kind(kind);
+        for (heads, kv, d, norms) in [
+            (9i64, 3i64, 64i64, true),
+            (4, 2, 16, true),
+            (9, 3, 64, false),
+        ] {
+            let (n, cache_rows) = (16i64, 40i64);
+            let what = format!("{kind:?} {heads}x{kv}x{d} norms {norms}");
+            let y = rand(&[1, n, (heads + 2 * kv) * d]);
+            let q_norm = (rand(&[d]) * 0.1 + 1.0).to_kind(kind);
+            let k_norm = (rand(&[d]) * 0.1 + 1.0).to_kind(kind);
+            let (cos, sin) = rotary(5, n, d, kind, dev);
+            let rows = Tensor::randperm(cache_rows, (Kind::Int64, dev)).narrow(0, 0, n);
+            let k_cache = Tensor::zeros([cache_rows, kv, d], (kind, dev));
+            let v_cache = Tensor::zeros([cache_rows, kv, d], (kind, dev));
+            let q = kernels
+                .rotate_write(
+                    &y,
+                    1,
+                    heads,
+                    norms.then_some(&q_norm),
+                    norms.then_some(&k_norm),
+                    eps,
+                    &cos,
+                    &sin,
+                    &rows,
+                    &k_cache,
+                    &v_cache,
+                )
+                .unwrap()
+                .unwrap();
+            // libtorch: normalised, times the weight, then x * cos + roll(x) * sin
+            let yv = y.view([n, heads + 2 * kv, d]);
+            let qk = yv.narrow(1, 0, heads + kv);
+            let qk = if norms {
+                let w = Tensor::cat(
+                    &[
+                        q_norm.expand([heads, d], false),
+                        k_norm.expand([kv, d], false),
+                    ],
+                    0,
+                );
+                qk.rms_norm([d], None::<&Tensor>, eps) * w
+            } else {
+                qk.copy()
+            };
+            let (c, s) = (cos.unsqueeze(1), sin.unsqueeze(1));
+            let mut want = &qk * &c;
+            let _ = want.addcmul_(&qk.roll([d / 2], [-1]), &s);
+            assert_close(
+                &format!("{what}: queries"),
+                &q.view([n, heads, d]),
+                &want.narrow(1, 0, heads),
+                rel,
+                exact,
+            );
+            assert_close(
+                &format!("{what}: keys"),
+                &k_cache.index_select(0, &rows),
+                &want.narrow(1, heads, kv),
+                rel,
+                exact,
+            );
+            assert_eq!(
+                max_diff(
+                    &v_cache.index_select(0, &rows),
+                    &yv.narrow(1, heads + kv, kv)
+                ),
+                0.0,
+                "{what}: values"
+            );
+            // rows not written stay as they were
+            let written = k_cache
+                .abs()
+                .sum_dim_intlist([1, 2].as_slice(), false, Kind::Float)
+                .gt(0.0);
+            assert_eq!(
+                written.sum(Kind::Int64).int64_value(&[]),
+                n,
+                "{what}: rows written"
+            );
+        }
+        // the context of 3 layers at once: keys normalised per layer, no queries
+        let (layers, kv, d, n, cache_rows) = (3i64, 2i64, 64i64, 5i64, 24i64);
+        let y = rand(&[n, layers, 2, kv, d]);
+        let k_norm = (rand(&[layers, 1, d]) * 0.1 + 1.0).to_kind(kind);
+        let (cos, sin) = rotary(7, n, d, kind, dev);
+        let rows = Tensor::arange_start(7, 7 + n, (Kind::Int64, dev));
+        let k_cache = Tensor::zeros([layers, cache_rows, kv, d], (kind, dev));
+        let v_cache = Tensor::zeros([layers, cache_rows, kv, d], (kind, dev));
+        let q = kernels
+            .rotate_write(
+                &y,
+                layers,
+                0,
+                None,
+                Some(&k_norm),
+                eps,
+                &cos,
+                &sin,
+                &rows,
+                &k_cache,
+                &v_cache,
+            )
+            .unwrap();
+        assert!(q.is_none());
+        let k = y.select(2, 0).rms_norm([d], None::<&Tensor>, eps) * &k_norm;
+        let (c, s) = (cos.view([n, 1, 1, d]), sin.view([n, 1, 1, d]));
+        let mut want = &k * &c;
+        let _ = want.addcmul_(&k.roll([d / 2], [-1]), &s);
+        for l in 0..layers {
+            let what = format!("{kind:?} context layer {l}");
+            assert_close(
+                &format!("{what}: keys"),
+                &k_cache.get(l).index_select(0, &rows),
+                &want.select(1, l),
+                rel,
+                exact,
+            );
+            assert_eq!(
+                max_diff(
+                    &v_cache.get(l).index_select(0, &rows),
+                    &y.select(2, 1).select(1, l)
+                ),
+                0.0,
+                "{what}: values"
+            );
+        }
+        // SwiGLU
+        let both = rand(&[1, 16, 2 * 48]);
+        let got = kernels.silu_mul(&both).unwrap();
+        let want = both.narrow(-1, 0, 48).silu() * both.narrow(-1, 48, 48);
+        assert_close(
+            &format!("{kind:?} silu(gate) * up"),
+            &got,
+            &want,
+            rel,
+            if kind == Kind::Float { 0.0 } else { 0.99 },
+        );
+    }
+}
+
+/// A drafter's block forward over its cache with the fused kernels equals the one with
+/// libtorch's operations up to bf16 rounding (the context written by both paths, then a block).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_drafter_block_with_fused_kernels_equals_the_plain_one() {
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    let tmp = tempfile::tempdir().unwrap();
+    let (_target, drafter, head) = models(tmp.path(), dev, Kind::BFloat16, 8);
+    let copy = drafter.decode_copy().unwrap();
+    let features = Tensor::randn([11, 2 * 32], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+    let ids = Tensor::from_slice(&[3i64, 1, 1, 1, 1, 1, 1, 1]).to_device(dev);
+    let run = |fused: bool| {
+        let mut cache = copy
+            .slot_cache(40)
+            .unwrap()
+            .with_kernels(fused.then_some(kernels));
+        let start = Tensor::zeros([1], (Kind::Int64, dev));
+        let ctx = SlotBatch::uniform(&cache, &start, 11);
+        copy.append_context_slots(&features, &ctx, &mut cache)
+            .unwrap();
+        let start = Tensor::full([1], 11, (Kind::Int64, dev));
+        let blk = SlotBatch::uniform(&cache, &start, 8);
+        copy.block_slots(&head, &ids, &blk, &mut cache).unwrap()
+    };
+    let (plain, fused) = (run(false), run(true));
+    let scale = plain.abs().max().double_value(&[]);
+    let diff = max_diff(&plain, &fused);
+    assert!(diff <= 0.05 * scale, "fused {diff} off a scale of {scale}");
 }

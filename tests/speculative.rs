@@ -324,7 +324,7 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
     let p = vec![7u32, 3, 12, 30, 8];
     let capacity = dflash_tui::eval::speculative::capacity_for(p.len(), 40, 4);
     let mut rec = Recording {
-        inner: DrafterDecoder::new(&drafter, &head, capacity, None).unwrap(),
+        inner: DrafterDecoder::new(&drafter, &head, capacity, None, None).unwrap(),
         calls: vec![],
     };
     let d = tch::no_grad(|| speculative_decode(&target, &mut rec, &taps, &p, 40, &[])).unwrap();
@@ -346,7 +346,7 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
                 .features
                 .unwrap()
                 .squeeze_dim(0);
-            let mut fresh = DrafterDecoder::new(&drafter, &head, capacity, None)?;
+            let mut fresh = DrafterDecoder::new(&drafter, &head, capacity, None, None)?;
             fresh.propose(&feats, *x, &ids_tensor(&[*x]), *pos)
         })
         .unwrap();

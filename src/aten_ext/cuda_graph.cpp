@@ -96,6 +96,15 @@ char *dflash_graph_replay(DflashGraph *g) {
     });
 }
 
+// libtorch's current stream of this thread on CUDA device `device` (the side stream while a
+// graph is captured), for kernels launched outside libtorch (src/aten_ext/fused.rs).
+char *dflash_current_stream(int device, void **stream) {
+    return guarded([&]() -> char * {
+        *stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+        return nullptr;
+    });
+}
+
 void dflash_graph_free(DflashGraph *g) {
     try {
         delete g;

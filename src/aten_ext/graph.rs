@@ -18,6 +18,7 @@ type GraphNew = unsafe extern "C" fn(c_int, *mut *mut c_char) -> *mut c_void;
 type GraphCall = unsafe extern "C" fn(*mut c_void) -> *mut c_char;
 type GraphFree = unsafe extern "C" fn(*mut c_void);
 type ErrorFree = unsafe extern "C" fn(*mut c_char);
+type CurrentStream = unsafe extern "C" fn(c_int, *mut *mut c_void) -> *mut c_char;
 
 /// The loaded graph library's functions.
 #[derive(Clone, Copy)]
@@ -30,6 +31,7 @@ pub struct GraphLibrary {
     replay: GraphCall,
     free: GraphFree,
     free_error: ErrorFree,
+    current_stream: CurrentStream,
 }
 
 impl std::fmt::Debug for GraphLibrary {
@@ -97,11 +99,25 @@ impl GraphLibrary {
                 free_error: std::mem::transmute::<*mut c_void, ErrorFree>(get(
                     b"dflash_graph_free_error\0",
                 )?),
+                current_stream: std::mem::transmute::<*mut c_void, CurrentStream>(get(
+                    b"dflash_current_stream\0",
+                )?),
             };
             // Kept for the life of the process, like libtorch_cuda itself.
             std::mem::forget(lib);
             Ok(library)
         }
+    }
+
+    /// libtorch's current stream of this thread on CUDA device `device` (a `cudaStream_t`): the
+    /// stream a kernel launched outside libtorch must use to be ordered with libtorch's work
+    /// and captured with it into a graph.
+    pub(crate) fn current_stream(&self, device: usize) -> Result<*mut c_void> {
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: a C call that writes the stream or returns a message.
+        let err = unsafe { (self.current_stream)(device as c_int, &mut stream) };
+        self.check(err, "current stream")?;
+        Ok(stream)
     }
 
     /// `Ok` for a null result, else the message (freed here).

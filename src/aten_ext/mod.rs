@@ -2,9 +2,10 @@
 //! by build.rs against the libtorch headers): the fused AdamW step (used by
 //! [`crate::train::optim`]), the flash attention kernel called directly (also in its
 //! variable-length form over a key/value cache), and dropping a gradient; libtorch's profiler
-//! ([`ProfilerTrace`], profiler.cpp); and CUDA graphs ([`graph`], a second library loaded once
-//! CUDA is there).
+//! ([`ProfilerTrace`], profiler.cpp); CUDA graphs ([`graph`], a second library loaded once
+//! CUDA is there); and the drafter's fused decoding kernels ([`fused`], compiled at run time).
 
+pub mod fused;
 pub(crate) mod graph;
 
 use std::ffi::{c_char, c_void};

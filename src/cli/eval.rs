@@ -51,6 +51,11 @@ pub struct EvalArgs {
     /// Decode eagerly (no CUDA graphs), e.g. to compare.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Run the drafter with libtorch's operations only, without the fused kernels compiled at
+    /// run time for its norms, rotation, cache writes and SwiGLU (GPU, bf16/f16), e.g. to
+    /// compare.
+    #[arg(long)]
+    pub no_fused_kernels: bool,
     /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with
     /// their shapes, and on a GPU the CUDA kernels) of one more decoding of the first prompt,
     /// greedy then DFlash, untimed, to this file (on the first device). See
@@ -79,6 +84,7 @@ fn run_shard(
     let head = FrozenHead::from_target(&target, device, kind);
     let opts = EvalOptions {
         graphs: runtime.graphs(!args.no_cuda_graphs),
+        kernels: runtime.fused_kernels(!args.no_fused_kernels, device),
         warmup_prompts: args.warmup,
         progress: Some(bar.clone()),
         trace,
@@ -236,7 +242,7 @@ fn print_report(report: &EvalReport) {
     println!("accepted by slot: {}", slots.join(" "));
     let sp = &report.speedup_spread;
     println!(
-        "speed-up over prompts: mean {:.2}x, median {:.2}x, p10 {:.2}x, p90 {:.2}x, min {:.2}x, max {:.2}x ({} warm-up prompt(s) excluded{})",
+        "speed-up over prompts: mean {:.2}x, median {:.2}x, p10 {:.2}x, p90 {:.2}x, min {:.2}x, max {:.2}x ({} warm-up prompt(s) excluded{}{})",
         sp.mean,
         sp.median,
         sp.p10,
@@ -244,7 +250,8 @@ fn print_report(report: &EvalReport) {
         sp.min,
         sp.max,
         report.warmup_prompts,
-        if report.cuda_graphs { ", CUDA graphs" } else { "" }
+        if report.cuda_graphs { ", CUDA graphs" } else { "" },
+        if report.fused_kernels { ", fused kernels" } else { "" }
     );
     let d = &report.dflash_step_ms;
     println!(

@@ -11,6 +11,7 @@ use tch::{Kind, Tensor};
 use super::drafter::{Drafter, FrozenHead};
 use super::slots::{SlotBatch, SlotCache};
 use super::target::{SlotLogits, TargetModel};
+use crate::aten_ext::fused::FusedKernels;
 use crate::aten_ext::graph::{CudaGraph, GraphLibrary};
 
 /// Eager runs before a capture (libtorch sets up per-stream state such as cuBLAS workspaces).
@@ -205,19 +206,22 @@ pub struct DrafterDecoder<'a> {
 
 impl<'a> DrafterDecoder<'a> {
     /// An engine for sequences of up to `capacity` positions (room for the last block
-    /// included).
+    /// included), with CUDA graphs from `graphs` and the fused kernels `kernels` where they
+    /// apply (flash attention on their device).
     pub fn new(
         drafter: &'a Drafter,
         head: &'a FrozenHead,
         capacity: i64,
         graphs: Option<GraphLibrary>,
+        kernels: Option<FusedKernels>,
     ) -> Result<Self> {
         let drafter = drafter.decode_copy()?;
         let c = &drafter.config;
         let (dev, kind) = (drafter.device, drafter.kind);
         let cache = drafter
             .slot_cache(capacity)
-            .context("allocating the drafter's key/value cache")?;
+            .context("allocating the drafter's key/value cache")?
+            .with_kernels(kernels);
         let block = c.block_size;
         let features = head.embed_tokens.size()[1] * c.num_taps() as i64;
         let inputs = DraftInputs {
@@ -238,6 +242,11 @@ impl<'a> DrafterDecoder<'a> {
             },
             captured: None,
         })
+    }
+
+    /// Whether the drafter's steps run the fused kernels.
+    pub fn uses_fused_kernels(&self) -> bool {
+        self.cache.kernels().is_some()
     }
 
     /// Tokens a block proposes (the block size).
@@ -266,7 +275,7 @@ impl<'a> DrafterDecoder<'a> {
             let start = Tensor::full([1], pos - c, (Kind::Int64, dev));
             let batch = SlotBatch::uniform(&self.cache, &start, c);
             self.drafter
-                .append_context_slots(new_context, &batch, &mut self.cache);
+                .append_context_slots(new_context, &batch, &mut self.cache)?;
             let _ = inputs.context_start.shallow_clone().fill_(pos);
         } else {
             if c > 0 {
@@ -286,7 +295,7 @@ impl<'a> DrafterDecoder<'a> {
             // Context rows first: the ones past the c new tokens are then overwritten by the
             // block's (which start at pos = context start + c).
             let ctx = SlotBatch::uniform(cache, &inputs.context_start, block);
-            drafter.append_context_slots(&inputs.context, &ctx, cache);
+            drafter.append_context_slots(&inputs.context, &ctx, cache)?;
             let blk = SlotBatch::uniform(cache, &inputs.block_start, block);
             let hidden = drafter.block_slots(head, &inputs.block_ids, &blk, cache)?;
             // the argmax of the compute-dtype logits is that of their float32 copy (the cast

@@ -5,6 +5,7 @@ use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
+use crate::aten_ext::fused::FusedKernels;
 
 /// `weight * x / sqrt(mean(x^2) + eps)` over the last dimension, through libtorch's
 /// `rms_norm`: on a GPU one fused kernel each way (forward and backward) that accumulates in
@@ -330,6 +331,24 @@ impl Mlp {
         let gated = self.gated(x);
         let width = gated.size().last().copied().unwrap_or(0);
         add_product(residual, &gated.view([-1, width]), &self.down_proj);
+    }
+
+    /// [`Mlp::add_forward`] with `silu(gate) * up` as one fused kernel (fused weights only;
+    /// else as `add_forward`).
+    pub(crate) fn add_forward_fused(
+        &self,
+        residual: &mut Tensor,
+        x: &Tensor,
+        kernels: &FusedKernels,
+    ) -> Result<()> {
+        let Some(w) = &self.fused else {
+            self.add_forward(residual, x);
+            return Ok(());
+        };
+        let gated = kernels.silu_mul(&x.linear::<&Tensor>(w, None))?;
+        let width = gated.size().last().copied().unwrap_or(0);
+        add_product(residual, &gated.view([-1, width]), &self.down_proj);
+        Ok(())
     }
 
     /// `silu(gate(x)) * up(x)`.

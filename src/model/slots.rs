@@ -14,6 +14,7 @@ use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::layers::RopeTable;
+use crate::aten_ext::fused::FusedKernels;
 use crate::aten_ext::{flash_varlen, VarlenLengths};
 
 /// How attention over the cache is computed.
@@ -58,6 +59,9 @@ pub struct SlotCache {
     pub device: Device,
     /// The model's rotary table for positions `0..capacity` (see [`SlotCache::with_rope`]).
     pub rope: Option<RopeTable>,
+    /// Fused kernels for the norm, rotation and cache writes of a forward over this cache
+    /// (flash attention on the kernels' device only; see [`SlotCache::with_kernels`]).
+    kernels: Option<FusedKernels>,
     /// The parts of uniform batches that depend only on their shape, by (sequences, tokens
     /// each): made once, before any graph capture, and reused.
     uniform: RefCell<Vec<((i64, i64), UniformConstants)>>,
@@ -111,6 +115,7 @@ impl SlotCache {
             attention,
             device,
             rope: None,
+            kernels: None,
             uniform: RefCell::new(Vec::new()),
         })
     }
@@ -167,15 +172,7 @@ impl SlotCache {
                 // [1, heads, n, d] -> [n, heads, d] (a strided view: the kernel needs only the
                 // last dimension dense)
                 let rows_q = q.squeeze_dim(0).transpose(0, 1);
-                let lengths = VarlenLengths {
-                    cu_q: &batch.cu_q,
-                    cu_k: &batch.cu_k,
-                    seqused_k: &batch.seq_used,
-                    max_q: batch.max_q,
-                    max_k: self.capacity,
-                };
-                let out = flash_varlen(&rows_q, keys, values, &lengths, causal)?;
-                Ok(out.transpose(0, 1).unsqueeze(0))
+                self.flash(layer, &rows_q, batch, causal)
             }
             (SlotAttention::Dense, Geometry::Uniform { batch: b, per_seq }) => {
                 Ok(self.dense_uniform(keys, values, q, batch, *b, *per_seq, causal))
@@ -184,6 +181,116 @@ impl SlotCache {
                 Ok(self.dense_packed(keys, values, q, seqs, causal))
             }
         }
+    }
+
+    /// The flash attention [1, heads, n, d] of the queries `rows_q` [n, heads, d] (last
+    /// dimension dense) over the cache rows of `layer` the batch sees, its keys and values
+    /// already written.
+    fn flash(
+        &self,
+        layer: usize,
+        rows_q: &Tensor,
+        batch: &SlotBatch,
+        causal: bool,
+    ) -> Result<Tensor> {
+        let lengths = VarlenLengths {
+            cu_q: &batch.cu_q,
+            cu_k: &batch.cu_k,
+            seqused_k: &batch.seq_used,
+            max_q: batch.max_q,
+            max_k: self.capacity,
+        };
+        let out = flash_varlen(
+            rows_q,
+            &self.keys[layer],
+            &self.values[layer],
+            &lengths,
+            causal,
+        )?;
+        Ok(out.transpose(0, 1).unsqueeze(0))
+    }
+
+    /// Uses `kernels` for the norm, rotation and cache writes of the forwards over this cache
+    /// where they apply: flash attention (half-precision caches on a GPU) on the kernels'
+    /// device. Elsewhere the cache keeps libtorch's operations.
+    pub fn with_kernels(mut self, kernels: Option<FusedKernels>) -> Self {
+        self.kernels =
+            kernels.filter(|k| self.attention == SlotAttention::Flash && self.device == k.device());
+        self
+    }
+
+    /// The fused kernels forwards over this cache use, if any.
+    pub(crate) fn kernels(&self) -> Option<&FusedKernels> {
+        self.kernels.as_ref()
+    }
+
+    /// With the fused kernels: normalises and rotates the queries and keys of `y` [1, n,
+    /// (heads + 2 * kv_heads) * d] (the fused q/k/v projection of `layer`'s n new tokens, dense),
+    /// writes keys and values to the batch's rows, and returns the attention output [1, heads,
+    /// n, d] over the cache (see [`FusedKernels::rotate_write`] for the other arguments).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attend_projected(
+        &mut self,
+        layer: usize,
+        y: &Tensor,
+        heads: i64,
+        norms: (Option<&Tensor>, Option<&Tensor>),
+        eps: f64,
+        (cos, sin): (&Tensor, &Tensor),
+        batch: &SlotBatch,
+        causal: bool,
+    ) -> Result<Tensor> {
+        let Some(kernels) = self.kernels else {
+            bail!("this cache has no fused kernels");
+        };
+        let q = kernels.rotate_write(
+            y,
+            1,
+            heads,
+            norms.0,
+            norms.1,
+            eps,
+            cos,
+            sin,
+            &batch.rows,
+            &self.keys[layer],
+            &self.values[layer],
+        )?;
+        let Some(q) = q else {
+            bail!("an attention layer without queries");
+        };
+        self.flash(layer, &q.squeeze_dim(1), batch, causal)
+    }
+
+    /// With the fused kernels: the keys of every layer in `kv` [n, layers, 2, kv_heads, d]
+    /// (keys, then values, per layer; dense) normalised by `k_norm` [layers, 1, d] and rotated,
+    /// written with the values to every layer's cache rows `rows`.
+    pub(crate) fn write_all_layers_projected(
+        &mut self,
+        kv: &Tensor,
+        k_norm: &Tensor,
+        eps: f64,
+        (cos, sin): (&Tensor, &Tensor),
+        rows: &Tensor,
+    ) -> Result<()> {
+        let Some(kernels) = self.kernels else {
+            bail!("this cache has no fused kernels");
+        };
+        let layers = self.all_keys.size()[0];
+        kernels.rotate_write(
+            kv,
+            layers,
+            0,
+            None,
+            Some(k_norm),
+            eps,
+            cos,
+            sin,
+            rows,
+            &self.all_keys,
+            &self.all_values,
+        )?;
+        Ok(())
     }
 
     /// Writes keys and values [1, kv_heads, n, d] to the rows `rows` [n] (no attention): the

@@ -14,6 +14,7 @@ use anyhow::{anyhow, Context, Result};
 use indicatif::ProgressBar;
 use tch::{Kind, Tensor};
 
+use crate::aten_ext::fused::FusedKernels;
 use crate::aten_ext::graph::GraphLibrary;
 use crate::aten_ext::ProfilerRange;
 use crate::device_event::{DeviceEvents, TimingEvent};
@@ -307,7 +308,7 @@ pub fn dflash(
 ) -> Result<Decoded> {
     let bs = drafter.config.block_size as usize;
     let capacity = capacity_for(prompt.len(), max_new, bs);
-    let mut proposer = DrafterDecoder::new(drafter, head, capacity, None)?;
+    let mut proposer = DrafterDecoder::new(drafter, head, capacity, None, None)?;
     speculative_decode(
         target,
         &mut proposer,
@@ -487,6 +488,9 @@ fn count_slots(by_slot: &mut [u64], accept_lengths: &[usize]) {
 pub struct EvalOptions {
     /// CUDA graphs for the decoding steps (GPU only).
     pub graphs: Option<GraphLibrary>,
+    /// Fused kernels for the drafter's steps (GPU, half precision; see
+    /// [`crate::aten_ext::fused`]).
+    pub kernels: Option<FusedKernels>,
     /// The first this many prompts are decoded once, untimed, before the measured pass
     /// (graph capture, libtorch's lazy set-up, caches): the timing then shows steady decoding.
     pub warmup_prompts: usize,
@@ -518,7 +522,7 @@ pub fn evaluate(
         drafter.config.target_layer_ids(),
         opts.graphs,
     )?;
-    let mut proposer = DrafterDecoder::new(drafter, head, capacity, opts.graphs)?;
+    let mut proposer = DrafterDecoder::new(drafter, head, capacity, opts.graphs, opts.kernels)?;
     let prompts: Vec<&Vec<u32>> = prompts.iter().filter(|p| !p.is_empty()).collect();
     let mut run = |prompt: &[u32]| -> Result<(Decoded, Decoded)> {
         tch::no_grad(|| {
@@ -587,5 +591,6 @@ pub fn evaluate(
     let mut report = EvalReport::from_prompts(bs, results);
     report.warmup_prompts = opts.warmup_prompts.min(prompts.len());
     report.cuda_graphs = graphs;
+    report.fused_kernels = proposer.uses_fused_kernels();
     Ok(report)
 }

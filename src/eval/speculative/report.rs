@@ -72,6 +72,8 @@ pub struct EvalReport {
     pub warmup_prompts: usize,
     /// Whether the decoding steps ran as CUDA graphs.
     pub cuda_graphs: bool,
+    /// Whether the drafter's steps ran the fused kernels.
+    pub fused_kernels: bool,
     /// Why `speedup` should not be trusted, each reason with what to do; empty when nothing
     /// stands out (see [`EvalReport::speedup_warnings`]; `eval` fills it in).
     pub speedup_warnings: Vec<String>,
@@ -162,6 +164,7 @@ impl EvalReport {
             accepted_by_slot: by_slot,
             warmup_prompts: 0,
             cuda_graphs: false,
+            fused_kernels: false,
             speedup_warnings: Vec::new(),
             prompts,
         }
@@ -210,10 +213,12 @@ impl EvalReport {
     pub(crate) fn merge(block_size: usize, shards: Vec<EvalReport>) -> Self {
         let warmup = shards.iter().map(|r| r.warmup_prompts).sum();
         let graphs = !shards.is_empty() && shards.iter().all(|r| r.cuda_graphs);
+        let fused = !shards.is_empty() && shards.iter().all(|r| r.fused_kernels);
         let prompts = shards.into_iter().flat_map(|r| r.prompts).collect();
         let mut report = Self::from_prompts(block_size, prompts);
         report.warmup_prompts = warmup;
         report.cuda_graphs = graphs;
+        report.fused_kernels = fused;
         report
     }
 }

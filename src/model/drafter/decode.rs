@@ -54,7 +54,7 @@ impl Drafter {
         features: &Tensor,
         batch: &SlotBatch,
         cache: &mut SlotCache,
-    ) {
+    ) -> Result<()> {
         tch::no_grad(|| {
             let ctx = self.fuse_context(&features.unsqueeze(0));
             let (cos, sin) = self.rotary(cache, &batch.positions);
@@ -66,6 +66,15 @@ impl Drafter {
                     .squeeze_dim(0)
                     .linear::<&Tensor>(&stacked.weight, None)
                     .view(shape);
+                if cache.kernels().is_some() {
+                    return cache.write_all_layers_projected(
+                        &kv,
+                        &stacked.k_norm,
+                        c.rms_norm_eps,
+                        (&cos, &sin),
+                        &batch.rows,
+                    );
+                }
                 // normalised, then times the weight (rounded twice, as Hugging Face's norm)
                 let k = kv
                     .select(2, 0)
@@ -74,12 +83,13 @@ impl Drafter {
                 let angles = |t: &Tensor| t.view([n, 1, 1, d]);
                 let k = Rope::apply(&k, &angles(&cos), &angles(&sin));
                 cache.write_all_layers(&k, &kv.select(2, 1), &batch.rows);
-                return;
+                return Ok(());
             }
             for (idx, layer) in self.layers.iter().enumerate() {
                 let (k, v) = self.context_kv(layer, &ctx, &cos, &sin);
                 cache.write(idx, &k, &v, &batch.rows);
             }
+            Ok(())
         })
     }
 
@@ -108,15 +118,34 @@ impl Drafter {
             let mut h = rows(&head.embed_tokens, &block_ids.view([n]))
                 .unsqueeze(0)
                 .to_kind(self.kind);
+            let kernels = cache.kernels().copied();
             for (idx, layer) in self.layers.iter().enumerate() {
                 let x = rms_norm(&h, &layer.input_norm, eps);
-                let (q, k, v) = layer
-                    .attn
-                    .project_qkv_rotated(&x, heads, kv_heads, d, eps, &cos, &sin);
-                let a = cache.attend(idx, &q, &k, &v, batch, false)?;
-                layer.attn.add_output(&mut h, &a);
+                let attn = &layer.attn;
+                let a = match (&kernels, &attn.fused) {
+                    // one kernel for the q/k norms, the rotation and the cache writes
+                    (Some(_), Some((w, None))) => cache.attend_projected(
+                        idx,
+                        &x.linear::<&Tensor>(w, None),
+                        heads,
+                        (attn.q_norm.as_ref(), attn.k_norm.as_ref()),
+                        eps,
+                        (&cos, &sin),
+                        batch,
+                        false,
+                    )?,
+                    _ => {
+                        let (q, k, v) =
+                            attn.project_qkv_rotated(&x, heads, kv_heads, d, eps, &cos, &sin);
+                        cache.attend(idx, &q, &k, &v, batch, false)?
+                    }
+                };
+                attn.add_output(&mut h, &a);
                 let normed = rms_norm(&h, &layer.post_norm, eps);
-                layer.mlp.add_forward(&mut h, &normed);
+                match &kernels {
+                    Some(k) => layer.mlp.add_forward_fused(&mut h, &normed, k)?,
+                    None => layer.mlp.add_forward(&mut h, &normed),
+                }
             }
             Ok(rms_norm(&h, &self.norm, eps).squeeze_dim(0))
         })

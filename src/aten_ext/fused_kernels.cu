@@ -1,0 +1,174 @@
+// Fused kernels for the drafter's decoding steps, compiled at run time by NVRTC
+// (src/aten_ext/fused_kernels.cpp; the Rust side is src/aten_ext/fused.rs). A drafter step of a
+// small model is ~110 kernels of 1-4 us each: its cost is their number. Two fusions:
+//
+// rotate_write: after the fused q/k/v projection, the per-head q/k RMS norm (normalised, then
+//   times the weight), the rotary embedding (x * cos + rotate_half(x) * sin) of queries and
+//   keys, and the writes of keys and values to their cache rows: one kernel where libtorch runs
+//   seven (norm, weight product, cos product, roll, addcmul, two index_copy).
+// silu_mul: SwiGLU's silu(gate) * up over the fused [gate | up] product: one kernel for two.
+//
+// Each rounds where the libtorch operations it replaces round (every intermediate in the storage
+// type), so that a fused step computes what the unfused one does up to the order of the float
+// sums inside a norm. No headers: storage types are converted by hand (bf16, f16) so that
+// NVRTC needs nothing but itself.
+
+typedef unsigned short u16;
+
+// bf16 storage: the top half of a float32; rounding to nearest even as c10::BFloat16 does.
+struct Bf16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(T v) {
+        return __uint_as_float(((unsigned int)v) << 16);
+    }
+    static __device__ __forceinline__ T store(float f) {
+        unsigned int u = __float_as_uint(f);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            return (T)0x7fc0;
+        }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return (T)(u >> 16);
+    }
+};
+
+// IEEE half storage, through the hardware conversions.
+struct F16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(T v) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+        return f;
+    }
+    static __device__ __forceinline__ T store(float f) {
+        T v;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v) : "f"(f));
+        return v;
+    }
+};
+
+// float32 storage: nothing to round.
+struct F32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(T v) { return v; }
+    static __device__ __forceinline__ T store(float f) { return f; }
+};
+
+// The sum of `v` over the block's threads (at most 1024), returned to every thread.
+static __device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    if (blockDim.x <= 32) {
+        return v;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        partial[warp] = v;
+    }
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? partial[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+// `y` [n, layers, heads + 2 * kv, d]: each token's projected queries, keys and values, per
+// layer. One block per (token, layer, head), d / 2 threads rounded up to a whole warp; thread
+// i < d / 2 holds elements i and i + d / 2 (the pair the rotation mixes), the others only join
+// the norm's sum.
+//
+// Queries (head < heads) go to `q_out` [n, layers, heads, d]; keys to `k_cache` and values to
+// `v_cache` at row `rows[token]` of the layer's cache [rows, kv, d] (layer l's starts `layer_stride`
+// elements after layer l - 1's). `q_norm`, `k_norm` [layers, d], or null for no norm; `cos`,
+// `sin` [n, d] with the sin's first half negated (rotate_half folded into the sign).
+template <class P>
+static __device__ void rotate_write(const typename P::T *__restrict__ y, int layers, int heads,
+                                    int kv, int d, const typename P::T *__restrict__ q_norm,
+                                    const typename P::T *__restrict__ k_norm, float eps,
+                                    const typename P::T *__restrict__ cos,
+                                    const typename P::T *__restrict__ sin,
+                                    const long long *__restrict__ rows,
+                                    typename P::T *__restrict__ q_out,
+                                    typename P::T *__restrict__ k_cache,
+                                    typename P::T *__restrict__ v_cache, long long layer_stride) {
+    typedef typename P::T T;
+    const int groups = heads + 2 * kv;
+    const long long token = blockIdx.x;
+    const int layer = blockIdx.y / groups, head = blockIdx.y % groups;
+    const int half = d / 2, i = threadIdx.x;
+    const bool active = i < half;
+    const T *src = y + ((token * layers + layer) * groups + head) * (long long)d;
+    const long long row = rows[token];
+    if (head >= heads + kv) {
+        // a value: copied as it is
+        if (active) {
+            T *dst = v_cache + layer * layer_stride + (row * kv + (head - heads - kv)) * d;
+            dst[i] = src[i];
+            dst[i + half] = src[i + half];
+        }
+        return;
+    }
+    float a0 = active ? P::load(src[i]) : 0.0f, a1 = active ? P::load(src[i + half]) : 0.0f;
+    const T *norm = head < heads ? q_norm : k_norm;
+    if (norm != nullptr) {
+        const float inv = rsqrtf(block_sum(a0 * a0 + a1 * a1) / (float)d + eps);
+        if (!active) {
+            return;
+        }
+        const T *w = norm + (long long)layer * d;
+        a0 = P::load(P::store(P::load(P::store(a0 * inv)) * P::load(w[i])));
+        a1 = P::load(P::store(P::load(P::store(a1 * inv)) * P::load(w[i + half])));
+    }
+    if (!active) {
+        return;
+    }
+    const T *c = cos + token * d, *s = sin + token * d;
+    const T out0 = P::store(fmaf(a1, P::load(s[i]), P::load(P::store(a0 * P::load(c[i])))));
+    const T out1 =
+        P::store(fmaf(a0, P::load(s[i + half]), P::load(P::store(a1 * P::load(c[i + half])))));
+    T *dst;
+    if (head < heads) {
+        dst = q_out + ((token * layers + layer) * heads + head) * (long long)d;
+    } else {
+        dst = k_cache + layer * layer_stride + (row * kv + (head - heads)) * d;
+    }
+    dst[i] = out0;
+    dst[i + half] = out1;
+}
+
+// `both` [n, 2 * width] ([gate | up] per row) -> `out` [n, width] = silu(gate) * up, silu
+// rounded to the storage type first (as libtorch's two kernels).
+template <class P>
+static __device__ void silu_mul(const typename P::T *__restrict__ both,
+                                typename P::T *__restrict__ out, long long n, long long width) {
+    const long long total = n * width;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long r = idx / width, col = idx % width;
+        const float g = P::load(both[r * 2 * width + col]);
+        const float u = P::load(both[r * 2 * width + width + col]);
+        const float act = P::load(P::store(g / (1.0f + expf(-g))));
+        out[idx] = P::store(act * u);
+    }
+}
+
+#define DFLASH_FUSED_KERNELS(SUFFIX, P)                                                      \
+    extern "C" __global__ void rotate_write_##SUFFIX(                                        \
+        const P::T *y, int layers, int heads, int kv, int d, const P::T *q_norm,             \
+        const P::T *k_norm, float eps, const P::T *cos, const P::T *sin,                     \
+        const long long *rows, P::T *q_out, P::T *k_cache, P::T *v_cache,                    \
+        long long layer_stride) {                                                            \
+        rotate_write<P>(y, layers, heads, kv, d, q_norm, k_norm, eps, cos, sin, rows, q_out, \
+                        k_cache, v_cache, layer_stride);                                     \
+    }                                                                                        \
+    extern "C" __global__ void silu_mul_##SUFFIX(const P::T *both, P::T *out, long long n,  \
+                                                 long long width) {                          \
+        silu_mul<P>(both, out, n, width);                                                    \
+    }
+
+DFLASH_FUSED_KERNELS(bf16, Bf16)
+DFLASH_FUSED_KERNELS(f16, F16)
+DFLASH_FUSED_KERNELS(f32, F32)
