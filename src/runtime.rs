@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 
-use crate::aten_ext::fused::FusedKernels;
+use crate::aten_ext::fused::{FusedKernelLoader, FusedKernels};
 use crate::aten_ext::graph::GraphLibrary;
 
 const CUDA_LIBRARY: &str = "libtorch_cuda.so";
@@ -66,19 +66,25 @@ impl TorchRuntime {
     /// a GPU and they compile and load (else `None`, with a warning saying why: libtorch's
     /// operations then do the same work).
     pub fn fused_kernels(&self, wanted: bool, device: tch::Device) -> Option<FusedKernels> {
-        if !wanted || !device.is_cuda() {
-            return None;
+        self.fused_kernel_loader(wanted)?.load_or_warn(device)
+    }
+
+    /// What loads the fused kernels per device, when `wanted` and the CUDA library loaded.
+    pub fn fused_kernel_loader(&self, wanted: bool) -> Option<FusedKernelLoader> {
+        match (&self.graphs, wanted) {
+            (Ok(graphs), true) => Some(FusedKernelLoader {
+                graphs: *graphs,
+                libtorch_dir: self.libtorch_dir.clone(),
+            }),
+            _ => None,
         }
-        let loaded = match &self.graphs {
+    }
+
+    /// Compiles and loads the fused kernels for `device` (see [`FusedKernels::load`]).
+    pub fn load_fused_kernels(&self, device: tch::Device) -> Result<FusedKernels> {
+        match &self.graphs {
             Ok(graphs) => FusedKernels::load(*graphs, self.libtorch_dir.as_deref(), device),
-            Err(e) => Err(anyhow::anyhow!("no CUDA library ({e})")),
-        };
-        match loaded {
-            Ok(kernels) => Some(kernels),
-            Err(e) => {
-                log::warn!("fused kernels unavailable on {device:?}, decoding without: {e:#}");
-                None
-            }
+            Err(e) => bail!("no CUDA library ({e})"),
         }
     }
 

@@ -170,9 +170,13 @@ fn gpu_graph_replays_equal_eager_steps() {
     let tmp = tempfile::tempdir().unwrap();
     let (target, drafter, head) = models(tmp.path(), dev, Kind::BFloat16, 4);
     let taps = drafter.config.target_layer_ids().to_vec();
+    // the fused kernels, launched inside the graphs too
+    let kernels = rt.fused_kernels(true, dev);
+    assert!(kernels.is_some(), "the fused kernels did not load");
     tch::no_grad(|| {
-        let mut eager = TargetDecoder::new(&target, 64, &taps, None).unwrap();
-        let mut graphed = TargetDecoder::new(&target, 64, &taps, graphs).unwrap();
+        let mut eager = TargetDecoder::new(&target, 64, &taps, None, kernels).unwrap();
+        let mut graphed = TargetDecoder::new(&target, 64, &taps, graphs, kernels).unwrap();
+        assert!(graphed.uses_fused_kernels());
         let prompt = [5u32, 9, 13, 2, 7];
         let (la, fa) = eager.prefill(&prompt).unwrap();
         let (lb, fb) = graphed.prefill(&prompt).unwrap();
@@ -192,10 +196,7 @@ fn gpu_graph_replays_equal_eager_steps() {
             assert_eq!(max_diff(&fa.unwrap(), &fb.unwrap()), 0.0, "step {i}");
         }
         assert!(graphed.uses_graphs());
-        // the drafter (with the fused kernels, launched inside the graph too): proposals after
-        // prompts and after accepted tokens
-        let kernels = rt.fused_kernels(true, dev);
-        assert!(kernels.is_some(), "the fused kernels did not load");
+        // the drafter: proposals after prompts and after accepted tokens
         let mut eager = DrafterDecoder::new(&drafter, &head, 64, None, kernels).unwrap();
         let mut graphed = DrafterDecoder::new(&drafter, &head, 64, graphs, kernels).unwrap();
         assert!(graphed.uses_fused_kernels());
@@ -255,7 +256,7 @@ fn gpu_dflash_with_graphs_is_lossless_in_f32_and_equals_eager_in_bf16() {
     for p in &prompts {
         let cap = capacity_for(p.len(), 40, 4);
         let run = |g| {
-            let mut engine = TargetDecoder::new(&target, cap, &taps, g).unwrap();
+            let mut engine = TargetDecoder::new(&target, cap, &taps, g, kernels).unwrap();
             let mut proposer = DrafterDecoder::new(&drafter, &head, cap, g, kernels).unwrap();
             tch::no_grad(|| speculative_decode_with(&mut engine, &mut proposer, p, 40, &[]))
                 .unwrap()
@@ -493,4 +494,49 @@ fn gpu_drafter_block_with_fused_kernels_equals_the_plain_one() {
     let scale = plain.abs().max().double_value(&[]);
     let diff = max_diff(&plain, &fused);
     assert!(diff <= 0.05 * scale, "fused {diff} off a scale of {scale}");
+}
+
+/// The target's forwards over its cache with the fused kernels (a prompt, then steps of 1 and
+/// of 4 tokens) equal the ones with libtorch's operations up to bf16 rounding, for a model with
+/// q/k norms (Qwen3) and one without (Llama).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_target_steps_with_fused_kernels_equal_the_plain_ones() {
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev);
+    assert!(kernels.is_some(), "the fused kernels did not load");
+    let tmp = tempfile::tempdir().unwrap();
+    for family in ["qwen3", "llama"] {
+        let dir = tiny_target_dir(&tmp.path().join(family), family, false, None, 5);
+        let target = TargetModel::load(&dir, dev, Kind::BFloat16).unwrap();
+        let taps = [0usize, 1];
+        tch::no_grad(|| {
+            let mut plain = TargetDecoder::new(&target, 64, &taps, None, None).unwrap();
+            let mut fused = TargetDecoder::new(&target, 64, &taps, None, kernels).unwrap();
+            assert!(fused.uses_fused_kernels() && !plain.uses_fused_kernels());
+            let close = |what: &str, a: &Tensor, b: &Tensor| {
+                let scale = a.abs().max().double_value(&[]);
+                let diff = max_diff(a, b);
+                assert!(
+                    diff <= 0.05 * scale,
+                    "{family} {what}: {diff} off a scale of {scale}"
+                );
+            };
+            let prompt = [5u32, 9, 13, 2, 7, 11, 3];
+            let (la, fa) = plain.prefill(&prompt).unwrap();
+            let (lb, fb) = fused.prefill(&prompt).unwrap();
+            close("prompt logits", &la, &lb);
+            close("prompt features", &fa.unwrap(), &fb.unwrap());
+            for (i, (q, start)) in [(1i64, 7i64), (4, 8), (1, 12)].into_iter().enumerate() {
+                let ids = Tensor::from_slice(
+                    &(0..q).map(|j| (3 * i as i64 + j) % 50).collect::<Vec<_>>(),
+                )
+                .to_device(dev);
+                let (la, fa) = plain.step(&ids, start).unwrap();
+                let (lb, fb) = fused.step(&ids, start).unwrap();
+                close(&format!("step {i} logits"), &la, &lb);
+                close(&format!("step {i} features"), &fa.unwrap(), &fb.unwrap());
+            }
+        });
+    }
 }

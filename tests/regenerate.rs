@@ -770,7 +770,7 @@ fn a_next_turn_does_not_wait_for_every_other_answer_when_the_batch_drains() {
         max_len: 96,
         prefill_tokens: 1024,
     };
-    let mut engine = ContinuousGenerator::new(&m, limits, None).unwrap();
+    let mut engine = ContinuousGenerator::new(&m, limits, None, None).unwrap();
     let request = |key: usize, max_new: usize| Request {
         tokens: tokens(key, 4),
         max_new,

@@ -106,7 +106,7 @@ fn slot_cache_decoding_equals_the_full_forward() {
             full.logits.unwrap().squeeze_dim(0),
             full.features.unwrap().squeeze_dim(0),
         );
-        let mut engine = TargetDecoder::new(&m, 48, &taps, None).unwrap();
+        let mut engine = TargetDecoder::new(&m, 48, &taps, None, None).unwrap();
         let prompt: Vec<u32> = seq[..10].iter().map(|&t| t as u32).collect();
         let (last, pre_feats) = engine.prefill(&prompt).unwrap();
         let mut worst = max_diff(&last, &logits.narrow(0, 9, 1));

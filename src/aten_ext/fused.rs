@@ -194,6 +194,31 @@ fn driver(call: &str, code: cu::CUresult) -> Result<()> {
     Err(anyhow!("{call}: {text}"))
 }
 
+/// What loading the kernels for a device takes (see [`FusedKernels::load`]), for work spread over
+/// several devices (one load each).
+#[derive(Debug, Clone)]
+pub struct FusedKernelLoader {
+    pub(crate) graphs: GraphLibrary,
+    pub(crate) libtorch_dir: Option<PathBuf>,
+}
+
+impl FusedKernelLoader {
+    /// The kernels for `device`; `None` (with a warning saying why) where they cannot load,
+    /// libtorch's operations then doing the same work.
+    pub fn load_or_warn(&self, device: Device) -> Option<FusedKernels> {
+        if !device.is_cuda() {
+            return None;
+        }
+        match FusedKernels::load(self.graphs, self.libtorch_dir.as_deref(), device) {
+            Ok(kernels) => Some(kernels),
+            Err(e) => {
+                log::warn!("fused kernels unavailable on {device:?}, decoding without: {e:#}");
+                None
+            }
+        }
+    }
+}
+
 /// The storage types the kernels exist for, in the order of the function arrays.
 fn kind_index(kind: Kind) -> Option<usize> {
     match kind {

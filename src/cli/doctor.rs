@@ -36,6 +36,18 @@ pub(super) fn run(runtime: &TorchRuntime) -> Result<()> {
                 Ok(_) => println!("  CUDA graphs: available (decoding steps are replayed graphs)"),
                 Err(why) => println!("  CUDA graphs: not available ({why}); decoding runs eagerly"),
             }
+            if *devices > 0 {
+                let started = std::time::Instant::now();
+                match runtime.load_fused_kernels(tch::Device::Cuda(0)) {
+                    Ok(_) => println!(
+                        "  fused drafter kernels: available (compiled for cuda:0 in {:.0} ms)",
+                        started.elapsed().as_secs_f64() * 1e3
+                    ),
+                    Err(why) => println!(
+                        "  fused drafter kernels: not available ({why:#}); the drafter decodes with libtorch's operations"
+                    ),
+                }
+            }
         }
         CudaSupport::LibraryNotFound => {
             println!("CUDA: not available (libtorch_cuda.so not found beside libtorch or on LD_LIBRARY_PATH); running on CPU")

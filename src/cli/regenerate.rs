@@ -68,6 +68,10 @@ pub struct RegenerateArgs {
     /// Decode eagerly (no CUDA graph), e.g. to compare.
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// Run the target with libtorch's operations only, without the fused kernels compiled at
+    /// run time for its rotation, cache writes and SwiGLU (GPU, bf16/f16), e.g. to compare.
+    #[arg(long)]
+    pub no_fused_kernels: bool,
     /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with
     /// their shapes, and on a GPU the CUDA kernels) of the continuous engine's decoding steps
     /// --trace-steps to this file (the first device's worker). See scripts/trace_summary.py.
@@ -104,6 +108,7 @@ pub(super) fn run(runtime: &TorchRuntime, args: RegenerateArgs, bars: &Bars) -> 
         stop_after_chunks: args.stop_after_chunks,
         engine: args.engine,
         graphs: runtime.graphs(!args.no_cuda_graphs),
+        kernels: runtime.fused_kernel_loader(!args.no_fused_kernels),
         trace: args.trace.clone().map(|path| TraceWindow {
             path,
             first: args.trace_steps.0,

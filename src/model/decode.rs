@@ -73,10 +73,12 @@ impl<'a> TargetDecoder<'a> {
         capacity: i64,
         taps: &[usize],
         graphs: Option<GraphLibrary>,
+        kernels: Option<FusedKernels>,
     ) -> Result<Self> {
         let cache = target
             .slot_cache(1, capacity)
-            .context("allocating the target's key/value cache")?;
+            .context("allocating the target's key/value cache")?
+            .with_kernels(kernels);
         Ok(TargetDecoder {
             target,
             cache,
@@ -96,6 +98,11 @@ impl<'a> TargetDecoder<'a> {
     /// Whether steps run as CUDA graphs (so far).
     pub fn uses_graphs(&self) -> bool {
         self.graphs.library.is_some()
+    }
+
+    /// Whether steps run the fused kernels.
+    pub fn uses_fused_kernels(&self) -> bool {
+        self.cache.kernels().is_some()
     }
 
     /// The prompt from position 0 (eagerly): the float32 logits of its last token [1, vocab]

@@ -5,6 +5,7 @@ use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
+use super::slots::{SlotBatch, SlotCache};
 use crate::aten_ext::fused::FusedKernels;
 
 /// `weight * x / sqrt(mean(x^2) + eps)` over the last dimension, through libtorch's
@@ -298,6 +299,81 @@ pub(crate) fn add_product(residual: &mut Tensor, x: &Tensor, weight: &Tensor) {
         let _ = residual.view([-1, out]).addmm_(x, &weight.tr());
     } else {
         *residual += x.matmul(&weight.tr()).view_as(residual);
+    }
+}
+
+/// One decoder layer (Llama, Qwen and the DFlash drafter alike): pre-norm attention and a
+/// SwiGLU MLP, each added to the residual stream.
+pub(crate) struct DecoderLayer {
+    pub input_norm: Tensor,
+    pub attn: AttentionWeights,
+    pub post_norm: Tensor,
+    pub mlp: Mlp,
+}
+
+/// What a decoder layer's attention needs to know of its model: head counts, head size, the
+/// norms' epsilon.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionShape {
+    pub heads: i64,
+    pub kv_heads: i64,
+    pub head_dim: i64,
+    pub eps: f64,
+}
+
+impl DecoderLayer {
+    /// The layer `idx` over a [`SlotCache`] (inference): the residual stream `h` [1, n, H] of
+    /// the batch's n new tokens, rotated by `rope` (cos, signed sin, [n, d]), is updated in
+    /// place; their keys and values are written to the cache, and they attend to their
+    /// sequence's rows (`causal`: to the rows before them and themselves). With the cache's
+    /// fused kernels (fused weights only) one kernel does the q/k norms, rotation and cache
+    /// writes, and one SwiGLU's product; else libtorch's operations do.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_slots(
+        &self,
+        h: &mut Tensor,
+        idx: usize,
+        shape: AttentionShape,
+        rope: (&Tensor, &Tensor),
+        batch: &SlotBatch,
+        cache: &mut SlotCache,
+        causal: bool,
+    ) -> Result<()> {
+        let AttentionShape {
+            heads,
+            kv_heads,
+            head_dim: d,
+            eps,
+        } = shape;
+        let kernels = cache.kernels().copied();
+        let x = rms_norm(h, &self.input_norm, eps);
+        let attn = &self.attn;
+        let a = match (&kernels, &attn.fused) {
+            (Some(_), Some((w, b))) => cache.attend_projected(
+                idx,
+                &x.linear(w, b.as_ref()),
+                heads,
+                (attn.q_norm.as_ref(), attn.k_norm.as_ref()),
+                eps,
+                rope,
+                batch,
+                causal,
+            )?,
+            _ => {
+                let (q, k, v) =
+                    attn.project_qkv_rotated(&x, heads, kv_heads, d, eps, rope.0, rope.1);
+                cache.attend(idx, &q, &k, &v, batch, causal)?
+            }
+        };
+        attn.add_output(h, &a);
+        let normed = rms_norm(h, &self.post_norm, eps);
+        match &kernels {
+            Some(k) => self.mlp.add_forward_fused(h, &normed, k),
+            None => {
+                self.mlp.add_forward(h, &normed);
+                Ok(())
+            }
+        }
     }
 }
 

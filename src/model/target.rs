@@ -9,16 +9,11 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::config::{Family, TargetConfig};
-use super::layers::{attention, rms_norm, rows, AttentionWeights, Mlp, Rope};
+use super::layers::{
+    attention, rms_norm, rows, AttentionShape, AttentionWeights, DecoderLayer, Mlp, Rope,
+};
 use super::slots::{SlotBatch, SlotCache};
 use super::weights::{RandomWeights, WeightFiles, WeightSource};
-
-struct DecoderLayer {
-    input_norm: Tensor,
-    attn: AttentionWeights,
-    post_norm: Tensor,
-    mlp: Mlp,
-}
 
 /// Keys and values of past positions, per layer: [batch, kv_heads, len, head_dim].
 ///
@@ -551,13 +546,24 @@ impl TargetModel {
                 Some(table) => table.at(&batch.positions),
                 None => self.rope.cos_sin(&batch.positions, self.kind),
             };
-            let x = rows(&self.embed_tokens, &ids.view([n])).unsqueeze(0);
+            let mut x = rows(&self.embed_tokens, &ids.view([n])).unsqueeze(0);
+            let cfg = &self.config;
+            let shape = AttentionShape {
+                heads: cfg.num_attention_heads,
+                kv_heads: cfg.kv_heads(),
+                head_dim: cfg.head_dim(),
+                eps: cfg.rms_norm_eps,
+            };
+            let mut taps: Vec<Option<Tensor>> = tap_layers.iter().map(|_| None).collect();
             // every layer: the cache must be filled
-            let all = self.layers.len();
-            let (x, taps) =
-                self.decoder_layers(x, (&cos, &sin), all, tap_layers, |idx, q, k, v| {
-                    cache.attend(idx, q, &k, &v, batch, true)
-                })?;
+            for (idx, layer) in self.layers.iter().enumerate() {
+                layer.forward_slots(&mut x, idx, shape, (&cos, &sin), batch, cache, true)?;
+                for (slot, &tap) in taps.iter_mut().zip(tap_layers) {
+                    if tap == idx {
+                        *slot = Some(x.copy());
+                    }
+                }
+            }
             let features = concat_taps(taps, &x).map(|f| f.squeeze_dim(0));
             let x = x.squeeze_dim(0);
             let logits = match logits {

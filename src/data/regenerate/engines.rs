@@ -14,6 +14,7 @@ use super::progress::Progress;
 use super::rows::{answer_seed, finish_jobs, prepare_jobs, RowJob};
 use super::summary::RegenerateStats;
 use super::RegenerateOptions;
+use crate::aten_ext::fused::FusedKernels;
 use crate::aten_ext::graph::GraphLibrary;
 use crate::model::generate::{
     generate_all, Answer, BatchLimits, ContinuousGenerator, ContinuousLimits, ContinuousStats,
@@ -105,6 +106,7 @@ pub(super) fn run_continuous(
     opts: &RegenerateOptions,
     progress: &Progress,
     graphs: Option<GraphLibrary>,
+    kernels: Option<FusedKernels>,
     trace: Option<TraceWindow>,
 ) -> Result<ContinuousStats> {
     let limits = ContinuousLimits {
@@ -112,7 +114,7 @@ pub(super) fn run_continuous(
         max_len: opts.max_len,
         prefill_tokens: opts.prefill_tokens,
     };
-    let mut engine = ContinuousGenerator::new(model, limits, graphs)?;
+    let mut engine = ContinuousGenerator::new(model, limits, graphs, kernels)?;
     if let Some(window) = trace {
         engine.trace_steps(window);
     }

@@ -36,6 +36,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use indicatif::ProgressBar;
 use tch::{Device, Kind};
 
+use crate::aten_ext::fused::FusedKernelLoader;
 use crate::aten_ext::graph::GraphLibrary;
 use crate::model::generate::{BatchLimits, Sampling, TraceWindow};
 use crate::model::{model_eos_ids, TargetConfig, TargetModel};
@@ -72,6 +73,9 @@ pub(crate) struct RegenerateOptions {
     pub engine: RegenerateEngine,
     /// CUDA graphs for the continuous engine's decoding step (GPU only).
     pub graphs: Option<GraphLibrary>,
+    /// Fused kernels for the target's rotation, cache writes and SwiGLU (GPU, half precision),
+    /// loaded on each device.
+    pub kernels: Option<FusedKernelLoader>,
     /// Decoding steps of the continuous engine recorded by the profiler (the first device's
     /// worker only).
     pub trace: Option<TraceWindow>,
@@ -105,6 +109,7 @@ impl Default for RegenerateOptions {
             progress: Some(ProgressBar::hidden()),
             engine: RegenerateEngine::Continuous,
             graphs: None,
+            kernels: None,
             trace: None,
         }
     }
@@ -391,6 +396,7 @@ fn run_device(work: &Work<'_>, device: Device, first: bool) -> Result<()> {
                 opts,
                 work.progress,
                 opts.graphs,
+                opts.kernels.as_ref().and_then(|k| k.load_or_warn(device)),
                 opts.trace.clone().filter(|_| first),
             )?;
             log::info!(

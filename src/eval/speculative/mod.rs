@@ -247,7 +247,8 @@ pub fn greedy(
     max_new: usize,
     eos: &[u32],
 ) -> Result<Decoded> {
-    let mut engine = TargetDecoder::new(target, (prompt.len() + max_new + 1) as i64, &[], None)?;
+    let mut engine =
+        TargetDecoder::new(target, (prompt.len() + max_new + 1) as i64, &[], None, None)?;
     greedy_decode(&mut engine, prompt, max_new, eos)
 }
 
@@ -329,7 +330,7 @@ pub fn speculative_decode(
     eos: &[u32],
 ) -> Result<Decoded> {
     let capacity = capacity_for(prompt.len(), max_new, proposer.block_size());
-    let mut engine = TargetDecoder::new(target, capacity, tap_layers, None)?;
+    let mut engine = TargetDecoder::new(target, capacity, tap_layers, None, None)?;
     speculative_decode_with(&mut engine, proposer, prompt, max_new, eos)
 }
 
@@ -515,12 +516,13 @@ pub fn evaluate(
     let bs = drafter.config.block_size as usize;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let capacity = capacity_for(longest, max_new, bs);
-    let mut plain_engine = TargetDecoder::new(target, capacity, &[], opts.graphs)?;
+    let mut plain_engine = TargetDecoder::new(target, capacity, &[], opts.graphs, opts.kernels)?;
     let mut fast_engine = TargetDecoder::new(
         target,
         capacity,
         drafter.config.target_layer_ids(),
         opts.graphs,
+        opts.kernels,
     )?;
     let mut proposer = DrafterDecoder::new(drafter, head, capacity, opts.graphs, opts.kernels)?;
     let prompts: Vec<&Vec<u32>> = prompts.iter().filter(|p| !p.is_empty()).collect();
@@ -591,6 +593,8 @@ pub fn evaluate(
     let mut report = EvalReport::from_prompts(bs, results);
     report.warmup_prompts = opts.warmup_prompts.min(prompts.len());
     report.cuda_graphs = graphs;
-    report.fused_kernels = proposer.uses_fused_kernels();
+    report.fused_kernels = proposer.uses_fused_kernels()
+        && plain_engine.uses_fused_kernels()
+        && fast_engine.uses_fused_kernels();
     Ok(report)
 }

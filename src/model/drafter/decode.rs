@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use tch::Tensor;
 
 use super::{Drafter, FrozenHead};
-use crate::model::layers::{rms_norm, rows, Rope};
+use crate::model::layers::{rms_norm, rows, AttentionShape, Rope};
 use crate::model::slots::{SlotBatch, SlotCache};
 
 /// The key and value projections of every layer of a decoding copy stacked, for the context:
@@ -118,34 +118,14 @@ impl Drafter {
             let mut h = rows(&head.embed_tokens, &block_ids.view([n]))
                 .unsqueeze(0)
                 .to_kind(self.kind);
-            let kernels = cache.kernels().copied();
+            let shape = AttentionShape {
+                heads,
+                kv_heads,
+                head_dim: d,
+                eps,
+            };
             for (idx, layer) in self.layers.iter().enumerate() {
-                let x = rms_norm(&h, &layer.input_norm, eps);
-                let attn = &layer.attn;
-                let a = match (&kernels, &attn.fused) {
-                    // one kernel for the q/k norms, the rotation and the cache writes
-                    (Some(_), Some((w, None))) => cache.attend_projected(
-                        idx,
-                        &x.linear::<&Tensor>(w, None),
-                        heads,
-                        (attn.q_norm.as_ref(), attn.k_norm.as_ref()),
-                        eps,
-                        (&cos, &sin),
-                        batch,
-                        false,
-                    )?,
-                    _ => {
-                        let (q, k, v) =
-                            attn.project_qkv_rotated(&x, heads, kv_heads, d, eps, &cos, &sin);
-                        cache.attend(idx, &q, &k, &v, batch, false)?
-                    }
-                };
-                attn.add_output(&mut h, &a);
-                let normed = rms_norm(&h, &layer.post_norm, eps);
-                match &kernels {
-                    Some(k) => layer.mlp.add_forward_fused(&mut h, &normed, k)?,
-                    None => layer.mlp.add_forward(&mut h, &normed),
-                }
+                layer.forward_slots(&mut h, idx, shape, (&cos, &sin), batch, cache, false)?;
             }
             Ok(rms_norm(&h, &self.norm, eps).squeeze_dim(0))
         })

@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::drafter_config::DrafterConfig;
-use super::layers::{attention, rms_norm, upload, AttentionWeights, Mlp, Rope};
+use super::layers::{attention, rms_norm, upload, AttentionWeights, DecoderLayer, Mlp, Rope};
 use super::target::TargetModel;
 use super::weights::WeightFiles;
 use crate::fsutil::StagedDir;
@@ -41,19 +41,12 @@ impl FrozenHead {
     }
 }
 
-struct DrafterLayer {
-    input_norm: Tensor,
-    attn: AttentionWeights,
-    post_norm: Tensor,
-    mlp: Mlp,
-}
-
 /// A DFlash drafter.
 pub struct Drafter {
     pub config: DrafterConfig,
     pub device: Device,
     pub kind: Kind,
-    layers: Vec<DrafterLayer>,
+    layers: Vec<DecoderLayer>,
     fc: Tensor,
     hidden_norm: Tensor,
     norm: Tensor,
@@ -154,7 +147,7 @@ impl Drafter {
         let mut layers = Vec::new();
         for l in 0..config.num_hidden_layers {
             let p = |s: &str| format!("layers.{l}.{s}");
-            layers.push(DrafterLayer {
+            layers.push(DecoderLayer {
                 attn: AttentionWeights {
                     q_proj: take(p("self_attn.q_proj.weight"))?,
                     k_proj: take(p("self_attn.k_proj.weight"))?,
@@ -347,7 +340,7 @@ impl Drafter {
 
     fn layer_forward(
         &self,
-        layer: &DrafterLayer,
+        layer: &DecoderLayer,
         h: &Tensor,
         ctx_kv: (&Tensor, &Tensor),
         block_rope: (&Tensor, &Tensor),
@@ -385,7 +378,7 @@ impl Drafter {
     /// Keys (normed, rotated) and values of the context for one layer: [B, kv_heads, S, d].
     fn context_kv(
         &self,
-        layer: &DrafterLayer,
+        layer: &DecoderLayer,
         ctx: &Tensor,
         cos: &Tensor,
         sin: &Tensor,

@@ -17,6 +17,7 @@ use tch::Tensor;
 
 use super::sampling::{pick, Sampling};
 use super::Answer;
+use crate::aten_ext::fused::FusedKernels;
 use crate::aten_ext::graph::{CudaGraph, GraphLibrary};
 use crate::aten_ext::{ProfilerRange, ProfilerTrace};
 use crate::model::layers::upload;
@@ -120,6 +121,7 @@ impl<'a> ContinuousGenerator<'a> {
         model: &'a TargetModel,
         limits: ContinuousLimits,
         graphs: Option<GraphLibrary>,
+        kernels: Option<FusedKernels>,
     ) -> Result<Self> {
         if limits.slots == 0 || limits.max_len < 2 {
             bail!("continuous batching needs at least one slot and a length of 2");
@@ -143,7 +145,8 @@ impl<'a> ContinuousGenerator<'a> {
                     "the key/value cache of {} slots x {capacity} positions ({gib:.1} GiB) cannot be allocated: a smaller --batch-size or --max-len needs less",
                     limits.slots
                 )
-            })?;
+            })?
+            .with_kernels(kernels);
         Ok(ContinuousGenerator {
             model,
             cache,
