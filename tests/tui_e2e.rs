@@ -74,6 +74,22 @@ impl Tmux {
     fn screen(&self) -> String {
         self.tmux(&["capture-pane", "-p", "-t", &self.session])
     }
+    /// Polls the screen every 100 ms until `f` finds what it looks for; a timeout shows the
+    /// screen it last saw.
+    fn wait_for<T>(&self, what: &str, limit: Duration, mut f: impl FnMut(&str) -> Option<T>) -> T {
+        let started = std::time::Instant::now();
+        loop {
+            let screen = self.screen();
+            if let Some(v) = f(&screen) {
+                return v;
+            }
+            assert!(
+                started.elapsed() < limit,
+                "timed out after {limit:?} waiting for {what}; the screen:\n{screen}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
     fn keys(&self, keys: &[&str]) {
         let mut args = vec!["send-keys", "-t", &self.session];
         args.extend(keys);
@@ -142,18 +158,21 @@ fn keys_drive_the_control_room_in_tmux() {
     // p pauses: the header says paused; the step in flight finishes, the log says at which
     // step the pause took hold, and the count stays there
     t.keys(&["p"]);
-    wait_until("paused", Duration::from_secs(10), || {
-        t.screen().contains("paused").then_some(())
+    t.wait_for("paused", Duration::from_secs(10), |screen| {
+        screen.contains("paused").then_some(())
     });
-    let paused_at = wait_until("the pause to take hold", Duration::from_secs(60), || {
-        let screen = t.screen();
-        let at = screen.find("paused at step ")? + "paused at step ".len();
-        let digits: String = screen[at..]
-            .chars()
-            .take_while(char::is_ascii_digit)
-            .collect();
-        digits.parse::<u64>().ok()
-    });
+    let paused_at = t.wait_for(
+        "the pause to take hold",
+        Duration::from_secs(60),
+        |screen| {
+            let at = screen.find("paused at step ")? + "paused at step ".len();
+            let digits: String = screen[at..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits.parse::<u64>().ok()
+        },
+    );
     wait_until("the header at that step", Duration::from_secs(10), || {
         (t.step() == Some(paused_at)).then_some(())
     });

@@ -156,6 +156,12 @@ impl RunFeed {
     /// Sends a command to the trainer.
     pub(crate) fn send(&mut self, command: &Command) -> Result<String, String> {
         let words = command.to_string();
+        // An operator's command tries the socket at once: the polls' back-off between
+        // reconnections (a trainer starting, or a reply lost under load) must not turn a key
+        // press into "no trainer runs".
+        if self.client.is_none() {
+            self.last_try = None;
+        }
         let Some(client) = self.connected() else {
             return Err(format!("{command}: no trainer runs in this run directory"));
         };
