@@ -237,3 +237,19 @@ pub(crate) fn libtorch_version(libtorch_dir: Option<&Path>) -> Option<String> {
         .find_map(|l| l.strip_prefix("__version__ = "))
         .map(|v| v.trim().trim_matches('\'').trim_matches('"').to_string())
 }
+
+/// The symbol `name` of a dynamically loaded C library, as the function-pointer type `T`; the
+/// error names the symbol.
+///
+/// # Safety
+/// `T` must be the symbol's true C signature (the library's header declares it).
+pub(crate) unsafe fn library_symbol<T: Copy>(
+    library: &libloading::Library,
+    name: &str,
+) -> std::result::Result<T, String> {
+    let c_name = format!("{name}\0");
+    library
+        .get::<T>(c_name.as_bytes())
+        .map(|symbol| *symbol)
+        .map_err(|e| format!("{name}: {e}"))
+}

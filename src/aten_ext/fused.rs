@@ -19,6 +19,7 @@ use cudarc::driver::sys as cu;
 use tch::{Device, Kind, Tensor};
 
 use super::graph::GraphLibrary;
+use crate::runtime::library_symbol;
 
 /// The kernels' source, compiled for the device at run time.
 const SOURCE: &str = include_str!("fused_kernels.cu");
@@ -105,21 +106,14 @@ impl Nvrtc {
         // nvrtc.h declares for it.
         unsafe {
             let library = libloading::Library::new(path).map_err(|e| e.to_string())?;
-            macro_rules! sym {
-                ($t:ty, $name:literal) => {
-                    *library
-                        .get::<$t>(concat!($name, "\0").as_bytes())
-                        .map_err(|e| format!("{}: {e}", $name))?
-                };
-            }
             Ok(Nvrtc {
-                create: sym!(CreateProgram, "nvrtcCreateProgram"),
-                compile: sym!(CompileProgram, "nvrtcCompileProgram"),
-                log_size: sym!(GetSize, "nvrtcGetProgramLogSize"),
-                log: sym!(GetText, "nvrtcGetProgramLog"),
-                ptx_size: sym!(GetSize, "nvrtcGetPTXSize"),
-                ptx: sym!(GetText, "nvrtcGetPTX"),
-                destroy: sym!(DestroyProgram, "nvrtcDestroyProgram"),
+                create: library_symbol(&library, "nvrtcCreateProgram")?,
+                compile: library_symbol(&library, "nvrtcCompileProgram")?,
+                log_size: library_symbol(&library, "nvrtcGetProgramLogSize")?,
+                log: library_symbol(&library, "nvrtcGetProgramLog")?,
+                ptx_size: library_symbol(&library, "nvrtcGetPTXSize")?,
+                ptx: library_symbol(&library, "nvrtcGetPTX")?,
+                destroy: library_symbol(&library, "nvrtcDestroyProgram")?,
                 _library: library,
             })
         }

@@ -23,6 +23,8 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::{anyhow, bail, Result};
 use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t};
+
+use crate::runtime::library_symbol;
 use tch::{Device, Kind, Tensor};
 
 /// Environment variable naming the libnccl file to load (tried before anything else).
@@ -186,24 +188,17 @@ fn load_from(path: &Path) -> std::result::Result<NcclLibrary, String> {
     let library = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
     // SAFETY: each symbol is looked up with the C signature nccl.h declares for it.
     unsafe {
-        macro_rules! sym {
-            ($t:ty, $name:literal) => {
-                *library
-                    .get::<$t>(concat!($name, "\0").as_bytes())
-                    .map_err(|e| format!("{}: {e}", $name))?
-            };
-        }
-        let get_version = sym!(GetVersionFn, "ncclGetVersion");
+        let get_version = library_symbol::<GetVersionFn>(&library, "ncclGetVersion")?;
         let lib = NcclLibrary {
             path: path.to_path_buf(),
             version: 0,
-            get_error_string: sym!(GetErrorStringFn, "ncclGetErrorString"),
-            comm_init_all: sym!(CommInitAllFn, "ncclCommInitAll"),
-            comm_abort: sym!(CommAbortFn, "ncclCommAbort"),
-            group_start: sym!(GroupFn, "ncclGroupStart"),
-            group_end: sym!(GroupFn, "ncclGroupEnd"),
-            reduce: sym!(ReduceFn, "ncclReduce"),
-            broadcast: sym!(BroadcastFn, "ncclBroadcast"),
+            get_error_string: library_symbol::<GetErrorStringFn>(&library, "ncclGetErrorString")?,
+            comm_init_all: library_symbol::<CommInitAllFn>(&library, "ncclCommInitAll")?,
+            comm_abort: library_symbol::<CommAbortFn>(&library, "ncclCommAbort")?,
+            group_start: library_symbol::<GroupFn>(&library, "ncclGroupStart")?,
+            group_end: library_symbol::<GroupFn>(&library, "ncclGroupEnd")?,
+            reduce: library_symbol::<ReduceFn>(&library, "ncclReduce")?,
+            broadcast: library_symbol::<BroadcastFn>(&library, "ncclBroadcast")?,
             _library: library,
         };
         let mut version: c_int = 0;
