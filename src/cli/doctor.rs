@@ -40,11 +40,11 @@ pub(super) fn run(runtime: &TorchRuntime) -> Result<()> {
                 let started = std::time::Instant::now();
                 match runtime.load_fused_kernels(tch::Device::Cuda(0)) {
                     Ok(_) => println!(
-                        "  fused drafter kernels: available (compiled for cuda:0 in {:.0} ms)",
+                        "  fused decoding kernels: available (compiled for cuda:0 in {:.0} ms)",
                         started.elapsed().as_secs_f64() * 1e3
                     ),
                     Err(why) => println!(
-                        "  fused drafter kernels: not available ({why:#}); the drafter decodes with libtorch's operations"
+                        "  fused decoding kernels: not available ({why:#}); decoding runs libtorch's operations"
                     ),
                 }
             }
