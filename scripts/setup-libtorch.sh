@@ -47,6 +47,16 @@ else
     touch "$crt_stamp"
   fi
   crt_site="$site/cuda-crt"
+  # NVRTC, which compiles the fused decoding kernels at run time on a GPU (there the PyTorch
+  # wheel brings it): here it lets a test compile their source without a GPU.
+  nvrtc_stamp="$site/.installed-cuda-nvrtc-$cuda_toolkit_version"
+  if [ ! -f "$nvrtc_stamp" ]; then
+    echo "setup: installing NVRTC (cuda-toolkit==$cuda_toolkit_version nvrtc)"
+    rm -rf "$site/cuda-nvrtc"
+    "$py" -m pip install --quiet --disable-pip-version-check --target "$site/cuda-nvrtc" \
+      "cuda-toolkit[nvrtc]==$cuda_toolkit_version"
+    touch "$nvrtc_stamp"
+  fi
 fi
 
 [ -f "$torch_dir/lib/libtorch_cpu.so" ] || { echo "setup: no libtorch_cpu.so under $torch_dir/lib" >&2; exit 1; }

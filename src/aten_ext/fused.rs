@@ -83,6 +83,9 @@ struct Nvrtc {
     ptx: GetText,
     destroy: DestroyProgram,
     _library: libloading::Library,
+    /// libnvrtc-builtins from beside the file, loaded first: NVRTC opens it by name when it
+    /// compiles, which the dynamic loader does not always find next to a wheel's libnvrtc.
+    _builtins: Option<libloading::Library>,
 }
 
 impl Nvrtc {
@@ -102,9 +105,27 @@ impl Nvrtc {
     }
 
     fn load_from(path: &Path) -> std::result::Result<Self, String> {
-        // SAFETY: libnvrtc is a plain C library; each symbol is looked up with the signature
-        // nvrtc.h declares for it.
+        let builtins = path
+            .parent()
+            .filter(|dir| !dir.as_os_str().is_empty())
+            .and_then(|dir| std::fs::read_dir(dir).ok())
+            .into_iter()
+            .flatten()
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .find(|p| {
+                p.file_name()
+                    .and_then(|f| f.to_str())
+                    .is_some_and(|f| f.starts_with("libnvrtc-builtins.so"))
+            });
+        // SAFETY: libnvrtc and its builtins are plain C libraries; each symbol is looked up
+        // with the signature nvrtc.h declares for it.
         unsafe {
+            let builtins = match builtins {
+                Some(b) => Some(
+                    libloading::Library::new(&b).map_err(|e| format!("{}: {e}", b.display()))?,
+                ),
+                None => None,
+            };
             let library = libloading::Library::new(path).map_err(|e| e.to_string())?;
             Ok(Nvrtc {
                 create: library_symbol(&library, "nvrtcCreateProgram")?,
@@ -115,6 +136,7 @@ impl Nvrtc {
                 ptx: library_symbol(&library, "nvrtcGetPTX")?,
                 destroy: library_symbol(&library, "nvrtcDestroyProgram")?,
                 _library: library,
+                _builtins: builtins,
             })
         }
     }
@@ -569,5 +591,44 @@ impl RotateWriteArgs {
             p(&mut self.v_cache),
             p(&mut self.layer_stride),
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// libnvrtc for the tests: the one `make setup` installs (NVRTC runs without a GPU), else
+    /// one beside the loaded libtorch or on the library path.
+    fn nvrtc() -> Nvrtc {
+        let setup = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(".deps/python/cuda-nvrtc/nvidia/cu13/lib/libnvrtc.so.13");
+        if setup.is_file() {
+            return Nvrtc::load_from(&setup).unwrap_or_else(|e| panic!("{}: {e}", setup.display()));
+        }
+        let libtorch = crate::runtime::loaded_library(|name| name == "libtorch_cpu.so");
+        Nvrtc::load(libtorch.as_deref().and_then(Path::parent))
+            .unwrap_or_else(|e| panic!("{e:#} (make setup installs libnvrtc)"))
+    }
+
+    /// The kernels' source compiles for a Hopper GPU, every kernel the loader looks up is in the
+    /// PTX, and a source that does not compile is reported with the compiler's log: what a GPU
+    /// machine does first, checked where there is none.
+    #[test]
+    fn the_kernel_source_compiles_and_a_broken_one_is_reported() {
+        let nvrtc = nvrtc();
+        let ptx = nvrtc.compile_ptx(SOURCE, 90).unwrap();
+        let text = ptx.to_str().unwrap();
+        for stem in ["rotate_write", "silu_mul"] {
+            for kind in ["bf16", "f16", "f32"] {
+                let entry = format!(".entry {stem}_{kind}(");
+                assert!(text.contains(&entry), "no {entry} in the PTX");
+            }
+        }
+        let err = nvrtc
+            .compile_ptx("extern \"C\" __global__ void broken(int x) { y = x; }", 90)
+            .unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("compute_90") && msg.contains("\"y\""), "{msg}");
     }
 }
