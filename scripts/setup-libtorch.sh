@@ -17,6 +17,18 @@ torch_version=2.11.0
 cuda_toolkit_version=13.0.2
 
 mkdir -p "$deps"
+
+# install_cuda_part EXTRA DIR WHAT: pip-installs cuda-toolkit[EXTRA] into $site/DIR once (a stamp
+# file says it is done).
+install_cuda_part() {
+  local stamp="$site/.installed-$2-$cuda_toolkit_version"
+  [ -f "$stamp" ] && return 0
+  echo "setup: installing $3 (cuda-toolkit==$cuda_toolkit_version $1)"
+  rm -rf "${site:?}/$2"
+  "$py" -m pip install --quiet --disable-pip-version-check --target "$site/$2" \
+    "cuda-toolkit[$1]==$cuda_toolkit_version"
+  touch "$stamp"
+}
 if [ -n "${DFLASH_TORCH_DIR:-}" ]; then
   torch_dir=$DFLASH_TORCH_DIR
   cuda_site=$(dirname "$torch_dir")
@@ -38,25 +50,11 @@ else
   cuda_site="$site/cuda"
   # The CUDA runtime headers include crt/host_config.h, which ships apart (1 MB of headers):
   # the CUDA graph library build.rs compiles needs it.
-  crt_stamp="$site/.installed-cuda-crt-$cuda_toolkit_version"
-  if [ ! -f "$crt_stamp" ]; then
-    echo "setup: installing the CUDA crt headers (cuda-toolkit==$cuda_toolkit_version crt)"
-    rm -rf "$site/cuda-crt"
-    "$py" -m pip install --quiet --disable-pip-version-check --target "$site/cuda-crt" \
-      "cuda-toolkit[crt]==$cuda_toolkit_version"
-    touch "$crt_stamp"
-  fi
+  install_cuda_part crt cuda-crt "the CUDA crt headers"
   crt_site="$site/cuda-crt"
   # NVRTC, which compiles the fused decoding kernels at run time on a GPU (there the PyTorch
   # wheel brings it): here it lets a test compile their source without a GPU.
-  nvrtc_stamp="$site/.installed-cuda-nvrtc-$cuda_toolkit_version"
-  if [ ! -f "$nvrtc_stamp" ]; then
-    echo "setup: installing NVRTC (cuda-toolkit==$cuda_toolkit_version nvrtc)"
-    rm -rf "$site/cuda-nvrtc"
-    "$py" -m pip install --quiet --disable-pip-version-check --target "$site/cuda-nvrtc" \
-      "cuda-toolkit[nvrtc]==$cuda_toolkit_version"
-    touch "$nvrtc_stamp"
-  fi
+  install_cuda_part nvrtc cuda-nvrtc "NVRTC"
 fi
 
 [ -f "$torch_dir/lib/libtorch_cpu.so" ] || { echo "setup: no libtorch_cpu.so under $torch_dir/lib" >&2; exit 1; }
