@@ -62,7 +62,7 @@ impl TorchRuntime {
         }
     }
 
-    /// The drafter's fused decoding kernels compiled for `device`, when `wanted`, the device is
+    /// The fused decoding kernels compiled for `device`, when `wanted`, the device is
     /// a GPU and they compile and load (else `None`, with a warning saying why: libtorch's
     /// operations then do the same work).
     pub fn fused_kernels(&self, wanted: bool, device: tch::Device) -> Option<FusedKernels> {
@@ -71,21 +71,23 @@ impl TorchRuntime {
 
     /// What loads the fused kernels per device, when `wanted` and the CUDA library loaded.
     pub fn fused_kernel_loader(&self, wanted: bool) -> Option<FusedKernelLoader> {
-        match (&self.graphs, wanted) {
-            (Ok(graphs), true) => Some(FusedKernelLoader {
-                graphs: *graphs,
-                libtorch_dir: self.libtorch_dir.clone(),
-            }),
-            _ => None,
+        self.loader().ok().filter(|_| wanted)
+    }
+
+    /// Compiles and loads the fused kernels for `device`, or says why they cannot be.
+    pub fn load_fused_kernels(&self, device: tch::Device) -> Result<FusedKernels> {
+        match self.loader() {
+            Ok(loader) => loader.load(device),
+            Err(e) => bail!("no CUDA library ({e})"),
         }
     }
 
-    /// Compiles and loads the fused kernels for `device` (see [`FusedKernels::load`]).
-    pub fn load_fused_kernels(&self, device: tch::Device) -> Result<FusedKernels> {
-        match &self.graphs {
-            Ok(graphs) => FusedKernels::load(*graphs, self.libtorch_dir.as_deref(), device),
-            Err(e) => bail!("no CUDA library ({e})"),
-        }
+    /// The fused kernels' loader, or why the CUDA library is missing.
+    fn loader(&self) -> std::result::Result<FusedKernelLoader, &String> {
+        self.graphs.as_ref().map(|graphs| FusedKernelLoader {
+            graphs: *graphs,
+            libtorch_dir: self.libtorch_dir.clone(),
+        })
     }
 
     /// The CUDA graph library, when it loaded and `wanted`; `None` means eager decoding.

@@ -219,13 +219,18 @@ pub struct FusedKernelLoader {
 }
 
 impl FusedKernelLoader {
+    /// Compiles and loads the kernels for `device` (see [`FusedKernels::load`]).
+    pub fn load(&self, device: Device) -> Result<FusedKernels> {
+        FusedKernels::load(self.graphs, self.libtorch_dir.as_deref(), device)
+    }
+
     /// The kernels for `device`; `None` (with a warning saying why) where they cannot load,
     /// libtorch's operations then doing the same work.
     pub fn load_or_warn(&self, device: Device) -> Option<FusedKernels> {
         if !device.is_cuda() {
             return None;
         }
-        match FusedKernels::load(self.graphs, self.libtorch_dir.as_deref(), device) {
+        match self.load(device) {
             Ok(kernels) => Some(kernels),
             Err(e) => {
                 log::warn!("fused kernels unavailable on {device:?}, decoding without: {e:#}");

@@ -518,11 +518,7 @@ impl TargetModel {
             layer.attn.add_output(&mut x, &a);
             let normed = rms_norm(&x, &layer.post_norm, eps);
             layer.mlp.add_forward(&mut x, &normed);
-            for (slot, &tap) in tapped.iter_mut().zip(taps) {
-                if tap == idx {
-                    *slot = Some(x.copy());
-                }
-            }
+            record_taps(&mut tapped, taps, idx, &x);
         }
         Ok((x, tapped))
     }
@@ -558,11 +554,7 @@ impl TargetModel {
             // every layer: the cache must be filled
             for (idx, layer) in self.layers.iter().enumerate() {
                 layer.forward_slots(&mut x, idx, shape, (&cos, &sin), batch, cache, true)?;
-                for (slot, &tap) in taps.iter_mut().zip(tap_layers) {
-                    if tap == idx {
-                        *slot = Some(x.copy());
-                    }
-                }
+                record_taps(&mut taps, tap_layers, idx, &x);
             }
             let features = concat_taps(taps, &x).map(|f| f.squeeze_dim(0));
             let x = x.squeeze_dim(0);
@@ -582,6 +574,15 @@ impl TargetModel {
                 logits,
             })
         })
+    }
+}
+
+/// After layer `idx`: a copy of its output `x` into the slot of each tap on that layer.
+fn record_taps(tapped: &mut [Option<Tensor>], taps: &[usize], idx: usize, x: &Tensor) {
+    for (slot, &tap) in tapped.iter_mut().zip(taps) {
+        if tap == idx {
+            *slot = Some(x.copy());
+        }
     }
 }
 
