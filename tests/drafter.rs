@@ -402,6 +402,91 @@ fn the_same_seed_gives_the_same_drafter() {
     }
 }
 
+/// Layers appended to a drafter start as the identity: the grown drafter's training logits
+/// equal the original's exactly, in both formulations of the attention; the new layers learn
+/// (their zero output projections get gradients); the grown drafter saves and loads with the
+/// new depth; a total over 64 layers is refused.
+#[test]
+fn added_layers_start_as_the_identity_and_learn() {
+    let f = fixture();
+    let grown = Drafter::init(f.drafter.config.clone(), Device::Cpu, Kind::Float, 12)
+        .unwrap()
+        .with_added_layers(2, 5)
+        .unwrap();
+    assert_eq!(grown.config.num_hidden_layers, 4);
+    let names: Vec<String> = grown
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, tensor_names(4));
+    let feats = features(3);
+    let probe = {
+        tch::manual_seed(4);
+        let hidden = f.drafter.config.hidden_size;
+        Tensor::randn([1, 3, BLOCK, hidden], (Kind::Float, Device::Cpu))
+    };
+    for attn in [TrainAttention::Dense, TrainAttention::AUTO] {
+        let want = run(&f, &tokens(), &feats, attn);
+        let b = batch(&tokens(), &ANCHORS, &[true; 3]);
+        zero_grads(&grown);
+        let hidden = grown.forward_train_with(&f.head, &feats, &b, attn);
+        let got = grown.logits(&f.head, &hidden);
+        assert_eq!(max_diff(&want, &got), 0.0, "{attn}");
+        // a functional of the hidden states: every new layer's output projections get a
+        // gradient (the layers before them are unchanged, their inputs not zero)
+        (&hidden * &probe).sum(Kind::Float).backward();
+        for (name, g) in grads(&grown) {
+            let new_output = (name.starts_with("layers.2.") || name.starts_with("layers.3."))
+                && (name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight"));
+            if new_output {
+                assert!(g.abs().max().double_value(&[]) > 0.0, "{attn}: {name}");
+            }
+        }
+    }
+    // the new layers' other weights are drawn as a fresh drafter's, by seed
+    let again = Drafter::init(f.drafter.config.clone(), Device::Cpu, Kind::Float, 12)
+        .unwrap()
+        .with_added_layers(2, 5)
+        .unwrap();
+    for ((name, a), (_, b)) in grown
+        .named_parameters()
+        .into_iter()
+        .zip(again.named_parameters())
+    {
+        assert_eq!(max_diff(a, b), 0.0, "{name}");
+        if name.starts_with("layers.3.") && name.ends_with("q_proj.weight") {
+            let std = a.std(true).double_value(&[]);
+            assert!((0.015..0.025).contains(&std), "{name}: std {std}");
+        }
+    }
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = grown.save(&tmp.path().join("grown")).unwrap();
+    let loaded = Drafter::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    assert_eq!(loaded.config.num_hidden_layers, 4);
+    // saved as bf16, as every checkpoint
+    for ((name, a), (_, b)) in grown
+        .named_parameters()
+        .into_iter()
+        .zip(loaded.named_parameters())
+    {
+        let rounded = a.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+        assert_eq!(max_diff(&rounded, b), 0.0, "{name}");
+    }
+
+    let err = Drafter::init(f.drafter.config.clone(), Device::Cpu, Kind::Float, 12)
+        .unwrap()
+        .with_added_layers(63, 5)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("model.drafter_added_layers = 63") && err.contains("has 2 layers"),
+        "{err}"
+    );
+}
+
 fn zero_grads(d: &Drafter) {
     for (_, p) in d.named_parameters() {
         let mut g = p.grad();

@@ -264,3 +264,89 @@ fn stdin_commands_and_signals_steer_a_headless_run() {
         dflash_tui::telemetry::records::MetricsRecord::Summary { .. }
     )));
 }
+
+/// `model.drafter_added_layers` grows a trained drafter: the run trains the deeper drafter,
+/// its checkpoints hold every layer (a servable drafter of the new depth), a resume rebuilds
+/// the same shape and goes on, and a resume that changes the number of added layers is
+/// refused. Without `model.drafter_init` the setting is refused before anything is written.
+#[test]
+fn layers_added_to_a_trained_drafter_are_trained_and_resumed() {
+    let i = inputs();
+    let t = dflash_tui::model::TargetConfig::from_model_dir(&i.target).unwrap();
+    let dc = dflash_tui::model::DrafterConfig::for_target(
+        &t,
+        &dflash_tui::model::DrafterShape {
+            layers: 1,
+            block_size: 4,
+            mask_token_id: 1,
+            target_layer_ids: None,
+            num_taps: 2,
+        },
+    )
+    .unwrap();
+    let init = dflash_tui::model::Drafter::init(dc, tch::Device::Cpu, tch::Kind::Float, 7)
+        .unwrap()
+        .save(&i.tmp.path().join("init"))
+        .unwrap();
+
+    let refused_dir = i.tmp.path().join("refused");
+    let mut args = base_args(&i, &refused_dir);
+    args.extend(["--set".into(), "model.drafter_added_layers=2".into()]);
+    let (code, _, err) = run(&args);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("model.drafter_added_layers = 2 needs model.drafter_init"),
+        "{err}"
+    );
+    assert!(!refused_dir.exists());
+
+    let run_dir = i.tmp.path().join("run");
+    let mut args = base_args(&i, &run_dir);
+    for s in [
+        format!("model.drafter_init={}", init.display()),
+        "model.drafter_added_layers=2".into(),
+        "train.total_steps=12".into(),
+        "checkpoint.save_every_steps=6".into(),
+        "debug.fail_at_step=8".into(),
+    ] {
+        args.extend(["--set".into(), s]);
+    }
+    let (code, _, err) = run(&args);
+    assert_eq!(code, 1, "{err}");
+    let checkpoints = run_dir.join("checkpoints");
+    let first = dflash_tui::train::checkpoint::list_checkpoints(&checkpoints);
+    assert!(!first.is_empty(), "{err}");
+
+    let resume = |set: &[&str]| {
+        let mut args: Vec<String> = vec![
+            "train".into(),
+            "--resume".into(),
+            run_dir.display().to_string(),
+            "--no-tui".into(),
+        ];
+        for s in set {
+            args.extend(["--set".into(), (*s).into()]);
+        }
+        run(&args)
+    };
+    let (code, _, err) = resume(&["model.drafter_added_layers=3", "debug.fail_at_step=0"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("model.drafter_added_layers"), "{err}");
+
+    let (code, stdout, err) = resume(&["debug.fail_at_step=0"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("run finished"), "{stdout}");
+    let all = dflash_tui::train::checkpoint::list_checkpoints(&checkpoints);
+    let (step, last) = all.last().unwrap();
+    assert_eq!(*step, 12, "{all:?}");
+    let drafter =
+        dflash_tui::model::Drafter::load(&last.join("drafter"), tch::Device::Cpu, tch::Kind::Float)
+            .unwrap();
+    assert_eq!(drafter.config.num_hidden_layers, 3);
+    // the layers added start as the identity and were trained: no output projection is zero
+    for (name, p) in drafter.named_parameters() {
+        if name.starts_with("layers.2.") && name.ends_with("o_proj.weight") {
+            assert!(p.abs().max().double_value(&[]) > 0.0, "{name}");
+        }
+    }
+}

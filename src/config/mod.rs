@@ -116,6 +116,10 @@ pub struct ModelSection {
     pub drafter_init: String,
     /// Drafter decoder layers, 1..=64. Default 5.
     pub drafter_layers: i64,
+    /// Decoder layers appended to the `drafter_init` drafter, 0..=63 (0 needs no init). They
+    /// start as identity (zero output projections), so training goes on from what the
+    /// drafter computes, with more depth. Default 0.
+    pub drafter_added_layers: i64,
     /// Tokens per drafted block, 2..=64. Default 16.
     pub block_size: i64,
     /// Token id of the mask token (required, >= 0; checked against the vocabulary elsewhere).
@@ -138,6 +142,7 @@ impl Default for ModelSection {
             target: String::new(),
             drafter_init: String::new(),
             drafter_layers: 5,
+            drafter_added_layers: 0,
             block_size: 16,
             mask_token_id: -1,
             target_layer_ids: Vec::new(),

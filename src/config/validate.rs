@@ -34,6 +34,19 @@ impl TrainConfig {
             bail!("config: model.target is required (a Hugging Face model folder)");
         }
         int_between("model.drafter_layers", model.drafter_layers, 1, 64)?;
+        int_between(
+            "model.drafter_added_layers",
+            model.drafter_added_layers,
+            0,
+            63,
+        )?;
+        if model.drafter_added_layers > 0 && model.drafter_init.trim().is_empty() {
+            bail!(
+                "config: model.drafter_added_layers = {} needs model.drafter_init (layers are \
+                 added to a trained drafter; a fresh one has model.drafter_layers)",
+                model.drafter_added_layers
+            );
+        }
         int_between("model.block_size", model.block_size, 2, 64)?;
         if model.mask_token_id < 0 {
             bail!(

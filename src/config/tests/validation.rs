@@ -43,6 +43,17 @@ fn validation_errors_name_their_field() {
             "model.drafter_layers = 65",
             Box::new(|c| c.model.drafter_layers = 65),
         ),
+        (
+            "model.drafter_added_layers = 64",
+            Box::new(|c| {
+                c.model.drafter_init = "d".into();
+                c.model.drafter_added_layers = 64
+            }),
+        ),
+        (
+            "model.drafter_added_layers = 2 needs model.drafter_init",
+            Box::new(|c| c.model.drafter_added_layers = 2),
+        ),
         ("model.block_size = 1", Box::new(|c| c.model.block_size = 1)),
         (
             "model.mask_token_id = -1",

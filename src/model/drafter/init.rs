@@ -55,3 +55,48 @@ fn normal_values(n: usize, std: f64, seed: u64, name: &str) -> Vec<f32> {
         });
     values
 }
+
+impl Drafter {
+    /// The drafter with `added` decoder layers appended after its last one. Each new layer
+    /// starts as the identity: its attention and MLP output projections (`o_proj`,
+    /// `down_proj`) are zero, so the residual stream passes through unchanged and the grown
+    /// drafter computes exactly what this one does; its other weights are drawn as
+    /// [`Drafter::init`] draws them (seed `seed`, by public name), so that the zero
+    /// projections receive gradients and the layer learns. Fails where the total would exceed
+    /// 64 layers.
+    pub fn with_added_layers(self, added: i64, seed: u64) -> Result<Self> {
+        if added == 0 {
+            return Ok(self);
+        }
+        let first = self.config.num_hidden_layers;
+        let total = first + added;
+        if added < 0 || total > 64 {
+            anyhow::bail!(
+                "model.drafter_added_layers = {added}: the drafter has {first} layers, and a drafter has 1 to 64"
+            );
+        }
+        let mut config = self.config.clone();
+        config.num_hidden_layers = total;
+        let (device, kind) = (self.device, self.kind);
+        let mut old: std::collections::HashMap<String, Tensor> = self
+            .named_parameters()
+            .into_iter()
+            .map(|(n, t)| (n, t.shallow_clone()))
+            .collect();
+        let grown = Self::build(config, device, kind, |name, shape| {
+            if let Some(t) = old.remove(name) {
+                return Ok(t);
+            }
+            let t = if shape.len() == 1 {
+                Tensor::ones(shape, (Kind::Float, Device::Cpu))
+            } else if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                Tensor::zeros(shape, (Kind::Float, Device::Cpu))
+            } else {
+                let n: i64 = shape.iter().product();
+                Tensor::from_slice(&normal_values(n as usize, 0.02, seed, name)).view(shape)
+            };
+            Ok(t.to_device(device).to_kind(kind).set_requires_grad(true))
+        })?;
+        Ok(grown.with_train_attention(self.train_attention))
+    }
+}

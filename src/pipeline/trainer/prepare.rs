@@ -313,7 +313,8 @@ fn load_drafters(
     let mut drafters = Vec::new();
     for &dev in devices {
         let d = match init_dir {
-            Some(dir) => Drafter::load_for_target(dir, target_cfg, dev, kind)?,
+            Some(dir) => Drafter::load_for_target(dir, target_cfg, dev, kind)?
+                .with_added_layers(config.model.drafter_added_layers, config.run.seed)?,
             None => Drafter::init(drafter_config.clone(), dev, kind, config.run.seed)?,
         };
         drafters.push(d.with_train_attention(config.train.attention));
@@ -329,6 +330,16 @@ fn load_drafters(
                 c.block_size
             );
         }
+    }
+    let added = config.model.drafter_added_layers;
+    if added > 0 {
+        let total = drafters[0].config.num_hidden_layers;
+        log::info!(
+            "model.drafter_added_layers = {added}: layers {} to {} appended to the drafter of {}, starting as the identity",
+            total - added,
+            total - 1,
+            config.model.drafter_init
+        );
     }
     log::info!("{}", drafters[0].describe());
     Ok(drafters)
