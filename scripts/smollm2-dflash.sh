@@ -15,7 +15,8 @@
 #        (further settings of a new run); the validation pass every
 #        validation.every_steps keeps the best drafter in run/best. A second call on the same
 #        machine resumes the run; on a fresh machine with a previous stage's drafter carried
-#        in (drafter.safetensors.* + drafter-config.json) a new run starts from it.
+#        in (drafter.safetensors.* + drafter-config.json) a new run starts from it
+#        (SET="model.drafter_added_layers=3": with three more layers, starting as the identity).
 # ablate one run of an equal budget (TRAIN_S seconds, STEPS steps) on the first ROWS training
 #        conversations (0 = all) with LAYERS drafter layers, then `eval` of its best drafter on
 #        the 100 ShareGPT prompts: where tau stalls, a row per (ROWS, LAYERS) shows whether more
