@@ -3,7 +3,7 @@
 //! target of a model shape. A diagnostic for tuning, not a benchmark of the pipeline (that is
 //! `dflash-tui bench`).
 //!
-//!   cargo run --release --example probe -- configs/shapes/qwen3-8b [rows] [len] [anchors]
+//!   cargo run --release --example probe -- configs/shapes/qwen3-8b [rows] [len] [anchors] [drafter layers]
 
 use std::path::Path;
 use std::time::Instant;
@@ -49,11 +49,12 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let dir = Path::new(
         args.get(1)
-            .context("usage: probe SHAPE_DIR [rows] [len] [anchors]")?,
+            .context("usage: probe SHAPE_DIR [rows] [len] [anchors] [drafter layers]")?,
     );
     let rows: i64 = args.get(2).map_or(Ok(2), |s| s.parse())?;
     let len: i64 = args.get(3).map_or(Ok(1500), |s| s.parse())?;
     let anchors: usize = args.get(4).map_or(Ok(434), |s| s.parse())?;
+    let drafter_layers: i64 = args.get(5).map_or(Ok(5), |s| s.parse())?;
     let dev = Device::cuda_if_available();
     let kind = if dev.is_cuda() {
         Kind::BFloat16
@@ -63,7 +64,7 @@ fn main() -> Result<()> {
     let target = TargetModel::random(dir, dev, kind, 0)?;
     let cfg = target.config.clone();
     let shape = DrafterShape {
-        layers: 5,
+        layers: drafter_layers,
         block_size: 16,
         mask_token_id: cfg.vocab_size - 1,
         target_layer_ids: None,
@@ -80,7 +81,7 @@ fn main() -> Result<()> {
     let inter = cfg.intermediate_size;
     let n = rows * len;
     println!(
-        "shape {} rows {rows} len {len} anchors {anchors}",
+        "shape {} rows {rows} len {len} anchors {anchors} drafter layers {drafter_layers}",
         dir.display()
     );
     let ids = Tensor::randint(cfg.vocab_size - 2, [rows, len], (Kind::Int64, dev));
@@ -359,8 +360,12 @@ fn main() -> Result<()> {
             attn_flop / ms / 1e9
         );
     }
-    // The whole step at other chunk sizes.
-    for c in [4usize, 8, 16, 32] {
+    // The whole step at other chunk sizes ($PROBE_CHUNKS: a comma-separated list).
+    let sizes: Vec<usize> = std::env::var("PROBE_CHUNKS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|c| c.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![4, 8, 16, 32]);
+    for c in sizes {
         let d = Drafter::init(dcfg.clone(), dev, kind, 0)?.with_train_attention(
             TrainAttention::Chunked {
                 blocks_per_chunk: c,
