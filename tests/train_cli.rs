@@ -53,6 +53,24 @@ fn run(args: &[String]) -> (i32, String, String) {
     )
 }
 
+/// A fresh drafter of the tiny config's shape (1 layer, block 4, mask token 1, 2 taps) for
+/// the target in `target`, saved to `out`.
+fn save_tiny_drafter(target: &Path, out: &Path) -> PathBuf {
+    let t = dflash_tui::model::TargetConfig::from_model_dir(target).unwrap();
+    let shape = dflash_tui::model::DrafterShape {
+        layers: 1,
+        block_size: 4,
+        mask_token_id: 1,
+        target_layer_ids: None,
+        num_taps: 2,
+    };
+    let config = dflash_tui::model::DrafterConfig::for_target(&t, &shape).unwrap();
+    dflash_tui::model::Drafter::init(config, tch::Device::Cpu, tch::Kind::Float, 0)
+        .unwrap()
+        .save(out)
+        .unwrap()
+}
+
 #[test]
 fn config_errors_name_the_field() {
     let i = inputs();
@@ -126,22 +144,7 @@ fn a_drafter_that_does_not_match_the_target_is_refused() {
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["vocab_size"] = 40.into();
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
-    let t = dflash_tui::model::TargetConfig::from_model_dir(&other).unwrap();
-    let dc = dflash_tui::model::DrafterConfig::for_target(
-        &t,
-        &dflash_tui::model::DrafterShape {
-            layers: 1,
-            block_size: 4,
-            mask_token_id: 1,
-            target_layer_ids: None,
-            num_taps: 2,
-        },
-    )
-    .unwrap();
-    let drafter = dflash_tui::model::Drafter::init(dc, tch::Device::Cpu, tch::Kind::Float, 0)
-        .unwrap()
-        .save(&i.tmp.path().join("drafter"))
-        .unwrap();
+    let drafter = save_tiny_drafter(&other, &i.tmp.path().join("drafter"));
     let run_dir = i.tmp.path().join("run");
     let mut args = base_args(&i, &run_dir);
     args.extend([
@@ -272,22 +275,7 @@ fn stdin_commands_and_signals_steer_a_headless_run() {
 #[test]
 fn layers_added_to_a_trained_drafter_are_trained_and_resumed() {
     let i = inputs();
-    let t = dflash_tui::model::TargetConfig::from_model_dir(&i.target).unwrap();
-    let dc = dflash_tui::model::DrafterConfig::for_target(
-        &t,
-        &dflash_tui::model::DrafterShape {
-            layers: 1,
-            block_size: 4,
-            mask_token_id: 1,
-            target_layer_ids: None,
-            num_taps: 2,
-        },
-    )
-    .unwrap();
-    let init = dflash_tui::model::Drafter::init(dc, tch::Device::Cpu, tch::Kind::Float, 7)
-        .unwrap()
-        .save(&i.tmp.path().join("init"))
-        .unwrap();
+    let init = save_tiny_drafter(&i.target, &i.tmp.path().join("init"));
 
     let refused_dir = i.tmp.path().join("refused");
     let mut args = base_args(&i, &refused_dir);
