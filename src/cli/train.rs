@@ -199,14 +199,8 @@ pub(super) fn check_inputs(config: &TrainConfig) -> Result<String> {
     } else {
         let init = Path::new(&config.model.drafter_init);
         let c = Drafter::config_for_target(init, &target)?;
-        let added = config.model.drafter_added_layers;
-        if c.num_hidden_layers + added > 64 {
-            bail!(
-                "config: model.drafter_added_layers = {added}: the drafter in {} has {} layers, and a drafter has 1 to 64",
-                init.display(),
-                c.num_hidden_layers
-            );
-        }
+        c.with_added_layers(config.model.drafter_added_layers)
+            .with_context(|| format!("config: model.drafter_init = {}", init.display()))?;
         (
             c.mask_token_id(),
             format!(

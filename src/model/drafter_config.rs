@@ -79,6 +79,21 @@ impl Default for DrafterShape {
 }
 
 impl DrafterConfig {
+    /// This configuration with `added` decoder layers more (`model.drafter_added_layers`);
+    /// refused where the total leaves 1..=64.
+    pub(crate) fn with_added_layers(&self, added: i64) -> Result<Self> {
+        let layers = self.num_hidden_layers;
+        if added < 0 || layers + added > 64 {
+            bail!(
+                "model.drafter_added_layers = {added}: the drafter has {layers} layers, and a drafter has 1 to 64"
+            );
+        }
+        Ok(DrafterConfig {
+            num_hidden_layers: layers + added,
+            ..self.clone()
+        })
+    }
+
     /// A drafter for `target` with the target's dimensions.
     pub fn for_target(target: &TargetConfig, shape: &DrafterShape) -> Result<Self> {
         let ids = shape

@@ -15,15 +15,24 @@ impl Drafter {
     /// a billion weights.
     pub fn init(config: DrafterConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
         Self::build(config, device, kind, |name, shape| {
-            let t = if shape.len() == 1 {
-                Tensor::ones(shape, (Kind::Float, Device::Cpu))
-            } else {
-                let n: i64 = shape.iter().product();
-                Tensor::from_slice(&normal_values(n as usize, 0.02, seed, name)).view(shape)
-            };
-            Ok(t.to_device(device).to_kind(kind).set_requires_grad(true))
+            Ok(trainable(fresh_weight(name, shape, seed), device, kind))
         })
     }
+}
+
+/// A fresh drafter's tensor `name` on the host: a norm at 1, any other weight N(0, 0.02)
+/// drawn by seed and name.
+fn fresh_weight(name: &str, shape: &[i64], seed: u64) -> Tensor {
+    if shape.len() == 1 {
+        Tensor::ones(shape, (Kind::Float, Device::Cpu))
+    } else {
+        let n: i64 = shape.iter().product();
+        Tensor::from_slice(&normal_values(n as usize, 0.02, seed, name)).view(shape)
+    }
+}
+
+fn trainable(t: Tensor, device: Device, kind: Kind) -> Tensor {
+    t.to_device(device).to_kind(kind).set_requires_grad(true)
 }
 
 /// `n` values drawn from N(0, std): chunks of 2^20 values, each from a ChaCha8 generator
@@ -63,20 +72,12 @@ impl Drafter {
     /// drafter computes exactly what this one does; its other weights are drawn as
     /// [`Drafter::init`] draws them (seed `seed`, by public name), so that the zero
     /// projections receive gradients and the layer learns. Fails where the total would exceed
-    /// 64 layers.
+    /// 64 layers ([`DrafterConfig::with_added_layers`]).
     pub fn with_added_layers(self, added: i64, seed: u64) -> Result<Self> {
         if added == 0 {
             return Ok(self);
         }
-        let first = self.config.num_hidden_layers;
-        let total = first + added;
-        if added < 0 || total > 64 {
-            anyhow::bail!(
-                "model.drafter_added_layers = {added}: the drafter has {first} layers, and a drafter has 1 to 64"
-            );
-        }
-        let mut config = self.config.clone();
-        config.num_hidden_layers = total;
+        let config = self.config.with_added_layers(added)?;
         let (device, kind) = (self.device, self.kind);
         let mut old: std::collections::HashMap<String, Tensor> = self
             .named_parameters()
@@ -87,15 +88,12 @@ impl Drafter {
             if let Some(t) = old.remove(name) {
                 return Ok(t);
             }
-            let t = if shape.len() == 1 {
-                Tensor::ones(shape, (Kind::Float, Device::Cpu))
-            } else if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+            let t = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
                 Tensor::zeros(shape, (Kind::Float, Device::Cpu))
             } else {
-                let n: i64 = shape.iter().product();
-                Tensor::from_slice(&normal_values(n as usize, 0.02, seed, name)).view(shape)
+                fresh_weight(name, shape, seed)
             };
-            Ok(t.to_device(device).to_kind(kind).set_requires_grad(true))
+            Ok(trainable(t, device, kind))
         })?;
         Ok(grown.with_train_attention(self.train_attention))
     }
