@@ -45,7 +45,7 @@ fn host_and_device_ms(dev: Device, iters: usize, mut f: impl FnMut()) -> (f64, f
 }
 
 fn main() -> Result<()> {
-    let _rt = TorchRuntime::init();
+    let rt = TorchRuntime::init();
     let args: Vec<String> = std::env::args().collect();
     let dir = Path::new(
         args.get(1)
@@ -246,6 +246,12 @@ fn main() -> Result<()> {
         kl_temperature: 1.0,
         streak_alpha: 0.0,
         chunk_rows: LossOptions::chunk_rows_for_vocab(cfg.vocab_size),
+        kernels: None,
+    };
+    // the same loss with the fused kernel (cross-entropy, argmax and gradient in one kernel)
+    let fused_opts = LossOptions {
+        kernels: rt.fused_kernels(true, dev),
+        ..opts.clone()
     };
     let params = drafter.named_parameters();
     let mut optimizer = AdamW::new(
@@ -272,47 +278,53 @@ fn main() -> Result<()> {
     println!("  drafter forward (no grad)    {fw:8.2} ms");
     // forward, then the loss and its backward through the LM head; the rest of the backward
     // is what the returned value runs
-    let loss_of = |hidden: &Tensor| {
+    let loss_of = |hidden: &Tensor, opts: &LossOptions| {
         let (_, pending) = loss_and_backward_deferred(
             hidden,
             &head.lm_head,
             &targets,
             &plan.valid,
             None,
-            &opts,
+            opts,
             1.0,
         );
         pending
     };
     // the whole step of a drafter: forward, loss, backward
-    let step_of = |d: &Drafter| {
-        if let Some(p) = loss_of(&d.forward_train(&head, &features, &batch)) {
+    let step_of = |d: &Drafter, opts: &LossOptions| {
+        if let Some(p) = loss_of(&d.forward_train(&head, &features, &batch), opts) {
             p.run();
         }
     };
-    let forward_and_loss = || loss_of(&drafter.forward_train(&head, &features, &batch));
+    let forward_and_loss = || loss_of(&drafter.forward_train(&head, &features, &batch), &opts);
     let fl = time_ms(dev, 3, || drop(forward_and_loss()));
     println!("  forward + loss (head bwd)    {fl:8.2} ms");
-    let (full_host, full) = host_and_device_ms(dev, 3, || step_of(&drafter));
-    println!(
-        "  forward + loss + backward    {full:8.2} ms  (queued in {full_host:.2} ms)  {:.0} TFLOP/s (drafter {:.1} + head {:.1} TFLOP)",
-        (dflop + hflop) / full / 1e9,
-        dflop / 1e12,
-        hflop / 1e12
-    );
-    // The loss alone (LM head, log-softmax, its backward into the hidden states).
-    let hidden_leaf = tch::no_grad(|| drafter.forward_train(&head, &features, &batch))
-        .detach()
-        .set_requires_grad(true);
-    let (loss_host, loss_ms) = host_and_device_ms(dev, 3, || {
-        if let Some(p) = loss_of(&hidden_leaf) {
-            p.run();
+    for (name, o) in [("", &opts), (" fused", &fused_opts)] {
+        if name == " fused" && o.kernels.is_none() {
+            println!("  (no fused kernels on {dev:?})");
+            continue;
         }
-    });
-    println!(
-        "  loss + its backward          {loss_ms:8.2} ms  (queued in {loss_host:.2} ms)  {:.0} TFLOP/s on the head",
-        hflop / loss_ms / 1e9
-    );
+        let (full_host, full) = host_and_device_ms(dev, 3, || step_of(&drafter, o));
+        println!(
+            "  forward + loss + backward{name:<6} {full:8.2} ms  (queued in {full_host:.2} ms)  {:.0} TFLOP/s (drafter {:.1} + head {:.1} TFLOP)",
+            (dflop + hflop) / full / 1e9,
+            dflop / 1e12,
+            hflop / 1e12
+        );
+        // The loss alone (LM head, log-softmax, its backward into the hidden states).
+        let hidden_leaf = tch::no_grad(|| drafter.forward_train(&head, &features, &batch))
+            .detach()
+            .set_requires_grad(true);
+        let (loss_host, loss_ms) = host_and_device_ms(dev, 3, || {
+            if let Some(p) = loss_of(&hidden_leaf, o) {
+                p.run();
+            }
+        });
+        println!(
+            "  loss + its backward{name:<6}       {loss_ms:8.2} ms  (queued in {loss_host:.2} ms)  {:.0} TFLOP/s on the head",
+            hflop / loss_ms / 1e9
+        );
+    }
     // The chunked attention of one layer alone, as the drafter calls it.
     let per_row = plan.per_row as i64;
     let cpc = TrainAttention::AUTO
@@ -371,8 +383,44 @@ fn main() -> Result<()> {
                 blocks_per_chunk: c,
             },
         );
-        let ms = time_ms(dev, 3, || step_of(&d));
-        println!("  step with chunked:{c:<3}         {ms:8.2} ms");
+        let ms = time_ms(dev, 3, || step_of(&d, &opts));
+        let fused_ms = time_ms(dev, 3, || step_of(&d, &fused_opts));
+        println!("  step with chunked:{c:<3}         {ms:8.2} ms  (fused loss {fused_ms:8.2} ms)");
+    }
+    // $PROBE_TRACE=FILE: a profiler trace of two whole steps at 64 blocks per chunk with the
+    // fused loss where it loads (the recipe's settings), the parts in named ranges
+    // (scripts/trace_summary.py totals the device time per range; the backward pass runs on
+    // autograd's own thread, outside them)
+    if let Some(path) = std::env::var_os("PROBE_TRACE").map(std::path::PathBuf::from) {
+        let d = Drafter::init(dcfg.clone(), dev, kind, 0)?.with_train_attention(
+            TrainAttention::Chunked {
+                blocks_per_chunk: 64,
+            },
+        );
+        step_of(&d, &fused_opts);
+        if let Device::Cuda(i) = dev {
+            tch::Cuda::synchronize(i as i64);
+        }
+        let trace = dflash_tui::aten_ext::ProfilerTrace::start(dev.is_cuda())?;
+        for _ in 0..2 {
+            let hidden = {
+                let _r = dflash_tui::aten_ext::ProfilerRange::new(c"drafter forward");
+                d.forward_train(&head, &features, &batch)
+            };
+            let pending = {
+                let _r = dflash_tui::aten_ext::ProfilerRange::new(c"loss");
+                loss_of(&hidden, &fused_opts)
+            };
+            if let Some(p) = pending {
+                let _r = dflash_tui::aten_ext::ProfilerRange::new(c"drafter backward");
+                p.run();
+            }
+        }
+        if let Device::Cuda(i) = dev {
+            tch::Cuda::synchronize(i as i64);
+        }
+        trace.save(&path)?;
+        println!("  trace of two steps: {}", path.display());
     }
     // the trainer's step: flatten, then clip + AdamW in one fused kernel, then the weights back
     let mut failed = None;

@@ -742,12 +742,14 @@ fn loss_and_gradients_are_the_same_with_both_formulations() {
         kl_temperature: 1.0,
         streak_alpha: 0.0,
         chunk_rows: 7,
+        kernels: None,
     };
     let soft_streak = LossOptions {
         kl_weight: 0.4,
         kl_temperature: 2.0,
         streak_alpha: 0.3,
         chunk_rows: 5,
+        kernels: None,
     };
     for (opts, soft) in [(&plain, false), (&soft_streak, true)] {
         let reference = case.pass(TrainAttention::Dense, soft, opts, 0.5);
@@ -773,6 +775,7 @@ fn loss_and_gradients_do_not_depend_on_the_loss_chunk_size() {
                 kl_temperature: 2.0,
                 streak_alpha,
                 chunk_rows,
+                kernels: None,
             };
             case.pass(TrainAttention::AUTO, soft, &opts, 1.0)
         };
@@ -797,6 +800,7 @@ fn deferred_loss_gives_the_same_sums_and_gradients() {
         kl_temperature: 1.0,
         streak_alpha: 0.2,
         chunk_rows: 6,
+        kernels: None,
     };
     let run_once = |deferred: bool| {
         zero_grads(&f.drafter);

@@ -540,3 +540,89 @@ fn gpu_target_steps_with_fused_kernels_equal_the_plain_ones() {
         });
     }
 }
+
+/// The training loss with the fused kernel (cross-entropy, argmax check and gradient of each
+/// chunk of logits in one kernel) against libtorch's operations, on random hidden states and a
+/// random LM head: the same loss, accuracy and acceptance sums, and the same gradient into the
+/// hidden states up to rounding, in float32 and bf16, for a vocabulary the kernel reads in
+/// 16-byte vectors (1,024) and one it reads element by element (1,003), with one chunk and
+/// several. A soft-label loss keeps libtorch's operations (same numbers with the kernels on).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_fused_loss_equals_the_libtorch_operations() {
+    use dflash_tui::train::loss::{
+        block_targets, loss_and_backward, sample_anchors, LossOptions, LossSums,
+    };
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    let (rows, len, block, h) = (3usize, 90usize, 8usize, 64i64);
+    let lengths = [90usize, 61, 37];
+    let mask: Vec<i64> = (0..rows * len).map(|i| i64::from(i % len >= 5)).collect();
+    for vocab in [1024i64, 1003] {
+        let ids: Vec<i64> = (0..rows * len)
+            .map(|i| (i as i64 * 7919 + 13) % vocab)
+            .collect();
+        let plan = sample_anchors(&mask, &lengths, len, block, 12, 5);
+        let targets = block_targets(&ids, &mask, &lengths, len, &plan, block, 7.0);
+        for kind in [Kind::Float, Kind::BFloat16] {
+            tch::manual_seed(vocab + 1);
+            let lm_head = (Tensor::randn([vocab, h], (Kind::Float, dev)) * 0.3).to_kind(kind);
+            let per_row = plan.per_row as i64;
+            // about half the slots pointed at their label, so that the argmax check counts
+            let slots = rows as i64 * per_row * block as i64;
+            let labels = Tensor::from_slice(&targets.labels).to_device(dev);
+            let hint = lm_head.to_kind(Kind::Float).index_select(0, &labels)
+                * (Tensor::rand([slots, 1], (Kind::Float, dev)).gt(0.5) * 3.0);
+            let hidden0 = (Tensor::randn([slots, h], (Kind::Float, dev)) + hint)
+                .view([rows as i64, per_row, block as i64, h])
+                .to_kind(kind);
+            let teacher = Tensor::randn([rows as i64, len as i64, h], (kind, dev));
+            let run = |fused: bool, chunk_rows: i64, kl_weight: f64| -> (LossSums, Tensor) {
+                let hidden = hidden0.detach().set_requires_grad(true);
+                let opts = LossOptions {
+                    kl_weight,
+                    kl_temperature: 1.0,
+                    streak_alpha: 0.0,
+                    chunk_rows,
+                    kernels: fused.then_some(kernels),
+                };
+                let (sums, pending) = loss_and_backward(
+                    &hidden,
+                    &lm_head,
+                    &targets,
+                    &plan.valid,
+                    (kl_weight > 0.0).then_some(&teacher),
+                    &opts,
+                    0.5,
+                );
+                pending.expect("a backward pass").run();
+                (sums, hidden.grad())
+            };
+            for chunk_rows in [100_000, 37] {
+                let what = format!("vocab {vocab} {kind:?} chunks of {chunk_rows}");
+                let (want, want_grad) = run(false, chunk_rows, 0.0);
+                let (got, got_grad) = run(true, chunk_rows, 0.0);
+                let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
+                assert!(
+                    rel(got.loss(), want.loss()) < 1e-5,
+                    "{what}: {got:?} {want:?}"
+                );
+                assert_eq!(got.weight, want.weight, "{what}");
+                assert_eq!(got.weighted_correct, want.weighted_correct, "{what}");
+                assert_eq!(got.accepted, want.accepted, "{what}");
+                assert!(want.weighted_correct > 0.0, "{what}: no argmax hit");
+                let (rel_grad, exact) = if kind == Kind::Float {
+                    (1e-4, 0.0)
+                } else {
+                    (1e-2, 0.95)
+                };
+                assert_close(&what, &got_grad, &want_grad, rel_grad, exact);
+                assert!(max_diff(&want_grad, &Tensor::zeros_like(&want_grad)) > 0.0);
+            }
+            let (want, want_grad) = run(false, 37, 0.5);
+            let (got, got_grad) = run(true, 37, 0.5);
+            assert_eq!(got, want, "soft labels");
+            assert_eq!(max_diff(&got_grad, &want_grad), 0.0, "soft labels");
+        }
+    }
+}

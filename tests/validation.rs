@@ -192,6 +192,7 @@ fn memorise(
         kl_temperature: 1.0,
         streak_alpha: 0.0,
         chunk_rows: 256,
+        kernels: None,
     };
     let prepared: Vec<_> = sequences
         .iter()
@@ -410,6 +411,7 @@ fn loss_accuracy_and_acceptance_are_trainings_over_every_anchor() {
         kl_temperature: 1.0,
         streak_alpha: 0.0,
         chunk_rows: 64,
+        kernels: None,
     };
     let (sums, _) = loss_and_backward(
         &hidden,

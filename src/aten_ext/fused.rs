@@ -1,6 +1,8 @@
-//! Fused kernels for the drafter's decoding steps (`fused_kernels.cu`): the q/k norm, rotary
+//! Fused kernels (`fused_kernels.cu`): for the drafter's decoding steps the q/k norm, rotary
 //! embedding and cache writes of one attention layer as one kernel, and SwiGLU's `silu(gate) *
-//! up` as one. A drafter step is ~110 kernels of 1-4 us and costs their number; libtorch has no
+//! up` as one; for training, the LM head's cross-entropy and its gradient over a chunk of
+//! logits as one. A drafter step is ~110 kernels of 1-4 us and costs their number; the loss
+//! over a chunk of logits costs the passes over them. libtorch has no
 //! fused forms of these, and tch binds no way to add one, so they are compiled at run time with
 //! NVRTC (the compiler libtorch's own jiterator uses, which PyTorch's wheels bring) and launched
 //! through the CUDA driver on libtorch's current stream, so that they are ordered with its work
@@ -257,6 +259,7 @@ pub struct FusedKernels {
     context: cu::CUcontext,
     rotate_write: [cu::CUfunction; 3],
     silu_mul: [cu::CUfunction; 3],
+    cross_entropy_grad: [cu::CUfunction; 3],
     graphs: GraphLibrary,
 }
 
@@ -304,7 +307,8 @@ impl FusedKernels {
                 cu::cuDevicePrimaryCtxRetain(&mut context, dev),
             )?;
             driver("cuCtxPushCurrent", cu::cuCtxPushCurrent_v2(context))?;
-            let loaded = (|| -> Result<([cu::CUfunction; 3], [cu::CUfunction; 3])> {
+            type Functions = [cu::CUfunction; 3];
+            let loaded = (|| -> Result<(Functions, Functions, Functions)> {
                 let mut module: cu::CUmodule = std::ptr::null_mut();
                 driver(
                     "cuModuleLoadData",
@@ -326,16 +330,21 @@ impl FusedKernels {
                         function(&format!("{stem}_f32"))?,
                     ])
                 };
-                Ok((set("rotate_write")?, set("silu_mul")?))
+                Ok((
+                    set("rotate_write")?,
+                    set("silu_mul")?,
+                    set("cross_entropy_grad")?,
+                ))
             })();
             let mut popped: cu::CUcontext = std::ptr::null_mut();
             cu::cuCtxPopCurrent_v2(&mut popped);
-            let (rotate_write, silu_mul) = loaded?;
+            let (rotate_write, silu_mul, cross_entropy_grad) = loaded?;
             Ok(FusedKernels {
                 device: index,
                 context,
                 rotate_write,
                 silu_mul,
+                cross_entropy_grad,
                 graphs,
             })
         }
@@ -552,6 +561,73 @@ impl FusedKernels {
         self.launch(self.silu_mul[which], (blocks, 1), threads, &mut params)?;
         Ok(out)
     }
+
+    /// The LM head's training loss over one chunk of `logits` [rows, vocab] (dense): per row the
+    /// cross-entropy against `labels` [rows] (int64; a label outside the vocabulary is ignored:
+    /// loss and gradient 0), as float32 [rows], and whether the first argmax is the label (1.0
+    /// or 0.0) [rows]; `logits` is overwritten with the gradient of `sum(scale * loss)`
+    /// (`scale` [rows] float32), rounded to its type. Computes what `log_softmax(dtype =
+    /// float32)`, `nll_loss`, `argmax` and their backward pass compute, up to the order of the
+    /// float sums, in two passes over each row instead of some seven kernels over the chunk.
+    pub fn cross_entropy_grad(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor,
+        scale: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let kind = logits.kind();
+        let Some(which) = kind_index(kind) else {
+            bail!("fused kernels: no kernel for {kind:?}");
+        };
+        self.check("the logits", logits, kind)?;
+        let (rows, vocab) = match logits.size()[..] {
+            [r, v] if v > 0 => (r, v),
+            _ => bail!("fused kernels: logits of shape {:?}", logits.size()),
+        };
+        self.check("the labels", labels, Kind::Int64)?;
+        self.check("the scales", scale, Kind::Float)?;
+        ensure!(
+            labels.size() == [rows] && scale.size() == [rows],
+            "fused kernels: {rows} rows of logits, labels {:?}, scales {:?}",
+            labels.size(),
+            scale.size()
+        );
+        let loss = Tensor::empty([rows], (Kind::Float, logits.device()));
+        let correct = Tensor::empty([rows], (Kind::Float, logits.device()));
+        if rows == 0 {
+            return Ok((loss, correct));
+        }
+        ensure!(
+            rows <= i64::from(i32::MAX),
+            "fused kernels: {rows} rows in one launch"
+        );
+        let (mut x, mut v, mut lab, mut sc, mut lo, mut co) = (
+            logits.data_ptr(),
+            vocab,
+            labels.data_ptr(),
+            scale.data_ptr(),
+            loss.data_ptr(),
+            correct.data_ptr(),
+        );
+        fn p<T>(x: &mut T) -> *mut c_void {
+            (x as *mut T).cast()
+        }
+        let mut params = [
+            p(&mut x),
+            p(&mut v),
+            p(&mut lab),
+            p(&mut sc),
+            p(&mut lo),
+            p(&mut co),
+        ];
+        self.launch(
+            self.cross_entropy_grad[which],
+            (rows as u32, 1),
+            512,
+            &mut params,
+        )?;
+        Ok((loss, correct))
+    }
 }
 
 /// The arguments of `rotate_write_*`, in the kernel's order and C types.
@@ -624,7 +700,7 @@ mod tests {
         let nvrtc = nvrtc();
         let ptx = nvrtc.compile_ptx(SOURCE, 90).unwrap();
         let text = ptx.to_str().unwrap();
-        for stem in ["rotate_write", "silu_mul"] {
+        for stem in ["rotate_write", "silu_mul", "cross_entropy_grad"] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
                 assert!(text.contains(&entry), "no {entry} in the PTX");

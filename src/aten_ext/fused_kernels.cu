@@ -1,12 +1,14 @@
-// Fused kernels for the drafter's decoding steps, compiled at run time by NVRTC
+// Fused kernels for the drafter's decoding steps and its training loss, compiled at run time by NVRTC
 // (src/aten_ext/fused_kernels.cpp; the Rust side is src/aten_ext/fused.rs). A drafter step of a
-// small model is ~110 kernels of 1-4 us each: its cost is their number. Two fusions:
+// small model is ~110 kernels of 1-4 us each: its cost is their number. The fusions:
 //
 // rotate_write: after the fused q/k/v projection, the per-head q/k RMS norm (normalised, then
 //   times the weight), the rotary embedding (x * cos + rotate_half(x) * sin) of queries and
 //   keys, and the writes of keys and values to their cache rows: one kernel where libtorch runs
 //   seven (norm, weight product, cos product, roll, addcmul, two index_copy).
 // silu_mul: SwiGLU's silu(gate) * up over the fused [gate | up] product: one kernel for two.
+// cross_entropy_grad (training): the LM head's cross-entropy, argmax check and gradient of a
+//   chunk of logits in one kernel, in place, where libtorch runs about seven over the chunk.
 //
 // Each rounds where the libtorch operations it replaces round (every intermediate in the storage
 // type), so that a fused step computes what the unfused one does up to the order of the float
@@ -155,6 +157,161 @@ static __device__ void silu_mul(const typename P::T *__restrict__ both,
     }
 }
 
+// One thread's (then a block's) view of a row of logits: the running maximum `m` and the sum
+// `s` of exp(x - m) (the online softmax), and the first index `bi` of the largest value `bv`.
+#define NEG_INF __int_as_float(0xff800000)
+
+struct RowStat {
+    float m, s, bv;
+    long long bi;
+};
+
+// Whether (v, i) comes before (bv, bi) as torch.argmax picks: NaN counts as the largest, and
+// of equal values the first index wins.
+static __device__ __forceinline__ bool argmax_beats(float v, long long i, float bv, long long bi) {
+    if ((v != v)) {
+        return !(bv != bv) || i < bi;
+    }
+    if ((bv != bv)) {
+        return false;
+    }
+    return v > bv || (v == bv && i < bi);
+}
+
+static __device__ __forceinline__ void row_take(RowStat &a, float v, long long i) {
+    if (argmax_beats(v, i, a.bv, a.bi)) {
+        a.bv = v;
+        a.bi = i;
+    }
+    if (v > a.m) {
+        a.s = a.s * expf(a.m - v) + 1.0f;
+        a.m = v;
+    } else if (v != NEG_INF) {
+        a.s += expf(v - a.m);
+    }
+}
+
+static __device__ __forceinline__ void row_merge(RowStat &a, const RowStat &b) {
+    if (argmax_beats(b.bv, b.bi, a.bv, a.bi)) {
+        a.bv = b.bv;
+        a.bi = b.bi;
+    }
+    const float m = fmaxf(a.m, b.m);
+    if (m != NEG_INF) {
+        a.s = (a.s == 0.0f ? 0.0f : a.s * expf(a.m - m)) + (b.s == 0.0f ? 0.0f : b.s * expf(b.m - m));
+        a.m = m;
+    }
+}
+
+static __device__ __forceinline__ RowStat row_shfl(const RowStat &a, int offset) {
+    RowStat b;
+    b.m = __shfl_xor_sync(0xffffffffu, a.m, offset);
+    b.s = __shfl_xor_sync(0xffffffffu, a.s, offset);
+    b.bv = __shfl_xor_sync(0xffffffffu, a.bv, offset);
+    b.bi = __shfl_xor_sync(0xffffffffu, a.bi, offset);
+    return b;
+}
+
+// The block's RowStat, returned to every thread (blockDim.x a multiple of 32, at most 1024).
+static __device__ RowStat block_row_stat(RowStat a) {
+    __shared__ RowStat partial[32];
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        row_merge(a, row_shfl(a, offset));
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        partial[warp] = a;
+    }
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    if (lane < warps) {
+        a = partial[lane];
+    } else {
+        a.m = NEG_INF;
+        a.s = 0.0f;
+        a.bv = NEG_INF;
+        a.bi = 0x7fffffffffffffffLL;
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        row_merge(a, row_shfl(a, offset));
+    }
+    return a;
+}
+
+// The training loss of the LM head, one block per row of `logits` [rows, vocab] (dense):
+// cross-entropy against `labels` [rows] (int64; outside 0..vocab: ignored, loss and gradient 0),
+// computed in float32 as libtorch's log_softmax(dtype=float32) and nll_loss compute it, into
+// `loss` [rows]; whether the first argmax is the label into `correct` [rows] (1 or 0); and the
+// logits overwritten with the gradient of `scale[row] * loss[row]`: scale * (softmax - onehot),
+// rounded once to the storage type, as log_softmax's backward pass computes it. Two passes over
+// the row (the second from L2) where libtorch's kernels make about seven over the whole chunk.
+template <class P>
+static __device__ void cross_entropy_grad(typename P::T *__restrict__ logits, long long vocab,
+                                          const long long *__restrict__ labels,
+                                          const float *__restrict__ scale,
+                                          float *__restrict__ loss, float *__restrict__ correct) {
+    typedef typename P::T T;
+    const int VEC = 16 / sizeof(T);
+    __shared__ float shared_x_label;
+    const long long row = blockIdx.x;
+    T *x = logits + row * vocab;
+    const bool vectors =
+        vocab % VEC == 0 && (reinterpret_cast<unsigned long long>(x) & 15ULL) == 0;
+    RowStat st;
+    st.m = NEG_INF;
+    st.s = 0.0f;
+    st.bv = NEG_INF;
+    st.bi = 0x7fffffffffffffffLL;
+    if (vectors) {
+        const uint4 *xv = reinterpret_cast<const uint4 *>(x);
+        for (long long k = threadIdx.x; k < vocab / VEC; k += blockDim.x) {
+            uint4 u = xv[k];
+            const T *e = reinterpret_cast<const T *>(&u);
+            for (int t = 0; t < VEC; ++t) {
+                row_take(st, P::load(e[t]), k * VEC + t);
+            }
+        }
+    } else {
+        for (long long j = threadIdx.x; j < vocab; j += blockDim.x) {
+            row_take(st, P::load(x[j]), j);
+        }
+    }
+    const long long label = labels[row];
+    const bool counted = label >= 0 && label < vocab;
+    if (threadIdx.x == 0) {
+        shared_x_label = counted ? P::load(x[label]) : 0.0f;
+    }
+    st = block_row_stat(st);
+    // log_softmax = (x - max) - log(sum exp(x - max)), in float32
+    const float logsum = logf(st.s);
+    if (threadIdx.x == 0) {
+        loss[row] = counted ? -((shared_x_label - st.m) - logsum) : 0.0f;
+        correct[row] = counted && st.bi == label ? 1.0f : 0.0f;
+    }
+    // d loss / d x = grad_out - exp(log_softmax) * sum(grad_out), grad_out = -scale at the label
+    const float g_label = counted ? -scale[row] : 0.0f;
+    const float g_sum = g_label;
+    if (vectors) {
+        uint4 *xv = reinterpret_cast<uint4 *>(x);
+        for (long long k = threadIdx.x; k < vocab / VEC; k += blockDim.x) {
+            uint4 u = xv[k];
+            T *e = reinterpret_cast<T *>(&u);
+            for (int t = 0; t < VEC; ++t) {
+                const float lsm = (P::load(e[t]) - st.m) - logsum;
+                const float go = k * VEC + t == label ? g_label : 0.0f;
+                e[t] = P::store(go - expf(lsm) * g_sum);
+            }
+            xv[k] = u;
+        }
+    } else {
+        for (long long j = threadIdx.x; j < vocab; j += blockDim.x) {
+            const float lsm = (P::load(x[j]) - st.m) - logsum;
+            const float go = j == label ? g_label : 0.0f;
+            x[j] = P::store(go - expf(lsm) * g_sum);
+        }
+    }
+}
+
 #define DFLASH_FUSED_KERNELS(SUFFIX, P)                                                      \
     extern "C" __global__ void rotate_write_##SUFFIX(                                        \
         const P::T *y, int layers, int heads, int kv, int d, const P::T *q_norm,             \
@@ -167,6 +324,11 @@ static __device__ void silu_mul(const typename P::T *__restrict__ both,
     extern "C" __global__ void silu_mul_##SUFFIX(const P::T *both, P::T *out, long long n,  \
                                                  long long width) {                          \
         silu_mul<P>(both, out, n, width);                                                    \
+    }                                                                                        \
+    extern "C" __global__ void cross_entropy_grad_##SUFFIX(                                  \
+        P::T *logits, long long vocab, const long long *labels, const float *scale,          \
+        float *loss, float *correct) {                                                       \
+        cross_entropy_grad<P>(logits, vocab, labels, scale, loss, correct);                  \
     }
 
 DFLASH_FUSED_KERNELS(bf16, Bf16)

@@ -236,6 +236,10 @@ pub struct TrainSection {
     /// "dense" (every block against all block keys, the straightforward reference). Default
     /// "chunked".
     pub attention: crate::model::drafter::TrainAttention,
+    /// The LM head's training loss (cross-entropy, argmax check and gradient of each chunk of
+    /// logits) in one kernel compiled at run time, on a GPU where it loads; false: libtorch's
+    /// operations (the same numbers up to the order of float sums). Default true.
+    pub fused_loss: bool,
 }
 
 impl Default for TrainSection {
@@ -258,6 +262,7 @@ impl Default for TrainSection {
             kl_temperature: 1.0,
             attention: crate::model::drafter::TrainAttention::AUTO,
             streak_alpha: 0.0,
+            fused_loss: true,
         }
     }
 }

@@ -45,6 +45,7 @@ const FREE_FIELDS: &[&str] = &[
     "run.name",
     "run.runs_dir",
     "train.attention",
+    "train.fused_loss",
     "devices.target_devices",
     "devices.grad_sync",
 ];

@@ -14,6 +14,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind, Reduction, Tensor};
 
+use crate::aten_ext::fused::FusedKernels;
 use crate::model::layers::upload;
 
 /// Anchors of a batch: [B, N] positions and validity, N = the largest count of any row.
@@ -122,13 +123,17 @@ pub fn block_targets(
 }
 
 /// Loss options.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct LossOptions {
     pub kl_weight: f64,
     pub kl_temperature: f64,
     pub streak_alpha: f64,
     /// Rows of LM-head output computed at once.
     pub chunk_rows: i64,
+    /// The fused kernels of the hidden states' device: with them the cross-entropy, its
+    /// gradient and the argmax check of a chunk of logits are one kernel (soft labels keep
+    /// libtorch's operations); `None`: libtorch's operations.
+    pub kernels: Option<FusedKernels>,
 }
 
 impl LossOptions {
@@ -310,10 +315,26 @@ pub fn loss_and_backward_deferred(
         teacher: picked.teacher.as_ref(),
         opts,
     };
-    let pass = lm_head_backward(&picked, &head, &weights, &norm.grad_factor, chunk, device);
-    let grad = pass.hd.grad();
+    let fused = opts
+        .kernels
+        .filter(|k| k.device() == device && (picked.teacher.is_none() || opts.kl_weight <= 0.0));
+    let pass = match fused.map(|k| lm_head_fused(&picked, lm_head, &weights, &norm, chunk, &k)) {
+        Some(Ok(pass)) => pass,
+        Some(Err(e)) => {
+            log::warn!("the fused loss kernel failed ({e:#}); libtorch's operations instead");
+            lm_head_backward(&picked, &head, &weights, &norm.grad_factor, chunk, device)
+        }
+        None => lm_head_backward(&picked, &head, &weights, &norm.grad_factor, chunk, device),
+    };
     let selected = picked.selected;
-    let pending = grad.defined().then(|| PendingBackward { selected, grad });
+    let pending = pass
+        .grad
+        .as_ref()
+        .filter(|g| g.defined())
+        .map(|g| PendingBackward {
+            selected,
+            grad: g.shallow_clone(),
+        });
     let sums = pass.metric_sums(&norm, blocks, block, device);
     (sums, pending)
 }
@@ -504,8 +525,8 @@ impl Normalisation {
 
 /// The LM head's forward and backward pass, chunk by chunk, and what the metrics need of it.
 struct LmHeadPass {
-    /// Detached copy of the rows' hidden states; its gradient is the one into the drafter.
-    hd: Tensor,
+    /// The gradient of the rows' hidden states [m, H], the one into the drafter.
+    grad: Option<Tensor>,
     /// sum of w * loss (streak weights included)
     loss_sum: Tensor,
     /// sum of base w * correct
@@ -542,11 +563,59 @@ fn lm_head_backward(
         s += len;
     }
     LmHeadPass {
-        hd,
+        grad: Some(hd.grad()),
         loss_sum,
         weighted_correct,
         correct: correct_all,
     }
+}
+
+/// [`lm_head_backward`] with the fused kernel: per chunk the logits (one matrix product), then
+/// the loss, the argmax check and the logits' gradient in one kernel (in place), then the
+/// gradient of the chunk's hidden states (one matrix product into its rows of the result). The
+/// same numbers as libtorch's operations up to the order of float sums, without the
+/// full-vocabulary float32 tensors of log-softmax and its backward pass.
+fn lm_head_fused(
+    picked: &PickedRows,
+    lm_head: &Tensor,
+    weights: &Tensor,
+    norm: &Normalisation,
+    chunk: i64,
+    kernels: &FusedKernels,
+) -> anyhow::Result<LmHeadPass> {
+    let m = picked.m;
+    let hd = picked.selected.detach();
+    let device = hd.device();
+    let grad = Tensor::empty([m, hd.size()[1]], (hd.kind(), device));
+    let scale = (weights * &norm.grad_factor).to_kind(Kind::Float);
+    let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
+    let mut weighted_correct = Tensor::zeros([], (Kind::Float, device));
+    let mut correct_all = Vec::new();
+    let mut s = 0;
+    tch::no_grad(|| -> anyhow::Result<()> {
+        while s < m {
+            let len = chunk.min(m - s);
+            let logits = hd.narrow(0, s, len).linear::<&Tensor>(lm_head, None);
+            let (loss, correct) = kernels.cross_entropy_grad(
+                &logits,
+                &picked.labels.narrow(0, s, len),
+                &scale.narrow(0, s, len),
+            )?;
+            // the logits now hold their gradient
+            let _rows_written = logits.f_mm_out(&grad.narrow(0, s, len), lm_head)?;
+            loss_sum += (&loss * weights.narrow(0, s, len)).sum(Kind::Float);
+            weighted_correct += (&correct * picked.base_w.narrow(0, s, len)).sum(Kind::Float);
+            correct_all.push(correct);
+            s += len;
+        }
+        Ok(())
+    })?;
+    Ok(LmHeadPass {
+        grad: Some(grad),
+        loss_sum,
+        weighted_correct,
+        correct: correct_all,
+    })
 }
 
 impl LmHeadPass {

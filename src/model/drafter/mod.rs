@@ -21,6 +21,7 @@ use super::drafter_config::DrafterConfig;
 use super::layers::{attention, rms_norm, upload, AttentionWeights, DecoderLayer, Mlp, Rope};
 use super::target::TargetModel;
 use super::weights::WeightFiles;
+use crate::aten_ext::fused::FusedKernels;
 use crate::fsutil::StagedDir;
 
 /// The target's frozen input embedding and LM head, on the drafter's device.
@@ -28,6 +29,9 @@ use crate::fsutil::StagedDir;
 pub struct FrozenHead {
     pub embed_tokens: Tensor,
     pub lm_head: Tensor,
+    /// The fused kernels of that device, for the training loss through the LM head (`None`:
+    /// libtorch's operations).
+    pub loss_kernels: Option<FusedKernels>,
 }
 
 impl FrozenHead {
@@ -37,7 +41,14 @@ impl FrozenHead {
         FrozenHead {
             embed_tokens: take(target.embed_tokens()),
             lm_head: take(target.lm_head()),
+            loss_kernels: None,
         }
+    }
+
+    /// The same head, its training loss computed with `kernels` (when on its device).
+    pub fn with_loss_kernels(mut self, kernels: Option<FusedKernels>) -> Self {
+        self.loss_kernels = kernels.filter(|k| k.device() == self.lm_head.device());
+        self
     }
 }
 

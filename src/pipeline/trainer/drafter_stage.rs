@@ -94,6 +94,7 @@ pub(crate) fn train_on_item(
         kl_temperature: cfg.train.kl_temperature,
         streak_alpha: cfg.train.streak_alpha,
         chunk_rows: LossOptions::chunk_rows_for_vocab(head.lm_head.size()[0]),
+        kernels: head.loss_kernels,
     };
     let b = &item.batch;
     let (plan, targets) = profile.time(Event::DRAFTER_ANCHORS, || {

@@ -141,7 +141,10 @@ pub(crate) fn prepare(
     }
     let heads = drafter_devices
         .iter()
-        .map(|&d| FrozenHead::from_target(&targets[0], d, drafter_kind))
+        .map(|&d| {
+            FrozenHead::from_target(&targets[0], d, drafter_kind)
+                .with_loss_kernels(runtime.fused_kernels(config.train.fused_loss, d))
+        })
         .collect();
     let dev = drafter_devices[0];
     let held_out = HeldOut::prepare(
