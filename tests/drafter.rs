@@ -616,6 +616,8 @@ fn chunked_attention_matches_dense_logits_and_gradients() {
         (2, &[20, 17, 6], 16, &[3, 16, 0], true),
         // C larger than N: one chunk
         (4, &[10], 3, &[8], true),
+        // a long context (bucketed to 640): the calls of early chunks read only its start
+        (4, &[600, 420], 40, &[2, 4, 0], false),
     ];
     for (i, &(block, lengths, num_anchors, sizes, zero)) in cases.iter().enumerate() {
         let f = fixture_with(block);

@@ -6,7 +6,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::attention::context_bucket;
 use super::{AnchorBatch, Drafter, FrozenHead, TrainAttention};
-use crate::model::layers::attention_with_bias;
+use crate::model::layers::{attention_with_bias, upload};
 
 /// Chunks per fused attention call of the chunked training attention: a fixed batch size, so
 /// that a call's shape depends only on the bucketed context length.
@@ -22,19 +22,34 @@ pub(super) enum BlockAttention<'a> {
 }
 
 /// The layout shared by every layer of one chunked training forward.
+///
+/// The chunks of the batch are ordered chunk-major (entry `k * B + r` is chunk k of sequence r)
+/// and go through fused calls of [`CHUNKS_PER_CALL`] entries each, so that a call holds the
+/// same chunk of several sequences: its queries see the context only up to their chunk's
+/// last anchor, and its keys stop there (bucketed), instead of running over the whole context.
+/// With anchors spread evenly over a sequence, the k-th of K chunks needs (k + 1) / K of it.
 pub(super) struct ChunkPlan {
     /// Chunks per sequence (K).
     pub(super) chunks: i64,
     /// Query rows per chunk (C * block).
     pub(super) rows: i64,
-    /// Additive mask [batch * K, 1, rows, S + rows] of the compute kind: 0 where visible,
-    /// -inf elsewhere (what the fused kernels turn a boolean mask into); its rows are
-    /// padded in memory to a multiple of 16 elements so that the memory-efficient kernel
-    /// takes it without a copy. Built once, shared by every layer (and saved once for the
-    /// backward pass instead of once per layer).
-    pub(super) bias: Tensor,
+    /// The fused calls, in entry order.
+    pub(super) calls: Vec<ChunkCall>,
     /// Whether grouped-query heads must be expanded for a fused kernel to take the call.
     pub(super) expand_kv: std::cell::Cell<Option<bool>>,
+}
+
+/// One fused call of the chunked training attention: [`CHUNKS_PER_CALL`] entries.
+pub(super) struct ChunkCall {
+    /// Context positions its keys cover (bucketed, so that the calls' shapes repeat).
+    pub(super) context: i64,
+    /// The sequence of each entry [CHUNKS_PER_CALL] (int64, on the device).
+    pub(super) seqs: Tensor,
+    /// Additive mask [CHUNKS_PER_CALL, 1, rows, context + rows] of the compute kind: 0 where
+    /// visible, -inf elsewhere (what the fused kernels turn a boolean mask into); its rows are
+    /// padded in memory to a multiple of 16 elements so that the memory-efficient kernel takes
+    /// it without a copy. Built once, shared by every layer.
+    pub(super) bias: Tensor,
 }
 
 impl Drafter {
@@ -60,12 +75,13 @@ impl Drafter {
                 .train_attention
                 .blocks_per_chunk(bs, len, c.num_attention_heads, c.num_key_value_heads)
                 .unwrap_or(1);
-            // one sequence, one call's worth of chunks, every block at anchor 0
+            // one sequence, one call's worth of chunks, every block at the last position (so
+            // that the call reads the whole context: the shape of the calls that read `len`)
             let n = cpc * CHUNKS_PER_CALL;
             let features = Tensor::zeros([1, len, self.fc.size()[1]], (self.kind, dev));
             let batch = AnchorBatch {
                 input_ids: Tensor::zeros([1, len], (Kind::Int64, Device::Cpu)),
-                anchors: Tensor::zeros([1, n], (Kind::Int64, Device::Cpu)),
+                anchors: Tensor::full([1, n], len - 1, (Kind::Int64, Device::Cpu)),
                 valid: Tensor::ones([1, n], (Kind::Bool, Device::Cpu)),
             };
             self.forward_train(head, &features, &batch)
@@ -83,11 +99,18 @@ impl Drafter {
         warmed
     }
 
-    /// The chunk layout and the additive mask of a chunked training forward: `anchors` [B, N]
-    /// on the device, `s` context positions, `per_chunk` blocks per chunk. The chunks per
-    /// sequence are rounded up so that the batch's chunks fill whole fused calls of
+    /// The chunk layout and the additive masks of a chunked training forward: `anchors` [B, N]
+    /// on the device and `host_anchors` the same on the host (they set how much context each
+    /// call reads; empty: all of it), `s` context positions, `per_chunk` blocks per chunk. The
+    /// chunks per sequence are rounded up so that the batch's chunks fill whole fused calls of
     /// [`CHUNKS_PER_CALL`].
-    pub(super) fn chunk_plan(&self, anchors: &Tensor, s: i64, per_chunk: i64) -> ChunkPlan {
+    pub(super) fn chunk_plan(
+        &self,
+        anchors: &Tensor,
+        host_anchors: &[i64],
+        s: i64,
+        per_chunk: i64,
+    ) -> ChunkPlan {
         let bs = self.config.block_size;
         let dev = self.device;
         let (b, n) = anchors.size2().unwrap_or((0, 0));
@@ -103,34 +126,88 @@ impl Drafter {
         } else {
             anchors.shallow_clone()
         };
-        let query_anchor = anchors
-            .reshape([b * chunks, cpc, 1])
-            .expand([b * chunks, cpc, bs], false)
-            .reshape([b * chunks, rows]);
-        let sees_ctx = Tensor::arange(s, (Kind::Int64, dev))
-            .view([1, 1, s])
-            .lt_tensor(&query_anchor.unsqueeze(-1)); // [B*K, rows, S]
+        // [K * B, rows]: each entry's query anchors, chunk-major
+        let entry_anchor = anchors
+            .reshape([b, chunks, cpc])
+            .transpose(0, 1)
+            .reshape([chunks * b, cpc, 1])
+            .expand([chunks * b, cpc, bs], false)
+            .reshape([chunks * b, rows]);
         let block_of = Tensor::arange(rows, (Kind::Int64, dev)).divide_scalar_mode(bs, "floor");
         let sees_block = block_of
             .unsqueeze(1)
             .eq_tensor(&block_of.unsqueeze(0))
             .unsqueeze(0)
-            .expand([b * chunks, rows, rows], false);
-        let hidden = Tensor::cat(&[sees_ctx, sees_block], -1)
-            .logical_not()
-            .unsqueeze(1); // [B*K, 1, rows, S + rows]
-        let keys = s + rows;
-        let padded = (keys + 15) / 16 * 16;
-        let mut bias =
-            Tensor::zeros([b * chunks, 1, rows, padded], (self.kind, dev)).narrow(3, 0, keys);
-        let _ = bias.masked_fill_(&hidden, f64::NEG_INFINITY);
+            .expand([CHUNKS_PER_CALL, rows, rows], false);
+        let calls = call_layout(host_anchors, b, n, cpc, chunks, s)
+            .into_iter()
+            .enumerate()
+            .map(|(call, (context, seqs))| {
+                let query_anchor =
+                    entry_anchor.narrow(0, call as i64 * CHUNKS_PER_CALL, CHUNKS_PER_CALL);
+                let sees_ctx = Tensor::arange(context, (Kind::Int64, dev))
+                    .view([1, 1, context])
+                    .lt_tensor(&query_anchor.unsqueeze(-1)); // [calls, rows, context]
+                let hidden = Tensor::cat(&[sees_ctx, sees_block.shallow_clone()], -1)
+                    .logical_not()
+                    .unsqueeze(1); // [calls, 1, rows, context + rows]
+                let keys = context + rows;
+                let padded = (keys + 15) / 16 * 16;
+                let mut bias = Tensor::zeros([CHUNKS_PER_CALL, 1, rows, padded], (self.kind, dev))
+                    .narrow(3, 0, keys);
+                let _ = bias.masked_fill_(&hidden, f64::NEG_INFINITY);
+                ChunkCall {
+                    context,
+                    seqs: upload(&Tensor::from_slice(&seqs), dev),
+                    bias,
+                }
+            })
+            .collect();
         ChunkPlan {
             chunks,
             rows,
-            bias,
+            calls,
             expand_kv: std::cell::Cell::new(None),
         }
     }
+}
+
+/// Per fused call of a chunked forward (`b` sequences of `n` anchors, `cpc` blocks per chunk,
+/// `chunks` chunks per sequence, entries chunk-major): the context positions it reads and the
+/// sequence of each of its entries. A call reads the context up to the last anchor of its
+/// chunks (a query at anchor a sees positions p < a), bucketed by [`context_bucket`] and at
+/// most `s`; all of it when `host_anchors` does not hold the b * n anchors.
+fn call_layout(
+    host_anchors: &[i64],
+    b: i64,
+    n: i64,
+    cpc: i64,
+    chunks: i64,
+    s: i64,
+) -> Vec<(i64, Vec<i64>)> {
+    let known = host_anchors.len() as i64 == b * n;
+    (0..chunks * b / CHUNKS_PER_CALL)
+        .map(|call| {
+            let entries: Vec<(i64, i64)> = (call * CHUNKS_PER_CALL..(call + 1) * CHUNKS_PER_CALL)
+                .map(|e| (e / b, e % b))
+                .collect();
+            let last = entries
+                .iter()
+                .flat_map(|&(k, r)| {
+                    (k * cpc..((k + 1) * cpc).min(n))
+                        .filter_map(move |j| host_anchors.get((r * n + j) as usize))
+                })
+                .copied()
+                .max()
+                .unwrap_or(0);
+            let context = if known {
+                context_bucket(last.max(1)).min(s)
+            } else {
+                s
+            };
+            (context, entries.iter().map(|&(_, r)| r).collect())
+        })
+        .collect()
 }
 
 /// The dense training mask [B, 1, N*bs, S + N*bs] (true = visible): block j's queries see
@@ -156,9 +233,9 @@ pub(super) fn dense_block_mask(anchors: &Tensor, s: i64, bs: i64) -> Tensor {
 
 /// Chunked block attention of one layer. `q` [B, heads, N*bs, d] (block queries, rotated),
 /// `ctx` keys/values [B, kv_heads, S, d], `block` keys/values [B, kv_heads, N*bs, d]. Each
-/// chunk of `plan.rows` consecutive query rows attends over [context; its own rows' keys]
-/// with `plan.bias`; all chunks of the batch go through one fused call along the batch axis.
-/// Returns the attention output as rows [B, N*bs, heads * d] (before `o_proj`).
+/// chunk of `plan.rows` consecutive query rows attends over [the context its call covers; its
+/// own rows' keys] with the call's mask; the chunks go through the plan's fused calls along the
+/// batch axis. Returns the attention output as rows [B, N*bs, heads * d] (before `o_proj`).
 pub(super) fn chunked_attention(
     q: &Tensor,
     ctx: (&Tensor, &Tensor),
@@ -166,11 +243,13 @@ pub(super) fn chunked_attention(
     plan: &ChunkPlan,
 ) -> Tensor {
     let (b, heads, len, d) = q.size4().unwrap_or((0, 0, 0, 0));
-    let (kv_heads, s) = (ctx.0.size()[1], ctx.0.size()[2]);
+    let kv_heads = ctx.0.size()[1];
     let (chunks, rows) = (plan.chunks, plan.rows);
     let pad = chunks * rows - len;
-    // [B, h, L, d] -> [B, K, rows, h, d] (token-major, the layout the fused kernels read best)
-    let by_chunk = |x: &Tensor, h: i64| {
+    // [B, h, L, d] -> [K * B, rows, h, d]: chunk-major entries, token-major (the layout the
+    // fused kernels read best), cut into the calls' entries (one split: its backward pass is
+    // one concatenation, where a narrow per call would fill and add a whole-batch gradient)
+    let by_entry = |x: &Tensor, h: i64| {
         let x = x.transpose(1, 2);
         let x = if pad > 0 {
             x.constant_pad_nd([0, 0, 0, 0, 0, pad])
@@ -178,60 +257,55 @@ pub(super) fn chunked_attention(
             x
         };
         x.reshape([b, chunks, rows, h, d])
+            .transpose(0, 1)
+            .reshape([chunks * b, rows, h, d])
+            .split(CHUNKS_PER_CALL, 0)
     };
-    let q = by_chunk(q, heads)
-        .view([b * chunks, rows, heads, d])
-        .transpose(1, 2);
-    // [context; the chunk's own keys]: the context is copied once per chunk (the kernels take
-    // one key tensor per batch entry).
-    let keys = |c: &Tensor, x: &Tensor| {
-        let c = c
-            .transpose(1, 2)
-            .unsqueeze(1)
-            .expand([b, chunks, s, kv_heads, d], false);
-        Tensor::cat(&[c, by_chunk(x, kv_heads)], 2)
-            .view([b * chunks, s + rows, kv_heads, d])
-            .transpose(1, 2)
-    };
-    let k = keys(ctx.0, block.0);
-    let v = keys(ctx.1, block.1);
-    let expand = match plan.expand_kv.get() {
-        Some(e) => e,
-        None => {
-            let e = must_expand_kv(&q, &k, &v, &plan.bias);
-            plan.expand_kv.set(Some(e));
-            e
-        }
-    };
-    let (k, v) = if expand {
-        let g = heads / kv_heads;
-        (
-            k.repeat_interleave_self_int(g, 1, None),
-            v.repeat_interleave_self_int(g, 1, None),
-        )
-    } else {
-        (k, v)
-    };
-    // [B*K, heads, rows, d], in calls of CHUNKS_PER_CALL chunks (B*K is a multiple of it)
-    let calls = (b * chunks / CHUNKS_PER_CALL).max(1);
-    let per_call = b * chunks / calls;
-    let o = if calls == 1 {
-        attention_with_bias(&q, &k, &v, &plan.bias)
-    } else {
-        let part = |t: &Tensor, i: i64| t.narrow(0, i * per_call, per_call);
-        let parts: Vec<Tensor> = (0..calls)
-            .map(|i| {
-                attention_with_bias(
-                    &part(&q, i),
-                    &part(&k, i),
-                    &part(&v, i),
-                    &part(&plan.bias, i),
+    let (qs, kb, vb) = (
+        by_entry(q, heads),
+        by_entry(block.0, kv_heads),
+        by_entry(block.1, kv_heads),
+    );
+    // token-major context [B, S, kv_heads, d]
+    let (ck, cv) = (ctx.0.transpose(1, 2), ctx.1.transpose(1, 2));
+    let parts: Vec<Tensor> = plan
+        .calls
+        .iter()
+        .enumerate()
+        .map(|(i, call)| {
+            let q = qs[i].transpose(1, 2);
+            // [the call's context; its chunks' own keys], [calls, kv_heads, context + rows, d]
+            let keys = |c: &Tensor, own: &Tensor| {
+                let c = c.narrow(1, 0, call.context).index_select(0, &call.seqs);
+                Tensor::cat(&[c, own.shallow_clone()], 1).transpose(1, 2)
+            };
+            let (k, v) = (keys(&ck, &kb[i]), keys(&cv, &vb[i]));
+            let expand = match plan.expand_kv.get() {
+                Some(e) => e,
+                None => {
+                    let e = must_expand_kv(&q, &k, &v, &call.bias);
+                    plan.expand_kv.set(Some(e));
+                    e
+                }
+            };
+            let (k, v) = if expand {
+                let g = heads / kv_heads;
+                (
+                    k.repeat_interleave_self_int(g, 1, None),
+                    v.repeat_interleave_self_int(g, 1, None),
                 )
-            })
-            .collect();
-        Tensor::cat(&parts, 0)
-    };
-    let o = o.transpose(1, 2).reshape([b, chunks * rows, heads * d]);
+            } else {
+                (k, v)
+            };
+            attention_with_bias(&q, &k, &v, &call.bias)
+        })
+        .collect();
+    // [K * B, heads, rows, d] -> [B, K * rows, heads * d]
+    let o = Tensor::cat(&parts, 0)
+        .transpose(1, 2)
+        .reshape([chunks, b, rows, heads * d])
+        .transpose(0, 1)
+        .reshape([b, chunks * rows, heads * d]);
     if pad > 0 {
         o.narrow(1, 0, len)
     } else {
@@ -271,5 +345,36 @@ fn gcd(a: i64, b: i64) -> i64 {
         a
     } else {
         gcd(b, a % b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_reads_the_context_up_to_its_last_anchor() {
+        // two sequences of 40 anchors 15 apart (0..=585), 4 blocks per chunk: 10 chunks, 12
+        // with the padding to whole calls of 8 entries (chunk-major: chunks 0-3 of both
+        // sequences, then 4-7, then 8-11)
+        let anchors: Vec<i64> = (0..2).flat_map(|_| (0..40).map(|j| j * 15)).collect();
+        let layout = call_layout(&anchors, 2, 40, 4, 12, 640);
+        let contexts: Vec<i64> = layout.iter().map(|(c, _)| *c).collect();
+        // last anchors 225, 465, 585 -> buckets 256, 512, 640
+        assert_eq!(contexts, vec![256, 512, 640]);
+        assert!(layout
+            .iter()
+            .all(|(_, seqs)| seqs == &[0, 1, 0, 1, 0, 1, 0, 1]));
+        // one sequence whose anchors all lie early: every call reads little
+        let early: Vec<i64> = (0..16).collect();
+        assert_eq!(
+            call_layout(&early, 1, 16, 2, 8, 2048),
+            vec![(128, vec![0; 8])]
+        );
+        // anchors not known on the host: the whole context
+        assert_eq!(
+            call_layout(&[], 1, 16, 2, 8, 2048),
+            vec![(2048, vec![0; 8])]
+        );
     }
 }

@@ -481,7 +481,15 @@ impl Drafter {
         let plan;
         let attn = match per_chunk {
             Some(cpc) if chunked => {
-                plan = self.chunk_plan(&anchors, s_ctx, cpc);
+                let host_anchors = Vec::<i64>::try_from(
+                    batch
+                        .anchors
+                        .to_device(Device::Cpu)
+                        .to_kind(Kind::Int64)
+                        .reshape([-1]),
+                )
+                .unwrap_or_default();
+                plan = self.chunk_plan(&anchors, &host_anchors, s_ctx, cpc);
                 BlockAttention::Chunked(&plan)
             }
             _ => {
