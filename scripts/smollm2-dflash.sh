@@ -14,7 +14,8 @@
 #        at learning rate LR (default: the config's), with SET="section.field=value ..."
 #        (further settings of a new run); the validation pass every
 #        validation.every_steps keeps the best drafter in run/best. A second call on the same
-#        machine resumes the run; on a fresh machine with a previous stage's drafter carried
+#        machine resumes the run (STEPS then stretches its schedule to that many steps, e.g.
+#        when the first call ended early); on a fresh machine with a previous stage's drafter carried
 #        in (drafter.safetensors.* + drafter-config.json) a new run starts from it
 #        (SET="model.drafter_added_layers=3": with three more layers, starting as the identity).
 # ablate one run of an equal budget (TRAIN_S seconds, STEPS steps) on the first ROWS training
@@ -148,6 +149,8 @@ train)
   args=(--config "$CONFIG" --no-tui --set model.target="$W/smol" --set data.path="$W/regen")
   if [ -e "$W/run/checkpoints/latest" ]; then
     args=(--resume "$W/run" --no-tui)
+    # STEPS on a resume: the run's schedule stretched (or cut) to that many steps
+    [ -n "${STEPS:-}" ] && args+=(--allow-schedule-change --set train.total_steps="$STEPS")
   else
     args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-4000}" ${LR:+--set train.lr=$LR})
     # SET="section.field=value ...": further settings of the new run

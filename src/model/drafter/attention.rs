@@ -15,12 +15,14 @@ use anyhow::{bail, Result};
 ///   keys are visible to a query, so for large N the block-block part (N*B x N*B) dominates
 ///   the cost. Kept as the reference.
 /// - `Chunked`: the N (sorted) blocks of a sequence are cut into chunks of consecutive blocks;
-///   each chunk's queries attend over [context (S); the chunk's own block keys] only, every
-///   chunk of the batch in one fused call (chunks along the batch axis). Cost per query:
-///   S + C*B keys instead of S + N*B. The context keys and values are copied once per chunk
-///   (N/C copies). `blocks_per_chunk` is C; 0 chooses it from S (see
-///   [`TrainAttention::blocks_per_chunk`]). The context is padded to a bucketed length and
-///   the chunks go through fused calls of a fixed size, so that the calls' shapes repeat.
+///   each chunk's queries attend over [context; the chunk's own block keys] only, the chunks
+///   of the batch in fused calls of a fixed number of chunks (along the batch axis), each call
+///   holding the same chunk of several sequences and reading the context only up to its
+///   chunks' last anchor. Cost per query: at most S + C*B keys instead of S + N*B (about half
+///   the context on average). The context keys and values are copied once per chunk (N/C
+///   copies). `blocks_per_chunk` is C; 0 chooses it from S (see
+///   [`TrainAttention::blocks_per_chunk`]). The context lengths are bucketed, so that the
+///   calls' shapes repeat.
 ///
 /// Text form (for configs): `dense`, `chunked` (automatic chunk size), `chunked:C`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
