@@ -235,7 +235,9 @@ impl FusedKernelLoader {
         match self.load(device) {
             Ok(kernels) => Some(kernels),
             Err(e) => {
-                log::warn!("fused kernels unavailable on {device:?}, decoding without: {e:#}");
+                log::warn!(
+                    "fused kernels unavailable on {device:?}, libtorch's operations instead: {e:#}"
+                );
                 None
             }
         }
