@@ -244,6 +244,11 @@ impl FusedKernelLoader {
     }
 }
 
+/// A pointer to one kernel argument, as `cuLaunchKernel` takes them (valid while `x` is).
+fn arg<T>(x: &mut T) -> *mut c_void {
+    (x as *mut T).cast()
+}
+
 /// The storage types the kernels exist for, in the order of the function arrays.
 fn kind_index(kind: Kind) -> Option<usize> {
     match kind {
@@ -553,10 +558,10 @@ impl FusedKernels {
         let (mut both_ptr, mut out_ptr, mut rows, mut w) =
             (both.data_ptr(), out.data_ptr(), n, width);
         let mut params = [
-            (&mut both_ptr as *mut *mut c_void).cast::<c_void>(),
-            (&mut out_ptr as *mut *mut c_void).cast::<c_void>(),
-            (&mut rows as *mut i64).cast::<c_void>(),
-            (&mut w as *mut i64).cast::<c_void>(),
+            arg(&mut both_ptr),
+            arg(&mut out_ptr),
+            arg(&mut rows),
+            arg(&mut w),
         ];
         let threads = 256u32;
         let blocks = ((n * width + 255) / 256).clamp(1, 65_535) as u32;
@@ -611,16 +616,13 @@ impl FusedKernels {
             loss.data_ptr(),
             correct.data_ptr(),
         );
-        fn p<T>(x: &mut T) -> *mut c_void {
-            (x as *mut T).cast()
-        }
         let mut params = [
-            p(&mut x),
-            p(&mut v),
-            p(&mut lab),
-            p(&mut sc),
-            p(&mut lo),
-            p(&mut co),
+            arg(&mut x),
+            arg(&mut v),
+            arg(&mut lab),
+            arg(&mut sc),
+            arg(&mut lo),
+            arg(&mut co),
         ];
         self.launch(
             self.cross_entropy_grad[which],
@@ -654,25 +656,22 @@ struct RotateWriteArgs {
 impl RotateWriteArgs {
     /// Pointers to each argument, for `cuLaunchKernel` (valid while `self` is).
     fn pointers(&mut self) -> [*mut c_void; 15] {
-        fn p<T>(x: &mut T) -> *mut c_void {
-            (x as *mut T).cast()
-        }
         [
-            p(&mut self.y),
-            p(&mut self.layers),
-            p(&mut self.heads),
-            p(&mut self.kv),
-            p(&mut self.d),
-            p(&mut self.q_norm),
-            p(&mut self.k_norm),
-            p(&mut self.eps),
-            p(&mut self.cos),
-            p(&mut self.sin),
-            p(&mut self.rows),
-            p(&mut self.q_out),
-            p(&mut self.k_cache),
-            p(&mut self.v_cache),
-            p(&mut self.layer_stride),
+            arg(&mut self.y),
+            arg(&mut self.layers),
+            arg(&mut self.heads),
+            arg(&mut self.kv),
+            arg(&mut self.d),
+            arg(&mut self.q_norm),
+            arg(&mut self.k_norm),
+            arg(&mut self.eps),
+            arg(&mut self.cos),
+            arg(&mut self.sin),
+            arg(&mut self.rows),
+            arg(&mut self.q_out),
+            arg(&mut self.k_cache),
+            arg(&mut self.v_cache),
+            arg(&mut self.layer_stride),
         ]
     }
 }

@@ -317,24 +317,22 @@ pub fn loss_and_backward_deferred(
     };
     let fused = opts
         .kernels
-        .filter(|k| k.device() == device && (picked.teacher.is_none() || opts.kl_weight <= 0.0));
-    let pass = match fused.map(|k| lm_head_fused(&picked, lm_head, &weights, &norm, chunk, &k)) {
-        Some(Ok(pass)) => pass,
-        Some(Err(e)) => {
-            log::warn!("the fused loss kernel failed ({e:#}); libtorch's operations instead");
-            lm_head_backward(&picked, &head, &weights, &norm.grad_factor, chunk, device)
-        }
-        None => lm_head_backward(&picked, &head, &weights, &norm.grad_factor, chunk, device),
-    };
-    let selected = picked.selected;
-    let pending = pass
-        .grad
-        .as_ref()
-        .filter(|g| g.defined())
-        .map(|g| PendingBackward {
-            selected,
-            grad: g.shallow_clone(),
+        .filter(|k| k.device() == device && (picked.teacher.is_none() || opts.kl_weight <= 0.0))
+        .and_then(|k| {
+            lm_head_fused(&picked, lm_head, &weights, &norm, chunk, &k)
+                .map_err(|e| {
+                    log::warn!(
+                        "the fused loss kernel failed ({e:#}); libtorch's operations instead"
+                    )
+                })
+                .ok()
         });
+    let pass = fused.unwrap_or_else(|| {
+        lm_head_backward(&picked, &head, &weights, &norm.grad_factor, chunk, device)
+    });
+    let selected = picked.selected;
+    let grad = pass.grad.shallow_clone();
+    let pending = grad.defined().then(|| PendingBackward { selected, grad });
     let sums = pass.metric_sums(&norm, blocks, block, device);
     (sums, pending)
 }
@@ -526,7 +524,7 @@ impl Normalisation {
 /// The LM head's forward and backward pass, chunk by chunk, and what the metrics need of it.
 struct LmHeadPass {
     /// The gradient of the rows' hidden states [m, H], the one into the drafter.
-    grad: Option<Tensor>,
+    grad: Tensor,
     /// sum of w * loss (streak weights included)
     loss_sum: Tensor,
     /// sum of base w * correct
@@ -547,9 +545,7 @@ fn lm_head_backward(
 ) -> LmHeadPass {
     let m = picked.m;
     let hd = picked.selected.detach().set_requires_grad(true);
-    let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
-    let mut weighted_correct = Tensor::zeros([], (Kind::Float, device));
-    let mut correct_all = Vec::new();
+    let mut pass = LmHeadPass::start(device);
     let mut s = 0;
     while s < m {
         let len = chunk.min(m - s);
@@ -557,17 +553,11 @@ fn lm_head_backward(
         let w = weights.narrow(0, s, len);
         let part = (&loss * &w).sum(Kind::Float);
         (&part * grad_factor).backward();
-        loss_sum += part.detach();
-        weighted_correct += (&correct * picked.base_w.narrow(0, s, len)).sum(Kind::Float);
-        correct_all.push(correct);
+        pass.add_chunk(part.detach(), correct, &picked.base_w, s);
         s += len;
     }
-    LmHeadPass {
-        grad: Some(hd.grad()),
-        loss_sum,
-        weighted_correct,
-        correct: correct_all,
-    }
+    pass.grad = hd.grad();
+    pass
 }
 
 /// [`lm_head_backward`] with the fused kernel: per chunk the logits (one matrix product), then
@@ -585,14 +575,11 @@ fn lm_head_fused(
 ) -> anyhow::Result<LmHeadPass> {
     let m = picked.m;
     let hd = picked.selected.detach();
-    let device = hd.device();
-    let grad = Tensor::empty([m, hd.size()[1]], (hd.kind(), device));
+    let mut pass = LmHeadPass::start(hd.device());
+    pass.grad = Tensor::empty([m, hd.size()[1]], (hd.kind(), hd.device()));
     let scale = (weights * &norm.grad_factor).to_kind(Kind::Float);
-    let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
-    let mut weighted_correct = Tensor::zeros([], (Kind::Float, device));
-    let mut correct_all = Vec::new();
-    let mut s = 0;
     tch::no_grad(|| -> anyhow::Result<()> {
+        let mut s = 0;
         while s < m {
             let len = chunk.min(m - s);
             let logits = hd.narrow(0, s, len).linear::<&Tensor>(lm_head, None);
@@ -602,23 +589,36 @@ fn lm_head_fused(
                 &scale.narrow(0, s, len),
             )?;
             // the logits now hold their gradient
-            let _rows_written = logits.f_mm_out(&grad.narrow(0, s, len), lm_head)?;
-            loss_sum += (&loss * weights.narrow(0, s, len)).sum(Kind::Float);
-            weighted_correct += (&correct * picked.base_w.narrow(0, s, len)).sum(Kind::Float);
-            correct_all.push(correct);
+            let _rows_written = logits.f_mm_out(&pass.grad.narrow(0, s, len), lm_head)?;
+            let loss_sum = (&loss * weights.narrow(0, s, len)).sum(Kind::Float);
+            pass.add_chunk(loss_sum, correct, &picked.base_w, s);
             s += len;
         }
         Ok(())
     })?;
-    Ok(LmHeadPass {
-        grad: Some(grad),
-        loss_sum,
-        weighted_correct,
-        correct: correct_all,
-    })
+    Ok(pass)
 }
 
 impl LmHeadPass {
+    /// A pass with nothing summed yet, its gradient to be filled in.
+    fn start(device: Device) -> LmHeadPass {
+        LmHeadPass {
+            grad: Tensor::new(),
+            loss_sum: Tensor::zeros([], (Kind::Float, device)),
+            weighted_correct: Tensor::zeros([], (Kind::Float, device)),
+            correct: Vec::new(),
+        }
+    }
+
+    /// Adds the chunk of rows `start..start + correct.len()`: its sum of w * loss and its
+    /// argmax check, weighted by the rows' base weights.
+    fn add_chunk(&mut self, loss_sum: Tensor, correct: Tensor, base_w: &Tensor, start: i64) {
+        let len = correct.size()[0];
+        self.loss_sum += loss_sum;
+        self.weighted_correct += (&correct * base_w.narrow(0, start, len)).sum(Kind::Float);
+        self.correct.push(correct);
+    }
+
     /// The metric sums of [`LossTensors`], on the device.
     fn metric_sums(
         self,

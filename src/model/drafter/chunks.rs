@@ -148,7 +148,7 @@ impl Drafter {
                 let sees_ctx = Tensor::arange(context, (Kind::Int64, dev))
                     .view([1, 1, context])
                     .lt_tensor(&query_anchor.unsqueeze(-1)); // [calls, rows, context]
-                let hidden = Tensor::cat(&[sees_ctx, sees_block.shallow_clone()], -1)
+                let hidden = Tensor::cat(&[&sees_ctx, &sees_block], -1)
                     .logical_not()
                     .unsqueeze(1); // [calls, 1, rows, context + rows]
                 let keys = context + rows;

@@ -45,9 +45,10 @@ impl FrozenHead {
         }
     }
 
-    /// The same head, its training loss computed with `kernels` (when on its device).
+    /// The same head, its training loss computed with `kernels` (the loss uses them where they
+    /// are on the hidden states' device).
     pub fn with_loss_kernels(mut self, kernels: Option<FusedKernels>) -> Self {
-        self.loss_kernels = kernels.filter(|k| k.device() == self.lm_head.device());
+        self.loss_kernels = kernels;
         self
     }
 }
