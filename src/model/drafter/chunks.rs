@@ -139,10 +139,15 @@ impl Drafter {
             .eq_tensor(&block_of.unsqueeze(0))
             .unsqueeze(0)
             .expand([CHUNKS_PER_CALL, rows, rows], false);
-        let calls = call_layout(host_anchors, b, n, cpc, chunks, s)
+        let layout = call_layout(host_anchors, b, n, cpc, chunks, s);
+        // every call's entry sequences in one upload (the step's only host-to-device copy
+        // here), each call's a view of it
+        let all_seqs: Vec<i64> = layout.iter().flat_map(|(_, seqs)| seqs).copied().collect();
+        let all_seqs = upload(&Tensor::from_slice(&all_seqs), dev);
+        let calls = layout
             .into_iter()
             .enumerate()
-            .map(|(call, (context, seqs))| {
+            .map(|(call, (context, _))| {
                 let query_anchor =
                     entry_anchor.narrow(0, call as i64 * CHUNKS_PER_CALL, CHUNKS_PER_CALL);
                 let sees_ctx = Tensor::arange(context, (Kind::Int64, dev))
@@ -158,7 +163,7 @@ impl Drafter {
                 let _ = bias.masked_fill_(&hidden, f64::NEG_INFINITY);
                 ChunkCall {
                     context,
-                    seqs: upload(&Tensor::from_slice(&seqs), dev),
+                    seqs: all_seqs.narrow(0, call as i64 * CHUNKS_PER_CALL, CHUNKS_PER_CALL),
                     bias,
                 }
             })
