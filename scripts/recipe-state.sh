@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The recipe's state across sessions whose only lasting store is this repository's history:
+# the regenerated data (regen*.tar.xz.*) and the best drafter (drafter.safetensors.* +
+# drafter-config.json) that scripts/smollm2-dflash.sh returned, kept in git history but not in
+# the tree (which travels to the GPU machine on every call and must stay small).
+#
+#   scripts/recipe-state.sh save SRC "what it is"   two commits: recipe-state/ added, then removed
+#   scripts/recipe-state.sh restore DEST [COMMIT]   the pieces of COMMIT (default: the latest
+#                                                   save) into DEST, checksums verified
+#   scripts/recipe-state.sh list                    the saves, newest first
+#
+# A save is about 26 MB of data and 37 MiB (5 layers) or 57 MiB (8 layers) of drafter in the
+# history; restore reads it back with `git archive`, so a fresh clone needs nothing else.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+dir=recipe-state
+cd "$root"
+
+saves() { git log --format='%H %cs %s' --diff-filter=A -- "$dir/MANIFEST"; }
+
+case "${1:-}" in
+save)
+  src=${2:?usage: $0 save SRC "what it is"}
+  note=${3:?usage: $0 save SRC "what it is"}
+  [ -e "$dir" ] && { echo "$dir/ exists in the tree; remove it first" >&2; exit 1; }
+  shopt -s nullglob
+  files=("$src"/regen*.tar.xz.* "$src"/drafter.safetensors.* "$src"/drafter-config.json)
+  [ ${#files[@]} -gt 0 ] || { echo "$src: no regen*.tar.xz.*, drafter.safetensors.* or drafter-config.json" >&2; exit 1; }
+  mkdir "$dir"
+  cp "${files[@]}" "$dir/"
+  (cd "$dir" && { echo "# $note"; sha256sum -- *; } > ../.MANIFEST && mv ../.MANIFEST MANIFEST)
+  git add -f "$dir"
+  git commit -q -m "Recipe state: $note" \
+    -m "Kept in history only (the next commit takes it out of the tree): scripts/recipe-state.sh restore DEST" \
+    -- "$dir"
+  saved=$(git rev-parse HEAD)
+  git rm -r -q "$dir"
+  git commit -q -m "Recipe state out of the tree (saved in ${saved:0:10}: scripts/recipe-state.sh restore DEST ${saved:0:10})" \
+    -- "$dir"
+  echo "saved in $saved"
+  ;;
+restore)
+  dest=${2:?usage: $0 restore DEST [COMMIT]}
+  commit=${3:-$(saves | head -1 | cut -d' ' -f1)}
+  [ -n "$commit" ] || { echo "no save of $dir/ in this history" >&2; exit 1; }
+  mkdir -p "$dest"
+  git archive "$commit" "$dir" | tar -x -C "$dest" --strip-components=1
+  (cd "$dest" && head -1 MANIFEST && tail -n +2 MANIFEST | sha256sum -c --quiet) || {
+    echo "$dest: checksums of the save $commit do not match" >&2
+    exit 1
+  }
+  echo "restored $commit into $dest"
+  ;;
+list)
+  saves
+  ;;
+*)
+  echo "usage: $0 save SRC \"what it is\" | restore DEST [COMMIT] | list" >&2
+  exit 2
+  ;;
+esac
