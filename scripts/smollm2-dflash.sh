@@ -39,6 +39,7 @@
 #   data  returns regen.tar.xz.*  (the regenerated dataset, xz, in pieces under 16 MiB)
 #   train returns drafter.safetensors.* + drafter-config.json (the best drafter, under 64 MiB:
 #         carried back, it starts a new run through model.drafter_init), metrics.jsonl
+# What a session returned outlives it in git history: scripts/recipe-state.sh save / restore.
 # Inputs in $W: dflash-tui (or dflash-tui.xz), gg.* (the demo GGUF, xz-compressed, in pieces),
 # sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (the dflash==0.1.0 wheel: z-lab's implementation, run on
 # the machine's own torch and transformers).
