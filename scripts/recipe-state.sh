@@ -14,17 +14,20 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=recipe-state
+# SRC and DEST as the caller wrote them, relative to where it stands
+[ -n "${2:-}" ] && set -- "$1" "$(realpath -m -- "$2")" "${@:3}"
 cd "$root"
 
-saves() { git log --format='%H %cs %s' --diff-filter=A -- "$dir/MANIFEST"; }
+saves() { git log --format='%H %cs %s' --diff-filter=A "$@" -- "$dir/MANIFEST"; }
 
 case "${1:-}" in
 save)
   src=${2:?usage: $0 save SRC "what it is"}
   note=${3:?usage: $0 save SRC "what it is"}
   [ -e "$dir" ] && { echo "$dir/ exists in the tree; remove it first" >&2; exit 1; }
+  [ -d "$src" ] || { echo "$src: no such folder" >&2; exit 1; }
   shopt -s nullglob
-  files=("$src"/regen*.tar.xz.* "$src"/drafter.safetensors.* "$src"/drafter-config.json)
+  files=("$src"/regen*.tar.xz.* "$src"/drafter.safetensors.* "$src"/drafter-config.jso[n])
   [ ${#files[@]} -gt 0 ] || { echo "$src: no regen*.tar.xz.*, drafter.safetensors.* or drafter-config.json" >&2; exit 1; }
   mkdir "$dir"
   cp "${files[@]}" "$dir/"
@@ -41,8 +44,13 @@ save)
   ;;
 restore)
   dest=${2:?usage: $0 restore DEST [COMMIT]}
-  commit=${3:-$(saves | head -1 | cut -d' ' -f1)}
+  commit=${3:-$(saves -1 | cut -d' ' -f1)}
   [ -n "$commit" ] || { echo "no save of $dir/ in this history" >&2; exit 1; }
+  # an empty folder: pieces left from another save would be joined with these
+  if [ -d "$dest" ] && [ -n "$(ls -A "$dest")" ]; then
+    echo "$dest is not empty; restore into a new or empty folder" >&2
+    exit 1
+  fi
   mkdir -p "$dest"
   git archive "$commit" "$dir" | tar -x -C "$dest" --strip-components=1
   (cd "$dest" && head -1 MANIFEST && tail -n +2 MANIFEST | sha256sum -c --quiet) || {
