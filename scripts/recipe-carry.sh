@@ -13,9 +13,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 state=${1:+$(realpath -- "$1")}
 cd "$root"
-bin=target/release/dflash-tui
 gguf=.deps/pkgs/SmolLM2-135M-Instruct.Q4_1.gguf
-for f in "$bin" "$gguf" assets/demo/mt-bench.jsonl; do
+for f in "$gguf" assets/demo/mt-bench.jsonl; do
   [ -f "$f" ] || { echo "$f missing: run make setup first" >&2; exit 1; }
 done
 if [ -n "$state" ]; then
@@ -30,8 +29,8 @@ staging=.carry/staging
 rm -rf .carry/c[0-9]* "$staging"
 mkdir -p "$staging/whl"
 echo "compressing (a few minutes on 2 cores)"
-strip -o "$staging/dflash-tui" "$bin"
-xz -9 -T0 "$staging/dflash-tui"
+make -s carry   # the stripped binary, .carry/dflash-tui
+xz -9 -T0 -c .carry/dflash-tui > "$staging/dflash-tui.xz"
 xz -9 -T0 -c "$gguf" | split -b 40000000 - "$staging/gg."
 cp assets/demo/mt-bench.jsonl "$staging/"
 python3 -m pip download -q --disable-pip-version-check --no-deps -d "$staging/whl" dflash==0.1.0

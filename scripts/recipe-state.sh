@@ -31,7 +31,8 @@ save)
   [ ${#files[@]} -gt 0 ] || { echo "$src: no regen*.tar.xz.*, drafter.safetensors.* or drafter-config.json" >&2; exit 1; }
   mkdir "$dir"
   cp "${files[@]}" "$dir/"
-  (cd "$dir" && { echo "# $note"; sha256sum -- *; } > ../.MANIFEST && mv ../.MANIFEST MANIFEST)
+  sums=$(cd "$dir" && sha256sum -- *)
+  printf '# %s\n%s\n' "$note" "$sums" > "$dir/MANIFEST"
   git add -f "$dir"
   git commit -q -m "Recipe state: $note" \
     -m "Kept in history only (the next commit takes it out of the tree): scripts/recipe-state.sh restore DEST" \
