@@ -38,7 +38,11 @@
 # machine it takes what the previous stage returned, carried into $W:
 #   data  returns regen.tar.xz.*  (the regenerated dataset, xz, in pieces under 16 MiB)
 #   train returns drafter.safetensors.* + drafter-config.json (the best drafter, under 64 MiB:
-#         carried back, it starts a new run through model.drafter_init), metrics.jsonl
+#         carried back, it starts a new run through model.drafter_init), train.tar.gz
+#         (train.out, metrics.jsonl)
+#   eval  returns eval.tar.gz (eval-*.json, eval-*.err, public.json, public.err)
+# Logs and JSON travel in one archive per stage: a call brings back at most 8 files, and a
+# `train && eval` call returns the drafter's 5 files besides.
 # What a session returned outlives it in git history: scripts/recipe-state.sh save / restore.
 # Inputs in $W: dflash-tui (or dflash-tui.xz), gg.* (the demo GGUF, xz-compressed, in pieces),
 # sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (the dflash==0.1.0 wheel: z-lab's implementation, run on
@@ -73,6 +77,14 @@ drafter() { # D: the drafter to evaluate (this machine's best, else the one carr
   [ -f "$D/model.safetensors" ] && return 0
   D=$W/drafter-in
   carried_drafter
+}
+
+bundle() { # bundle NAME FILE...: those of the files in $OUT that exist, into $OUT/NAME.tar.gz
+  local name=$1 f have=()
+  shift
+  for f in "$@"; do [ -f "$OUT/$f" ] && have+=("$f"); done
+  [ ${#have[@]} -gt 0 ] || return 0
+  tar -C "$OUT" -czf "$OUT/$name.tar.gz" -- "${have[@]}" && (cd "$OUT" && rm -f -- "${have[@]}")
 }
 
 summary() { # the first $1 lines of inspect-data's summary of $W/regen (read whole: with
@@ -168,6 +180,7 @@ train)
   grep -E "validation at|eval at|checkpoint|run finished|stopp" "$OUT/train.out" | tail -25
   tail -4 "$OUT/train.out"
   cp "$W/run/metrics.jsonl" "$OUT/" 2>/dev/null
+  bundle train train.out metrics.jsonl
   cat "$W/run/best/eval.json" 2>/dev/null && echo
   cp "$W/run/best/drafter/config.json" "$OUT/drafter-config.json" 2>/dev/null
   split -b 15M "$W/run/best/drafter/model.safetensors" "$OUT/drafter.safetensors." 2>/dev/null
@@ -186,6 +199,7 @@ ablate)
   "$B" eval --target "$W/smol" --drafter "$W/ablate-$name/best/drafter" --data "$W/regen" --limit 100 \
     --max-new-tokens 128 --json > "$OUT/eval-$name.json" 2> "$OUT/eval-$name.err"
   python3 scripts/eval_summary.py "$OUT/eval-$name.json" | head -1
+  bundle "ablate-$name" "train-$name.out" "metrics-$name.jsonl" "eval-$name.json" "eval-$name.err"
   ;;
 trace)
   model && drafter && regen || exit 1
@@ -213,6 +227,8 @@ eval)
     --dtype f32 --max-new-tokens 64 > "$OUT/public.json" 2> "$OUT/public.err" \
     || { echo "public check exit $?"; tail -5 "$OUT/public.err"; }
   cat "$OUT/public.json"
+  bundle eval eval-sharegpt.json eval-sharegpt.err eval-mtbench.json eval-mtbench.err \
+    eval-f32.json eval-f32.err public.json public.err trace.err trace-summary.txt
   t done
   ;;
 regen-bench)
