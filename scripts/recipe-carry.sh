@@ -3,15 +3,26 @@
 # packed into folders of at most 60 MB: .carry/c1, .carry/c2, ... Each call carries one folder
 # and copies it into $W (`cp -r .carry/cN/* /tmp/w/`); the last call then runs the stage.
 #
-#   scripts/recipe-carry.sh [STATE]      (after `make setup`)
+#   scripts/recipe-carry.sh [STATE] [--sharegpt]      (after `make setup`)
 #
 # Packed: the stripped release binary (xz), the demo GGUF (xz, in 40 MB pieces), MT-Bench's
 # questions, z-lab's dflash==0.1.0 wheel (for the public check), and either STATE (a folder from
 # scripts/recipe-state.sh restore: regenerated data and a drafter; no regeneration needed) or,
-# without it, the demo ShareGPT file (xz) for the data stage.
+# without it, the demo ShareGPT file (xz, 18 MB) for the data stage. --sharegpt packs that file
+# with STATE too: the `more` stage needs it to sample answer sets the state does not hold yet
+# (e.g. SEED=3).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-state=${1:+$(realpath -- "$1")}
+state= sharegpt=
+for arg in "$@"; do
+  case "$arg" in
+  --sharegpt) sharegpt=1 ;;
+  -*) echo "usage: $0 [STATE] [--sharegpt]" >&2; exit 2 ;;
+  *) [ -z "$state" ] || { echo "usage: $0 [STATE] [--sharegpt]" >&2; exit 2; }
+     state=$(realpath -- "$arg") ;;
+  esac
+done
+[ -z "$state" ] && sharegpt=1
 cd "$root"
 gguf=.deps/pkgs/SmolLM2-135M-Instruct.Q4_1.gguf
 for f in "$gguf" assets/demo/mt-bench.jsonl; do
@@ -19,7 +30,8 @@ for f in "$gguf" assets/demo/mt-bench.jsonl; do
 done
 if [ -n "$state" ]; then
   [ -f "$state/MANIFEST" ] || { echo "$state: no MANIFEST (not a scripts/recipe-state.sh restore)" >&2; exit 1; }
-elif [ ! -f assets/demo/sharegpt.jsonl ]; then
+fi
+if [ -n "$sharegpt" ] && [ ! -f assets/demo/sharegpt.jsonl ]; then
   echo "assets/demo/sharegpt.jsonl missing: run make setup first" >&2
   exit 1
 fi
@@ -38,7 +50,8 @@ if [ -n "$state" ]; then
   shopt -s nullglob
   cp "$state"/regen*.tar.xz.* "$state"/drafter.safetensors.* "$state"/drafter-config.jso[n] "$staging/"
   shopt -u nullglob
-else
+fi
+if [ -n "$sharegpt" ]; then
   xz -9 -T0 -c assets/demo/sharegpt.jsonl > "$staging/sharegpt.jsonl.xz"
 fi
 

@@ -38,11 +38,10 @@
 # machine it takes what the previous stage returned, carried into $W:
 #   data  returns regen.tar.xz.*  (the regenerated dataset, xz, in pieces under 16 MiB)
 #   train returns drafter.safetensors.* + drafter-config.json (the best drafter, under 64 MiB:
-#         carried back, it starts a new run through model.drafter_init), train.tar.gz
-#         (train.out, metrics.jsonl)
-#   eval  returns eval.tar.gz (eval-*.json, eval-*.err, public.json, public.err)
-# Logs and JSON travel in one archive per stage: a call brings back at most 8 files, and a
-# `train && eval` call returns the drafter's 5 files besides.
+#         carried back, it starts a new run through model.drafter_init)
+# The stages' logs and JSON (train.out, metrics.jsonl, eval-*.json, public.json, ...) come back
+# gzipped in one tar, logs.tar (`tar -xf logs.tar && gunzip *.gz`): a call brings back at most
+# 8 files, and a `train && eval` call brings the drafter's pieces besides (6 with 11 layers).
 # What a session returned outlives it in git history: scripts/recipe-state.sh save / restore.
 # Inputs in $W: dflash-tui (or dflash-tui.xz), gg.* (the demo GGUF, xz-compressed, in pieces),
 # sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (the dflash==0.1.0 wheel: z-lab's implementation, run on
@@ -79,12 +78,13 @@ drafter() { # D: the drafter to evaluate (this machine's best, else the one carr
   carried_drafter
 }
 
-bundle() { # bundle NAME FILE...: those of the files in $OUT that exist, into $OUT/NAME.tar.gz
-  local name=$1 f have=()
-  shift
+bundle() { # bundle FILE...: those of the files in $OUT that exist, gzipped, appended to
+  # $OUT/logs.tar (one file back however many stages a call runs) and removed
+  local f have=()
   for f in "$@"; do [ -f "$OUT/$f" ] && have+=("$f"); done
   [ ${#have[@]} -gt 0 ] || return 0
-  tar -C "$OUT" -czf "$OUT/$name.tar.gz" -- "${have[@]}" && (cd "$OUT" && rm -f -- "${have[@]}")
+  (cd "$OUT" && gzip -f -- "${have[@]}" && tar -rf logs.tar -- "${have[@]/%/.gz}" &&
+    rm -f -- "${have[@]/%/.gz}")
 }
 
 summary() { # the first $1 lines of inspect-data's summary of $W/regen (read whole: with
@@ -110,6 +110,7 @@ trace() { # a profiler trace of one prompt's decoding (greedy, then DFlash), tot
     --trace "$W/trace.json" > /dev/null 2> "$OUT/trace.err" &&
     python3 scripts/trace_summary.py "$W/trace.json" --top 40 > "$OUT/trace-summary.txt"
   head -60 "$OUT/trace-summary.txt"
+  bundle trace.err trace-summary.txt
 }
 
 case "${1:-}" in
@@ -123,6 +124,7 @@ data)
   summary 12
   t pack
   tar -C "$W" -cf - regen | xz -T0 -3 | split -b 15M - "$OUT/regen.tar.xz."
+  bundle regenerate.err
   ls -la "$OUT"
   ;;
 more)
@@ -147,9 +149,10 @@ more)
       "$B" regenerate --target "$W/smol" --input "$W/sg/train" --out "$more" \
         --temperature "$TEMP" --seed "$SEED" --max-new-tokens "${MAX_NEW:-512}" \
         --max-len "${MAX_LEN:-2048}" --batch-size "${BATCH:-1024}" ${LIMIT:+--limit $LIMIT} \
-        2> "$OUT/regenerate-more.err" || { grep -v "^frame" "$OUT/regenerate-more.err" | tail -3; exit 1; }
-      grep -E "regenerate on|tokens/s\)" "$OUT/regenerate-more.err" | tail -3
+        2> "$OUT/regenerate-more-$SEED.err" || { grep -v "^frame" "$OUT/regenerate-more-$SEED.err" | tail -3; exit 1; }
+      grep -E "regenerate on|tokens/s\)" "$OUT/regenerate-more-$SEED.err" | tail -3
       tar -C "$W" -cf - "$(basename "$more")" | xz -T0 -3 | split -b 15M - "$OUT/$(basename "$more").tar.xz."
+      bundle "regenerate-more-$SEED.err"
     fi
     # the Hugging Face layout: a split is the Arrow files its state.json lists
     python3 scripts/add_split_files.py "$more/train" "$W/regen/train" "more-$SEED-" &&
@@ -180,7 +183,7 @@ train)
   grep -E "validation at|eval at|checkpoint|run finished|stopp" "$OUT/train.out" | tail -25
   tail -4 "$OUT/train.out"
   cp "$W/run/metrics.jsonl" "$OUT/" 2>/dev/null
-  bundle train train.out metrics.jsonl
+  bundle train.out metrics.jsonl
   cat "$W/run/best/eval.json" 2>/dev/null && echo
   cp "$W/run/best/drafter/config.json" "$OUT/drafter-config.json" 2>/dev/null
   split -b 15M "$W/run/best/drafter/model.safetensors" "$OUT/drafter.safetensors." 2>/dev/null
@@ -199,7 +202,7 @@ ablate)
   "$B" eval --target "$W/smol" --drafter "$W/ablate-$name/best/drafter" --data "$W/regen" --limit 100 \
     --max-new-tokens 128 --json > "$OUT/eval-$name.json" 2> "$OUT/eval-$name.err"
   python3 scripts/eval_summary.py "$OUT/eval-$name.json" | head -1
-  bundle "ablate-$name" "train-$name.out" "metrics-$name.jsonl" "eval-$name.json" "eval-$name.err"
+  bundle "train-$name.out" "metrics-$name.jsonl" "eval-$name.json" "eval-$name.err"
   ;;
 trace)
   model && drafter && regen || exit 1
@@ -227,8 +230,8 @@ eval)
     --dtype f32 --max-new-tokens 64 > "$OUT/public.json" 2> "$OUT/public.err" \
     || { echo "public check exit $?"; tail -5 "$OUT/public.err"; }
   cat "$OUT/public.json"
-  bundle eval eval-sharegpt.json eval-sharegpt.err eval-mtbench.json eval-mtbench.err \
-    eval-f32.json eval-f32.err public.json public.err trace.err trace-summary.txt
+  bundle eval-sharegpt.json eval-sharegpt.err eval-mtbench.json eval-mtbench.err \
+    eval-f32.json eval-f32.err public.json public.err
   t done
   ;;
 regen-bench)
@@ -257,6 +260,7 @@ regen-bench)
       python3 scripts/trace_summary.py "$W/trace-$name.json" --top 40 > "$OUT/regen-trace-$name.txt"
       head -30 "$OUT/regen-trace-$name.txt"
     fi
+    bundle "regen-$name.err" "regen-$name.out" "regen-trace-$name.txt"
     rm -rf "$W/bench-$name"
   done
   ;;
