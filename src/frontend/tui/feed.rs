@@ -27,16 +27,21 @@ pub(crate) struct LogTail {
     pos: u64,
     /// A line not yet ended by a newline.
     partial: String,
+    /// Whether the text read next may begin inside a line (the backlog starts mid-file),
+    /// whose fragment up to the first newline is dropped.
+    in_fragment: bool,
 }
 
 impl LogTail {
     /// Starts at the last [`LOG_BACKLOG_BYTES`] of `path` (or its beginning when shorter).
     pub(crate) fn open(path: &Path) -> Self {
         let len = std::fs::metadata(path).map_or(0, |m| m.len());
+        let pos = len.saturating_sub(LOG_BACKLOG_BYTES);
         LogTail {
             path: path.to_path_buf(),
-            pos: len.saturating_sub(LOG_BACKLOG_BYTES),
+            pos,
             partial: String::new(),
+            in_fragment: pos > 0,
         }
     }
 
@@ -50,6 +55,7 @@ impl LogTail {
             // Cut back or replaced: read it again from its start.
             self.pos = 0;
             self.partial.clear();
+            self.in_fragment = false;
         }
         if len == self.pos || file.seek(SeekFrom::Start(self.pos)).is_err() {
             return Vec::new();
@@ -58,14 +64,15 @@ impl LogTail {
         if file.take(len - self.pos).read_to_end(&mut bytes).is_err() {
             return Vec::new();
         }
-        let started_mid_file = self.pos > 0 && self.partial.is_empty();
         self.pos += bytes.len() as u64;
         self.partial.push_str(&String::from_utf8_lossy(&bytes));
         let mut lines: Vec<String> = self.partial.split('\n').map(str::to_string).collect();
         self.partial = lines.pop().unwrap_or_default();
-        if started_mid_file && self.pos == len && lines.len() > 1 {
-            // The backlog began inside a line: drop that fragment.
+        if self.in_fragment && !lines.is_empty() {
+            // The backlog began inside a line: drop that fragment (only that: every later
+            // read starts where a complete line ended).
             lines.remove(0);
+            self.in_fragment = false;
         }
         lines
     }
@@ -316,6 +323,37 @@ mod tests {
         writeln!(f, "o\n10:00:02 I three").unwrap();
         assert_eq!(tail.poll(), vec!["10:00:01 W two", "10:00:02 I three"]);
         assert!(tail.poll().is_empty());
+        // several lines after a read that ended at a line's end: none is lost
+        writeln!(f, "10:00:03 I paused at step 6\n10:00:04 I \nProfileStats").unwrap();
+        assert_eq!(
+            tail.poll(),
+            vec!["10:00:03 I paused at step 6", "10:00:04 I ", "ProfileStats"]
+        );
+    }
+
+    #[test]
+    fn a_long_log_is_read_from_its_last_complete_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("train.log");
+        let mut f = std::fs::File::create(&path).unwrap();
+        let line = |i: usize| format!("10:00:00 I line {i} {}", "x".repeat(i % 97));
+        let n = 3000;
+        for i in 0..n {
+            writeln!(f, "{}", line(i)).unwrap();
+        }
+        assert!(std::fs::metadata(&path).unwrap().len() > LOG_BACKLOG_BYTES);
+        let mut tail = LogTail::open(&path);
+        let lines = tail.poll();
+        assert!(lines.len() > 100 && lines.len() < n, "{}", lines.len());
+        // the first line read is a whole one (the fragment before it is dropped), the rest follow
+        let first = n - lines.len();
+        let expected: Vec<String> = (first..n).map(line).collect();
+        assert_eq!(lines, expected);
+        writeln!(f, "10:00:01 I after\n10:00:02 I and after").unwrap();
+        assert_eq!(
+            tail.poll(),
+            vec!["10:00:01 I after", "10:00:02 I and after"]
+        );
     }
 
     #[test]

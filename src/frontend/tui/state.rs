@@ -34,6 +34,9 @@ pub(crate) const QUIT_CHOICES: [&str; 4] = [
 /// Log lines the logs pane keeps.
 pub(crate) const LOG_LINES: usize = 300;
 
+/// The first line of the ProfileStats table the trainer logs every profile interval.
+const PROFILE_TABLE_TITLE: &str = "ProfileStats over the last";
+
 /// Whose screen this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Viewer {
@@ -59,6 +62,8 @@ pub struct AppState {
     pub viewer: Viewer,
     /// The newest lines of the run's log (train.log), oldest first.
     pub log: Vec<String>,
+    /// Whether the newest log lines are the rows of a ProfileStats table (see [`Self::push_log`]).
+    log_in_profile_table: bool,
     /// Why the run's live state is not shown, when it is not (e.g. the trainer is gone and
     /// the screen shows what metrics.jsonl recorded).
     pub offline: Option<String>,
@@ -75,13 +80,31 @@ impl AppState {
             quit: false,
             viewer: Viewer::Trainer,
             log: Vec::new(),
+            log_in_profile_table: false,
             offline: None,
         }
     }
 
-    /// Appends log lines, keeping the newest [`LOG_LINES`].
+    /// Appends log lines, keeping the newest [`LOG_LINES`]. A ProfileStats table in the log
+    /// keeps its title and its bottleneck verdict only: its rows are what the ProfileStats
+    /// panel shows, and a table every profile interval would push the run's events out of the
+    /// pane within seconds. Lines may come in any batches (a table cut between two polls).
     pub(crate) fn push_log(&mut self, lines: impl IntoIterator<Item = String>) {
-        self.log.extend(lines);
+        for line in lines {
+            if let Some(message) = log_record_message(&line) {
+                self.log_in_profile_table = message.starts_with(PROFILE_TABLE_TITLE);
+                self.log.push(line);
+            } else if line.starts_with(PROFILE_TABLE_TITLE) {
+                // logged as "\n" + table: the title joins its record's empty first line
+                self.log_in_profile_table = true;
+                match self.log.last_mut() {
+                    Some(last) if log_record_message(last) == Some("") => last.push_str(&line),
+                    _ => self.log.push(line),
+                }
+            } else if !self.log_in_profile_table || line.starts_with("bottleneck:") {
+                self.log.push(line);
+            }
+        }
         let cut = self.log.len().saturating_sub(LOG_LINES);
         self.log.drain(..cut);
     }
@@ -98,4 +121,22 @@ impl AppState {
             _ => h,
         }
     }
+}
+
+/// The message of a log record's first line ("HH:MM:SS L message"); `None` for the further
+/// lines of a record of several lines.
+fn log_record_message(line: &str) -> Option<&str> {
+    let b = line.as_bytes();
+    let stamped = b.len() >= 11
+        && b[..8].iter().enumerate().all(|(i, c)| {
+            if i % 3 == 2 {
+                *c == b':'
+            } else {
+                c.is_ascii_digit()
+            }
+        })
+        && b[8] == b' '
+        && b[9].is_ascii_uppercase()
+        && b[10] == b' ';
+    stamped.then(|| &line[11..])
 }

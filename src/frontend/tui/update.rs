@@ -508,4 +508,35 @@ mod tests {
         assert_eq!(s.log.len(), crate::frontend::tui::state::LOG_LINES);
         assert_eq!(s.log.last().map(String::as_str), Some("line 399"));
     }
+
+    #[test]
+    fn a_profile_table_in_the_log_keeps_its_title_and_verdict_only() {
+        // what the trainer logs every profile interval: "\n" + the table + its verdict
+        let table = crate::telemetry::profile::ProfileStats::new()
+            .report()
+            .table();
+        let record = format!("12:00:05 I \n{table}bottleneck: drafter (busy 97 %)");
+        let mut lines: Vec<String> =
+            vec!["12:00:01 I paused at step 6: the next step waits".into()];
+        lines.extend(record.split('\n').map(str::to_string));
+        lines.push("12:00:06 W a warning".into());
+        lines.push("  its second line".into());
+        assert!(lines.len() > 15, "a table of many rows: {lines:?}");
+        // cut inside the table, as two polls of train.log may
+        let mut s = state(Phase::Training);
+        let (first, second) = lines.split_at(5);
+        update(&mut s, Action::Log(first.to_vec()));
+        update(&mut s, Action::Log(second.to_vec()));
+        let title = table.lines().next().unwrap_or_default();
+        assert_eq!(
+            s.log,
+            vec![
+                "12:00:01 I paused at step 6: the next step waits".to_string(),
+                format!("12:00:05 I {title}"),
+                "bottleneck: drafter (busy 97 %)".to_string(),
+                "12:00:06 W a warning".to_string(),
+                "  its second line".to_string(),
+            ]
+        );
+    }
 }
