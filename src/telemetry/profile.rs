@@ -245,11 +245,14 @@ impl ProfileReport {
     }
 }
 
+/// How [`ProfileReport::table`]'s first line begins (screens fold the table by it).
+pub(crate) const TABLE_TITLE: &str = "ProfileStats over the last";
+
 impl ProfileReport {
     /// The table printed in headless mode.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "ProfileStats over the last {:.1} s ({:.0} s since start)\n{:<18} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>12}\n",
+            "{TABLE_TITLE} {:.1} s ({:.0} s since start)\n{:<18} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>12}\n",
             self.interval_s, self.elapsed_s, "event", "count", "total s", "mean ms", "min ms", "max ms", "share", "all-time s"
         );
         for r in &self.rows {

@@ -393,6 +393,9 @@ pub struct Snapshot {
     pub error: Option<String>,
 }
 
+/// How [`Snapshot::verdict`]'s line begins (screens keep it when they fold a profile table).
+pub(crate) const VERDICT_PREFIX: &str = "bottleneck:";
+
 impl Snapshot {
     /// The one-line verdict on where the time goes: the busiest stage of the last ProfileStats
     /// interval and the state of each queue, e.g. `bottleneck: drafter (busy 99 %); batch_q
@@ -404,7 +407,7 @@ impl Snapshot {
             .iter()
             .filter_map(|q| queue_state(q).map(|state| format!("{} {state}", q.name)))
             .collect();
-        let mut line = format!("bottleneck: {stage} (busy {:.0} %)", busy * 100.0);
+        let mut line = format!("{VERDICT_PREFIX} {stage} (busy {:.0} %)", busy * 100.0);
         if !queues.is_empty() {
             line.push_str("; ");
             line.push_str(&queues.join(", "));

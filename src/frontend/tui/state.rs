@@ -2,7 +2,8 @@
 //! telemetry snapshot plus the operator's view settings. Rendering reads it; `update` changes
 //! it.
 
-use crate::telemetry::records::Snapshot;
+use crate::telemetry::profile::TABLE_TITLE as PROFILE_TABLE_TITLE;
+use crate::telemetry::records::{Snapshot, VERDICT_PREFIX};
 
 /// Chart windows (last N steps; `None` = whole run), cycled with `z` / `x`.
 pub(crate) const ZOOM_LEVELS: [Option<usize>; 4] = [None, Some(2000), Some(500), Some(100)];
@@ -33,9 +34,6 @@ pub(crate) const QUIT_CHOICES: [&str; 4] = [
 
 /// Log lines the logs pane keeps.
 pub(crate) const LOG_LINES: usize = 300;
-
-/// The first line of the ProfileStats table the trainer logs every profile interval.
-const PROFILE_TABLE_TITLE: &str = "ProfileStats over the last";
 
 /// Whose screen this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +99,7 @@ impl AppState {
                     Some(last) if log_record_message(last) == Some("") => last.push_str(&line),
                     _ => self.log.push(line),
                 }
-            } else if !self.log_in_profile_table || line.starts_with("bottleneck:") {
+            } else if !self.log_in_profile_table || line.starts_with(VERDICT_PREFIX) {
                 self.log.push(line);
             }
         }
