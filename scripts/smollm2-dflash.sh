@@ -2,7 +2,7 @@
 # The SmolLM2-135M-Instruct DFlash recipe on one GPU (configs/smollm2-dflash.toml), in stages of
 # at most 10 minutes each, for machines lent by the call (see README, "Results"):
 #
-#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|more|train|ablate|eval|trace|regen-bench
+#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|more|train|rest|ablate|eval|trace|regen-bench
 #
 # data   import the demo GGUF, tokenise all 17,671 demo conversations (train / validation
 #        splits) and regenerate EVERY assistant turn with the target (greedy, continuous
@@ -37,11 +37,14 @@
 # Every stage first looks for what the previous one made in $W (a warm machine); on a fresh
 # machine it takes what the previous stage returned, carried into $W:
 #   data  returns regen.tar.xz.*  (the regenerated dataset, xz, in pieces under 16 MiB)
-#   train returns drafter.safetensors.* + drafter-config.json (the best drafter, under 64 MiB:
-#         carried back, it starts a new run through model.drafter_init)
+#   train returns drafter.safetensors.* + drafter-config.json (the best drafter in 15 MiB
+#         pieces: carried back, it starts a new run through model.drafter_init)
 # The stages' logs and JSON (train.out, metrics.jsonl, eval-*.json, public.json, ...) come back
-# gzipped in one tar, logs.tar (`tar -xf logs.tar && gunzip *.gz`): a call brings back at most
-# 8 files, and a `train && eval` call brings the drafter's pieces besides (6 with 11 layers).
+# gzipped in one tar, logs.tar (`tar -xf logs.tar && gunzip *.gz`). A call brings back at most
+# 8 files and 64 MiB in all: train returns as many of the drafter's pieces as fit beside
+# logs.tar (4 of 15 MiB; an 11-layer drafter has 6) and names those left, which the next call
+# on the same machine brings back with
+# rest   the drafter's pieces that the last train stage could not return.
 # What a session returned outlives it in git history: scripts/recipe-state.sh save / restore.
 # Inputs in $W: dflash-tui (or dflash-tui.xz), gg.* (the demo GGUF, xz-compressed, in pieces),
 # sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (the dflash==0.1.0 wheel: z-lab's implementation, run on
@@ -85,6 +88,22 @@ bundle() { # bundle FILE...: those of the files in $OUT that exist, gzipped, app
   [ ${#have[@]} -gt 0 ] || return 0
   (cd "$OUT" && gzip -f -- "${have[@]}" && tar -rf logs.tar -- "${have[@]/%/.gz}" &&
     rm -f -- "${have[@]/%/.gz}")
+}
+
+give() { # give DIR: DIR's files into $OUT in name order, as many as a call brings back (64 MiB
+  # in all; 2 MiB kept for logs.tar, which later stages of the call append to); those left stay
+  # in DIR for the `rest` stage of the next call
+  local room=$((62 * 1024 * 1024)) used size f
+  used=$(du -sb -- "$OUT" | cut -f1)
+  for f in "$1"/*; do
+    [ -f "$f" ] || continue
+    size=$(stat -c %s -- "$f")
+    ((used + size <= room)) || break
+    mv -- "$f" "$OUT/" && used=$((used + size))
+  done
+  if compgen -G "$1/*" > /dev/null; then
+    echo "NOT RETURNED (64 MiB a call): $(cd "$1" && echo *); the next call on this machine: W=$W OUT=\$OUT bash scripts/smollm2-dflash.sh rest"
+  fi
 }
 
 summary() { # the first $1 lines of inspect-data's summary of $W/regen (read whole: with
@@ -185,8 +204,20 @@ train)
   cp "$W/run/metrics.jsonl" "$OUT/" 2>/dev/null
   bundle train.out metrics.jsonl
   cat "$W/run/best/eval.json" 2>/dev/null && echo
-  cp "$W/run/best/drafter/config.json" "$OUT/drafter-config.json" 2>/dev/null
-  split -b 15M "$W/run/best/drafter/model.safetensors" "$OUT/drafter.safetensors." 2>/dev/null
+  rm -rf "$W/back"
+  if [ -f "$W/run/best/drafter/model.safetensors" ]; then
+    cp "$W/run/best/drafter/config.json" "$OUT/drafter-config.json" && mkdir -p "$W/back" &&
+      split -b 15M "$W/run/best/drafter/model.safetensors" "$W/back/drafter.safetensors." &&
+      give "$W/back"
+  fi
+  ;;
+rest)
+  if compgen -G "$W/back/*" > /dev/null; then
+    give "$W/back"
+    ls -la "$OUT"
+  else
+    echo "nothing left to return in $W/back"
+  fi
   ;;
 ablate)
   model && regen || exit 1
@@ -265,7 +296,7 @@ regen-bench)
   done
   ;;
 *)
-  echo "usage: W=DIR OUT=DIR $0 data|more|train|ablate|eval|trace|regen-bench" >&2
+  echo "usage: W=DIR OUT=DIR $0 data|more|train|rest|ablate|eval|trace|regen-bench" >&2
   exit 2
   ;;
 esac
