@@ -1,6 +1,6 @@
 """Prints the headline numbers of `dflash-tui eval --json` reports, one block per file:
-tau, speed-up and its spread, the step's cost in greedy steps, where the step's time goes,
-mismatches, acceptance by block slot.
+tau and its 95 % interval over prompts, speed-up and its spread, the step's cost in greedy
+steps, where the step's time goes, mismatches, acceptance by block slot.
 
 usage: python3 eval_summary.py REPORT.json [REPORT.json ...]
 """
@@ -8,7 +8,7 @@ usage: python3 eval_summary.py REPORT.json [REPORT.json ...]
 import json
 import sys
 
-KEYS = ["tau", "speedup", "speedup_spread", "greedy_ms_per_token", "dflash_ms_per_step",
+KEYS = ["tau", "tau_ci95", "speedup", "speedup_spread", "greedy_ms_per_token", "dflash_ms_per_step",
         "step_cost_in_greedy_steps", "mismatches", "cuda_graphs", "warmup_prompts"]
 
 for path in sys.argv[1:]:

@@ -117,6 +117,10 @@ fn eval_command_prints_json_with_tau_speedup_and_outputs() {
     assert!(stderr.contains(warnings[0]), "{stderr}");
     let tau = v["tau"].as_f64().unwrap();
     assert!((1.0..=4.0).contains(&tau), "{tau}");
+    // two prompts: tau's interval over prompts is there, around it
+    let ci = &v["tau_ci95"];
+    let (low, high) = (ci["low"].as_f64().unwrap(), ci["high"].as_f64().unwrap());
+    assert!(low <= tau && tau <= high, "{ci} around {tau}");
     assert!(v["speedup"].as_f64().unwrap() > 0.0);
     let ps = v["prompts"].as_array().unwrap();
     assert_eq!(ps.len(), 2);

@@ -222,8 +222,12 @@ fn measure(
 }
 
 fn print_report(report: &EvalReport) {
+    let interval = report
+        .tau_ci95
+        .map(|ci| format!(" (95 % interval over prompts {:.3}-{:.3})", ci.low, ci.high))
+        .unwrap_or_default();
     println!(
-        "tau {:.3} over {} prompts; speed-up {:.2}x (greedy {:.2} ms/token, DFlash {:.2} ms/token, prefill excluded); {} mismatches with plain greedy decoding",
+        "tau {:.3}{interval} over {} prompts; speed-up {:.2}x (greedy {:.2} ms/token, DFlash {:.2} ms/token, prefill excluded); {} mismatches with plain greedy decoding",
         report.tau,
         report.prompts.len(),
         report.speedup,

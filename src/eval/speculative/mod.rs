@@ -5,7 +5,8 @@
 mod report;
 
 pub use report::{
-    EvalReport, PromptResult, Spread, MAX_TRUSTED_SPREAD, MIN_TRUSTED_PROMPTS, MIN_TRUSTED_TOKENS,
+    EvalReport, Interval, PromptResult, Spread, MAX_TRUSTED_SPREAD, MIN_TRUSTED_PROMPTS,
+    MIN_TRUSTED_TOKENS,
 };
 
 use std::time::Instant;

@@ -38,11 +38,49 @@ impl Spread {
     }
 }
 
+/// A two-sided confidence interval.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Interval {
+    pub low: f64,
+    pub high: f64,
+}
+
+/// The normal quantile of a two-sided 95 % interval.
+const Z_95: f64 = 1.959_964;
+
+impl Interval {
+    /// The 95 % interval of tau = sum(accepted) / sum(steps) over prompts drawn from a larger
+    /// set, by the delta method for a ratio with the prompt as the unit (a prompt's steps are
+    /// not independent of each other: its answer's kind sets them all). `None` for fewer than
+    /// two prompts or no steps.
+    pub fn tau_95(per_prompt: &[(usize, usize)]) -> Option<Self> {
+        let n = per_prompt.len();
+        let accepted: usize = per_prompt.iter().map(|&(a, _)| a).sum();
+        let steps: usize = per_prompt.iter().map(|&(_, s)| s).sum();
+        if n < 2 || steps == 0 {
+            return None;
+        }
+        let tau = accepted as f64 / steps as f64;
+        let squares: f64 = per_prompt
+            .iter()
+            .map(|&(a, s)| (a as f64 - tau * s as f64).powi(2))
+            .sum();
+        let se = (n as f64 / (n - 1) as f64 * squares).sqrt() / steps as f64;
+        Some(Interval {
+            low: tau - Z_95 * se,
+            high: tau + Z_95 * se,
+        })
+    }
+}
+
 /// Results over a set of prompts.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct EvalReport {
     /// Mean accepted tokens per DFlash step over all steps of all prompts.
     pub tau: f64,
+    /// tau's 95 % confidence interval over prompts (how far another draw of as many prompts
+    /// of the same kind may put it); `None` for fewer than two prompts.
+    pub tau_ci95: Option<Interval>,
     /// Time per output token, plain greedy / DFlash (prefill and warm-up excluded).
     pub speedup: f64,
     /// The per-prompt speed-ups (each prompt's greedy / DFlash time per token).
@@ -145,8 +183,13 @@ impl EvalReport {
         let greedy_step_ms = g_times.per_step_ms();
         let dflash_step_ms = d_times.per_step_ms();
         let speedups: Vec<f64> = prompts.iter().map(PromptResult::speedup).collect();
+        let per_prompt: Vec<(usize, usize)> = prompts
+            .iter()
+            .map(|p| (p.accept_lengths.iter().sum(), p.accept_lengths.len()))
+            .collect();
         EvalReport {
             tau: accepted as f64 / steps.max(1) as f64,
+            tau_ci95: Interval::tau_95(&per_prompt),
             speedup: greedy_spt / dflash_spt.max(1e-12),
             speedup_spread: Spread::of(&speedups),
             greedy_s_per_token: greedy_spt,
@@ -251,6 +294,63 @@ mod tests {
         let mut r = EvalReport::from_prompts(4, prompts);
         r.warmup_prompts = warmup;
         r
+    }
+
+    /// A prompt decoded in steps that accepted `accept_lengths` tokens each.
+    fn accepting(accept_lengths: &[usize]) -> PromptResult {
+        PromptResult {
+            accept_lengths: accept_lengths.to_vec(),
+            ..timed(1.0, 0.5, 100)
+        }
+    }
+
+    #[test]
+    fn tau_interval_is_the_ratio_estimators_over_prompts() {
+        // Two prompts, 2 steps each: 2 and 6 tokens, tau 2. Residuals a - tau * s: -2, +2;
+        // variance 2/1 * 8 = 16, standard error 4 / 4 steps = 1.
+        let r = report(vec![accepting(&[1, 1]), accepting(&[3, 3])], 1);
+        assert_eq!(r.tau, 2.0);
+        let ci = r.tau_ci95.expect("two prompts have an interval");
+        assert!((ci.low - (2.0 - Z_95)).abs() < 1e-12, "{ci:?}");
+        assert!((ci.high - (2.0 + Z_95)).abs() < 1e-12, "{ci:?}");
+        // Prompts that all accept alike leave no doubt: the interval is tau itself, whatever
+        // their lengths.
+        let alike = vec![
+            accepting(&[2, 4]),
+            accepting(&[2, 4, 3, 3]),
+            accepting(&[3]),
+        ];
+        let r = report(alike, 1);
+        let ci = r.tau_ci95.unwrap();
+        assert!(
+            (ci.low - r.tau).abs() < 1e-12 && (ci.high - r.tau).abs() < 1e-12,
+            "{ci:?}"
+        );
+        // One prompt, or none: no interval.
+        assert_eq!(report(vec![accepting(&[2, 3])], 1).tau_ci95, None);
+        assert_eq!(report(vec![], 1).tau_ci95, None);
+    }
+
+    #[test]
+    fn more_prompts_of_the_same_kind_narrow_tau_interval() {
+        let kinds = [&[1usize, 2, 1][..], &[5, 3], &[2, 2, 2, 1], &[8]];
+        let set = |copies: usize| {
+            (0..copies)
+                .flat_map(|_| kinds.iter().map(|k| accepting(k)))
+                .collect::<Vec<_>>()
+        };
+        let (few, many) = (report(set(1), 1), report(set(9), 1));
+        assert_eq!(few.tau, many.tau);
+        let width = |r: &EvalReport| {
+            let ci = r.tau_ci95.unwrap();
+            assert!(ci.low < r.tau && r.tau < ci.high, "{ci:?} around {}", r.tau);
+            ci.high - ci.low
+        };
+        // Nine times the prompts: about a third of the width (sqrt(9), and the n/(n-1) of
+        // 4 prompts against 36).
+        let ratio = width(&many) / width(&few);
+        let expected = ((36.0 / 35.0) / (4.0 / 3.0) / 9.0f64).sqrt();
+        assert!((ratio - expected).abs() < 1e-9, "{ratio} vs {expected}");
     }
 
     #[test]
