@@ -48,6 +48,13 @@ pub struct Interval {
 /// The normal quantile of a two-sided 95 % interval.
 const Z_95: f64 = 1.959_964;
 
+/// tau = sum(accepted) / sum(steps) of per-prompt (accepted tokens, steps); 0 without steps.
+fn tau_of(per_prompt: &[(usize, usize)]) -> f64 {
+    let accepted: usize = per_prompt.iter().map(|&(a, _)| a).sum();
+    let steps: usize = per_prompt.iter().map(|&(_, s)| s).sum();
+    accepted as f64 / steps.max(1) as f64
+}
+
 impl Interval {
     /// The 95 % interval of tau = sum(accepted) / sum(steps) over prompts drawn from a larger
     /// set, by the delta method for a ratio with the prompt as the unit (a prompt's steps are
@@ -55,12 +62,11 @@ impl Interval {
     /// two prompts or no steps.
     pub fn tau_95(per_prompt: &[(usize, usize)]) -> Option<Self> {
         let n = per_prompt.len();
-        let accepted: usize = per_prompt.iter().map(|&(a, _)| a).sum();
         let steps: usize = per_prompt.iter().map(|&(_, s)| s).sum();
         if n < 2 || steps == 0 {
             return None;
         }
-        let tau = accepted as f64 / steps as f64;
+        let tau = tau_of(per_prompt);
         let squares: f64 = per_prompt
             .iter()
             .map(|&(a, s)| (a as f64 - tau * s as f64).powi(2))
@@ -164,12 +170,9 @@ impl EvalReport {
     /// The totals over per-prompt results.
     pub(crate) fn from_prompts(block_size: usize, prompts: Vec<PromptResult>) -> Self {
         let mut by_slot = vec![0u64; block_size];
-        let (mut steps, mut accepted) = (0usize, 0usize);
         let (mut g_s, mut g_tok, mut d_s, mut d_tok) = (0.0, 0usize, 0.0, 0usize);
         let (mut g_times, mut d_times) = (StepTimes::default(), StepTimes::default());
         for p in &prompts {
-            steps += p.accept_lengths.len();
-            accepted += p.accept_lengths.iter().sum::<usize>();
             count_slots(&mut by_slot, &p.accept_lengths);
             g_s += p.greedy_s;
             g_tok += p.greedy_tokens;
@@ -188,7 +191,7 @@ impl EvalReport {
             .map(|p| (p.accept_lengths.iter().sum(), p.accept_lengths.len()))
             .collect();
         EvalReport {
-            tau: accepted as f64 / steps.max(1) as f64,
+            tau: tau_of(&per_prompt),
             tau_ci95: Interval::tau_95(&per_prompt),
             speedup: greedy_spt / dflash_spt.max(1e-12),
             speedup_spread: Spread::of(&speedups),
