@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The recipe's state across sessions whose only lasting store is this repository's history:
 # the regenerated data (regen*.tar.xz.*) and the best drafter (drafter.safetensors.* +
-# drafter-config.json) that scripts/smollm2-dflash.sh returned, kept in git history but not in
-# the tree (which travels to the GPU machine on every call and must stay small).
+# drafter-config.json) that scripts/smollm2-dflash.sh returned, and the drafter's eval reports
+# (eval-*.json.xz: per prompt, for scripts/eval_compare.py against a later drafter), kept in git
+# history but not in the tree (which travels to the GPU machine on every call and must stay small).
 #
 #   scripts/recipe-state.sh save SRC "what it is"   two commits: recipe-state/ added, then removed
 #   scripts/recipe-state.sh restore DEST [COMMIT]   the pieces of COMMIT (default: the latest
@@ -29,6 +30,7 @@ save)
   shopt -s nullglob
   files=("$src"/regen*.tar.xz.* "$src"/drafter.safetensors.* "$src"/drafter-config.jso[n])
   [ ${#files[@]} -gt 0 ] || { echo "$src: no regen*.tar.xz.*, drafter.safetensors.* or drafter-config.json" >&2; exit 1; }
+  files+=("$src"/eval-*.json.xz)
   mkdir "$dir"
   cp "${files[@]}" "$dir/"
   sums=$(cd "$dir" && sha256sum -- *)
