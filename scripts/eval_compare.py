@@ -3,7 +3,8 @@ they share (the same prompt ids, in order), and the difference with its 95 % int
 by prompt. Two drafters (or two dtypes) on the same prompts vary together from prompt to prompt,
 so the paired interval of their difference is much narrower than either report's own interval.
 
-usage: python3 eval_compare.py A.json B.json [--first N]
+usage: python3 eval_compare.py A.json B.json [--first N]       (either may be .json.xz, as a
+       scripts/recipe-state.sh save keeps them)
 
 --first N: only the first N prompts (e.g. the 100 of an earlier 100-prompt eval inside a
 170-prompt one). Prompts whose outputs are identical in both runs are also compared alone:
@@ -12,15 +13,17 @@ there the two decoded the same text, so only the drafting differed.
 
 import argparse
 import json
+import lzma
 import math
 import sys
 
 
 def per_prompt(path):
     try:
-        with open(path) as f:
+        opener = lzma.open if path.endswith(".xz") else open
+        with opener(path, "rt") as f:
             prompts = json.load(f)["prompts"]
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, lzma.LZMAError) as e:
         sys.exit(f"{path}: not an eval --json report: {e}")
     return prompts
 

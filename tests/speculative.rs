@@ -360,6 +360,77 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
 
 /// `dflash-tui eval` on the CPU with these models and prompts (warnings only on stderr); the
 /// caller adds the rest.
+#[test]
+fn eval_compare_pairs_two_reports_by_prompt() {
+    let (tmp, target, drafter, _head) = models(4);
+    let target_dir = tmp.path().join("t");
+    let other = Drafter::init(drafter.config.clone(), Device::Cpu, Kind::Float, 11).unwrap();
+    let prompts = tmp.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt_ids\": [5, 9, 13]}\n{\"prompt_ids\": [40, 2]}\n{\"prompt_ids\": [7, 7, 3, 30]}\n",
+    )
+    .unwrap();
+    drop(target);
+    let report = |drafter: &Drafter, name: &str, prompts: &std::path::Path| {
+        let dir = drafter.save(&tmp.path().join(name)).unwrap();
+        let out = eval_command(&target_dir, &dir, prompts)
+            .args(["--max-new-tokens", "16", "--json"])
+            .output()
+            .unwrap();
+        let v = json_of_success(&out);
+        let file = tmp.path().join(format!("{name}.json"));
+        std::fs::write(&file, &out.stdout).unwrap();
+        (file, v["tau"].as_f64().unwrap())
+    };
+    let (a, tau_a) = report(&drafter, "a", &prompts);
+    let (b, tau_b) = report(&other, "b", &prompts);
+    let compare = |x: &std::path::Path, y: &std::path::Path| {
+        std::process::Command::new("python3")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/scripts/eval_compare.py"
+            ))
+            .arg(x)
+            .arg(y)
+            .output()
+            .expect("python3 (make setup needs it too)")
+    };
+    let out = compare(&a, &b);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // each tau as its report has it, and their difference
+    let line = format!(
+        "all shared: 3 prompts, tau A {tau_a:.3}, B {tau_b:.3}, A - B {:+.3}",
+        tau_a - tau_b
+    );
+    assert!(text.contains(&line), "{line}\n{text}");
+    // f32: both decode greedy's tokens, so every output is identical and only drafting differs
+    assert!(text.contains("identical outputs: 3 prompts"), "{text}");
+    // a report against itself differs by nothing, with no spread
+    let out = compare(&a, &a);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("A - B +0.000 (95 % paired interval +0.000 to +0.000)"),
+        "{text}"
+    );
+    // other prompts are refused, naming the first that differs
+    std::fs::write(
+        &prompts,
+        "{\"prompt_ids\": [5, 9, 13]}\n{\"prompt_ids\": [41, 2]}\n",
+    )
+    .unwrap();
+    let (c, _) = report(&drafter, "c", &prompts);
+    let out = compare(&a, &c);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("prompt 1 differs"), "{err}");
+}
+
 fn eval_command(
     target: &std::path::Path,
     drafter: &std::path::Path,
