@@ -361,6 +361,81 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
 /// `dflash-tui eval` on the CPU with these models and prompts (warnings only on stderr); the
 /// caller adds the rest.
 #[test]
+fn acceptance_reads_an_eval_report_and_reproduces_its_picks_in_f32() {
+    let (tmp, _target, drafter, _head) = models(4);
+    let target_dir = tmp.path().join("t");
+    let drafter_dir = drafter.save(&tmp.path().join("d")).unwrap();
+    let prompts = tmp.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt_ids\": [5, 9, 13]}\n{\"prompt_ids\": [40, 2]}\n{\"prompt_ids\": [7, 7, 3, 30]}\n",
+    )
+    .unwrap();
+    let out = eval_command(&target_dir, &drafter_dir, &prompts)
+        .args(["--max-new-tokens", "20", "--json"])
+        .output()
+        .unwrap();
+    let eval = json_of_success(&out);
+    let report = tmp.path().join("eval.json");
+    std::fs::write(&report, &out.stdout).unwrap();
+    let acceptance = |report: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+            .args(["acceptance", "--device", "cpu", "--json", "--target"])
+            .arg(&target_dir)
+            .arg(report)
+            .env("DFLASH_LOG", "warn")
+            .output()
+            .unwrap()
+    };
+    let v = json_of_success(&acceptance(&report));
+    let ps = eval["prompts"].as_array().unwrap();
+    let steps = eval["accepted_by_slot"][0].as_u64().unwrap();
+    let tokens: u64 = ps
+        .iter()
+        .map(|p| p["output_ids"].as_array().unwrap().len() as u64 - 1)
+        .sum();
+    assert_eq!(v["prompts"], 3);
+    assert_eq!(v["steps"].as_u64(), Some(steps));
+    assert_eq!(v["tokens"].as_u64(), Some(tokens));
+    // f32, the same target: the teacher-forced forward ranks every decoded token first (an
+    // off-by-one position would agree on almost none)
+    assert_eq!(v["target_agrees"].as_u64(), Some(tokens), "{v}");
+    let ranges = v["ranges"].as_array().unwrap();
+    let sum = |field: &str| -> u64 { ranges.iter().map(|r| r[field].as_u64().unwrap()).sum() };
+    assert_eq!(sum("tokens"), tokens);
+    // every step drafts a first token inside the output, and each accepted draft is one the
+    // report counted (fewer only where an answer was cut inside a step)
+    assert_eq!(sum("first_drafted"), steps);
+    let accepted_in_report: u64 = (1..4)
+        .map(|k| eval["accepted_by_slot"][k].as_u64().unwrap())
+        .sum();
+    assert!(sum("accepted") <= accepted_in_report, "{v} {eval}");
+    // a step ends at its first rejected draft
+    assert!(sum("drafted") - sum("accepted") <= steps, "{v}");
+    // the table, without --json
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args(["acceptance", "--device", "cpu", "--target"])
+        .arg(&target_dir)
+        .arg(&report)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains(&format!("3 prompts, {steps} steps, {tokens} output tokens")),
+        "{table}"
+    );
+    // a file that is not an eval report is named, with what it lacks
+    std::fs::write(&report, "{\"tau\": 2.0}").unwrap();
+    let out = acceptance(&report);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("eval.json") && err.contains("not an `eval --json` report"),
+        "{err}"
+    );
+}
+
+#[test]
 fn eval_compare_pairs_two_reports_by_prompt() {
     let (tmp, target, drafter, _head) = models(4);
     let target_dir = tmp.path().join("t");

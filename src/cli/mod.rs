@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 use crate::gguf::OutputDtype;
 use crate::runtime::TorchRuntime;
 
+mod acceptance;
 mod data;
 mod doctor;
 mod eval;
@@ -235,6 +236,10 @@ pub enum Command {
     /// Acceptance length (tau) of a drafter by real greedy speculative decoding, speed-up over
     /// plain greedy decoding, and the check that both produce the same tokens.
     Eval(eval::EvalArgs),
+    /// Where the drafts of an `eval --json` report were accepted and rejected, by the target's
+    /// confidence (its top-1 probability) in the token it picked there: one teacher-forced
+    /// forward of the target per prompt, nothing decoded again.
+    Acceptance(acceptance::AcceptanceArgs),
     /// Perplexity of a model over a tokenised dataset (Arrow IPC, save_to_disk folder or
     /// Parquet with an input_ids column); prints one JSON object.
     Perplexity {
@@ -339,6 +344,7 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
         } => import::import_gguf(&file, &out_dir, dtype),
         Command::ImportSharegpt { file, out } => import::import_sharegpt(&file, &out),
         Command::Eval(args) => eval::run(&TorchRuntime::init(), args, bars),
+        Command::Acceptance(args) => acceptance::run(&TorchRuntime::init(), args, bars),
         Command::BenchUi {
             history,
             frames,
