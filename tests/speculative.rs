@@ -358,26 +358,13 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
     }
 }
 
-/// `dflash-tui eval` on the CPU with these models and prompts (warnings only on stderr); the
-/// caller adds the rest.
 #[test]
 fn acceptance_reads_an_eval_report_and_reproduces_its_picks_in_f32() {
     let (tmp, _target, drafter, _head) = models(4);
     let target_dir = tmp.path().join("t");
-    let drafter_dir = drafter.save(&tmp.path().join("d")).unwrap();
     let prompts = tmp.path().join("prompts.jsonl");
-    std::fs::write(
-        &prompts,
-        "{\"prompt_ids\": [5, 9, 13]}\n{\"prompt_ids\": [40, 2]}\n{\"prompt_ids\": [7, 7, 3, 30]}\n",
-    )
-    .unwrap();
-    let out = eval_command(&target_dir, &drafter_dir, &prompts)
-        .args(["--max-new-tokens", "20", "--json"])
-        .output()
-        .unwrap();
-    let eval = json_of_success(&out);
-    let report = tmp.path().join("eval.json");
-    std::fs::write(&report, &out.stdout).unwrap();
+    std::fs::write(&prompts, THREE_PROMPTS).unwrap();
+    let (report, eval) = eval_report(tmp.path(), &drafter, "eval", &prompts, 20);
     let acceptance = |report: &std::path::Path| {
         std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
             .args(["acceptance", "--device", "cpu", "--json", "--target"])
@@ -424,6 +411,18 @@ fn acceptance_reads_an_eval_report_and_reproduces_its_picks_in_f32() {
         table.contains(&format!("3 prompts, {steps} steps, {tokens} output tokens")),
         "{table}"
     );
+    // a report whose accept lengths contradict its drafts is refused, naming the prompt
+    let mut bad = eval.clone();
+    let length = bad["prompts"][1]["accept_lengths"][0].as_u64().unwrap();
+    bad["prompts"][1]["accept_lengths"][0] = (length + 1).into();
+    std::fs::write(&report, bad.to_string()).unwrap();
+    let out = acceptance(&report);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("prompt 1") && err.contains("step 0:") && err.contains("the report accepted"),
+        "{err}"
+    );
     // a file that is not an eval report is named, with what it lacks
     std::fs::write(&report, "{\"tau\": 2.0}").unwrap();
     let out = acceptance(&report);
@@ -437,29 +436,16 @@ fn acceptance_reads_an_eval_report_and_reproduces_its_picks_in_f32() {
 
 #[test]
 fn eval_compare_pairs_two_reports_by_prompt() {
-    let (tmp, target, drafter, _head) = models(4);
-    let target_dir = tmp.path().join("t");
+    let (tmp, _target, drafter, _head) = models(4);
     let other = Drafter::init(drafter.config.clone(), Device::Cpu, Kind::Float, 11).unwrap();
     let prompts = tmp.path().join("prompts.jsonl");
-    std::fs::write(
-        &prompts,
-        "{\"prompt_ids\": [5, 9, 13]}\n{\"prompt_ids\": [40, 2]}\n{\"prompt_ids\": [7, 7, 3, 30]}\n",
-    )
-    .unwrap();
-    drop(target);
-    let report = |drafter: &Drafter, name: &str, prompts: &std::path::Path| {
-        let dir = drafter.save(&tmp.path().join(name)).unwrap();
-        let out = eval_command(&target_dir, &dir, prompts)
-            .args(["--max-new-tokens", "16", "--json"])
-            .output()
-            .unwrap();
-        let v = json_of_success(&out);
-        let file = tmp.path().join(format!("{name}.json"));
-        std::fs::write(&file, &out.stdout).unwrap();
+    std::fs::write(&prompts, THREE_PROMPTS).unwrap();
+    let report = |drafter: &Drafter, name: &str| {
+        let (file, v) = eval_report(tmp.path(), drafter, name, &prompts, 16);
         (file, v["tau"].as_f64().unwrap())
     };
-    let (a, tau_a) = report(&drafter, "a", &prompts);
-    let (b, tau_b) = report(&other, "b", &prompts);
+    let (a, tau_a) = report(&drafter, "a");
+    let (b, tau_b) = report(&other, "b");
     let compare = |x: &std::path::Path, y: &std::path::Path| {
         std::process::Command::new("python3")
             .arg(concat!(
@@ -499,13 +485,39 @@ fn eval_compare_pairs_two_reports_by_prompt() {
         "{\"prompt_ids\": [5, 9, 13]}\n{\"prompt_ids\": [41, 2]}\n",
     )
     .unwrap();
-    let (c, _) = report(&drafter, "c", &prompts);
+    let (c, _) = report(&drafter, "c");
     let out = compare(&a, &c);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("prompt 1 differs"), "{err}");
 }
 
+/// Three prompts of token ids, for the tests that read eval's reports.
+const THREE_PROMPTS: &str =
+    "{\"prompt_ids\": [5, 9, 13]}\n{\"prompt_ids\": [40, 2]}\n{\"prompt_ids\": [7, 7, 3, 30]}\n";
+
+/// `eval --json` of `drafter` (saved as `name`) over `prompts` with `max_new` tokens: the report
+/// written to `name.json` beside it, and parsed.
+fn eval_report(
+    tmp: &std::path::Path,
+    drafter: &Drafter,
+    name: &str,
+    prompts: &std::path::Path,
+    max_new: usize,
+) -> (std::path::PathBuf, serde_json::Value) {
+    let dir = drafter.save(&tmp.join(name)).unwrap();
+    let out = eval_command(&tmp.join("t"), &dir, prompts)
+        .args(["--max-new-tokens", &max_new.to_string(), "--json"])
+        .output()
+        .unwrap();
+    let v = json_of_success(&out);
+    let file = tmp.join(format!("{name}.json"));
+    std::fs::write(&file, &out.stdout).unwrap();
+    (file, v)
+}
+
+/// `dflash-tui eval` on the CPU with these models and prompts (warnings only on stderr); the
+/// caller adds the rest.
 fn eval_command(
     target: &std::path::Path,
     drafter: &std::path::Path,

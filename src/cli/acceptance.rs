@@ -47,10 +47,11 @@ pub(super) fn run(runtime: &TorchRuntime, args: AcceptanceArgs, bars: &Bars) -> 
     let bar = bars.bar("acceptance", prompts.len() as u64, "prompts");
     let mut report = AcceptanceReport::new();
     let tallied = prompts.iter().enumerate().try_for_each(|(i, prompt)| {
-        let (confidence, agrees) = target_confidence(&target, prompt)?;
-        report.add(prompt, &confidence, &agrees)?;
+        target_confidence(&target, prompt)
+            .and_then(|(confidence, agrees)| report.add(prompt, &confidence, &agrees))
+            .with_context(|| format!("prompt {i}"))?;
         bar.inc(1);
-        anyhow::Ok(()).with_context(|| format!("prompt {i}"))
+        anyhow::Ok(())
     });
     bar.finish_and_clear();
     tallied.with_context(|| format!("{}", args.report.display()))?;

@@ -231,6 +231,13 @@ pub fn target_confidence(
             Ok(t as i64)
         })
         .collect::<Result<_>>()?;
+    let context = target.config.max_position_embeddings;
+    if ids.len() as i64 - 1 > context {
+        bail!(
+            "{} prompt and output tokens are more than the target's context of {context}",
+            ids.len()
+        );
+    }
     // The last output token predicts nothing that is kept.
     let input = Tensor::from_slice(&ids[..ids.len() - 1])
         .view([1, -1])
