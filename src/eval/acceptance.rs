@@ -256,20 +256,12 @@ pub fn target_confidence(
     let n = out.len() as i64;
     let rows = hidden.squeeze_dim(0).narrow(0, first, n);
     let (mut confidence, mut top) = (Vec::with_capacity(out.len()), Vec::with_capacity(out.len()));
-    let mut start = 0;
-    while start < n {
-        let len = LOGIT_ROWS.min(n - start);
-        let (p, i) = tch::no_grad(|| {
-            target
-                .logits(&rows.narrow(0, start, len))
-                .softmax(-1, Kind::Float)
-                .max_dim(-1, false)
-        });
+    for (_, logits) in target.logits_by_rows(&rows, LOGIT_ROWS) {
+        let (p, i) = tch::no_grad(|| logits.softmax(-1, Kind::Float).max_dim(-1, false));
         confidence.extend(Vec::<f64>::try_from(
             p.to_kind(Kind::Double).to_device(tch::Device::Cpu),
         )?);
         top.extend(Vec::<i64>::try_from(i.to_device(tch::Device::Cpu))?);
-        start += len;
     }
     let agrees = top.iter().zip(out).map(|(&a, &b)| a == b as i64).collect();
     Ok((confidence, agrees))

@@ -110,23 +110,18 @@ pub fn perplexity(
             (h.index_select(0, &keep), targets.index_select(0, &keep))
         });
         let (h, targets) = rows;
-        let n = h.size()[0];
-        let mut start = 0;
-        while start < n {
-            let len = LOGIT_ROWS.min(n - start);
+        for (start, logits) in model.logits_by_rows(&h, LOGIT_ROWS) {
+            let len = logits.size()[0];
             let loss = tch::no_grad(|| {
-                model
-                    .logits(&h.narrow(0, start, len))
-                    .cross_entropy_loss::<Tensor>(
-                        &targets.narrow(0, start, len),
-                        None,
-                        Reduction::Sum,
-                        -100,
-                        0.0,
-                    )
+                logits.cross_entropy_loss::<Tensor>(
+                    &targets.narrow(0, start, len),
+                    None,
+                    Reduction::Sum,
+                    -100,
+                    0.0,
+                )
             });
             nll += loss.to_kind(Kind::Double).double_value(&[]);
-            start += len;
         }
         if let Some(bar) = &opts.progress {
             bar.inc(batch.iter().map(|s| s.len() as u64).sum());

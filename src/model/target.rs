@@ -386,6 +386,23 @@ impl TargetModel {
         })
     }
 
+    /// [`TargetModel::logits`] of `hidden` [n, width], `rows` rows at a time, each with the row
+    /// it starts at: a long sequence's full-vocabulary logits are never materialised at once.
+    pub fn logits_by_rows<'a>(
+        &'a self,
+        hidden: &'a Tensor,
+        rows: i64,
+    ) -> impl Iterator<Item = (i64, Tensor)> + 'a {
+        let n = hidden.size().first().copied().unwrap_or(0);
+        let rows = rows.max(1);
+        (0..n).step_by(rows as usize).map(move |start| {
+            (
+                start,
+                self.logits(&hidden.narrow(0, start, rows.min(n - start))),
+            )
+        })
+    }
+
     /// One forward over `input_ids` [batch, seq] continuing the positions held in `cache` (or
     /// starting at 0 without one). Layers after the last one needed are skipped when neither
     /// final states nor logits are requested and no cache must be filled.
