@@ -26,10 +26,10 @@
 #        at batch 384, then every turn of all of them at BATCH slots (default 1024);
 #        TRACE_STEPS=FIRST:COUNT adds a profiler trace of those decoding steps, totalled;
 #        RUNS=all (or first) runs only that workload.
-# eval   `eval` of run/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
+# eval   `eval` of $RUN/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
 #        prompts and MT-Bench's 80 first turns, 128 new tokens each; 20 prompts in f32
 #        (lossless); the drafter in z-lab's public implementation (scripts/check_public_dflash.py).
-#        TRACE=1: also the trace stage.
+#        TRACE=1: also the trace stage. QUICK=1: the two bf16 sets only.
 # trace  a profiler trace of one prompt's decoding (greedy, then DFlash), totalled by kernel
 #        and by part of a step (scripts/trace_summary.py; the summary is returned, the trace
 #        stays in $W).
@@ -45,6 +45,9 @@
 # logs.tar (4 of 15 MiB; an 11-layer drafter has 6) and names those left, which the next call
 # on the same machine brings back with
 # rest   the drafter's pieces that the last train stage could not return.
+# RUN=NAME (default run): the run folder $W/NAME of train, rest, eval and trace. Two names on
+# one machine are two arms from the same carried drafter (e.g. with and without a SET), each
+# measured with QUICK=1 eval; `rest` with an arm's name then returns that arm's drafter.
 # What a session returned outlives it in git history: scripts/recipe-state.sh save / restore.
 # Inputs in $W: dflash-tui (or dflash-tui.xz), gg.* (the demo GGUF, xz-compressed, in pieces),
 # sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (the dflash==0.1.0 wheel: z-lab's implementation, run on
@@ -55,6 +58,11 @@ export LD_LIBRARY_PATH=$TL NCCL_NVLS_ENABLE=0
 W=${W:-/tmp/w}
 OUT=${OUT:-/tmp/out}
 CONFIG=${CONFIG:-configs/smollm2-dflash.toml}
+# RUN: the run's folder under $W (train, rest, eval and trace use it); runs of other names on
+# one machine are arms of a comparison that start from the same carried drafter
+RUN=${RUN:-run}
+R=$W/$RUN
+BACK=$W/back-$RUN
 mkdir -p "$OUT" "$W"
 t() { echo "== $(date +%T) $*"; }
 B=$W/dflash-tui
@@ -75,7 +83,7 @@ carried_drafter() { # $W/drafter-in from a previous stage's pieces; fails when n
 }
 
 drafter() { # D: the drafter to evaluate (this machine's best, else the one carried in)
-  D=$W/run/best/drafter
+  D=$R/best/drafter
   [ -f "$D/model.safetensors" ] && return 0
   D=$W/drafter-in
   carried_drafter
@@ -182,12 +190,12 @@ more)
 train)
   model && regen || exit 1
   args=(--config "$CONFIG" --no-tui --set model.target="$W/smol" --set data.path="$W/regen")
-  if [ -e "$W/run/checkpoints/latest" ]; then
-    args=(--resume "$W/run" --no-tui)
+  if [ -e "$R/checkpoints/latest" ]; then
+    args=(--resume "$R" --no-tui)
     # STEPS on a resume: the run's schedule stretched (or cut) to that many steps
     [ -n "${STEPS:-}" ] && args+=(--allow-schedule-change --set train.total_steps="$STEPS")
   else
-    args+=(--run-dir "$W/run" --set train.total_steps="${STEPS:-4000}" ${LR:+--set train.lr=$LR})
+    args+=(--run-dir "$R" --set train.total_steps="${STEPS:-4000}" ${LR:+--set train.lr=$LR})
     # SET="section.field=value ...": further settings of the new run
     for kv in ${SET:-}; do args+=(--set "$kv"); done
     # a previous stage's drafter, carried in, starts the new run
@@ -201,22 +209,22 @@ train)
   echo "train exit $?"
   grep -E "validation at|eval at|checkpoint|run finished|stopp" "$OUT/train.out" | tail -25
   tail -4 "$OUT/train.out"
-  cp "$W/run/metrics.jsonl" "$OUT/" 2>/dev/null
+  cp "$R/metrics.jsonl" "$OUT/" 2>/dev/null
   bundle train.out metrics.jsonl
-  cat "$W/run/best/eval.json" 2>/dev/null && echo
-  rm -rf "$W/back"
-  if [ -f "$W/run/best/drafter/model.safetensors" ]; then
-    cp "$W/run/best/drafter/config.json" "$OUT/drafter-config.json" && mkdir -p "$W/back" &&
-      split -b 15M "$W/run/best/drafter/model.safetensors" "$W/back/drafter.safetensors." &&
-      give "$W/back"
+  cat "$R/best/eval.json" 2>/dev/null && echo
+  rm -rf "$BACK"
+  if [ -f "$R/best/drafter/model.safetensors" ]; then
+    cp "$R/best/drafter/config.json" "$OUT/drafter-config.json" && mkdir -p "$BACK" &&
+      split -b 15M "$R/best/drafter/model.safetensors" "$BACK/drafter.safetensors." &&
+      give "$BACK"
   fi
   ;;
 rest)
-  if compgen -G "$W/back/*" > /dev/null; then
-    give "$W/back"
+  if compgen -G "$BACK/*" > /dev/null; then
+    give "$BACK"
     ls -la "$OUT"
   else
-    echo "nothing left to return in $W/back"
+    echo "nothing left to return in $BACK"
   fi
   ;;
 ablate)
@@ -249,6 +257,14 @@ eval)
   t eval-mtbench
   "$B" eval --target "$W/smol" --drafter "$D" --prompts "$W/mt-bench.jsonl" --limit 80 \
     --max-new-tokens 128 --json > "$OUT/eval-mtbench.json" 2> "$OUT/eval-mtbench.err"
+  if [ -n "${QUICK:-}" ]; then
+    # QUICK=1: the two bf16 sets only (an arm of a comparison; the f32 and public checks are
+    # the kept drafter's, run later with RUN=NAME bash scripts/smollm2-dflash.sh eval)
+    python3 scripts/eval_summary.py "$OUT"/eval-sharegpt.json "$OUT"/eval-mtbench.json
+    bundle eval-sharegpt.json eval-sharegpt.err eval-mtbench.json eval-mtbench.err
+    t done
+    exit 0
+  fi
   t eval-f32
   "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 20 \
     --max-new-tokens 64 --dtype f32 --json > "$OUT/eval-f32.json" 2> "$OUT/eval-f32.err"
