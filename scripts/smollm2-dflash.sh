@@ -47,7 +47,8 @@
 # rest   the drafter's pieces that the last train stage could not return.
 # RUN=NAME (default run): the run folder $W/NAME of train, rest, eval and trace. Two names on
 # one machine are two arms from the same carried drafter (e.g. with and without a SET), each
-# measured with QUICK=1 eval; `rest` with an arm's name then returns that arm's drafter.
+# measured with QUICK=1 eval; `rest` with an arm's name then returns the rest of that arm's
+# drafter, and with AGAIN=1 all of it (two calls for 11 layers).
 # What a session returned outlives it in git history: scripts/recipe-state.sh save / restore.
 # Inputs in $W: dflash-tui (or dflash-tui.xz), gg.* (the demo GGUF, xz-compressed, in pieces),
 # sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (the dflash==0.1.0 wheel: z-lab's implementation, run on
@@ -220,6 +221,11 @@ train)
   fi
   ;;
 rest)
+  # AGAIN=1: all of the run's best drafter again (e.g. when an earlier call's pieces were dropped)
+  if [ -n "${AGAIN:-}" ] && [ -f "$R/best/drafter/model.safetensors" ]; then
+    rm -rf "$BACK" && mkdir -p "$BACK" && cp "$R/best/drafter/config.json" "$OUT/drafter-config.json" &&
+      split -b 15M "$R/best/drafter/model.safetensors" "$BACK/drafter.safetensors." || exit 1
+  fi
   if compgen -G "$BACK/*" > /dev/null; then
     give "$BACK"
     ls -la "$OUT"
