@@ -115,6 +115,14 @@ give() { # give DIR: DIR's files into $OUT in name order, as many as a call brin
   fi
 }
 
+pack_best() { # $R's best drafter into $BACK in 15 MiB pieces (for give) and its config into
+  # $OUT; fails when the run has no best drafter
+  rm -rf "$BACK"
+  [ -f "$R/best/drafter/model.safetensors" ] || return 1
+  cp "$R/best/drafter/config.json" "$OUT/drafter-config.json" && mkdir -p "$BACK" &&
+    split -b 15M "$R/best/drafter/model.safetensors" "$BACK/drafter.safetensors."
+}
+
 summary() { # the first $1 lines of inspect-data's summary of $W/regen (read whole: with
   # pipefail, a `| head` that stops reading would fail the stage)
   "$B" inspect-data "$W/regen" > "$W/inspect.txt" 2>&1 && head -"$1" "$W/inspect.txt"
@@ -213,18 +221,13 @@ train)
   cp "$R/metrics.jsonl" "$OUT/" 2>/dev/null
   bundle train.out metrics.jsonl
   cat "$R/best/eval.json" 2>/dev/null && echo
-  rm -rf "$BACK"
-  if [ -f "$R/best/drafter/model.safetensors" ]; then
-    cp "$R/best/drafter/config.json" "$OUT/drafter-config.json" && mkdir -p "$BACK" &&
-      split -b 15M "$R/best/drafter/model.safetensors" "$BACK/drafter.safetensors." &&
-      give "$BACK"
-  fi
+  if pack_best; then give "$BACK"; fi
   ;;
 rest)
   # AGAIN=1: all of the run's best drafter again (e.g. when an earlier call's pieces were dropped)
-  if [ -n "${AGAIN:-}" ] && [ -f "$R/best/drafter/model.safetensors" ]; then
-    rm -rf "$BACK" && mkdir -p "$BACK" && cp "$R/best/drafter/config.json" "$OUT/drafter-config.json" &&
-      split -b 15M "$R/best/drafter/model.safetensors" "$BACK/drafter.safetensors." || exit 1
+  if [ -n "${AGAIN:-}" ] && ! pack_best; then
+    echo "AGAIN: no best drafter in $R/best/drafter" >&2
+    exit 1
   fi
   if compgen -G "$BACK/*" > /dev/null; then
     give "$BACK"
