@@ -245,6 +245,7 @@ fn main() -> Result<()> {
         kl_weight: 0.0,
         kl_temperature: 1.0,
         streak_alpha: 0.0,
+        streak_tau_power: 0.0,
         chunk_rows: LossOptions::chunk_rows_for_vocab(cfg.vocab_size),
         kernels: None,
     };

@@ -743,6 +743,7 @@ fn loss_and_gradients_are_the_same_with_both_formulations() {
         kl_weight: 0.0,
         kl_temperature: 1.0,
         streak_alpha: 0.0,
+        streak_tau_power: 0.0,
         chunk_rows: 7,
         kernels: None,
     };
@@ -750,6 +751,7 @@ fn loss_and_gradients_are_the_same_with_both_formulations() {
         kl_weight: 0.4,
         kl_temperature: 2.0,
         streak_alpha: 0.3,
+        streak_tau_power: 1.0,
         chunk_rows: 5,
         kernels: None,
     };
@@ -770,12 +772,15 @@ fn loss_and_gradients_are_the_same_with_both_formulations() {
 #[test]
 fn loss_and_gradients_do_not_depend_on_the_loss_chunk_size() {
     let case = LossCase::new(23);
-    for (kl_weight, streak_alpha, soft) in [(0.0, 0.0, false), (0.4, 0.3, true)] {
+    for (kl_weight, streak_alpha, streak_tau_power, soft) in
+        [(0.0, 0.0, 0.0, false), (0.4, 0.3, 2.0, true)]
+    {
         let pass = |chunk_rows| {
             let opts = LossOptions {
                 kl_weight,
                 kl_temperature: 2.0,
                 streak_alpha,
+                streak_tau_power,
                 chunk_rows,
                 kernels: None,
             };
@@ -801,6 +806,7 @@ fn deferred_loss_gives_the_same_sums_and_gradients() {
         kl_weight: 0.0,
         kl_temperature: 1.0,
         streak_alpha: 0.2,
+        streak_tau_power: 2.0,
         chunk_rows: 6,
         kernels: None,
     };

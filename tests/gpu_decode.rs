@@ -583,6 +583,7 @@ fn gpu_fused_loss_equals_the_libtorch_operations() {
                     kl_weight,
                     kl_temperature: 1.0,
                     streak_alpha: 0.0,
+                    streak_tau_power: 0.0,
                     chunk_rows,
                     kernels: fused.then_some(kernels),
                 };

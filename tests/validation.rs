@@ -191,6 +191,7 @@ fn memorise(
         kl_weight: 0.0,
         kl_temperature: 1.0,
         streak_alpha: 0.0,
+        streak_tau_power: 0.0,
         chunk_rows: 256,
         kernels: None,
     };
@@ -410,6 +411,7 @@ fn loss_accuracy_and_acceptance_are_trainings_over_every_anchor() {
         kl_weight: 0.0,
         kl_temperature: 1.0,
         streak_alpha: 0.0,
+        streak_tau_power: 0.0,
         chunk_rows: 64,
         kernels: None,
     };

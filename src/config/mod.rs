@@ -231,6 +231,13 @@ pub struct TrainSection {
     pub kl_temperature: f64,
     /// Weight of the accepted-streak term, in [0, 1]. Default 0.
     pub streak_alpha: f64,
+    /// Divides each block's streak weights by the block's expected acceptance length
+    /// `tau = 1 + s_1` to this power, in [0, 2]; only with `streak_alpha` > 0. 0: the spec's
+    /// streak weighting, the gradient of the mean accepted length over anchor positions. 2: the
+    /// gradient of the expected number of decoding steps (decoding starts a step at a position
+    /// about 1 / tau of the time), so the hard positions where decoding spends its steps count
+    /// more. Default 0.
+    pub streak_tau_power: f64,
     /// Formulation of the training attention, both exact: "chunked" (blocks in chunks of C, each
     /// chunk over the context and its own blocks; C chosen from the sizes), "chunked:C", or
     /// "dense" (every block against all block keys, the straightforward reference). Default
@@ -262,6 +269,7 @@ impl Default for TrainSection {
             kl_temperature: 1.0,
             attention: crate::model::drafter::TrainAttention::AUTO,
             streak_alpha: 0.0,
+            streak_tau_power: 0.0,
             fused_loss: true,
         }
     }

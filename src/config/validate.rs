@@ -126,7 +126,21 @@ impl TrainConfig {
             t.kl_temperature > 0.0,
             "> 0",
         )?;
-        unit("train.streak_alpha", t.streak_alpha)
+        unit("train.streak_alpha", t.streak_alpha)?;
+        float(
+            "train.streak_tau_power",
+            t.streak_tau_power,
+            (0.0..=2.0).contains(&t.streak_tau_power),
+            ">= 0 and <= 2",
+        )?;
+        if t.streak_tau_power > 0.0 && t.streak_alpha == 0.0 {
+            bail!(
+                "config: train.streak_tau_power = {} has no effect: it divides the streak weights, \
+                 which train.streak_alpha = 0 switches off (set train.streak_alpha > 0, e.g. 0.0001)",
+                t.streak_tau_power
+            );
+        }
+        Ok(())
     }
 
     fn check_devices(&self) -> Result<()> {

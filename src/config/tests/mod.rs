@@ -75,8 +75,13 @@ fn defaults() {
     );
     assert_eq!((t.clip_grad_norm, t.loss_decay_gamma), (1.0, 0.0));
     assert_eq!(
-        (t.kl_weight, t.kl_temperature, t.streak_alpha),
-        (0.0, 1.0, 0.0)
+        (
+            t.kl_weight,
+            t.kl_temperature,
+            t.streak_alpha,
+            t.streak_tau_power
+        ),
+        (0.0, 1.0, 0.0, 0.0)
     );
     assert_eq!(c.devices.target_devices, vec!["auto"]);
     assert_eq!(c.devices.drafter_devices, vec!["auto"]);

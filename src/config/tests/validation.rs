@@ -116,6 +116,17 @@ fn validation_errors_name_their_field() {
             "train.streak_alpha = inf",
             Box::new(|c| c.train.streak_alpha = f64::INFINITY),
         ),
+        (
+            "train.streak_tau_power = 3",
+            Box::new(|c| {
+                c.train.streak_alpha = 0.1;
+                c.train.streak_tau_power = 3.0
+            }),
+        ),
+        (
+            "train.streak_tau_power = 2 has no effect",
+            Box::new(|c| c.train.streak_tau_power = 2.0),
+        ),
     ]);
 }
 

@@ -93,6 +93,7 @@ pub(crate) fn train_on_item(
         kl_weight: cfg.train.kl_weight,
         kl_temperature: cfg.train.kl_temperature,
         streak_alpha: cfg.train.streak_alpha,
+        streak_tau_power: cfg.train.streak_tau_power,
         chunk_rows: LossOptions::chunk_rows_for_vocab(head.lm_head.size()[0]),
         kernels: head.loss_kernels,
     };
