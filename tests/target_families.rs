@@ -216,3 +216,220 @@ fn bf16_forward_runs_on_cpu() {
     assert_eq!(b.kind(), Kind::Float);
     assert!(max_diff(&a, &b) < 0.1, "bf16 drifted {}", max_diff(&a, &b));
 }
+
+/// Tiny checkpoints written by transformers 5 itself, with its reference outputs
+/// (tests/fixtures/make_hf5_targets.py).
+const HF5: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf5_targets");
+
+struct Reference {
+    ids: Tensor,
+    logits: Tensor,
+    layer0: Tensor,
+    final_hidden: Tensor,
+    perplexity: f64,
+    perplexity_theta_1e4: f64,
+}
+
+fn reference(dir: &std::path::Path) -> Reference {
+    let tensors: std::collections::HashMap<String, Tensor> =
+        Tensor::read_safetensors(dir.join("reference.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let t = |name: &str| tensors[name].shallow_clone();
+    Reference {
+        ids: t("input_ids"),
+        logits: t("logits"),
+        layer0: t("layer0"),
+        final_hidden: t("final_hidden"),
+        perplexity: json["perplexity"].as_f64().unwrap(),
+        perplexity_theta_1e4: json["perplexity_theta_1e4"].as_f64().unwrap(),
+    }
+}
+
+/// exp of the mean next-token cross entropy, as transformers' causal-LM loss.
+fn perplexity(logits: &Tensor, ids: &Tensor) -> f64 {
+    let s = ids.size()[1];
+    let logp = logits
+        .narrow(1, 0, s - 1)
+        .log_softmax(-1, Kind::Double);
+    let next = ids.narrow(1, 1, s - 1).unsqueeze(-1);
+    (-logp.gather(-1, &next, false).mean(Kind::Double))
+        .exp()
+        .double_value(&[])
+}
+
+/// Logits, layer-0 output, final hidden state and perplexity of the model in `dir` against the
+/// reference; returns the perplexity.
+fn check_against_reference(dir: &std::path::Path, r: &Reference) -> f64 {
+    let m = TargetModel::load(dir, Device::Cpu, Kind::Float).unwrap();
+    let out = m.run(
+        &r.ids,
+        None,
+        &ForwardRequest {
+            tap_layers: vec![0],
+            final_hidden: true,
+            logits: true,
+        },
+    );
+    let name = dir.display();
+    let logits = out.logits.unwrap();
+    for (what, ours, theirs) in [
+        ("logits", &logits, &r.logits),
+        ("layer 0", &out.features.unwrap(), &r.layer0),
+        ("final hidden", &out.final_hidden.unwrap(), &r.final_hidden),
+    ] {
+        let d = max_diff(ours, theirs);
+        assert!(d < 1e-4, "{name}: {what} differ from transformers' by {d}");
+    }
+    let ppl = perplexity(&logits, &r.ids);
+    let rel = (ppl - r.perplexity).abs() / r.perplexity;
+    assert!(rel < 1e-4, "{name}: perplexity {ppl} vs transformers' {}", r.perplexity);
+    ppl
+}
+
+#[test]
+fn transformers_5_checkpoints_give_transformers_outputs() {
+    for name in [
+        "llama_theta1e6",
+        "llama_llama3",
+        "qwen3_theta1e6",
+        "mistral3_nested",
+    ] {
+        let dir = std::path::Path::new(HF5).join(name);
+        let r = reference(&dir);
+        check_against_reference(&dir, &r);
+    }
+}
+
+/// The text model's settings of a config: its `text_config`, or the config itself.
+fn text_section(c: &mut serde_json::Value) -> &mut serde_json::Value {
+    if c.get("text_config").is_some() {
+        &mut c["text_config"]
+    } else {
+        c
+    }
+}
+
+/// A copy of fixture `name` whose config.json is changed by `edit`.
+fn edited_copy(name: &str, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    let from = std::path::Path::new(HF5).join(name);
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&from).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, tmp.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let config_path = tmp.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    tmp
+}
+
+#[test]
+fn rope_parameters_theta_is_honoured() {
+    // The same weights with theta 10000 (what ignoring rope_parameters gives) have another
+    // perplexity, far outside the tolerance of the comparison above.
+    for name in ["llama_theta1e6", "qwen3_theta1e6", "mistral3_nested"] {
+        let dir = std::path::Path::new(HF5).join(name);
+        let r = reference(&dir);
+        let gap = (r.perplexity - r.perplexity_theta_1e4).abs() / r.perplexity;
+        assert!(gap > 1e-2, "{name}: theta barely matters ({gap})");
+        let config = dflash_tui::model::TargetConfig::from_model_dir(&dir).unwrap();
+        assert_eq!(config.rope_theta, 1e6, "{name}");
+        // without rope_parameters the model runs with theta 10000, as transformers then does
+        let old = edited_copy(name, |c| {
+            let text = text_section(c);
+            text.as_object_mut().unwrap().remove("rope_parameters");
+        });
+        let m = TargetModel::load(old.path(), Device::Cpu, Kind::Float).unwrap();
+        let ppl = perplexity(&m.forward(&r.ids, None), &r.ids);
+        let rel = (ppl - r.perplexity_theta_1e4).abs() / r.perplexity_theta_1e4;
+        assert!(rel < 1e-4, "{name}: theta 10000 gives {ppl}, transformers {}", r.perplexity_theta_1e4);
+        // the old keys alone read the same as rope_parameters
+        let legacy = edited_copy(name, |c| {
+            let text = text_section(c);
+            let map = text.as_object_mut().unwrap();
+            map.remove("rope_parameters");
+            map.insert("rope_theta".into(), serde_json::json!(1e6));
+        });
+        check_against_reference(legacy.path(), &r);
+        // both forms, disagreeing: refused naming both
+        let both = edited_copy(name, |c| {
+            let text = text_section(c);
+            text["rope_theta"] = serde_json::json!(10000.0);
+        });
+        let e = format!("{:#}", TargetModel::load(both.path(), Device::Cpu, Kind::Float).unwrap_err());
+        assert!(
+            e.contains("rope_parameters.rope_theta = 1000000 and rope_theta = 10000 disagree"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn llama3_scaling_in_rope_parameters_is_honoured() {
+    let dir = std::path::Path::new(HF5).join("llama_llama3");
+    let r = reference(&dir);
+    let config = dflash_tui::model::TargetConfig::from_model_dir(&dir).unwrap();
+    assert!(format!("{:?}", config.rope_scaling).starts_with("Llama3"), "{config:?}");
+    // with the scaling dropped the outputs move: the comparison above would fail
+    let plain = edited_copy("llama_llama3", |c| {
+        c["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 10000.0});
+    });
+    let m = TargetModel::load(plain.path(), Device::Cpu, Kind::Float).unwrap();
+    assert!(max_diff(&m.forward(&r.ids, None), &r.logits) > 1e-2);
+    // a type transformers supports and this project does not is refused by name
+    let yarn = edited_copy("llama_llama3", |c| {
+        c["rope_parameters"]["rope_type"] = serde_json::json!("yarn");
+    });
+    let e = format!("{:#}", TargetModel::load(yarn.path(), Device::Cpu, Kind::Float).unwrap_err());
+    assert!(
+        e.contains("config.json")
+            && e.contains("rope_parameters.rope_type = \"yarn\" is not supported (default, linear, llama3)"),
+        "{e}"
+    );
+}
+
+#[test]
+fn multimodal_text_models_load_from_either_weight_layout() {
+    // transformers 5 saves language_model.model.* and language_model.lm_head.weight (the hub's
+    // layout); transformers 4.52 to 4.57 saved model.language_model.* and lm_head.weight.
+    let dir = std::path::Path::new(HF5).join("mistral3_nested");
+    let r = reference(&dir);
+    let other = edited_copy("mistral3_nested", |_| {});
+    let file = other.path().join("model.safetensors");
+    let renamed: Vec<(String, Tensor)> = Tensor::read_safetensors(&file)
+        .unwrap()
+        .into_iter()
+        .map(|(name, t)| {
+            let name = if let Some(rest) = name.strip_prefix("language_model.model.") {
+                format!("model.language_model.{rest}")
+            } else if let Some(rest) = name.strip_prefix("language_model.lm_head.") {
+                format!("lm_head.{rest}")
+            } else {
+                format!("model.{name}")
+            };
+            (name, t)
+        })
+        .collect();
+    assert!(renamed.iter().any(|(n, _)| n.starts_with("model.vision_tower.")));
+    Tensor::write_safetensors(&renamed, &file).unwrap();
+    check_against_reference(other.path(), &r);
+    // a multimodal model whose text model is of another family is refused in one line
+    let qwen35 = edited_copy("mistral3_nested", |c| {
+        c["architectures"] = serde_json::json!(["Qwen3_5ForConditionalGeneration"]);
+        c["model_type"] = serde_json::json!("qwen3_5");
+        c["text_config"]["model_type"] = serde_json::json!("qwen3_5_text");
+    });
+    let e = format!("{:#}", TargetModel::load(qwen35.path(), Device::Cpu, Kind::Float).unwrap_err());
+    assert!(
+        e.ends_with("config.json: architectures[0] = \"Qwen3_5ForConditionalGeneration\" (model_type \"qwen3_5\", text_config.model_type \"qwen3_5_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3"),
+        "{e}"
+    );
+    assert!(!e.contains('\n'));
+}

@@ -2,10 +2,12 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
+use serde_json::Value;
 
-use super::rope_scaling::RopeScaling;
+use super::config_checks::{check_computation_fields, text_settings};
+use super::rope_scaling::{RopeScaling, RopeSettings, DEFAULT_THETA};
 
 /// The architecture families the target implementation covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +52,7 @@ impl TokenIds {
 }
 
 fn default_rope_theta() -> f64 {
-    10_000.0
+    DEFAULT_THETA
 }
 
 fn default_rms_eps() -> f64 {
@@ -61,7 +63,11 @@ fn default_max_positions() -> i64 {
     2048
 }
 
-/// The fields of `config.json` the target needs; unknown fields are ignored.
+/// The `model_type`s of the supported families, as messages name them.
+pub(crate) const SUPPORTED: &str = "llama, mistral, qwen2, qwen3";
+
+/// The fields of `config.json` the target needs. Fields that would change the computation and
+/// are not implemented are refused by name ([`super::config_checks`]); the others are ignored.
 #[derive(Debug, Clone, Deserialize)]
 pub struct TargetConfig {
     pub model_type: String,
@@ -75,7 +81,8 @@ pub struct TargetConfig {
     pub head_dim: Option<i64>,
     #[serde(default = "default_rms_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default = "default_rope_theta")]
+    /// From `rope_parameters.rope_theta` or the older `rope_theta` ([`RopeSettings`]).
+    #[serde(skip_deserializing, default = "default_rope_theta")]
     pub rope_theta: f64,
     pub vocab_size: i64,
     #[serde(default)]
@@ -86,7 +93,8 @@ pub struct TargetConfig {
     pub attention_bias: bool,
     #[serde(default)]
     pub hidden_act: Option<String>,
-    #[serde(default)]
+    /// From `rope_parameters` or the older `rope_scaling` ([`RopeSettings`]).
+    #[serde(skip_deserializing)]
     pub rope_scaling: RopeScaling,
     #[serde(default)]
     pub bos_token_id: Option<TokenIds>,
@@ -109,11 +117,27 @@ impl TargetConfig {
         }
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("{}: cannot read", path.display()))?;
-        let config: TargetConfig = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not a usable model config", path.display()))?;
-        config
-            .validate()
-            .with_context(|| format!("{}: invalid model config", path.display()))?;
+        let value: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not valid JSON", path.display()))?;
+        Self::from_json(&value).map_err(|e| anyhow!("{}: {e:#}", path.display()))
+    }
+
+    /// From the JSON of a config.json: a causal LM's, or a multimodal model's whose
+    /// `text_config` is of a supported family (its text settings are read from there).
+    pub fn from_json(value: &Value) -> Result<Self> {
+        let top = value.as_object().context("not a JSON object")?;
+        let text = text_settings(top)?;
+        check_computation_fields(&text)?;
+        let mut config: TargetConfig = serde_json::from_value(Value::Object(text.clone()))
+            .context("not a usable model config")?;
+        let rope = RopeSettings::from_config(&text).map_err(|e| anyhow!(e))?;
+        config.rope_theta = rope.theta;
+        config.rope_scaling = rope.scaling;
+        if config.model_type == "mistral" {
+            // transformers' Mistral has no attention biases and ignores the field
+            config.attention_bias = false;
+        }
+        config.validate().context("invalid model config")?;
         Ok(config)
     }
 
@@ -123,7 +147,7 @@ impl TargetConfig {
             "qwen2" => Ok(Family::Qwen2),
             "qwen3" => Ok(Family::Qwen3),
             other => bail!(
-                "field model_type = {other:?} is not a supported architecture (supported: llama, mistral, qwen2, qwen3)"
+                "field model_type = {other:?} is not a supported architecture (supported: {SUPPORTED})"
             ),
         }
     }
@@ -176,5 +200,58 @@ impl TargetConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn llama() -> Value {
+        json!({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64})
+    }
+
+    #[test]
+    fn transformers_5_configs_read_like_transformers_4_ones() {
+        let mut v5 = llama();
+        v5["rope_parameters"] = json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6});
+        v5["dtype"] = json!("bfloat16");
+        let mut v4 = llama();
+        v4["rope_theta"] = json!(1e6);
+        v4["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
+        v4["torch_dtype"] = json!("bfloat16");
+        for v in [v5, v4] {
+            let c = TargetConfig::from_json(&v).unwrap();
+            assert_eq!(c.rope_theta, 1e6);
+            assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
+        }
+        // a Mistral model has no attention biases, whatever the field says (as in transformers)
+        let mut mistral = llama();
+        mistral["model_type"] = json!("mistral");
+        mistral["attention_bias"] = json!(true);
+        assert!(!TargetConfig::from_json(&mistral).unwrap().attention_bias);
+    }
+
+    #[test]
+    fn refusals_are_one_line_naming_the_field() {
+        let mut v = llama();
+        v["rope_parameters"] = json!({"rope_type": "longrope", "rope_theta": 1e4});
+        let e = format!("{:#}", TargetConfig::from_json(&v).unwrap_err());
+        assert_eq!(
+            e,
+            "rope_parameters.rope_type = \"longrope\" is not supported (default, linear, llama3)"
+        );
+        let mut v = llama();
+        v["mlp_bias"] = json!(true);
+        let e = format!("{:#}", TargetConfig::from_json(&v).unwrap_err());
+        assert!(e.contains("mlp_bias = true is not supported") && !e.contains('\n'), "{e}");
+        let mut v = llama();
+        v["hidden_act"] = json!("gelu");
+        let e = format!("{:#}", TargetConfig::from_json(&v).unwrap_err());
+        assert!(e.contains("hidden_act = \"gelu\" is not supported"), "{e}");
+        let e = format!("{:#}", TargetConfig::from_json(&json!({"model_type": "llama"})).unwrap_err());
+        assert!(e.contains("missing field"), "{e}");
     }
 }

@@ -2,11 +2,12 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
 
 use super::config::TargetConfig;
-use super::rope_scaling::RopeScaling;
+use super::rope_scaling::{RopeScaling, RopeSettings};
 
 /// `dflash_config` inside config.json.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -15,7 +16,9 @@ pub struct DFlashSection {
     pub target_layer_ids: Vec<usize>,
 }
 
-/// A drafter's configuration. Dimensions are the target's (spec §1).
+/// A drafter's configuration. Dimensions are the target's (spec §1). Written with the keys of
+/// spec §6 (`rope_theta`, `rope_scaling` where not default, `torch_dtype`), which transformers 4
+/// and 5 both read alike; read from either version's keys ([`DrafterConfig::from_json`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DrafterConfig {
     pub architectures: Vec<String>,
@@ -42,17 +45,33 @@ pub struct DrafterConfig {
 }
 
 /// The spec's default tapped layers: K == 1 -> [T / 2]; else
-/// `round(1 + i * (T - 4) / (K - 1))` with round-half-to-even, as Python's `round`.
-pub fn default_target_layer_ids(num_target_layers: i64, k: usize) -> Vec<usize> {
-    if k == 1 {
-        return vec![(num_target_layers / 2) as usize];
+/// `round(1 + i * (T - 4) / (K - 1))` with round-half-to-even, as Python's `round`. Where that
+/// repeats a layer (T < K + 3), the K taps are spread as evenly over layers 1..=T-2, or failing
+/// that over every layer; a target with fewer layers than taps is refused.
+pub fn default_target_layer_ids(num_target_layers: i64, k: usize) -> Result<Vec<usize>> {
+    let t = num_target_layers;
+    if k == 0 || t < k as i64 {
+        bail!(
+            "the target has {t} layers and {k} taps were asked for: a drafter taps 1 to {t} distinct layers; set fewer taps (--num-taps / model.num_taps) or list them (--target-layer-ids / model.target_layer_ids)"
+        );
     }
-    (0..k)
-        .map(|i| {
-            let x = 1.0 + i as f64 * (num_target_layers - 4) as f64 / (k - 1) as f64;
-            x.round_ties_even().max(0.0) as usize
-        })
-        .collect()
+    if k == 1 {
+        return Ok(vec![(t / 2) as usize]);
+    }
+    let spread = |first: i64, last: i64| -> Vec<usize> {
+        (0..k)
+            .map(|i| {
+                let x = first as f64 + i as f64 * (last - first) as f64 / (k - 1) as f64;
+                x.round_ties_even().max(0.0) as usize
+            })
+            .collect()
+    };
+    let distinct = |ids: &Vec<usize>| ids.windows(2).all(|w| w[0] < w[1]);
+    // the spec's span is 1..=T-3; narrower targets fall back to 1..=T-2, then 0..=T-1
+    [spread(1, t - 3), spread(1, t - 2), spread(0, t - 1)]
+        .into_iter()
+        .find(distinct)
+        .with_context(|| format!("no {k} distinct layers of {t} found"))
 }
 
 /// Choices for a new drafter.
@@ -96,10 +115,10 @@ impl DrafterConfig {
 
     /// A drafter for `target` with the target's dimensions.
     pub fn for_target(target: &TargetConfig, shape: &DrafterShape) -> Result<Self> {
-        let ids = shape
-            .target_layer_ids
-            .clone()
-            .unwrap_or_else(|| default_target_layer_ids(target.num_hidden_layers, shape.num_taps));
+        let ids = match &shape.target_layer_ids {
+            Some(ids) => ids.clone(),
+            None => default_target_layer_ids(target.num_hidden_layers, shape.num_taps)?,
+        };
         let config = DrafterConfig {
             architectures: vec!["DFlashDraftModel".into()],
             model_type: "qwen3".into(),
@@ -141,12 +160,38 @@ impl DrafterConfig {
         }
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("{}: cannot read", path.display()))?;
-        let config: DrafterConfig = serde_json::from_str(&text)
+        let value: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not valid JSON", path.display()))?;
+        let config = Self::from_json(value)
             .with_context(|| format!("{}: not a DFlash drafter config", path.display()))?;
         config
             .validate()
             .with_context(|| format!("{}: invalid drafter config", path.display()))?;
         Ok(config)
+    }
+
+    /// From the JSON of a config.json as transformers 4 (`rope_theta`, `rope_scaling`,
+    /// `torch_dtype`) or 5 (`rope_parameters`, `dtype`) writes it; where both forms are present
+    /// they must agree.
+    pub(crate) fn from_json(value: Value) -> Result<Self> {
+        let Value::Object(mut map) = value else {
+            bail!("not a JSON object");
+        };
+        let rope = RopeSettings::from_config(&map).map_err(|e| anyhow!(e))?;
+        map.remove("rope_parameters");
+        map.insert("rope_theta".into(), json!(rope.theta));
+        map.insert("rope_scaling".into(), rope.scaling.to_json());
+        if let Some(dtype) = map.remove("dtype").filter(|v| !v.is_null()) {
+            match map.get("torch_dtype").filter(|v| !v.is_null()) {
+                Some(old) if *old != dtype => {
+                    bail!("fields dtype = {dtype} and torch_dtype = {old} disagree: keep one")
+                }
+                _ => {
+                    map.insert("torch_dtype".into(), dtype);
+                }
+            }
+        }
+        Ok(serde_json::from_value(Value::Object(map))?)
     }
 
     pub fn write(&self, path: &Path) -> Result<()> {
@@ -278,10 +323,75 @@ mod tests {
 
     #[test]
     fn default_layer_ids_follow_the_spec_examples() {
-        assert_eq!(default_target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
-        assert_eq!(default_target_layer_ids(32, 5), vec![1, 8, 15, 22, 29]);
+        let ids = |t, k| default_target_layer_ids(t, k).unwrap();
+        assert_eq!(ids(36, 5), vec![1, 9, 17, 25, 33]);
+        assert_eq!(ids(32, 5), vec![1, 8, 15, 22, 29]);
         // 7.5 -> 8 and 20.5 -> 20: round half to even
-        assert_eq!(default_target_layer_ids(30, 5), vec![1, 8, 14, 20, 27]);
-        assert_eq!(default_target_layer_ids(30, 1), vec![15]);
+        assert_eq!(ids(30, 5), vec![1, 8, 14, 20, 27]);
+        assert_eq!(ids(30, 1), vec![15]);
+    }
+
+    #[test]
+    fn default_layer_ids_are_distinct_for_shallow_targets_or_refused() {
+        let ids = |t, k| default_target_layer_ids(t, k).unwrap();
+        // the spec's formula where it gives distinct layers
+        assert_eq!(ids(8, 5), vec![1, 2, 3, 4, 5]);
+        // 4 layers, 3 taps: the formula gives [1, 1, 1]
+        assert_eq!(ids(4, 3), vec![0, 2, 3]);
+        assert_eq!(ids(4, 2), vec![1, 2]);
+        assert_eq!(ids(5, 5), vec![0, 1, 2, 3, 4]);
+        assert_eq!(ids(6, 5), vec![0, 1, 2, 4, 5]);
+        for t in 1..=40 {
+            for k in 1..=t.min(16) as usize {
+                let got = ids(t, k);
+                assert_eq!(got.len(), k, "{t} {k}");
+                assert!(got.windows(2).all(|w| w[0] < w[1]), "{t} {k}: {got:?}");
+                assert!(*got.last().unwrap() < t as usize, "{t} {k}: {got:?}");
+            }
+        }
+        let e = format!("{:#}", default_target_layer_ids(4, 5).unwrap_err());
+        assert!(
+            e.contains("the target has 4 layers and 5 taps were asked for")
+                && e.contains("--num-taps / model.num_taps")
+                && e.contains("model.target_layer_ids"),
+            "{e}"
+        );
+        assert!(default_target_layer_ids(4, 0).is_err());
+    }
+
+    fn public_config() -> Value {
+        json!({"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+            "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+            "num_target_layers": 36, "num_hidden_layers": 5, "hidden_size": 4096,
+            "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "hidden_act": "silu", "attention_bias": false, "rms_norm_eps": 1e-06,
+            "rope_theta": 1000000, "max_position_embeddings": 40960, "vocab_size": 151936,
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16"})
+    }
+
+    #[test]
+    fn transformers_5_drafter_configs_read_as_the_spec_writes_them() {
+        let v4 = DrafterConfig::from_json(public_config()).unwrap();
+        assert_eq!(v4.rope_theta, 1e6);
+        let mut v5 = public_config();
+        let map = v5.as_object_mut().unwrap();
+        map.remove("rope_theta");
+        map.remove("torch_dtype");
+        map.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 1e6}));
+        map.insert("dtype".into(), json!("bfloat16"));
+        assert_eq!(DrafterConfig::from_json(v5).unwrap(), v4);
+        // written back with the spec's keys only
+        let written = serde_json::to_value(&v4).unwrap();
+        let keys = |v: &Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        assert_eq!(keys(&written), keys(&public_config()));
+        assert_eq!(written["rope_theta"], 1e6);
+        let mut both = public_config();
+        both["dtype"] = json!("float32");
+        let e = format!("{:#}", DrafterConfig::from_json(both).unwrap_err());
+        assert!(e.contains("dtype = \"float32\" and torch_dtype = \"bfloat16\" disagree"), "{e}");
+        let mut both = public_config();
+        both["rope_parameters"] = json!({"rope_theta": 10000.0});
+        let e = format!("{:#}", DrafterConfig::from_json(both).unwrap_err());
+        assert!(e.contains("rope_parameters.rope_theta = 10000 and rope_theta = 1000000 disagree"), "{e}");
     }
 }

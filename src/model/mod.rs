@@ -2,6 +2,7 @@
 //! weights, decoding), and the DFlash drafter.
 
 pub(crate) mod config;
+mod config_checks;
 pub mod decode;
 pub mod drafter;
 pub(crate) mod drafter_config;

@@ -14,8 +14,37 @@ use tch::{Device, Kind, Tensor};
 pub(crate) struct WeightFiles {
     dir: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
-    /// tensor name -> index into `files`
-    index: HashMap<String, usize>,
+    /// tensor name, as the causal LM names it -> (index into `files`, name in the file)
+    index: HashMap<String, (usize, String)>,
+}
+
+/// Where multimodal checkpoints keep their text model, as (prefix in the file, prefix of the
+/// causal LM): transformers 5's `model.language_model.*` (LM head at `lm_head.weight`) and the
+/// older `language_model.model.*` (LM head at `language_model.lm_head.weight`).
+const TEXT_MODEL_PREFIXES: [(&str, &str); 3] = [
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+];
+
+/// Whether the tensor names are a multimodal model's: no `model.embed_tokens.weight`, but a
+/// text model's under one of [`TEXT_MODEL_PREFIXES`].
+fn text_model_nested<'a>(mut names: impl Iterator<Item = &'a str> + Clone) -> bool {
+    !names.clone().any(|n| n == "model.embed_tokens.weight")
+        && names.any(|n| {
+            n == "model.language_model.embed_tokens.weight"
+                || n == "language_model.model.embed_tokens.weight"
+        })
+}
+
+/// The causal LM's name of a stored tensor (in a nested file, the text model's tensors lose
+/// their prefix; the others, e.g. the vision tower's, keep their names and are never asked for).
+fn causal_lm_name(stored: &str, nested: bool) -> String {
+    TEXT_MODEL_PREFIXES
+        .iter()
+        .filter(|_| nested)
+        .find_map(|(from, to)| stored.strip_prefix(from).map(|rest| format!("{to}{rest}")))
+        .unwrap_or_else(|| stored.to_string())
 }
 
 impl WeightFiles {
@@ -49,7 +78,7 @@ impl WeightFiles {
         };
 
         let mut files = Vec::new();
-        let mut index = HashMap::new();
+        let mut stored = Vec::new();
         for name in shard_names {
             let path = dir.join(&name);
             let file =
@@ -63,11 +92,14 @@ impl WeightFiles {
                 .tensors()
                 .into_keys()
                 .collect::<Vec<_>>();
-            for tensor in names {
-                index.insert(tensor, files.len());
-            }
+            stored.extend(names.into_iter().map(|n| (n, files.len())));
             files.push((path, map));
         }
+        let nested = text_model_nested(stored.iter().map(|(n, _)| n.as_str()));
+        let index = stored
+            .into_iter()
+            .map(|(name, file)| (causal_lm_name(&name, nested), (file, name)))
+            .collect();
         Ok(WeightFiles {
             dir: dir.to_path_buf(),
             files,
@@ -91,13 +123,14 @@ impl WeightFiles {
         kind: Kind,
         device: Device,
     ) -> Result<Tensor> {
-        let &file = self.index.get(name).with_context(|| {
+        let (file, stored) = self.index.get(name).with_context(|| {
             format!(
                 "{}: the weights have no tensor {name:?}",
                 self.dir.display()
             )
         })?;
-        let (path, map) = &self.files[file];
+        let (path, map) = &self.files[*file];
+        let name = stored.as_str();
         let st = SafeTensors::deserialize(map)
             .with_context(|| format!("{}: not a valid safetensors file", path.display()))?;
         let view = st
@@ -148,8 +181,6 @@ impl safetensors::View for &TensorBytes {
     }
 }
 
-/// Writes tensors to a safetensors file with the `{"format": "pt"}` metadata that
-/// `transformers` expects.
 /// Where a model's tensors come from: weight files, or a seeded random initialisation.
 pub(crate) trait WeightSource {
     fn contains(&self, name: &str) -> bool;
@@ -199,6 +230,8 @@ impl WeightSource for RandomWeights {
     }
 }
 
+/// Writes tensors to a safetensors file with the `{"format": "pt"}` metadata that
+/// `transformers` expects.
 pub(crate) fn save_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let mut prepared = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
