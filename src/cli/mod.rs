@@ -97,8 +97,9 @@ pub enum Command {
         block_size: i64,
         /// Token id fed in the masked block slots; its embedding row stays frozen. Pick a
         /// token that never occurs in the data (SmolLM2: 16, `<empty_output>`; Qwen3: 151669).
+        /// Left out: one is chosen from the target's tokenizer (and --data), and said why.
         #[arg(long)]
-        mask_token_id: i64,
+        mask_token_id: Option<i64>,
         /// Tapped target layers, comma separated (default: the DFlash formula).
         #[arg(long, value_delimiter = ',')]
         target_layer_ids: Option<Vec<usize>>,

@@ -1,13 +1,14 @@
 //! `init-drafter` and `perplexity`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::data::arrow_io::{read_token_column, resolve_split};
-use crate::data::check::scan_tokens;
+use crate::data::check::{scan_tokens, TokenScan};
 use crate::data::store::DataColumns;
 use crate::eval::perplexity::{perplexity, PerplexityOptions};
+use crate::model::mask_token;
 use crate::model::{Drafter, DrafterConfig, DrafterShape, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
 
@@ -19,7 +20,8 @@ pub(super) struct InitDrafterArgs {
     pub out: PathBuf,
     pub layers: i64,
     pub block_size: i64,
-    pub mask_token_id: i64,
+    /// `None`: chosen from the target's tokenizer and the data ([`choose_mask_token`]).
+    pub mask_token_id: Option<i64>,
     pub target_layer_ids: Option<Vec<usize>>,
     pub num_taps: usize,
     pub seed: i64,
@@ -29,10 +31,38 @@ pub(super) struct InitDrafterArgs {
 
 pub(super) fn init_drafter(args: InitDrafterArgs) -> Result<()> {
     let target = TargetConfig::from_model_dir(&args.target)?;
+    // Before anything is written: a drafter with a trained mask token would be refused by train.
+    let scan = match &args.data {
+        Some(data) => {
+            let path = resolve_split(data, None)?;
+            let provisional = args.mask_token_id.unwrap_or(0);
+            let mask = u32::try_from(provisional).context("--mask-token-id is negative")?;
+            let vocab = target.vocab_size as usize;
+            Some(scan_tokens(&path, &DataColumns::default(), vocab, mask)?)
+        }
+        None => None,
+    };
+    let mask = match args.mask_token_id {
+        Some(id) => id,
+        None => choose_mask_token(&args.target, &target, scan.as_ref())?,
+    };
+    if let Some(scan) = &scan {
+        if args.mask_token_id.is_some() {
+            scan.refuse_trained_mask_token("--mask-token-id", &args.target, |id| {
+                format!("--mask-token-id {id}")
+            })?;
+        }
+        println!(
+            "checked {}: {} rows, mask token {mask} not trained ({} times in the context)",
+            scan.path.display(),
+            scan.rows,
+            scan.counts.get(mask as usize).copied().unwrap_or(0)
+        );
+    }
     let shape = DrafterShape {
         layers: args.layers,
         block_size: args.block_size,
-        mask_token_id: args.mask_token_id,
+        mask_token_id: mask,
         target_layer_ids: args.target_layer_ids,
         num_taps: args.num_taps,
     };
@@ -42,31 +72,42 @@ pub(super) fn init_drafter(args: InitDrafterArgs) -> Result<()> {
             args.target.join("config.json").display()
         )
     })?;
-    if let Some(data) = &args.data {
-        // Before anything is written: a drafter with this mask token would be refused by train.
-        let path = resolve_split(data, None)?;
-        let mask = u32::try_from(args.mask_token_id).context("--mask-token-id is negative")?;
-        let scan = scan_tokens(
-            &path,
-            &DataColumns::default(),
-            target.vocab_size as usize,
-            mask,
-        )?;
-        scan.refuse_trained_mask_token("--mask-token-id", &args.target, |id| {
-            format!("--mask-token-id {id}")
-        })?;
-        println!(
-            "checked {}: {} rows, mask token {mask} not trained ({} times in the context)",
-            path.display(),
-            scan.rows,
-            scan.counts[mask as usize]
-        );
-    }
     let drafter = Drafter::init(config, tch::Device::Cpu, tch::Kind::Float, args.seed as u64)?;
     let out = drafter.save(&args.out)?;
     println!("{}", drafter.describe());
     println!("wrote {} (seed {})", out.display(), args.seed);
     Ok(())
+}
+
+/// A mask token for a drafter made without `--mask-token-id`: suggested from the target's
+/// tokenizer and, where given, the ids of the data ([`mask_token::suggest`]); printed with its
+/// text and the reason.
+fn choose_mask_token(dir: &Path, target: &TargetConfig, scan: Option<&TokenScan>) -> Result<i64> {
+    let rows = target.vocab_size as usize;
+    let tokenizer_path = dir.join("tokenizer.json");
+    let vocab = match tokenizers::Tokenizer::from_file(&tokenizer_path) {
+        Ok(tok) => mask_token::Vocab::of(rows, &tok),
+        Err(_) if scan.is_some() => mask_token::Vocab {
+            model_rows: rows,
+            tokenizer_len: rows,
+            specials: Vec::new(),
+        },
+        Err(e) => bail!(
+            "{}: cannot read ({e}); without --mask-token-id the mask token is chosen from the tokenizer: give --mask-token-id ID or --data DIR",
+            tokenizer_path.display()
+        ),
+    };
+    let seen = scan.map(|s| move |id: u32| s.counts.get(id as usize) != Some(&0));
+    let seen_ref = seen.as_ref().map(|f| f as &dyn Fn(u32) -> bool);
+    let Some(choice) = mask_token::suggest(&vocab, seen_ref) else {
+        bail!(
+            "no mask token to suggest for {}: no spare embedding row or untrained-looking special token{}; give --mask-token-id ID",
+            dir.display(),
+            if scan.is_some() { ", and every id occurs in the data" } else { " (--data DIR would let any token the data never holds be chosen)" }
+        );
+    };
+    println!("mask token {choice}");
+    Ok(choice.id as i64)
 }
 
 pub(super) struct PerplexityArgs {

@@ -161,36 +161,21 @@ fn tokenizer_of(model_dir: &Path) -> Option<tokenizers::Tokenizer> {
 }
 
 impl TokenScan {
-    /// A token id the data never holds, to suggest as the mask token, with its text: a row
-    /// past the tokenizer's vocabulary (the tokenizer never produces it), else a special
-    /// token named like a mask, an empty output or padding, else any special token, else the
-    /// highest unused id.
+    /// A token id the data never holds, to suggest as the mask token
+    /// ([`crate::model::mask_token::suggest`]).
     pub(crate) fn unused_token(&self, tokenizer: Option<&tokenizers::Tokenizer>) -> Option<u32> {
-        let unused = |id: u32| {
-            id != self.mask_token && self.counts.get(id as usize).is_some_and(|&c| c == 0)
+        use crate::model::mask_token::{suggest, Vocab};
+        let rows = self.counts.len();
+        let vocab = match tokenizer {
+            Some(tok) => Vocab::of(rows, tok),
+            None => Vocab {
+                model_rows: rows,
+                tokenizer_len: rows,
+                specials: Vec::new(),
+            },
         };
-        if let Some(tok) = tokenizer {
-            let past = tok.get_vocab_size(true) as u32;
-            if unused(past) {
-                return Some(past);
-            }
-            let mut specials: Vec<(u32, String)> = tok
-                .get_added_tokens_decoder()
-                .into_iter()
-                .filter(|(id, t)| t.special && unused(*id))
-                .map(|(id, t)| (id, t.content.to_lowercase()))
-                .collect();
-            specials.sort();
-            for hint in ["mask", "empty", "pad"] {
-                if let Some((id, _)) = specials.iter().find(|(_, c)| c.contains(hint)) {
-                    return Some(*id);
-                }
-            }
-            if let Some((id, _)) = specials.first() {
-                return Some(*id);
-            }
-        }
-        (0..self.counts.len() as u32).rev().find(|&id| unused(id))
+        let seen = |id: u32| id == self.mask_token || self.counts.get(id as usize) != Some(&0);
+        suggest(&vocab, Some(&seen)).map(|m| m.id)
     }
 
     /// Fails when the loss trains on the mask token somewhere in the data: the error names

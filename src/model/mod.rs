@@ -6,6 +6,7 @@ mod config_checks;
 pub mod decode;
 pub mod drafter;
 pub(crate) mod drafter_config;
+pub(crate) mod mask_token;
 pub mod generate;
 pub mod layers;
 pub(crate) mod rope_scaling;

@@ -305,24 +305,27 @@ impl Drafter {
             .sum()
     }
 
-    /// One line for logs: size and memory estimate.
+    /// One line for logs: size as saved ([`Drafter::save`] writes bf16), in memory, and the
+    /// training state's estimate.
     pub(crate) fn describe(&self) -> String {
         let n = self.parameter_count() as f64;
-        let bytes = match self.kind {
-            Kind::Float => 4.0,
-            Kind::Double => 8.0,
-            _ => 2.0,
+        let mib = |bytes_per_weight: f64| n * bytes_per_weight / (1u64 << 20) as f64;
+        let (name, bytes) = match self.kind {
+            Kind::Float => ("f32", 4.0),
+            Kind::Double => ("f64", 8.0),
+            Kind::Half => ("f16", 2.0),
+            _ => ("bf16", 2.0),
         };
         format!(
-            "DFlash drafter: {} layers, block size {}, taps {:?}, mask token {}, {:.2} M parameters; weights {:.1} MiB as {:?}, training state about {:.1} MiB (fp32 master weights, AdamW moments, gradients)",
+            "DFlash drafter: {} layers, block size {}, taps {:?}, mask token {}, {:.2} M parameters; weights {:.1} MiB as bf16 on disk ({:.1} MiB as {name} in memory), training state about {:.1} MiB (fp32 master weights, AdamW moments, gradients)",
             self.config.num_hidden_layers,
             self.config.block_size,
             self.config.target_layer_ids(),
             self.config.mask_token_id(),
             n / 1e6,
-            n * bytes / (1u64 << 20) as f64,
-            self.kind,
-            n * 16.0 / (1u64 << 20) as f64,
+            mib(2.0),
+            mib(bytes),
+            mib(16.0),
         )
     }
 
