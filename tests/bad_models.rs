@@ -204,7 +204,7 @@ fn mask_token_outside_the_vocabulary() {
             "--out",
         ])
         .arg(tmp.path().join("d2"))
-        .args(["--mask-token-id", "500"])
+        .args(["--mask-token-id", "500", "--num-taps", "2"])
         .output()
         .unwrap();
     assert!(!out.status.success());

@@ -438,7 +438,9 @@ fn train_refuses_a_mask_token_the_loss_trains_on() {
     );
 }
 
-fn init_drafter(target: &Path, out: &Path, mask: &str, data: Option<&Path>) -> Ended {
+/// `init-drafter` of one layer and two taps (the tiny target has 4 layers); `mask` `None`
+/// leaves the mask token to be chosen.
+fn init_drafter(target: &Path, out: &Path, mask: Option<&str>, data: Option<&Path>) -> Ended {
     let mut args: Vec<String> = vec![
         "init-drafter".into(),
         "--target".into(),
@@ -447,9 +449,12 @@ fn init_drafter(target: &Path, out: &Path, mask: &str, data: Option<&Path>) -> E
         out.display().to_string(),
         "--layers".into(),
         "1".into(),
-        "--mask-token-id".into(),
-        mask.into(),
+        "--num-taps".into(),
+        "2".into(),
     ];
+    if let Some(mask) = mask {
+        args.extend(["--mask-token-id".into(), mask.into()]);
+    }
     if let Some(d) = data {
         args.extend(["--data".into(), d.display().to_string()]);
     }
@@ -462,7 +467,7 @@ fn init_drafter_with_data_refuses_a_mask_token_the_loss_trains_on() {
     let (trained_data, count) = data_with_mask_token(i.tmp.path(), "trained.arrow", 10);
     let (context_data, _) = data_with_mask_token(i.tmp.path(), "context.arrow", 2);
     let out_dir = i.tmp.path().join("drafter");
-    let out = init_drafter(&i.target, &out_dir, "1", Some(&trained_data));
+    let out = init_drafter(&i.target, &out_dir, Some("1"), Some(&trained_data));
     let err = out.stderr.trim();
     assert_eq!(out.code, Some(1), "{err}");
     assert!(
@@ -472,14 +477,52 @@ fn init_drafter_with_data_refuses_a_mask_token_the_loss_trains_on() {
         "{err}"
     );
     assert!(!out_dir.exists(), "nothing written");
-    let out = init_drafter(&i.target, &out_dir, "1", Some(&context_data));
+    let out = init_drafter(&i.target, &out_dir, Some("1"), Some(&context_data));
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     assert!(out_dir.join("model.safetensors").is_file());
     // without --data nothing is checked, as before
     let unchecked = i.tmp.path().join("unchecked");
-    let out = init_drafter(&i.target, &unchecked, "1", None);
+    let out = init_drafter(&i.target, &unchecked, Some("1"), None);
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     assert!(unchecked.join("config.json").is_file());
+}
+
+#[test]
+fn init_drafter_without_a_mask_token_chooses_one_and_says_why() {
+    let i = common::tiny_run(32, 3);
+    let (trained_data, _) = data_with_mask_token(i.tmp.path(), "trained.arrow", 10);
+    let out_dir = i.tmp.path().join("drafter");
+    let out = init_drafter(&i.target, &out_dir, None, Some(&trained_data));
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    // the tiny target has no tokenizer: the highest id the data never holds
+    assert!(
+        out.stdout
+            .contains("mask token 49: the highest id that never occurs in the data"),
+        "{}",
+        out.stdout
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["dflash_config"]["mask_token_id"], 49);
+    // sizes as saved: bf16 on disk, f32 in memory (twice as large)
+    assert!(
+        out.stdout.contains("MiB as bf16 on disk (")
+            && out.stdout.contains("MiB as f32 in memory)"),
+        "{}",
+        out.stdout
+    );
+    // with neither a tokenizer nor data nothing is safe to choose
+    let none = i.tmp.path().join("none");
+    let out = init_drafter(&i.target, &none, None, None);
+    assert_eq!(out.code, Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("tokenizer.json: cannot read")
+            && out.stderr.contains("give --mask-token-id ID or --data DIR"),
+        "{}",
+        out.stderr
+    );
+    assert!(!none.exists());
 }
 
 /// The demo's SmolLM2 and its prepared ShareGPT data (`make setup`): token 2 `<|im_end|>` ends
@@ -492,7 +535,7 @@ fn the_demo_data_refuses_im_end_and_takes_empty_output() {
     let data = common::require_demo(&demo.join("sharegpt-smollm2"));
     let tmp = tempfile::tempdir().unwrap();
     let out_dir = tmp.path().join("drafter");
-    let out = init_drafter(&target, &out_dir, "2", Some(&data));
+    let out = init_drafter(&target, &out_dir, Some("2"), Some(&data));
     let err = out.stderr.trim();
     assert_eq!(out.code, Some(1), "{err}");
     assert!(
@@ -517,8 +560,19 @@ fn the_demo_data_refuses_im_end_and_takes_empty_output() {
     assert_eq!(scan.mask_trained, 0);
     assert_eq!(scan.counts[16], 0);
 
-    let out = init_drafter(&target, &out_dir, "16", Some(&data));
+    let out = init_drafter(&target, &out_dir, Some("16"), Some(&data));
     assert_eq!(out.code, Some(0), "{}", out.stderr);
+    // left out, the mask token is chosen from the tokenizer and the data: the same 16
+    let chosen = tmp.path().join("chosen");
+    let picked = init_drafter(&target, &chosen, None, Some(&data));
+    assert_eq!(picked.code, Some(0), "{}", picked.stderr);
+    assert!(
+        picked.stdout.contains(
+            "mask token 16 (\"<empty_output>\"): a special token named \"empty\"; never occurs in the data"
+        ),
+        "{}",
+        picked.stdout
+    );
     eprintln!(
         "demo data ({} rows, {} tokens, {} trained): the scan takes {scan_s:.2} s; init-drafter --mask-token-id 2 refused in {:.2} s: {err}; 16 accepted in {:.2} s",
         scan.rows,

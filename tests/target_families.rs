@@ -253,9 +253,7 @@ fn reference(dir: &std::path::Path) -> Reference {
 /// exp of the mean next-token cross entropy, as transformers' causal-LM loss.
 fn perplexity(logits: &Tensor, ids: &Tensor) -> f64 {
     let s = ids.size()[1];
-    let logp = logits
-        .narrow(1, 0, s - 1)
-        .log_softmax(-1, Kind::Double);
+    let logp = logits.narrow(1, 0, s - 1).log_softmax(-1, Kind::Double);
     let next = ids.narrow(1, 1, s - 1).unsqueeze(-1);
     (-logp.gather(-1, &next, false).mean(Kind::Double))
         .exp()
@@ -287,7 +285,11 @@ fn check_against_reference(dir: &std::path::Path, r: &Reference) -> f64 {
     }
     let ppl = perplexity(&logits, &r.ids);
     let rel = (ppl - r.perplexity).abs() / r.perplexity;
-    assert!(rel < 1e-4, "{name}: perplexity {ppl} vs transformers' {}", r.perplexity);
+    assert!(
+        rel < 1e-4,
+        "{name}: perplexity {ppl} vs transformers' {}",
+        r.perplexity
+    );
     ppl
 }
 
@@ -349,7 +351,11 @@ fn rope_parameters_theta_is_honoured() {
         let m = TargetModel::load(old.path(), Device::Cpu, Kind::Float).unwrap();
         let ppl = perplexity(&m.forward(&r.ids, None), &r.ids);
         let rel = (ppl - r.perplexity_theta_1e4).abs() / r.perplexity_theta_1e4;
-        assert!(rel < 1e-4, "{name}: theta 10000 gives {ppl}, transformers {}", r.perplexity_theta_1e4);
+        assert!(
+            rel < 1e-4,
+            "{name}: theta 10000 gives {ppl}, transformers {}",
+            r.perplexity_theta_1e4
+        );
         // the old keys alone read the same as rope_parameters
         let legacy = edited_copy(name, |c| {
             let text = text_section(c);
@@ -363,7 +369,10 @@ fn rope_parameters_theta_is_honoured() {
             let text = text_section(c);
             text["rope_theta"] = serde_json::json!(10000.0);
         });
-        let e = format!("{:#}", TargetModel::load(both.path(), Device::Cpu, Kind::Float).unwrap_err());
+        let e = format!(
+            "{:#}",
+            TargetModel::load(both.path(), Device::Cpu, Kind::Float).unwrap_err()
+        );
         assert!(
             e.contains("rope_parameters.rope_theta = 1000000 and rope_theta = 10000 disagree"),
             "{e}"
@@ -376,7 +385,10 @@ fn llama3_scaling_in_rope_parameters_is_honoured() {
     let dir = std::path::Path::new(HF5).join("llama_llama3");
     let r = reference(&dir);
     let config = dflash_tui::model::TargetConfig::from_model_dir(&dir).unwrap();
-    assert!(format!("{:?}", config.rope_scaling).starts_with("Llama3"), "{config:?}");
+    assert!(
+        format!("{:?}", config.rope_scaling).starts_with("Llama3"),
+        "{config:?}"
+    );
     // with the scaling dropped the outputs move: the comparison above would fail
     let plain = edited_copy("llama_llama3", |c| {
         c["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 10000.0});
@@ -387,10 +399,15 @@ fn llama3_scaling_in_rope_parameters_is_honoured() {
     let yarn = edited_copy("llama_llama3", |c| {
         c["rope_parameters"]["rope_type"] = serde_json::json!("yarn");
     });
-    let e = format!("{:#}", TargetModel::load(yarn.path(), Device::Cpu, Kind::Float).unwrap_err());
+    let e = format!(
+        "{:#}",
+        TargetModel::load(yarn.path(), Device::Cpu, Kind::Float).unwrap_err()
+    );
     assert!(
         e.contains("config.json")
-            && e.contains("rope_parameters.rope_type = \"yarn\" is not supported (default, linear, llama3)"),
+            && e.contains(
+                "rope_parameters.rope_type = \"yarn\" is not supported (default, linear, llama3)"
+            ),
         "{e}"
     );
 }
@@ -417,7 +434,9 @@ fn multimodal_text_models_load_from_either_weight_layout() {
             (name, t)
         })
         .collect();
-    assert!(renamed.iter().any(|(n, _)| n.starts_with("model.vision_tower.")));
+    assert!(renamed
+        .iter()
+        .any(|(n, _)| n.starts_with("model.vision_tower.")));
     Tensor::write_safetensors(&renamed, &file).unwrap();
     check_against_reference(other.path(), &r);
     // a multimodal model whose text model is of another family is refused in one line
@@ -426,7 +445,10 @@ fn multimodal_text_models_load_from_either_weight_layout() {
         c["model_type"] = serde_json::json!("qwen3_5");
         c["text_config"]["model_type"] = serde_json::json!("qwen3_5_text");
     });
-    let e = format!("{:#}", TargetModel::load(qwen35.path(), Device::Cpu, Kind::Float).unwrap_err());
+    let e = format!(
+        "{:#}",
+        TargetModel::load(qwen35.path(), Device::Cpu, Kind::Float).unwrap_err()
+    );
     assert!(
         e.ends_with("config.json: architectures[0] = \"Qwen3_5ForConditionalGeneration\" (model_type \"qwen3_5\", text_config.model_type \"qwen3_5_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3"),
         "{e}"

@@ -246,12 +246,18 @@ mod tests {
         let mut v = llama();
         v["mlp_bias"] = json!(true);
         let e = format!("{:#}", TargetConfig::from_json(&v).unwrap_err());
-        assert!(e.contains("mlp_bias = true is not supported") && !e.contains('\n'), "{e}");
+        assert!(
+            e.contains("mlp_bias = true is not supported") && !e.contains('\n'),
+            "{e}"
+        );
         let mut v = llama();
         v["hidden_act"] = json!("gelu");
         let e = format!("{:#}", TargetConfig::from_json(&v).unwrap_err());
         assert!(e.contains("hidden_act = \"gelu\" is not supported"), "{e}");
-        let e = format!("{:#}", TargetConfig::from_json(&json!({"model_type": "llama"})).unwrap_err());
+        let e = format!(
+            "{:#}",
+            TargetConfig::from_json(&json!({"model_type": "llama"})).unwrap_err()
+        );
         assert!(e.contains("missing field"), "{e}");
     }
 }

@@ -204,7 +204,10 @@ mod tests {
             ("pretraining_tp", json!(2)),
             ("quantization_config", Value::Null),
         ] {
-            assert!(check_computation_fields(&map(with(key, value))).is_ok(), "{key}");
+            assert!(
+                check_computation_fields(&map(with(key, value))).is_ok(),
+                "{key}"
+            );
         }
     }
 
@@ -213,7 +216,10 @@ mod tests {
         let mistral = json!({"model_type": "mistral", "max_position_embeddings": 32768,
             "sliding_window": 4096});
         let e = refusal(mistral);
-        assert!(e.contains("sliding_window = 4096 is narrower than max_position_embeddings = 32768"), "{e}");
+        assert!(
+            e.contains("sliding_window = 4096 is narrower than max_position_embeddings = 32768"),
+            "{e}"
+        );
         let wide = json!({"model_type": "mistral", "max_position_embeddings": 32768,
             "sliding_window": 32768});
         assert!(check_computation_fields(&map(wide)).is_ok());

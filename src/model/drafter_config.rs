@@ -377,7 +377,10 @@ mod tests {
         let map = v5.as_object_mut().unwrap();
         map.remove("rope_theta");
         map.remove("torch_dtype");
-        map.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 1e6}));
+        map.insert(
+            "rope_parameters".into(),
+            json!({"rope_type": "default", "rope_theta": 1e6}),
+        );
         map.insert("dtype".into(), json!("bfloat16"));
         assert_eq!(DrafterConfig::from_json(v5).unwrap(), v4);
         // written back with the spec's keys only
@@ -388,10 +391,16 @@ mod tests {
         let mut both = public_config();
         both["dtype"] = json!("float32");
         let e = format!("{:#}", DrafterConfig::from_json(both).unwrap_err());
-        assert!(e.contains("dtype = \"float32\" and torch_dtype = \"bfloat16\" disagree"), "{e}");
+        assert!(
+            e.contains("dtype = \"float32\" and torch_dtype = \"bfloat16\" disagree"),
+            "{e}"
+        );
         let mut both = public_config();
         both["rope_parameters"] = json!({"rope_theta": 10000.0});
         let e = format!("{:#}", DrafterConfig::from_json(both).unwrap_err());
-        assert!(e.contains("rope_parameters.rope_theta = 10000 and rope_theta = 1000000 disagree"), "{e}");
+        assert!(
+            e.contains("rope_parameters.rope_theta = 10000 and rope_theta = 1000000 disagree"),
+            "{e}"
+        );
     }
 }

@@ -116,7 +116,10 @@ mod tests {
         };
         let got = suggest(&vocab, None).unwrap();
         assert_eq!((got.id, got.text.as_deref()), (151_669, None));
-        assert!(got.reason.contains("past the tokenizer's 151669 tokens"), "{got}");
+        assert!(
+            got.reason.contains("past the tokenizer's 151669 tokens"),
+            "{got}"
+        );
         // ... unless the data holds it (then a named special token)
         let seen = |id: u32| id == 151_669;
         assert_eq!(suggest(&vocab, Some(&seen)).unwrap().id, 151_662);
@@ -154,7 +157,11 @@ mod tests {
         let vocab = Vocab {
             model_rows: 10,
             tokenizer_len: 10,
-            specials: specials(&[(3, "<|pad|>"), (4, "<|reserved_special_token_0|>"), (5, "<s>")]),
+            specials: specials(&[
+                (3, "<|pad|>"),
+                (4, "<|reserved_special_token_0|>"),
+                (5, "<s>"),
+            ]),
         };
         // reserved before pad
         assert_eq!(suggest(&vocab, None).unwrap().id, 4);
