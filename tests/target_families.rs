@@ -455,3 +455,23 @@ fn multimodal_text_models_load_from_either_weight_layout() {
     );
     assert!(!e.contains('\n'));
 }
+
+#[test]
+fn the_shipped_model_shapes_read() {
+    // configs/shapes holds the config.json of the targets the benchmark profiles use (real
+    // Qwen3 and SmolLM2 configs among them): none trips a refusal.
+    let shapes = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/shapes");
+    let mut read = 0;
+    for entry in std::fs::read_dir(&shapes).unwrap() {
+        let dir = entry.unwrap().path();
+        let config = dflash_tui::model::TargetConfig::from_model_dir(&dir);
+        assert!(
+            config.is_ok(),
+            "{}: {:#}",
+            dir.display(),
+            config.unwrap_err()
+        );
+        read += 1;
+    }
+    assert!(read >= 4, "{read}");
+}
