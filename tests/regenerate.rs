@@ -548,8 +548,10 @@ fn regenerate_replaces_answers_by_the_targets_greedy_answers() {
 
     // --max-turns 1: only the first answer of each row, the rest dropped.
     let out1 = f.tmp.path().join("regen-1");
-    let (ok, _, stderr) = regenerate(&f, &out1, &["--max-turns", "1"]);
+    let (ok, _, stderr) = regenerate(&f, &out1, &["--max-turns", "1", "--log-level", "info"]);
     assert!(ok, "{stderr}");
+    // one answer asked of each row that has one (all but the row without an answer)
+    assert_eq!(progress_end(&stderr), ((11, 11), (12, 12)), "{stderr}");
     for (name, source) in &f.splits {
         let full = read_split(&out, name);
         let one = read_split(&out1, name);
@@ -563,6 +565,24 @@ fn regenerate_replaces_answers_by_the_targets_greedy_answers() {
     }
 }
 
+/// The counts of the last progress line (`--log-level info`, stderr not a terminal):
+/// ((answers done, answers in all), (rows done, rows in all)).
+fn progress_end(stderr: &str) -> ((usize, usize), (usize, usize)) {
+    let line = stderr
+        .lines()
+        .filter_map(|l| l.split("regenerate: ").nth(1))
+        .rfind(|l| l.contains(" answers, "))
+        .unwrap_or_else(|| panic!("no progress line in {stderr}"));
+    let pair = |text: &str| {
+        let (done, all) = text.split_once('/').unwrap();
+        (done.parse().unwrap(), all.parse().unwrap())
+    };
+    let mut words = line.split(' ');
+    let answers = pair(words.next().unwrap());
+    let rows = pair(words.nth(1).unwrap());
+    (answers, rows)
+}
+
 #[test]
 fn an_interrupted_run_resumes_to_the_same_output() {
     let f = fixture();
@@ -572,8 +592,16 @@ fn an_interrupted_run_resumes_to_the_same_output() {
 
     let out = f.tmp.path().join("resumed");
     let partial = f.tmp.path().join("resumed.partial");
-    let (ok, stdout, stderr) = regenerate(&f, &out, &["--stop-after-chunks", "2"]);
+    let (ok, stdout, stderr) = regenerate(
+        &f,
+        &out,
+        &["--stop-after-chunks", "2", "--log-level", "info"],
+    );
     assert!(ok, "{stderr}");
+    // the progress counts answers: 2 of 6 chunks (4 of 12 rows) done, their answers with them
+    let ((answers, all), rows) = progress_end(&stderr);
+    assert_eq!(rows, (4, 12), "{stderr}");
+    assert!(0 < answers && answers < all, "{stderr}");
     assert!(stdout.contains("2 of 6 chunks done"), "{stdout}");
     assert!(!out.exists());
     let chunks: Vec<String> = std::fs::read_dir(partial.join("train"))
@@ -596,9 +624,11 @@ fn an_interrupted_run_resumes_to_the_same_output() {
     // A run that is killed leaves its finished chunks; a chunk file half-written is ignored.
     std::fs::write(partial.join("train/chunk-00002.arrow.tmp"), b"half").unwrap();
 
-    let (ok, stdout, stderr) = regenerate(&f, &out, &[]);
+    let (ok, stdout, stderr) = regenerate(&f, &out, &["--log-level", "info"]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("2 chunk(s) resumed"), "{stdout}");
+    // the resumed run counts the earlier answers too, and ends with all of them
+    assert_eq!(progress_end(&stderr), ((all, all), (12, 12)), "{stderr}");
     assert!(!partial.exists());
     for (name, _) in &f.splits {
         assert_eq!(read_split(&out, name), read_split(&whole, name), "{name}");
@@ -622,15 +652,20 @@ fn the_continuous_engine_gives_the_tokens_of_the_plain_path() {
     ] {
         let plain = f.tmp.path().join(format!("plain-{name}"));
         let mut args = extra.clone();
-        args.extend(["--engine", "plain"]);
+        args.extend(["--engine", "plain", "--log-level", "info"]);
         let (ok, _, stderr) = regenerate(&f, &plain, &args);
         assert!(ok, "{stderr}");
+        // every answer asked for is counted once, generated or left out by a row that ended
+        let ((answers, all), rows) = progress_end(&stderr);
+        assert_eq!((answers, rows), (all, (12, 12)), "{stderr}");
         for slots in ["1", "2", "5"] {
             let fast = f.tmp.path().join(format!("fast-{name}-{slots}"));
             let mut args = extra.clone();
             args.extend(["--engine", "continuous", "--batch-size", slots]);
+            args.extend(["--log-level", "info"]);
             let (ok, stdout, stderr) = regenerate(&f, &fast, &args);
             assert!(ok, "{stderr}");
+            assert_eq!(progress_end(&stderr), ((all, all), (12, 12)), "{stderr}");
             assert!(stdout.contains("12 rows in, 9 out, 3 skipped"), "{stdout}");
             for (split, _) in &f.splits {
                 assert_eq!(

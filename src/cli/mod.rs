@@ -18,6 +18,7 @@ mod logging;
 mod models;
 pub(crate) mod progress;
 mod regenerate;
+mod tensorboard;
 mod train;
 
 #[derive(Debug, Parser)]
@@ -208,6 +209,12 @@ pub enum Command {
         #[arg(required = true, num_args = 1.., allow_hyphen_values = true)]
         command: Vec<String>,
     },
+    /// Write the TensorBoard event files of a run (RUN_DIR/tensorboard/) from its
+    /// metrics.jsonl, in place of those there: for runs made before training wrote them.
+    ExportTensorboard {
+        /// The run directory (it holds metrics.jsonl).
+        run_dir: PathBuf,
+    },
     /// Open the control room of a run: a running one (started with or without the screen,
     /// several screens at once) through its control socket, or a finished one from its
     /// records. Leaving the screen (q, Ctrl-C) never stops the run.
@@ -365,6 +372,7 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             )
         }
         Command::Ctl { run_dir, command } => ctl(&run_dir, &command),
+        Command::ExportTensorboard { run_dir } => tensorboard::export(&run_dir),
         command @ (Command::InitDrafter { .. }
         | Command::Perplexity { .. }
         | Command::PrepareData { .. }

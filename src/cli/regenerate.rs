@@ -91,7 +91,7 @@ pub(super) fn run(runtime: &TorchRuntime, args: RegenerateArgs, bars: &Bars) -> 
     let devices = runtime.device_list(&args.device)?;
     let kind = parse_kind(&args.dtype, devices[0])?;
     // The length is set once the input is read.
-    let bar = bars.bar("regenerate", 0, "rows");
+    let bar = bars.bar("regenerate", 0, "answers");
     let opts = RegenerateOptions {
         max_new_tokens: args.max_new_tokens,
         batch_size: args.batch_size,

@@ -13,6 +13,7 @@ use super::host::HostReading;
 use super::profile::ProfileReport;
 use super::queues::queue_state;
 pub use super::queues::{QueueLevel, QueueName, UnknownQueue};
+use super::tensorboard::TensorBoardWriter;
 
 /// What the run is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -194,6 +195,8 @@ pub enum MetricsRecord {
 /// doubling of the count, not at every record, and once more when writes succeed again.
 pub(crate) struct MetricsWriter {
     inner: Mutex<MetricsFile>,
+    /// The same scalars as TensorBoard event files, once [`MetricsWriter::with_tensorboard`].
+    tensorboard: Option<TensorBoardWriter>,
 }
 
 struct MetricsFile {
@@ -210,7 +213,18 @@ impl MetricsWriter {
             .map_err(|e| anyhow::anyhow!("{}: cannot write: {e}", path.display()))?;
         Ok(MetricsWriter {
             inner: Mutex::new(MetricsFile { file, failures: 0 }),
+            tensorboard: None,
         })
+    }
+
+    /// Also writes the scalars as TensorBoard event files into `run_dir/tensorboard/`, going on
+    /// after step `last_step`; without them (the folder cannot be written) when it cannot.
+    pub(crate) fn with_tensorboard(mut self, run_dir: &Path, last_step: u64) -> Self {
+        match TensorBoardWriter::open(run_dir, last_step) {
+            Ok(tb) => self.tensorboard = Some(tb),
+            Err(e) => log::warn!("no TensorBoard event files for this run: {e:#}"),
+        }
+        self
     }
 
     /// Opens the metrics of a run resumed at step `step`: the records of the steps after it
@@ -233,6 +247,9 @@ impl MetricsWriter {
     }
 
     pub(crate) fn write(&self, record: &MetricsRecord) {
+        if let Some(tb) = &self.tensorboard {
+            tb.write(record);
+        }
         let Ok(mut line) = serde_json::to_string(record) else {
             return;
         };

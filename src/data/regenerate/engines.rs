@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 
 use super::chunks::{ChunkId, ChunkOutput};
 use super::input::SplitInput;
-use super::progress::Progress;
+use super::progress::{planned_answers, Progress};
 use super::rows::{answer_seed, finish_jobs, prepare_jobs, RowJob};
 use super::summary::RegenerateStats;
 use super::RegenerateOptions;
@@ -33,8 +33,8 @@ pub(super) fn run_chunk(
     progress: &Progress,
 ) -> Result<ChunkOutput> {
     let started = Instant::now();
-    let (mut jobs, mut stats, skipped_rows) = prepare_jobs(split, rows, opts);
-    progress.add(skipped_rows, 0);
+    let (mut jobs, mut stats, skipped_rows) = prepare_jobs(split, rows.clone(), opts);
+    count_skipped(progress, split, rows, &jobs, skipped_rows, opts);
     let limits = BatchLimits {
         batch_size: opts.batch_size,
         prefill_tokens: opts.prefill_tokens,
@@ -62,16 +62,19 @@ pub(super) fn run_chunk(
                 eos,
                 &opts.sampling,
                 &limits,
-                |_, tokens| progress.add(0, tokens as u64),
+                |answers, tokens| progress.add(0, answers, tokens as u64),
             )
             .with_context(|| format!("split {}: generation failed", split.name))?
         };
-        let mut closed = 0;
+        let (mut closed, mut left_out) = (0, 0);
         for (&j, answer) in pending.iter().zip(answers) {
             jobs[j].advance(answer, opts, &mut stats);
-            closed += !jobs[j].open as usize;
+            if !jobs[j].open {
+                closed += 1;
+                left_out += jobs[j].answers_left(opts.max_turns);
+            }
         }
-        progress.add(closed, 0);
+        progress.add(closed, left_out, 0);
     }
     Ok(finish_jobs(
         split,
@@ -79,6 +82,21 @@ pub(super) fn run_chunk(
         stats,
         started.elapsed().as_secs_f64(),
     ))
+}
+
+/// Counts the rows of a chunk that were skipped, with the answers they asked for (those the
+/// chunk's jobs do not).
+fn count_skipped(
+    progress: &Progress,
+    split: &SplitInput,
+    rows: Range<usize>,
+    jobs: &[RowJob<'_>],
+    skipped_rows: usize,
+    opts: &RegenerateOptions,
+) {
+    let in_jobs: usize = jobs.iter().map(|j| j.answers_left(opts.max_turns)).sum();
+    let planned = planned_answers(split, rows, opts.max_turns);
+    progress.add(skipped_rows, planned.saturating_sub(in_jobs), 0);
 }
 
 /// A chunk in the continuous engine: its jobs, how many were handed out and how many are open.
@@ -151,8 +169,9 @@ pub(super) fn run_continuous(
                     return Some(((ci, ji), work.jobs[ji].request(0, opts)));
                 }
                 let id = take_chunk()?;
-                let (jobs, stats, skipped) = prepare_jobs(&splits[id.0], chunk_rows(&id), opts);
-                progress.add(skipped, 0);
+                let (split, rows) = (&splits[id.0], chunk_rows(&id));
+                let (jobs, stats, skipped) = prepare_jobs(split, rows.clone(), opts);
+                count_skipped(progress, split, rows, &jobs, skipped, opts);
                 let work = ChunkWork {
                     id,
                     open: jobs.len(),
@@ -177,9 +196,10 @@ pub(super) fn run_continuous(
         let cached = job.tokens.len() + answer.tokens.len() - 1;
         job.advance(answer, opts, &mut work.stats);
         if job.open {
+            progress.add(0, 1, 0);
             return Next::Continue(job.request(cached, opts));
         }
-        progress.add(1, 0);
+        progress.add(1, 1 + job.answers_left(opts.max_turns), 0);
         work.open -= 1;
         if work.open == 0 && work.fed == work.jobs.len() {
             if let Some(done) = chunks[ci].take() {
@@ -189,7 +209,7 @@ pub(super) fn run_continuous(
         Next::Done
     };
     let ran = engine.run(&opts.sampling, eos, next_request, on_answer, |tokens| {
-        progress.add(0, tokens)
+        progress.add(0, 0, tokens)
     });
     if let Some(e) = failure.into_inner() {
         return Err(e);

@@ -65,9 +65,9 @@ pub(crate) struct RegenerateOptions {
     /// Stop (without assembling) once this many chunks were done in this run (for tests of
     /// the resumption).
     pub stop_after_chunks: Option<usize>,
-    /// Progress: the bar counts the rows done (its length is set to the rows in all, resumed
-    /// ones already counted); when it is hidden (stderr is not a terminal), a log line every
-    /// 5 s instead. `None`: silent.
+    /// Progress: the bar counts the answers done (its length is set to the answers asked for
+    /// in all, resumed ones already counted; its message counts the rows); when it is hidden
+    /// (stderr is not a terminal), a log line every 5 s instead. `None`: silent.
     pub progress: Option<ProgressBar>,
     /// How answers are decoded.
     pub engine: RegenerateEngine,
@@ -221,7 +221,17 @@ pub(crate) fn regenerate(
         );
     }
 
-    let progress = Progress::start(opts.progress.clone(), total_rows, rows_before);
+    let answers_of = |&(si, c): &ChunkId| {
+        let rows = chunks::rows_of(&splits, opts.chunk_rows, (si, c));
+        progress::planned_answers(&splits[si], rows, opts.max_turns)
+    };
+    let total_answers: usize = all_chunks.iter().map(answers_of).sum();
+    let answers_before: usize = done.iter().map(answers_of).sum();
+    let progress = Progress::start(
+        opts.progress.clone(),
+        (total_rows, total_answers),
+        (rows_before, answers_before),
+    );
     let to_take = opts
         .stop_after_chunks
         .map_or(pending.len(), |n| n.min(pending.len()));
@@ -241,6 +251,7 @@ pub(crate) fn regenerate(
         finished: AtomicUsize::new(0),
     };
     let chunks_done = run_workers(devices, &work)?;
+    progress.finish();
     let run_generate_s = generate_started.elapsed().as_secs_f64();
     let run_tokens = progress.tokens();
 

@@ -202,6 +202,15 @@ pub(super) fn finish_jobs(
 }
 
 impl RowJob<'_> {
+    /// The answers this row asks for (see [`super::progress::planned_answers`]) that it has
+    /// not generated: once it is closed, those it left out.
+    pub(super) fn answers_left(&self, max_turns: Option<usize>) -> usize {
+        let planned = self.segs.len() / 2;
+        max_turns
+            .map_or(planned, |m| planned.min(m))
+            .saturating_sub(self.answers)
+    }
+
     /// The next answer's request: the tokens after the `cached` ones the model holds.
     pub(super) fn request(&self, cached: usize, opts: &RegenerateOptions) -> Request {
         Request {

@@ -57,10 +57,15 @@ fn tau_of(per_prompt: &[(usize, usize)]) -> f64 {
 
 impl Interval {
     /// The 95 % interval of tau = sum(accepted) / sum(steps) over prompts drawn from a larger
-    /// set, by the delta method for a ratio with the prompt as the unit (a prompt's steps are
-    /// not independent of each other: its answer's kind sets them all). `None` for fewer than
-    /// two prompts or no steps.
-    pub fn tau_95(per_prompt: &[(usize, usize)]) -> Option<Self> {
+    /// set. The standard error is the delta method's for a ratio with the prompt as the unit (a
+    /// prompt's steps are not independent of each other: its answer's kind sets them all). tau
+    /// is bounded, 1 <= tau <= `block_size` (a step takes at least the target's token and at
+    /// most a block), and its spread over prompts is skewed: the interval is taken on the logit
+    /// of tau's place between the bounds, p = (tau - 1) / (block_size - 1), and mapped back, so
+    /// it stays inside them (the interval tau +- 1.96 se went to 0.093-5.013 around 2.55 on a
+    /// few uneven prompts). Near the middle of the range it is the symmetric one. `None` for
+    /// fewer than two prompts or no steps.
+    pub fn tau_95(per_prompt: &[(usize, usize)], block_size: usize) -> Option<Self> {
         let n = per_prompt.len();
         let steps: usize = per_prompt.iter().map(|&(_, s)| s).sum();
         if n < 2 || steps == 0 {
@@ -72,9 +77,22 @@ impl Interval {
             .map(|&(a, s)| (a as f64 - tau * s as f64).powi(2))
             .sum();
         let se = (n as f64 / (n - 1) as f64 * squares).sqrt() / steps as f64;
+        let range = block_size.max(2) as f64 - 1.0;
+        let p = (tau - 1.0) / range;
+        if se == 0.0 || p <= 0.0 || p >= 1.0 {
+            // every prompt accepts alike, or all at a bound: nothing to spread
+            return Some(Interval {
+                low: tau,
+                high: tau,
+            });
+        }
+        let logit = (p / (1.0 - p)).ln();
+        // d logit / d tau = 1 / (range p (1 - p))
+        let half = Z_95 * se / (range * p * (1.0 - p));
+        let back = |x: f64| 1.0 + range / (1.0 + (-x).exp());
         Some(Interval {
-            low: tau - Z_95 * se,
-            high: tau + Z_95 * se,
+            low: back(logit - half),
+            high: back(logit + half),
         })
     }
 }
@@ -192,7 +210,7 @@ impl EvalReport {
             .collect();
         EvalReport {
             tau: tau_of(&per_prompt),
-            tau_ci95: Interval::tau_95(&per_prompt),
+            tau_ci95: Interval::tau_95(&per_prompt, block_size),
             speedup: greedy_spt / dflash_spt.max(1e-12),
             speedup_spread: Spread::of(&speedups),
             greedy_s_per_token: greedy_spt,
@@ -307,15 +325,33 @@ mod tests {
         }
     }
 
+    /// The logit of tau's place in [1, 4] (the reports here have blocks of 4).
+    fn logit4(tau: f64) -> f64 {
+        let p = (tau - 1.0) / 3.0;
+        (p / (1.0 - p)).ln()
+    }
+
     #[test]
     fn tau_interval_is_the_ratio_estimators_over_prompts() {
         // Two prompts, 2 steps each: 2 and 6 tokens, tau 2. Residuals a - tau * s: -2, +2;
-        // variance 2/1 * 8 = 16, standard error 4 / 4 steps = 1.
+        // variance 2/1 * 8 = 16, standard error 4 / 4 steps = 1. On the logit scale of
+        // p = (tau - 1) / 3 = 1/3 that is 1 / (3 p (1 - p)) = 1.5 either side, times 1.96.
         let r = report(vec![accepting(&[1, 1]), accepting(&[3, 3])], 1);
         assert_eq!(r.tau, 2.0);
         let ci = r.tau_ci95.expect("two prompts have an interval");
-        assert!((ci.low - (2.0 - Z_95)).abs() < 1e-12, "{ci:?}");
-        assert!((ci.high - (2.0 + Z_95)).abs() < 1e-12, "{ci:?}");
+        let centre = (0.5f64).ln();
+        assert!(
+            (logit4(ci.low) - (centre - 1.5 * Z_95)).abs() < 1e-9,
+            "{ci:?}"
+        );
+        assert!(
+            (logit4(ci.high) - (centre + 1.5 * Z_95)).abs() < 1e-9,
+            "{ci:?}"
+        );
+        assert!(
+            1.0 < ci.low && ci.low < 2.0 && 2.0 < ci.high && ci.high < 4.0,
+            "{ci:?}"
+        );
         // Prompts that all accept alike leave no doubt: the interval is tau itself, whatever
         // their lengths.
         let alike = vec![
@@ -335,8 +371,31 @@ mod tests {
     }
 
     #[test]
+    fn a_skewed_sample_keeps_tau_interval_within_its_bounds() {
+        // Blocks of 16: two prompts where every draft is rejected (1 token a step) and one that
+        // takes 15 of 16 a step. tau = 170 / 30 = 5.67 with a standard error of 4.67: the
+        // symmetric interval would run from below 0 to 14.8.
+        let per_prompt = [(10, 10), (10, 10), (150, 10)];
+        let tau = 170.0 / 30.0;
+        let squares: f64 = per_prompt
+            .iter()
+            .map(|&(a, s)| (a as f64 - tau * s as f64).powi(2))
+            .sum();
+        let se = (1.5 * squares).sqrt() / 30.0;
+        assert!(tau - Z_95 * se < 0.0, "the symmetric interval went below 1");
+        let ci = Interval::tau_95(&per_prompt, 16).unwrap();
+        assert!(1.0 < ci.low && ci.low < tau, "{ci:?} around {tau}");
+        assert!(tau < ci.high && ci.high < 16.0, "{ci:?} around {tau}");
+        // The skew shows: more room above tau than below.
+        assert!(ci.high - tau > tau - ci.low, "{ci:?}");
+        // Prompts that all take whole blocks sit at the top bound: no spread to show.
+        let full = Interval::tau_95(&[(16, 1), (64, 4)], 16).unwrap();
+        assert_eq!((full.low, full.high), (16.0, 16.0));
+    }
+
+    #[test]
     fn more_prompts_of_the_same_kind_narrow_tau_interval() {
-        let kinds = [&[1usize, 2, 1][..], &[5, 3], &[2, 2, 2, 1], &[8]];
+        let kinds = [&[1usize, 2, 1][..], &[4, 3], &[2, 2, 2, 1], &[4]];
         let set = |copies: usize| {
             (0..copies)
                 .flat_map(|_| kinds.iter().map(|k| accepting(k)))
@@ -347,10 +406,10 @@ mod tests {
         let width = |r: &EvalReport| {
             let ci = r.tau_ci95.unwrap();
             assert!(ci.low < r.tau && r.tau < ci.high, "{ci:?} around {}", r.tau);
-            ci.high - ci.low
+            logit4(ci.high) - logit4(ci.low)
         };
-        // Nine times the prompts: about a third of the width (sqrt(9), and the n/(n-1) of
-        // 4 prompts against 36).
+        // Nine times the prompts: about a third of the width on the logit scale (sqrt(9), and
+        // the n/(n-1) of 4 prompts against 36).
         let ratio = width(&many) / width(&few);
         let expected = ((36.0 / 35.0) / (4.0 / 3.0) / 9.0f64).sqrt();
         assert!((ratio - expected).abs() < 1e-9, "{ratio} vs {expected}");

@@ -96,6 +96,7 @@ pub fn start(
     } else {
         (MetricsWriter::open(&metrics_path)?, RunHistory::default())
     };
+    let metrics = metrics.with_tensorboard(run_dir, prepared.start_step);
     let stop = Arc::new(AtomicBool::new(false));
     let shared = Arc::new(Shared {
         batch_q: ResizableQueue::new(
