@@ -343,9 +343,20 @@ impl TextTokenizer {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self
-            .chat_template(false)?
-            .render(messages, None, add_generation_prompt)?;
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// `apply_chat_template(messages, tools=tools, tokenize=True, ...)`: the "tool_use"
+    /// template where the tokenizer has one and tools are given.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text =
+            self.chat_template(tools.is_some())?
+                .render(messages, tools, add_generation_prompt)?;
         self.encode(&text)
     }
 }
