@@ -6,5 +6,5 @@ pub mod gpu;
 pub mod host;
 pub mod profile;
 pub(crate) mod queues;
-pub(crate) mod rate;
+pub mod rate;
 pub mod records;
