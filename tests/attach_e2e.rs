@@ -214,7 +214,20 @@ fn a_closed_terminal_leaves_the_run_training_and_attach_opens_it_again() {
         screen.contains("Process (no GPUs: NVML unavailable)") || screen.contains("GPUs ("),
         "the process's CPU and memory where NVML is missing: {screen}"
     );
-    assert!(screen.contains(" I pid "), "compact log lines: {screen}");
+    // log lines as "HH:MM:SS L message" (a long one wraps over the next rows)
+    let stamped = |cell: &str| {
+        let b = cell.as_bytes();
+        b.len() > 11
+            && b[2] == b':'
+            && b[5] == b':'
+            && b[8] == b' '
+            && matches!(b[9], b'I' | b'W' | b'E')
+            && b[10] == b' '
+    };
+    assert!(
+        screen.lines().any(|l| l.split('│').any(stamped)),
+        "compact log lines: {screen}"
+    );
     viewer.keys(&["p"]);
     wait_until("paused", Duration::from_secs(10), || {
         viewer.screen().contains("paused").then_some(())
