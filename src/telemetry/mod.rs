@@ -8,3 +8,4 @@ pub mod profile;
 pub(crate) mod queues;
 pub mod rate;
 pub mod records;
+pub(crate) mod status;
