@@ -551,7 +551,7 @@ fn a_resume_that_changes_the_model_or_the_schedule_is_refused_before_anything_is
         "{out}"
     );
     eprintln!(
-        "resume refusals: model.block_size, data.token_budget, total_steps without the flag: refused, run directory byte-identical; batches_done 1e15 refused in {:.1} s naming trainer_state.json",
+        "resume refusals: model.block_size, data.token_budget, total_steps without the flag: refused, run directory byte-identical; batches_done 1e15 in every checkpoint refused in {:.1} s naming each trainer_state.json and the field",
         t.elapsed().as_secs_f64()
     );
 }
@@ -706,7 +706,11 @@ fn a_cut_or_lost_servable_drafter_is_rewritten_from_the_master_weights() {
         "{out}"
     );
     drafter_is_the_master_in_bf16(&ckpt);
-    assert_eq!(std::fs::read(&model).unwrap(), whole, "not the bytes first written");
+    assert_eq!(
+        std::fs::read(&model).unwrap(),
+        whole,
+        "not the bytes first written"
+    );
     match dflash_tui::train::manifest::verify(&ckpt).unwrap() {
         ManifestCheck::Checked { mismatches, .. } => assert!(mismatches.is_empty()),
         ManifestCheck::Absent => panic!("the manifest is gone"),
@@ -751,8 +755,9 @@ fn a_false_trainer_state_is_refused_naming_the_field_and_the_one_before_resumed(
     edit_state(&four, |s| s["step"] = serde_json::json!(99));
     let out = resume_until_held(&run_dir, 4);
     assert!(
-        out.contains("step-000004/trainer_state.json: field step = 99 does not match its folder step-000004")
-            && out.contains("step-000002 at step 2"),
+        out.contains(
+            "step-000004/trainer_state.json: field step = 99 does not match its folder step-000004"
+        ) && out.contains("step-000002 at step 2"),
         "{out}"
     );
     assert!(!step_dir(&run_dir, 99).exists());
@@ -775,7 +780,9 @@ fn a_false_trainer_state_is_refused_naming_the_field_and_the_one_before_resumed(
             && out.contains("step-000004: ")
             && out.contains("field packer.window_start.position = 999999999")
             && out.contains("step-000002: ")
-            && out.contains("field step = 18446744073709551615 does not match its folder step-000002"),
+            && out.contains(
+                "field step = 18446744073709551615 does not match its folder step-000002"
+            ),
         "{out}"
     );
     assert!(!out.contains("resuming from"), "{out}");

@@ -315,11 +315,14 @@ mod tests {
         assert_eq!(verify(tmp.path()).unwrap(), ManifestCheck::Absent);
         std::fs::write(tmp.path().join(MANIFEST), b"{\"files\": 3}").unwrap();
         let err = format!("{:#}", verify(tmp.path()).unwrap_err());
-        assert!(err.contains("manifest.json: not a checkpoint manifest"), "{err}");
-        let escape = r#"{"hash": "xxh3-128", "files": [{"path": "../x", "bytes": 1, "checksum": "0"}]}"#;
+        assert!(
+            err.contains("manifest.json: not a checkpoint manifest"),
+            "{err}"
+        );
+        let escape =
+            r#"{"hash": "xxh3-128", "files": [{"path": "../x", "bytes": 1, "checksum": "0"}]}"#;
         std::fs::write(tmp.path().join(MANIFEST), escape).unwrap();
         let err = format!("{:#}", verify(tmp.path()).unwrap_err());
         assert!(err.contains("\"../x\" is not a path inside"), "{err}");
     }
 }
-

@@ -348,7 +348,11 @@ mod tests {
         let path = dir.path().join("opt.safetensors");
         let saved = [("w".to_string(), &bad), ("n".to_string(), &norm)];
         AdamW::new(&saved, Device::Cpu, cfg).save(&path).unwrap();
-        let mut opt = AdamW::new(&[("w".into(), &good), ("n".into(), &norm)], Device::Cpu, cfg);
+        let mut opt = AdamW::new(
+            &[("w".into(), &good), ("n".into(), &norm)],
+            Device::Cpu,
+            cfg,
+        );
         let err = format!("{:#}", opt.load(&path, 3).unwrap_err());
         assert!(
             err.contains("tensor \"master.w\" holds a non-finite value"),

@@ -47,12 +47,12 @@ pub(crate) fn choose(
     optimizer: &mut AdamW,
     data: &DataBounds,
 ) -> Result<ResumePoint> {
-    let candidates = list_checkpoints(&checkpoints_dir(run_dir));
-    if candidates.is_empty() {
+    if list_checkpoints(&checkpoints_dir(run_dir)).is_empty() {
         // no complete step folder: the error names what is missing
         newest_checkpoint(run_dir)?;
         bail!("{}: no checkpoint to resume from", run_dir.display());
     }
+    let candidates = step_folders(&checkpoints_dir(run_dir));
     let mut failed: Vec<String> = Vec::new();
     for (step, ckpt) in candidates.into_iter().rev() {
         match verify(step, &ckpt, optimizer, data) {
@@ -78,14 +78,26 @@ pub(crate) fn choose(
     )
 }
 
+/// Every `step-N` folder, oldest first: complete ones, and ones whose trainer state is gone
+/// (named as failures, where [`list_checkpoints`] passes over them in silence).
+fn step_folders(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut out: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("step-")?.parse::<u64>().ok()?;
+            e.path().is_dir().then(|| (step, e.path()))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 /// One checkpoint's verification; the optimizer state is loaded last, so that a failure
 /// leaves `optimizer` as it was.
-fn verify(
-    step: u64,
-    ckpt: &Path,
-    optimizer: &mut AdamW,
-    data: &DataBounds,
-) -> Result<ResumePoint> {
+fn verify(step: u64, ckpt: &Path, optimizer: &mut AdamW, data: &DataBounds) -> Result<ResumePoint> {
     let manifest = manifest::verify(ckpt)?;
     let drafter_mismatches = match &manifest {
         ManifestCheck::Checked { mismatches, .. } => {

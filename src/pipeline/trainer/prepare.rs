@@ -383,7 +383,11 @@ fn planned_steps(
 }
 
 /// The newest checkpoint of `run_dir` that verifies, its optimizer state loaded.
-fn resume_point(run_dir: &Path, optimizer: &mut AdamW, bounds: &DataBounds<'_>) -> Result<ResumePoint> {
+fn resume_point(
+    run_dir: &Path,
+    optimizer: &mut AdamW,
+    bounds: &DataBounds<'_>,
+) -> Result<ResumePoint> {
     let r = resume::choose(run_dir, optimizer, bounds)?;
     let (ckpt, step) = (r.checkpoint.display(), r.state.step);
     match r.newer_failed {
