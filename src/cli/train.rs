@@ -102,9 +102,14 @@ fn check_resume(run: &Path, config: &TrainConfig, args: &TrainArgs) -> Result<Ve
 /// the configuration adds no step (`train.total_steps` raised with `--allow-schedule-change`).
 /// A schedule in epochs that changed is left to the trainer, which counts its steps.
 fn finished_run(run: &Path, config: &TrainConfig) -> Option<String> {
-    let checkpoint = crate::train::checkpoint::newest_checkpoint(run).ok()?;
-    let state = crate::train::checkpoint::read_state(&checkpoint).ok()?;
-    if state.step < state.total_steps {
+    use crate::train::checkpoint::{checkpoints_dir, list_checkpoints, read_state};
+    let (folder_step, checkpoint) = list_checkpoints(&checkpoints_dir(run)).pop()?;
+    let state = read_state(&checkpoint).ok()?;
+    // Believed only where it is its folder's and its manifest vouches for it; otherwise the
+    // resume verifies every checkpoint and says what is wrong.
+    let believed = state.step == folder_step
+        && crate::train::manifest::vouches_for(&checkpoint, "trainer_state.json");
+    if !believed || state.step < state.total_steps {
         return None;
     }
     let total = if config.train.total_steps > 0 {
