@@ -107,16 +107,23 @@ impl MetricsTail {
     }
 
     /// Also hands over a last line without its newline when it is a whole record (a file read
-    /// once, not followed: a run killed mid-write leaves half a line, which is not counted).
-    pub(crate) fn finish(&mut self, each: impl FnMut(Seen<'_>)) {
+    /// once, not followed); true when one was there and was not (a run killed mid-write
+    /// leaves half a line, which is not counted as bad).
+    pub(crate) fn finish(&mut self, mut each: impl FnMut(Seen<'_>)) -> bool {
         let rest = std::mem::take(&mut self.partial);
-        if let Ok(record) = parse_line(&rest) {
-            self.lines += 1;
-            let mut each = each;
-            each(Seen::Record {
-                record,
-                line: &rest,
-            });
+        if rest.iter().all(u8::is_ascii_whitespace) {
+            return false;
+        }
+        match parse_line(&rest) {
+            Ok(record) => {
+                self.lines += 1;
+                each(Seen::Record {
+                    record,
+                    line: &rest,
+                });
+                false
+            }
+            Err(_) => true,
         }
     }
 
@@ -158,11 +165,21 @@ fn parse_line(line: &[u8]) -> Result<MetricsRecord, String> {
     serde_json::from_str(text).map_err(|e| e.to_string())
 }
 
-/// Every record of the file at `path` once, its bad lines, and whether it exists.
+/// What [`read_all`] found besides the records.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ReadAll {
+    /// There is such a file.
+    pub exists: bool,
+    pub bad: BadLines,
+    /// The last line had no newline and was not a record (cut short by a kill); not in `bad`.
+    pub cut_last_line: bool,
+}
+
+/// Every record of the file at `path` once, with its line.
 pub(crate) fn read_all(
     path: &Path,
     mut each: impl FnMut(&MetricsRecord, &[u8]),
-) -> std::io::Result<(bool, BadLines)> {
+) -> std::io::Result<ReadAll> {
     let mut tail = MetricsTail::new(path);
     let mut on = |seen: Seen<'_>| {
         if let Seen::Record { record, line } = seen {
@@ -170,8 +187,12 @@ pub(crate) fn read_all(
         }
     };
     let exists = tail.read_new(&mut on)?;
-    tail.finish(&mut on);
-    Ok((exists, tail.bad))
+    let cut_last_line = tail.finish(&mut on);
+    Ok(ReadAll {
+        exists,
+        bad: tail.bad,
+        cut_last_line,
+    })
 }
 
 #[cfg(test)]
@@ -248,18 +269,26 @@ mod tests {
         let text: String = (0..n).map(|i| event(i) + "\n").collect();
         std::fs::write(&path, text + &event(n)).unwrap();
         let mut count = 0;
-        let (exists, bad) = read_all(&path, |r, _| {
+        let read = read_all(&path, |r, _| {
             assert!(
                 matches!(r, MetricsRecord::Event { elapsed_s, .. } if *elapsed_s == count as f64)
             );
             count += 1;
         })
         .unwrap();
-        assert!(exists);
+        assert!(read.exists && !read.cut_last_line);
         assert_eq!(
-            (count, bad.count),
+            (count, read.bad.count),
             (n + 1, 0),
-            "the unended last line counts once read whole"
+            "the unended last line is read whole"
         );
+        // half a line at the end: left out, and said so, not counted as bad
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        f.write_all(b"\n{\"type\":\"ev").unwrap();
+        let read = read_all(&path, |_, _| {}).unwrap();
+        assert!(read.cut_last_line && read.bad.count == 0, "{read:?}");
     }
 }

@@ -203,7 +203,7 @@ pub enum MetricsRecord {
 }
 
 impl MetricsRecord {
-    /// The run's clock when the record was written (0 for a profile report, which has none).
+    /// The clock when the record was written (a profile report's is the profiler's).
     pub(crate) fn elapsed_s(&self) -> f64 {
         match self {
             MetricsRecord::Step(r) => r.elapsed_s,
@@ -213,7 +213,7 @@ impl MetricsRecord {
             MetricsRecord::Queues { elapsed_s, .. }
             | MetricsRecord::Event { elapsed_s, .. }
             | MetricsRecord::Summary { elapsed_s, .. } => *elapsed_s,
-            MetricsRecord::Profile(_) => 0.0,
+            MetricsRecord::Profile(p) => p.elapsed_s,
         }
     }
 }
@@ -328,14 +328,14 @@ impl MetricsWriter {
 fn records_up_to_step(path: &Path, step: u64) -> std::io::Result<(Vec<u8>, BadLines)> {
     let mut out = Vec::new();
     let mut past = false;
-    let (_, bad) = metrics_tail::read_all(path, |record, line| {
+    let read = metrics_tail::read_all(path, |record, line| {
         past = past || matches!(record, MetricsRecord::Step(r) if r.step > step);
         if !past && !matches!(record, MetricsRecord::Summary { .. }) {
             out.extend_from_slice(line);
             out.push(b'\n');
         }
     })?;
-    Ok((out, bad))
+    Ok((out, read.bad))
 }
 
 /// What a resumed run continues from: the records kept in `metrics.jsonl` (see
@@ -353,7 +353,10 @@ pub(crate) struct RunHistory {
 impl RunHistory {
     /// Adds one record of the run.
     fn push(&mut self, record: &MetricsRecord) {
-        self.elapsed_s = self.elapsed_s.max(record.elapsed_s());
+        if !matches!(record, MetricsRecord::Profile(_)) {
+            // (a profile report's clock is the profiler's, restarted by a resume)
+            self.elapsed_s = self.elapsed_s.max(record.elapsed_s());
+        }
         match record {
             MetricsRecord::Step(r) => self.steps.push(r.clone()),
             MetricsRecord::Eval(r) => self.evals.push(r.clone()),
@@ -366,9 +369,9 @@ impl RunHistory {
     /// that are not records are left out (and logged).
     pub(crate) fn read(path: &Path) -> anyhow::Result<Self> {
         let mut h = RunHistory::default();
-        let (_, bad) = metrics_tail::read_all(path, |record, _| h.push(record))
+        let read = metrics_tail::read_all(path, |record, _| h.push(record))
             .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
-        if let Some(bad) = bad.describe() {
+        if let Some(bad) = read.bad.describe() {
             log::warn!("{}: {bad}", path.display());
         }
         Ok(h)
@@ -378,12 +381,12 @@ impl RunHistory {
 /// Reads `metrics.jsonl` back into records; a line that is not one is an error naming it.
 pub fn read_metrics(path: &Path) -> anyhow::Result<Vec<MetricsRecord>> {
     let mut records = Vec::new();
-    let (exists, bad) = metrics_tail::read_all(path, |record, _| records.push(record.clone()))
+    let read = metrics_tail::read_all(path, |record, _| records.push(record.clone()))
         .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
-    if !exists {
+    if !read.exists {
         anyhow::bail!("{}: cannot read: no such file", path.display());
     }
-    if let Some((line, why)) = bad.first {
+    if let Some((line, why)) = read.bad.first {
         anyhow::bail!("{}: line {line}: {why}", path.display());
     }
     Ok(records)
