@@ -541,7 +541,7 @@ fn a_trainer_that_does_not_answer_gets_a_timeout_message_from_ctl_and_attach() {
     // the keys work while the trainer stays silent
     screen.keys(&["?"]);
     wait_until("the help overlay", Duration::from_secs(5), || {
-        screen.screen().contains("help").then_some(())
+        screen.screen().contains("┌ Help ").then_some(())
     });
 }
 

@@ -11,6 +11,8 @@
 //! error line and is closed. A connection without a complete line for 10 s is closed, a line
 //! over 64 KiB gets an error and closes its connection, a line that is not UTF-8 gets an error,
 //! errors quote at most 40 characters of the request, and failing accepts (EMFILE) back off.
+//! A client waits [`CLIENT_TIMEOUT`] for an answer, then says that the trainer did not answer
+//! ([`NoAnswer`]) instead of hanging with it.
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::os::unix::fs::PermissionsExt;

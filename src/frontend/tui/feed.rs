@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::recorded::{RecordedRun, HISTORY};
-use crate::frontend::socket::{ControlClient, NoAnswer};
+use crate::frontend::socket::{ControlClient, NoAnswer, SOCKET_NAME};
 use crate::pipeline::command::Command;
 use crate::telemetry::records::{Phase, Snapshot, StepRecord};
 use crate::train::run_lock::RunLock;
@@ -156,6 +156,8 @@ impl RunFeed {
                 self.client = None;
             }
             Some(Ok(_)) => self.client = None,
+            // (a trainer that is gone is no longer silent)
+            None if !self.run_dir.join(SOCKET_NAME).exists() => self.silent = None,
             None => {}
         }
         let (snapshot, why) = self.recorded();
