@@ -359,3 +359,241 @@ fn sigterm_ends_a_screen_run_with_a_checkpoint_and_no_key() {
         t.elapsed().as_secs_f64()
     );
 }
+
+/// User and system CPU time of a process so far, and its peak resident memory in bytes.
+fn cpu_and_peak(pid: i32) -> (Duration, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: a plain query.
+    let per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let peak_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    (
+        Duration::from_secs_f64(ticks as f64 / per_s),
+        peak_kb * 1024,
+    )
+}
+
+/// A step record's line (the shape the trainer writes).
+fn step_line(step: u64) -> String {
+    format!(
+        "{{\"type\":\"step\",\"step\":{step},\"epoch\":0,\"loss\":2.{step},\"accuracy\":0.25,\
+         \"accept_mean\":1.5,\"lr\":0.0001,\"grad_norm\":0.7,\"tokens\":1000,\"samples\":4,\
+         \"blocks\":100,\"step_s\":0.2,\"tokens_per_s\":5000.0,\"samples_per_s\":20.0,\
+         \"elapsed_s\":{step}.5}}\n"
+    )
+}
+
+#[test]
+fn attach_reads_a_long_record_once_and_counts_a_line_that_is_not_utf8() {
+    // 200 MB of step records (a long run), with one line holding a byte that is not UTF-8
+    const BYTES: usize = 200 << 20;
+    let tmp = tempfile::tempdir().unwrap();
+    let run_dir = tmp.path().join("run");
+    std::fs::create_dir(&run_dir).unwrap();
+    let t = Instant::now();
+    let mut text = String::with_capacity(BYTES + 1024);
+    text.push_str(&step_line(1));
+    let mut text = text.into_bytes();
+    text.extend_from_slice(b"{\"type\":\"event\",\"kind\":\"\xff\"}\n");
+    let mut steps = 1;
+    while text.len() < BYTES {
+        steps += 1;
+        text.extend_from_slice(step_line(steps).as_bytes());
+    }
+    let summary = format!(
+        "{{\"type\":\"summary\",\"phase\":\"finished\",\"steps\":{steps},\"elapsed_s\":{steps}.5,\
+         \"tokens_seen\":1000,\"samples_seen\":4,\"final_loss\":2.0,\"final_accuracy\":0.25,\
+         \"final_accept_mean\":1.5,\"last_checkpoint\":null,\"error\":null}}\n"
+    );
+    text.extend_from_slice(summary.as_bytes());
+    std::fs::write(run_dir.join("metrics.jsonl"), &text).unwrap();
+    let made_s = t.elapsed().as_secs_f64();
+    drop(text);
+
+    let t = Instant::now();
+    let screen = Tmux::start(
+        "long",
+        &format!("exec {} attach --read-only {}", bin(), run_dir.display()),
+    );
+    let pid: i32 = {
+        let out = Command::new("tmux")
+            .args(["display", "-p", "-t", &screen.session, "#{pane_pid}"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    };
+    let shown = wait_until(
+        "the whole run on the screen",
+        Duration::from_secs(30),
+        || {
+            let s = screen.screen();
+            s.contains("press any key").then_some(s)
+        },
+    );
+    let first_s = t.elapsed().as_secs_f64();
+    assert!(
+        shown.contains(&format!("step {steps}")),
+        "the last step: {shown}"
+    );
+    // (the log pane wraps the line)
+    assert!(
+        shown.contains("metrics.jsonl: 1 unreadable line")
+            && shown.contains("(line 2: not UTF-8 at byte 25)"),
+        "the bad line is counted in the log pane: {shown}"
+    );
+    // After the first read: a screen on a finished run reads nothing again.
+    let window = Duration::from_secs(3);
+    let (cpu0, _) = cpu_and_peak(pid);
+    let w = Instant::now();
+    std::thread::sleep(window);
+    let (cpu1, peak) = cpu_and_peak(pid);
+    let share = (cpu1 - cpu0).as_secs_f64() / w.elapsed().as_secs_f64();
+    eprintln!(
+        "attach --read-only on {} MB of records ({steps} steps, made in {made_s:.1} s): whole \
+         run on the screen {first_s:.1} s after the start, then {:.1} % of a core over {:?}, \
+         peak memory {} MB",
+        BYTES >> 20,
+        share * 100.0,
+        window,
+        peak >> 20
+    );
+    assert!(
+        share < 0.10,
+        "{:.1} % of a core after the first read",
+        share * 100.0
+    );
+    assert!(peak < 200 << 20, "peak memory {} MB", peak >> 20);
+    // a key still leaves at once
+    screen.keys(&["x"]);
+    wait_until("attach to exit", Duration::from_secs(5), || {
+        (!alive(pid)).then_some(())
+    });
+}
+
+/// A control socket that takes connections and never answers (a hung trainer); the
+/// connections stay open while it lives.
+fn silent_socket(run_dir: &Path) -> std::thread::JoinHandle<()> {
+    let listener = std::os::unix::net::UnixListener::bind(run_dir.join("control.sock")).unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            match stream {
+                Ok(s) => held.push(s),
+                Err(_) => return,
+            }
+        }
+    })
+}
+
+#[test]
+fn a_trainer_that_does_not_answer_gets_a_timeout_message_from_ctl_and_attach() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run_dir = tmp.path().join("run");
+    std::fs::create_dir(&run_dir).unwrap();
+    let _listener = silent_socket(&run_dir);
+
+    let t = Instant::now();
+    let (ok, text) = ctl(&run_dir, &["pause"]);
+    let ctl_s = t.elapsed().as_secs_f64();
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains(&format!(
+            "the trainer at {} did not answer within 5 s; it may be busy or hung",
+            run_dir.join("control.sock").display()
+        )) && text.contains("attach --read-only"),
+        "{text}"
+    );
+    assert!(ctl_s < 8.0, "ctl answered after {ctl_s:.1} s");
+
+    let t = Instant::now();
+    let screen = Tmux::start(
+        "silent",
+        &format!("exec {} attach {}", bin(), run_dir.display()),
+    );
+    wait_until("connecting... at once", Duration::from_secs(3), || {
+        screen
+            .screen()
+            .contains("connecting to the trainer")
+            .then_some(())
+    });
+    let connecting_s = t.elapsed().as_secs_f64();
+    let shown = wait_until("the timeout on the screen", Duration::from_secs(10), || {
+        let s = screen.screen();
+        s.contains("did not answer within 5 s").then_some(s)
+    });
+    let timeout_s = t.elapsed().as_secs_f64();
+    eprintln!(
+        "a silent socket: ctl failed after {ctl_s:.1} s; attach drew \"connecting\" after \
+         {connecting_s:.1} s and the timeout after {timeout_s:.1} s"
+    );
+    assert!(timeout_s < 9.0, "{timeout_s:.1} s: {shown}");
+    // the keys work while the trainer stays silent
+    screen.keys(&["?"]);
+    wait_until("the help overlay", Duration::from_secs(5), || {
+        screen.screen().contains("┌ Help ").then_some(())
+    });
+}
+
+#[test]
+fn a_run_with_a_line_that_is_not_utf8_in_its_records_resumes() {
+    let i = common::tiny_run(32, 3);
+    let run_dir = i.tmp.path().join("run");
+    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
+    let train = |steps: u64, dir_flag: &[&str]| {
+        Command::new(bin())
+            .arg("train")
+            .arg("--config")
+            .arg(&config)
+            .args(["--set", &format!("model.target={}", i.target.display())])
+            .args(["--set", &format!("data.path={}", i.data.display())])
+            .args(["--set", &format!("train.total_steps={steps}")])
+            .args(["--set", "checkpoint.save_every_steps=2"])
+            .args(dir_flag)
+            .arg(&run_dir)
+            .arg("--no-tui")
+            .output()
+            .unwrap()
+    };
+    let out = train(4, &["--run-dir"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metrics = run_dir.join("metrics.jsonl");
+    let mut bytes = std::fs::read(&metrics).unwrap();
+    let second = bytes.iter().position(|&b| b == b'\n').unwrap() + 1;
+    bytes.splice(
+        second..second,
+        b"{\"type\":\"event\",\"kind\":\"\xfe\"}\n".iter().copied(),
+    );
+    std::fs::write(&metrics, &bytes).unwrap();
+
+    let out = train(6, &["--allow-schedule-change", "--resume"]);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("metrics.jsonl: 1 unreadable line skipped (line 2: not UTF-8 at byte 25)"),
+        "the bad line is counted in the log: {log}"
+    );
+    let steps: Vec<u64> = dflash_tui::telemetry::records::read_metrics(&metrics)
+        .expect("the resumed run's records are whole again")
+        .into_iter()
+        .filter_map(|r| match r {
+            dflash_tui::telemetry::records::MetricsRecord::Step(s) => Some(s.step),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(steps, (1..=6).collect::<Vec<_>>());
+}

@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 
 use super::socket;
-use super::tui::feed::recorded_snapshot;
+use super::tui::recorded::recorded_snapshot;
 use crate::pipeline::command::Command;
 use crate::telemetry::records::RunStatus;
 use crate::train::run_lock::RunLock;

@@ -11,6 +11,8 @@
 //! error line and is closed. A connection without a complete line for 10 s is closed, a line
 //! over 64 KiB gets an error and closes its connection, a line that is not UTF-8 gets an error,
 //! errors quote at most 40 characters of the request, and failing accepts (EMFILE) back off.
+//! A client waits [`CLIENT_TIMEOUT`] for an answer, then says that the trainer did not answer
+//! ([`NoAnswer`]) instead of hanging with it.
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -35,6 +37,39 @@ pub(crate) const SOCKET_PATH_MAX: usize = 108;
 
 /// How long a command waits for the trainer's answer.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a client waits for the trainer's answer: a trainer that answers does so in
+/// milliseconds (its loop answers between ticks); one that does not is stopped or hung, and a
+/// client that waited for [`REPLY_TIMEOUT`] left a blank screen or a silent `ctl` for 40 s.
+pub(crate) const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A trainer that took a request and did not answer within [`CLIENT_TIMEOUT`].
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the trainer at {} did not answer within {} s; it may be busy or hung: its train.log says \
+     what it did last, `dflash-tui attach --read-only {}` shows its records, and a stopped one \
+     (kill -STOP) goes on with kill -CONT",
+    socket.display(),
+    CLIENT_TIMEOUT.as_secs(),
+    run_dir.display()
+)]
+pub struct NoAnswer {
+    pub socket: PathBuf,
+    pub run_dir: PathBuf,
+}
+
+impl NoAnswer {
+    /// `e` as a [`NoAnswer`] when it is a timeout of the socket of `run_dir`.
+    fn or_io(run_dir: &Path, e: std::io::Error) -> anyhow::Error {
+        match e.kind() {
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => anyhow::Error::new(NoAnswer {
+                socket: run_dir.join(SOCKET_NAME),
+                run_dir: run_dir.to_path_buf(),
+            }),
+            _ => anyhow::Error::new(e),
+        }
+    }
+}
 
 /// How long a reply may take to write before its connection is dropped.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -491,36 +526,16 @@ fn write_reply(mut stream: &UnixStream, reply: &WireReply) -> std::io::Result<()
     stream.write_all(format!("{json}\n").as_bytes())
 }
 
-/// The client: sends one command, returns the reply.
+/// The client: sends one command, returns the reply (a [`NoAnswer`] error after
+/// [`CLIENT_TIMEOUT`]).
 pub fn send(run_dir: &Path, command: &str) -> Result<WireReply> {
-    check_socket_path(run_dir)?;
-    let path = run_dir.join(SOCKET_NAME);
-    let mut stream = UnixStream::connect(&path).with_context(|| {
-        format!(
-            "{}: no running trainer to talk to (cannot connect)",
-            path.display()
-        )
-    })?;
-    stream.set_read_timeout(Some(REPLY_TIMEOUT + Duration::from_secs(10)))?;
-    let request = serde_json::to_string(&WireRequest {
-        command: command.to_string(),
-    })?;
-    let sent = writeln!(stream, "{request}");
-    let mut line = String::new();
-    let read = BufReader::new(&stream).read_line(&mut line);
-    if line.is_empty() {
-        // A refused connection is answered and closed before the request is read: the reply,
-        // when there is one, matters more than the failed write.
-        sent.with_context(|| format!("{}: cannot send the command", path.display()))?;
-        read.with_context(|| format!("{}: no reply", path.display()))?;
-        bail!("{}: no reply (the connection was closed)", path.display());
-    }
-    serde_json::from_str(&line)
-        .with_context(|| format!("{}: unreadable reply {line:?}", path.display()))
+    let mut client = ControlClient::connect(run_dir)?;
+    client.request(command)
 }
 
 /// A connection kept open for many requests (a screen polls the run several times a second).
 pub(crate) struct ControlClient {
+    run_dir: PathBuf,
     reader: BufReader<UnixStream>,
 }
 
@@ -529,29 +544,41 @@ impl ControlClient {
     pub(crate) fn connect(run_dir: &Path) -> Result<Self> {
         check_socket_path(run_dir)?;
         let path = run_dir.join(SOCKET_NAME);
-        let stream = UnixStream::connect(&path)
-            .with_context(|| format!("{}: no running trainer (cannot connect)", path.display()))?;
-        stream.set_read_timeout(Some(REPLY_TIMEOUT + Duration::from_secs(10)))?;
-        stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+        let stream = UnixStream::connect(&path).with_context(|| {
+            format!(
+                "{}: no running trainer to talk to (cannot connect)",
+                path.display()
+            )
+        })?;
+        stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+        stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
         Ok(ControlClient {
+            run_dir: run_dir.to_path_buf(),
             reader: BufReader::new(stream),
         })
     }
 
     /// Sends one command line and reads its reply.
     pub(crate) fn request(&mut self, command: &str) -> Result<WireReply> {
+        let path = self.run_dir.join(SOCKET_NAME);
         let request = serde_json::to_string(&WireRequest {
             command: command.to_string(),
         })?;
-        writeln!(self.reader.get_ref(), "{request}").context("cannot send the request")?;
+        let sent = writeln!(self.reader.get_ref(), "{request}");
         let mut line = String::new();
-        self.reader
-            .read_line(&mut line)
-            .context("no reply from the trainer")?;
+        let read = self.reader.read_line(&mut line);
         if line.is_empty() {
-            bail!("the trainer closed the connection");
+            // A refused connection is answered and closed before the request is read: the
+            // reply, when there is one, matters more than the failed write.
+            if let Err(e) = sent {
+                let e = NoAnswer::or_io(&self.run_dir, e);
+                return Err(e.context(format!("{}: cannot send the command", path.display())));
+            }
+            read.map_err(|e| NoAnswer::or_io(&self.run_dir, e))?;
+            bail!("{}: no reply (the connection was closed)", path.display());
         }
-        serde_json::from_str(&line).context("unreadable reply")
+        serde_json::from_str(&line)
+            .with_context(|| format!("{}: unreadable reply {line:?}", path.display()))
     }
 }
 

@@ -4,6 +4,7 @@
 pub(crate) mod format;
 pub mod gpu;
 pub mod host;
+pub(crate) mod metrics_tail;
 pub mod profile;
 pub(crate) mod queues;
 pub mod rate;

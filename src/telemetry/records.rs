@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::gpu::GpuReading;
 use super::host::HostReading;
+use super::metrics_tail::{self, BadLines};
 use super::profile::ProfileReport;
 use super::queues::queue_state;
 pub use super::queues::{QueueLevel, QueueName, UnknownQueue};
@@ -201,6 +202,22 @@ pub enum MetricsRecord {
     },
 }
 
+impl MetricsRecord {
+    /// The clock when the record was written (a profile report's is the profiler's).
+    pub(crate) fn elapsed_s(&self) -> f64 {
+        match self {
+            MetricsRecord::Step(r) => r.elapsed_s,
+            MetricsRecord::Eval(r) => r.elapsed_s,
+            MetricsRecord::Validation(r) => r.elapsed_s,
+            MetricsRecord::Gpu(r) => r.elapsed_s,
+            MetricsRecord::Queues { elapsed_s, .. }
+            | MetricsRecord::Event { elapsed_s, .. }
+            | MetricsRecord::Summary { elapsed_s, .. } => *elapsed_s,
+            MetricsRecord::Profile(p) => p.elapsed_s,
+        }
+    }
+}
+
 /// Appends records to `metrics.jsonl`, one JSON object a line, each written with one append.
 /// Telemetry never stops training: a write that fails (a full disk) is cut back off the file, so
 /// no half line stays behind, and counted; the log says so at the first failure and at each
@@ -244,16 +261,17 @@ impl MetricsWriter {
     /// the earlier run's summary are dropped first (the file is rewritten beside and renamed),
     /// so a reader sees each step once.
     pub(crate) fn open_resumed(path: &Path, step: u64) -> anyhow::Result<Self> {
-        if path.is_file() {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
-            let kept = records_up_to_step(&text, step);
-            if kept.len() != text.len() {
-                let tmp = path.with_extension("jsonl.resume-tmp");
-                std::fs::write(&tmp, &kept)
-                    .and_then(|_| std::fs::rename(&tmp, path))
-                    .map_err(|e| anyhow::anyhow!("{}: cannot rewrite: {e}", path.display()))?;
-            }
+        let cannot_read = |e| anyhow::anyhow!("{}: cannot read: {e}", path.display());
+        let len = std::fs::metadata(path).map_or(0, |m| m.len());
+        let (kept, bad) = records_up_to_step(path, step).map_err(cannot_read)?;
+        if let Some(bad) = bad.describe() {
+            log::warn!("{}: {bad}; the run goes on without them", path.display());
+        }
+        if kept.len() as u64 != len {
+            let tmp = path.with_extension("jsonl.resume-tmp");
+            std::fs::write(&tmp, &kept)
+                .and_then(|_| std::fs::rename(&tmp, path))
+                .map_err(|e| anyhow::anyhow!("{}: cannot rewrite: {e}", path.display()))?;
         }
         Self::open(path)
     }
@@ -304,21 +322,20 @@ impl MetricsWriter {
     }
 }
 
-/// The lines of `metrics.jsonl` text that a run resumed at `step` keeps: everything before the
-/// first record of a later step, without unreadable (half-written) lines or summaries.
-fn records_up_to_step(text: &str, step: u64) -> String {
-    let mut out = String::with_capacity(text.len());
-    for line in text.lines() {
-        match serde_json::from_str::<MetricsRecord>(line) {
-            Ok(MetricsRecord::Step(r)) if r.step > step => break,
-            Ok(MetricsRecord::Summary { .. }) | Err(_) => continue,
-            Ok(_) => {
-                out.push_str(line);
-                out.push('\n');
-            }
+/// The lines of `metrics.jsonl` that a run resumed at `step` keeps: everything before the
+/// first record of a later step, without unreadable (half-written, not UTF-8) lines, which are
+/// counted, or summaries.
+fn records_up_to_step(path: &Path, step: u64) -> std::io::Result<(Vec<u8>, BadLines)> {
+    let mut out = Vec::new();
+    let mut past = false;
+    let read = metrics_tail::read_all(path, |record, line| {
+        past = past || matches!(record, MetricsRecord::Step(r) if r.step > step);
+        if !past && !matches!(record, MetricsRecord::Summary { .. }) {
+            out.extend_from_slice(line);
+            out.push(b'\n');
         }
-    }
-    out
+    })?;
+    Ok((out, read.bad))
 }
 
 /// What a resumed run continues from: the records kept in `metrics.jsonl` (see
@@ -334,56 +351,45 @@ pub(crate) struct RunHistory {
 }
 
 impl RunHistory {
-    /// The history in `metrics.jsonl` text; lines that do not parse are left out.
-    pub(crate) fn from_text(text: &str) -> Self {
-        let mut h = RunHistory::default();
-        for record in text
-            .lines()
-            .filter_map(|l| serde_json::from_str::<MetricsRecord>(l).ok())
-        {
-            let elapsed = match &record {
-                MetricsRecord::Step(r) => r.elapsed_s,
-                MetricsRecord::Eval(r) => r.elapsed_s,
-                MetricsRecord::Validation(r) => r.elapsed_s,
-                MetricsRecord::Gpu(r) => r.elapsed_s,
-                MetricsRecord::Queues { elapsed_s, .. }
-                | MetricsRecord::Event { elapsed_s, .. }
-                | MetricsRecord::Summary { elapsed_s, .. } => *elapsed_s,
-                MetricsRecord::Profile(_) => 0.0,
-            };
-            h.elapsed_s = h.elapsed_s.max(elapsed);
-            match record {
-                MetricsRecord::Step(r) => h.steps.push(r),
-                MetricsRecord::Eval(r) => h.evals.push(r),
-                MetricsRecord::Validation(r) => h.validations.push(r),
-                _ => {}
-            }
+    /// Adds one record of the run.
+    fn push(&mut self, record: &MetricsRecord) {
+        if !matches!(record, MetricsRecord::Profile(_)) {
+            // (a profile report's clock is the profiler's, restarted by a resume)
+            self.elapsed_s = self.elapsed_s.max(record.elapsed_s());
         }
-        h
+        match record {
+            MetricsRecord::Step(r) => self.steps.push(r.clone()),
+            MetricsRecord::Eval(r) => self.evals.push(r.clone()),
+            MetricsRecord::Validation(r) => self.validations.push(r.clone()),
+            _ => {}
+        }
     }
 
-    /// The history of the run whose metrics are at `path` (empty when there are none).
+    /// The history of the run whose metrics are at `path` (empty when there are none); lines
+    /// that are not records are left out (and logged).
     pub(crate) fn read(path: &Path) -> anyhow::Result<Self> {
-        match std::fs::read_to_string(path) {
-            Ok(text) => Ok(Self::from_text(&text)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
-            Err(e) => Err(anyhow::anyhow!("{}: cannot read: {e}", path.display())),
+        let mut h = RunHistory::default();
+        let read = metrics_tail::read_all(path, |record, _| h.push(record))
+            .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
+        if let Some(bad) = read.bad.describe() {
+            log::warn!("{}: {bad}", path.display());
         }
+        Ok(h)
     }
 }
 
-/// Reads `metrics.jsonl` back into records.
+/// Reads `metrics.jsonl` back into records; a line that is not one is an error naming it.
 pub fn read_metrics(path: &Path) -> anyhow::Result<Vec<MetricsRecord>> {
-    let text = std::fs::read_to_string(path)
+    let mut records = Vec::new();
+    let read = metrics_tail::read_all(path, |record, _| records.push(record.clone()))
         .map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            serde_json::from_str(l)
-                .map_err(|e| anyhow::anyhow!("{}: line {}: {e}", path.display(), i + 1))
-        })
-        .collect()
+    if !read.exists {
+        anyhow::bail!("{}: cannot read: no such file", path.display());
+    }
+    if let Some((line, why)) = read.bad.first {
+        anyhow::bail!("{}: line {line}: {why}", path.display());
+    }
+    Ok(records)
 }
 
 /// Everything a front end shows, at one moment.
@@ -606,14 +612,30 @@ mod tests {
             step(5),
             summary.to_string(),
         ];
-        let mut text = lines.join("\n");
-        text.push('\n');
-        text.push_str("{\"type\":\"step\",\"st"); // a half line left by a kill
-        let kept = records_up_to_step(&text, 3);
-        assert_eq!(kept, format!("{}\n", lines[..4].join("\n")));
-        // nothing past the step: the half line and a summary still go
-        let kept = records_up_to_step(&text, 9);
-        assert_eq!(kept, format!("{}\n", lines[..6].join("\n")));
+        let mut text = lines.join("\n").into_bytes();
+        // a line with a byte that is not UTF-8 (a disk error, a foreign writer)
+        text.extend_from_slice(b"\n{\"type\":\"event\",\"elapsed_s\":1.0,\"kind\":\"\xff\"}\n");
+        text.extend_from_slice(b"{\"type\":\"step\",\"st"); // a half line left by a kill
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        std::fs::write(&path, &text).unwrap();
+        let (kept, bad) = records_up_to_step(&path, 3).unwrap();
+        assert_eq!(kept, format!("{}\n", lines[..4].join("\n")).into_bytes());
+        // nothing past the step: the bad line, the half line and a summary still go; the bad
+        // line is counted (the half one is what a kill leaves, not an error)
+        let (kept, bad_too) = records_up_to_step(&path, 9).unwrap();
+        assert_eq!(kept, format!("{}\n", lines[..6].join("\n")).into_bytes());
+        assert_eq!((bad.count, bad_too.count), (1, 1));
+        assert_eq!(bad.first.as_ref().map(|b| b.0), Some(8));
+        // a resumed run: the file is rewritten to the kept lines, and its history read back
+        drop(MetricsWriter::open_resumed(&path, 3).unwrap());
+        let history = RunHistory::read(&path).unwrap();
+        assert_eq!(history.steps.len(), 3);
+        assert_eq!(history.elapsed_s, 1.0);
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            format!("{}\n", lines[..4].join("\n")).into_bytes()
+        );
     }
 
     #[test]

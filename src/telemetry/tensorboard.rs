@@ -26,6 +26,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use serde_json::Value as Json;
 
+use super::metrics_tail;
 use super::records::MetricsRecord;
 
 /// The folder of a run's event files.
@@ -360,9 +361,16 @@ pub(crate) struct Exported {
 /// last line without its newline: a run killed while writing it leaves one.
 pub(crate) fn export(run_dir: &Path) -> Result<Exported> {
     let metrics = run_dir.join("metrics.jsonl");
-    let text = std::fs::read_to_string(&metrics)
+    let mut records = Vec::new();
+    let read = metrics_tail::read_all(&metrics, |r, _| records.push((r.clone(), r.elapsed_s())))
         .with_context(|| format!("{}: cannot read", metrics.display()))?;
-    let (records, cut_last_line) = parse_metrics(&metrics, &text)?;
+    if !read.exists {
+        bail!("{}: cannot read: no such file", metrics.display());
+    }
+    if let Some((line, why)) = read.bad.first {
+        bail!("{}: line {line}: {why}", metrics.display());
+    }
+    let cut_last_line = read.cut_last_line;
     let clock_end = records.iter().map(|(_, e)| *e).fold(0.0, f64::max);
     let written = std::fs::metadata(&metrics)
         .and_then(|m| m.modified())
@@ -416,28 +424,6 @@ fn remove_event_files(dir: &Path) -> Result<usize> {
         }
     }
     Ok(removed)
-}
-
-/// The records of metrics.jsonl text with their `elapsed_s` (0 where a record has none), and
-/// whether a cut-off last line was left out.
-fn parse_metrics(path: &Path, text: &str) -> Result<(Vec<(MetricsRecord, f64)>, bool)> {
-    let lines: Vec<&str> = text.split_inclusive('\n').collect();
-    let mut records = Vec::with_capacity(lines.len());
-    for (i, line) in lines.iter().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let json: Json = match serde_json::from_str(line) {
-            Ok(json) => json,
-            Err(_) if i + 1 == lines.len() && !line.ends_with('\n') => return Ok((records, true)),
-            Err(e) => bail!("{}: line {}: {e}", path.display(), i + 1),
-        };
-        let elapsed = json.get("elapsed_s").and_then(Json::as_f64).unwrap_or(0.0);
-        let record = serde_json::from_value(json)
-            .with_context(|| format!("{}: line {}", path.display(), i + 1))?;
-        records.push((record, elapsed));
-    }
-    Ok((records, false))
 }
 
 #[cfg(test)]

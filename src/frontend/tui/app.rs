@@ -13,14 +13,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::backend::CrosstermBackend;
 use ratatui::Terminal;
 
-use super::feed::{recorded_snapshot, RunFeed};
+use super::feed::RunFeed;
+use super::recorded::base_snapshot;
 use super::render::render;
 use super::state::{AppState, Viewer};
 use super::update::{update, Action, Effect, Key};
+use crate::frontend::socket::SOCKET_NAME;
+use crate::pipeline::command::Command;
 
 const FRAME: Duration = Duration::from_millis(100);
 
@@ -88,23 +92,29 @@ impl Drop for TerminalGuard {
 
 /// How often the screen asks the run for its state.
 const POLL: Duration = Duration::from_millis(250);
+/// How often a screen with nothing new is drawn again anyway (a resized terminal).
+const REDRAW: Duration = Duration::from_secs(1);
 
 /// Runs the control room of the run in `run_dir` until the operator leaves it, the run has
 /// ended and a key was pressed, or `close` is set (the trainer's terminal is gone, or a signal
-/// stopped the run).
+/// stopped the run). The screen is drawn at once: the run is read by a thread of its own, so a
+/// trainer that does not answer (or a long record to read) never holds the screen or the keys.
 pub(crate) fn run(run_dir: &Path, viewer: Viewer, close: &AtomicBool) -> Result<()> {
-    let mut feed = RunFeed::new(run_dir);
-    let first = feed.poll();
-    let snapshot = first
-        .snapshot
-        .clone()
-        .or_else(|| recorded_snapshot(run_dir, true))
-        .with_context(|| {
-            format!(
-                "{}: no trainer runs there and it has no metrics.jsonl (not a run directory?)",
-                run_dir.display()
-            )
-        })?;
+    let socket = run_dir.join(SOCKET_NAME);
+    let has_socket = socket.exists();
+    if viewer != Viewer::Trainer && !has_socket && !run_dir.join("metrics.jsonl").exists() {
+        anyhow::bail!(
+            "{}: no trainer runs there and it has no metrics.jsonl (not a run directory?)",
+            run_dir.display()
+        );
+    }
+    let mut state = AppState::new(base_snapshot(run_dir, true));
+    state.viewer = viewer;
+    state.offline = Some(if has_socket {
+        format!("connecting to the trainer at {} ...", socket.display())
+    } else {
+        "reading the run's records ...".to_string()
+    });
 
     crossterm::terminal::enable_raw_mode().context("cannot put the terminal in raw mode")?;
     let _guard = TerminalGuard;
@@ -117,66 +127,32 @@ pub(crate) fn run(run_dir: &Path, viewer: Viewer, close: &AtomicBool) -> Result<
         Terminal::new(CrosstermBackend::new(std::io::stdout()))?;
     terminal.clear()?;
 
-    // Input thread: keys become actions. It ends with the screen, or when the terminal fails.
     let (act_tx, act_rx) = crossbeam_channel::unbounded::<Action>();
     let input_stop = Arc::new(AtomicBool::new(false));
-    {
-        let stop = input_stop.clone();
-        let tx = act_tx.clone();
-        std::thread::Builder::new()
-            .name("input".into())
-            .spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    match event::poll(Duration::from_millis(50)) {
-                        Ok(true) => {}
-                        Ok(false) => continue,
-                        Err(_) => break,
-                    }
-                    let key = match event::read() {
-                        Ok(Event::Key(k)) if k.kind != KeyEventKind::Release => {
-                            map_key(k.code, k.modifiers)
-                        }
-                        Ok(_) => None,
-                        Err(_) => break,
-                    };
-                    if let Some(key) = key {
-                        if tx.send(Action::Key(key)).is_err() {
-                            break;
-                        }
-                    }
-                }
-            })?;
-    }
+    spawn_input(act_tx.clone(), input_stop.clone())?;
+    let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded::<Command>();
+    spawn_feed(RunFeed::new(run_dir), act_tx, cmd_rx)?;
 
-    let mut state = AppState::new(snapshot);
-    state.viewer = viewer;
-    let mut pending = vec![Action::Log(first.log), Action::Offline(first.offline)];
-    let mut last_poll = Instant::now();
+    let mut last_draw: Option<Instant> = None;
     let drawn = loop {
         if state.quit || close.load(Ordering::SeqCst) {
             break Ok(());
         }
         let frame_start = Instant::now();
-        let mut actions: Vec<Action> = std::mem::take(&mut pending);
-        actions.extend(act_rx.try_iter());
-        if last_poll.elapsed() >= POLL {
-            last_poll = Instant::now();
-            let seen = feed.poll();
-            actions.push(Action::Log(seen.log));
-            actions.push(Action::Offline(seen.offline));
-            if let Some(snap) = seen.snapshot {
-                actions.push(Action::Telemetry(Box::new(snap)));
-            }
-        }
+        let actions: Vec<Action> = act_rx.try_iter().collect();
+        let fresh = !actions.is_empty();
         for action in actions {
             for effect in update(&mut state, action) {
                 let Effect::Send(cmd) = effect;
-                let reply = feed.send(&cmd);
-                update(&mut state, Action::Reply(reply));
+                // the reply comes back as an action
+                let _ = cmd_tx.send(cmd);
             }
         }
-        if let Err(e) = terminal.draw(|f| render(f, &state)) {
-            break Err(anyhow::Error::new(e).context("the terminal is gone"));
+        if fresh || last_draw.is_none_or(|t| t.elapsed() >= REDRAW) {
+            if let Err(e) = terminal.draw(|f| render(f, &state)) {
+                break Err(anyhow::Error::new(e).context("the terminal is gone"));
+            }
+            last_draw = Some(Instant::now());
         }
         if let Some(rest) = FRAME.checked_sub(frame_start.elapsed()) {
             std::thread::sleep(rest);
@@ -184,4 +160,68 @@ pub(crate) fn run(run_dir: &Path, viewer: Viewer, close: &AtomicBool) -> Result<
     };
     input_stop.store(true, Ordering::Relaxed);
     drawn
+}
+
+/// Input thread: keys become actions. It ends with the screen, or when the terminal fails.
+fn spawn_input(tx: Sender<Action>, stop: Arc<AtomicBool>) -> Result<()> {
+    std::thread::Builder::new()
+        .name("input".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                match event::poll(Duration::from_millis(50)) {
+                    Ok(true) => {}
+                    Ok(false) => continue,
+                    Err(_) => break,
+                }
+                let key = match event::read() {
+                    Ok(Event::Key(k)) if k.kind != KeyEventKind::Release => {
+                        map_key(k.code, k.modifiers)
+                    }
+                    Ok(_) => None,
+                    Err(_) => break,
+                };
+                if let Some(key) = key {
+                    if tx.send(Action::Key(key)).is_err() {
+                        break;
+                    }
+                }
+            }
+        })?;
+    Ok(())
+}
+
+/// Feed thread: polls the run every [`POLL`] and sends the operator's commands, both becoming
+/// actions (what changed only). It ends when the screen is gone.
+fn spawn_feed(mut feed: RunFeed, tx: Sender<Action>, commands: Receiver<Command>) -> Result<()> {
+    std::thread::Builder::new()
+        .name("feed".into())
+        .spawn(move || {
+            let mut next_poll = Instant::now();
+            let mut offline: Option<Option<String>> = None;
+            loop {
+                let mut out = Vec::new();
+                match commands.recv_deadline(next_poll) {
+                    Ok(cmd) => out.push(Action::Reply(feed.send(&cmd))),
+                    Err(RecvTimeoutError::Timeout) => {
+                        let seen = feed.poll();
+                        next_poll = Instant::now() + POLL;
+                        if !seen.log.is_empty() {
+                            out.push(Action::Log(seen.log));
+                        }
+                        if offline.as_ref() != Some(&seen.offline) {
+                            offline = Some(seen.offline.clone());
+                            out.push(Action::Offline(seen.offline));
+                        }
+                        if let Some(snap) = seen.snapshot {
+                            out.push(Action::Telemetry(Box::new(snap)));
+                        }
+                    }
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+                if out.into_iter().any(|a| tx.send(a).is_err()) {
+                    return;
+                }
+            }
+        })?;
+    Ok(())
 }

@@ -8,14 +8,11 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::frontend::socket::ControlClient;
+use super::recorded::{RecordedRun, HISTORY};
+use crate::frontend::socket::{ControlClient, NoAnswer, SOCKET_NAME};
 use crate::pipeline::command::Command;
-use crate::telemetry::profile::ProfileReport;
-use crate::telemetry::records::{MetricsRecord, Phase, Snapshot, StepRecord};
+use crate::telemetry::records::{Phase, Snapshot, StepRecord};
 use crate::train::run_lock::RunLock;
-
-/// Step records a screen keeps (the trainer keeps as many).
-const HISTORY: usize = 20_000;
 /// How often a screen without a trainer tries to reach one again.
 const RECONNECT: Duration = Duration::from_secs(1);
 /// The most of train.log read when a screen opens.
@@ -85,10 +82,21 @@ pub(crate) struct RunFeed {
     last_try: Option<Instant>,
     history: Vec<StepRecord>,
     log: LogTail,
+    recorded: RecordedRun,
+    /// Whether the screen shows the records as they are now (and whether a trainer held the
+    /// run then): a poll sends a recorded snapshot only when it would differ.
+    recorded_shown: Option<bool>,
+    /// The phase of the records as last shown (None: there are none).
+    recorded_phase: Option<Phase>,
+    /// The trainer took a request and did not answer it in time (the last time it was asked).
+    silent: Option<NoAnswer>,
+    /// Bad lines of the records already reported to the log pane.
+    bad_reported: u64,
 }
 
 /// One look at the run.
 pub(crate) struct FeedUpdate {
+    /// None: nothing new since the last look.
     pub snapshot: Option<Snapshot>,
     /// Why the snapshot is not live (None when it is).
     pub offline: Option<String>,
@@ -103,6 +111,11 @@ impl RunFeed {
             last_try: None,
             history: Vec::new(),
             log: LogTail::open(&run_dir.join("train.log")),
+            recorded: RecordedRun::new(run_dir),
+            recorded_shown: None,
+            recorded_phase: None,
+            silent: None,
+            bad_reported: 0,
         }
     }
 
@@ -117,18 +130,20 @@ impl RunFeed {
     /// Asks the trainer for its state (the step records after the newest already here); reads
     /// the recorded run when no trainer answers.
     pub(crate) fn poll(&mut self) -> FeedUpdate {
-        let log = self.log.poll();
+        let mut log = self.log.poll();
         let since = self.history.last().map(|r| r.step);
         let query = Command::Snapshot { since }.to_string();
         let live = self.connected().map(|c| c.request(&query));
         match live {
             Some(Ok(reply)) if reply.ok => {
+                self.silent = None;
                 let parsed = reply
                     .data
                     .map(serde_json::from_value::<Snapshot>)
                     .and_then(Result::ok);
                 if let Some(mut snap) = parsed {
                     self.merge(&mut snap);
+                    self.recorded_shown = None;
                     return FeedUpdate {
                         snapshot: Some(snap),
                         offline: None,
@@ -136,15 +151,32 @@ impl RunFeed {
                     };
                 }
             }
-            Some(_) => self.client = None,
+            Some(Err(e)) => {
+                self.silent = e.downcast::<NoAnswer>().ok();
+                self.client = None;
+            }
+            Some(Ok(_)) => self.client = None,
+            // (a trainer that is gone is no longer silent)
+            None if !self.run_dir.join(SOCKET_NAME).exists() => self.silent = None,
             None => {}
         }
         let (snapshot, why) = self.recorded();
+        log.extend(self.bad_lines_news());
         FeedUpdate {
             snapshot,
             offline: Some(why),
             log,
         }
+    }
+
+    /// A line for the log pane when more lines of the records were found unreadable.
+    fn bad_lines_news(&mut self) -> Option<String> {
+        let bad = self.recorded.bad_lines();
+        if bad.count <= self.bad_reported {
+            return None;
+        }
+        self.bad_reported = bad.count;
+        Some(format!("attach: metrics.jsonl: {}", bad.describe()?))
     }
 
     /// Adds the new step records to those kept and gives the snapshot the whole history.
@@ -182,17 +214,33 @@ impl RunFeed {
         }
     }
 
-    /// The run as `metrics.jsonl` recorded it, and why that is what is shown.
+    /// The run as `metrics.jsonl` recorded it (None when the screen shows that already), and
+    /// why that is what is shown.
     fn recorded(&mut self) -> (Option<Snapshot>, String) {
         let holder = RunLock::holder(&self.run_dir);
-        let snap = recorded_snapshot(&self.run_dir, holder.is_some());
-        if let Some(s) = &snap {
-            self.history = s.history.clone();
+        let running = holder.is_some();
+        let changed = self.recorded.read_new();
+        let mut snap = None;
+        if changed || self.recorded_shown != Some(running) {
+            snap = self.recorded.snapshot(running);
+            self.recorded_phase = snap.as_ref().map(|s| s.phase);
+            self.recorded_shown = Some(running);
+            if let Some(s) = &snap {
+                self.history = s.history.clone();
+            }
         }
-        let why = match (holder, snap.as_ref().map(|s| s.phase)) {
-            (Some(pid), _) => format!(
-                "trainer PID {pid} is starting or busy: its control socket does not answer yet"
-            ),
+        let mut why = match (holder, self.recorded_phase) {
+            (Some(pid), _) => match &self.silent {
+                Some(silent) => format!("trainer PID {pid}: {silent}"),
+                None => format!(
+                    "trainer PID {pid} is starting or busy: its control socket does not answer yet"
+                ),
+            },
+            (None, _) if self.silent.is_some() => self
+                .silent
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
             (None, Some(Phase::Finished)) => "the run has finished: its recorded history".into(),
             (None, Some(Phase::Stopped)) => "the run was stopped: its recorded history".into(),
             (None, Some(_)) => "no trainer runs: the run's recorded history".into(),
@@ -201,119 +249,11 @@ impl RunFeed {
                 self.run_dir.display()
             ),
         };
+        if let Some(bad) = self.recorded.bad_lines().describe() {
+            why = format!("{why} (metrics.jsonl: {bad})");
+        }
         (snap, why)
     }
-}
-
-/// A snapshot of the run from `metrics.jsonl` and `config.toml`: its charts, evaluations,
-/// last profile and queues, and its summary when it has one. `running`: a trainer holds the
-/// run (starting up), so no summary means it is still to come.
-pub(crate) fn recorded_snapshot(run_dir: &Path, running: bool) -> Option<Snapshot> {
-    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).ok()?;
-    let config = crate::config::load(&run_dir.join("config.toml"), &[]).ok();
-    let mut snap = Snapshot {
-        run_name: config
-            .as_ref()
-            .map_or_else(|| run_dir.display().to_string(), |c| c.run.name.clone()),
-        run_dir: run_dir.display().to_string(),
-        phase: if running {
-            Phase::LoadingModel
-        } else {
-            Phase::Failed
-        },
-        step: 0,
-        total_steps: config.as_ref().map_or(0, |c| c.train.total_steps),
-        epoch: 0,
-        elapsed_s: 0.0,
-        eta_s: None,
-        tokens_per_s: 0.0,
-        samples_per_s: 0.0,
-        last: None,
-        history: Vec::new(),
-        evals: Vec::new(),
-        validations: Vec::new(),
-        queues: Vec::new(),
-        profile: None::<ProfileReport>,
-        profile_interval_s: config
-            .as_ref()
-            .map_or(0.0, |c| c.telemetry.profile_interval_s),
-        gpus: None,
-        gpu_error: Some("not measured: no trainer runs".into()),
-        host: None,
-        stage_devices: Vec::new(),
-        last_checkpoint: None,
-        error: None,
-    };
-    let mut summary = false;
-    for record in text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<MetricsRecord>(l).ok())
-    {
-        match record {
-            MetricsRecord::Step(r) => {
-                snap.elapsed_s = snap.elapsed_s.max(r.elapsed_s);
-                snap.history.push(r);
-            }
-            MetricsRecord::Eval(r) => snap.evals.push(r),
-            MetricsRecord::Validation(r) => snap.validations.push(r),
-            MetricsRecord::Queues { queues, .. } => snap.queues = queues,
-            MetricsRecord::Profile(p) => snap.profile = Some(p),
-            MetricsRecord::Summary {
-                phase,
-                steps,
-                elapsed_s,
-                tokens_seen,
-                samples_seen,
-                last_checkpoint,
-                error,
-                ..
-            } => {
-                summary = true;
-                snap.phase = phase;
-                snap.step = steps;
-                snap.elapsed_s = elapsed_s;
-                snap.tokens_per_s = tokens_seen as f64 / elapsed_s.max(1e-9);
-                snap.samples_per_s = samples_seen as f64 / elapsed_s.max(1e-9);
-                snap.last_checkpoint = last_checkpoint;
-                snap.error = error;
-            }
-            _ => {}
-        }
-    }
-    let cut = snap.history.len().saturating_sub(HISTORY);
-    snap.history.drain(..cut);
-    snap.last = snap.history.last().cloned();
-    if let Some(last) = &snap.last {
-        snap.step = snap.step.max(last.step);
-        snap.epoch = last.epoch;
-        // a live trainer that has written steps is past loading (a busy one may not answer its
-        // socket for a while: the header must not fall back to "loading model" mid-run)
-        if running && !summary {
-            snap.phase = Phase::Training;
-        }
-    }
-    let newest = crate::train::checkpoint::newest_checkpoint(run_dir).ok();
-    if snap.total_steps == 0 {
-        // a schedule in epochs: its steps were counted by the trainer, and saved
-        let state = newest.as_deref().map(crate::train::checkpoint::read_state);
-        if let Some(Ok(state)) = state {
-            snap.total_steps = state.total_steps;
-        }
-    }
-    if snap.last_checkpoint.is_none() {
-        snap.last_checkpoint = newest.map(|p| p.display().to_string());
-    }
-    // (runs recorded before `stopped` was a phase called every end "finished")
-    if snap.phase == Phase::Finished && snap.step < snap.total_steps {
-        snap.phase = Phase::Stopped;
-    }
-    if !summary && !running {
-        snap.error = Some(
-            "the trainer is gone without a summary (killed?); continue it with train --resume"
-                .into(),
-        );
-    }
-    Some(snap)
 }
 
 #[cfg(test)]
@@ -365,74 +305,5 @@ mod tests {
             tail.poll(),
             vec!["10:00:01 I after", "10:00:02 I and after"]
         );
-    }
-
-    #[test]
-    fn a_finished_run_is_read_from_its_records() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("metrics.jsonl"), "").unwrap();
-        assert_eq!(
-            recorded_snapshot(dir.path(), true).unwrap().phase,
-            Phase::LoadingModel
-        );
-        let step = |s: u64| {
-            MetricsRecord::Step(StepRecord {
-                step: s,
-                epoch: 0,
-                loss: 3.0 - s as f64 * 0.1,
-                accuracy: 0.1,
-                accept_mean: 1.1,
-                lr: 1e-3,
-                grad_norm: 1.0,
-                tokens: 100,
-                samples: 2,
-                blocks: 10,
-                step_s: 0.5,
-                tokens_per_s: 200.0,
-                samples_per_s: 4.0,
-                elapsed_s: s as f64 * 0.5,
-            })
-        };
-        let mut text = String::new();
-        for s in 1..=4 {
-            text.push_str(&serde_json::to_string(&step(s)).unwrap());
-            text.push('\n');
-        }
-        std::fs::write(dir.path().join("metrics.jsonl"), &text).unwrap();
-        // a live trainer with steps on record is training, one without is still loading
-        assert_eq!(
-            recorded_snapshot(dir.path(), true).unwrap().phase,
-            Phase::Training
-        );
-        let killed = recorded_snapshot(dir.path(), false).unwrap();
-        assert_eq!((killed.step, killed.history.len()), (4, 4));
-        assert!(killed
-            .error
-            .as_deref()
-            .is_some_and(|e| e.contains("--resume")));
-        let summary = MetricsRecord::Summary {
-            phase: Phase::Finished,
-            steps: 4,
-            elapsed_s: 2.5,
-            tokens_seen: 400,
-            samples_seen: 8,
-            final_loss: Some(2.6),
-            final_accuracy: Some(0.1),
-            final_accept_mean: Some(1.1),
-            last_checkpoint: Some("ckpt".into()),
-            error: None,
-            stop_reason: None,
-        };
-        text.push_str(&serde_json::to_string(&summary).unwrap());
-        text.push('\n');
-        std::fs::write(dir.path().join("metrics.jsonl"), &text).unwrap();
-        let done = recorded_snapshot(dir.path(), false).unwrap();
-        assert_eq!(done.phase, Phase::Finished);
-        assert_eq!(done.error, None);
-        assert!(
-            (done.tokens_per_s - 160.0).abs() < 1e-9,
-            "the run's average"
-        );
-        assert_eq!(done.last_checkpoint.as_deref(), Some("ckpt"));
     }
 }
