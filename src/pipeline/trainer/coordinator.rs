@@ -16,6 +16,7 @@ use super::shared::{sync_device, Shared, HISTORY};
 use crate::config::TrainConfig;
 use crate::data::packer::PackerState;
 use crate::device_event::{DeviceEvent, DeviceEvents};
+use crate::eval::cancel::is_cancelled;
 use crate::model::{Drafter, FrozenHead};
 use crate::pipeline::collective::{CoordinatorSync, ParamsMsg};
 use crate::pipeline::held_out::HeldOut;
@@ -98,7 +99,23 @@ pub(super) struct Coordinator {
 }
 
 impl Coordinator {
+    /// Trains to the last step or until the run stops. A pass cancelled because the run stops
+    /// at once (see [`crate::eval::cancel`]) ends it as stopped, not failed.
     pub(super) fn run(&mut self) -> Result<()> {
+        match self.train() {
+            Err(e) if is_cancelled(&e) => {
+                self.shared.status().stop_reason = Some("at once, no checkpoint".into());
+                self.shared.event(
+                    "stopped",
+                    format!("stopped at once at step {}: {e:#}", self.step),
+                );
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    fn train(&mut self) -> Result<()> {
         if self.step >= self.total_steps {
             // Resumed after its last step: measuring and saving the same weights again would
             // only rewrite what the run left.
