@@ -376,7 +376,7 @@ pub(super) fn run(
     log::info!("{checked}");
     if from == Some(ResumeFrom::StepZero) {
         log::info!(
-            "{} has no checkpoint yet (its start-up ended before one): the run starts from step 0 with its recorded configuration",
+            "{} has no checkpoint yet (the run ended before its first one): it starts from step 0 with its recorded configuration",
             run_dir.display()
         );
     }

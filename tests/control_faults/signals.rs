@@ -110,7 +110,7 @@ fn signals_during_start_up_are_remembered_or_end_the_start() {
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
     assert!(
         stderr.contains(
-            "has no checkpoint yet (its start-up ended before one): the run starts from step 0"
+            "has no checkpoint yet (the run ended before its first one): it starts from step 0"
         ) && stderr.contains("2 steps from step 0"),
         "{stderr}"
     );

@@ -100,11 +100,17 @@ pub(super) struct Coordinator {
 
 impl Coordinator {
     /// Trains to the last step or until the run stops. A pass cancelled because the run stops
-    /// at once (see [`crate::eval::cancel`]) ends it as stopped, not failed.
+    /// at once (see [`crate::eval::cancel`]) ends it as stopped, not failed (or as the failure
+    /// of another stage that stopped it).
     pub(super) fn run(&mut self) -> Result<()> {
         match self.train() {
             Err(e) if is_cancelled(&e) => {
-                self.shared.status().stop_reason = Some("at once, no checkpoint".into());
+                let mut st = self.shared.status();
+                if st.error.is_some() {
+                    return Ok(());
+                }
+                st.stop_reason = Some("at once, no checkpoint".into());
+                drop(st);
                 self.shared.event(
                     "stopped",
                     format!("stopped at once at step {}: {e:#}", self.step),
