@@ -1,9 +1,12 @@
 //! The control socket and the signals under faults (issue 16): idle connections and a command
 //! storm against a training run, over-long lines and bytes that are not text, the run-time limits
-//! of `queue` and `profile`, failing accepts, a run dir whose socket path cannot exist, and
-//! signals during start-up. Each case prints its trials and outcomes (`--nocapture`).
+//! of `queue` and `profile`, failing accepts, a run dir whose socket path cannot exist; and in
+//! [`signals`], signals during start-up and a second stop signal during a long pass (issue 47).
+//! Each case prints its trials and outcomes (`--nocapture`).
 
 mod common;
+#[path = "control_faults/signals.rs"]
+mod signals;
 
 use common::ctl;
 
@@ -764,100 +767,4 @@ fn a_run_dir_over_the_socket_path_limit_is_refused_before_the_model_loads() {
         took.as_secs_f64(),
         stderr.trim()
     );
-}
-
-/// Starts runs until `sig` lands during start-up (sent as soon as the handlers exist; its log
-/// line tells whether the models were still loading); returns that run and the trials made.
-fn signalled_during_start_up(i: &Inputs, name: &str, sig: i32) -> (Trainer, usize) {
-    let sig_name = match sig {
-        libc::SIGUSR1 => "SIGUSR1",
-        _ => "SIGINT",
-    };
-    for trial in 1..=5 {
-        let run = Trainer::start(i, &i.tmp.path().join(format!("{name}-{trial}")), &[]);
-        run.line_with("SIGUSR1 = checkpoint", Duration::from_secs(30));
-        run.signal(sig);
-        let line = run.line_with(sig_name, Duration::from_secs(10));
-        if line.contains("during start-up") {
-            return (run, trial);
-        }
-        run.signal(libc::SIGKILL);
-        let _ = run.wait(Duration::from_secs(10));
-    }
-    panic!("{sig_name} never arrived during start-up in 5 trials");
-}
-
-#[test]
-fn signals_during_start_up_are_remembered_not_fatal() {
-    let i = common::tiny_run(32, 3);
-
-    // SIGUSR1 while the models load: a checkpoint after the first step.
-    let (run, trials) = signalled_during_start_up(&i, "usr1", libc::SIGUSR1);
-    let t = Instant::now();
-    let checkpoint = run.line_with("checkpoint (command) at step", Duration::from_secs(60));
-    run.signal(libc::SIGTERM);
-    let (code, stdout) = run.wait(Duration::from_secs(60));
-    assert_eq!(code, Some(0), "{stdout}");
-    assert!(stdout.contains("run stopped (stop command)"), "{stdout}");
-    eprintln!(
-        "SIGUSR1 during start-up ({trials} trial(s) to land in it): survived, remembered as \
-         \"{}\" {:.2} s later; SIGTERM then ended it with exit 0",
-        checkpoint.split("] ").nth(1).unwrap_or(&checkpoint),
-        t.elapsed().as_secs_f64()
-    );
-
-    // SIGINT while the models load: the run stops at its first step boundary.
-    let (run, trials) = signalled_during_start_up(&i, "int", libc::SIGINT);
-    let t = Instant::now();
-    let (code, stdout) = run.wait(Duration::from_secs(60));
-    assert_eq!(code, Some(0), "{stdout}");
-    let steps: u64 = stdout
-        .split("run stopped (stop command): ")
-        .nth(1)
-        .and_then(|rest| rest.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("{stdout}"));
-    // Stopped at the first step boundary: before training, or after one step with its
-    // checkpoint (a step-0 checkpoint has nothing to save).
-    assert!(steps <= 1, "{stdout}");
-    assert_eq!(
-        stdout.contains("last checkpoint none"),
-        steps == 0,
-        "{stdout}"
-    );
-    eprintln!(
-        "SIGINT during start-up ({trials} trial(s)): exit 0 {:.2} s later after {steps} steps \
-         ({})",
-        t.elapsed().as_secs_f64(),
-        stdout
-            .split(", ")
-            .find(|p| p.starts_with("last checkpoint"))
-            .unwrap_or("?")
-    );
-
-    // A second SIGINT while the models still load exits at once (128 + SIGINT). When the
-    // front end took over between the two, the second one stops the run (exit 0) instead and
-    // says so; the trial is made again.
-    let mut runs = 0;
-    for retry in 0..5 {
-        let (run, trials) = signalled_during_start_up(&i, &format!("int2-{retry}"), libc::SIGINT);
-        runs += trials;
-        let t = Instant::now();
-        run.signal(libc::SIGINT);
-        let lines = run.lines.clone();
-        let (code, stdout) = run.wait(Duration::from_secs(30));
-        if code == Some(130) {
-            eprintln!(
-                "two SIGINTs during start-up ({runs} trial(s)): exit 130 {:.2} s after the second",
-                t.elapsed().as_secs_f64()
-            );
-            return;
-        }
-        let log: Vec<String> = lines.iter().collect();
-        assert!(
-            code == Some(0) && log.iter().any(|l| l.contains("SIGINT again: stopping now")),
-            "{code:?} {stdout}\n{log:?}"
-        );
-    }
-    panic!("the second SIGINT never arrived during start-up in 5 trials");
 }

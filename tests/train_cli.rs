@@ -364,3 +364,52 @@ fn layers_added_to_a_trained_drafter_are_trained_and_resumed() {
         saved
     );
 }
+
+/// A start that fails after its configuration is recorded (the `model.drafter_init` weights do
+/// not load) says how to start again; `--resume` then starts from step 0, also with a changed
+/// `model.drafter_init` (nothing trained depends on it), and a fresh start there names it.
+#[test]
+fn a_failed_start_resumes_from_step_0() {
+    let i = inputs();
+    let init = save_tiny_drafter(&i.target, &i.tmp.path().join("init"));
+    std::fs::write(init.join("model.safetensors"), b"not safetensors").unwrap();
+    let run_dir = i.tmp.path().join("run");
+    let mut args = base_args(&i, &run_dir);
+    for s in [
+        format!("model.drafter_init={}", init.display()),
+        "train.total_steps=2".into(),
+    ] {
+        args.extend(["--set".into(), s]);
+    }
+    let (code, _, err) = run(&args);
+    assert_eq!(code, 1, "{err}");
+    let restart = format!(
+        "the run did not start (dflash-tui train --resume {} starts it from step 0 once the cause below is fixed)",
+        run_dir.display()
+    );
+    assert!(err.contains(&restart), "{err}");
+    assert!(run_dir.join("config.toml").is_file());
+
+    let (code, _, again) = run(&args);
+    assert_eq!(code, 1, "{again}");
+    assert!(
+        again.contains("no checkpoint yet, so --resume") && again.contains("from step 0"),
+        "{again}"
+    );
+
+    let resume: Vec<String> = [
+        "train",
+        "--resume",
+        &run_dir.display().to_string(),
+        "--no-tui",
+        "--set",
+        "model.drafter_init=\"\"",
+    ]
+    .map(String::from)
+    .to_vec();
+    let (code, stdout, err) = run(&resume);
+    assert_eq!(code, 0, "{err}");
+    assert!(stdout.contains("run finished: 2 of 2 steps"), "{stdout}");
+    let recorded = std::fs::read_to_string(run_dir.join("config.toml")).unwrap();
+    assert!(recorded.contains("drafter_init = \"\""), "{recorded}");
+}

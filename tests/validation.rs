@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::sync::atomic::AtomicBool;
+
 use common::proposers::{AlwaysProposes, Oracle};
 use common::tiny_target_dir;
 use dflash_tui::data::store::Sample;
@@ -279,6 +281,7 @@ fn on_the_targets_own_answers_the_pass_walks_as_the_real_drafter_decodes() {
             &head,
             &[sample],
             &options(max_new, &[], 5),
+            &AtomicBool::new(false),
         )
         .unwrap();
         let d = tch::no_grad(|| dflash(&target, &drafter, &head, prompt, max_new, &[])).unwrap();
@@ -328,7 +331,46 @@ fn run_pass(
             loss_mask: m,
         })
         .collect();
-    validate(target, drafter, head, &samples, opts).unwrap()
+    validate(
+        target,
+        drafter,
+        head,
+        &samples,
+        opts,
+        &AtomicBool::new(false),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_set_cancel_flag_stops_the_pass_before_its_first_sequence() {
+    let (_tmp, target, drafter, head) = models(4);
+    let rows = rows();
+    let samples: Vec<Sample<'_>> = rows
+        .iter()
+        .map(|(i, m)| Sample {
+            input_ids: i,
+            loss_mask: m,
+        })
+        .collect();
+    let opts = options(16, &[2], 7);
+    let e = validate(
+        &target,
+        &drafter,
+        &head,
+        &samples,
+        &opts,
+        &AtomicBool::new(true),
+    )
+    .unwrap_err();
+    assert!(dflash_tui::eval::cancel::is_cancelled(&e), "{e:#}");
+    assert_eq!(
+        format!("{e:#}"),
+        format!(
+            "after 0 of {} sequences: cancelled: the run is stopping at once",
+            rows.len()
+        )
+    );
 }
 
 #[test]

@@ -21,7 +21,7 @@ use crate::paths::Locations;
 use crate::pipeline::trainer;
 use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
-use crate::train::run_lock::{RunLock, LOCK_NAME};
+use crate::train::run_lock::RunLock;
 
 pub(super) struct TrainArgs {
     pub config: Option<PathBuf>,
@@ -66,10 +66,28 @@ pub(super) fn load_config(args: &TrainArgs) -> Result<TrainConfig> {
     }
 }
 
-/// A resume's checks, before anything in the run directory is written: the run exists, it has
-/// a checkpoint, and the configuration changes nothing that the checkpoint depends on (refused
-/// by name) nor the schedule unless `--allow-schedule-change`. Returns the changes to log.
-fn check_resume(run: &Path, config: &TrainConfig, args: &TrainArgs) -> Result<Vec<String>> {
+/// Where `train --resume` starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ResumeFrom {
+    /// The run's newest checkpoint.
+    Checkpoint,
+    /// Step 0: the run ended before its first checkpoint (a start-up that failed or was
+    /// stopped, a kill before the first save); its recorded configuration is what it starts
+    /// with.
+    StepZero,
+}
+
+/// A resume checked: where it starts and the changes of configuration to log.
+struct Resume {
+    from: ResumeFrom,
+    changes: Vec<String>,
+}
+
+/// A resume's checks, before anything in the run directory is written: the run exists (its
+/// config.toml), and, when it has a checkpoint, the configuration changes nothing that the
+/// checkpoint depends on (refused by name) nor the schedule unless `--allow-schedule-change`.
+/// A run without a checkpoint starts from step 0: nothing trained depends on its settings.
+fn check_resume(run: &Path, config: &TrainConfig, args: &TrainArgs) -> Result<Resume> {
     let stored_path = run.join("config.toml");
     if !stored_path.is_file() {
         bail!(
@@ -79,8 +97,18 @@ fn check_resume(run: &Path, config: &TrainConfig, args: &TrainArgs) -> Result<Ve
     }
     let stored = config::load(&stored_path, &[])
         .with_context(|| format!("{}: the run's configuration", stored_path.display()))?;
-    crate::train::checkpoint::newest_checkpoint(run)?;
     let changes = config::resume_changes(&stored, config);
+    if !trainer::ever_checkpointed(run) {
+        let changes = (changes.refused.into_iter())
+            .chain(changes.schedule)
+            .chain(changes.free)
+            .collect();
+        return Ok(Resume {
+            from: ResumeFrom::StepZero,
+            changes,
+        });
+    }
+    crate::train::checkpoint::newest_checkpoint(run)?;
     if !changes.refused.is_empty() {
         bail!(
             "resume of {} refused: these fields change the model or the data stream the checkpoints were trained with: {}; nothing in the run directory was changed (start a new run with --run-dir for a different setup)",
@@ -95,7 +123,10 @@ fn check_resume(run: &Path, config: &TrainConfig, args: &TrainArgs) -> Result<Ve
             changes.schedule.join(", ")
         );
     }
-    Ok(changes.schedule.into_iter().chain(changes.free).collect())
+    Ok(Resume {
+        from: ResumeFrom::Checkpoint,
+        changes: changes.schedule.into_iter().chain(changes.free).collect(),
+    })
 }
 
 /// Why a resume of `run` has nothing to do, when its newest checkpoint is at its last step and
@@ -132,21 +163,23 @@ fn finished_run(run: &Path, config: &TrainConfig) -> Option<String> {
     })
 }
 
-/// What a run writes in its directory: a directory holding any of them holds a run.
+/// What a run writes in its directory: a directory holding any of them holds a run. (Its lock
+/// and control socket are not among them: they are the trainer's while it runs, and what one
+/// that is gone left of them, an empty lock file included, blocks nothing.)
 const RUN_FILES: &[&str] = &[
     "config.toml",
     "metrics.jsonl",
     "train.log",
     "checkpoints",
     "best",
-    socket::SOCKET_NAME,
-    LOCK_NAME,
 ];
 
 /// Refuses to start a new run in a directory that holds one (its files would be mixed with
-/// the new run's, its checkpoints overwritten); reads only. An empty or absent directory, or
-/// one with none of a run's files, is fine.
+/// the new run's, its checkpoints overwritten), naming what to run instead; reads only. An
+/// empty or absent directory, or one with none of a run's files, is fine.
 fn refuse_existing_run(dir: &Path) -> Result<()> {
+    // A trainer at work there is named first: --resume would be refused too.
+    RunLock::check_free(dir)?;
     let found: Vec<String> = RUN_FILES
         .iter()
         .filter_map(|name| {
@@ -161,15 +194,15 @@ fn refuse_existing_run(dir: &Path) -> Result<()> {
     if found.is_empty() {
         return Ok(());
     }
-    // A trainer at work there is named first: --resume would be refused too.
-    RunLock::check_free(dir)?;
-    let resume = if crate::train::checkpoint::newest_checkpoint(dir).is_ok() {
+    let resume = if trainer::ever_checkpointed(dir) {
         format!("continue it with --resume {}", dir.display())
-    } else {
+    } else if dir.join("config.toml").is_file() {
         format!(
-            "it has no checkpoint yet, so --resume {} cannot continue it",
+            "it has no checkpoint yet, so --resume {} starts it again from step 0 with its recorded config.toml (--set FIELD=VALUE changes it)",
             dir.display()
         )
+    } else {
+        "it has no checkpoint and no config.toml: there is nothing to resume; remove it".into()
     };
     bail!(
         "{}: already holds a run ({}); {resume}, or start a new run with another --run-dir; nothing in {} was changed",
@@ -179,11 +212,10 @@ fn refuse_existing_run(dir: &Path) -> Result<()> {
     )
 }
 
-/// The run directory and, on a resume, the changes of configuration to log; checked without
-/// writing anything: a resume's checks, a new run's directory holds no run, the control
-/// socket's path fits.
-fn check_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<(PathBuf, Option<Vec<String>>)> {
-    let changes = match &args.resume {
+/// The run directory and, on a resume, where it starts; checked without writing anything: a
+/// resume's checks, a new run's directory holds no run, the control socket's path fits.
+fn check_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<(PathBuf, Option<Resume>)> {
+    let resume = match &args.resume {
         Some(run) => Some(check_resume(run, config, args)?),
         None => None,
     };
@@ -203,7 +235,7 @@ fn check_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<(PathBuf, Opt
     if args.resume.is_none() {
         refuse_existing_run(&dir)?;
     }
-    Ok((dir, changes))
+    Ok((dir, resume))
 }
 
 /// The inputs' checks, before anything is written or any model loads: the target's
@@ -278,7 +310,9 @@ pub(super) fn check_inputs(config: &TrainConfig) -> Result<String> {
 }
 
 /// Creates the run directory checked by [`check_run_dir`], takes its lock (one trainer per run
-/// directory) and writes the resolved configuration (unless a resume changes nothing).
+/// directory) and writes the resolved configuration (unless a resume changes nothing): beside
+/// and renamed into place, so that a full disk leaves the previous config.toml or none, never
+/// a part of one that no `--resume` could read.
 fn create_run_dir(
     dir: &Path,
     config: &TrainConfig,
@@ -287,12 +321,31 @@ fn create_run_dir(
     std::fs::create_dir_all(dir)
         .with_context(|| format!("{}: cannot create the run directory", dir.display()))?;
     let lock = RunLock::acquire(dir)?;
-    let resolved = dir.join("config.toml");
     if changes.is_none_or(|c| !c.is_empty()) {
-        std::fs::write(&resolved, config.to_toml_string()?)
-            .with_context(|| format!("{}: the run directory is not writable", dir.display()))?;
+        let resolved = dir.join("config.toml");
+        let fresh = dir.join(format!(".config.toml.partial-{}", std::process::id()));
+        let written = std::fs::write(&fresh, config.to_toml_string()?)
+            .and_then(|()| std::fs::rename(&fresh, &resolved));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&fresh);
+            return Err(e).with_context(|| format!("{}: cannot write config.toml", dir.display()));
+        }
     }
     Ok(lock)
+}
+
+/// How the run in `dir` starts again after a start-up that failed or was stopped.
+fn restart_note(dir: &Path, from: Option<ResumeFrom>) -> String {
+    match from {
+        Some(ResumeFrom::Checkpoint) => format!(
+            "dflash-tui train --resume {} goes on from its last checkpoint",
+            dir.display()
+        ),
+        Some(ResumeFrom::StepZero) | None => format!(
+            "dflash-tui train --resume {} starts it from step 0",
+            dir.display()
+        ),
+    }
 }
 
 /// `init_logging(log_file)` installs the logger (the run log and the terminal) and returns its
@@ -306,7 +359,9 @@ pub(super) fn run(
     use std::io::IsTerminal;
     let config = load_config(&args)?;
     // Every check before anything is written or loaded: a refusal leaves no trace.
-    let (run_dir, changes) = check_run_dir(&config, &args)?;
+    let (run_dir, resume) = check_run_dir(&config, &args)?;
+    let from = resume.as_ref().map(|r| r.from);
+    let changes = resume.map(|r| r.changes);
     if let Some(done) = args
         .resume
         .as_ref()
@@ -324,12 +379,22 @@ pub(super) fn run(
     let tui = !args.no_tui && std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
     let log_to_terminal = init_logging(&run_dir.join("train.log"));
     log::info!("{checked}");
+    if from == Some(ResumeFrom::StepZero) {
+        log::info!(
+            "{} has no checkpoint yet (the run ended before its first one): it starts from step 0 with its recorded configuration",
+            run_dir.display()
+        );
+    }
     for change in changes.iter().flatten() {
         log::info!("resume with a changed configuration: {change}");
     }
-    let signals = SignalFlags::install()?;
+    let restart = restart_note(&run_dir, from);
+    let signals = SignalFlags::install(restart.clone())?;
     let runtime = TorchRuntime::init();
-    let handle = trainer::start(&runtime, &config, &run_dir, args.resume.is_some())?;
+    let handle =
+        trainer::start(&runtime, &config, &run_dir, args.resume.is_some()).with_context(|| {
+            format!("the run did not start ({restart} once the cause below is fixed)")
+        })?;
     let screen = tui.then(|| {
         // The screen shows train.log: the logger leaves the terminal to it.
         log_to_terminal.store(false, Ordering::SeqCst);

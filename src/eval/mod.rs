@@ -2,6 +2,7 @@
 //! speculative decoding.
 
 pub mod acceptance;
+pub mod cancel;
 pub mod perplexity;
 pub(crate) mod prompts;
 pub mod speculative;

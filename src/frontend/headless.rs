@@ -62,6 +62,12 @@ pub(crate) fn human_line(
 /// How often the loop looks at the run when no request arrives.
 const TICK: Duration = Duration::from_millis(50);
 
+/// How long the stages have to end after a second stop signal before the process exits without
+/// them. The passes and the steps look at the stop between their units of work and end well
+/// within it; what cannot (a checkpoint writer that hangs on its disk, a device that does not
+/// answer) must not outlast a scheduler's grace period, commonly 30 s, before its SIGKILL.
+const STOP_AT_ONCE_GRACE: Duration = Duration::from_secs(5);
+
 /// How the run loop is set up.
 pub(crate) struct RunLoopOptions {
     pub log_every_steps: u64,
@@ -87,6 +93,8 @@ pub(crate) struct RunEnd {
     pub stop_signalled: bool,
     /// The terminal went away (SIGHUP).
     pub hung_up: bool,
+    /// When a second stop signal asked every stage to stop at once.
+    pub stopped_at_once: Option<Instant>,
 }
 
 /// What the run loop keeps between ticks.
@@ -181,7 +189,10 @@ fn apply_signals(
                     log::warn!("signal: {e}");
                 }
             }
-            SignalRequest::Abort => handle.abort(),
+            SignalRequest::Abort => {
+                handle.abort();
+                end.stopped_at_once.get_or_insert_with(Instant::now);
+            }
             SignalRequest::HangUp => {
                 end.hung_up = true;
                 opts.log_to_terminal.store(false, Ordering::SeqCst);
@@ -237,6 +248,33 @@ impl ProgressLines {
     }
 }
 
+/// Ends the process when the stages did not end within [`STOP_AT_ONCE_GRACE`] of a second
+/// stop signal: what they do cannot be waited for, and checkpoints are written beside and
+/// renamed into place, so none is left half-written (the next start removes the leftovers).
+fn exit_without_the_stages(handle: &TrainerHandle, socket: super::socket::ControlSocket) -> ! {
+    let snap = handle.snapshot();
+    let run_dir = handle.shared.run_dir.display().to_string();
+    let message = format!(
+        "the stages did not stop within {} s of the second stop signal (the run was {} at \
+         step {}): exiting without them, status 1; last checkpoint {}; dflash-tui train \
+         --resume {run_dir} goes on from it",
+        STOP_AT_ONCE_GRACE.as_secs(),
+        snap.phase,
+        snap.step,
+        snap.last_checkpoint.as_deref().unwrap_or("none")
+    );
+    log::error!("{message}");
+    handle.write_record(&MetricsRecord::Event {
+        elapsed_s: snap.elapsed_s,
+        kind: "error".into(),
+        message,
+    });
+    drop(socket);
+    log::logger().flush();
+    // `_exit`: the stages' threads still run; libtorch's destructors must not run under them.
+    signal_hook::low_level::exit(1)
+}
+
 /// Runs the loop until the trainer ends. A control socket that cannot be served stops the
 /// run: `ctl` and `attach` would otherwise find no trainer while it trains.
 pub(crate) fn run(
@@ -281,6 +319,12 @@ pub(crate) fn run(
     while !handle.is_finished() {
         let tick_end = Instant::now() + TICK;
         apply_signals(&handle, &mut signals, first_step, &opts, &mut end);
+        if end
+            .stopped_at_once
+            .is_some_and(|t| t.elapsed() >= STOP_AT_ONCE_GRACE)
+        {
+            exit_without_the_stages(&handle, socket);
+        }
         if let Some(screen) = &opts.screen {
             if screen_open && screen.closed.load(Ordering::SeqCst) {
                 screen_open = false;

@@ -3,8 +3,13 @@
 //! SSH session or tmux window) leaves the run training without it, with a checkpoint. The handlers
 //! are installed before any model loads (SIGUSR1's default action, before they were, killed the
 //! process); what arrives is counted and acted on by the run loop (`headless`) once the trainer
-//! runs. A second SIGINT or SIGTERM while the models still load exits at once, as Ctrl-C did
-//! before.
+//! runs.
+//!
+//! SIGINT or SIGTERM while the models still load exits at once with status 128 + the signal, as
+//! a shell reports a process the signal ended: nothing is trained yet, so there is no checkpoint
+//! to wait for, and loading a large target only to stop would take minutes of a scheduler's grace
+//! period. The status is not 0: the run did not do what it was started for, and a script or a
+//! scheduler must not take it for a run that ended. The log says how to start it again.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -54,8 +59,9 @@ impl SignalFlags {
         }
     }
 
-    /// Installs the handlers and a thread that counts and logs each signal.
-    pub(crate) fn install() -> Result<Self> {
+    /// Installs the handlers and a thread that counts and logs each signal; `restart` says how
+    /// the run starts again after a stop during start-up (see the module documentation).
+    pub(crate) fn install(restart: String) -> Result<Self> {
         let flags = Self::none();
         for sig in [SIGINT, SIGTERM] {
             signal_hook::flag::register_conditional_shutdown(
@@ -89,7 +95,10 @@ impl SignalFlags {
                     } else {
                         let n = stops.fetch_add(1, Ordering::SeqCst) + 1;
                         exit_now.store(starting, Ordering::SeqCst);
-                        log_stop(sig, n, starting);
+                        if starting {
+                            exit_during_start_up(sig, &restart);
+                        }
+                        log_stop(sig, n);
                     }
                 }
             })
@@ -158,17 +167,34 @@ fn log_checkpoint(starting: bool) {
     }
 }
 
-fn log_stop(sig: i32, n: usize, starting: bool) {
-    let name = if sig == SIGINT { "SIGINT" } else { "SIGTERM" };
-    match (n, starting) {
-        (1, true) => log::warn!(
-            "{name} during start-up: the run stops at its first step boundary with a checkpoint \
-             (send it again to exit now)"
-        ),
-        (1, false) => {
-            log::warn!("{name}: stopping with a checkpoint (send it again to stop at once)")
-        }
-        _ => log::warn!("{name} again: stopping now"),
+fn signal_name(sig: i32) -> &'static str {
+    if sig == SIGINT {
+        "SIGINT"
+    } else {
+        "SIGTERM"
+    }
+}
+
+/// Ends the process on a stop signal while the run starts (see the module documentation).
+fn exit_during_start_up(sig: i32, restart: &str) -> ! {
+    let status = 128 + sig;
+    log::warn!(
+        "{} during start-up: exiting now with status {status}: the run has not started \
+         training, so no checkpoint is written; {restart}",
+        signal_name(sig)
+    );
+    log::logger().flush();
+    // `_exit`: the loading threads are left as they are (nothing of theirs needs finishing, and
+    // libtorch's destructors must not run under them).
+    signal_hook::low_level::exit(status)
+}
+
+fn log_stop(sig: i32, n: usize) {
+    let name = signal_name(sig);
+    if n == 1 {
+        log::warn!("{name}: stopping with a checkpoint (send it again to stop at once)");
+    } else {
+        log::warn!("{name} again: stopping now, without a checkpoint");
     }
 }
 

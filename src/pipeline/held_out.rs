@@ -6,6 +6,7 @@
 //! validation walk tau when validation is on, else the best evaluation tau.
 
 use std::path::Path;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -129,15 +130,22 @@ impl HeldOut {
         self.best.as_ref()
     }
 
-    /// Tau of `drafter` by real speculative decoding of the evaluation prompts.
+    /// Tau of `drafter` by real speculative decoding of the evaluation prompts; cancelled (see
+    /// [`crate::eval::cancel`]) once `cancel` is set.
     pub(super) fn evaluate(
         &mut self,
         drafter: &Drafter,
         head: &FrozenHead,
         step: u64,
         max_new_tokens: usize,
+        cancel: &AtomicBool,
     ) -> Result<TauSummary> {
         self.last_eval = Some(step);
+        // A pass on a real target takes minutes: the log says what the run is doing meanwhile.
+        log::info!(
+            "evaluation at step {step}: decoding {} held-out prompts ...",
+            self.prompts.len()
+        );
         measure_tau(
             &self.target,
             drafter,
@@ -145,22 +153,29 @@ impl HeldOut {
             &self.prompts,
             max_new_tokens,
             &self.eos,
+            cancel,
         )
     }
 
-    /// One validation pass of `drafter`.
+    /// One validation pass of `drafter`; cancelled (see [`crate::eval::cancel`]) once `cancel`
+    /// is set.
     pub(super) fn validate(
         &mut self,
         drafter: &Drafter,
         head: &FrozenHead,
         step: u64,
+        cancel: &AtomicBool,
     ) -> Result<Validation> {
         let Some(set) = &self.validation else {
             bail!("validation is off");
         };
         self.last_validation = Some(step);
+        log::info!(
+            "validation at step {step}: measuring {} held-out sequences ...",
+            set.count
+        );
         let samples: Vec<_> = (0..set.count).map(|i| set.store.get(i)).collect();
-        validate(&self.target, drafter, head, &samples, &set.options)
+        validate(&self.target, drafter, head, &samples, &set.options, cancel)
     }
 
     /// Offers a measured drafter for `RUN_DIR/best/`: saved when `candidate` is of the rule in

@@ -20,12 +20,14 @@
 //! of training.
 
 use std::ops::Range;
+use std::sync::atomic::AtomicBool;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::loss::{block_targets, cross_entropy_f32, AnchorPlan, LossOptions};
 use crate::data::store::Sample;
+use crate::eval::cancel::check;
 use crate::model::layers::upload;
 use crate::model::{AnchorBatch, Drafter, ForwardRequest, FrozenHead, TargetModel};
 
@@ -127,13 +129,15 @@ struct Measured {
 }
 
 /// Measures `drafter` on `sequences` (see the module documentation). The device's numbers are
-/// read to the host once, at the end.
+/// read to the host once, at the end. Ends with [`Cancelled`](crate::eval::cancel::Cancelled)
+/// between sequences once `cancel` is set.
 pub fn validate(
     target: &TargetModel,
     drafter: &Drafter,
     head: &FrozenHead,
     sequences: &[Sample<'_>],
     opts: &ValidationOptions,
+    cancel: &AtomicBool,
 ) -> Result<Validation> {
     if target.device != drafter.device {
         bail!(
@@ -143,10 +147,13 @@ pub fn validate(
         );
     }
     let measured = tch::no_grad(|| {
-        sequences
-            .iter()
-            .map(|s| measure(target, drafter, head, s, opts))
-            .collect::<Result<Vec<_>>>()
+        let mut measured = Vec::with_capacity(sequences.len());
+        for (done, s) in sequences.iter().enumerate() {
+            check(cancel)
+                .with_context(|| format!("after {done} of {} sequences", sequences.len()))?;
+            measured.push(measure(target, drafter, head, s, opts)?);
+        }
+        anyhow::Ok(measured)
     })?;
     let dev = drafter.device;
     let mut sums = Tensor::zeros([4], (Kind::Double, dev));

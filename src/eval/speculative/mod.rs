@@ -9,6 +9,7 @@ pub use report::{
     MIN_TRUSTED_TOKENS,
 };
 
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
@@ -19,6 +20,7 @@ use crate::aten_ext::fused::FusedKernels;
 use crate::aten_ext::graph::GraphLibrary;
 use crate::aten_ext::ProfilerRange;
 use crate::device_event::{DeviceEvents, TimingEvent};
+use crate::eval::cancel::check;
 use crate::model::decode::{DrafterDecoder, TargetDecoder};
 use crate::model::{Drafter, FrozenHead, TargetModel};
 
@@ -308,17 +310,34 @@ pub fn dflash(
     max_new: usize,
     eos: &[u32],
 ) -> Result<Decoded> {
-    let bs = drafter.config.block_size as usize;
-    let capacity = capacity_for(prompt.len(), max_new, bs);
-    let mut proposer = DrafterDecoder::new(drafter, head, capacity, None, None)?;
-    speculative_decode(
+    dflash_until(
         target,
-        &mut proposer,
-        drafter.config.target_layer_ids(),
+        drafter,
+        head,
         prompt,
         max_new,
         eos,
+        &AtomicBool::new(false),
     )
+}
+
+/// [`dflash`] that ends with [`Cancelled`](crate::eval::cancel::Cancelled) between decoding
+/// steps once `cancel` is set.
+fn dflash_until(
+    target: &TargetModel,
+    drafter: &Drafter,
+    head: &FrozenHead,
+    prompt: &[u32],
+    max_new: usize,
+    eos: &[u32],
+    cancel: &AtomicBool,
+) -> Result<Decoded> {
+    let bs = drafter.config.block_size as usize;
+    let capacity = capacity_for(prompt.len(), max_new, bs);
+    let mut proposer = DrafterDecoder::new(drafter, head, capacity, None, None)?;
+    let taps = drafter.config.target_layer_ids();
+    let mut engine = TargetDecoder::new(target, capacity, taps, None, None)?;
+    decode(&mut engine, &mut proposer, prompt, max_new, eos, cancel)
 }
 
 /// [`speculative_decode_with`] on an eager target engine of its own.
@@ -347,6 +366,25 @@ pub fn speculative_decode_with(
     max_new: usize,
     eos: &[u32],
 ) -> Result<Decoded> {
+    decode(
+        engine,
+        proposer,
+        prompt,
+        max_new,
+        eos,
+        &AtomicBool::new(false),
+    )
+}
+
+/// [`speculative_decode_with`], looking at `cancel` before each decoding step.
+fn decode(
+    engine: &mut TargetDecoder<'_>,
+    proposer: &mut dyn BlockDrafter,
+    prompt: &[u32],
+    max_new: usize,
+    eos: &[u32],
+    cancel: &AtomicBool,
+) -> Result<Decoded> {
     let bs = proposer.block_size();
     if bs < 2 {
         return Err(anyhow!("block size {bs}: must be at least 2"));
@@ -364,6 +402,7 @@ pub fn speculative_decode_with(
     let mut accept_lengths = Vec::new();
     let mut drafts = Vec::new();
     while out.len() < max_new && !eos.contains(&x) {
+        check(cancel)?;
         let t = Instant::now();
         clock.mark(0);
         let range = ProfilerRange::new(c"dflash draft");
@@ -449,7 +488,8 @@ pub(crate) struct TauSummary {
 }
 
 /// Mean acceptance length of `drafter` over `prompts` (eager engines, no graphs: the trainer's
-/// other stages share the device).
+/// other stages share the device). Ends with [`Cancelled`](crate::eval::cancel::Cancelled)
+/// between decoding steps once `cancel` is set.
 pub(crate) fn measure_tau(
     target: &TargetModel,
     drafter: &Drafter,
@@ -457,12 +497,15 @@ pub(crate) fn measure_tau(
     prompts: &[Vec<u32>],
     max_new: usize,
     eos: &[u32],
+    cancel: &AtomicBool,
 ) -> Result<TauSummary> {
     let bs = drafter.config.block_size as usize;
     let mut by_slot = vec![0u64; bs];
     let (mut steps, mut accepted, mut generated) = (0u64, 0u64, 0u64);
-    for prompt in prompts.iter().filter(|p| !p.is_empty()) {
-        let d = tch::no_grad(|| dflash(target, drafter, head, prompt, max_new, eos))?;
+    let prompts: Vec<&Vec<u32>> = prompts.iter().filter(|p| !p.is_empty()).collect();
+    for (done, prompt) in prompts.iter().enumerate() {
+        let d = tch::no_grad(|| dflash_until(target, drafter, head, prompt, max_new, eos, cancel))
+            .with_context(|| format!("after {done} of {} prompts", prompts.len()))?;
         steps += d.accept_lengths.len() as u64;
         accepted += d.accept_lengths.iter().sum::<usize>() as u64;
         generated += d.output_ids.len() as u64;

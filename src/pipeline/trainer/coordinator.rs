@@ -16,6 +16,7 @@ use super::shared::{sync_device, Shared, HISTORY};
 use crate::config::TrainConfig;
 use crate::data::packer::PackerState;
 use crate::device_event::{DeviceEvent, DeviceEvents};
+use crate::eval::cancel::is_cancelled;
 use crate::model::{Drafter, FrozenHead};
 use crate::pipeline::collective::{CoordinatorSync, ParamsMsg};
 use crate::pipeline::held_out::HeldOut;
@@ -98,7 +99,29 @@ pub(super) struct Coordinator {
 }
 
 impl Coordinator {
+    /// Trains to the last step or until the run stops. A pass cancelled because the run stops
+    /// at once (see [`crate::eval::cancel`]) ends it as stopped, not failed (or as the failure
+    /// of another stage that stopped it).
     pub(super) fn run(&mut self) -> Result<()> {
+        match self.train() {
+            Err(e) if is_cancelled(&e) => {
+                let mut st = self.shared.status();
+                if st.error.is_some() {
+                    return Ok(());
+                }
+                st.stop_reason = Some("at once, no checkpoint".into());
+                drop(st);
+                self.shared.event(
+                    "stopped",
+                    format!("stopped at once at step {}: {e:#}", self.step),
+                );
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    fn train(&mut self) -> Result<()> {
         if self.step >= self.total_steps {
             // Resumed after its last step: measuring and saving the same weights again would
             // only rewrite what the run left.

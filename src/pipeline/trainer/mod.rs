@@ -33,7 +33,7 @@ use crate::telemetry::profile::{ProfileReport, ProfileStats, StageWorkers};
 use crate::telemetry::records::{
     MetricsRecord, MetricsWriter, Phase, RunHistory, Snapshot, StepRecord,
 };
-use crate::train::checkpoint::remove_stale_partials;
+use crate::train::checkpoint::{checkpoints_dir, remove_stale_partials};
 use coordinator::Coordinator;
 use drafter_stage::{replica, GradMsg};
 use loader::loader;
@@ -79,15 +79,28 @@ pub struct TrainerHandle {
     threads: Vec<StageThread>,
 }
 
+/// Whether the run in `run_dir` ever wrote a checkpoint: a `step-*` folder or `latest` in its
+/// `checkpoints/` (what a writer that died left, dot-named, does not count). A resume of a run
+/// without one starts from step 0.
+pub(crate) fn ever_checkpointed(run_dir: &Path) -> bool {
+    std::fs::read_dir(checkpoints_dir(run_dir))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| !e.file_name().to_string_lossy().starts_with('.'))
+}
+
 /// Starts a run: loads everything, then the stage threads. Errors before the threads start
-/// (configuration, inputs, models) come back here.
+/// (configuration, inputs, models) come back here. A `resume` of a run that has no checkpoint
+/// yet (see [`ever_checkpointed`]) starts from step 0, its metrics kept up to there.
 pub fn start(
     runtime: &TorchRuntime,
     config: &TrainConfig,
     run_dir: &Path,
     resume: bool,
 ) -> Result<TrainerHandle> {
-    let prepared = prepare(runtime, config, resume.then_some(run_dir))?;
+    let from_checkpoint = resume && ever_checkpointed(run_dir);
+    let prepared = prepare(runtime, config, from_checkpoint.then_some(run_dir))?;
     for gone in remove_stale_partials(run_dir) {
         log::info!("removed {}, left by a writer that is gone", gone.display());
     }

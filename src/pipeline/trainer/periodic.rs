@@ -90,7 +90,13 @@ impl Coordinator {
         let t = Instant::now();
         let max_new_tokens = self.config.eval.max_new_tokens;
         let summary = h
-            .evaluate(&self.drafter, &self.head, self.step, max_new_tokens)
+            .evaluate(
+                &self.drafter,
+                &self.head,
+                self.step,
+                max_new_tokens,
+                &self.shared.stop,
+            )
             .with_context(|| format!("evaluation at step {}", self.step))?;
         // the drafter worker's time, so that its stage's shares add up with its busy share
         self.shared.profile.record(Event::EVAL_PASS, t.elapsed());
@@ -149,7 +155,7 @@ impl Coordinator {
         self.shared.set_phase(Phase::Validating);
         let t = Instant::now();
         let v = h
-            .validate(&self.drafter, &self.head, self.step)
+            .validate(&self.drafter, &self.head, self.step, &self.shared.stop)
             .with_context(|| format!("validation at step {}", self.step))?;
         self.shared
             .profile
@@ -272,8 +278,14 @@ impl Coordinator {
         }
     }
 
-    /// Checkpoint and stop requests at a step boundary; true when the run should end.
+    /// Checkpoint and stop requests at a step boundary; true when the run should end. Once the
+    /// run stops at once (a second stop signal, a stage that failed) nothing more is measured
+    /// or saved, whatever was asked before.
     pub(super) fn handle_requests(&mut self) -> Result<bool> {
+        if self.shared.stopping() {
+            // (the last step's record still goes out)
+            return self.finish_queued().map(|()| true);
+        }
         let checkpoint = self.shared.checkpoint_requested.load(Ordering::SeqCst);
         if checkpoint || self.shared.stop_requested.load() != StopState::Running {
             self.finish_queued()?;
