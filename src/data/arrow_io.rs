@@ -380,8 +380,9 @@ pub fn read_token_data(
                             Some(0) => masks.push(0),
                             Some(1) => masks.push(1),
                             other => bail!(
-                                "{}, column {name:?}: item {k} is {other:?}, expected 0 or 1",
-                                at()
+                                "{}, column {name:?}: item {k} is {}, expected 0 or 1",
+                                at(),
+                                other.map_or("null".into(), |x| x.to_string())
                             ),
                         }
                     }
