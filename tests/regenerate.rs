@@ -653,7 +653,10 @@ fn an_interrupted_run_resumes_to_the_same_output() {
     let (ok, stdout, stderr) = regenerate(&f, &out, &["--log-level", "info"]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("3 chunk(s) resumed"), "{stdout}");
-    assert!(live_staging.exists(), "a live writer's staging folder is kept");
+    assert!(
+        live_staging.exists(),
+        "a live writer's staging folder is kept"
+    );
     // the resumed run counts the earlier answers too, and ends with all of them
     assert_eq!(progress_end(&stderr), ((all, all), (12, 12)), "{stderr}");
     assert!(!partial.exists());
@@ -724,7 +727,10 @@ fn a_partial_run_over_changed_input_of_the_same_size_is_refused_until_restart() 
         assert!(errors[0].contains(part), "{part:?} not in {stderr}");
     }
     assert!(!errors[0].contains("validation"), "{stderr}");
-    assert!(partial.join("train/chunk-00001.json").is_file(), "nothing discarded");
+    assert!(
+        partial.join("train/chunk-00001.json").is_file(),
+        "nothing discarded"
+    );
 
     // --restart discards the partial run and gives what a fresh run on the new input gives.
     let (ok, stdout, stderr) = regenerate(&f, &out, &["--restart", "--log-level", "info"]);
@@ -738,7 +744,11 @@ fn a_partial_run_over_changed_input_of_the_same_size_is_refused_until_restart() 
         assert_eq!(read_split(&out, name), read_split(&fresh, name), "{name}");
     }
     let old_first = row_of(&f.splits[0].1[0].1).0[0];
-    assert_ne!(read_split(&out, "train")[0].1[0], old_first, "the new tokens");
+    assert_ne!(
+        read_split(&out, "train")[0].1[0],
+        old_first,
+        "the new tokens"
+    );
 
     // A partial run of the earlier version, whose manifest has no fingerprint, is continued on
     // the files' paths and sizes (what it was checked by), with a warning naming --restart.
@@ -748,7 +758,10 @@ fn a_partial_run_over_changed_input_of_the_same_size_is_refused_until_restart() 
     let manifest_path = f.tmp.path().join("old.partial/manifest.json");
     let mut manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
-    assert!(manifest["input_xxh3_128"]["train"].is_string(), "{manifest}");
+    assert!(
+        manifest["input_xxh3_128"]["train"].is_string(),
+        "{manifest}"
+    );
     manifest.as_object_mut().unwrap().remove("input_xxh3_128");
     std::fs::write(&manifest_path, manifest.to_string()).unwrap();
     let (ok, stdout, stderr) = regenerate(&f, &old, &[]);

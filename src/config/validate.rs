@@ -103,7 +103,12 @@ impl TrainConfig {
         int_between("data.max_len", data.max_len, 8, MAX_SEQUENCE_TOKENS)?;
         int_between("data.token_budget", data.token_budget, 1, MAX_BATCH_TOKENS)?;
         int_between("data.max_batch", data.max_batch, 1, MAX_BATCH_ROWS)?;
-        int_between("data.bucket_window", data.bucket_window, 1, MAX_BUCKET_WINDOW)
+        int_between(
+            "data.bucket_window",
+            data.bucket_window,
+            1,
+            MAX_BUCKET_WINDOW,
+        )
     }
 
     fn check_train(&self) -> Result<()> {

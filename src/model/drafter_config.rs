@@ -296,7 +296,12 @@ impl DrafterConfig {
     /// config.json asking for 10^9 layers is refused by name, not read until memory runs out.
     fn sizes(&self) -> [(&'static str, i64, i64, i64); 9] {
         [
-            ("num_hidden_layers", self.num_hidden_layers, 1, MAX_DRAFTER_LAYERS),
+            (
+                "num_hidden_layers",
+                self.num_hidden_layers,
+                1,
+                MAX_DRAFTER_LAYERS,
+            ),
             ("block_size", self.block_size, 2, MAX_BLOCK_SIZE),
             ("hidden_size", self.hidden_size, 1, 65_536),
             ("intermediate_size", self.intermediate_size, 1, 262_144),

@@ -39,8 +39,8 @@ use indicatif::ProgressBar;
 use tch::{Device, Kind};
 
 use crate::aten_ext::fused::FusedKernelLoader;
-use crate::config::{flag_between, MAX_BATCH_ROWS, MAX_BATCH_TOKENS, MAX_SEQUENCE_TOKENS};
 use crate::aten_ext::graph::GraphLibrary;
+use crate::config::{flag_between, MAX_BATCH_ROWS, MAX_BATCH_TOKENS, MAX_SEQUENCE_TOKENS};
 use crate::model::generate::{BatchLimits, Sampling, TraceWindow};
 use crate::model::{model_eos_ids, TargetConfig, TargetModel};
 use chunks::{ChunkId, ChunkOutput};
