@@ -214,7 +214,20 @@ fn a_closed_terminal_leaves_the_run_training_and_attach_opens_it_again() {
         screen.contains("Process (no GPUs: NVML unavailable)") || screen.contains("GPUs ("),
         "the process's CPU and memory where NVML is missing: {screen}"
     );
-    assert!(screen.contains(" I pid "), "compact log lines: {screen}");
+    // log lines as "HH:MM:SS L message" (a long one wraps over the next rows)
+    let stamped = |cell: &str| {
+        let b = cell.as_bytes();
+        b.len() > 11
+            && b[2] == b':'
+            && b[5] == b':'
+            && b[8] == b' '
+            && matches!(b[9], b'I' | b'W' | b'E')
+            && b[10] == b' '
+    };
+    assert!(
+        screen.lines().any(|l| l.split('│').any(stamped)),
+        "compact log lines: {screen}"
+    );
     viewer.keys(&["p"]);
     wait_until("paused", Duration::from_secs(10), || {
         viewer.screen().contains("paused").then_some(())
@@ -279,6 +292,21 @@ fn a_closed_terminal_leaves_the_run_training_and_attach_opens_it_again() {
     wait_until("the trainer to exit", Duration::from_secs(30), || {
         (!alive(trainer.0)).then_some(())
     });
+    // ctl status on the ended run: its final state from its records, exit 0
+    let (ok, text) = ctl(&run_dir, &["status"]);
+    assert!(ok, "{text}");
+    let stopped_at = recorded_step(&run_dir);
+    let ended = format!("the run has ended: stopped at step {stopped_at} of 1000000");
+    assert!(text.contains(&ended), "{text}");
+    let json = text
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_default();
+    let status: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(status["phase"], "stopped", "{text}");
+    assert_eq!(status["step"], stopped_at, "{text}");
+    assert!(status["pid"].is_null(), "{text}");
+    assert!(status["last_checkpoint"].is_string(), "{text}");
     let done_exit = i.tmp.path().join("done-exit");
     let done = Tmux::start(
         "done",
@@ -293,7 +321,7 @@ fn a_closed_terminal_leaves_the_run_training_and_attach_opens_it_again() {
         let s = done.screen();
         s.contains("press any key").then_some(s)
     });
-    assert!(screen.contains("run finished"), "{screen}");
+    assert!(screen.contains("run stopped at step"), "{screen}");
     assert!(screen.contains("avg "), "its averages: {screen}");
     assert!(screen.contains("loss"), "its charts: {screen}");
     done.keys(&["x"]);
@@ -325,7 +353,7 @@ fn sigterm_ends_a_screen_run_with_a_checkpoint_and_no_key() {
     assert_eq!(exit.trim(), "EXIT=0");
     assert_eq!(checkpoints(&run_dir), 1, "the stop wrote a checkpoint");
     let screen = window.screen();
-    assert!(screen.contains("run finished (stop command)"), "{screen}");
+    assert!(screen.contains("run stopped (stop command)"), "{screen}");
     eprintln!(
         "SIGTERM on a screen run: exit 0 {:.2} s later with a checkpoint, no key pressed",
         t.elapsed().as_secs_f64()

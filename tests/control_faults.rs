@@ -661,7 +661,7 @@ fn a_training_run_survives_idle_connections_a_command_storm_and_failing_accepts(
     assert!(ok && reply.contains("stopping"), "{reply}");
     let (code, stdout) = run.wait(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stdout}");
-    assert!(stdout.contains("run finished (stop command)"), "{stdout}");
+    assert!(stdout.contains("run stopped (stop command)"), "{stdout}");
 }
 
 /// With no file descriptor left, accepting fails (EMFILE): the accept loop pauses instead of
@@ -798,7 +798,7 @@ fn signals_during_start_up_are_remembered_not_fatal() {
     run.signal(libc::SIGTERM);
     let (code, stdout) = run.wait(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stdout}");
-    assert!(stdout.contains("run finished (stop command)"), "{stdout}");
+    assert!(stdout.contains("run stopped (stop command)"), "{stdout}");
     eprintln!(
         "SIGUSR1 during start-up ({trials} trial(s) to land in it): survived, remembered as \
          \"{}\" {:.2} s later; SIGTERM then ended it with exit 0",
@@ -812,7 +812,7 @@ fn signals_during_start_up_are_remembered_not_fatal() {
     let (code, stdout) = run.wait(Duration::from_secs(60));
     assert_eq!(code, Some(0), "{stdout}");
     let steps: u64 = stdout
-        .split("run finished (stop command): ")
+        .split("run stopped (stop command): ")
         .nth(1)
         .and_then(|rest| rest.split(' ').next())
         .and_then(|n| n.parse().ok())

@@ -258,7 +258,11 @@ fn stdin_commands_and_signals_steer_a_headless_run() {
         stdout.contains("error: unknown command \"bogus\""),
         "{stdout}"
     );
-    assert!(stdout.contains("run finished"), "{stdout}");
+    // stopped by the signal long before its 1,000,000 steps
+    assert!(
+        stdout.contains("run stopped (stop command): ") && stdout.contains(" of 1000000 steps"),
+        "{stdout}"
+    );
     let ckpts = dflash_tui::train::checkpoint::list_checkpoints(&run_dir.join("checkpoints"));
     assert!(!ckpts.is_empty());
     let records = dflash_tui::telemetry::records::read_metrics(&metrics).unwrap();
@@ -323,7 +327,7 @@ fn layers_added_to_a_trained_drafter_are_trained_and_resumed() {
 
     let (code, stdout, err) = resume(&["debug.fail_at_step=0"]);
     assert_eq!(code, 0, "{err}");
-    assert!(stdout.contains("run finished"), "{stdout}");
+    assert!(stdout.contains("run finished: 12 of 12 steps"), "{stdout}");
     let all = dflash_tui::train::checkpoint::list_checkpoints(&checkpoints);
     let (step, last) = all.last().unwrap();
     assert_eq!(*step, 12, "{all:?}");
@@ -337,4 +341,26 @@ fn layers_added_to_a_trained_drafter_are_trained_and_resumed() {
             assert!(p.abs().max().double_value(&[]) > 0.0, "{name}");
         }
     }
+
+    // A resume of the finished run has nothing to do: it says so, exits 0 and changes nothing
+    // (no second evaluation, no final checkpoint written again).
+    let metrics = run_dir.join("metrics.jsonl");
+    let before = std::fs::read(&metrics).unwrap();
+    let state = last.join("trainer_state.json");
+    let saved = std::fs::metadata(&state).unwrap().modified().unwrap();
+    let (code, stdout, err) = resume(&["debug.fail_at_step=0"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        stdout.trim(),
+        format!(
+            "run {} already finished at step 12 of 12; nothing to do (raise train.total_steps \
+             with --allow-schedule-change to train on)",
+            run_dir.display()
+        )
+    );
+    assert_eq!(std::fs::read(&metrics).unwrap(), before);
+    assert_eq!(
+        std::fs::metadata(&state).unwrap().modified().unwrap(),
+        saved
+    );
 }

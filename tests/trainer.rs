@@ -149,17 +149,38 @@ fn pause_stops_progress_and_resume_continues() {
         paused_at,
         "the status is at the paused step"
     );
+    // While paused: no rate, and an ETA that waits instead of growing as the window empties.
+    let before = h.snapshot();
     std::thread::sleep(Duration::from_millis(1500));
-    assert_eq!(h.snapshot().step, paused_at, "steps advanced while paused");
-    assert_eq!(h.snapshot().phase, Phase::Paused);
+    let after = h.snapshot();
+    assert_eq!(after.step, paused_at, "steps advanced while paused");
+    assert_eq!(after.phase, Phase::Paused);
+    assert_eq!((before.tokens_per_s, after.tokens_per_s), (0.0, 0.0));
+    assert!(before.eta_s.is_some(), "{before:?}");
+    assert_eq!(after.eta_s, before.eta_s, "the ETA held still while paused");
     h.command(&Command::Resume).unwrap();
+    // at once after the resume: the pace from before the pause
+    let resumed = h.snapshot();
+    assert!(resumed.tokens_per_s > 0.0, "{resumed:?}");
+    let (was, is) = (before.eta_s.unwrap(), resumed.eta_s.unwrap());
+    assert!(
+        (is - was).abs() <= 0.05 * was,
+        "ETA {was} s before, {is} s after"
+    );
     wait_for(&h, "progress after resume", Duration::from_secs(60), |h| {
         h.snapshot().step >= paused_at + 3
     });
     h.command(&Command::Stop { checkpoint: true }).unwrap();
     let out = join_within(h, Duration::from_secs(60));
-    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    // stopped long before its last step: stopped, not finished, in the outcome and the records
+    assert_eq!(out.phase, Phase::Stopped, "{:?}", out.error);
+    assert_eq!(out.total_steps, 100_000);
     assert!(out.last_checkpoint.is_some(), "stop writes a checkpoint");
+    let summary = records(&run, |r| match r {
+        MetricsRecord::Summary { phase, steps, .. } => Some((phase, steps)),
+        _ => None,
+    });
+    assert_eq!(summary, vec![(Phase::Stopped, out.steps)]);
 }
 
 #[test]
@@ -551,7 +572,7 @@ fn a_storm_of_random_commands_ends_without_deadlock() {
     assert!(h.snapshot().step > 0, "training advanced during the storm");
     h.command(&Command::Stop { checkpoint: true }).unwrap();
     let out = join_within(h, Duration::from_secs(60));
-    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    assert_eq!(out.phase, Phase::Stopped, "{:?}", out.error);
     assert!(sent > 500);
 }
 
@@ -721,7 +742,7 @@ fn nccl_two_gpu_replicas_learn_pause_and_stop_cleanly() {
     });
     h.command(&Command::Stop { checkpoint: true }).unwrap();
     let out = join_within(h, Duration::from_secs(120));
-    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    assert_eq!(out.phase, Phase::Stopped, "{:?}", out.error);
     assert!(out.last_checkpoint.is_some());
 }
 
@@ -808,7 +829,18 @@ fn validation_records_the_walk_tau_and_keeps_the_best_drafter() {
         ],
     );
     let run = s.tmp.path().join("run");
-    let out = join_within(start(&cfg, &run, false), Duration::from_secs(240));
+    let h = start(&cfg, &run, false);
+    wait_for(&h, "the end of the run", Duration::from_secs(240), |h| {
+        h.is_finished()
+    });
+    // The passes are the drafter worker's time: rows of their own in ProfileStats.
+    let report = h.profile_report();
+    let count = |e: &str| {
+        let row = report.rows.iter().find(|r| r.event == e);
+        row.map_or(0, |r| r.cumulative.count)
+    };
+    assert_eq!((count("validation.pass"), count("eval.pass")), (6, 2));
+    let out = join_within(h, Duration::from_secs(60));
     assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
     assert_eq!(out.stop_reason, None);
     let vals = validations(&run);
@@ -881,7 +913,7 @@ fn patience_stops_a_run_that_no_longer_improves_with_a_checkpoint() {
     );
     let run = s.tmp.path().join("run");
     let out = join_within(start(&cfg, &run, false), Duration::from_secs(240));
-    assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
+    assert_eq!(out.phase, Phase::Stopped, "{:?}", out.error);
     assert_eq!(out.steps, 6);
     let reason = out.stop_reason.clone().unwrap();
     assert!(
@@ -906,7 +938,7 @@ fn patience_stops_a_run_that_no_longer_improves_with_a_checkpoint() {
         } => Some((phase, stop_reason)),
         _ => None,
     });
-    assert_eq!(summary, vec![(Phase::Finished, Some(reason.clone()))]);
+    assert_eq!(summary, vec![(Phase::Stopped, Some(reason.clone()))]);
     let early: Vec<String> = records(&run, |r| match r {
         MetricsRecord::Event { kind, message, .. } if kind == "early_stop" => Some(message),
         _ => None,

@@ -225,7 +225,7 @@ fn keys_drive_the_control_room_in_tmux() {
         "quitting wrote a checkpoint"
     );
     assert!(
-        t.screen().contains("run finished"),
+        t.screen().contains("run stopped (stop command)"),
         "summary printed: {}",
         t.screen()
     );
@@ -280,7 +280,7 @@ fn the_same_scenario_headless_through_ctl_and_signals() {
     unsafe { libc::kill(pid, libc::SIGINT) };
     let out = child.0.take().unwrap().wait_with_output().unwrap();
     assert!(out.status.success());
-    assert!(String::from_utf8_lossy(&out.stdout).contains("run finished"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("run stopped (stop command)"));
     assert!(!socket.exists(), "the socket is removed at exit");
     let (ok, reply) = ctl(&run_dir, &["pause"]);
     assert!(!ok && reply.contains("no running trainer"), "{reply}");

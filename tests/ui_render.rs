@@ -9,6 +9,7 @@ use dflash_tui::pipeline::queue::{QueueLevel, QueueName};
 use dflash_tui::telemetry::gpu::GpuReading;
 use dflash_tui::telemetry::host::HostReading;
 use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow, StageWorkers};
+use dflash_tui::telemetry::rate::RateWindow;
 use dflash_tui::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
@@ -58,21 +59,23 @@ fn stats(count: u64, mean_ms: f64, max_ms: f64) -> EventStats {
         mean_s: mean_ms * 1e-3,
         min_s: mean_ms * 0.6e-3,
         max_s: max_ms * 1e-3,
+        began_earlier: 0,
     }
 }
 
 fn profile() -> ProfileReport {
     // (event, interval count, mean ms, max ms, share)
+    // as a report orders them: step.total, the work by share, then the waits
     let rows: [(&str, u64, f64, f64, f64); 10] = [
         ("step.total", 8, 1250.0, 1402.5, 1.0),
         ("target.forward", 8, 610.2, 688.0, 0.488),
         ("drafter.backward", 8, 301.7, 355.1, 0.241),
         ("drafter.forward", 8, 180.4, 190.0, 0.144),
-        ("feature_q.wait", 9, 60.3, 240.8, 0.054),
         ("optim.step", 8, 40.0, 41.2, 0.032),
         ("drafter.loss", 8, 22.5, 25.0, 0.018),
         ("target.h2d", 8, 6.1, 9.7, 0.005),
         ("loader.pack", 8, 3.2, 4.4, 0.003),
+        ("feature_q.wait", 9, 60.3, 240.8, 0.054),
         ("batch_q.wait", 8, 0.41, 1.9, 0.0003),
     ];
     ProfileReport {
@@ -222,7 +225,8 @@ fn nvml_absent() -> AppState {
 fn paused() -> AppState {
     let mut s = training();
     s.phase = Phase::Paused;
-    s.eta_s = None;
+    s.tokens_per_s = 0.0;
+    s.samples_per_s = 0.0;
     s.gpus = Some(vec![h200(0, 0)]);
     s.queues[0].len = 8;
     s.queues[1].len = 0;
@@ -501,7 +505,7 @@ fn paused_screen() {
     let (big, small) = snap_both!("paused", paused());
     for s in [&big, &small] {
         assert!(s.contains("paused"), "{s}");
-        assert!(s.contains("ETA -"), "{s}");
+        assert!(s.contains("ETA 3:30:10 (paused)"), "{s}");
     }
     assert!(big.contains("empty"), "{big}");
     assert!(big.contains("full"), "{big}");
@@ -736,4 +740,132 @@ fn queues_show_no_state_before_data_flows() {
     assert!(!s.contains("empty"), "{s}");
     // and the verdict names no queue state
     assert!(s.contains("bottleneck: target (busy 100 %)\u{20}"), "{s}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// What a new user found (issue 42)
+
+/// Step 60 of 300 at one step a second, then paused for 10 minutes at t = 60 s and resumed at
+/// t = 660 s (the report: `ETA 0:39:45 | 19.0 tok/s` with about 4 minutes left after such a
+/// pause); the screen at `at_s` seconds, the rates and ETA as the trainer's window gives them.
+fn around_a_pause(at_s: u64) -> AppState {
+    let t0 = std::time::Instant::now();
+    let secs = std::time::Duration::from_secs;
+    let mut w = RateWindow::new(secs(30), t0);
+    for i in 1..=60 {
+        w.complete(t0 + secs(i), 16_384, 8);
+    }
+    w.pause(t0 + secs(60));
+    let phase = if at_s < 660 {
+        Phase::Paused
+    } else {
+        w.resume(t0 + secs(660));
+        Phase::Training
+    };
+    let (rates, eta) = w.live(t0 + secs(at_s), 240, phase);
+    let mut s = training();
+    s.phase = phase;
+    s.step = 60;
+    s.total_steps = 300;
+    s.history = history(60);
+    s.last = s.history.last().cloned();
+    s.elapsed_s = at_s as f64;
+    s.eta_s = eta;
+    s.tokens_per_s = rates.tokens_per_s;
+    s.samples_per_s = rates.samples_per_s;
+    let mut state = AppState::new(s);
+    state.log = log_lines();
+    state
+}
+
+#[test]
+fn the_eta_waits_during_a_pause_and_is_right_at_once_after_it() {
+    // paused: no rate, the 4 minutes left held (not growing as the window empties)
+    for at in [61, 300, 659] {
+        let s = screen(&around_a_pause(at), 120, 40);
+        let header = s.lines().nth(1).unwrap();
+        assert!(header.contains("ETA 0:04:00 (paused)"), "{at} s: {header}");
+        assert!(header.contains("│ 0 tok/s"), "{at} s: {header}");
+    }
+    // resumed after 10 minutes: the pace before the pause, at once
+    let (big, _) = snap_both!("resumed_after_a_pause", around_a_pause(660));
+    let header = big.lines().nth(1).unwrap();
+    assert!(header.contains("ETA 0:04:00 │"), "{header}");
+    assert!(header.contains("16.4k tok/s"), "{header}");
+    assert!(header.contains("elapsed 0:11:00"), "{header}");
+}
+
+#[test]
+fn status_on_the_command_line_shows_the_runs_status() {
+    let mut state = one_gpu();
+    state.mode = Mode::Status;
+    let s = screen(&state, 120, 40);
+    insta::assert_snapshot!("status_overlay_120x40", s);
+    for part in [
+        " Status ",
+        "smollm2-dflash (runs/smollm2-dflash)",
+        "phase       training",
+        "step        300 / 10000 (3 %), epoch 0",
+        "ETA 3:30:10",
+        "tok/s",
+        "batch_q 4/8 ok, feature_q 2/2 full",
+        "runs/smollm2-dflash/checkpoints/step-000250",
+        "bottleneck:",
+    ] {
+        assert!(s.contains(part), "{part:?} missing: {s}");
+    }
+    let small = screen(&state, 80, 24);
+    assert!(small.contains("300 / 10000"), "{small}");
+}
+
+#[test]
+fn long_log_lines_wrap_and_the_newest_stays_visible() {
+    let mut state = one_gpu();
+    let newest = "14:10:05 I validation at step 300: loss 1.3001 acc 0.642 tau(walk) 2.412 (anchor mean 3.36) over 64 sequences (120 answers, 980 steps, 4.1 s)";
+    state.log.push(newest.to_string());
+    let s = screen(&state, 120, 40);
+    // every word of the newest line is on the screen, none cut with "…"
+    for word in newest.split(' ') {
+        assert!(s.contains(word), "{word:?} missing: {s}");
+    }
+    assert!(!s.contains("…"), "a line was cut: {s}");
+    // and it is the pane's last line: the row above the bottom border ends it
+    let pane_rows: Vec<&str> = s.lines().filter(|l| l.ends_with('│')).collect();
+    let last = pane_rows.last().unwrap();
+    assert!(last.contains("4.1 s)"), "{last}");
+}
+
+#[test]
+fn a_run_stopped_before_its_last_step_is_named_stopped() {
+    let mut s = training();
+    s.phase = Phase::Stopped;
+    s.step = 45;
+    s.total_steps = 60;
+    s.eta_s = None;
+    let mut state = AppState::new(s);
+    state.mode = Mode::Ended;
+    let s = screen(&state, 120, 40);
+    assert!(s.contains(" stopped "), "{s}");
+    assert!(s.contains("run stopped at step 45 of 60"), "{s}");
+    assert!(!s.contains("finished"), "{s}");
+    assert!(s.contains("avg "), "{s}");
+}
+
+#[test]
+fn waits_are_grouped_apart_and_an_event_from_before_the_interval_says_so() {
+    let mut state = one_gpu();
+    let profile = state.snapshot.profile.as_mut().unwrap();
+    let wait = profile
+        .rows
+        .iter_mut()
+        .find(|r| r.event == "feature_q.wait")
+        .unwrap();
+    wait.interval.began_earlier = 1;
+    let s = screen(&state, 120, 40);
+    let at = |needle: &str| s.find(needle).unwrap_or_else(|| panic!("{needle}: {s}"));
+    assert!(at("step.total") < at("target.forward"), "{s}");
+    assert!(at("optim.step") < at("-- waits --"), "{s}");
+    assert!(at("-- waits --") < at("feature_q.wait"), "{s}");
+    let row = s.lines().find(|l| l.contains("feature_q.wait")).unwrap();
+    assert!(row.contains(">240.8"), "{row}");
 }

@@ -291,7 +291,7 @@ fn wait_for_step(handle: &TrainerHandle, step: u64) -> Result<()> {
         if done >= step {
             return Ok(());
         }
-        if matches!(phase, Phase::Failed | Phase::Finished) {
+        if phase.is_ended() {
             bail!(
                 "the pipeline ended at step {done} before step {step}: {}",
                 error.unwrap_or_default()

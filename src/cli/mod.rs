@@ -371,7 +371,7 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
                 &close,
             )
         }
-        Command::Ctl { run_dir, command } => ctl(&run_dir, &command),
+        Command::Ctl { run_dir, command } => crate::frontend::ctl::run(&run_dir, &command),
         Command::ExportTensorboard { run_dir } => tensorboard::export(&run_dir),
         command @ (Command::InitDrafter { .. }
         | Command::Perplexity { .. }
@@ -391,19 +391,6 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             python,
         } => data::bench(&path, samples, batches, &python),
     }
-}
-
-/// `ctl`: one command through the run's socket; a query's answer printed as JSON.
-fn ctl(run_dir: &std::path::Path, words: &[String]) -> anyhow::Result<()> {
-    let reply = crate::frontend::socket::send(run_dir, &words.join(" "))?;
-    if !reply.ok {
-        anyhow::bail!("{}", reply.message)
-    }
-    match reply.data {
-        Some(data) => println!("{data}"),
-        None => println!("{}", reply.message),
-    }
-    Ok(())
 }
 
 /// The commands that make models and data (their arguments passed on as structs).

@@ -98,6 +98,35 @@ fn check_resume(run: &Path, config: &TrainConfig, args: &TrainArgs) -> Result<Ve
     Ok(changes.schedule.into_iter().chain(changes.free).collect())
 }
 
+/// Why a resume of `run` has nothing to do, when its newest checkpoint is at its last step and
+/// the configuration adds no step (`train.total_steps` raised with `--allow-schedule-change`).
+/// A schedule in epochs that changed is left to the trainer, which counts its steps.
+fn finished_run(run: &Path, config: &TrainConfig) -> Option<String> {
+    let checkpoint = crate::train::checkpoint::newest_checkpoint(run).ok()?;
+    let state = crate::train::checkpoint::read_state(&checkpoint).ok()?;
+    if state.step < state.total_steps {
+        return None;
+    }
+    let total = if config.train.total_steps > 0 {
+        config.train.total_steps
+    } else {
+        let stored = config::load(&run.join("config.toml"), &[]).ok()?;
+        let same_schedule = config::resume_changes(&stored, config).schedule.is_empty();
+        if !same_schedule {
+            return None;
+        }
+        state.total_steps
+    };
+    (total <= state.step).then(|| {
+        format!(
+            "run {} already finished at step {} of {}; nothing to do (raise train.total_steps with --allow-schedule-change to train on)",
+            run.display(),
+            state.step,
+            state.total_steps
+        )
+    })
+}
+
 /// What a run writes in its directory: a directory holding any of them holds a run.
 const RUN_FILES: &[&str] = &[
     "config.toml",
@@ -273,6 +302,14 @@ pub(super) fn run(
     let config = load_config(&args)?;
     // Every check before anything is written or loaded: a refusal leaves no trace.
     let (run_dir, changes) = check_run_dir(&config, &args)?;
+    if let Some(done) = args
+        .resume
+        .as_ref()
+        .and_then(|run| finished_run(run, &config))
+    {
+        println!("{done}");
+        return Ok(());
+    }
     let checked = check_inputs(&config)?;
     if args.resume.is_none() {
         // Again, just before writing: a run may have started there during the checks.
@@ -338,17 +375,18 @@ pub(super) fn run(
         log::info!("the run ended without its terminal");
     }
     match (&outcome.phase, &outcome.error) {
-        (Phase::Finished, None) => {
+        (Phase::Finished | Phase::Stopped, None) => {
             let last = outcome.final_step.as_ref();
             let ended = match &outcome.stop_reason {
-                Some(reason) => format!("run finished ({reason})"),
-                None => "run finished".to_string(),
+                Some(reason) => format!("run {} ({reason})", outcome.phase),
+                None => format!("run {}", outcome.phase),
             };
             // The terminal may be gone (SIGHUP): the summary is in train.log and metrics.jsonl.
             let _ = writeln!(
                 std::io::stdout(),
-                "{ended}: {} steps, loss {}, accuracy {}, anchor-mean acceptance (train) {}, last checkpoint {}, run dir {}",
+                "{ended}: {} of {} steps, loss {}, accuracy {}, anchor-mean acceptance (train) {}, last checkpoint {}, run dir {}",
                 outcome.steps,
+                outcome.total_steps,
                 last.map_or("-".into(), |l| format!("{:.4}", l.loss)),
                 last.map_or("-".into(), |l| format!("{:.3}", l.accuracy)),
                 last.map_or("-".into(), |l| format!("{:.2}", l.accept_mean)),

@@ -1,7 +1,8 @@
 //! Chat dataset inputs: ShareGPT JSON arrays or JSON lines (`{"conversations": [{"from",
-//! "value"}]}`), chat-message JSON lines (`{"messages": [{"role", "content"}]}`) and plain text
-//! JSON lines (`{"text"}`). Every record is named by file and row so that skips and errors can
-//! say where they come from.
+//! "value"}]}`), chat-message JSON lines (`{"messages": [{"role", "content"}]}`, with OpenAI's
+//! tool definitions in `"tools"` beside them) and plain text JSON lines (`{"text"}`). Every
+//! record is named by file and row, and keeps the start of its text, so that skips and errors
+//! can say where they come from.
 
 use std::path::Path;
 
@@ -13,7 +14,11 @@ use crate::text::Message;
 /// What one input record holds.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum RecordBody {
-    Chat(Vec<Message>),
+    Chat {
+        messages: Vec<Message>,
+        /// The record's `tools` (OpenAI tool definitions), for the template's `tools`.
+        tools: Option<Vec<serde_json::Value>>,
+    },
     Text(String),
 }
 
@@ -24,6 +29,8 @@ pub(crate) struct ChatRecord {
     pub id: String,
     /// `file:row` (row counted from 0 in JSON arrays, from 1 as a line number in JSONL).
     pub origin: String,
+    /// The start of the record's text, for showing it when it is skipped.
+    pub excerpt: String,
     pub body: RecordBody,
 }
 
@@ -31,7 +38,22 @@ pub(crate) struct ChatRecord {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Skip {
     pub origin: String,
+    /// The start of the record's text (see [`excerpt`]).
+    pub excerpt: String,
     pub reason: SkipReason,
+}
+
+/// How many characters of a record [`excerpt`] keeps.
+const EXCERPT_CHARS: usize = 80;
+
+/// The start of a record's text on one line: whitespace runs as one space, at most
+/// [`EXCERPT_CHARS`] characters, "..." where it was cut.
+pub(crate) fn excerpt(text: &str) -> String {
+    let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match flat.char_indices().nth(EXCERPT_CHARS) {
+        Some((cut, _)) => format!("{}...", &flat[..cut]),
+        None => flat,
+    }
 }
 
 /// Why a record is skipped. The summary of `prepare-data` counts skips by
@@ -86,9 +108,25 @@ pub(crate) struct ReadOutcome {
 }
 
 impl ReadOutcome {
-    fn skip(&mut self, origin: String, reason: SkipReason) {
+    fn skip(&mut self, origin: String, excerpt: String, reason: SkipReason) {
         self.skipped_after.push(self.records.len());
-        self.skipped.push(Skip { origin, reason });
+        self.skipped.push(Skip {
+            origin,
+            excerpt,
+            reason,
+        });
+    }
+
+    fn add(
+        &mut self,
+        parsed: std::result::Result<ChatRecord, SkipReason>,
+        origin: String,
+        excerpt: String,
+    ) {
+        match parsed {
+            Ok(r) => self.records.push(ChatRecord { excerpt, ..r }),
+            Err(reason) => self.skip(origin, excerpt, reason),
+        }
     }
 }
 
@@ -105,11 +143,16 @@ fn parse_value(
     let body = if value.get("conversations").is_some() {
         let conv: Conversation =
             serde_json::from_value(value).map_err(|e| format!("not a ShareGPT record: {e}"))?;
-        RecordBody::Chat(conv.to_messages()?)
+        RecordBody::Chat {
+            messages: conv.to_messages()?,
+            tools: None,
+        }
     } else if let Some(messages) = value.get("messages") {
-        RecordBody::Chat(
-            crate::text::messages_from_json(messages).map_err(|e| format!("bad message: {e}"))?,
-        )
+        let messages =
+            crate::text::messages_from_json(messages).map_err(|e| format!("bad message: {e}"))?;
+        let tools = value.get("tools").unwrap_or(&serde_json::Value::Null);
+        let tools = crate::text::tools_from_json(tools).map_err(|e| format!("bad tools: {e}"))?;
+        RecordBody::Chat { messages, tools }
     } else if let Some(text) = value.get("text") {
         RecordBody::Text(text.as_str().ok_or("\"text\" is not a string")?.to_string())
     } else {
@@ -118,6 +161,7 @@ fn parse_value(
     Ok(ChatRecord {
         id,
         origin: origin.to_string(),
+        excerpt: String::new(),
         body,
     })
 }
@@ -133,10 +177,10 @@ pub(crate) fn read_input(path: &Path, out: &mut ReadOutcome) -> Result<()> {
             let (values, report) = sharegpt::parse_values(&bytes, &name)?;
             for (row, value) in values.into_iter().enumerate() {
                 let origin = format!("{name}:{row}");
-                match parse_value(value, &origin) {
-                    Ok(r) => out.records.push(r),
-                    Err(reason) => out.skip(origin, reason),
-                }
+                let start = report.element_starts[row];
+                let head = &bytes[start..bytes.len().min(start + 4 * EXCERPT_CHARS)];
+                let parsed = parse_value(value, &origin);
+                out.add(parsed, origin, excerpt(&String::from_utf8_lossy(head)));
             }
             if let Some(at) = report.truncated_at {
                 out.truncated.push(format!(
@@ -154,10 +198,8 @@ pub(crate) fn read_input(path: &Path, out: &mut ReadOutcome) -> Result<()> {
                 let parsed = serde_json::from_str::<serde_json::Value>(line)
                     .map_err(|e| SkipReason::from(format!("malformed JSON line: {e}")))
                     .and_then(|v| parse_value(v, &origin));
-                match parsed {
-                    Ok(r) => out.records.push(r),
-                    Err(reason) => out.skip(origin, reason),
-                }
+                let head: String = line.chars().take(4 * EXCERPT_CHARS).collect();
+                out.add(parsed, origin, excerpt(&head));
             }
         }
     }
@@ -191,10 +233,10 @@ mod tests {
         assert_eq!(out.records[0].id, "s1");
         assert_eq!(
             out.records[0].body,
-            RecordBody::Chat(vec![
-                Message::new("user", "hi"),
-                Message::new("assistant", "yo")
-            ])
+            RecordBody::Chat {
+                messages: vec![Message::new("user", "hi"), Message::new("assistant", "yo")],
+                tools: None
+            }
         );
         assert!(out.records[1].id.ends_with("in.jsonl:2"));
         assert_eq!(out.records[2].body, RecordBody::Text("plain".into()));
@@ -206,6 +248,39 @@ mod tests {
         assert!(out.skipped[2].reason.to_string().contains("alien"));
         assert_eq!(out.skipped[2].reason.category(), "unknown speaker");
         assert_eq!(out.skipped[0].reason.category(), "malformed JSON line");
+    }
+
+    #[test]
+    fn excerpts_are_one_short_line() {
+        assert_eq!(excerpt("{\"a\":\n   1}\n"), "{\"a\": 1}");
+        let long = format!("{}é tail", "ü".repeat(79));
+        assert_eq!(excerpt(&long), format!("{}é...", "ü".repeat(79)));
+    }
+
+    #[test]
+    fn tools_are_read_next_to_messages() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("in.jsonl");
+        std::fs::write(
+            &path,
+            concat!(
+                "{\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}], \"messages\": [{\"role\": \"user\", \"content\": \"a\"}]}\n",
+                "{\"tools\": {\"name\": \"f\"}, \"messages\": [{\"role\": \"user\", \"content\": \"a\"}]}\n",
+            ),
+        )
+        .unwrap();
+        let mut out = ReadOutcome::default();
+        read_input(&path, &mut out).unwrap();
+        let RecordBody::Chat { tools, .. } = &out.records[0].body else {
+            panic!("not a chat: {:?}", out.records[0]);
+        };
+        assert_eq!(tools.as_ref().map(Vec::len), Some(1));
+        assert_eq!(
+            out.skipped[0].reason.to_string(),
+            "bad tools: \"tools\" is an object, expected a list of tool definitions"
+        );
+        assert_eq!(out.skipped[0].reason.category(), "bad tools");
+        assert!(out.skipped[0].excerpt.starts_with("{\"tools\": {\"name\""));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::ops::Range;
 use anyhow::{anyhow, Result};
 
 use super::chat::{ChatRecord, RecordBody, SkipReason};
-use crate::text::{Message, TextTokenizer};
+use crate::text::{ChatTemplate, Message, TextTokenizer};
 
 /// One tokenised conversation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,6 +35,8 @@ pub(crate) struct PreparedSample {
     pub loss_mask: Vec<u8>,
     /// The rendering was longer than the maximum length and was cut.
     pub was_cut: bool,
+    /// Turns rendered with empty (or blank) content, but assistant turns that call tools.
+    pub empty_turns: usize,
 }
 
 /// An assistant turn that calls tools: its span is found by [`tool_call_span`].
@@ -62,31 +64,32 @@ fn marker(k: usize) -> String {
     format!("\u{E000}dflash-assistant-{k}\u{E001}")
 }
 
-/// Byte spans of the assistant turns (rendered content + end-of-turn token) in `full`, the
-/// rendered text of `messages`.
-pub(crate) fn assistant_spans(
-    tokenizer: &TextTokenizer,
-    messages: &[Message],
-    full: &str,
-) -> std::result::Result<Vec<Range<usize>>, String> {
-    let template = tokenizer
-        .chat_template
-        .as_ref()
-        .ok_or_else(|| "the tokenizer has no chat template".to_string())?;
-    let eos = tokenizer.eos_token.as_deref().filter(|e| !e.is_empty());
-    template_spans(template, eos, messages, full)
+/// What a conversation is rendered with: its template, the tokenizer's end-of-turn token, and
+/// the conversation's tools.
+#[derive(Clone, Copy)]
+struct Rendering<'a> {
+    template: &'a ChatTemplate,
+    eos: Option<&'a str>,
+    tools: Option<&'a [serde_json::Value]>,
 }
 
-/// [`assistant_spans`] with a template and end-of-turn token.
+impl Rendering<'_> {
+    fn render(&self, messages: &[Message]) -> Result<String> {
+        self.template.render(messages, self.tools, false)
+    }
+}
+
+/// Byte spans of the assistant turns (rendered content + end-of-turn token) in `full`, the
+/// rendered text of `messages`.
 fn template_spans(
-    template: &crate::text::ChatTemplate,
-    eos: Option<&str>,
+    r: Rendering<'_>,
     messages: &[Message],
     full: &str,
 ) -> std::result::Result<Vec<Range<usize>>, String> {
+    let eos = r.eos;
     let (marked, turns) = with_markers(messages);
-    let aligned = template
-        .render(&marked, false)
+    let aligned = r
+        .render(&marked)
         .ok()
         .and_then(|skeleton| align_with_markers(&skeleton, full, messages, &turns, eos));
     let mut spans = match aligned {
@@ -95,7 +98,7 @@ fn template_spans(
     };
     for (i, m) in messages.iter().enumerate() {
         if calls_tools(m) {
-            spans.push(tool_call_span(template, messages, i, full, eos)?);
+            spans.push(tool_call_span(r, messages, i, full)?);
         }
     }
     spans.sort_by_key(|s| s.start);
@@ -107,17 +110,16 @@ fn template_spans(
 /// where its tool calls start) through the first end-of-turn token after it, so that the
 /// content and the tool calls, all of it written by the assistant, are trained.
 fn tool_call_span(
-    template: &crate::text::ChatTemplate,
+    r: Rendering<'_>,
     messages: &[Message],
     i: usize,
     full: &str,
-    eos: Option<&str>,
 ) -> std::result::Result<Range<usize>, String> {
     let mut marked = messages.to_vec();
     marked[i].content = marker(0);
     marked[i].content_is_null = false;
-    let other = template
-        .render(&marked, false)
+    let other = r
+        .render(&marked)
         .map_err(|e| format!("assistant turn {i} (tool calls): {e:#}"))?;
     if other == full {
         return Err(format!(
@@ -132,7 +134,7 @@ fn tool_call_span(
     while !full.is_char_boundary(start) {
         start -= 1;
     }
-    let eos = eos.ok_or_else(|| {
+    let eos = r.eos.ok_or_else(|| {
         format!(
             "assistant turn {i} (tool calls): the tokenizer names no end-of-turn token to end it"
         )
@@ -256,12 +258,20 @@ fn without_leading_answers(messages: &[Message]) -> Vec<Message> {
         .collect()
 }
 
-/// Tool calls and tool answers need a template that renders them; only an assistant turn
-/// that calls tools may have no content (OpenAI's rule). `Err` names the message.
+/// Tool definitions, tool calls and tool answers need a template that renders them; only an
+/// assistant turn that calls tools may have no content (OpenAI's rule). `Err` names the message.
 fn check_tool_use(
     messages: &[Message],
-    template_supports_tools: bool,
+    tools: Option<&[serde_json::Value]>,
+    template: &ChatTemplate,
 ) -> std::result::Result<(), String> {
+    let defined = tools.map_or(0, <[_]>::len);
+    if defined > 0 && !template.reads_tools() {
+        return Err(format!(
+            "the chat template does not show tool definitions: the record defines {defined} tool(s)"
+        ));
+    }
+    let template_supports_tools = template.supports_tools();
     for (i, m) in messages.iter().enumerate() {
         if m.uses_tools() && !template_supports_tools {
             let what = if m.role == "tool" {
@@ -283,12 +293,22 @@ fn check_tool_use(
     Ok(())
 }
 
+/// Turns with empty or blank content, but assistant turns that call tools (whose content is
+/// often empty).
+fn count_empty_turns(messages: &[Message]) -> usize {
+    messages
+        .iter()
+        .filter(|m| m.content.trim().is_empty() && !calls_tools(m))
+        .count()
+}
+
 /// Renders and tokenises one record. `Err` carries the reason the record is skipped.
 pub(crate) fn prepare_record(
     tokenizer: &TextTokenizer,
     record: &ChatRecord,
     max_len: usize,
 ) -> std::result::Result<PreparedSample, SkipReason> {
+    let mut empty_turns = 0;
     let (ids, offsets, spans) = match &record.body {
         RecordBody::Text(text) => {
             let (ids, offsets) = tokenizer
@@ -298,7 +318,10 @@ pub(crate) fn prepare_record(
             let all = std::iter::once(0..text.len()).collect::<Vec<_>>();
             (ids, offsets, all)
         }
-        RecordBody::Chat(all_messages) => {
+        RecordBody::Chat {
+            messages: all_messages,
+            tools,
+        } => {
             let messages = &without_leading_answers(all_messages);
             if !messages.iter().any(|m| m.role == "assistant") {
                 let any_answer = all_messages.iter().any(|m| m.role == "assistant");
@@ -314,15 +337,19 @@ pub(crate) fn prepare_record(
             {
                 return Err(format!("unknown role {:?}", m.role).into());
             }
+            let tools = tools.as_deref();
             let template = tokenizer
-                .chat_template
-                .as_ref()
-                .ok_or_else(|| "the tokenizer has no chat template".to_string())?;
-            check_tool_use(all_messages, template.supports_tools())?;
-            let full = template
-                .render(messages, false)
-                .map_err(|e| e.to_string())?;
-            let spans = assistant_spans(tokenizer, messages, &full)?;
+                .chat_template(tools.is_some())
+                .map_err(|e| format!("no chat template: {e:#}"))?;
+            check_tool_use(all_messages, tools, template)?;
+            let rendering = Rendering {
+                template,
+                eos: tokenizer.eos_token.as_deref().filter(|e| !e.is_empty()),
+                tools,
+            };
+            let full = rendering.render(messages).map_err(|e| e.to_string())?;
+            let spans = template_spans(rendering, messages, &full)?;
+            empty_turns = count_empty_turns(messages);
             let (ids, offsets) = tokenizer
                 .encode_with_offsets(&full)
                 .map_err(|e| e.to_string())?;
@@ -348,6 +375,7 @@ pub(crate) fn prepare_record(
         input_ids,
         loss_mask,
         was_cut,
+        empty_turns,
     })
 }
 
@@ -390,7 +418,6 @@ mod tests {
         let plain = [m("user", "q"), m("assistant", "a")];
         assert_eq!(without_leading_answers(&plain), plain.to_vec());
     }
-    use crate::text::ChatTemplate;
 
     /// The parts of Qwen3's template that matter here: `messages[0]` read at the top, and an
     /// empty think block before an assistant turn that follows the last user turn.
@@ -406,9 +433,9 @@ mod tests {
 
     fn spans_of(messages: &[Message]) -> (String, Vec<String>) {
         let t = ChatTemplate::new(QWEN3_LIKE, None, Some("<|im_end|>".into())).unwrap();
-        let full = t.render(messages, false).unwrap();
+        let full = t.render(messages, None, false).unwrap();
         let (marked, turns) = with_markers(messages);
-        let skeleton = t.render(&marked, false).unwrap();
+        let skeleton = t.render(&marked, None, false).unwrap();
         let spans =
             align_with_markers(&skeleton, &full, messages, &turns, Some("<|im_end|>")).unwrap();
         let texts = spans.iter().map(|s| full[s.clone()].to_string()).collect();
@@ -472,8 +499,13 @@ mod tests {
             ),
         ] {
             let messages = tool_conversation(content);
-            let full = t.render(&messages, false).unwrap();
-            let spans = template_spans(&t, eos, &messages, &full).unwrap();
+            let r = Rendering {
+                template: &t,
+                eos,
+                tools: None,
+            };
+            let full = r.render(&messages).unwrap();
+            let spans = template_spans(r, &messages, &full).unwrap();
             let texts: Vec<&str> = spans.iter().map(|s| &full[s.clone()]).collect();
             assert_eq!(texts, [trained.as_str(), "It is 22 C.<|im_end|>"], "{full}");
         }
@@ -481,23 +513,41 @@ mod tests {
 
     #[test]
     fn tool_use_needs_a_template_that_supports_it() {
+        let with = ChatTemplate::new(QWEN_TOOLS, None, None).unwrap();
+        let without = ChatTemplate::new(QWEN3_LIKE, None, None).unwrap();
         let messages = tool_conversation(serde_json::Value::Null);
-        assert_eq!(check_tool_use(&messages, true), Ok(()));
-        let err = check_tool_use(&messages, false).unwrap_err();
+        assert_eq!(check_tool_use(&messages, None, &with), Ok(()));
+        let err = check_tool_use(&messages, None, &without).unwrap_err();
         assert_eq!(
             err,
             "the chat template does not support tool calls: messages[1] calls tools"
         );
         let answer_only = [Message::new("user", "q"), Message::new("tool", "x")];
-        assert!(check_tool_use(&answer_only, false)
+        assert!(check_tool_use(&answer_only, None, &without)
             .unwrap_err()
             .ends_with("messages[1] is a tool's answer"));
         let mut empty = Message::new("user", "");
         empty.content_is_null = true;
         assert_eq!(
-            check_tool_use(&[empty], true).unwrap_err(),
+            check_tool_use(&[empty], None, &with).unwrap_err(),
             "no content: messages[0] (user) has null content and calls no tool"
         );
+        // Tool definitions need a template that reads `tools` (QWEN_TOOLS does not).
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "weather"}})];
+        assert_eq!(
+            check_tool_use(&messages, Some(&tools), &with).unwrap_err(),
+            "the chat template does not show tool definitions: the record defines 1 tool(s)"
+        );
+        assert_eq!(check_tool_use(&messages, Some(&[]), &with), Ok(()));
+    }
+
+    #[test]
+    fn empty_turns_are_counted_but_tool_calls() {
+        let mut messages = tool_conversation(serde_json::Value::Null);
+        assert_eq!(count_empty_turns(&messages), 0);
+        messages.push(Message::new("user", " \n"));
+        messages.push(Message::new("assistant", ""));
+        assert_eq!(count_empty_turns(&messages), 2);
     }
 
     #[test]

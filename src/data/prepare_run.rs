@@ -49,8 +49,11 @@ pub(crate) struct PrepareSummary {
     pub validation: SplitSummary,
     /// reason -> count
     pub skipped: BTreeMap<String, usize>,
-    /// a few examples, with file and row
+    /// Examples with file, row and the start of the record: the first of every reason, and
+    /// more of the first skips up to [`SKIP_EXAMPLES`] in all, in input order.
     pub skip_examples: Vec<Skip>,
+    /// Turns with empty content in the kept records, and how many records have them.
+    pub empty_turns: EmptyTurns,
     pub truncated_inputs: Vec<String>,
     pub tokens: u64,
     pub loss_tokens: u64,
@@ -60,6 +63,43 @@ pub(crate) struct PrepareSummary {
     /// p50, p90, p99, max of sample lengths
     pub length_percentiles: [usize; 4],
     pub seconds: f64,
+}
+
+/// How many skips the summary shows, at least (one of every reason is always shown).
+const SKIP_EXAMPLES: usize = 5;
+
+/// Turns with empty (or blank) content in the kept records: kept as they are, but worth
+/// knowing about (a hand-written conversation with a forgotten answer trains on nothing but
+/// an end-of-turn token there).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct EmptyTurns {
+    pub turns: usize,
+    pub records: usize,
+    /// The first such record (`file:row`).
+    pub first: Option<String>,
+}
+
+/// The skips the summary shows: the first of every reason, then the first others up to
+/// [`SKIP_EXAMPLES`] in all, in input order.
+fn skip_examples(skipped: &[Skip]) -> Vec<Skip> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut first_of_reason: Vec<bool> = skipped
+        .iter()
+        .map(|s| seen.insert(s.reason.category()))
+        .collect();
+    let mut room = SKIP_EXAMPLES.saturating_sub(seen.len());
+    for shown in first_of_reason.iter_mut() {
+        if !*shown && room > 0 {
+            *shown = true;
+            room -= 1;
+        }
+    }
+    skipped
+        .iter()
+        .zip(first_of_reason)
+        .filter(|(_, shown)| *shown)
+        .map(|(s, _)| s.clone())
+        .collect()
 }
 
 fn percentile(sorted: &[usize], p: f64) -> usize {
@@ -77,6 +117,7 @@ struct Collected {
     skipped: Vec<Skip>,
     records_in: usize,
     cut: usize,
+    empty_turns: EmptyTurns,
     truncated: Vec<String>,
 }
 
@@ -143,10 +184,19 @@ impl Collected {
                 match result {
                     Ok(s) => {
                         self.cut += s.was_cut as usize;
+                        if s.empty_turns > 0 {
+                            let empty = &mut self.empty_turns;
+                            empty.turns += s.empty_turns;
+                            empty.records += 1;
+                            empty
+                                .first
+                                .get_or_insert_with(|| records[index].origin.clone());
+                        }
                         self.samples.push(s);
                     }
                     Err(reason) => self.skipped.push(Skip {
                         origin: records[index].origin.clone(),
+                        excerpt: records[index].excerpt.clone(),
                         reason,
                     }),
                 }
@@ -189,6 +239,7 @@ pub(crate) fn prepare_data(
         skipped: skipped_list,
         records_in,
         cut,
+        empty_turns,
         truncated,
     } = acc;
     if samples.is_empty() {
@@ -227,7 +278,8 @@ pub(crate) fn prepare_data(
         train,
         validation,
         skipped,
-        skip_examples: skipped_list.into_iter().take(5).collect(),
+        skip_examples: skip_examples(&skipped_list),
+        empty_turns,
         truncated_inputs: truncated,
         tokens: lengths.iter().map(|&l| l as u64).sum(),
         loss_tokens: samples
@@ -358,7 +410,16 @@ impl std::fmt::Display for PrepareSummary {
             writeln!(f, "  skipped {skipped} ({})", parts.join(", "))?;
             for s in &self.skip_examples {
                 writeln!(f, "    e.g. {}: {}", s.origin, s.reason)?;
+                writeln!(f, "         {}", s.excerpt)?;
             }
+        }
+        let empty = &self.empty_turns;
+        if let Some(first) = &empty.first {
+            writeln!(
+                f,
+                "  {} turn(s) with empty content in {} kept record(s), rendered as they are (e.g. {first})",
+                empty.turns, empty.records
+            )?;
         }
         writeln!(
             f,

@@ -64,6 +64,8 @@ pub(crate) struct RecoveryReport {
     pub skipped_count: usize,
     /// Where the input ended early: byte offset of the incomplete element.
     pub truncated_at: Option<usize>,
+    /// Where each complete element starts (byte offset).
+    pub element_starts: Vec<usize>,
 }
 
 const SKIP_EXAMPLES: usize = 5;
@@ -103,6 +105,7 @@ pub(crate) fn parse_values(
         match stream.next() {
             Some(Ok(value)) => {
                 report.records_seen += 1;
+                report.element_starts.push(pos);
                 out.push(value);
                 pos += stream.byte_offset();
             }

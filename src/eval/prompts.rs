@@ -18,7 +18,8 @@ pub(crate) struct Prompt {
     pub source: String,
 }
 
-/// Prompts from a JSONL file: `{"messages": [...]}` (chat template + generation prompt, with
+/// Prompts from a JSONL file: `{"messages": [...]}` (chat template + generation prompt, with a
+/// line's `tools` passed to the template as `apply_chat_template(tools=...)` does, and
 /// the tokenizer of `model_dir`), `{"prompt_ids": [...]}`, or an MT-Bench question
 /// (`{"question_id", "category", "turns": [...]}`, FastChat's `question.jsonl`: its first turn
 /// as the user's message). At most `limit`.
@@ -58,8 +59,11 @@ pub(crate) fn prompts_from_file(
             if tokenizer.is_none() {
                 tokenizer = Some(TextTokenizer::from_model_dir(model_dir)?);
             }
+            let tools = v.get("tools").unwrap_or(&serde_json::Value::Null);
+            let tools = crate::text::tools_from_json(tools)
+                .map_err(|e| anyhow::anyhow!("{source}: bad tools: {e}"))?;
             let tok = tokenizer.as_ref().context("no tokenizer")?;
-            tok.apply_chat_template(&messages, true)
+            tok.apply_chat_template_with_tools(&messages, tools.as_deref(), true)
                 .with_context(|| source.clone())?
         } else {
             bail!("{source}: needs \"messages\", \"prompt_ids\" or MT-Bench \"turns\"");
@@ -134,4 +138,40 @@ pub(crate) fn check_prompts(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen3's tokenizer as the set-up fetches it (`make setup`).
+    const QWEN3: &str = "assets/bench/qwen3-tokenizer";
+
+    #[test]
+    fn a_lines_tools_reach_the_template() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("prompts.jsonl");
+        let tool = r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}"#;
+        let user = r#"[{"role": "user", "content": "Weather in Paris?"}]"#;
+        let lines = [
+            format!(r#"{{"tools": [{tool}], "messages": {user}}}"#),
+            format!(r#"{{"messages": {user}}}"#),
+            format!(r#"{{"tools": {tool}, "messages": {user}}}"#),
+        ];
+        std::fs::write(&path, lines[..2].join("\n")).unwrap();
+        let prompts = prompts_from_file(&path, Path::new(QWEN3), 10).unwrap();
+        let tok = TextTokenizer::from_model_dir(Path::new(QWEN3)).unwrap();
+        let text: Vec<String> = prompts
+            .iter()
+            .map(|p| tok.decode(&p.ids).unwrap())
+            .collect();
+        assert!(text[0].contains("# Tools") && text[0].contains("get_weather"));
+        assert!(!text[1].contains("# Tools"));
+        // The same conversation after the tools block.
+        assert!(text[0].ends_with(&text[1][text[1].find("<|im_start|>user").unwrap()..]));
+
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let err = prompts_from_file(&path, Path::new(QWEN3), 10).unwrap_err();
+        assert!(format!("{err:#}").contains("line 3: bad tools"), "{err:#}");
+    }
 }

@@ -112,7 +112,9 @@ impl Live {
     fn query(&self, handle: &TrainerHandle, command: &Command) -> Result<String, String> {
         let mut snap = self.snapshot(handle);
         let json = match command {
-            Command::Status => serde_json::to_string(&RunStatus::new(&snap, std::process::id())),
+            Command::Status => {
+                serde_json::to_string(&RunStatus::new(&snap, Some(std::process::id())))
+            }
             Command::Snapshot { since } => {
                 if let Some(after) = since {
                     snap.history.retain(|r| r.step > *after);

@@ -4,7 +4,8 @@
 //! the same words everywhere; the trainer below consumes it):
 //! - [`signals`]: SIGINT/SIGTERM (stop), SIGUSR1 (checkpoint), SIGHUP (the terminal is gone),
 //!   counted from start-up and taken by the run loop at each tick;
-//! - [`socket`]: the control socket `RUN_DIR/control.sock`, for `ctl`, `attach` and the screen;
+//! - [`socket`]: the control socket `RUN_DIR/control.sock`, for `ctl` ([`ctl`], which reads an
+//!   ended run's status from its records), `attach` and the screen;
 //! - [`stdin`]: command lines typed on stdin when no screen owns the terminal.
 //!
 //! The socket and stdin send [`socket::Request`]s down one channel to the run loop,
@@ -13,6 +14,7 @@
 //! screen, [`tui`] (the control room), is a viewer of the run through its socket like `attach`:
 //! its keys and `:` line reach the run loop as socket requests.
 
+pub(crate) mod ctl;
 pub(crate) mod headless;
 pub(crate) mod signals;
 pub mod socket;

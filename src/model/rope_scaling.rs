@@ -314,7 +314,7 @@ mod tests {
             (
                 json!({"rope_scaling": {"rope_type": "linear", "factor": 2.0},
                     "rope_parameters": {"rope_type": "default"}}),
-                "rope_parameters (default) and rope_scaling ({\"factor\":2.0,\"rope_type\":\"linear\"}) disagree",
+                "rope_parameters (default) and rope_scaling ({\"rope_type\":\"linear\",\"factor\":2.0}) disagree",
             ),
             (
                 json!({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}),

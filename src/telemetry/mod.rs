@@ -6,6 +6,7 @@ pub mod gpu;
 pub mod host;
 pub mod profile;
 pub(crate) mod queues;
-pub(crate) mod rate;
+pub mod rate;
 pub mod records;
+pub(crate) mod status;
 pub(crate) mod tensorboard;

@@ -1,13 +1,18 @@
 //! ProfileStats: per named event, count / total / mean / min / max wall time for the current
 //! interval and since start, and the share of the interval. Recording is a few relaxed atomic
 //! operations on a pre-registered slot: no lock on the hot path.
+//!
+//! An event is counted in the interval it ends in, with only its time inside that interval (a
+//! handoff that waited 4.4 s on a full queue read as a 4424 ms mean "in the last 0.2 s"); the
+//! time before goes to the since-start totals, and the row says that it began earlier. Waits
+//! (a stage idle on a queue) are grouped apart from work.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// The event names of the control-room spec §3, in pipeline order.
-pub(crate) const EVENTS: [&str; 15] = [
+pub(crate) const EVENTS: [&str; 17] = [
     "loader.fetch",
     "loader.pack",
     "batch_q.wait",
@@ -22,6 +27,8 @@ pub(crate) const EVENTS: [&str; 15] = [
     "grad.sync",
     "optim.step",
     "checkpoint.save",
+    "validation.pass",
+    "eval.pass",
     "step.total",
 ];
 
@@ -47,14 +54,51 @@ impl Event {
     pub(crate) const GRAD_SYNC: Event = Event(11);
     pub(crate) const OPTIM_STEP: Event = Event(12);
     pub(crate) const CHECKPOINT_SAVE: Event = Event(13);
-    pub(crate) const STEP_TOTAL: Event = Event(14);
+    pub(crate) const VALIDATION_PASS: Event = Event(14);
+    pub(crate) const EVAL_PASS: Event = Event(15);
+    pub(crate) const STEP_TOTAL: Event = Event(16);
+}
+
+/// What an event's time is: a span over other events, work, or a wait on a queue (in the
+/// order reports list them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum EventKind {
+    /// `step.total`: a step from its start to its numbers read, overlapping the next one.
+    Span,
+    Work,
+    /// A stage idle: waiting for its input queue, or handing off to a full one.
+    Wait,
+}
+
+impl EventKind {
+    pub fn of(event: &str) -> EventKind {
+        match event {
+            "batch_q.wait" | "target.handoff" | "feature_q.wait" => EventKind::Wait,
+            "step.total" => EventKind::Span,
+            _ => EventKind::Work,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Work => "work",
+            EventKind::Wait => "wait",
+            EventKind::Span => "span",
+        }
+    }
 }
 
 struct Slot {
     count: AtomicU64,
+    /// Time inside the interval.
     total_ns: AtomicU64,
     min_ns: AtomicU64,
     max_ns: AtomicU64,
+    /// Events that began before the interval, and their time before it.
+    began_earlier: AtomicU64,
+    earlier_ns: AtomicU64,
+    /// The longest event, whole.
+    whole_max_ns: AtomicU64,
 }
 
 impl Slot {
@@ -64,22 +108,41 @@ impl Slot {
             total_ns: AtomicU64::new(0),
             min_ns: AtomicU64::new(u64::MAX),
             max_ns: AtomicU64::new(0),
+            began_earlier: AtomicU64::new(0),
+            earlier_ns: AtomicU64::new(0),
+            whole_max_ns: AtomicU64::new(0),
         }
     }
 
-    fn record(&self, ns: u64) {
+    /// An event of `ns` that ended `inside_ns` after the interval began.
+    fn record(&self, ns: u64, inside_ns: u64) {
+        let inside = ns.min(inside_ns);
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.total_ns.fetch_add(ns, Ordering::Relaxed);
-        self.min_ns.fetch_min(ns, Ordering::Relaxed);
-        self.max_ns.fetch_max(ns, Ordering::Relaxed);
+        self.total_ns.fetch_add(inside, Ordering::Relaxed);
+        self.min_ns.fetch_min(inside, Ordering::Relaxed);
+        self.max_ns.fetch_max(inside, Ordering::Relaxed);
+        self.whole_max_ns.fetch_max(ns, Ordering::Relaxed);
+        if inside < ns {
+            self.began_earlier.fetch_add(1, Ordering::Relaxed);
+            self.earlier_ns.fetch_add(ns - inside, Ordering::Relaxed);
+        }
     }
 
-    fn take(&self) -> EventStats {
-        EventStats::from_raw(
-            self.count.swap(0, Ordering::Relaxed),
-            self.total_ns.swap(0, Ordering::Relaxed),
-            self.min_ns.swap(u64::MAX, Ordering::Relaxed),
-            self.max_ns.swap(0, Ordering::Relaxed),
+    /// The interval's stats, and the same with the events whole (for the since-start totals).
+    fn take(&self) -> (EventStats, EventStats) {
+        let count = self.count.swap(0, Ordering::Relaxed);
+        let total = self.total_ns.swap(0, Ordering::Relaxed);
+        let min = self.min_ns.swap(u64::MAX, Ordering::Relaxed);
+        let max = self.max_ns.swap(0, Ordering::Relaxed);
+        let earlier = self.earlier_ns.swap(0, Ordering::Relaxed);
+        let whole_max = self.whole_max_ns.swap(0, Ordering::Relaxed);
+        let interval = EventStats {
+            began_earlier: self.began_earlier.swap(0, Ordering::Relaxed),
+            ..EventStats::from_raw(count, total, min, max)
+        };
+        (
+            interval,
+            EventStats::from_raw(count, total + earlier, min, whole_max),
         )
     }
 }
@@ -92,6 +155,9 @@ pub struct EventStats {
     pub mean_s: f64,
     pub min_s: f64,
     pub max_s: f64,
+    /// Events that began before the interval (only their time inside it is counted here).
+    #[serde(default)]
+    pub began_earlier: u64,
 }
 
 impl EventStats {
@@ -107,6 +173,7 @@ impl EventStats {
             },
             min_s: if count > 0 { s(min) } else { 0.0 },
             max_s: s(max),
+            began_earlier: 0,
         }
     }
 
@@ -132,8 +199,11 @@ pub(crate) fn stage_of(event: &str) -> Option<&'static str> {
     match event.split('.').next() {
         Some("loader") => Some("loader"),
         Some("batch_q" | "target") => Some("target"),
-        // The coordinator is drafter worker 0: it syncs, steps and checkpoints.
-        Some("feature_q" | "drafter" | "grad" | "optim" | "checkpoint") => Some("drafter"),
+        // The coordinator is drafter worker 0: it syncs, steps, checkpoints, validates and
+        // evaluates.
+        Some("feature_q" | "drafter" | "grad" | "optim" | "checkpoint" | "validation" | "eval") => {
+            Some("drafter")
+        }
         // step.total spans overlapping steps (the next begins before the last is read): no
         // stage's time, so no share.
         _ => None,
@@ -188,7 +258,8 @@ pub struct ProfileReport {
     pub elapsed_s: f64,
     #[serde(default)]
     pub workers: StageWorkers,
-    /// Sorted by share of the interval, largest first.
+    /// `step.total`, then work, then waits ([`EventKind`]); each by share of the interval,
+    /// largest first.
     pub rows: Vec<ProfileRow>,
 }
 
@@ -249,27 +320,43 @@ impl ProfileReport {
 pub(crate) const TABLE_TITLE: &str = "ProfileStats over the last";
 
 impl ProfileReport {
-    /// The table printed in headless mode.
+    /// The table printed in headless mode: `step.total`, then work, then waits.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "{TABLE_TITLE} {:.1} s ({:.0} s since start)\n{:<18} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>12}\n",
-            self.interval_s, self.elapsed_s, "event", "count", "total s", "mean ms", "min ms", "max ms", "share", "all-time s"
+            "{TABLE_TITLE} {:.1} s ({:.0} s since start)\n{:<18} {:<4} {:>7} {:>10} {:>10} {:>10} {:>10} {:>7} {:>12}\n",
+            self.interval_s, self.elapsed_s, "event", "kind", "count", "total s", "mean ms", "min ms", "max ms", "share", "all-time s"
         );
         for r in &self.rows {
             out.push_str(&format!(
-                "{:<18} {:>7} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>7} {:>12.3}\n",
+                "{:<18} {:<4} {:>7} {:>10.3} {:>10.3} {:>10.3} {:>10} {:>7} {:>12.3}\n",
                 r.event,
+                EventKind::of(&r.event).as_str(),
                 r.interval.count,
                 r.interval.total_s,
                 r.interval.mean_s * 1e3,
                 r.interval.min_s * 1e3,
-                r.interval.max_s * 1e3,
+                fmt_max_ms(&r.interval, |ms| format!("{ms:.3}")),
                 fmt_share(r.share),
                 r.cumulative.total_s
             ));
         }
+        if self.rows.iter().any(|r| r.interval.began_earlier > 0) {
+            out.push_str(BEGAN_EARLIER_NOTE);
+            out.push('\n');
+        }
         out
     }
+}
+
+/// What `>` before a max says.
+pub(crate) const BEGAN_EARLIER_NOTE: &str =
+    ">: began before this interval; only its time inside the interval is counted";
+
+/// The max of an interval, marked `>` when an event began before the interval (its time
+/// before is not in the row).
+pub(crate) fn fmt_max_ms(stats: &EventStats, fmt: impl Fn(f64) -> String) -> String {
+    let mark = if stats.began_earlier > 0 { ">" } else { "" };
+    format!("{mark}{}", fmt(stats.max_s * 1e3))
 }
 
 /// A share as a percentage, "-" for none.
@@ -283,7 +370,8 @@ pub struct ProfileStats {
     slots: Vec<Slot>,
     cumulative: Mutex<Vec<EventStats>>,
     started: Instant,
-    last_report: Mutex<Instant>,
+    /// When the current interval began, in nanoseconds after `started`.
+    interval_start_ns: AtomicU64,
 }
 
 impl Default for ProfileStats {
@@ -299,20 +387,21 @@ impl ProfileStats {
 
     /// A recorder for a pipeline with these stage threads.
     pub(crate) fn with_workers(workers: StageWorkers) -> Self {
-        let now = Instant::now();
         ProfileStats {
             workers,
             slots: EVENTS.iter().map(|_| Slot::new()).collect(),
             cumulative: Mutex::new(vec![EventStats::default(); EVENTS.len()]),
-            started: now,
-            last_report: Mutex::new(now),
+            started: Instant::now(),
+            interval_start_ns: AtomicU64::new(0),
         }
     }
 
     /// Records one occurrence.
     #[inline]
     pub fn record(&self, event: Event, duration: Duration) {
-        self.slots[event.0].record(duration.as_nanos() as u64);
+        let now = self.started.elapsed().as_nanos() as u64;
+        let inside = now.saturating_sub(self.interval_start_ns.load(Ordering::Relaxed));
+        self.slots[event.0].record(duration.as_nanos() as u64, inside);
     }
 
     /// Times `f` as `event`.
@@ -326,14 +415,11 @@ impl ProfileStats {
 
     /// Closes the current interval and returns its report.
     pub fn report(&self) -> ProfileReport {
-        let now = Instant::now();
-        let interval_s = {
-            let mut last = self.last_report.lock().unwrap_or_else(|e| e.into_inner());
-            let s = now.duration_since(*last).as_secs_f64();
-            *last = now;
-            s
-        };
-        let elapsed_s = now.duration_since(self.started).as_secs_f64();
+        let now = self.started.elapsed().as_nanos() as u64;
+        let began = self.interval_start_ns.swap(now, Ordering::Relaxed);
+        // (divided, as Duration::as_secs_f64 does: the seconds read back from JSON the same)
+        let interval_s = now.saturating_sub(began) as f64 / 1e9;
+        let elapsed_s = now as f64 / 1e9;
         let mut cumulative = self.cumulative.lock().unwrap_or_else(|e| e.into_inner());
         let share = |total: f64, wall: f64, stage: Option<&str>| {
             let threads = self.workers.of(stage?) as f64;
@@ -345,8 +431,8 @@ impl ProfileStats {
             .iter()
             .enumerate()
             .map(|(i, slot)| {
-                let interval = slot.take();
-                cumulative[i].merge(&interval);
+                let (interval, whole) = slot.take();
+                cumulative[i].merge(&whole);
                 let stage = stage_of(EVENTS[i]);
                 ProfileRow {
                     event: EVENTS[i].to_string(),
@@ -357,10 +443,12 @@ impl ProfileStats {
                 }
             })
             .collect();
+        // step.total, then the work by share, then the waits by share.
         rows.sort_by(|a, b| {
-            let share = |r: &ProfileRow| r.share.unwrap_or(f64::INFINITY);
-            share(b)
-                .total_cmp(&share(a))
+            let share = |r: &ProfileRow| r.share.unwrap_or(0.0);
+            EventKind::of(&a.event)
+                .cmp(&EventKind::of(&b.event))
+                .then(share(b).total_cmp(&share(a)))
                 .then(b.interval.total_s.total_cmp(&a.interval.total_s))
         });
         ProfileReport {
@@ -379,6 +467,8 @@ mod tests {
     #[test]
     fn interval_and_cumulative_views() {
         let p = ProfileStats::new();
+        // (events end inside the interval: it must be longer than they are)
+        std::thread::sleep(Duration::from_millis(20));
         p.record(Event::DRAFTER_FORWARD, Duration::from_millis(4));
         p.record(Event::DRAFTER_FORWARD, Duration::from_millis(2));
         p.record(Event::LOADER_FETCH, Duration::from_millis(1));
@@ -394,9 +484,10 @@ mod tests {
         assert!((fwd.interval.max_s - 0.004).abs() < 1e-9);
         assert_eq!(
             r.rows[0].event, "step.total",
-            "the row without a share first"
+            "the span without a share first"
         );
-        assert_eq!(r.rows[1].event, "drafter.forward", "then by share");
+        assert_eq!(r.rows[1].event, "drafter.forward", "then the work by share");
+        std::thread::sleep(Duration::from_millis(20));
         p.record(Event::DRAFTER_FORWARD, Duration::from_millis(10));
         let r2 = p.report();
         let fwd = r2
@@ -450,5 +541,74 @@ mod tests {
             .unwrap()
             .1;
         assert!((0.5..0.6).contains(&drafter), "{drafter}");
+    }
+
+    #[test]
+    fn an_event_that_began_before_the_interval_counts_only_its_time_inside() {
+        let p = ProfileStats::new();
+        std::thread::sleep(Duration::from_millis(30));
+        p.report();
+        // a handoff that waited on a full queue for 4.4 s, ending 30 ms into this interval
+        std::thread::sleep(Duration::from_millis(30));
+        p.record(Event::TARGET_HANDOFF, Duration::from_millis(4424));
+        p.record(Event::TARGET_FORWARD, Duration::from_millis(5));
+        let r = p.report();
+        let row = |e: &str| r.rows.iter().find(|r| r.event == e).unwrap().clone();
+        let handoff = row("target.handoff");
+        assert_eq!(handoff.interval.count, 1);
+        assert_eq!(handoff.interval.began_earlier, 1);
+        assert!(
+            handoff.interval.mean_s <= r.interval_s && handoff.interval.max_s <= r.interval_s,
+            "{handoff:?} in {} s",
+            r.interval_s
+        );
+        assert!(handoff.share.unwrap() <= 1.0);
+        // since the start, the wait is whole
+        assert!(
+            (handoff.cumulative.total_s - 4.424).abs() < 1e-6,
+            "{handoff:?}"
+        );
+        assert!((handoff.cumulative.max_s - 4.424).abs() < 1e-6);
+        assert_eq!(row("target.forward").interval.began_earlier, 0);
+        let table = r.table();
+        assert!(table.contains(BEGAN_EARLIER_NOTE), "{table}");
+        let line = table
+            .lines()
+            .find(|l| l.starts_with("target.handoff"))
+            .unwrap();
+        assert!(line.contains(" wait ") && line.contains(" >"), "{line}");
+        // step.total, then the work, then the waits
+        let kinds: Vec<EventKind> = r.rows.iter().map(|r| EventKind::of(&r.event)).collect();
+        assert!(kinds.windows(2).all(|k| k[0] <= k[1]), "{kinds:?}");
+        assert_eq!(EventKind::of("feature_q.wait"), EventKind::Wait);
+    }
+
+    #[test]
+    fn validation_and_evaluation_are_the_drafter_stages_time() {
+        let p = ProfileStats::new();
+        let t = Instant::now();
+        std::thread::sleep(Duration::from_millis(40));
+        let wall = t.elapsed();
+        // the drafter worker validated for 3/4 of the interval and trained the rest
+        p.record(Event::VALIDATION_PASS, wall * 3 / 4);
+        p.record(Event::DRAFTER_FORWARD, wall / 8);
+        p.record(Event::EVAL_PASS, wall / 16);
+        let r = p.report();
+        let drafter: f64 = r
+            .rows
+            .iter()
+            .filter(|r| stage_of(&r.event) == Some("drafter"))
+            .filter_map(|r| r.share)
+            .sum();
+        let busy = r
+            .stage_busy()
+            .into_iter()
+            .find(|s| s.0 == "drafter")
+            .unwrap()
+            .1;
+        assert_eq!(busy, 1.0, "no wait on feature_q");
+        assert!(drafter > 0.85 && drafter <= 1.0, "{drafter}");
+        assert_eq!(stage_of("validation.pass"), Some("drafter"));
+        assert_eq!(stage_of("eval.pass"), Some("drafter"));
     }
 }

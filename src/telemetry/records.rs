@@ -13,6 +13,7 @@ use super::host::HostReading;
 use super::profile::ProfileReport;
 use super::queues::queue_state;
 pub use super::queues::{QueueLevel, QueueName, UnknownQueue};
+pub(crate) use super::status::RunStatus;
 use super::tensorboard::TensorBoardWriter;
 
 /// What the run is doing.
@@ -29,8 +30,18 @@ pub enum Phase {
     /// Measuring the drafter teacher-forced on held-out sequences.
     Validating,
     Stopping,
+    /// Ended before its last step (a stop command, a signal, early stopping).
+    Stopped,
+    /// Ended after its last step.
     Finished,
     Failed,
+}
+
+impl Phase {
+    /// The run has ended (stopped, finished or failed): nothing more will happen in it.
+    pub fn is_ended(self) -> bool {
+        matches!(self, Phase::Stopped | Phase::Finished | Phase::Failed)
+    }
 }
 
 impl std::fmt::Display for Phase {
@@ -44,6 +55,7 @@ impl std::fmt::Display for Phase {
             Phase::Evaluating => "evaluating",
             Phase::Validating => "validating",
             Phase::Stopping => "stopping",
+            Phase::Stopped => "stopped",
             Phase::Finished => "finished",
             Phase::Failed => "failed",
         };
@@ -430,57 +442,6 @@ impl Snapshot {
             line.push_str(&queues.join(", "));
         }
         Some(line)
-    }
-}
-
-/// `ctl status`: the run's state as one JSON object, for people and scripts.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub(crate) struct RunStatus {
-    pub run_name: String,
-    pub run_dir: String,
-    pub pid: u32,
-    pub phase: Phase,
-    pub step: u64,
-    pub total_steps: u64,
-    pub epoch: u64,
-    pub elapsed_s: f64,
-    pub eta_s: Option<f64>,
-    /// Over the last 30 s (the whole run once it has finished).
-    pub tokens_per_s: f64,
-    pub samples_per_s: f64,
-    pub loss: Option<f64>,
-    pub accuracy: Option<f64>,
-    pub queues: Vec<QueueLevel>,
-    pub last_checkpoint: Option<String>,
-    pub last_eval: Option<EvalRecord>,
-    pub last_validation: Option<ValidationRecord>,
-    pub verdict: Option<String>,
-    pub error: Option<String>,
-}
-
-impl RunStatus {
-    pub(crate) fn new(s: &Snapshot, pid: u32) -> Self {
-        RunStatus {
-            run_name: s.run_name.clone(),
-            run_dir: s.run_dir.clone(),
-            pid,
-            phase: s.phase,
-            step: s.step,
-            total_steps: s.total_steps,
-            epoch: s.epoch,
-            elapsed_s: s.elapsed_s,
-            eta_s: s.eta_s,
-            tokens_per_s: s.tokens_per_s,
-            samples_per_s: s.samples_per_s,
-            loss: s.last.as_ref().map(|l| l.loss),
-            accuracy: s.last.as_ref().map(|l| l.accuracy),
-            queues: s.queues.clone(),
-            last_checkpoint: s.last_checkpoint.clone(),
-            last_eval: s.evals.last().cloned(),
-            last_validation: s.validations.last().cloned(),
-            verdict: s.verdict(),
-            error: s.error.clone(),
-        }
     }
 }
 

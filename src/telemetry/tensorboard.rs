@@ -545,11 +545,11 @@ mod tests {
         assert_eq!(
             s.values,
             vec![
+                ("gpu1/utilization_pct".to_string(), 90.0),
                 ("gpu1/memory_used_bytes".to_string(), (1u64 << 30) as f32),
                 ("gpu1/power_watts".to_string(), 500.0),
-                ("gpu1/utilization_pct".to_string(), 90.0),
             ],
-            "readings that are missing are left out (fields in name order)"
+            "readings that are missing are left out (fields in the record's order)"
         );
         let queues = MetricsRecord::Queues {
             elapsed_s: 2.0,

@@ -16,6 +16,7 @@ pub struct ChatTemplate {
     bos_token: Option<String>,
     eos_token: Option<String>,
     supports_tools: bool,
+    reads_tools: bool,
 }
 
 fn raise_exception(message: String) -> Result<String, Error> {
@@ -25,7 +26,8 @@ fn raise_exception(message: String) -> Result<String, Error> {
 /// `tojson` as transformers defines it for chat templates: Python's `json.dumps` (", " and
 /// ": " between items, non-ASCII text as it is, no HTML escaping, `indent`, `ensure_ascii`,
 /// `sort_keys`), where minijinja's own writes compact, HTML-escaped JSON. Object keys come in
-/// the order the value has them (sorted, for messages read from JSON).
+/// the order the value has them: for data read from JSON, the input's order, as Python's
+/// dicts keep it (serde_json's and minijinja's `preserve_order`).
 fn tojson(value: &Value, kwargs: Kwargs) -> Result<String, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
@@ -139,6 +141,11 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| anyhow!("the chat template does not compile: {e}"))?;
+        let reads_tools = env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| anyhow!("{e}"))?
+            .undeclared_variables(false)
+            .contains("tools");
         Ok(ChatTemplate {
             env,
             bos_token,
@@ -146,7 +153,14 @@ impl ChatTemplate {
             // Templates written for tools read the assistant's `tool_calls` (Qwen, Llama 3.1,
             // Mistral, Hermes); one that never does would drop them without a word.
             supports_tools: source.contains("tool_calls"),
+            reads_tools,
         })
+    }
+
+    /// Whether the template reads the `tools` variable (the definitions of the tools the
+    /// assistant may call).
+    pub(crate) fn reads_tools(&self) -> bool {
+        self.reads_tools
     }
 
     /// Whether the template renders tool calls (and so tool answers).
@@ -154,9 +168,16 @@ impl ChatTemplate {
         self.supports_tools
     }
 
-    /// The prompt text for `messages`; with `add_generation_prompt` it ends where the assistant's
+    /// The prompt text for `messages`, with the definitions of the `tools` the assistant may call
+    /// (OpenAI's `{"type": "function", "function": {...}}` objects, handed to the template as they
+    /// are, as transformers does); with `add_generation_prompt` it ends where the assistant's
     /// answer begins.
-    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+    pub fn render(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -164,6 +185,9 @@ impl ChatTemplate {
         template
             .render(minijinja::context! {
                 messages => messages,
+                // None, not undefined, when there are none: as transformers passes them.
+                tools => tools,
+                documents => Value::from(()),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.clone().unwrap_or_default(),
                 eos_token => self.eos_token.clone().unwrap_or_default(),
@@ -180,12 +204,14 @@ mod tests {
     fn chatml_template_renders_like_transformers() {
         let source = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
         let t = ChatTemplate::new(source, None, Some("<|im_end|>".into())).unwrap();
-        let text = t.render(&[Message::new("user", "Hi")], true).unwrap();
+        let text = t.render(&[Message::new("user", "Hi")], None, true).unwrap();
         assert_eq!(
             text,
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
-        let no_prompt = t.render(&[Message::new("user", "Hi")], false).unwrap();
+        let no_prompt = t
+            .render(&[Message::new("user", "Hi")], None, false)
+            .unwrap();
         assert!(!no_prompt.ends_with("assistant\n"));
     }
 
@@ -196,6 +222,7 @@ mod tests {
         let text = t
             .render(
                 &[Message::new("user", "  a "), Message::new("assistant", "b")],
+                None,
                 false,
             )
             .unwrap();
@@ -205,7 +232,7 @@ mod tests {
     #[test]
     fn tojson_writes_what_pythons_json_dumps_writes() {
         let t = ChatTemplate::new(
-            "{% for m in messages %}{{ m.tool_calls | tojson }}|{{ m.tool_calls[0].function | tojson(indent=2) }}|{{ m.content | tojson }}|{{ m.name | tojson(ensure_ascii=true) }}{% endfor %}",
+            "{% for m in messages %}{{ m.tool_calls | tojson }}|{{ m.tool_calls[0].function | tojson(indent=2) }}|{{ m.tool_calls | tojson(sort_keys=true) }}|{{ m.content | tojson }}|{{ m.name | tojson(ensure_ascii=true) }}{% endfor %}",
             None,
             None,
         )
@@ -214,18 +241,21 @@ mod tests {
             r#"{"role": "assistant", "content": null, "name": "caf\u00e9 <b>", "tool_calls": [{"type": "function", "function": {"name": "get", "arguments": {"city": "Z\u00fcrich & <x>", "days": [1, 2.5], "x": {}}}}]}"#,
         )
         .unwrap();
-        let text = t.render(&[m], false).unwrap();
+        let text = t.render(&[m], None, false).unwrap();
         assert_eq!(
             text,
             concat!(
-                r#"[{"function": {"arguments": {"city": "Zürich & <x>", "days": [1, 2.5], "x": {}}, "name": "get"}, "type": "function"}]"#,
-                "|{\n  \"arguments\": {\n    \"city\": \"Zürich & <x>\",\n    \"days\": [\n      1,\n      2.5\n    ],\n    \"x\": {}\n  },\n  \"name\": \"get\"\n}",
-                r#"|null|"caf\u00e9 <b>""#
+                // Keys in the order the input has them, as Python's dicts keep them.
+                r#"[{"type": "function", "function": {"name": "get", "arguments": {"city": "Zürich & <x>", "days": [1, 2.5], "x": {}}}}]"#,
+                "|{\n  \"name\": \"get\",\n  \"arguments\": {\n    \"city\": \"Zürich & <x>\",\n    \"days\": [\n      1,\n      2.5\n    ],\n    \"x\": {}\n  }\n}",
+                r#"|[{"function": {"arguments": {"city": "Zürich & <x>", "days": [1, 2.5], "x": {}}, "name": "get"}, "type": "function"}]"#,
+                // Null content is rendered as "" (see `Message`).
+                r#"|""|"caf\u00e9 <b>""#
             )
         );
         let err = ChatTemplate::new("{{ 1 | tojson(foo=1) }}", None, None)
             .unwrap()
-            .render(&[], false)
+            .render(&[], None, false)
             .unwrap_err();
         assert!(format!("{err:#}").contains("foo"), "{err:#}");
     }
@@ -247,10 +277,32 @@ mod tests {
     }
 
     #[test]
+    fn tools_are_handed_to_the_template_as_they_are() {
+        let t = ChatTemplate::new(
+            "{% if tools is none %}none{% else %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}",
+            None,
+            None,
+        )
+        .unwrap();
+        assert!(t.reads_tools());
+        assert_eq!(t.render(&[], None, false).unwrap(), "none");
+        let tools: Vec<serde_json::Value> = serde_json::from_str(
+            r#"[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[], Some(&tools), false).unwrap(),
+            r#"{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}"#
+        );
+        let plain = ChatTemplate::new("{% set tools = 1 %}{{ messages }}", None, None).unwrap();
+        assert!(!plain.reads_tools());
+    }
+
+    #[test]
     fn raise_exception_becomes_an_error() {
         let t =
             ChatTemplate::new("{{ raise_exception('roles must alternate') }}", None, None).unwrap();
-        let err = t.render(&[], false).unwrap_err().to_string();
+        let err = t.render(&[], None, false).unwrap_err().to_string();
         assert!(err.contains("roles must alternate"), "{err}");
     }
 }

@@ -8,8 +8,10 @@ use anyhow::{anyhow, Context, Result};
 use serde::{Deserialize, Serialize};
 
 pub(crate) mod chat_template;
+mod template_files;
 
 pub use chat_template::ChatTemplate;
+use template_files::ChatTemplates;
 
 /// One chat message, as a chat template sees it: like Hugging Face, which hands the message
 /// dicts to the template as they are, every field is passed through.
@@ -19,10 +21,12 @@ pub struct Message {
     /// The text. An OpenAI-style list of content parts is read as its text parts joined by
     /// newlines (as vLLM does for text-only models); other parts (images, audio) are left out.
     pub content: String,
-    /// The content was `null` or missing (an assistant turn with only tool calls): the template
-    /// sees none, as in Hugging Face.
+    /// The content was `null` or missing (an assistant turn with only tool calls). The template
+    /// sees "": transformers drops the key, and templates such as Qwen3's then fail on
+    /// `'</think>' in message.content`, so that such turns can only be rendered as "".
     pub content_is_null: bool,
-    /// The other fields (`tool_calls`, `tool_call_id`, `name`, ...), as they were.
+    /// The other fields (`tool_calls`, `tool_call_id`, `name`, ...), as they were, but those
+    /// that are `null`, which transformers drops (OpenAI exports write `"refusal": null`, ...).
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -59,7 +63,7 @@ impl Message {
             ));
         };
         let mut extra = fields.clone();
-        let role = match extra.remove("role") {
+        let role = match extra.shift_remove("role") {
             Some(Value::String(r)) => r,
             Some(other) => {
                 return Err(format!(
@@ -69,7 +73,7 @@ impl Message {
             }
             None => return Err("has no \"role\"".into()),
         };
-        let (content, content_is_null) = match extra.remove("content") {
+        let (content, content_is_null) = match extra.shift_remove("content") {
             None | Some(Value::Null) => (String::new(), true),
             Some(Value::String(c)) => (c, false),
             Some(Value::Array(parts)) => (text_of_parts(&parts)?, false),
@@ -80,11 +84,9 @@ impl Message {
                 ))
             }
         };
+        // OpenAI exports write `"tool_calls": null` on every plain turn.
+        extra.retain(|_, v| !v.is_null());
         match extra.get("tool_calls") {
-            // OpenAI exports write `"tool_calls": null` on every plain turn.
-            Some(Value::Null) => {
-                extra.remove("tool_calls");
-            }
             Some(Value::Array(_)) | None => {}
             Some(other) => {
                 return Err(format!(
@@ -113,6 +115,48 @@ pub(crate) fn messages_from_json(
         .enumerate()
         .map(|(i, m)| Message::from_json(m).map_err(|e| format!("messages[{i}] {e}")))
         .collect()
+}
+
+/// Reads a record's `tools` (OpenAI's tool definitions, `[{"type": "function", "function":
+/// {"name", "description", "parameters"}}]`); `null` is none. `Err` says what is wrong: the
+/// template gets them as they are, so only their shape is checked.
+pub(crate) fn tools_from_json(
+    value: &serde_json::Value,
+) -> std::result::Result<Option<Vec<serde_json::Value>>, String> {
+    use serde_json::Value;
+    let list = match value {
+        Value::Null => return Ok(None),
+        Value::Array(list) => list,
+        Value::String(_) => {
+            return Err("\"tools\" is a string, expected a list of tool definitions (a string of JSON must be decoded first)".into())
+        }
+        other => {
+            return Err(format!(
+                "\"tools\" is {}, expected a list of tool definitions",
+                json_kind(other)
+            ))
+        }
+    };
+    for (i, tool) in list.iter().enumerate() {
+        let Value::Object(fields) = tool else {
+            return Err(format!(
+                "\"tools\"[{i}] is {}, expected an object like {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                json_kind(tool)
+            ));
+        };
+        if fields.get("type").and_then(Value::as_str) == Some("function") {
+            let name = fields
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str);
+            if name.is_none() {
+                return Err(format!(
+                    "\"tools\"[{i}] is a function without a \"function\": {{\"name\": ...}} string"
+                ));
+            }
+        }
+    }
+    Ok(Some(list.clone()))
 }
 
 /// The text parts of an OpenAI-style content list, joined by newlines.
@@ -158,10 +202,8 @@ impl Serialize for Message {
         use serde::ser::SerializeMap;
         let mut map = s.serialize_map(Some(2 + self.extra.len()))?;
         map.serialize_entry("role", &self.role)?;
-        map.serialize_entry(
-            "content",
-            &(!self.content_is_null).then_some(self.content.as_str()),
-        )?;
+        // Null content is "" (see `content_is_null`).
+        map.serialize_entry("content", &self.content)?;
         for (k, v) in &self.extra {
             map.serialize_entry(k, v)?;
         }
@@ -195,19 +237,20 @@ impl NamedToken {
 #[derive(Debug, Clone, Default, Deserialize)]
 struct TokenizerConfigFile {
     #[serde(default)]
-    chat_template: Option<serde_json::Value>,
+    chat_template: serde_json::Value,
     #[serde(default)]
     bos_token: Option<NamedToken>,
     #[serde(default)]
     eos_token: Option<NamedToken>,
 }
 
-/// The tokenizer of a model folder (`tokenizer.json` + `tokenizer_config.json`).
+/// The tokenizer of a model folder (`tokenizer.json`, `tokenizer_config.json` and the chat
+/// templates: see [`template_files`]).
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
-    pub chat_template: Option<ChatTemplate>,
+    chat_templates: ChatTemplates,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -241,32 +284,21 @@ impl TextTokenizer {
         };
         let bos_token = config.bos_token.map(NamedToken::content);
         let eos_token = config.eos_token.map(NamedToken::content);
-        let chat_template = match config.chat_template {
-            None | Some(serde_json::Value::Null) => None,
-            Some(serde_json::Value::String(source)) => Some(source),
-            // A list of named templates: take "default".
-            Some(serde_json::Value::Array(list)) => list
-                .iter()
-                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                .and_then(|t| t.get("template"))
-                .and_then(|t| t.as_str())
-                .map(str::to_string),
-            Some(other) => anyhow::bail!(
-                "{}: field chat_template must be a string, found {other}",
-                config_path.display()
-            ),
-        }
-        .map(|source| {
-            ChatTemplate::new(&source, bos_token.clone(), eos_token.clone())
-                .with_context(|| format!("{}: field chat_template", config_path.display()))
-        })
-        .transpose()?;
+        let chat_templates =
+            ChatTemplates::read(dir, &config.chat_template, &bos_token, &eos_token)?;
         Ok(TextTokenizer {
             inner,
             bos_token,
             eos_token,
-            chat_template,
+            chat_templates,
         })
+    }
+
+    /// The chat template `apply_chat_template` uses for a conversation with or without tools
+    /// (a model may have a "tool_use" template beside its "default" one); `Err` says where
+    /// templates were looked for.
+    pub fn chat_template(&self, with_tools: bool) -> Result<&ChatTemplate> {
+        self.chat_templates.pick(with_tools)
     }
 
     /// The underlying Hugging Face tokenizer.
@@ -311,11 +343,20 @@ impl TextTokenizer {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let template = self
-            .chat_template
-            .as_ref()
-            .context("the model's tokenizer_config.json has no chat_template")?;
-        let text = template.render(messages, add_generation_prompt)?;
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// `apply_chat_template(messages, tools=tools, tokenize=True, ...)`: the "tool_use"
+    /// template where the tokenizer has one and tools are given.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[Message],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let text =
+            self.chat_template(tools.is_some())?
+                .render(messages, tools, add_generation_prompt)?;
         self.encode(&text)
     }
 }
@@ -334,7 +375,7 @@ mod tests {
         assert!(m.content_is_null && m.uses_tools());
         assert_eq!(m.tool_calls().map(<[_]>::len), Some(1));
         let seen = serde_json::to_value(&m).unwrap();
-        assert_eq!(seen["content"], serde_json::Value::Null);
+        assert_eq!(seen["content"], "");
         assert_eq!(seen["tool_calls"][0]["function"]["name"], "f");
         // A list of parts: the text parts, joined by newlines.
         let m = Message::from_json(&json!({"role": "user", "content": [
@@ -349,6 +390,37 @@ mod tests {
         assert!(m.tool_calls().is_none() && m.uses_tools());
         assert_eq!(serde_json::to_value(&m).unwrap()["tool_call_id"], "c1");
         assert!(!m.extra.contains_key("tool_calls"));
+        // Other null fields are dropped too, as transformers drops them; the rest keep their
+        // order.
+        let m = Message::from_json(&json!({"role": "assistant", "content": "x",
+            "refusal": null, "z": 1, "a": 2}))
+        .unwrap();
+        assert_eq!(m.extra.keys().collect::<Vec<_>>(), ["z", "a"]);
+    }
+
+    #[test]
+    fn tools_are_lists_of_objects() {
+        let weather = json!({"type": "function", "function": {"name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+        assert_eq!(tools_from_json(&json!(null)), Ok(None));
+        assert_eq!(tools_from_json(&json!([])), Ok(Some(vec![])));
+        assert_eq!(
+            tools_from_json(&json!([weather.clone(), {"name": "bare"}])),
+            Ok(Some(vec![weather.clone(), json!({"name": "bare"})]))
+        );
+        let err = |v: serde_json::Value| tools_from_json(&v).unwrap_err();
+        assert_eq!(
+            err(json!({"a": 1})),
+            "\"tools\" is an object, expected a list of tool definitions"
+        );
+        assert!(err(json!("[]")).starts_with("\"tools\" is a string"));
+        assert!(
+            err(json!([weather, 3])).starts_with("\"tools\"[1] is a number, expected an object")
+        );
+        assert_eq!(
+            err(json!([{"type": "function", "function": {"description": "x"}}])),
+            "\"tools\"[0] is a function without a \"function\": {\"name\": ...} string"
+        );
     }
 
     #[test]
@@ -374,6 +446,8 @@ mod tests {
             err(json!([{"role": "user", "content": [{"type": "text", "text": 3}]}])),
             "messages[0] \"content\"[0] is a text part without a \"text\" string"
         );
+        assert!(err(json!([{"role": "user", "content": [{"text": "x"}]}]))
+            .starts_with("messages[0] \"content\"[0] has no \"type\""));
         assert_eq!(
             err(json!([{"role": "assistant", "content": "x", "tool_calls": {}}])),
             "messages[0] \"tool_calls\" is an object, expected a list"

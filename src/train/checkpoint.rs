@@ -1,7 +1,8 @@
 //! Checkpoints of a run (control-room spec §6):
 //!
 //! ```text
-//! RUN_DIR/checkpoints/step-000100/   drafter/ (servable HF dir), optimizer.safetensors, trainer_state.json
+//! RUN_DIR/checkpoints/step-000100/   drafter/ (servable HF dir), optimizer.safetensors, trainer_state.json,
+//!                                    manifest.json (size and checksum of each file, written last)
 //! RUN_DIR/checkpoints/latest         -> the newest complete checkpoint
 //! ```
 //! A checkpoint is written into a temporary folder and renamed when complete (a step folder that
@@ -137,6 +138,7 @@ pub(crate) fn save_checkpoint(
             staged.path().display()
         )
     })?;
+    super::manifest::write(staged.path())?;
     let fresh = staged.commit()?;
     replace_dir(&fresh, &dest)?;
     hold_if(fault, HoldPoint::Renamed, state.step);
@@ -147,7 +149,7 @@ pub(crate) fn save_checkpoint(
 
 /// Moves the complete folder `fresh` to `dest`: an existing `dest` is renamed aside first and
 /// removed after, so that at every moment `dest` is either the old folder or the new one.
-fn replace_dir(fresh: &Path, dest: &Path) -> Result<()> {
+pub(crate) fn replace_dir(fresh: &Path, dest: &Path) -> Result<()> {
     let parent = dest.parent().unwrap_or(Path::new("."));
     let name = dest
         .file_name()
@@ -168,19 +170,24 @@ fn replace_dir(fresh: &Path, dest: &Path) -> Result<()> {
         return Err(e)
             .with_context(|| format!("cannot move {} to {}", fresh.display(), dest.display()));
     }
-    if had_old {
-        let _ = std::fs::remove_dir_all(&old);
+    if had_old && std::fs::remove_dir_all(&old).is_err() {
+        let _ = std::fs::remove_file(&old);
     }
     Ok(())
 }
 
-/// Leftovers of writers that died (killed during a checkpoint or a save of `best/`): staging
-/// folders `.NAME.partial-PID`, `.NAME.new-PID` and `.NAME.old-PID`, and `.latest.tmp-PID`
-/// links, in the run directory and its `checkpoints/`, whose process is gone (or is this one,
-/// which has written nothing yet: a reused PID). Returns what was removed.
+/// Leftovers of writers that died (killed during a checkpoint, a save of `best/` or the
+/// rewrite of a checkpoint's `drafter/`): staging folders `.NAME.partial-PID`, `.NAME.new-PID`
+/// and `.NAME.old-PID`, and `.latest.tmp-PID` links, in the run directory, its `checkpoints/`
+/// and each step folder, whose process is gone (or is this one, which has written nothing yet:
+/// a reused PID). Returns what was removed.
 pub(crate) fn remove_stale_partials(run_dir: &Path) -> Vec<PathBuf> {
     let mut removed = Vec::new();
-    for dir in [run_dir.to_path_buf(), checkpoints_dir(run_dir)] {
+    let steps = list_checkpoints(&checkpoints_dir(run_dir))
+        .into_iter()
+        .map(|(_, p)| p);
+    let dirs = [run_dir.to_path_buf(), checkpoints_dir(run_dir)];
+    for dir in dirs.into_iter().chain(steps) {
         removed.extend(remove_stale_staging(&dir, |_| true));
     }
     removed

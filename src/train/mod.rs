@@ -2,6 +2,8 @@
 
 pub mod checkpoint;
 pub mod loss;
+pub mod manifest;
 pub mod optim;
+pub mod resume;
 pub mod run_lock;
 pub mod validation;

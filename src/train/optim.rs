@@ -251,17 +251,35 @@ impl AdamW {
             ("exp_avg", &self.exp_avg),
             ("exp_avg_sq", &self.exp_avg_sq),
         ] {
-            for (i, name) in self.names.iter().enumerate() {
-                let t = buf
-                    .narrow(0, self.offsets[i], self.offsets[i + 1] - self.offsets[i])
-                    .view(self.shapes[i].as_slice());
+            for (name, t) in self.views(buf) {
                 tensors.push((format!("{prefix}.{name}"), t));
             }
         }
         crate::model::weights::save_safetensors(path, &tensors)
     }
 
-    /// Restores what [`AdamW::save`] wrote; every tensor must be present with its shape.
+    /// Each parameter's slice of the flat buffer `buf`, shaped as the parameter (views).
+    fn views(&self, buf: &Tensor) -> Vec<(String, Tensor)> {
+        self.names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let t = buf
+                    .narrow(0, self.offsets[i], self.offsets[i + 1] - self.offsets[i])
+                    .view(self.shapes[i].as_slice());
+                (name.clone(), t)
+            })
+            .collect()
+    }
+
+    /// The fp32 master weights by parameter name (views, on the optimizer device).
+    pub(crate) fn master_weights(&self) -> Vec<(String, Tensor)> {
+        self.views(&self.master)
+    }
+
+    /// Restores what [`AdamW::save`] wrote; every tensor must be present with its shape and
+    /// hold finite values only (a NaN or infinity is refused naming the tensor: resumed, it
+    /// would reach every later checkpoint). On an error the optimizer is left as it was.
     pub fn load(&mut self, path: &Path, step: u64) -> Result<()> {
         let data =
             std::fs::read(path).with_context(|| format!("{}: cannot read", path.display()))?;
@@ -285,11 +303,15 @@ impl AdamW {
                         self.shapes[i]
                     );
                 }
-                parts.push(Tensor::f_from_data_size(
-                    view.data(),
-                    &[shape.iter().product()],
-                    Kind::Float,
-                )?);
+                let part =
+                    Tensor::f_from_data_size(view.data(), &[shape.iter().product()], Kind::Float)?;
+                if !all_finite(&part)? {
+                    bail!(
+                        "{}: tensor {key:?} holds a non-finite value (NaN or infinity)",
+                        path.display()
+                    );
+                }
+                parts.push(part);
             }
             bufs.push(Tensor::cat(&parts, 0).to_device(self.device));
         }
@@ -301,9 +323,50 @@ impl AdamW {
     }
 }
 
+/// Whether every element of `t` is finite (one pass; an empty tensor is).
+pub(crate) fn all_finite(t: &Tensor) -> Result<bool> {
+    let all = t.f_isfinite()?.f_all()?;
+    Ok(all.f_int64_value(&[])? != 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_non_finite_optimizer_state_is_refused_naming_the_tensor_and_changes_nothing() {
+        let good = Tensor::from_slice(&[1.0f32, 2.0]);
+        let bad = Tensor::from_slice(&[1.0f32, f32::INFINITY]);
+        let norm = Tensor::from_slice(&[1.0f32]);
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("opt.safetensors");
+        let saved = [("w".to_string(), &bad), ("n".to_string(), &norm)];
+        AdamW::new(&saved, Device::Cpu, cfg).save(&path).unwrap();
+        let mut opt = AdamW::new(
+            &[("w".into(), &good), ("n".into(), &norm)],
+            Device::Cpu,
+            cfg,
+        );
+        let err = format!("{:#}", opt.load(&path, 3).unwrap_err());
+        assert!(
+            err.contains("tensor \"master.w\" holds a non-finite value"),
+            "{err}"
+        );
+        assert_eq!(opt.step, 0);
+        assert_eq!(
+            Vec::<f32>::try_from(&opt.master).unwrap(),
+            vec![1.0, 2.0, 1.0]
+        );
+        let nan = Tensor::from_slice(&[f32::NAN]);
+        assert!(!all_finite(&nan).unwrap() && all_finite(&good).unwrap());
+        assert!(all_finite(&Tensor::zeros([0], (Kind::Float, Device::Cpu))).unwrap());
+    }
 
     #[test]
     fn schedule_warms_up_then_decays_to_the_floor() {

@@ -194,6 +194,7 @@ impl RunFeed {
                 "trainer PID {pid} is starting or busy: its control socket does not answer yet"
             ),
             (None, Some(Phase::Finished)) => "the run has finished: its recorded history".into(),
+            (None, Some(Phase::Stopped)) => "the run was stopped: its recorded history".into(),
             (None, Some(_)) => "no trainer runs: the run's recorded history".into(),
             (None, None) => format!(
                 "{}: no trainer runs and nothing is recorded yet",
@@ -291,10 +292,20 @@ pub(crate) fn recorded_snapshot(run_dir: &Path, running: bool) -> Option<Snapsho
             snap.phase = Phase::Training;
         }
     }
+    let newest = crate::train::checkpoint::newest_checkpoint(run_dir).ok();
+    if snap.total_steps == 0 {
+        // a schedule in epochs: its steps were counted by the trainer, and saved
+        let state = newest.as_deref().map(crate::train::checkpoint::read_state);
+        if let Some(Ok(state)) = state {
+            snap.total_steps = state.total_steps;
+        }
+    }
     if snap.last_checkpoint.is_none() {
-        snap.last_checkpoint = crate::train::checkpoint::newest_checkpoint(run_dir)
-            .ok()
-            .map(|p| p.display().to_string());
+        snap.last_checkpoint = newest.map(|p| p.display().to_string());
+    }
+    // (runs recorded before `stopped` was a phase called every end "finished")
+    if snap.phase == Phase::Finished && snap.step < snap.total_steps {
+        snap.phase = Phase::Stopped;
     }
     if !summary && !running {
         snap.error = Some(

@@ -84,6 +84,7 @@ fn profile_report(steps: usize) -> ProfileReport {
                     mean_s: 0.01,
                     min_s: 0.001,
                     max_s: 0.05,
+                    began_earlier: 0,
                 },
                 cumulative: EventStats {
                     count: 15_000,
@@ -91,6 +92,7 @@ fn profile_report(steps: usize) -> ProfileReport {
                     mean_s: 0.01,
                     min_s: 0.001,
                     max_s: 0.09,
+                    began_earlier: 0,
                 },
                 share: (*e != "step.total").then_some(1.0 / (i + 2) as f64),
                 all_time_share: (*e != "step.total").then_some(1.0 / (i + 2) as f64),

@@ -16,6 +16,9 @@ pub enum Mode {
     Help,
     /// `:` command line with what was typed so far.
     CommandLine(String),
+    /// `:status`: the run's status (what `ctl status` answers) over the screen, kept up to
+    /// date; any key closes it.
+    Status,
     /// `q`: one of [`QUIT_CHOICES`] (read-only viewers: leave or cancel).
     QuitDialog {
         selected: usize,

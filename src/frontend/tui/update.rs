@@ -49,10 +49,6 @@ pub(crate) enum Effect {
 
 const PROFILE_STEPS: [f64; 5] = [0.0, 5.0, 10.0, 30.0, 60.0];
 
-fn run_ended(phase: Phase) -> bool {
-    matches!(phase, Phase::Finished | Phase::Failed)
-}
-
 /// Applies one action. A read-only viewer sends queries only; what else it would send is
 /// answered on its status line.
 pub(crate) fn update(state: &mut AppState, action: Action) -> Vec<Effect> {
@@ -86,7 +82,7 @@ fn apply(state: &mut AppState, action: Action) -> Vec<Effect> {
             vec![]
         }
         Action::Telemetry(snapshot) => {
-            let ended = run_ended(snapshot.phase);
+            let ended = snapshot.phase.is_ended();
             state.snapshot = *snapshot;
             let queues = state.snapshot.queues.len();
             if queues > 0 && state.selected_queue >= queues {
@@ -114,7 +110,7 @@ fn on_key(state: &mut AppState, key: Key) -> Vec<Effect> {
             state.quit = true;
             vec![]
         }
-        Mode::Help => {
+        Mode::Help | Mode::Status => {
             state.mode = Mode::Normal;
             vec![]
         }
@@ -129,6 +125,11 @@ fn on_key(state: &mut AppState, key: Key) -> Vec<Effect> {
                     return vec![];
                 }
                 match Command::parse(&text) {
+                    // The screen holds the run's state already: shown at once, kept current.
+                    Ok(Command::Status) => {
+                        state.mode = Mode::Status;
+                        vec![]
+                    }
                     Ok(cmd) => vec![Effect::Send(cmd)],
                     Err(e) => {
                         state.status = Some((e, true));
@@ -411,6 +412,26 @@ mod tests {
             .status
             .as_ref()
             .is_some_and(|(m, err)| *err && m.contains("unknown command")));
+    }
+
+    #[test]
+    fn status_on_the_command_line_shows_the_status_until_a_key() {
+        let mut s = state(Phase::Training);
+        update(&mut s, Action::Key(Key::Char(':')));
+        for c in "status".chars() {
+            update(&mut s, Action::Key(Key::Char(c)));
+        }
+        assert_eq!(update(&mut s, Action::Key(Key::Enter)), vec![]);
+        assert_eq!(s.mode, Mode::Status);
+        // kept current: new telemetry leaves it up
+        update(&mut s, Action::Telemetry(Box::new(snapshot(Phase::Paused))));
+        assert_eq!(s.mode, Mode::Status);
+        assert_eq!(update(&mut s, Action::Key(Key::Char('p'))), vec![]);
+        assert_eq!(
+            s.mode,
+            Mode::Normal,
+            "a key closes it and does nothing else"
+        );
     }
 
     #[test]

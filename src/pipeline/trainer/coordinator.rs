@@ -99,6 +99,19 @@ pub(super) struct Coordinator {
 
 impl Coordinator {
     pub(super) fn run(&mut self) -> Result<()> {
+        if self.step >= self.total_steps {
+            // Resumed after its last step: measuring and saving the same weights again would
+            // only rewrite what the run left.
+            self.shared.set_phase(Phase::Finished);
+            self.shared.event(
+                "finished",
+                format!(
+                    "already finished at step {} of {}; nothing to do",
+                    self.step, self.total_steps
+                ),
+            );
+            return Ok(());
+        }
         let cfg = self.config.clone();
         warm_up_attention(&self.shared, &self.drafter, &self.head, &cfg, 0);
         let warmup = (cfg.train.warmup_ratio * self.total_steps as f64).round() as u64;
@@ -118,11 +131,19 @@ impl Coordinator {
             // finished): every finished step is on record, and the count holds until the run
             // resumes. The event says when, for the operator and for tests that wait on it.
             if paused {
+                // The rates and the ETA leave the pause out (from before its event: what is
+                // read after it holds still), and so does the next step's time.
+                let paused_at = Instant::now();
+                self.shared.status().rates.pause(paused_at);
                 self.shared.event(
                     "paused",
                     format!("paused at step {}: the next step waits", self.step),
                 );
-                if !self.shared.wait_if_paused() {
+                let going_on = self.shared.wait_if_paused();
+                let resumed_at = Instant::now();
+                self.shared.status().rates.resume(resumed_at);
+                self.last_step_end += resumed_at.duration_since(paused_at);
+                if !going_on {
                     return Ok(());
                 }
                 continue;

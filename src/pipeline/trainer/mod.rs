@@ -64,6 +64,8 @@ mod target_stage;
 pub struct RunOutcome {
     pub phase: Phase,
     pub steps: u64,
+    /// The steps the run was to train.
+    pub total_steps: u64,
     pub error: Option<String>,
     pub last_checkpoint: Option<PathBuf>,
     pub final_step: Option<StepRecord>,
@@ -380,7 +382,7 @@ impl TrainerHandle {
     fn apply(&self, cmd: &Command) -> std::result::Result<String, String> {
         let s = &self.shared;
         let phase = s.status().phase;
-        if matches!(phase, Some(Phase::Finished) | Some(Phase::Failed)) {
+        if phase.is_some_and(Phase::is_ended) {
             return Err(format!(
                 "the run has ended ({}); {cmd} ignored",
                 phase.unwrap_or(Phase::Finished)
@@ -502,18 +504,13 @@ impl TrainerHandle {
         let st = s.status();
         let last = st.history.last().cloned();
         let now = Instant::now();
-        let ended = matches!(st.phase, Some(Phase::Finished | Phase::Failed));
-        // A finished run shows its final averages and no ETA.
-        let (rates, eta_s) = if ended {
-            (st.rates.final_rates(), None)
-        } else {
-            let remaining = s.total_steps.saturating_sub(st.step);
-            (st.rates.windowed(now), st.rates.eta_s(now, remaining))
-        };
+        let phase = st.phase.unwrap_or(Phase::LoadingModel);
+        let remaining = s.total_steps.saturating_sub(st.step);
+        let (rates, eta_s) = st.rates.live(now, remaining, phase);
         Snapshot {
             run_name: s.run_name.clone(),
             run_dir: s.run_dir.display().to_string(),
-            phase: st.phase.unwrap_or(Phase::LoadingModel),
+            phase,
             step: st.step,
             total_steps: s.total_steps,
             epoch: st.epoch,
@@ -551,8 +548,10 @@ impl TrainerHandle {
         let st = self.shared.status();
         let phase = if st.error.is_some() {
             Phase::Failed
-        } else {
+        } else if st.step >= self.shared.total_steps {
             Phase::Finished
+        } else {
+            Phase::Stopped
         };
         let last = st.history.last().cloned();
         self.shared.metrics.write(&MetricsRecord::Summary {
@@ -571,6 +570,7 @@ impl TrainerHandle {
         RunOutcome {
             phase,
             steps: st.step,
+            total_steps: self.shared.total_steps,
             error: st.error.clone(),
             last_checkpoint: st.last_checkpoint.clone(),
             final_step: last,

@@ -92,6 +92,8 @@ impl Coordinator {
         let summary = h
             .evaluate(&self.drafter, &self.head, self.step, max_new_tokens)
             .with_context(|| format!("evaluation at step {}", self.step))?;
+        // the drafter worker's time, so that its stage's shares add up with its busy share
+        self.shared.profile.record(Event::EVAL_PASS, t.elapsed());
         let eval_s = t.elapsed().as_secs_f64();
         let candidate = BestEval {
             step: self.step,
@@ -149,6 +151,9 @@ impl Coordinator {
         let v = h
             .validate(&self.drafter, &self.head, self.step)
             .with_context(|| format!("validation at step {}", self.step))?;
+        self.shared
+            .profile
+            .record(Event::VALIDATION_PASS, t.elapsed());
         let validation_s = t.elapsed().as_secs_f64();
         if !v.loss.is_finite() {
             bail!(
@@ -253,9 +258,18 @@ impl Coordinator {
         self.final_measurements()?;
         self.final_checkpoint("early stop")?;
         self.shared.status().stop_reason = Some(reason.clone());
-        self.shared.set_phase(Phase::Finished);
+        self.shared.set_phase(self.ended_phase());
         self.shared.event("early_stop", reason);
         Ok(())
+    }
+
+    /// How a run that ends here is named: finished after its last step, stopped before it.
+    fn ended_phase(&self) -> Phase {
+        if self.step >= self.total_steps {
+            Phase::Finished
+        } else {
+            Phase::Stopped
+        }
     }
 
     /// Checkpoint and stop requests at a step boundary; true when the run should end.
@@ -277,7 +291,7 @@ impl Coordinator {
                 self.final_measurements()?;
                 self.final_checkpoint("stop")?;
                 self.shared.status().stop_reason = Some("stop command".into());
-                self.shared.set_phase(Phase::Finished);
+                self.shared.set_phase(self.ended_phase());
                 self.shared.event(
                     "stopped",
                     format!("stopped at step {} by command", self.step),
@@ -286,7 +300,7 @@ impl Coordinator {
             }
             StopState::WithoutCheckpoint => {
                 self.shared.status().stop_reason = Some("stop command, no checkpoint".into());
-                self.shared.set_phase(Phase::Finished);
+                self.shared.set_phase(self.ended_phase());
                 self.shared.event(
                     "stopped",
                     format!("stopped at step {} without checkpoint", self.step),

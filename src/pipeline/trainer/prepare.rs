@@ -15,8 +15,9 @@ use crate::model::{Drafter, DrafterConfig, FrozenHead, SharedTarget, TargetConfi
 use crate::pipeline::collective::{self, GradSyncPlan};
 use crate::pipeline::held_out::{HeldOut, Resumed};
 use crate::runtime::TorchRuntime;
-use crate::train::checkpoint::{newest_checkpoint, read_state, repair_latest, TrainerState};
+use crate::train::checkpoint::repair_latest;
 use crate::train::optim::{AdamW, AdamWConfig};
+use crate::train::resume::{self, DataBounds, ResumePoint};
 
 /// Everything the stages need, prepared before any thread starts (so configuration and input
 /// errors are reported before training begins).
@@ -126,13 +127,15 @@ pub(crate) fn prepare(
     let mut optimizer = new_optimizer(config, &drafters[0], drafter_devices[0]);
     let total_steps = planned_steps(config, &store, &packer_config);
 
-    let resumed = resume
-        .map(|run_dir| resume_point(run_dir, &mut optimizer))
-        .transpose()?;
-    let (resumed_from, state) = match &resumed {
-        Some((ckpt, state)) => (Some(ckpt), Some(state)),
-        None => (None, None),
+    let bounds = DataBounds {
+        store: &store,
+        packer: &packer_config,
     };
+    let resumed = resume
+        .map(|run_dir| resume_point(run_dir, &mut optimizer, &bounds))
+        .transpose()?;
+    let resumed_from = resumed.as_ref().map(|r| &r.checkpoint);
+    let state = resumed.as_ref().map(|r| &r.state);
     let packer_state = state.map_or(PackerState::default(), |s| s.packer);
     let packer = start_packer(&store, &packer_config, packer_state, resumed_from)?;
     // Every replica starts from the master weights (exactly those saved, on resume).
@@ -161,10 +164,13 @@ pub(crate) fn prepare(
     if let (Some(run_dir), Some(ckpt)) = (resume, resumed_from) {
         if repair_latest(run_dir, ckpt)? {
             log::warn!(
-                "checkpoints/latest pointed at an older checkpoint than {} (a run killed between saving and pointing at it): repaired",
+                "checkpoints/latest pointed elsewhere than {} (a run killed between saving and pointing at it, or a newer checkpoint that fails its verification): repaired",
                 ckpt.display()
             );
         }
+    }
+    if let Some(r) = &resumed {
+        rewrite_damaged_servable(r, &drafters[0])?;
     }
     Ok(Prepared {
         held_out,
@@ -376,15 +382,40 @@ fn planned_steps(
     }
 }
 
-/// The newest checkpoint of `run_dir` and its trainer state, its optimizer state loaded.
-fn resume_point(run_dir: &Path, optimizer: &mut AdamW) -> Result<(PathBuf, TrainerState)> {
-    let ckpt = newest_checkpoint(run_dir)?;
-    let state = read_state(&ckpt)?;
-    optimizer
-        .load(&ckpt.join("optimizer.safetensors"), state.step)
-        .with_context(|| format!("cannot resume from {}", ckpt.display()))?;
-    log::info!("resuming from {} at step {}", ckpt.display(), state.step);
-    Ok((ckpt, state))
+/// The newest checkpoint of `run_dir` that verifies, its optimizer state loaded.
+fn resume_point(
+    run_dir: &Path,
+    optimizer: &mut AdamW,
+    bounds: &DataBounds<'_>,
+) -> Result<ResumePoint> {
+    let r = resume::choose(run_dir, optimizer, bounds)?;
+    let (ckpt, step) = (r.checkpoint.display(), r.state.step);
+    match r.newer_failed {
+        0 => log::info!("resuming from {ckpt} at step {step}"),
+        n => log::warn!(
+            "resuming from {ckpt} at step {step}, the newest checkpoint that verifies ({n} newer failed, named above)"
+        ),
+    }
+    Ok(r)
+}
+
+/// The resumed checkpoint's servable `drafter/`, where damaged or missing, written anew from
+/// `drafter` (which holds the master weights).
+fn rewrite_damaged_servable(r: &ResumePoint, drafter: &Drafter) -> Result<()> {
+    let Some(why) = &r.damaged_drafter else {
+        return Ok(());
+    };
+    resume::rewrite_servable(&r.checkpoint, drafter).with_context(|| {
+        format!(
+            "{}: cannot rewrite the damaged drafter/ ({why})",
+            r.checkpoint.display()
+        )
+    })?;
+    log::warn!(
+        "{}: drafter/ was damaged ({why}): rewritten from the checkpoint's master weights",
+        r.checkpoint.display()
+    );
+    Ok(())
 }
 
 /// The data stream where it stopped (a position beyond its window is refused here, before

@@ -16,10 +16,22 @@ fn phase_style(phase: Phase) -> Style {
         Phase::Paused => Style::new().fg(Color::Black).bg(Color::Yellow).bold(),
         Phase::Failed => Style::new().fg(Color::White).bg(Color::Red).bold(),
         Phase::Finished => Style::new().fg(Color::Black).bg(Color::Green).bold(),
+        Phase::Stopped => Style::new().fg(Color::Black).bg(Color::Cyan).bold(),
         Phase::Training => Style::new().fg(Color::Green).bold(),
         Phase::Checkpointing | Phase::Stopping => Style::new().fg(Color::Magenta).bold(),
         Phase::Evaluating | Phase::Validating => Style::new().fg(Color::Yellow).bold(),
         Phase::LoadingModel | Phase::WarmingUp => Style::new().fg(Color::Cyan).bold(),
+    }
+}
+
+/// The ETA as the header shows it: while paused it waits (the time still to train, which
+/// does not grow during the pause).
+fn eta_text(phase: Phase, eta_s: Option<f64>) -> String {
+    match (phase, eta_s) {
+        (Phase::Paused, Some(eta)) => format!("{} (paused)", fmt_duration(eta)),
+        (Phase::Paused, None) => "paused".into(),
+        (_, Some(eta)) => fmt_duration(eta),
+        (_, None) => "-".into(),
     }
 }
 
@@ -47,11 +59,10 @@ pub(super) fn render_header(frame: &mut Frame, area: Rect, state: &AppState) {
         Some(n) => format!("last {n} steps"),
     };
     // Live: rates over the last 30 s and the ETA at that pace; ended: the run's averages.
-    let ended = matches!(snap.phase, Phase::Finished | Phase::Failed);
-    let (clock, rate_label) = if ended {
+    let (clock, rate_label) = if snap.phase.is_ended() {
         (format!(" took {}", fmt_duration(snap.elapsed_s)), "avg ")
     } else {
-        let eta = snap.eta_s.map(fmt_duration).unwrap_or_else(|| "-".into());
+        let eta = eta_text(snap.phase, snap.eta_s);
         (
             format!(" elapsed {} │ ETA {eta}", fmt_duration(snap.elapsed_s)),
             "",

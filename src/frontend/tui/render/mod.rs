@@ -33,7 +33,7 @@ use charts::render_charts;
 use gpus::{gpu_panel_height, render_gpus};
 use header::render_header;
 use logs::render_logs;
-use overlays::{render_ended, render_help, render_quit_dialog};
+use overlays::{render_ended, render_help, render_quit_dialog, render_status};
 use profile::render_profile;
 use queues::render_queues;
 use status_bar::render_status_bar;
@@ -81,6 +81,7 @@ pub fn render(frame: &mut Frame, state: &AppState) {
     match &state.mode {
         Mode::Normal | Mode::CommandLine(_) => {}
         Mode::Help => render_help(frame, area),
+        Mode::Status => render_status(frame, area, snap),
         Mode::QuitDialog { selected } => render_quit_dialog(frame, area, *selected),
         Mode::Ended => render_ended(frame, area, snap),
     }
@@ -115,7 +116,8 @@ fn render_body(frame: &mut Frame, area: Rect, state: &AppState) {
     let rest = area.height.saturating_sub(gpu_h);
     let queue_h = snap.queues.len().max(1) as u16 + 2;
     let profile_h = match &snap.profile {
-        Some(p) if !p.rows.is_empty() => p.rows.len() as u16 + 4,
+        // the rows, the waits' label, the verdict, the column titles and the border
+        Some(p) if !p.rows.is_empty() => p.rows.len() as u16 + 5,
         _ => 3,
     };
     let mid_h = queue_h.max(profile_h).min((rest * 2 / 5).max(4));

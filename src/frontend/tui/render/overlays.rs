@@ -9,7 +9,7 @@ use ratatui::Frame;
 use super::dim;
 use super::format::fmt_duration;
 use crate::frontend::tui::state::QUIT_CHOICES;
-use crate::telemetry::records::{Phase, Snapshot};
+use crate::telemetry::records::{Phase, RunStatus, Snapshot};
 
 /// A rectangle of at most `width` x `height`, centred in `area`.
 fn centered(area: Rect, width: u16, height: u16) -> Rect {
@@ -73,6 +73,7 @@ pub(super) fn render_help(frame: &mut Frame, area: Rect) {
         cmd("checkpoint", "checkpoint at the next step"),
         cmd("profile SECONDS", "report interval (0 = off)"),
         cmd("stop", "checkpoint, drain and exit"),
+        cmd("status", "the run's status (as ctl status)"),
         Line::raw(""),
         Line::from(Span::styled("Esc or ? closes this help", dim())),
     ];
@@ -125,6 +126,11 @@ pub(super) fn render_ended(frame: &mut Frame, area: Rect, snap: &Snapshot) {
             None => "run failed".to_string(),
         };
         (what, Style::new().fg(Color::Red).bold())
+    } else if snap.phase == Phase::Stopped {
+        (
+            format!("run stopped at step {} of {}", snap.step, snap.total_steps),
+            Style::new().fg(Color::Cyan).bold(),
+        )
     } else {
         (
             "run finished".to_string(),
@@ -169,6 +175,42 @@ pub(super) fn render_ended(frame: &mut Frame, area: Rect, snap: &Snapshot) {
     );
     frame.render_widget(
         Paragraph::new(text)
+            .wrap(Wrap { trim: false })
+            .block(Block::new().padding(ratatui::widgets::Padding::horizontal(1))),
+        inner,
+    );
+}
+
+/// `:status`: what `ctl status` answers, as labelled lines (long values wrap).
+pub(super) fn render_status(frame: &mut Frame, area: Rect, snap: &Snapshot) {
+    let summary = RunStatus::new(snap, None).summary();
+    let label_w = summary.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+    let mut lines: Vec<Line> = summary
+        .into_iter()
+        .map(|(label, value)| {
+            Line::from(vec![
+                Span::styled(format!("{label:<label_w$}  "), Style::new().bold()),
+                Span::raw(value),
+            ])
+        })
+        .collect();
+    lines.push(Line::raw(""));
+    lines.push(Line::from(Span::styled("any key closes", dim())));
+    let width = area.width.saturating_sub(4).min(100);
+    let inner_w = width.saturating_sub(4).max(1) as usize;
+    let height: usize = lines
+        .iter()
+        .map(|l| l.width().div_ceil(inner_w).max(1))
+        .sum();
+    let inner = popup(
+        frame,
+        area,
+        width,
+        height as u16 + 2,
+        Line::from(" Status ").bold(),
+    );
+    frame.render_widget(
+        Paragraph::new(Text::from(lines))
             .wrap(Wrap { trim: false })
             .block(Block::new().padding(ratatui::widgets::Padding::horizontal(1))),
         inner,

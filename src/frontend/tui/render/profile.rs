@@ -8,7 +8,7 @@ use ratatui::Frame;
 
 use super::dim;
 use super::format::{fmt_duration, fmt_ms, fmt_secs, truncate};
-use crate::telemetry::profile::{fmt_share, ProfileReport};
+use crate::telemetry::profile::{fmt_max_ms, fmt_share, EventKind, ProfileReport, ProfileRow};
 
 pub(super) fn render_profile(
     frame: &mut Frame,
@@ -99,7 +99,32 @@ fn fitting_columns(event_w: usize, width: usize) -> ([Column; 6], [bool; 6]) {
     (cols, keep)
 }
 
-/// Each event's count, mean and max time, its share of the interval and of the whole run.
+/// The rows that fit `max_rows` (None: the waits' label): where they do not all fit, the work
+/// of the smallest shares gives way first, so that the waits stay in view.
+fn shown_rows(report: &ProfileReport, max_rows: usize) -> Vec<Option<&ProfileRow>> {
+    let (mut work, waits): (Vec<&ProfileRow>, Vec<&ProfileRow>) = report
+        .rows
+        .iter()
+        .partition(|r| EventKind::of(&r.event) != EventKind::Wait);
+    let waits_rows = if waits.is_empty() { 0 } else { waits.len() + 1 };
+    work.truncate(max_rows.saturating_sub(waits_rows).max(2));
+    let label = (!waits.is_empty()).then_some(None);
+    let mut rows: Vec<Option<&ProfileRow>> = work.into_iter().map(Some).collect();
+    rows.extend(label);
+    rows.extend(waits.into_iter().map(Some));
+    rows.truncate(max_rows);
+    if rows.last() == Some(&None) {
+        rows.pop(); // a label with no wait under it
+    }
+    rows
+}
+
+/// The label between the rows of work and those of waits (a stage idle on a queue).
+pub(super) const WAITS_LABEL: &str = "-- waits --";
+
+/// Each event's count, mean and max time, its share of the interval and of the whole run;
+/// `step.total`, the work, then (under [`WAITS_LABEL`]) the waits. A max marked `>`
+/// began before the interval (only its time inside it is counted).
 fn render_table(frame: &mut Frame, area: Rect, report: &ProfileReport) {
     let inner_w = area.width as usize;
     let inner_h = area.height as usize;
@@ -122,30 +147,37 @@ fn render_table(frame: &mut Frame, area: Rect, report: &ProfileReport) {
         },
     ))
     .style(Style::new().bold().underlined());
-    let max_rows = inner_h.saturating_sub(1);
-    let rows = report.rows.iter().take(max_rows).map(|r| {
+    let mut rows = Vec::new();
+    for r in shown_rows(report, inner_h.saturating_sub(1)) {
+        let Some(r) = r else {
+            rows.push(Row::new([Cell::from(WAITS_LABEL)]).style(dim()));
+            continue;
+        };
         let values = [
             Cell::from(truncate(&r.event, event_w)),
             right(r.interval.count.to_string()),
             right(fmt_ms(r.interval.mean_s)),
-            right(fmt_ms(r.interval.max_s)),
+            right(fmt_max_ms(&r.interval, |ms| fmt_ms(ms * 1e-3))),
             right(fmt_share(r.share)),
             right(fmt_share(r.all_time_share)),
         ];
-        let style = if r.event.ends_with(".wait") && r.share.is_some_and(|s| s >= 0.2) {
-            Style::new().fg(Color::Yellow)
-        } else {
-            Style::new()
+        let wait = EventKind::of(&r.event) == EventKind::Wait;
+        let style = match r.share {
+            Some(s) if wait && s >= 0.2 => Style::new().fg(Color::Yellow),
+            _ if wait => dim(),
+            _ => Style::new(),
         };
-        Row::new(
-            values
-                .into_iter()
-                .zip(keep)
-                .filter(|(_, k)| *k)
-                .map(|(v, _)| v),
-        )
-        .style(style)
-    });
+        rows.push(
+            Row::new(
+                values
+                    .into_iter()
+                    .zip(keep)
+                    .filter(|(_, k)| *k)
+                    .map(|(v, _)| v),
+            )
+            .style(style),
+        );
+    }
     let widths: Vec<Constraint> = cols
         .iter()
         .zip(keep)
