@@ -157,3 +157,28 @@ fn config_without_tokenizer_or_with_bad_fields_is_named() {
         "{msg}"
     );
 }
+
+#[test]
+fn a_config_size_beyond_its_bound_is_refused_before_anything_is_allocated() {
+    // data.bucket_window = 2^40 passed validation and ended train in an allocation of 8 TiB
+    // (exit 134); it is refused by name, with the range, and nothing is created.
+    let tmp = tempfile::tempdir().unwrap();
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
+    let run_dir = tmp.path().join("run");
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args(["train", "--config", config.to_str().unwrap(), "--no-tui"])
+        .args(["--set", "data.bucket_window=1099511627776", "--run-dir"])
+        .arg(&run_dir)
+        .env("DFLASH_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(
+        errors,
+        ["error: config: data.bucket_window = 1099511627776 is out of range (must be between 1 and 1048576)"],
+        "{stderr}"
+    );
+    assert!(!run_dir.exists());
+}

@@ -227,3 +227,91 @@ fn mask_token_outside_the_vocabulary() {
         "{msg}"
     );
 }
+
+/// `dflash-tui eval` of `drafter` against `target` on the CPU, two prompts, 8 new tokens:
+/// (success, stdout, stderr).
+fn eval(target: &Path, drafter: &Path, extra: &[&str]) -> (bool, String, String) {
+    let prompts = drafter.with_extension("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        "{\"prompt_ids\": [5, 9, 13]}\n{\"prompt_ids\": [40, 2, 7]}\n",
+    )
+    .unwrap();
+    let (t, d, p) = (
+        target.to_str().unwrap(),
+        drafter.to_str().unwrap(),
+        prompts.to_str().unwrap(),
+    );
+    let mut args = vec!["eval", "--device", "cpu", "--target", t, "--drafter", d];
+    args.extend(["--prompts", p, "--max-new-tokens", "8", "--warmup", "0"]);
+    args.extend_from_slice(extra);
+    common::dflash(&args)
+}
+
+#[test]
+fn drafter_config_sizes_are_bounded_in_every_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tiny_target_dir(&tmp.path().join("t"), "llama", false, None, 1);
+    let drafter = drafter_for(&target, &tmp.path().join("d"), 3).unwrap();
+    let cfg_path = drafter.join("config.json");
+    let good = std::fs::read_to_string(&cfg_path).unwrap();
+    for (field, value, range) in [
+        ("num_hidden_layers", 1_000_000_000i64, "between 1 and 64"),
+        ("block_size", 100_000, "between 2 and 64"),
+        ("intermediate_size", 1 << 40, "between 1 and 262144"),
+    ] {
+        let mut cfg: serde_json::Value = serde_json::from_str(&good).unwrap();
+        cfg[field] = value.into();
+        std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+        let expected = format!("field {field} = {value} is out of range (must be {range})");
+        // every reader goes through the same check: a plain load, and the eval command (which
+        // grew memory without end on 10^9 layers), refused before any weight is read
+        let msg = err_of(Drafter::load(&drafter, Device::Cpu, Kind::Float));
+        assert!(msg.contains(&expected), "{msg}");
+        assert!(msg.contains(&cfg_path.display().to_string()), "{msg}");
+        let started = std::time::Instant::now();
+        let (ok, _, stderr) = eval(&target, &drafter, &[]);
+        assert!(!ok, "{stderr}");
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(errors.len(), 1, "{stderr}");
+        assert!(errors[0].contains(&expected), "{stderr}");
+        assert!(started.elapsed().as_secs() < 60, "{:?}", started.elapsed());
+    }
+}
+
+#[test]
+fn eval_of_a_drafter_with_weights_that_are_not_finite_warns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tiny_target_dir(&tmp.path().join("t"), "llama", false, None, 1);
+    let drafter = drafter_for(&target, &tmp.path().join("d"), 3).unwrap();
+    let warnings = |json: &str| -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        serde_json::from_value(v["drafter_warnings"].clone()).unwrap()
+    };
+    let (ok, stdout, stderr) = eval(&target, &drafter, &["--json"]);
+    assert!(ok, "{stderr}");
+    assert_eq!(warnings(&stdout), Vec::<String>::new());
+
+    rewrite_tensors(&drafter.join("model.safetensors"), |t| {
+        for (n, x) in t.iter_mut() {
+            if n == "layers.0.mlp.up_proj.weight" {
+                *x = x.full_like(f64::NAN);
+            }
+        }
+    });
+    let (ok, stdout, stderr) = eval(&target, &drafter, &["--json"]);
+    assert!(ok, "{stderr}");
+    let w = warnings(&stdout);
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].contains("not finite") && w[0].contains("layers.0.mlp.up_proj.weight"),
+        "{w:?}"
+    );
+    assert!(stderr.contains(&w[0]), "{stderr}");
+    // the text report says it beside tau
+    let (ok, stdout, stderr) = eval(&target, &drafter, &[]);
+    assert!(ok, "{stderr}");
+    let tau = stdout.lines().position(|l| l.starts_with("tau ")).unwrap();
+    let warning = stdout.lines().position(|l| l.starts_with("WARNING: "));
+    assert_eq!(warning, Some(tau + 1), "{stdout}");
+}

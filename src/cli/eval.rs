@@ -5,8 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};
 
+use crate::config::{flag_between, MAX_NEW_TOKENS};
 use crate::eval::prompts::{check_prompts, prompts_from_data, prompts_from_file};
-use crate::eval::speculative::{evaluate, EvalOptions, EvalReport};
+use crate::eval::speculative::{drafter_warnings, evaluate, EvalOptions, EvalReport};
 use crate::model::{Drafter, FrozenHead, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
 
@@ -99,7 +100,7 @@ fn run_shard(
             "eager"
         }
     );
-    evaluate(
+    let mut report = evaluate(
         &target,
         &drafter,
         &head,
@@ -107,13 +108,13 @@ fn run_shard(
         args.max_new_tokens,
         eos,
         &opts,
-    )
+    )?;
+    report.drafter_warnings = drafter_warnings(&drafter);
+    Ok(report)
 }
 
 pub(super) fn run(runtime: &TorchRuntime, args: EvalArgs, bars: &Bars) -> Result<()> {
-    if args.max_new_tokens == 0 {
-        bail!("--max-new-tokens must be at least 1");
-    }
+    flag_between("--max-new-tokens", args.max_new_tokens, 1, MAX_NEW_TOKENS)?;
     if let Some(trace) = &args.trace {
         // refused before the models load, not after the warm-up
         crate::aten_ext::ProfilerTrace::check_path(trace)?;
@@ -156,6 +157,10 @@ pub(super) fn run(runtime: &TorchRuntime, args: EvalArgs, bars: &Bars) -> Result
         );
     }
     if args.json {
+        // the text report prints them with tau
+        for w in &report.drafter_warnings {
+            log::warn!("{}: {w}", args.drafter.display());
+        }
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());
     }
@@ -235,6 +240,9 @@ fn print_report(report: &EvalReport) {
         report.dflash_s_per_token * 1e3,
         report.mismatches
     );
+    for w in &report.drafter_warnings {
+        println!("WARNING: {w}");
+    }
     let steps = report.accepted_by_slot.first().copied().unwrap_or(0).max(1);
     let slots: Vec<String> = report
         .accepted_by_slot

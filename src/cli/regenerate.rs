@@ -82,6 +82,10 @@ pub struct RegenerateArgs {
     /// end shows the steps of a draining batch.
     #[arg(long, value_name = "FIRST:COUNT", default_value = "100:20", value_parser = parse_trace_steps)]
     pub trace_steps: (u64, u64),
+    /// Discard the finished chunks of an earlier run (OUT.partial) and start over, e.g. after
+    /// the input changed.
+    #[arg(long)]
+    pub restart: bool,
     /// Stop after this many chunks, without assembling the output (tests of resumption).
     #[arg(long, hide = true)]
     pub stop_after_chunks: Option<usize>,
@@ -105,6 +109,7 @@ pub(super) fn run(runtime: &TorchRuntime, args: RegenerateArgs, bars: &Bars) -> 
         max_len: args.max_len,
         chunk_rows: args.chunk_rows,
         prefill_tokens: args.prefill_tokens,
+        restart: args.restart,
         stop_after_chunks: args.stop_after_chunks,
         engine: args.engine,
         graphs: runtime.graphs(!args.no_cuda_graphs),

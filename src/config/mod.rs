@@ -54,6 +54,9 @@ mod validate;
 
 pub use choices::{Choice, Dtype, FailMode, FailStage, GradSync, UnknownChoice};
 pub use resume::{resume_changes, ResumeChanges};
+pub(crate) use validate::{
+    flag_between, MAX_BATCH_ROWS, MAX_BATCH_TOKENS, MAX_NEW_TOKENS, MAX_SEQUENCE_TOKENS,
+};
 
 use choices::check_choices;
 
@@ -125,7 +128,7 @@ pub struct ModelSection {
     /// Token id of the mask token (required, >= 0; checked against the vocabulary elsewhere).
     pub mask_token_id: i64,
     /// Target layers whose hidden states the drafter reads; [] takes the DFlash default
-    /// formula for `num_taps` layers. A non-empty list is used as given.
+    /// formula for `num_taps` layers. A non-empty list (at most 16) is used as given.
     pub target_layer_ids: Vec<usize>,
     /// Number of tapped target layers when `target_layer_ids` is [], 1..=16. Default 5.
     pub num_taps: usize,
@@ -165,13 +168,13 @@ pub struct DataSection {
     pub input_ids_column: String,
     /// Column of the 0/1 loss mask; "" makes every token count. Default "loss_mask".
     pub loss_mask_column: String,
-    /// Longest sequence in tokens (longer ones are cut), >= 8. Default 3072.
+    /// Longest sequence in tokens (longer ones are cut), 8..=1048576. Default 3072.
     pub max_len: usize,
-    /// Tokens per batch (padded length times rows), >= 1. Default 8192.
+    /// Tokens per batch (padded length times rows), 1..=16777216. Default 8192.
     pub token_budget: usize,
-    /// Most sequences per batch, >= 1. Default 64.
+    /// Most sequences per batch, 1..=65536. Default 64.
     pub max_batch: usize,
-    /// Sequences sorted together by length when forming batches, >= 1. Default 1024.
+    /// Sequences sorted together by length when forming batches, 1..=1048576. Default 1024.
     pub bucket_window: usize,
     /// Train on at most this many samples, the first usable ones of the split in file order
     /// (0 = all): runs on less data, to see what more data gives. Default 0.
@@ -202,7 +205,7 @@ pub struct TrainSection {
     pub total_steps: u64,
     /// Passes over the data when `total_steps` is 0, > 0. Default 6.
     pub epochs: f64,
-    /// Anchor positions (block starts) sampled per sequence, >= 1. Default 512.
+    /// Anchor positions (block starts) sampled per sequence, 1..=1048576. Default 512.
     pub num_anchors: usize,
     /// Batches accumulated per optimiser step, 1..=1024. Default 1.
     pub grad_accum: usize,
@@ -397,7 +400,7 @@ impl Default for CheckpointSection {
 pub struct EvalSection {
     /// Evaluate every N optimiser steps (0 = off). Default 0.
     pub every_steps: u64,
-    /// Held-out prompts per evaluation, >= 1. Default 16.
+    /// Held-out prompts per evaluation, 1..=100000. Default 16.
     pub prompts: usize,
     /// New tokens decoded per prompt, >= 1. Default 128.
     pub max_new_tokens: usize,
@@ -433,7 +436,7 @@ pub struct ValidationSection {
     /// it is). Default "validation".
     pub split: String,
     /// Held-out sequences per pass: the first N usable rows of the split (the rows training
-    /// would keep), in file order, so that every pass measures the same set; >= 1. Default 64.
+    /// would keep), in file order, so that every pass measures the same set; 1..=100000. Default 64.
     pub sequences: usize,
     /// How far into each answer the walk goes, in tokens (as `eval --max-new-tokens`),
     /// 1..=65536. Default 128.

@@ -7,6 +7,26 @@ use std::fmt::Display;
 use anyhow::{bail, Result};
 
 use super::{FailStage, GradSync, TrainConfig, MAX_QUEUE_DEPTH};
+use crate::model::{MAX_BLOCK_SIZE, MAX_DRAFTER_LAYERS};
+
+// Upper bounds of the settings that size memory: generous (far beyond any run so far) but
+// finite, so that a typo is refused with its field named rather than ending the process in a
+// failed allocation (data.bucket_window = 2^40 asked for 8 TiB).
+
+/// Tokens of one sequence (`data.max_len`, `regenerate --max-len`) and anchors per sequence.
+pub(crate) const MAX_SEQUENCE_TOKENS: usize = 1 << 20;
+/// Tokens of one batch (`data.token_budget`, `regenerate`'s prefill).
+pub(crate) const MAX_BATCH_TOKENS: usize = 1 << 24;
+/// Sequences of one batch (`data.max_batch`, `regenerate --batch-size`).
+pub(crate) const MAX_BATCH_ROWS: usize = 65_536;
+/// Sequences sorted together (`data.bucket_window`).
+pub(crate) const MAX_BUCKET_WINDOW: usize = 1 << 20;
+/// Tokens generated per prompt by eval and validation.
+pub(crate) const MAX_NEW_TOKENS: usize = 65_536;
+/// Held-out prompts or sequences kept for eval and validation.
+const MAX_HELD_OUT: usize = 100_000;
+/// Tapped target layers listed in `model.target_layer_ids` (as `model.num_taps`).
+const MAX_TAPS: usize = 16;
 
 impl TrainConfig {
     /// Checks every field against its allowed range; returns the first problem found, in
@@ -33,12 +53,17 @@ impl TrainConfig {
         if model.target.trim().is_empty() {
             bail!("config: model.target is required (a Hugging Face model folder)");
         }
-        int_between("model.drafter_layers", model.drafter_layers, 1, 64)?;
+        int_between(
+            "model.drafter_layers",
+            model.drafter_layers,
+            1,
+            MAX_DRAFTER_LAYERS,
+        )?;
         int_between(
             "model.drafter_added_layers",
             model.drafter_added_layers,
             0,
-            63,
+            MAX_DRAFTER_LAYERS - 1,
         )?;
         if model.drafter_added_layers > 0 && model.drafter_init.trim().is_empty() {
             bail!(
@@ -47,7 +72,7 @@ impl TrainConfig {
                 model.drafter_added_layers
             );
         }
-        int_between("model.block_size", model.block_size, 2, 64)?;
+        int_between("model.block_size", model.block_size, 2, MAX_BLOCK_SIZE)?;
         if model.mask_token_id < 0 {
             bail!(
                 "config: model.mask_token_id = {} is out of range (must be >= 0; it is required: \
@@ -55,7 +80,13 @@ impl TrainConfig {
                 model.mask_token_id
             );
         }
-        int_between("model.num_taps", model.num_taps, 1, 16)
+        if model.target_layer_ids.len() > MAX_TAPS {
+            bail!(
+                "config: model.target_layer_ids lists {} layers (must list at most {MAX_TAPS}, or none for model.num_taps)",
+                model.target_layer_ids.len()
+            );
+        }
+        int_between("model.num_taps", model.num_taps, 1, MAX_TAPS)
     }
 
     fn check_data(&self) -> Result<()> {
@@ -69,16 +100,21 @@ impl TrainConfig {
         if data.input_ids_column.trim().is_empty() {
             bail!("config: data.input_ids_column is required (e.g. \"input_ids\")");
         }
-        at_least("data.max_len", data.max_len, 8)?;
-        at_least("data.token_budget", data.token_budget, 1)?;
-        at_least("data.max_batch", data.max_batch, 1)?;
-        at_least("data.bucket_window", data.bucket_window, 1)
+        int_between("data.max_len", data.max_len, 8, MAX_SEQUENCE_TOKENS)?;
+        int_between("data.token_budget", data.token_budget, 1, MAX_BATCH_TOKENS)?;
+        int_between("data.max_batch", data.max_batch, 1, MAX_BATCH_ROWS)?;
+        int_between(
+            "data.bucket_window",
+            data.bucket_window,
+            1,
+            MAX_BUCKET_WINDOW,
+        )
     }
 
     fn check_train(&self) -> Result<()> {
         let t = &self.train;
         float("train.epochs", t.epochs, t.epochs > 0.0, "> 0")?;
-        at_least("train.num_anchors", t.num_anchors, 1)?;
+        int_between("train.num_anchors", t.num_anchors, 1, MAX_SEQUENCE_TOKENS)?;
         int_between("train.grad_accum", t.grad_accum, 1, 1024)?;
         float("train.lr", t.lr, t.lr > 0.0 && t.lr <= 1.0, "> 0 and <= 1")?;
         float(
@@ -197,15 +233,20 @@ impl TrainConfig {
         at_least("checkpoint.keep_checkpoints", c.keep_checkpoints, 1)?;
 
         let e = &self.eval;
-        at_least("eval.prompts", e.prompts, 1)?;
-        int_between("eval.max_new_tokens", e.max_new_tokens, 1, 65536)?;
+        int_between("eval.prompts", e.prompts, 1, MAX_HELD_OUT)?;
+        int_between("eval.max_new_tokens", e.max_new_tokens, 1, MAX_NEW_TOKENS)?;
 
         let v = &self.validation;
         if v.split.trim().is_empty() {
             bail!("config: validation.split is required (e.g. \"validation\")");
         }
-        at_least("validation.sequences", v.sequences, 1)?;
-        int_between("validation.max_new_tokens", v.max_new_tokens, 1, 65536)?;
+        int_between("validation.sequences", v.sequences, 1, MAX_HELD_OUT)?;
+        int_between(
+            "validation.max_new_tokens",
+            v.max_new_tokens,
+            1,
+            MAX_NEW_TOKENS,
+        )?;
         if v.patience > 0 && v.every_steps == 0 {
             bail!(
                 "config: validation.patience = {} needs validation.every_steps > 0 (patience \
@@ -239,6 +280,15 @@ impl TrainConfig {
         }
         Ok(())
     }
+}
+
+/// A command-line option's range check: `--FLAG = VALUE is out of range (must be between LO
+/// and HI)`.
+pub(crate) fn flag_between(flag: &str, value: usize, lo: usize, hi: usize) -> Result<()> {
+    if !(lo..=hi).contains(&value) {
+        bail!("{flag} = {value} is out of range (must be between {lo} and {hi})");
+    }
+    Ok(())
 }
 
 fn out_of_range(field: &str, value: impl Display, rule: &str) -> anyhow::Error {

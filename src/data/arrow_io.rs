@@ -380,8 +380,9 @@ pub fn read_token_data(
                             Some(0) => masks.push(0),
                             Some(1) => masks.push(1),
                             other => bail!(
-                                "{}, column {name:?}: item {k} is {other:?}, expected 0 or 1",
-                                at()
+                                "{}, column {name:?}: item {k} is {}, expected 0 or 1",
+                                at(),
+                                other.map_or("null".into(), |x| x.to_string())
                             ),
                         }
                     }
@@ -459,20 +460,23 @@ pub fn read_string_column(path: &Path, column: &str) -> Result<Option<Vec<String
 /// Writes rows (id, input_ids, loss_mask) as one Arrow IPC stream file, in record batches of
 /// at most 1000 rows as `datasets` writes them; returns the bytes written.
 pub(crate) fn write_token_rows(path: &Path, rows: &[TokenRow<'_>]) -> Result<u64> {
+    use crate::fsutil::write_error;
     let batch = rows_batch(rows)?;
-    let file = File::create(path).with_context(|| format!("{}: cannot write", path.display()))?;
+    let file = File::create(path).map_err(|e| write_error(path, e))?;
     let mut writer =
         arrow::ipc::writer::StreamWriter::try_new(std::io::BufWriter::new(file), &batch.schema())
-            .with_context(|| format!("{}: cannot write", path.display()))?;
-    if batch.num_rows() == 0 {
-        writer.write(&batch)?;
+            .map_err(|e| write_error(path, e))?;
+    let mut batches = (0..batch.num_rows())
+        .step_by(1000)
+        .map(|start| batch.slice(start, 1000.min(batch.num_rows() - start)))
+        .collect::<Vec<_>>();
+    if batches.is_empty() {
+        batches.push(batch);
     }
-    for start in (0..batch.num_rows()).step_by(1000) {
-        writer.write(&batch.slice(start, 1000.min(batch.num_rows() - start)))?;
+    for b in &batches {
+        writer.write(b).map_err(|e| write_error(path, e))?;
     }
-    writer
-        .finish()
-        .with_context(|| format!("{}: cannot write", path.display()))?;
+    writer.finish().map_err(|e| write_error(path, e))?;
     Ok(std::fs::metadata(path).map(|m| m.len()).unwrap_or(0))
 }
 

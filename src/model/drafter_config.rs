@@ -9,6 +9,11 @@ use serde_json::{json, Value};
 use super::config::TargetConfig;
 use super::rope_scaling::{RopeScaling, RopeSettings};
 
+/// The most decoder layers a drafter has (`model.drafter_layers`, a drafter's config.json).
+pub(crate) const MAX_DRAFTER_LAYERS: i64 = 64;
+/// The longest drafted block (`model.block_size`, a drafter's config.json).
+pub(crate) const MAX_BLOCK_SIZE: i64 = 64;
+
 /// `dflash_config` inside config.json.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DFlashSection {
@@ -102,9 +107,9 @@ impl DrafterConfig {
     /// refused where the total leaves 1..=64.
     pub(crate) fn with_added_layers(&self, added: i64) -> Result<Self> {
         let layers = self.num_hidden_layers;
-        if added < 0 || layers + added > 64 {
+        if added < 0 || layers + added > MAX_DRAFTER_LAYERS {
             bail!(
-                "model.drafter_added_layers = {added}: the drafter has {layers} layers, and a drafter has 1 to 64"
+                "model.drafter_added_layers = {added}: the drafter has {layers} layers, and a drafter has 1 to {MAX_DRAFTER_LAYERS}"
             );
         }
         Ok(DrafterConfig {
@@ -241,26 +246,10 @@ impl DrafterConfig {
                 self.architectures
             );
         }
-        for (name, value) in [
-            ("block_size", self.block_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("vocab_size", self.vocab_size),
-            ("num_target_layers", self.num_target_layers),
-        ] {
-            if value <= 0 {
-                bail!("field {name} must be positive, found {value}");
+        for (name, value, lo, hi) in self.sizes() {
+            if !(lo..=hi).contains(&value) {
+                bail!("field {name} = {value} is out of range (must be between {lo} and {hi})");
             }
-        }
-        if self.block_size < 2 {
-            bail!(
-                "field block_size must be at least 2, found {}",
-                self.block_size
-            );
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             bail!(
@@ -286,8 +275,12 @@ impl DrafterConfig {
             );
         }
         let ids = &self.dflash_config.target_layer_ids;
-        if ids.is_empty() {
-            bail!("field dflash_config.target_layer_ids is empty");
+        if ids.is_empty() || ids.len() as i64 > self.num_target_layers {
+            bail!(
+                "field dflash_config.target_layer_ids lists {} layers (must list 1 to num_target_layers = {})",
+                ids.len(),
+                self.num_target_layers
+            );
         }
         if let Some(&bad) = ids.iter().find(|&&id| id as i64 >= self.num_target_layers) {
             bail!(
@@ -296,6 +289,28 @@ impl DrafterConfig {
             );
         }
         Ok(())
+    }
+
+    /// The sizes with their bounds (field, value, least, most): far beyond any published model
+    /// (hidden 16384, vocabularies of 262144, 128 target layers) but finite, so that a
+    /// config.json asking for 10^9 layers is refused by name, not read until memory runs out.
+    fn sizes(&self) -> [(&'static str, i64, i64, i64); 9] {
+        [
+            (
+                "num_hidden_layers",
+                self.num_hidden_layers,
+                1,
+                MAX_DRAFTER_LAYERS,
+            ),
+            ("block_size", self.block_size, 2, MAX_BLOCK_SIZE),
+            ("hidden_size", self.hidden_size, 1, 65_536),
+            ("intermediate_size", self.intermediate_size, 1, 262_144),
+            ("num_attention_heads", self.num_attention_heads, 1, 1024),
+            ("num_key_value_heads", self.num_key_value_heads, 1, 1024),
+            ("head_dim", self.head_dim, 2, 1024),
+            ("vocab_size", self.vocab_size, 1, 4_194_304),
+            ("num_target_layers", self.num_target_layers, 1, 1024),
+        ]
     }
 
     /// The drafter must have the target's dimensions and vocabulary.
@@ -367,6 +382,49 @@ mod tests {
             "head_dim": 128, "hidden_act": "silu", "attention_bias": false, "rms_norm_eps": 1e-06,
             "rope_theta": 1000000, "max_position_embeddings": 40960, "vocab_size": 151936,
             "tie_word_embeddings": false, "torch_dtype": "bfloat16"})
+    }
+
+    #[test]
+    fn sizes_beyond_their_bounds_are_refused_by_name() {
+        assert!(DrafterConfig::from_json(public_config())
+            .unwrap()
+            .validate()
+            .is_ok());
+        for (field, value, range) in [
+            ("num_hidden_layers", 1_000_000_000i64, "between 1 and 64"),
+            ("num_hidden_layers", 0, "between 1 and 64"),
+            ("block_size", 65, "between 2 and 64"),
+            ("hidden_size", 1 << 20, "between 1 and 65536"),
+            ("intermediate_size", 1 << 30, "between 1 and 262144"),
+            ("num_attention_heads", 4096, "between 1 and 1024"),
+            ("head_dim", 1 << 16, "between 2 and 1024"),
+            ("vocab_size", 1 << 40, "between 1 and 4194304"),
+            ("num_target_layers", 1 << 20, "between 1 and 1024"),
+        ] {
+            let mut json = public_config();
+            json[field] = value.into();
+            let e = format!(
+                "{:#}",
+                DrafterConfig::from_json(json)
+                    .unwrap()
+                    .validate()
+                    .unwrap_err()
+            );
+            assert_eq!(
+                e,
+                format!("field {field} = {value} is out of range (must be {range})")
+            );
+        }
+        let mut json = public_config();
+        json["dflash_config"]["target_layer_ids"] = json!(vec![1; 40]);
+        let e = format!(
+            "{:#}",
+            DrafterConfig::from_json(json)
+                .unwrap()
+                .validate()
+                .unwrap_err()
+        );
+        assert!(e.contains("lists 40 layers"), "{e}");
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub(crate) mod weights;
 pub use config::{Family, TargetConfig};
 pub use drafter::{AnchorBatch, Drafter, FrozenHead};
 pub use drafter_config::{default_target_layer_ids, DrafterConfig, DrafterShape};
+pub(crate) use drafter_config::{MAX_BLOCK_SIZE, MAX_DRAFTER_LAYERS};
 pub use generate::model_eos_ids;
 pub use slots::{SeqSpan, SlotAttention, SlotBatch, SlotCache};
 pub use target::{ForwardRequest, KvCache, SharedTarget, SlotLogits, TargetModel, TargetOutput};

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::FailMode;
 use crate::data::packer::PackerState;
-use crate::fsutil::StagedDir;
+use crate::fsutil::{remove_stale_staging, StagedDir};
 use crate::model::Drafter;
 
 use super::optim::AdamW;
@@ -188,53 +188,9 @@ pub(crate) fn remove_stale_partials(run_dir: &Path) -> Vec<PathBuf> {
         .map(|(_, p)| p);
     let dirs = [run_dir.to_path_buf(), checkpoints_dir(run_dir)];
     for dir in dirs.into_iter().chain(steps) {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(pid) = stale_writer_pid(&name) else {
-                continue;
-            };
-            if pid != std::process::id() && process_alive(pid) {
-                continue;
-            }
-            let path = entry.path();
-            let gone = if path.is_dir() && !path.is_symlink() {
-                std::fs::remove_dir_all(&path)
-            } else {
-                std::fs::remove_file(&path)
-            };
-            if gone.is_ok() {
-                removed.push(path);
-            }
-        }
+        removed.extend(remove_stale_staging(&dir, |_| true));
     }
     removed
-}
-
-/// The PID in the name of a staging leftover (`.X.partial-PID`, `.X.new-PID`, `.X.old-PID`,
-/// `.latest.tmp-PID`).
-fn stale_writer_pid(name: &str) -> Option<u32> {
-    if !name.starts_with('.') {
-        return None;
-    }
-    let (head, pid) = name.rsplit_once('-')?;
-    let known = [".partial", ".new", ".old", ".latest.tmp"];
-    if !known.iter().any(|k| head.ends_with(k)) {
-        return None;
-    }
-    pid.parse().ok()
-}
-
-/// Whether a process with this PID exists (signal 0 asks without sending anything).
-fn process_alive(pid: u32) -> bool {
-    let Ok(pid) = i32::try_from(pid) else {
-        return false;
-    };
-    // SAFETY: kill with signal 0 only checks for the process.
-    let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 /// How `RUN_DIR/best/` is chosen: the drafter with the highest tau of one kind.
@@ -396,21 +352,6 @@ pub fn read_state(checkpoint: &Path) -> Result<TrainerState> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn staging_leftovers_are_recognised_by_name() {
-        assert_eq!(stale_writer_pid(".step-000004.new-1234"), Some(1234));
-        assert_eq!(
-            stale_writer_pid("..step-000004.new-1234.partial-99"),
-            Some(99)
-        );
-        assert_eq!(stale_writer_pid(".step-000004.old-7"), Some(7));
-        assert_eq!(stale_writer_pid(".best.new-5"), Some(5));
-        assert_eq!(stale_writer_pid(".latest.tmp-42"), Some(42));
-        assert_eq!(stale_writer_pid("step-000004"), None);
-        assert_eq!(stale_writer_pid(".lock"), None);
-        assert_eq!(stale_writer_pid(".hidden-12"), None);
-    }
 
     #[test]
     fn only_leftovers_of_dead_writers_are_removed() {

@@ -192,6 +192,60 @@ fn validation_errors_of_devices_and_stages_name_their_field() {
     ]);
 }
 
+/// Every setting that sizes memory has a finite upper bound, named in the message with the
+/// allowed range: a typo is refused before anything is allocated (data.bucket_window = 2^40
+/// passed and ended the process in an allocation of 8 TiB).
+#[test]
+fn settings_that_size_memory_are_bounded() {
+    let e = err_text(minimal(&["data.bucket_window=1099511627776"]));
+    assert_eq!(
+        e,
+        "config: data.bucket_window = 1099511627776 is out of range (must be between 1 and 1048576)"
+    );
+    assert_refused(vec![
+        (
+            "data.max_len = 1048577 is out of range (must be between 8 and 1048576)",
+            Box::new(|c| c.data.max_len = (1 << 20) + 1),
+        ),
+        (
+            "data.token_budget = 16777217 is out of range (must be between 1 and 16777216)",
+            Box::new(|c| c.data.token_budget = (1 << 24) + 1),
+        ),
+        (
+            "data.max_batch = 65537 is out of range (must be between 1 and 65536)",
+            Box::new(|c| c.data.max_batch = 65_537),
+        ),
+        (
+            "train.num_anchors = 18446744073709551615 is out of range (must be between 1 and 1048576)",
+            Box::new(|c| c.train.num_anchors = usize::MAX),
+        ),
+        (
+            "eval.prompts = 100001 is out of range (must be between 1 and 100000)",
+            Box::new(|c| c.eval.prompts = 100_001),
+        ),
+        (
+            "validation.sequences = 100001 is out of range (must be between 1 and 100000)",
+            Box::new(|c| c.validation.sequences = 100_001),
+        ),
+        (
+            "model.target_layer_ids lists 17 layers (must list at most 16",
+            Box::new(|c| c.model.target_layer_ids = (1..=17).collect()),
+        ),
+    ]);
+    // the upper edges pass
+    let c = minimal(&[
+        "data.max_len=1048576",
+        "data.token_budget=16777216",
+        "data.max_batch=65536",
+        "data.bucket_window=1048576",
+        "train.num_anchors=1048576",
+        "eval.prompts=100000",
+        "validation.sequences=100000",
+        "model.drafter_layers=64",
+    ]);
+    assert!(c.is_ok(), "{c:?}");
+}
+
 /// A word that is none of a setting's values cannot be put into a [`TrainConfig`] (the
 /// settings are enums): it is refused as the configuration is read, naming the field.
 #[test]

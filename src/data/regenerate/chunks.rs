@@ -16,7 +16,7 @@ use crate::data::arrow_io::{
     read_string_column, read_token_data, write_split, write_token_rows, SplitSummary, TokenColumn,
     TokenData, TokenRow,
 };
-use crate::fsutil::{write_atomic, write_json, StagedDir};
+use crate::fsutil::{remove_stale_staging, write_atomic, write_json, StagedDir};
 
 /// A chunk: (index of its split, chunk number within the split).
 pub(super) type ChunkId = (usize, usize);
@@ -76,6 +76,9 @@ pub(super) fn load_stats(path: &Path) -> Result<RegenerateStats> {
     })
 }
 
+/// The manifest's key of the input's content: per split, [`SplitInput::fingerprint`].
+const CONTENT_KEY: &str = "input_xxh3_128";
+
 /// The manifest of a partial output: what must not change between a run and its resumption.
 pub(super) fn manifest(
     input: &Path,
@@ -99,9 +102,14 @@ pub(super) fn manifest(
             }));
         }
     }
+    let content: serde_json::Map<String, serde_json::Value> = splits
+        .iter()
+        .map(|s| (s.name.clone(), s.fingerprint().into()))
+        .collect();
     Ok(serde_json::json!({
         "input": abs(input),
         "input_files": files,
+        CONTENT_KEY: content,
         "target": abs(target),
         "dtype": format!("{kind:?}"),
         "options": {
@@ -155,8 +163,9 @@ fn manifest_diff(old: &serde_json::Value, new: &serde_json::Value) -> Vec<String
 }
 
 /// Opens the partial folder of a run: continues one whose manifest equals `manifest` (and
-/// refuses one of other input or options, naming the differences), or creates it with the
-/// manifest. Either way every split has its folder.
+/// refuses one of other input or options, naming the differences and the way out), or creates
+/// it with the manifest. Either way every split has its folder, cleared of the temporary files
+/// of killed writers.
 pub(super) fn open_partial(
     partial: &Path,
     manifest: &serde_json::Value,
@@ -166,31 +175,71 @@ pub(super) fn open_partial(
     if partial.exists() {
         let text = std::fs::read_to_string(&manifest_path).with_context(|| {
             format!(
-                "{}: cannot read; {} is not a partial output of regenerate (remove it to start over)",
+                "{}: cannot read; {} is not a partial output of regenerate (run with --restart to discard it and start over)",
                 manifest_path.display(),
                 partial.display()
             )
         })?;
         let old: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("{}: not valid JSON", manifest_path.display()))?;
-        let diff = manifest_diff(&old, manifest);
-        if !diff.is_empty() {
-            bail!(
-                "{}: a partial run with other input or options is there ({}); run the same command to continue it, or remove {} to start over",
-                partial.display(),
-                diff.join("; "),
-                partial.display()
-            );
-        }
+        check_resumable(partial, &old, manifest)?;
     } else {
         std::fs::create_dir_all(partial)
             .with_context(|| format!("{}: cannot create", partial.display()))?;
         write_atomic(&manifest_path, |p| write_json(p, manifest))?;
     }
-    for s in splits {
-        let dir = partial.join(&s.name);
+    let dirs = splits.iter().map(|s| partial.join(&s.name));
+    for dir in dirs.clone() {
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("{}: cannot create", dir.display()))?;
+    }
+    for dir in std::iter::once(partial.to_path_buf()).chain(dirs) {
+        for gone in remove_stale_staging(&dir, |_| true) {
+            log::info!("removed {}, left by a writer that is gone", gone.display());
+        }
+    }
+    Ok(())
+}
+
+/// Whether the partial run of manifest `old` can be continued by a run of manifest `new`: the
+/// same options, input files and input content. A manifest written before the content was
+/// recorded is continued on the files' paths and sizes (what it was checked by then), with a
+/// warning: refusing it would throw its finished chunks away, which the earlier version would
+/// have kept.
+fn check_resumable(partial: &Path, old: &serde_json::Value, new: &serde_json::Value) -> Result<()> {
+    let start_over = format!(
+        "run with --restart to discard {} and start over, or choose another --out",
+        partial.display()
+    );
+    let diff = manifest_diff(old, new);
+    if !diff.is_empty() {
+        bail!(
+            "{}: a partial run with other input or options is there ({}); run the same command to continue it, or {start_over}",
+            partial.display(),
+            diff.join("; ")
+        );
+    }
+    let Some(then) = old.get(CONTENT_KEY) else {
+        log::warn!(
+            "{}: started by an earlier version, which did not record the input's content: continuing it on the input files' paths and sizes; if the input was rewritten since, {start_over}",
+            partial.display()
+        );
+        return Ok(());
+    };
+    let now = &new[CONTENT_KEY];
+    if then != now {
+        let changed: Vec<&str> = now
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(split, hash)| then.get(split.as_str()) != Some(*hash))
+            .map(|(split, _)| split.as_str())
+            .collect();
+        bail!(
+            "{}: the input's content changed since this partial run started (the tokens or loss masks of split(s) {} differ, in files of the same sizes): continuing would mix answers to the old rows with the new; {start_over}",
+            partial.display(),
+            changed.join(", ")
+        );
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
+use twox_hash::XxHash3_128;
 
 use crate::data::arrow_io::{
     dataset_files, read_string_column, read_token_data, split_names, TokenData,
@@ -28,6 +29,27 @@ impl SplitInput {
 
     pub(super) fn chunks(&self, chunk_rows: usize) -> usize {
         self.rows.div_ceil(chunk_rows)
+    }
+
+    /// XXH3-128 of the rows used, in order: each row's id, token ids and loss mask, each with
+    /// its length. A resumed run compares it with the manifest's, so that an input rewritten
+    /// in place (same files, same sizes, other tokens or masks) is not continued.
+    pub(super) fn fingerprint(&self) -> String {
+        let mut h = XxHash3_128::new();
+        let mut bytes = Vec::new();
+        for r in 0..self.rows {
+            let (ids, mask) = self.row(r);
+            let id = self.ids[r].as_bytes();
+            bytes.clear();
+            bytes.extend_from_slice(&(id.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(id);
+            bytes.extend_from_slice(&(ids.len() as u64).to_le_bytes());
+            bytes.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
+            bytes.extend_from_slice(&(mask.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(mask);
+            h.write(&bytes);
+        }
+        format!("{:032x}", h.finish_128())
     }
 }
 

@@ -10,8 +10,10 @@
 //!
 //! Work is done in chunks of input rows; each finished chunk is written to
 //! `<OUT>.partial/<split>/chunk-NNNNN.arrow` (+ its counts in `chunk-NNNNN.json`), so that running
-//! the same command again continues where an interrupted run stopped. When every chunk is done
-//! the output is assembled in the `prepare-data` layout and `.partial` is removed.
+//! the same command again continues where an interrupted run stopped, provided the options and
+//! the input's content (a hash of its rows) are the same; `--restart` discards `.partial`. When
+//! every chunk is done the output is assembled in the `prepare-data` layout and `.partial` is
+//! removed.
 //!
 //! The parts: `input` reads the splits, `chunks` keeps the partial folder (manifest, chunk
 //! files, assembly), `rows` takes a row through its turns, `engines` decodes chunks (plain or
@@ -38,6 +40,7 @@ use tch::{Device, Kind};
 
 use crate::aten_ext::fused::FusedKernelLoader;
 use crate::aten_ext::graph::GraphLibrary;
+use crate::config::{flag_between, MAX_BATCH_ROWS, MAX_BATCH_TOKENS, MAX_SEQUENCE_TOKENS};
 use crate::model::generate::{BatchLimits, Sampling, TraceWindow};
 use crate::model::{model_eos_ids, TargetConfig, TargetModel};
 use chunks::{ChunkId, ChunkOutput};
@@ -62,6 +65,8 @@ pub(crate) struct RegenerateOptions {
     pub prefill_tokens: usize,
     /// Rows per Arrow shard of the output.
     pub shard_rows: usize,
+    /// Discard the partial output of an earlier run (`<OUT>.partial`) and start over.
+    pub restart: bool,
     /// Stop (without assembling) once this many chunks were done in this run (for tests of
     /// the resumption).
     pub stop_after_chunks: Option<usize>,
@@ -105,6 +110,7 @@ impl Default for RegenerateOptions {
             chunk_rows: 1024,
             prefill_tokens: BatchLimits::default().prefill_tokens,
             shard_rows: 50_000,
+            restart: false,
             stop_after_chunks: None,
             progress: Some(ProgressBar::hidden()),
             engine: RegenerateEngine::Continuous,
@@ -116,21 +122,16 @@ impl Default for RegenerateOptions {
 }
 
 fn check_options(opts: &RegenerateOptions) -> Result<()> {
-    if opts.max_new_tokens == 0 {
-        bail!("--max-new-tokens must be at least 1");
-    }
-    if opts.batch_size == 0 {
-        bail!("--batch-size must be at least 1");
-    }
-    if opts.max_len < 2 {
-        bail!("--max-len must be at least 2, found {}", opts.max_len);
-    }
+    // Bounded, as the configuration's sizes are: a typo is refused, not allocated.
+    let seq = MAX_SEQUENCE_TOKENS;
+    flag_between("--max-new-tokens", opts.max_new_tokens, 1, seq)?;
+    flag_between("--batch-size", opts.batch_size, 1, MAX_BATCH_ROWS)?;
+    flag_between("--max-len", opts.max_len, 2, seq)?;
     if opts.max_turns == Some(0) {
         bail!("--max-turns must be at least 1");
     }
-    if opts.chunk_rows == 0 {
-        bail!("--chunk-rows must be at least 1");
-    }
+    flag_between("--chunk-rows", opts.chunk_rows, 1, seq)?;
+    flag_between("--prefill-tokens", opts.prefill_tokens, 1, MAX_BATCH_TOKENS)?;
     if let Some(trace) = &opts.trace {
         if opts.engine != RegenerateEngine::Continuous {
             bail!(
@@ -187,6 +188,7 @@ pub(crate) fn regenerate(
         bail!("no device given");
     }
     check_output_free(out)?;
+    crate::fsutil::remove_stale_staging_of(out);
     let config = TargetConfig::from_model_dir(target)?;
     let eos = model_eos_ids(target, &config)?;
     if eos.is_empty() {
@@ -200,6 +202,11 @@ pub(crate) fn regenerate(
     // The partial folder and its manifest.
     let partial = partial_dir(out)?;
     let manifest = chunks::manifest(input, target, kind, &splits, opts)?;
+    if opts.restart && partial.exists() {
+        std::fs::remove_dir_all(&partial)
+            .with_context(|| format!("{}: cannot remove (--restart)", partial.display()))?;
+        log::info!("regenerate: removed {} (--restart)", partial.display());
+    }
     chunks::open_partial(&partial, &manifest, &splits)?;
 
     // Chunks still to do, in input order.

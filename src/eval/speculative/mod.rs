@@ -24,6 +24,28 @@ use crate::eval::cancel::check;
 use crate::model::decode::{DrafterDecoder, TargetDecoder};
 use crate::model::{Drafter, FrozenHead, TargetModel};
 
+/// Why a drafter's tau says nothing of it: its weights hold NaN or infinite values (a diverged
+/// run, a corrupt file), so that every draft is rejected and tau is 1 whatever it learnt.
+/// Empty when every weight is finite.
+pub fn drafter_warnings(drafter: &Drafter) -> Vec<String> {
+    let params = drafter.named_parameters();
+    let bad: Vec<&str> = params
+        .iter()
+        .filter(|(_, t)| t.isfinite().all().int64_value(&[]) == 0)
+        .map(|(name, _)| name.as_str())
+        .collect();
+    if bad.is_empty() {
+        return Vec::new();
+    }
+    let shown = bad.iter().take(3).copied().collect::<Vec<_>>().join(", ");
+    let more = if bad.len() > 3 { ", ..." } else { "" };
+    vec![format!(
+        "the drafter's weights are not finite: {} of its {} tensors hold NaN or infinite values ({shown}{more}); its drafts mean nothing, and neither does tau (a diverged training run or a damaged file: evaluate an earlier checkpoint)",
+        bad.len(),
+        params.len()
+    )]
+}
+
 /// What one prompt produced.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Decoded {

@@ -139,6 +139,9 @@ pub struct EvalReport {
     /// Why `speedup` should not be trusted, each reason with what to do; empty when nothing
     /// stands out (see [`EvalReport::speedup_warnings`]; `eval` fills it in).
     pub speedup_warnings: Vec<String>,
+    /// Why tau says nothing of the drafter (its weights hold NaN or infinite values); empty
+    /// when its weights are finite (see [`super::drafter_warnings`]; `eval` fills it in).
+    pub drafter_warnings: Vec<String>,
     pub prompts: Vec<PromptResult>,
 }
 
@@ -230,6 +233,7 @@ impl EvalReport {
             cuda_graphs: false,
             fused_kernels: false,
             speedup_warnings: Vec::new(),
+            drafter_warnings: Vec::new(),
             prompts,
         }
     }
@@ -278,11 +282,17 @@ impl EvalReport {
         let warmup = shards.iter().map(|r| r.warmup_prompts).sum();
         let graphs = !shards.is_empty() && shards.iter().all(|r| r.cuda_graphs);
         let fused = !shards.is_empty() && shards.iter().all(|r| r.fused_kernels);
+        // every shard loaded the same drafter
+        let drafter_warnings = shards
+            .first()
+            .map(|r| r.drafter_warnings.clone())
+            .unwrap_or_default();
         let prompts = shards.into_iter().flat_map(|r| r.prompts).collect();
         let mut report = Self::from_prompts(block_size, prompts);
         report.warmup_prompts = warmup;
         report.cuda_graphs = graphs;
         report.fused_kernels = fused;
+        report.drafter_warnings = drafter_warnings;
         report
     }
 }
