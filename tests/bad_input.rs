@@ -182,3 +182,28 @@ fn a_config_size_beyond_its_bound_is_refused_before_anything_is_allocated() {
     );
     assert!(!run_dir.exists());
 }
+
+#[test]
+fn generate_refuses_a_token_count_beyond_its_bound_before_loading() {
+    // greedy decoding reserves room for every new token up front
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args([
+            "generate",
+            "--model",
+            "/nonexistent-model",
+            "--prompt",
+            "hi",
+        ])
+        .args(["--max-new-tokens", "1099511627776"])
+        .env("DFLASH_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(
+            "--max-new-tokens = 1099511627776 is out of range (must be between 1 and 65536)"
+        ),
+        "{stderr}"
+    );
+}

@@ -39,6 +39,12 @@ pub(super) fn parse_kind(name: &str, device: tch::Device) -> Result<Kind> {
 }
 
 pub(super) fn run(runtime: &TorchRuntime, args: GenerateArgs) -> Result<()> {
+    crate::config::flag_between(
+        "--max-new-tokens",
+        args.max_new_tokens,
+        1,
+        crate::config::MAX_NEW_TOKENS,
+    )?;
     let model_dir = args
         .model
         .unwrap_or_else(|| Locations::from_env().demo_model());

@@ -155,6 +155,7 @@ pub fn start(
             history: tail(before.steps, HISTORY),
             evals: tail(before.evals, EVAL_HISTORY),
             validations: tail(before.validations, EVAL_HISTORY),
+            last_checkpoint: prepared.resumed_from.clone(),
             ..Default::default()
         }),
         metrics,

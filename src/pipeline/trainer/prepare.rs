@@ -38,6 +38,8 @@ pub(crate) struct Prepared {
     pub(crate) drafter_devices: Vec<Device>,
     pub(super) grad_sync: GradSyncPlan,
     pub(super) held_out: Option<HeldOut>,
+    /// The checkpoint resumed from: the run's last checkpoint until it saves one.
+    pub(super) resumed_from: Option<PathBuf>,
 }
 
 fn resolve_kind(dtype: Dtype, device: Device) -> Kind {
@@ -189,6 +191,7 @@ pub(crate) fn prepare(
         target_devices,
         drafter_devices,
         grad_sync,
+        resumed_from: resumed_from.cloned(),
     })
 }
 
