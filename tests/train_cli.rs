@@ -110,7 +110,7 @@ fn config_errors_name_the_field() {
     assert_ne!(code, 0);
     assert_eq!(
         err.trim(),
-        "error: config: validation.sequences = 0 is out of range (must be >= 1)"
+        "error: config: validation.sequences = 0 is out of range (must be between 1 and 100000)"
     );
     let dict = i.tmp.path().join("dict");
     std::fs::create_dir_all(dict.join("train")).unwrap();

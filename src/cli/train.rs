@@ -136,11 +136,13 @@ fn finished_run(run: &Path, config: &TrainConfig) -> Option<String> {
     use crate::train::checkpoint::{checkpoints_dir, list_checkpoints, read_state};
     let (folder_step, checkpoint) = list_checkpoints(&checkpoints_dir(run)).pop()?;
     let state = read_state(&checkpoint).ok()?;
-    // Believed only where it is its folder's and its manifest vouches for it; otherwise the
-    // resume verifies every checkpoint and says what is wrong.
-    let believed = state.step == folder_step
-        && crate::train::manifest::vouches_for(&checkpoint, "trainer_state.json");
-    if !believed || state.step < state.total_steps {
+    // Believed only where the checkpoint proves itself without the data: every file as its
+    // manifest lists it, and a state consistent with its folder and with itself. Anything
+    // else goes to the resume, which verifies every checkpoint and says what is wrong.
+    if !intact(&checkpoint) || !consistent(&state, folder_step) {
+        return None;
+    }
+    if state.step < state.total_steps {
         return None;
     }
     let total = if config.train.total_steps > 0 {
@@ -161,6 +163,21 @@ fn finished_run(run: &Path, config: &TrainConfig) -> Option<String> {
             state.total_steps
         )
     })
+}
+
+/// Whether every file of `checkpoint` is as its manifest lists it (false without a manifest).
+fn intact(checkpoint: &Path) -> bool {
+    use crate::train::manifest::{verify, ManifestCheck};
+    matches!(verify(checkpoint), Ok(ManifestCheck::Checked { mismatches, .. }) if mismatches.is_empty())
+}
+
+/// The checks of a trainer state that need no data: its folder's step, within its schedule,
+/// its epoch where its data position is, and no more batches than samples seen.
+fn consistent(state: &crate::train::checkpoint::TrainerState, folder_step: u64) -> bool {
+    state.step == folder_step
+        && state.step <= state.total_steps
+        && state.epoch == state.packer.window_start.epoch
+        && state.packer.batches_done as u64 <= state.samples_seen
 }
 
 /// What a run writes in its directory: a directory holding any of them holds a run. (Its lock

@@ -200,20 +200,6 @@ pub fn verify(dir: &Path) -> Result<ManifestCheck> {
     })
 }
 
-/// Whether the manifest of `dir` vouches for its file `rel`: listed and intact, or no manifest
-/// at all (a checkpoint of the older format, which cannot say).
-pub fn vouches_for(dir: &Path, rel: &str) -> bool {
-    match read(dir) {
-        Ok(None) => true,
-        Ok(Some(manifest)) => manifest
-            .files
-            .iter()
-            .find(|entry| entry.path == rel)
-            .is_some_and(|entry| check_entry(dir, entry).is_none()),
-        Err(_) => false,
-    }
-}
-
 /// What is wrong with one listed file, if anything.
 fn check_entry(dir: &Path, entry: &FileEntry) -> Option<String> {
     let path = dir.join(&entry.path);
