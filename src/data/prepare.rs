@@ -316,7 +316,7 @@ pub(crate) fn prepare_record(
                 .encode_prefix(text, max_len)
                 .map_err(|e| e.to_string())?;
             // Plain text: every token is trained.
-            (tokens, vec![0..text.len()])
+            (tokens, std::iter::once(0..text.len()).collect::<Vec<_>>())
         }
         RecordBody::Chat {
             messages: all_messages,

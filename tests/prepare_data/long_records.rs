@@ -134,6 +134,7 @@ fn records_cut_before_tokenising_get_the_ids_and_masks_of_the_whole() {
 
 /// The peak resident memory (kB) of `dflash-tui ARGS`, from the kernel's accounting of the
 /// child when it is reaped.
+#[allow(clippy::zombie_processes, reason = "wait4 reaps the child")]
 fn peak_rss_kb(args: &[&str]) -> i64 {
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
         .args(args)
