@@ -768,3 +768,50 @@ fn a_run_dir_over_the_socket_path_limit_is_refused_before_the_model_loads() {
         stderr.trim()
     );
 }
+
+#[test]
+fn a_control_socket_that_cannot_be_made_fails_the_run_in_its_records() {
+    // A directory where the socket goes: binding works, moving it into place does not.
+    let i = common::tiny_run(8, 3);
+    let run_dir = i.tmp.path().join("run");
+    let in_the_way = run_dir.join(control::SOCKET_NAME);
+    std::fs::create_dir_all(in_the_way.join("kept")).unwrap();
+    let out = Command::new(bin())
+        .args(train_args(&i, &run_dir, &[]))
+        .env("DFLASH_LOG", "info")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let path = in_the_way.display().to_string();
+    assert!(
+        stderr.contains(
+            "the run is stopped: without its control socket, ctl and attach could not reach it"
+        ) && stderr.contains(&path),
+        "{stderr}"
+    );
+    assert!(
+        in_the_way.join("kept").is_dir(),
+        "the directory is left as it was"
+    );
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let summary = records.last().unwrap();
+    assert_eq!(summary["type"], "summary", "{records:?}");
+    assert_eq!(summary["phase"], "failed", "{summary}");
+    let error = summary["error"].as_str().unwrap();
+    assert!(
+        error.starts_with("the control socket failed: ") && error.contains(&path),
+        "{error}"
+    );
+    let event = records
+        .iter()
+        .find(|r| r["type"] == "event" && r["kind"] == "error")
+        .unwrap_or_else(|| panic!("{records:?}"));
+    assert_eq!(event["message"], error);
+    eprintln!("control.sock a directory: exit 1, summary failed: {error}");
+}

@@ -3,6 +3,8 @@
 //! `datasets.load_from_disk` reads the output. Bad input gets one message naming file and row.
 
 mod common;
+#[path = "prepare_data/long_records.rs"]
+mod long_records;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -11,3 +11,4 @@ pub(crate) mod regenerate;
 pub mod sampler;
 pub mod sharegpt;
 pub mod store;
+pub(crate) mod token_prefix;

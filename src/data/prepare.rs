@@ -22,7 +22,7 @@
 
 use std::ops::Range;
 
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 
 use super::chat::{ChatRecord, RecordBody, SkipReason};
 use crate::text::{ChatTemplate, Message, TextTokenizer};
@@ -309,14 +309,14 @@ pub(crate) fn prepare_record(
     max_len: usize,
 ) -> std::result::Result<PreparedSample, SkipReason> {
     let mut empty_turns = 0;
-    let (ids, offsets, spans) = match &record.body {
+    // Only the first `max_len` tokens are tokenised (see [`super::token_prefix`]).
+    let (tokens, spans) = match &record.body {
         RecordBody::Text(text) => {
-            let (ids, offsets) = tokenizer
-                .encode_with_offsets(text)
+            let tokens = tokenizer
+                .encode_prefix(text, max_len)
                 .map_err(|e| e.to_string())?;
             // Plain text: every token is trained.
-            let all = std::iter::once(0..text.len()).collect::<Vec<_>>();
-            (ids, offsets, all)
+            (tokens, std::iter::once(0..text.len()).collect::<Vec<_>>())
         }
         RecordBody::Chat {
             messages: all_messages,
@@ -350,47 +350,30 @@ pub(crate) fn prepare_record(
             let full = rendering.render(messages).map_err(|e| e.to_string())?;
             let spans = template_spans(rendering, messages, &full)?;
             empty_turns = count_empty_turns(messages);
-            let (ids, offsets) = tokenizer
-                .encode_with_offsets(&full)
+            let tokens = tokenizer
+                .encode_prefix(&full, max_len)
                 .map_err(|e| e.to_string())?;
-            (ids, offsets, spans)
+            (tokens, spans)
         }
     };
-    if ids.is_empty() {
+    if tokens.ids.is_empty() && !tokens.more {
         return Err("no tokens".into());
     }
-    let mut loss_mask: Vec<u8> = offsets
+    let loss_mask: Vec<u8> = tokens
+        .offsets
         .iter()
         .map(|o| spans.iter().any(|s| s.contains(&o.0)) as u8)
         .collect();
-    let mut input_ids = ids;
-    let was_cut = input_ids.len() > max_len;
-    input_ids.truncate(max_len);
-    loss_mask.truncate(max_len);
     if loss_mask.iter().all(|&m| m == 0) {
         return Err(SkipReason::NoAssistantToken { max_len });
     }
     Ok(PreparedSample {
         id: record.id.clone(),
-        input_ids,
+        input_ids: tokens.ids,
         loss_mask,
-        was_cut,
+        was_cut: tokens.more,
         empty_turns,
     })
-}
-
-/// Byte offsets `(start, end)` of a token in the text.
-pub(crate) type ByteSpan = (usize, usize);
-
-impl TextTokenizer {
-    /// Token ids and their byte offsets `(start, end)` in `text`.
-    pub(crate) fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<ByteSpan>)> {
-        let enc = self
-            .inner()
-            .encode(text, false)
-            .map_err(|e| anyhow!("cannot tokenise: {e}"))?;
-        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
-    }
 }
 
 #[cfg(test)]

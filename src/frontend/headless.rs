@@ -275,8 +275,10 @@ fn exit_without_the_stages(handle: &TrainerHandle, socket: super::socket::Contro
     signal_hook::low_level::exit(1)
 }
 
-/// Runs the loop until the trainer ends. A control socket that cannot be served stops the
-/// run: `ctl` and `attach` would otherwise find no trainer while it trains.
+/// Runs the loop until the trainer ends. A control socket that cannot be served fails the run
+/// as it starts (its path was checked before anything loaded, so this is a file in the way or
+/// a permission): `ctl`, `attach` and the screen reach a run only through it, and a run
+/// recorded as stopped with no error left the cause out of its records.
 pub(crate) fn run(
     handle: TrainerHandle,
     mut signals: SignalFlags,
@@ -287,10 +289,10 @@ pub(crate) fn run(
     let socket = match super::socket::serve(&handle.shared.run_dir, req_tx.clone()) {
         Ok(socket) => socket,
         Err(e) => {
-            handle.abort();
+            handle.fail("the control socket", &e);
             let _ = handle.join();
             return Err(e.context(
-                "the run is stopped: without its control socket, ctl could not reach it",
+                "the run is stopped: without its control socket, ctl and attach could not reach it",
             ));
         }
     };

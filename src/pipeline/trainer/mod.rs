@@ -477,6 +477,13 @@ impl TrainerHandle {
         self.shared.feature_q.wake_all();
     }
 
+    /// Ends the run as failed by `what` (the front end): the error is logged, recorded as an
+    /// event and in the summary, and every stage stops.
+    pub fn fail(&self, what: &str, error: &anyhow::Error) {
+        self.shared.fail(what, error);
+        self.abort();
+    }
+
     /// Steps done, the phase and the error, without copying the chart history (for polling).
     pub fn progress(&self) -> (u64, Phase, Option<String>) {
         let st = self.shared.status();
