@@ -180,6 +180,20 @@ pub(crate) fn write_error(path: &Path, err: impl Into<anyhow::Error>) -> anyhow:
     }
 }
 
+/// Appends `bytes` to `file` whole or not at all: a failed write (a full disk) is cut back off,
+/// so a file of records keeps whole records.
+pub(crate) fn append_whole(file: &mut std::fs::File, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let before = file.metadata().map(|m| m.len()).ok();
+    let written = file.write_all(bytes);
+    if written.is_err() {
+        if let Some(len) = before {
+            let _ = file.set_len(len);
+        }
+    }
+    written
+}
+
 /// Writes `value` as pretty JSON with a trailing newline.
 pub(crate) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let mut text = serde_json::to_string_pretty(value)?;

@@ -2,7 +2,6 @@
 //! (control-room spec §6).
 
 use std::fs::File;
-use std::io::Write;
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -285,8 +284,7 @@ impl MetricsWriter {
         };
         line.push('\n');
         let mut m = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let before = m.file.metadata().map(|md| md.len()).ok();
-        match m.file.write_all(line.as_bytes()) {
+        match crate::fsutil::append_whole(&mut m.file, line.as_bytes()) {
             Ok(()) => {
                 if m.failures > 0 {
                     log::info!(
@@ -297,10 +295,6 @@ impl MetricsWriter {
                 }
             }
             Err(e) => {
-                // cut a partial line back off: the file stays whole lines
-                if let Some(len) = before {
-                    let _ = m.file.set_len(len);
-                }
                 m.failures += 1;
                 if m.failures.is_power_of_two() {
                     log::warn!(

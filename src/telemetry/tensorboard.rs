@@ -18,7 +18,6 @@
 //! record's own step, else the last step written before it.
 
 use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -305,8 +304,7 @@ impl LiveFile {
         if self.pending.is_empty() {
             return;
         }
-        let before = self.file.metadata().map(|m| m.len()).ok();
-        match self.file.write_all(&self.pending) {
+        match crate::fsutil::append_whole(&mut self.file, &self.pending) {
             Ok(()) => {
                 if self.lost > 0 {
                     log::info!("{}: writing again", self.path.display());
@@ -314,9 +312,6 @@ impl LiveFile {
                 }
             }
             Err(e) => {
-                if let Some(len) = before {
-                    let _ = self.file.set_len(len);
-                }
                 self.lost += 1;
                 if self.lost.is_power_of_two() {
                     log::warn!(
