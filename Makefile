@@ -44,7 +44,7 @@ lint: libtorch
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --all-targets --locked -- -D warnings
 
-# A stripped release binary in .carry/ for the GPU machine (see README, "GPU use").
+# A stripped release binary in .carry/ for a GPU machine (lab/README.md).
 carry: build
 	mkdir -p .carry
 	cp $(BIN) .carry/dflash-tui

@@ -391,7 +391,7 @@ fn main() -> Result<()> {
     }
     // $PROBE_TRACE=FILE: a profiler trace of two whole steps at 64 blocks per chunk with the
     // fused loss where it loads (the recipe trains at 32), the parts in named ranges
-    // (scripts/trace_summary.py totals the device time per range; the backward pass runs on
+    // (tools/trace_summary.py totals the device time per range; the backward pass runs on
     // autograd's own thread, outside them)
     if let Some(path) = std::env::var_os("PROBE_TRACE").map(std::path::PathBuf::from) {
         let d = Drafter::init(dcfg.clone(), dev, kind, 0)?.with_train_attention(

@@ -450,7 +450,7 @@ fn eval_compare_pairs_two_reports_by_prompt() {
         std::process::Command::new("python3")
             .arg(concat!(
                 env!("CARGO_MANIFEST_DIR"),
-                "/scripts/eval_compare.py"
+                "/tools/eval_compare.py"
             ))
             .arg(x)
             .arg(y)

@@ -690,7 +690,7 @@ fn non_finite_values_do_not_panic() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Helpers of render.rs
+// Helpers of the render (src/frontend/tui/render/: charts.rs, format.rs)
 
 #[test]
 fn downsample_bucket_means() {

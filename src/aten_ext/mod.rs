@@ -279,7 +279,7 @@ pub(crate) fn flash_varlen(
 /// the operators it runs, with their input shapes, and with `cuda` the CUDA kernels and copies
 /// on the device. [`ProfilerTrace::save`] writes the trace
 /// as Chrome trace JSON, the file torch.profiler's `export_chrome_trace` writes (Perfetto and
-/// chrome://tracing open it; `scripts/trace_summary.py` totals it by kernel or operator).
+/// chrome://tracing open it; `tools/trace_summary.py` totals it by kernel or operator).
 /// Dropped unsaved, it stops and the trace is discarded. One at a time per process.
 #[derive(Debug)]
 pub struct ProfilerTrace {
@@ -326,7 +326,7 @@ impl ProfilerTrace {
 
 /// A named range of a profiler trace, open until dropped: what `torch.profiler.record_function`
 /// opens (a "user_annotation" enclosing the operators and kernel launches made inside it, so
-/// that `scripts/trace_summary.py` can total the kernels of each part of a step). Near free
+/// that `tools/trace_summary.py` can total the kernels of each part of a step). Near free
 /// while no profiler runs.
 pub struct ProfilerRange {
     handle: *mut c_void,

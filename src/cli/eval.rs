@@ -60,7 +60,7 @@ pub struct EvalArgs {
     /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with
     /// their shapes, and on a GPU the CUDA kernels) of one more decoding of the first prompt,
     /// greedy then DFlash, untimed, to this file (on the first device). See
-    /// scripts/trace_summary.py.
+    /// tools/trace_summary.py.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
     /// One JSON object: tau, speedup, prompts (output_ids, accept_lengths), ...

@@ -74,7 +74,7 @@ pub struct RegenerateArgs {
     pub no_fused_kernels: bool,
     /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with
     /// their shapes, and on a GPU the CUDA kernels) of the continuous engine's decoding steps
-    /// --trace-steps to this file (the first device's worker). See scripts/trace_summary.py.
+    /// --trace-steps to this file (the first device's worker). See tools/trace_summary.py.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
     /// The decoding steps --trace records, FIRST:COUNT (counted from 0; step 0 captures the

@@ -1,5 +1,6 @@
-//! Telemetry: what the machine and the run are doing (GPU readings from NVML for now), and how
-//! its durations read (below pipeline and frontend, so the run loop and the screen format them alike).
+//! Telemetry: what the machine and the run are doing (GPU readings from NVML, the process's CPU
+//! and memory, stage profiles, queue levels, rates), the run's records (metrics.jsonl, TensorBoard),
+//! and how its durations read (below pipeline and frontend, so the run loop and the screen format them alike).
 
 pub(crate) mod format;
 pub mod gpu;

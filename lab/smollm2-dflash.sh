@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The SmolLM2-135M-Instruct DFlash recipe on one GPU (configs/smollm2-dflash.toml), in stages of
-# at most 10 minutes each, for machines lent by the call (see README, "Results"):
+# at most 10 minutes each, for machines lent by the call
+# (results: docs/results/smollm2.md; how it runs: lab/README.md):
 #
-#   W=/tmp/w OUT=$OUT bash scripts/smollm2-dflash.sh data|more|train|rest|ablate|eval|trace|regen-bench
+#   W=/tmp/w OUT=$OUT bash lab/smollm2-dflash.sh data|more|train|rest|ablate|eval|trace|regen-bench
 #
 # data   import the demo GGUF, tokenise all 17,671 demo conversations (train / validation
 #        splits) and regenerate EVERY assistant turn with the target (greedy, continuous
@@ -28,10 +29,10 @@
 #        RUNS=all (or first) runs only that workload.
 # eval   `eval` of $RUN/best/drafter at batch 1, bf16, CUDA graphs: 100 held-out ShareGPT
 #        prompts and MT-Bench's 80 first turns, 128 new tokens each; 20 prompts in f32
-#        (lossless); the drafter in z-lab's public implementation (scripts/check_public_dflash.py).
+#        (lossless); the drafter in z-lab's public implementation (tools/check_public_dflash.py).
 #        TRACE=1: also the trace stage. QUICK=1: the two bf16 sets only.
 # trace  a profiler trace of one prompt's decoding (greedy, then DFlash), totalled by kernel
-#        and by part of a step (scripts/trace_summary.py; the summary is returned, the trace
+#        and by part of a step (tools/trace_summary.py; the summary is returned, the trace
 #        stays in $W).
 #
 # Every stage first looks for what the previous one made in $W (a warm machine); on a fresh
@@ -49,7 +50,8 @@
 # one machine are two arms from the same carried drafter (e.g. with and without a SET), each
 # measured with QUICK=1 eval; `rest` with an arm's name then returns the rest of that arm's
 # drafter, and with AGAIN=1 all of it (two calls for 11 layers).
-# What a session returned outlives it in git history: scripts/recipe-state.sh save / restore.
+# What a session returned outlives it in the recipe-state store (not in git): lab/recipe-state.sh
+# save / restore.
 # Inputs in $W: dflash-tui (or dflash-tui.xz), gg.* (the demo GGUF, xz-compressed, in pieces),
 # sharegpt.jsonl.xz, mt-bench.jsonl, whl/ (the dflash==0.1.0 wheel: z-lab's implementation, run on
 # the machine's own torch and transformers).
@@ -111,7 +113,7 @@ give() { # give DIR: DIR's files into $OUT in name order, as many as a call brin
     mv -- "$f" "$OUT/" && used=$((used + size))
   done
   if compgen -G "$1/*" > /dev/null; then
-    echo "NOT RETURNED (64 MiB a call): $(cd "$1" && echo *); the next call on this machine: W=$W OUT=\$OUT bash scripts/smollm2-dflash.sh rest"
+    echo "NOT RETURNED (64 MiB a call): $(cd "$1" && echo *); the next call on this machine: W=$W OUT=\$OUT bash lab/smollm2-dflash.sh rest"
   fi
 }
 
@@ -144,7 +146,7 @@ trace() { # a profiler trace of one prompt's decoding (greedy, then DFlash), tot
   t trace
   "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 2 --max-new-tokens 128 \
     --trace "$W/trace.json" > /dev/null 2> "$OUT/trace.err" &&
-    python3 scripts/trace_summary.py "$W/trace.json" --top 40 > "$OUT/trace-summary.txt"
+    python3 tools/trace_summary.py "$W/trace.json" --top 40 > "$OUT/trace-summary.txt"
   head -60 "$OUT/trace-summary.txt"
   bundle trace.err trace-summary.txt
 }
@@ -191,7 +193,7 @@ more)
       bundle "regenerate-more-$SEED.err"
     fi
     # the Hugging Face layout: a split is the Arrow files its state.json lists
-    python3 scripts/add_split_files.py "$more/train" "$W/regen/train" "more-$SEED-" &&
+    python3 lab/add_split_files.py "$more/train" "$W/regen/train" "more-$SEED-" &&
       touch "$W/regen/train/more-$SEED.done" || exit 1
   fi
   summary 6
@@ -249,7 +251,7 @@ ablate)
   cp "$W/ablate-$name/metrics.jsonl" "$OUT/metrics-$name.jsonl"
   "$B" eval --target "$W/smol" --drafter "$W/ablate-$name/best/drafter" --data "$W/regen" --limit 100 \
     --max-new-tokens 128 --json > "$OUT/eval-$name.json" 2> "$OUT/eval-$name.err"
-  python3 scripts/eval_summary.py "$OUT/eval-$name.json" | head -1
+  python3 tools/eval_summary.py "$OUT/eval-$name.json" | head -1
   bundle "train-$name.out" "metrics-$name.jsonl" "eval-$name.json" "eval-$name.err"
   ;;
 trace)
@@ -268,8 +270,8 @@ eval)
     --max-new-tokens 128 --json > "$OUT/eval-mtbench.json" 2> "$OUT/eval-mtbench.err"
   if [ -n "${QUICK:-}" ]; then
     # QUICK=1: the two bf16 sets only (an arm of a comparison; the f32 and public checks are
-    # the kept drafter's, run later with RUN=NAME bash scripts/smollm2-dflash.sh eval)
-    python3 scripts/eval_summary.py "$OUT"/eval-sharegpt.json "$OUT"/eval-mtbench.json
+    # the kept drafter's, run later with RUN=NAME bash lab/smollm2-dflash.sh eval)
+    python3 tools/eval_summary.py "$OUT"/eval-sharegpt.json "$OUT"/eval-mtbench.json
     bundle eval-sharegpt.json eval-sharegpt.err eval-mtbench.json eval-mtbench.err
     t done
     exit 0
@@ -277,12 +279,12 @@ eval)
   t eval-f32
   "$B" eval --target "$W/smol" --drafter "$D" --data "$W/regen" --limit 20 \
     --max-new-tokens 64 --dtype f32 --json > "$OUT/eval-f32.json" 2> "$OUT/eval-f32.err"
-  python3 scripts/eval_summary.py "$OUT"/eval-sharegpt.json "$OUT"/eval-mtbench.json "$OUT"/eval-f32.json
+  python3 tools/eval_summary.py "$OUT"/eval-sharegpt.json "$OUT"/eval-mtbench.json "$OUT"/eval-f32.json
   [ -n "${TRACE:-}" ] && trace
   t public-check
   mkdir -p "$W/site"
   python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('$W/site') for w in glob.glob('$W/whl/dflash-*.whl')]"
-  PYTHONPATH="$W/site" python3 scripts/check_public_dflash.py "$W/smol" "$D" "$OUT/eval-f32.json" \
+  PYTHONPATH="$W/site" python3 tools/check_public_dflash.py "$W/smol" "$D" "$OUT/eval-f32.json" \
     --dtype f32 --max-new-tokens 64 > "$OUT/public.json" 2> "$OUT/public.err" \
     || { echo "public check exit $?"; tail -5 "$OUT/public.err"; }
   cat "$OUT/public.json"
@@ -313,7 +315,7 @@ regen-bench)
     grep -E "tokens generated|regenerate on" "$OUT/regen-$name.err" | tail -4
     tail -3 "$OUT/regen-$name.out"
     if [ -f "$W/trace-$name.json" ]; then
-      python3 scripts/trace_summary.py "$W/trace-$name.json" --top 40 > "$OUT/regen-trace-$name.txt"
+      python3 tools/trace_summary.py "$W/trace-$name.json" --top 40 > "$OUT/regen-trace-$name.txt"
       head -30 "$OUT/regen-trace-$name.txt"
     fi
     bundle "regen-$name.err" "regen-$name.out" "regen-trace-$name.txt"

@@ -2,7 +2,7 @@
 # Builds the test binaries and copies the library's, tests/trainer.rs's and tests/gpu_decode.rs's,
 # stripped, into .carry/tests/ for the GPU machine (which has no cargo): there, from the repo
 # root, `.carry/tests/lib --ignored nccl` and `.carry/tests/trainer --ignored nccl` run the
-# two-GPU NCCL checks (see README, "Data-parallel replicas"), `.carry/tests/gpu_decode --ignored
+# two-GPU NCCL checks (docs/training.md, "Data-parallel replicas"), `.carry/tests/gpu_decode --ignored
 # gpu` the GPU decoding checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."

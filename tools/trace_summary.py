@@ -9,7 +9,7 @@ name: each kernel belongs to the innermost range around the launch that queued i
 the launch's correlation id, which also holds for the kernels of a replayed CUDA graph). Standard library only, so that it runs where
 the trace was made and only its summary has to travel.
 
-  python3 scripts/trace_summary.py TRACE.json [--top 25]
+  python3 tools/trace_summary.py TRACE.json [--top 25]
 """
 import argparse
 import collections

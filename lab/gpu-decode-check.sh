@@ -3,9 +3,9 @@
 # tests of tests/gpu_decode.rs (flash over the slot cache against dense attention, graph replays
 # against eager steps, f32 losslessness), then `eval` and `regenerate` on a random model of the
 # target's shape (speed only: a random model's answers mean nothing).
-# Inputs in $W: dflash-tui, gpu_decode (the test binary, from scripts/carry-tests.sh), shape/
+# Inputs in $W: dflash-tui, gpu_decode (the test binary, from lab/carry-tests.sh), shape/
 # (config.json of the target), data/ (a prepare-data folder of that tokenizer). Results in $OUT.
-#   W=.carry/check OUT=/tmp/out bash scripts/gpu-decode-check.sh
+#   W=.carry/check OUT=/tmp/out bash lab/gpu-decode-check.sh
 set -uo pipefail
 TL=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))")/lib
 export LD_LIBRARY_PATH=$TL
@@ -40,7 +40,7 @@ $B eval --target /tmp/rand --drafter /tmp/rand-drafter --data "$W/data" --limit 
 t eval-f32
 $B eval --target /tmp/rand --drafter /tmp/rand-drafter --data "$W/data" --limit 4 \
   --max-new-tokens 64 --dtype f32 --json > "$OUT/eval-f32.json" 2> "$OUT/eval-f32.err"
-python3 scripts/eval_summary.py "$OUT"/eval-graphs.json "$OUT"/eval-eager.json "$OUT"/eval-f32.json
+python3 tools/eval_summary.py "$OUT"/eval-graphs.json "$OUT"/eval-eager.json "$OUT"/eval-f32.json
 tail -3 "$OUT/eval-graphs.err"
 
 t regenerate

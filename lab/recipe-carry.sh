@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The inputs of scripts/smollm2-dflash.sh for a GPU machine that takes at most 64 MiB a call,
+# The inputs of lab/smollm2-dflash.sh for a GPU machine that takes at most 64 MiB a call,
 # packed into folders of at most 60 MB: .carry/c1, .carry/c2, ... Each call carries one folder
 # and copies it into $W (`cp -r .carry/cN/* /tmp/w/`); the last call then runs the stage.
 #
-#   scripts/recipe-carry.sh [STATE] [--sharegpt]      (after `make setup`)
+#   lab/recipe-carry.sh [STATE] [--sharegpt]      (after `make setup`)
 #
 # Packed: the stripped release binary (xz), the demo GGUF (xz, in 40 MB pieces), MT-Bench's
 # questions, z-lab's dflash==0.1.0 wheel (for the public check), and either STATE (a folder from
-# scripts/recipe-state.sh restore: regenerated data and a drafter; no regeneration needed) or,
+# lab/recipe-state.sh restore: regenerated data and a drafter; no regeneration needed) or,
 # without it, the demo ShareGPT file (xz, 18 MB) for the data stage. --sharegpt packs that file
 # with STATE too: the `more` stage needs it to sample answer sets the state does not hold yet
 # (e.g. SEED=3).
@@ -29,7 +29,7 @@ for f in "$gguf" assets/demo/mt-bench.jsonl; do
   [ -f "$f" ] || { echo "$f missing: run make setup first" >&2; exit 1; }
 done
 if [ -n "$state" ]; then
-  [ -f "$state/MANIFEST" ] || { echo "$state: no MANIFEST (not a scripts/recipe-state.sh restore)" >&2; exit 1; }
+  [ -f "$state/MANIFEST" ] || { echo "$state: no MANIFEST (not a lab/recipe-state.sh restore)" >&2; exit 1; }
 fi
 if [ -n "$sharegpt" ] && [ ! -f assets/demo/sharegpt.jsonl ]; then
   echo "assets/demo/sharegpt.jsonl missing: run make setup first" >&2

@@ -7,7 +7,7 @@ engine's rule. Time per decoding step = A + B * busy slots (ms; the defaults fit
 run of 2026-12-01 on one H200, 1,024 slots: 11,450 simulated steps against 11,378 measured,
 127.3 s against 126.7 s); a prefill costs 3 ms + 26 ms per 128 slots.
 
-  python3 scripts/simulate_regenerate.py REGENERATED_DATASET [--slots 1024] [--rule occupied]
+  python3 lab/simulate_regenerate.py REGENERATED_DATASET [--slots 1024] [--rule occupied]
 
 Needs pyarrow. Prints decoding steps, simulated seconds and tokens/s, the busy share of
 slot-steps, and the steps after 99 % of the tokens (the drain).
