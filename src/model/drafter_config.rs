@@ -425,6 +425,45 @@ mod tests {
     }
 
     #[test]
+    fn default_layer_ids_spread_over_deep_hybrid_targets() {
+        let ids = |t, k| default_target_layer_ids(t, k).unwrap();
+        // Qwen3.5 / 3.6-27B (64 layers): SpecForge's and z-lab's drafters tap these
+        assert_eq!(ids(64, 5), vec![1, 16, 31, 46, 61]);
+        // Qwen3.5-4B / 9B (32 layers), Qwen3.5-35B-A3B (40), Qwen3.5-122B-A10B (48)
+        assert_eq!(ids(32, 5), vec![1, 8, 15, 22, 29]);
+        assert_eq!(ids(40, 5), vec![1, 10, 19, 28, 37]);
+        assert_eq!(ids(48, 5), vec![1, 12, 23, 34, 45]);
+        assert_eq!(ids(64, 1), vec![32]);
+        assert_eq!(ids(64, 2), vec![1, 61]);
+    }
+
+    #[test]
+    fn a_drafter_takes_the_targets_rope_theta() {
+        // a Qwen3.5-shaped text config (rope_theta 1e7); the hybrid layers are the target's own
+        let target = TargetConfig::from_json(&json!({"model_type": "qwen3", "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "rope_theta": 10_000_000.0, "vocab_size": 300, "max_position_embeddings": 262144,
+            "tie_word_embeddings": false}))
+        .unwrap();
+        let shape = DrafterShape {
+            mask_token_id: 270,
+            ..DrafterShape::default()
+        };
+        let config = DrafterConfig::for_target(&target, &shape).unwrap();
+        assert_eq!(config.rope_theta, 1e7);
+        assert_eq!(config.target_layer_ids(), &[1, 2, 3, 4, 5]);
+        let mixed = config.with_sliding_window(2048, &[4]).unwrap();
+        assert_eq!(
+            mixed.layer_windows(),
+            vec![Some(2048), Some(2048), Some(2048), Some(2048), None]
+        );
+        let written = serde_json::to_value(&mixed).unwrap();
+        assert_eq!(written["rope_theta"], 1e7);
+        assert_eq!(DrafterConfig::from_json(written).unwrap(), mixed);
+    }
+
+    #[test]
     fn default_layer_ids_are_distinct_for_shallow_targets_or_refused() {
         let ids = |t, k| default_target_layer_ids(t, k).unwrap();
         // the spec's formula where it gives distinct layers
