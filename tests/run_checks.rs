@@ -617,10 +617,21 @@ fn init_drafter_makes_the_sliding_window_layer_mix() {
         c["layer_types"],
         serde_json::json!(["sliding_attention", "sliding_attention", "full_attention"])
     );
-    assert_eq!((c["use_sliding_window"].clone(), c["sliding_window"].clone()), (true.into(), 2048.into()));
-    assert!(out.stdout.contains("3 layers (2 sliding (window 2048), 1 full)"), "{}", out.stdout);
+    assert_eq!(
+        (c["use_sliding_window"].clone(), c["sliding_window"].clone()),
+        (true.into(), 2048.into())
+    );
+    assert!(
+        out.stdout
+            .contains("3 layers (2 sliding (window 2048), 1 full)"),
+        "{}",
+        out.stdout
+    );
     // the full layers chosen
-    let (out, dir) = with("first", &["--sliding-window", "8", "--full-attention-layers", "0,2"]);
+    let (out, dir) = with(
+        "first",
+        &["--sliding-window", "8", "--full-attention-layers", "0,2"],
+    );
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     assert_eq!(
         config(&dir)["layer_types"],
@@ -628,12 +639,24 @@ fn init_drafter_makes_the_sliding_window_layer_mix() {
     );
     // refused, by option, before anything is written
     for (extra, message) in [
-        (&["--sliding-window", "0"][..], "a sliding window of 0 positions: it must be at least 1"),
-        (&["--sliding-window", "4", "--full-attention-layers", "3"], "full-attention layer 3: the drafter has layers 0 to 2"),
+        (
+            &["--sliding-window", "0"][..],
+            "a sliding window of 0 positions: it must be at least 1",
+        ),
+        (
+            &["--sliding-window", "4", "--full-attention-layers", "3"],
+            "full-attention layer 3: the drafter has layers 0 to 2",
+        ),
     ] {
         let (out, dir) = with("refused", extra);
         assert_eq!(out.code, Some(1), "{}", out.stderr);
-        assert!(out.stderr.contains("--sliding-window / --full-attention-layers") && out.stderr.contains(message), "{}", out.stderr);
+        assert!(
+            out.stderr
+                .contains("--sliding-window / --full-attention-layers")
+                && out.stderr.contains(message),
+            "{}",
+            out.stderr
+        );
         assert!(!dir.exists());
     }
     // without --sliding-window: the spec's config.json, no layout keys

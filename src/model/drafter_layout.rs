@@ -75,14 +75,16 @@ pub(crate) fn normalise(map: &mut Map<String, Value>) -> Result<()> {
                 .and_then(|v| v.as_i64())
                 .unwrap_or(DEFAULT_MAX_WINDOW_LAYERS);
             let layers = map.get("num_hidden_layers").and_then(Value::as_i64);
-            layers.filter(|n| (1..=super::MAX_DRAFTER_LAYERS).contains(n)).map(|n| {
-                (0..n)
-                    .map(|i| match i >= first {
-                        true => LayerType::SlidingAttention,
-                        false => LayerType::FullAttention,
-                    })
-                    .collect()
-            })
+            layers
+                .filter(|n| (1..=super::MAX_DRAFTER_LAYERS).contains(n))
+                .map(|n| {
+                    (0..n)
+                        .map(|i| match i >= first {
+                            true => LayerType::SlidingAttention,
+                            false => LayerType::FullAttention,
+                        })
+                        .collect()
+                })
         }
         None => None,
     };
@@ -134,7 +136,9 @@ pub(crate) fn validate(
         .flatten()
         .any(|t| *t == LayerType::SlidingAttention);
     if slides && !use_window {
-        bail!("field layer_types names sliding_attention layers but use_sliding_window is not true");
+        bail!(
+            "field layer_types names sliding_attention layers but use_sliding_window is not true"
+        );
     }
     Ok(())
 }
@@ -184,13 +188,20 @@ mod tests {
         let full = json!({"num_hidden_layers": 2, "layer_types": ["full_attention", "full_attention"],
             "use_sliding_window": false, "sliding_window": null, "max_window_layers": 28});
         let got = normalised(full).unwrap();
-        assert_eq!(got, json!({"num_hidden_layers": 2,
-            "layer_types": ["full_attention", "full_attention"]}));
+        assert_eq!(
+            got,
+            json!({"num_hidden_layers": 2,
+            "layer_types": ["full_attention", "full_attention"]})
+        );
         // transformers ignores sliding_window without use_sliding_window
         let ignored = json!({"num_hidden_layers": 2, "sliding_window": 0});
-        assert_eq!(normalised(ignored).unwrap(), json!({"num_hidden_layers": 2}));
+        assert_eq!(
+            normalised(ignored).unwrap(),
+            json!({"num_hidden_layers": 2})
+        );
         // no layer_types: the layers from max_window_layers on slide, 4096 by default
-        let derived = json!({"num_hidden_layers": 3, "use_sliding_window": true, "max_window_layers": 1});
+        let derived =
+            json!({"num_hidden_layers": 3, "use_sliding_window": true, "max_window_layers": 1});
         let got = normalised(derived).unwrap();
         assert_eq!(
             got["layer_types"],
@@ -231,8 +242,13 @@ mod tests {
             .to_string();
         assert!(e.starts_with("field layer_types names sliding_attention layers but use_sliding_window is not true"), "{e}");
         let full = [LayerType::FullAttention; 2];
-        let e = validate(Some(&full), false, None, 3).unwrap_err().to_string();
-        assert_eq!(e, "field layer_types lists 2 layers, but num_hidden_layers = 3");
+        let e = validate(Some(&full), false, None, 3)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "field layer_types lists 2 layers, but num_hidden_layers = 3"
+        );
         let e = validate(None, true, Some(0), 3).unwrap_err().to_string();
         assert_eq!(e, "field sliding_window = 0 must be at least 1");
         assert!(validate(Some(&full), false, None, 2).is_ok());

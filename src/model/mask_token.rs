@@ -132,12 +132,32 @@ mod tests {
     /// tokens after the model's vocabulary, as Qwen's files list them).
     fn qwen35_like_tokenizer() -> tokenizers::Tokenizer {
         let names = [
-            "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-            "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
-            "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-            "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
-            "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-            "<tool_response>", "</tool_response>", "<think>", "</think>",
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|object_ref_start|>",
+            "<|object_ref_end|>",
+            "<|box_start|>",
+            "<|box_end|>",
+            "<|quad_start|>",
+            "<|quad_end|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|vision_pad|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<|fim_prefix|>",
+            "<|fim_middle|>",
+            "<|fim_suffix|>",
+            "<|fim_pad|>",
+            "<|repo_name|>",
+            "<|file_sep|>",
+            "<tool_response>",
+            "</tool_response>",
+            "<think>",
+            "</think>",
         ];
         let added: Vec<serde_json::Value> = names
             .iter()

@@ -75,17 +75,28 @@ fn reference_logits(f: &Fixture, toks: &[i64], feats: &Tensor, anchors: &[i64]) 
     for &a in anchors {
         let mut ids = vec![MASK; BLOCK as usize];
         ids[0] = toks[a as usize];
-        let mut h = f.head.embed_tokens.index_select(0, &Tensor::from_slice(&ids));
+        let mut h = f
+            .head
+            .embed_tokens
+            .index_select(0, &Tensor::from_slice(&ids));
         let q_pos: Vec<i64> = (a..a + BLOCK).collect();
         for l in 0..c.num_hidden_layers as usize {
             let p = |name: &str| &w[&format!("layers.{l}.{name}")];
             let x = norm(&h, p("input_layernorm.weight"), eps);
             let proj = |t: &Tensor, m: &str, n: i64| t.matmul(&p(m).tr()).view([-1, n, d]);
             let keys = |t: &Tensor, pos: &[i64]| {
-                let k = norm(&proj(t, "self_attn.k_proj.weight", kv), p("self_attn.k_norm.weight"), eps);
+                let k = norm(
+                    &proj(t, "self_attn.k_proj.weight", kv),
+                    p("self_attn.k_norm.weight"),
+                    eps,
+                );
                 rotate(&k, pos, c.rope_theta)
             };
-            let q = norm(&proj(&x, "self_attn.q_proj.weight", heads), p("self_attn.q_norm.weight"), eps);
+            let q = norm(
+                &proj(&x, "self_attn.q_proj.weight", heads),
+                p("self_attn.q_norm.weight"),
+                eps,
+            );
             let q = rotate(&q, &q_pos, c.rope_theta);
             let k = Tensor::cat(&[keys(&ctx, &ctx_pos), keys(&x, &q_pos)], 0);
             let v = Tensor::cat(
@@ -137,7 +148,10 @@ fn reference_and_grads(
 
 fn probe() -> Tensor {
     tch::manual_seed(31);
-    Tensor::randn([1, ANCHORS.len() as i64, BLOCK, 50], (Kind::Float, Device::Cpu))
+    Tensor::randn(
+        [1, ANCHORS.len() as i64, BLOCK, 50],
+        (Kind::Float, Device::Cpu),
+    )
 }
 
 #[test]
@@ -235,8 +249,12 @@ fn decoding_with_a_window_matches_the_training_forward() {
             let at = |p: i64| Tensor::from_slice(&[p]);
             if a > 0 {
                 let batch = SlotBatch::uniform(&cache, &at(0), a);
-                copy.append_context_slots(&feats.narrow(1, 0, a).squeeze_dim(0), &batch, &mut cache)
-                    .unwrap();
+                copy.append_context_slots(
+                    &feats.narrow(1, 0, a).squeeze_dim(0),
+                    &batch,
+                    &mut cache,
+                )
+                .unwrap();
             }
             let mut ids = vec![MASK; BLOCK as usize];
             ids[0] = toks[a as usize];
@@ -245,7 +263,10 @@ fn decoding_with_a_window_matches_the_training_forward() {
                 .block_slots(&f.head, &Tensor::from_slice(&ids), &batch, &mut cache)
                 .unwrap();
             let d = max_diff(&copy.logits(&f.head, &hidden), &block(&train, j as i64));
-            assert!(d < 1e-4, "window {window}, block {j}: decoding differs by {d}");
+            assert!(
+                d < 1e-4,
+                "window {window}, block {j}: decoding differs by {d}"
+            );
         }
     }
 }
@@ -263,7 +284,8 @@ fn the_layout_survives_a_checkpoint_and_reads_as_the_public_code_writes_it() {
     );
     assert_eq!(json["use_sliding_window"], true);
     assert_eq!(json["sliding_window"], 3);
-    let loaded = Drafter::load_for_target(&dir, &f.target.config, Device::Cpu, Kind::Float).unwrap();
+    let loaded =
+        Drafter::load_for_target(&dir, &f.target.config, Device::Cpu, Kind::Float).unwrap();
     assert_eq!(loaded.config, f.drafter.config);
     assert_eq!(loaded.config.layer_windows(), vec![Some(3), None]);
     assert_eq!(
@@ -277,12 +299,19 @@ fn the_layout_survives_a_checkpoint_and_reads_as_the_public_code_writes_it() {
             serde_json::json!(["sliding_attention", "chunked_attention"]),
             "field layer_types[1] = \"chunked_attention\" is not a drafter layer type",
         ),
-        ("sliding_window", serde_json::json!(0), "field sliding_window = 0 must be a whole number of at least 1"),
+        (
+            "sliding_window",
+            serde_json::json!(0),
+            "field sliding_window = 0 must be a whole number of at least 1",
+        ),
     ] {
         let mut bad = json.clone();
         bad[key] = value;
         std::fs::write(dir.join("config.json"), bad.to_string()).unwrap();
-        let e = format!("{:#}", Drafter::load(&dir, Device::Cpu, Kind::Float).unwrap_err());
+        let e = format!(
+            "{:#}",
+            Drafter::load(&dir, Device::Cpu, Kind::Float).unwrap_err()
+        );
         assert!(e.contains(message), "{e}");
     }
     // the layer mix grows with added layers: the new ones attend as the last one

@@ -190,8 +190,8 @@ impl Drafter {
     fn additive_mask(&self, sees: &Tensor) -> Tensor {
         let (calls, rows, keys) = sees.size3().unwrap_or((0, 0, 0));
         let padded = (keys + 15) / 16 * 16;
-        let mut bias = Tensor::zeros([calls, 1, rows, padded], (self.kind, sees.device()))
-            .narrow(3, 0, keys);
+        let mut bias =
+            Tensor::zeros([calls, 1, rows, padded], (self.kind, sees.device())).narrow(3, 0, keys);
         let _ = bias.masked_fill_(&sees.logical_not().unsqueeze(1), f64::NEG_INFINITY);
         bias
     }
