@@ -2,6 +2,8 @@
 //! the inference forward against the training forward, checkpoints and their exact format.
 
 mod common;
+#[path = "drafter/sliding.rs"]
+mod sliding;
 
 use std::collections::BTreeSet;
 

@@ -582,3 +582,85 @@ fn the_demo_data_refuses_im_end_and_takes_empty_output() {
         out.took.as_secs_f64()
     );
 }
+
+#[test]
+fn init_drafter_makes_the_sliding_window_layer_mix() {
+    let i = common::tiny_run(32, 3);
+    let with = |dir: &str, extra: &[&str]| {
+        let out_dir = i.tmp.path().join(dir);
+        let mut args: Vec<String> = [
+            "init-drafter",
+            "--target",
+            &i.target.display().to_string(),
+            "--out",
+            &out_dir.display().to_string(),
+            "--layers",
+            "3",
+            "--num-taps",
+            "2",
+            "--mask-token-id",
+            "49",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        (run(&args), out_dir)
+    };
+    let config = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+    };
+    // all sliding but the last, as Qwen3.6-27B's drafter
+    let (out, dir) = with("mix", &["--sliding-window", "2048"]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let c = config(&dir);
+    assert_eq!(
+        c["layer_types"],
+        serde_json::json!(["sliding_attention", "sliding_attention", "full_attention"])
+    );
+    assert_eq!(
+        (c["use_sliding_window"].clone(), c["sliding_window"].clone()),
+        (true.into(), 2048.into())
+    );
+    assert!(
+        out.stdout
+            .contains("3 layers (2 sliding (window 2048), 1 full)"),
+        "{}",
+        out.stdout
+    );
+    // the full layers chosen
+    let (out, dir) = with(
+        "first",
+        &["--sliding-window", "8", "--full-attention-layers", "0,2"],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert_eq!(
+        config(&dir)["layer_types"],
+        serde_json::json!(["full_attention", "sliding_attention", "full_attention"])
+    );
+    // refused, by option, before anything is written
+    for (extra, message) in [
+        (
+            &["--sliding-window", "0"][..],
+            "a sliding window of 0 positions: it must be at least 1",
+        ),
+        (
+            &["--sliding-window", "4", "--full-attention-layers", "3"],
+            "full-attention layer 3: the drafter has layers 0 to 2",
+        ),
+    ] {
+        let (out, dir) = with("refused", extra);
+        assert_eq!(out.code, Some(1), "{}", out.stderr);
+        assert!(
+            out.stderr
+                .contains("--sliding-window / --full-attention-layers")
+                && out.stderr.contains(message),
+            "{}",
+            out.stderr
+        );
+        assert!(!dir.exists());
+    }
+    // without --sliding-window: the spec's config.json, no layout keys
+    let (out, dir) = with("plain", &[]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(config(&dir).get("layer_types").is_none());
+}

@@ -4,6 +4,9 @@
 Prints one JSON object comparing its outputs and acceptance lengths with dflash-tui's.
 
 usage: python3 check_public_dflash.py TARGET_DIR DRAFTER_DIR EVAL_JSON [--dtype f32|bf16] [--device cuda]
+A drafter with sliding-window layers (layer_types, use_sliding_window, sliding_window) is
+checked to load with each sliding layer windowed and causal, each full layer not; a mismatch is
+a problem (exit 1).
 needs: torch, transformers (5.17.0 seen working; dflash declares 5.15.0, whose wheel refuses the
        tokenizers 0.23.2 beside it), dflash==0.1.0
 """
@@ -39,6 +42,23 @@ def main():
     )
     drafter = drafter.to(args.device).eval()
     problems = {k: v for k, v in info.items() if v}
+    # sliding-window layers (layer_types / use_sliding_window / sliding_window, as Qwen3.6-27B's
+    # drafter): the public code must give each sliding layer the config's window, causally
+    written = json.load(open(f"{args.drafter}/config.json"))
+    kinds = written.get("layer_types") or ["full_attention"] * len(drafter.layers)
+    window = written.get("sliding_window") if written.get("use_sliding_window") else None
+    layers = [
+        {"sliding_window": getattr(l.self_attn, "sliding_window", None),
+         "is_causal": bool(getattr(l.self_attn, "is_causal", False))}
+        for l in drafter.layers
+    ]
+    for i, (kind, got) in enumerate(zip(kinds, layers)):
+        want = (window, True) if kind == "sliding_attention" else (None, False)
+        if (got["sliding_window"], got["is_causal"]) != want:
+            problems.setdefault("attention_layout", []).append(
+                f"layer {i} ({kind}): public sliding_window={got['sliding_window']} "
+                f"is_causal={got['is_causal']}, config says window {want[0]}"
+            )
     eos = target.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     # record the public model's drafted tokens at every step
@@ -109,6 +129,8 @@ def main():
         "block_size": drafter.block_size,
         "mask_token_id": drafter.mask_token_id,
         "target_layer_ids": list(drafter.target_layer_ids),
+        "layer_types": kinds,
+        "public_layer_attention": layers,
         "prompts": len(report["prompts"]),
         "tau_public": accepted / max(steps, 1),
         "tau_dflash_tui": ours_accepted / max(ours_steps, 1),

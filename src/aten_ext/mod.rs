@@ -50,6 +50,7 @@ pub(crate) mod ffi {
             max_q: i64,
             max_k: i64,
             is_causal: bool,
+            window_left: i64,
             out: *mut *mut c_void,
         ) -> *mut c_char;
         pub(crate) fn dflash_clear_grad(tensor: *const c_void) -> *mut c_char;
@@ -242,7 +243,8 @@ pub(crate) struct VarlenLengths<'a> {
 /// `q` [total_q, heads, D] holds the queries of all sequences back to back; `k`, `v`
 /// [rows, kv_heads, D] are a key/value cache from which each sequence reads its own rows.
 /// With `causal` the mask aligns bottom-right: query i of a sequence with n queries and s keys
-/// sees keys up to s - n + i (new tokens see the cache and each other causally). Scale
+/// sees keys up to s - n + i (new tokens see the cache and each other causally); with
+/// `window_left` L (and `causal`) only from s - n + i - L on (a sliding window of L + 1). Scale
 /// 1/sqrt(D); grouped-query heads natively; bf16 or f16 on a GPU. Nothing is planned per shape,
 /// and with the lengths in device tensors the call can be captured in a CUDA graph.
 pub(crate) fn flash_varlen(
@@ -251,6 +253,7 @@ pub(crate) fn flash_varlen(
     v: &Tensor,
     lengths: &VarlenLengths<'_>,
     causal: bool,
+    window_left: Option<i64>,
 ) -> Result<Tensor> {
     let mut out: *mut c_void = std::ptr::null_mut();
     // SAFETY: live tensors; the shim writes a new tensor into `out` on success only.
@@ -265,6 +268,7 @@ pub(crate) fn flash_varlen(
             lengths.max_q,
             lengths.max_k,
             causal,
+            window_left.unwrap_or(-1),
             &mut out,
         ))
         .map_err(|e| anyhow!("flash attention (at::_flash_attention_forward): {e}"))?;

@@ -85,7 +85,8 @@ char *dflash_flash_attention(const at::Tensor *query, const at::Tensor *key,
 char *dflash_flash_varlen(const at::Tensor *query, const at::Tensor *key,
                           const at::Tensor *value, const at::Tensor *cu_q,
                           const at::Tensor *cu_k, const at::Tensor *seqused_k, int64_t max_q,
-                          int64_t max_k, bool is_causal, at::Tensor **out) {
+                          int64_t max_k, bool is_causal, int64_t window_left,
+                          at::Tensor **out) {
     return guarded([&]() -> char * {
         if (query == nullptr || key == nullptr || value == nullptr || cu_q == nullptr ||
             cu_k == nullptr || seqused_k == nullptr || out == nullptr) {
@@ -97,11 +98,16 @@ char *dflash_flash_varlen(const at::Tensor *query, const at::Tensor *key,
         //   SymInt? window_size_left=None, SymInt? window_size_right=None,
         //   Tensor? seqused_k=None, Tensor? alibi_slopes=None)
         const std::optional<at::Tensor> cq(*cu_q), ck(*cu_k), used(*seqused_k), no_alibi;
+        // window_left < 0: no window; else a query sees the keys up to window_left before it
+        std::optional<c10::SymInt> left, right;
+        if (window_left >= 0) {
+            left = c10::SymInt(window_left);
+            right = c10::SymInt(0);
+        }
         auto result = at::_ops::_flash_attention_forward::call(
             *query, *key, *value, cq, ck, c10::SymInt(max_q), c10::SymInt(max_k),
             /*dropout_p=*/0.0, is_causal, /*return_debug_mask=*/false, /*scale=*/std::nullopt,
-            /*window_size_left=*/std::nullopt, /*window_size_right=*/std::nullopt, used,
-            no_alibi);
+            left, right, used, no_alibi);
         *out = new at::Tensor(std::move(std::get<0>(result)));
         return nullptr;
     });

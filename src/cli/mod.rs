@@ -114,6 +114,17 @@ pub enum Command {
         /// against: refused when the loss trains on it there (loss_mask 1).
         #[arg(long)]
         data: Option<PathBuf>,
+        /// Sliding-window attention of N positions in every layer but those of
+        /// --full-attention-layers (the layer_types / sliding_window of Qwen3.6-27B's drafter:
+        /// --sliding-window 2048 with 5 layers, the last full). A sliding layer's block slot at
+        /// position p sees the keys at positions p - N < k <= p (its block causally). Left out:
+        /// every layer full.
+        #[arg(long, value_name = "N")]
+        sliding_window: Option<i64>,
+        /// With --sliding-window: the layers (0-based, comma separated) that keep full
+        /// attention [default: the last one].
+        #[arg(long, value_delimiter = ',', requires = "sliding_window")]
+        full_attention_layers: Option<Vec<usize>>,
     },
     /// Tokenise chat data (ShareGPT JSON/JSONL, {"messages"} JSONL, {"text"} JSONL) with a
     /// model's chat template into a Hugging Face dataset (save_to_disk layout, train and
@@ -406,6 +417,8 @@ fn run_model_or_data(command: Command, bars: &progress::Bars) -> anyhow::Result<
             num_taps,
             seed,
             data,
+            sliding_window,
+            full_attention_layers,
         } => models::init_drafter(models::InitDrafterArgs {
             target,
             out,
@@ -416,6 +429,8 @@ fn run_model_or_data(command: Command, bars: &progress::Bars) -> anyhow::Result<
             num_taps,
             seed,
             data,
+            sliding_window,
+            full_attention_layers,
         }),
         Command::Perplexity {
             model,

@@ -27,6 +27,10 @@ pub(super) struct InitDrafterArgs {
     pub seed: i64,
     /// A dataset to check the mask token against.
     pub data: Option<PathBuf>,
+    /// Sliding-window layers of this many positions ([`DrafterConfig::with_sliding_window`]).
+    pub sliding_window: Option<i64>,
+    /// The layers that stay full with a sliding window (`None`: the last).
+    pub full_attention_layers: Option<Vec<usize>>,
 }
 
 pub(super) fn init_drafter(args: InitDrafterArgs) -> Result<()> {
@@ -72,6 +76,16 @@ pub(super) fn init_drafter(args: InitDrafterArgs) -> Result<()> {
             args.target.join("config.json").display()
         )
     })?;
+    let config = match args.sliding_window {
+        Some(window) => {
+            let last = (args.layers.max(1) - 1) as usize;
+            let full = args.full_attention_layers.unwrap_or_else(|| vec![last]);
+            config
+                .with_sliding_window(window, &full)
+                .context("--sliding-window / --full-attention-layers")?
+        }
+        None => config,
+    };
     let drafter = Drafter::init(config, tch::Device::Cpu, tch::Kind::Float, args.seed as u64)?;
     let out = drafter.save(&args.out)?;
     println!("{}", drafter.describe());

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::config::TargetConfig;
+use super::drafter_layout::{self, LayerType};
 use super::rope_scaling::{RopeScaling, RopeSettings};
 
 /// The most decoder layers a drafter has (`model.drafter_layers`, a drafter's config.json).
@@ -47,6 +48,15 @@ pub struct DrafterConfig {
     pub vocab_size: i64,
     pub tie_word_embeddings: bool,
     pub torch_dtype: String,
+    /// Per layer, full or sliding-window attention (see [`drafter_layout`]); absent: all full.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_types: Option<Vec<LayerType>>,
+    /// Whether `sliding_window` counts (transformers drops it otherwise).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub use_sliding_window: bool,
+    /// The window of the sliding layers, set exactly where `use_sliding_window` is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<i64>,
 }
 
 /// The spec's default tapped layers: K == 1 -> [T / 2]; else
@@ -112,10 +122,69 @@ impl DrafterConfig {
                 "model.drafter_added_layers = {added}: the drafter has {layers} layers, and a drafter has 1 to {MAX_DRAFTER_LAYERS}"
             );
         }
+        // the new layers attend as the last one does
+        let layer_types = self.layer_types.as_ref().map(|types| {
+            let last = types.last().copied().unwrap_or(LayerType::FullAttention);
+            let mut grown = types.clone();
+            grown.resize((layers + added) as usize, last);
+            grown
+        });
         Ok(DrafterConfig {
             num_hidden_layers: layers + added,
+            layer_types,
             ..self.clone()
         })
+    }
+
+    /// This configuration with sliding-window layers of `window` positions, except the layers
+    /// `full` (indices), which keep full attention: the Qwen3.6-27B drafter's mix is window
+    /// 2048 with the last of 5 layers full.
+    pub fn with_sliding_window(&self, window: i64, full: &[usize]) -> Result<Self> {
+        let layers = self.num_hidden_layers;
+        if window < 1 {
+            bail!("a sliding window of {window} positions: it must be at least 1");
+        }
+        if let Some(&bad) = full.iter().find(|&&i| i as i64 >= layers) {
+            bail!(
+                "full-attention layer {bad}: the drafter has layers 0 to {}",
+                layers - 1
+            );
+        }
+        let types = (0..layers as usize)
+            .map(|i| match full.contains(&i) {
+                true => LayerType::FullAttention,
+                false => LayerType::SlidingAttention,
+            })
+            .collect();
+        let config = DrafterConfig {
+            layer_types: Some(types),
+            use_sliding_window: true,
+            sliding_window: Some(window),
+            ..self.clone()
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The window of layer `layer`'s attention, `None` for full attention.
+    pub fn layer_window(&self, layer: usize) -> Option<i64> {
+        let types = self.layer_types.as_ref()?;
+        match types.get(layer)? {
+            LayerType::SlidingAttention => self.sliding_window,
+            LayerType::FullAttention => None,
+        }
+    }
+
+    /// Every layer's window ([`DrafterConfig::layer_window`]).
+    pub fn layer_windows(&self) -> Vec<Option<i64>> {
+        (0..self.num_hidden_layers as usize)
+            .map(|l| self.layer_window(l))
+            .collect()
+    }
+
+    /// The layer mix in words where some layer slides (`4 sliding (window 2048), 1 full`).
+    pub fn describe_layers(&self) -> Option<String> {
+        drafter_layout::describe(self.layer_types.as_deref(), self.sliding_window)
     }
 
     /// A drafter for `target` with the target's dimensions.
@@ -148,6 +217,9 @@ impl DrafterConfig {
             vocab_size: target.vocab_size,
             tie_word_embeddings: false,
             torch_dtype: "bfloat16".into(),
+            layer_types: None,
+            use_sliding_window: false,
+            sliding_window: None,
         };
         config.validate()?;
         config.check_against(target)?;
@@ -183,6 +255,7 @@ impl DrafterConfig {
             bail!("not a JSON object");
         };
         let rope = RopeSettings::from_config(&map).map_err(|e| anyhow!(e))?;
+        drafter_layout::normalise(&mut map)?;
         map.remove("rope_parameters");
         map.insert("rope_theta".into(), json!(rope.theta));
         map.insert("rope_scaling".into(), rope.scaling.to_json());
@@ -288,7 +361,12 @@ impl DrafterConfig {
                 self.num_target_layers
             );
         }
-        Ok(())
+        drafter_layout::validate(
+            self.layer_types.as_deref(),
+            self.use_sliding_window,
+            self.sliding_window,
+            self.num_hidden_layers,
+        )
     }
 
     /// The sizes with their bounds (field, value, least, most): far beyond any published model
@@ -344,6 +422,45 @@ mod tests {
         // 7.5 -> 8 and 20.5 -> 20: round half to even
         assert_eq!(ids(30, 5), vec![1, 8, 14, 20, 27]);
         assert_eq!(ids(30, 1), vec![15]);
+    }
+
+    #[test]
+    fn default_layer_ids_spread_over_deep_hybrid_targets() {
+        let ids = |t, k| default_target_layer_ids(t, k).unwrap();
+        // Qwen3.5 / 3.6-27B (64 layers): SpecForge's and z-lab's drafters tap these
+        assert_eq!(ids(64, 5), vec![1, 16, 31, 46, 61]);
+        // Qwen3.5-4B / 9B (32 layers), Qwen3.5-35B-A3B (40), Qwen3.5-122B-A10B (48)
+        assert_eq!(ids(32, 5), vec![1, 8, 15, 22, 29]);
+        assert_eq!(ids(40, 5), vec![1, 10, 19, 28, 37]);
+        assert_eq!(ids(48, 5), vec![1, 12, 23, 34, 45]);
+        assert_eq!(ids(64, 1), vec![32]);
+        assert_eq!(ids(64, 2), vec![1, 61]);
+    }
+
+    #[test]
+    fn a_drafter_takes_the_targets_rope_theta() {
+        // a Qwen3.5-shaped text config (rope_theta 1e7); the hybrid layers are the target's own
+        let target = TargetConfig::from_json(&json!({"model_type": "qwen3", "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "rope_theta": 10_000_000.0, "vocab_size": 300, "max_position_embeddings": 262144,
+            "tie_word_embeddings": false}))
+        .unwrap();
+        let shape = DrafterShape {
+            mask_token_id: 270,
+            ..DrafterShape::default()
+        };
+        let config = DrafterConfig::for_target(&target, &shape).unwrap();
+        assert_eq!(config.rope_theta, 1e7);
+        assert_eq!(config.target_layer_ids(), &[1, 2, 3, 4, 5]);
+        let mixed = config.with_sliding_window(2048, &[4]).unwrap();
+        assert_eq!(
+            mixed.layer_windows(),
+            vec![Some(2048), Some(2048), Some(2048), Some(2048), None]
+        );
+        let written = serde_json::to_value(&mixed).unwrap();
+        assert_eq!(written["rope_theta"], 1e7);
+        assert_eq!(DrafterConfig::from_json(written).unwrap(), mixed);
     }
 
     #[test]

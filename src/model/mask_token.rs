@@ -54,7 +54,8 @@ const UNTRAINED_HINTS: [&str; 5] = ["mask", "reserved", "unused", "empty", "pad"
 /// The mask token to suggest, or `None` where nothing is safe. `seen` holds the ids of the
 /// training data (`None`: no data to check, so only ids no ordinary text produces are offered).
 /// In order: the first embedding row past the tokenizer (no text encodes to it: Qwen3's
-/// 151669), a special token named like an untrained one ([`UNTRAINED_HINTS`]; SmolLM2's
+/// 151669; Qwen3.5 / 3.6's 248070, after the 26 added tokens from `<|endoftext|>` 248044 to
+/// `</think>` 248069, which their published drafters use), a special token named like an untrained one ([`UNTRAINED_HINTS`]; SmolLM2's
 /// `<empty_output>`, 16), and, with data, any special token, then the highest id it never holds.
 pub(crate) fn suggest(vocab: &Vocab, seen: Option<&dyn Fn(u32) -> bool>) -> Option<MaskToken> {
     let unseen = |id: u32| (id as usize) < vocab.model_rows && !seen.is_some_and(|s| s(id));
@@ -123,6 +124,74 @@ mod tests {
         // ... unless the data holds it (then a named special token)
         let seen = |id: u32| id == 151_669;
         assert_eq!(suggest(&vocab, Some(&seen)).unwrap().id, 151_662);
+    }
+
+    /// A tokenizer.json with the added-token layout of Qwen3.5 / 3.6 (vocabulary 248320 rows):
+    /// 248044 ordinary tokens (here made up, no merges), then 26 added tokens from
+    /// `<|endoftext|>` at 248044 to `</think>` at 248069 (the tokenizers crate numbers added
+    /// tokens after the model's vocabulary, as Qwen's files list them).
+    fn qwen35_like_tokenizer() -> tokenizers::Tokenizer {
+        let names = [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|object_ref_start|>",
+            "<|object_ref_end|>",
+            "<|box_start|>",
+            "<|box_end|>",
+            "<|quad_start|>",
+            "<|quad_end|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|vision_pad|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<|fim_prefix|>",
+            "<|fim_middle|>",
+            "<|fim_suffix|>",
+            "<|fim_pad|>",
+            "<|repo_name|>",
+            "<|file_sep|>",
+            "<tool_response>",
+            "</tool_response>",
+            "<think>",
+            "</think>",
+        ];
+        let added: Vec<serde_json::Value> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                serde_json::json!({"id": 248_044 + i, "content": n, "single_word": false,
+                    "lstrip": false, "rstrip": false, "normalized": false,
+                    "special": !n.starts_with("<tool") && !n.starts_with("</tool")
+                        && !n.contains("think")})
+            })
+            .collect();
+        let base: serde_json::Map<String, serde_json::Value> =
+            (0..248_044).map(|i| (format!("t{i}"), i.into())).collect();
+        let json = serde_json::json!({"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": added, "normalizer": null, "pre_tokenizer": null,
+            "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": base, "merges": []}});
+        json.to_string().parse().unwrap()
+    }
+
+    #[test]
+    fn qwen35_takes_the_row_after_its_added_tokens() {
+        let tok = qwen35_like_tokenizer();
+        let vocab = Vocab::of(248_320, &tok);
+        assert_eq!(vocab.tokenizer_len, 248_070);
+        let got = suggest(&vocab, None).unwrap();
+        assert_eq!((got.id, got.text.as_deref()), (248_070, None));
+        // the data holding it: a special token named like an untrained one
+        let seen = |id: u32| id == 248_070;
+        let got = suggest(&vocab, Some(&seen)).unwrap();
+        assert_eq!(got.text.as_deref(), Some("<|vision_pad|>"));
     }
 
     #[test]

@@ -65,6 +65,8 @@ pub struct SlotCache {
     /// The parts of uniform batches that depend only on their shape, by (sequences, tokens
     /// each): made once, before any graph capture, and reused.
     uniform: RefCell<Vec<((i64, i64), UniformConstants)>>,
+    /// Per layer, a sliding window (see [`SlotCache::with_windows`]); empty: none.
+    windows: Vec<Option<i64>>,
 }
 
 /// See [`SlotCache::uniform_constants`].
@@ -117,7 +119,24 @@ impl SlotCache {
             rope: None,
             kernels: None,
             uniform: RefCell::new(Vec::new()),
+            windows: Vec::new(),
         })
+    }
+
+    /// Gives layer i the sliding window `windows[i]` (`None`: none): the new tokens of such a
+    /// layer see, causally, only the keys of the last w positions up to their own (p - w < k
+    /// <= p), whatever `causal` their forward asks for. A DFlash drafter's sliding layers.
+    pub(crate) fn with_windows(mut self, windows: Vec<Option<i64>>) -> Self {
+        self.windows = windows;
+        self
+    }
+
+    /// The window of `layer` and whether its attention is causal.
+    fn mask_of(&self, layer: usize, causal: bool) -> (Option<i64>, bool) {
+        match self.windows.get(layer).copied().flatten() {
+            Some(w) => (Some(w), true),
+            None => (None, causal),
+        }
     }
 
     /// The shape-only parts of a uniform batch of `b` sequences of `per_seq` tokens (made on
@@ -167,6 +186,7 @@ impl SlotCache {
     ) -> Result<Tensor> {
         self.write(layer, k, v, &batch.rows);
         let (keys, values) = (&self.keys[layer], &self.values[layer]);
+        let mask = self.mask_of(layer, causal);
         match (self.attention, &batch.geometry) {
             (SlotAttention::Flash, _) => {
                 // [1, heads, n, d] -> [n, heads, d] (a strided view: the kernel needs only the
@@ -175,10 +195,10 @@ impl SlotCache {
                 self.flash(layer, &rows_q, batch, causal)
             }
             (SlotAttention::Dense, Geometry::Uniform { batch: b, per_seq }) => {
-                Ok(self.dense_uniform(keys, values, q, batch, *b, *per_seq, causal))
+                Ok(self.dense_uniform(keys, values, q, batch, (*b, *per_seq), mask))
             }
             (SlotAttention::Dense, Geometry::Packed(seqs)) => {
-                Ok(self.dense_packed(keys, values, q, seqs, causal))
+                Ok(self.dense_packed(keys, values, q, seqs, mask))
             }
         }
     }
@@ -200,12 +220,16 @@ impl SlotCache {
             max_q: batch.max_q,
             max_k: self.capacity,
         };
+        // the kernel's window is bottom-right aligned as the cache rows are: a new token at
+        // position p sees keys p - left ..= p
+        let (window, causal) = self.mask_of(layer, causal);
         let out = flash_varlen(
             rows_q,
             &self.keys[layer],
             &self.values[layer],
             &lengths,
             causal,
+            window.map(|w| w - 1),
         )?;
         Ok(out.transpose(0, 1).unsqueeze(0))
     }
@@ -315,16 +339,15 @@ impl SlotCache {
             .permute([0, 2, 1, 3])
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// `mask`: the layer's window and whether it is causal ([`SlotCache::mask_of`]).
     fn dense_uniform(
         &self,
         keys: &Tensor,
         values: &Tensor,
         q: &Tensor,
         batch: &SlotBatch,
-        b: i64,
-        per_seq: i64,
-        causal: bool,
+        (b, per_seq): (i64, i64),
+        (window, causal): (Option<i64>, bool),
     ) -> Tensor {
         let heads = q.size()[1];
         let d = self.head_dim;
@@ -332,12 +355,15 @@ impl SlotCache {
         let qq = q.reshape([heads, b, per_seq, d]).permute([1, 0, 2, 3]);
         let k_pos = Tensor::arange(self.capacity, (Kind::Int64, self.device)).view([1, 1, -1]);
         let start = batch.start.view([b, 1, 1]);
+        let q_pos = &start + Tensor::arange(per_seq, (Kind::Int64, self.device)).view([1, -1, 1]);
         let visible = if causal {
-            let q_pos =
-                &start + Tensor::arange(per_seq, (Kind::Int64, self.device)).view([1, -1, 1]);
             k_pos.le_tensor(&q_pos)
         } else {
             k_pos.lt_tensor(&(start + per_seq))
+        };
+        let visible = match window {
+            Some(w) => visible.logical_and(&k_pos.gt_tensor(&(q_pos - w))),
+            None => visible,
         };
         let mask = visible.unsqueeze(1); // [b, 1, q or 1, capacity]
         let out = Tensor::scaled_dot_product_attention(
@@ -360,7 +386,7 @@ impl SlotCache {
         values: &Tensor,
         q: &Tensor,
         seqs: &[SeqSpan],
-        causal: bool,
+        (window, causal): (Option<i64>, bool),
     ) -> Tensor {
         let heads = q.size()[1];
         let mut outs = Vec::with_capacity(seqs.len());
@@ -374,7 +400,11 @@ impl SlotCache {
                 let k_pos = Tensor::arange(used, (Kind::Int64, self.device)).view([1, -1]);
                 let q_pos =
                     Tensor::arange_start(s.start, used, (Kind::Int64, self.device)).view([-1, 1]);
-                k_pos.le_tensor(&q_pos)
+                let visible = k_pos.le_tensor(&q_pos);
+                match window {
+                    Some(w) => visible.logical_and(&k_pos.gt_tensor(&(q_pos - w))),
+                    None => visible,
+                }
             });
             outs.push(Tensor::scaled_dot_product_attention(
                 &qs,

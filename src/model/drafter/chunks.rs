@@ -17,8 +17,9 @@ const CHUNKS_PER_CALL: i64 = 8;
 pub(super) enum BlockAttention<'a> {
     /// Against [context; all blocks], with an optional boolean mask [B, 1, Q, S + Q].
     Full(Option<&'a Tensor>),
-    /// Per chunk of blocks (see [`TrainAttention`]).
-    Chunked(&'a ChunkPlan),
+    /// Per chunk of blocks (see [`TrainAttention`]), with the plan's sliding-window masks
+    /// where `sliding`.
+    Chunked { plan: &'a ChunkPlan, sliding: bool },
 }
 
 /// The layout shared by every layer of one chunked training forward.
@@ -50,6 +51,8 @@ pub(super) struct ChunkCall {
     /// padded in memory to a multiple of 16 elements so that the memory-efficient kernel takes
     /// it without a copy. Built once, shared by every layer.
     pub(super) bias: Tensor,
+    /// The same for the sliding-window layers, where the drafter has any.
+    pub(super) sliding_bias: Option<Tensor>,
 }
 
 impl Drafter {
@@ -101,15 +104,16 @@ impl Drafter {
 
     /// The chunk layout and the additive masks of a chunked training forward: `anchors` [B, N]
     /// on the device and `host_anchors` the same on the host (they set how much context each
-    /// call reads; empty: all of it), `s` context positions, `per_chunk` blocks per chunk. The
-    /// chunks per sequence are rounded up so that the batch's chunks fill whole fused calls of
-    /// [`CHUNKS_PER_CALL`].
+    /// call reads; empty: all of it), `s` context positions, `per_chunk` blocks per chunk,
+    /// `window` the sliding layers' window where the drafter has any. The chunks per sequence
+    /// are rounded up so that the batch's chunks fill whole fused calls of [`CHUNKS_PER_CALL`].
     pub(super) fn chunk_plan(
         &self,
         anchors: &Tensor,
         host_anchors: &[i64],
         s: i64,
         per_chunk: i64,
+        window: Option<i64>,
     ) -> ChunkPlan {
         let bs = self.config.block_size;
         let dev = self.device;
@@ -139,6 +143,10 @@ impl Drafter {
             .eq_tensor(&block_of.unsqueeze(0))
             .unsqueeze(0)
             .expand([CHUNKS_PER_CALL, rows, rows], false);
+        // a query row's slot in its block, [1, rows, 1]
+        let slot = Tensor::arange(rows, (Kind::Int64, dev))
+            .remainder(bs)
+            .view([1, rows, 1]);
         let layout = call_layout(host_anchors, b, n, cpc, chunks, s);
         // every call's entry sequences in one upload (the step's only host-to-device copy
         // here), each call's a view of it
@@ -150,21 +158,20 @@ impl Drafter {
             .map(|(call, (context, _))| {
                 let query_anchor =
                     entry_anchor.narrow(0, call as i64 * CHUNKS_PER_CALL, CHUNKS_PER_CALL);
-                let sees_ctx = Tensor::arange(context, (Kind::Int64, dev))
-                    .view([1, 1, context])
-                    .lt_tensor(&query_anchor.unsqueeze(-1)); // [calls, rows, context]
-                let hidden = Tensor::cat(&[&sees_ctx, &sees_block], -1)
-                    .logical_not()
-                    .unsqueeze(1); // [calls, 1, rows, context + rows]
-                let keys = context + rows;
-                let padded = (keys + 15) / 16 * 16;
-                let mut bias = Tensor::zeros([CHUNKS_PER_CALL, 1, rows, padded], (self.kind, dev))
-                    .narrow(3, 0, keys);
-                let _ = bias.masked_fill_(&hidden, f64::NEG_INFINITY);
+                let ctx_pos = Tensor::arange(context, (Kind::Int64, dev)).view([1, 1, context]);
+                let query_anchor = query_anchor.unsqueeze(-1); // [calls, rows, 1]
+                let sees_ctx = ctx_pos.lt_tensor(&query_anchor); // [calls, rows, context]
+                let bias = self.additive_mask(&Tensor::cat(&[&sees_ctx, &sees_block], -1));
+                let sliding_bias = window.map(|w| {
+                    let (ctx, own) = window_visibility(&ctx_pos, &query_anchor, &slot, bs, w);
+                    let own = sees_block.logical_and(&own.repeat([cpc, cpc]));
+                    self.additive_mask(&Tensor::cat(&[sees_ctx.logical_and(&ctx), own], -1))
+                });
                 ChunkCall {
                     context,
                     seqs: all_seqs.narrow(0, call as i64 * CHUNKS_PER_CALL, CHUNKS_PER_CALL),
                     bias,
+                    sliding_bias,
                 }
             })
             .collect();
@@ -175,6 +182,37 @@ impl Drafter {
             expand_kv: std::cell::Cell::new(None),
         }
     }
+
+    /// The additive mask of a call [CHUNKS_PER_CALL, 1, rows, keys] from where its queries see
+    /// `sees` [CHUNKS_PER_CALL, rows, keys] (0 where visible, -inf elsewhere), its rows padded
+    /// in memory to a multiple of 16 elements so that the memory-efficient kernel takes it
+    /// without a copy.
+    fn additive_mask(&self, sees: &Tensor) -> Tensor {
+        let (calls, rows, keys) = sees.size3().unwrap_or((0, 0, 0));
+        let padded = (keys + 15) / 16 * 16;
+        let mut bias =
+            Tensor::zeros([calls, 1, rows, padded], (self.kind, sees.device())).narrow(3, 0, keys);
+        let _ = bias.masked_fill_(&sees.logical_not().unsqueeze(1), f64::NEG_INFINITY);
+        bias
+    }
+}
+
+/// The sliding-window part of the visibility (see [`crate::model::drafter_layout`]): a query in
+/// slot k of the block anchored at a (position a + k) sees context positions p > a + k - w, and
+/// the slots k' of its block with k - w < k' <= k. `ctx_pos` [1, 1, C] context positions,
+/// `anchor` [.., Q, 1] each query's anchor, `slot` [1, Q, 1] each query's slot. Returns the
+/// context part [.., Q, C] and the slot part [bs, bs] (query slot, key slot) of one block.
+fn window_visibility(
+    ctx_pos: &Tensor,
+    anchor: &Tensor,
+    slot: &Tensor,
+    bs: i64,
+    window: i64,
+) -> (Tensor, Tensor) {
+    let ctx = ctx_pos.gt_tensor(&(anchor + slot - window));
+    let k = Tensor::arange(bs, (Kind::Int64, slot.device()));
+    let behind = k.view([bs, 1]) - k.view([1, bs]); // query slot - key slot
+    (ctx, behind.ge(0).logical_and(&behind.lt(window)))
 }
 
 /// Per fused call of a chunked forward (`b` sequences of `n` anchors, `cpc` blocks per chunk,
@@ -216,23 +254,34 @@ fn call_layout(
 }
 
 /// The dense training mask [B, 1, N*bs, S + N*bs] (true = visible): block j's queries see
-/// context positions p < a_j and their own block.
-pub(super) fn dense_block_mask(anchors: &Tensor, s: i64, bs: i64) -> Tensor {
+/// context positions p < a_j and their own block; with a sliding `window`, only the keys of
+/// [`window_visibility`] among them.
+pub(super) fn dense_block_mask(anchors: &Tensor, s: i64, bs: i64, window: Option<i64>) -> Tensor {
     let dev = anchors.device();
     let (b, n) = anchors.size2().unwrap_or((0, 0));
     let query_anchor = anchors
         .unsqueeze(-1)
         .expand([b, n, bs], false)
-        .reshape([b, n * bs]);
-    let sees_ctx = Tensor::arange(s, (Kind::Int64, dev))
-        .view([1, 1, s])
-        .lt_tensor(&query_anchor.unsqueeze(-1)); // [B, N*bs, S]
+        .reshape([b, n * bs, 1]);
+    let ctx_pos = Tensor::arange(s, (Kind::Int64, dev)).view([1, 1, s]);
+    let sees_ctx = ctx_pos.lt_tensor(&query_anchor); // [B, N*bs, S]
     let block_of = Tensor::arange(n * bs, (Kind::Int64, dev)).divide_scalar_mode(bs, "floor");
     let sees_block = block_of
         .unsqueeze(1)
         .eq_tensor(&block_of.unsqueeze(0))
         .unsqueeze(0)
         .expand([b, n * bs, n * bs], false);
+    let (sees_ctx, sees_block) = match window {
+        None => (sees_ctx, sees_block),
+        Some(w) => {
+            let slot = Tensor::arange(n * bs, (Kind::Int64, dev))
+                .remainder(bs)
+                .view([1, n * bs, 1]);
+            let (ctx, own) = window_visibility(&ctx_pos, &query_anchor, &slot, bs, w);
+            let own = sees_block.logical_and(&own.repeat([n, n]));
+            (sees_ctx.logical_and(&ctx), own)
+        }
+    };
     Tensor::cat(&[sees_ctx, sees_block], -1).unsqueeze(1)
 }
 
@@ -246,6 +295,7 @@ pub(super) fn chunked_attention(
     ctx: (&Tensor, &Tensor),
     block: (&Tensor, &Tensor),
     plan: &ChunkPlan,
+    sliding: bool,
 ) -> Tensor {
     let (b, heads, len, d) = q.size4().unwrap_or((0, 0, 0, 0));
     let kv_heads = ctx.0.size()[1];
@@ -279,6 +329,10 @@ pub(super) fn chunked_attention(
         .enumerate()
         .map(|(i, call)| {
             let q = qs[i].transpose(1, 2);
+            let bias = match (sliding, &call.sliding_bias) {
+                (true, Some(sliding)) => sliding,
+                _ => &call.bias,
+            };
             // [the call's context; its chunks' own keys], [calls, kv_heads, context + rows, d]
             let keys = |c: &Tensor, own: &Tensor| {
                 let c = c.narrow(1, 0, call.context).index_select(0, &call.seqs);
@@ -288,7 +342,7 @@ pub(super) fn chunked_attention(
             let expand = match plan.expand_kv.get() {
                 Some(e) => e,
                 None => {
-                    let e = must_expand_kv(&q, &k, &v, &call.bias);
+                    let e = must_expand_kv(&q, &k, &v, bias);
                     plan.expand_kv.set(Some(e));
                     e
                 }
@@ -302,7 +356,7 @@ pub(super) fn chunked_attention(
             } else {
                 (k, v)
             };
-            attention_with_bias(&q, &k, &v, &call.bias)
+            attention_with_bias(&q, &k, &v, bias)
         })
         .collect();
     // [K * B, heads, rows, d] -> [B, K * rows, heads * d]

@@ -140,7 +140,9 @@ impl Drafter {
     }
 
     /// A decoding cache of one sequence of up to `capacity` positions for this drafter: the
-    /// flash attention where the kernel takes its shapes, its rotary table.
+    /// flash attention where the kernel takes its shapes, its rotary table, the windows of its
+    /// sliding layers (the context rows of a slot are its positions, so the cache's window over
+    /// rows is the window over positions).
     pub fn slot_cache(&self, capacity: i64) -> Result<SlotCache> {
         let c = &self.config;
         let attention = crate::model::slots::SlotAttention::for_model(
@@ -160,7 +162,8 @@ impl Drafter {
             self.device,
             attention,
         )?
-        .with_rope(self.rope.table(capacity, self.kind)))
+        .with_rope(self.rope.table(capacity, self.kind))
+        .with_windows(c.layer_windows()))
     }
 
     /// A copy for decoding: the same weights, detached from training, with the q, k, v and the

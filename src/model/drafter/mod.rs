@@ -317,8 +317,12 @@ impl Drafter {
             _ => ("bf16", 2.0),
         };
         format!(
-            "DFlash drafter: {} layers, block size {}, taps {:?}, mask token {}, {:.2} M parameters; weights {:.1} MiB as bf16 on disk ({:.1} MiB as {name} in memory), training state about {:.1} MiB (fp32 master weights, AdamW moments, gradients)",
+            "DFlash drafter: {} layers{}, block size {}, taps {:?}, mask token {}, {:.2} M parameters; weights {:.1} MiB as bf16 on disk ({:.1} MiB as {name} in memory), training state about {:.1} MiB (fp32 master weights, AdamW moments, gradients)",
             self.config.num_hidden_layers,
+            self.config
+                .describe_layers()
+                .map(|mix| format!(" ({mix})"))
+                .unwrap_or_default(),
             self.config.block_size,
             self.config.target_layer_ids(),
             self.config.mask_token_id(),
@@ -380,8 +384,8 @@ impl Drafter {
                 let v = Tensor::cat(&[ctx_kv.1, &v_block], 2);
                 layer.attn.output(&attention(&q, &k, &v, mask, false))
             }
-            BlockAttention::Chunked(plan) => {
-                let rows = chunked_attention(&q, ctx_kv, (&k_block, &v_block), plan);
+            BlockAttention::Chunked { plan, sliding } => {
+                let rows = chunked_attention(&q, ctx_kv, (&k_block, &v_block), plan, sliding);
                 rows.linear::<&Tensor>(&layer.attn.o_proj, None)
             }
         };
@@ -427,8 +431,10 @@ impl Drafter {
     /// the tapped target features. Returns the final-normed hidden states [B, N, block, H].
     ///
     /// Visibility: a query in block j sees context positions p < a_j and all positions of its
-    /// own block, nothing of any other block. A padding block still sees its own block, so no
-    /// row of the attention is empty (no NaN).
+    /// own block, nothing of any other block; in a sliding-window layer, of those only the keys
+    /// of the last `sliding_window` positions up to the query's own (see
+    /// [`crate::model::drafter_layout`]). A padding block still sees its own block (a query at
+    /// least its own slot), so no row of the attention is empty (no NaN).
     ///
     /// The attention runs as [`Drafter::train_attention`] says. The host never waits for the
     /// device here: host tensors of `batch` go up through pinned memory without blocking.
@@ -481,9 +487,12 @@ impl Drafter {
 
         let per_chunk =
             attention.blocks_per_chunk(bs, s_ctx, c.num_attention_heads, c.num_key_value_heads);
-        let dense_mask;
+        // the sliding layers' window (one for all of them), where the drafter has any
+        let windows = c.layer_windows();
+        let window = windows.iter().flatten().copied().next();
+        let (dense_mask, sliding_mask);
         let plan;
-        let attn = match per_chunk {
+        let (full_attn, sliding_attn) = match per_chunk {
             Some(cpc) if chunked => {
                 let host_anchors = Vec::<i64>::try_from(
                     batch
@@ -493,12 +502,21 @@ impl Drafter {
                         .reshape([-1]),
                 )
                 .unwrap_or_default();
-                plan = self.chunk_plan(&anchors, &host_anchors, s_ctx, cpc);
-                BlockAttention::Chunked(&plan)
+                plan = self.chunk_plan(&anchors, &host_anchors, s_ctx, cpc, window);
+                let attn = |sliding| BlockAttention::Chunked {
+                    plan: &plan,
+                    sliding,
+                };
+                (attn(false), attn(true))
             }
             _ => {
-                dense_mask = dense_block_mask(&anchors, s, bs);
-                BlockAttention::Full(Some(&dense_mask))
+                dense_mask = dense_block_mask(&anchors, s, bs, None);
+                sliding_mask = window.map(|w| dense_block_mask(&anchors, s, bs, Some(w)));
+                let sliding = sliding_mask.as_ref().unwrap_or(&dense_mask);
+                (
+                    BlockAttention::Full(Some(&dense_mask)),
+                    BlockAttention::Full(Some(sliding)),
+                )
             }
         };
 
@@ -508,8 +526,12 @@ impl Drafter {
         } else {
             ctx
         };
-        for layer in &self.layers {
+        for (layer, window) in self.layers.iter().zip(&windows) {
             let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin);
+            let attn = match window {
+                Some(_) => sliding_attn,
+                None => full_attn,
+            };
             h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn);
         }
         rms_norm(&h, &self.norm, self.config.rms_norm_eps).view([b, n, bs, -1])
