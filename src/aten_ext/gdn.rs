@@ -116,7 +116,8 @@ impl GdnShape {
             );
         }
         if let Some(s) = initial_state {
-            shape.check_state("the initial state", s, &shape.state_size())?;
+            // any strides: a view such as one token's slice of the states buffer is copied
+            shape.check_state("the initial state", s, &shape.state_size(), false)?;
         }
         let device = q.device();
         for (what, t) in [("k", k), ("v", v), ("g", g), ("beta", beta)] {
@@ -151,15 +152,18 @@ impl GdnShape {
         ]
     }
 
-    /// Checks that `t` is a dense float32 tensor of `size`.
-    fn check_state(&self, what: &str, t: &Tensor, size: &[i64]) -> Result<()> {
+    /// Checks that `t` is a float32 tensor of `size`, and dense where `dense`.
+    fn check_state(&self, what: &str, t: &Tensor, size: &[i64], dense: bool) -> Result<()> {
         ensure!(
             t.size() == size && t.kind() == Kind::Float,
             "gated delta rule: {what} is {:?} {:?}, expected Float {size:?}",
             t.kind(),
             t.size()
         );
-        ensure!(t.is_contiguous(), "gated delta rule: {what} is not dense");
+        ensure!(
+            !dense || t.is_contiguous(),
+            "gated delta rule: {what} is not dense"
+        );
         Ok(())
     }
 }
@@ -353,7 +357,7 @@ impl GdnKernels {
         states_out: &Tensor,
     ) -> Result<Tensor> {
         let shape = self.checked_shape(q, k, v, g, beta, initial_state)?;
-        shape.check_state("the states buffer", states_out, &shape.states_size())?;
+        shape.check_state("the states buffer", states_out, &shape.states_size(), true)?;
         ensure!(
             states_out.device() == self.device(),
             "gated delta rule: the states buffer is on {:?}, the kernels on cuda:{}",
@@ -451,7 +455,10 @@ impl GdnKernels {
             kind_index(kind),
             KEY_DIMS.iter().position(|&d| d == shape.key_dim),
         ) else {
-            bail!("gated delta rule: no kernel for {kind:?} and key heads of {}", shape.key_dim);
+            bail!(
+                "gated delta rule: no kernel for {kind:?} and key heads of {}",
+                shape.key_dim
+            );
         };
         let grid = (
             ((shape.value_dim + COLUMNS - 1) / COLUMNS) as u32,
@@ -463,7 +470,12 @@ impl GdnKernels {
 
     /// One launch of `function` on libtorch's current stream of the device, with the device's
     /// context current (pushed only when another one is).
-    fn run(&self, function: cu::CUfunction, grid: (u32, u32), params: &mut [*mut c_void]) -> Result<()> {
+    fn run(
+        &self,
+        function: cu::CUfunction,
+        grid: (u32, u32),
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         let stream = self.graphs.current_stream(self.device)? as cu::CUstream;
         // SAFETY: a function of a module loaded in `self.context`; `params` points at the
         // kernel's one argument, a `GdnParams` laid out as the kernel's struct.
@@ -545,7 +557,9 @@ pub fn reference_with_states(
     Ok((out, states.unwrap_or(state)))
 }
 
-#[allow(clippy::too_many_arguments)]
+// out-of-place updates on purpose: tch's `*=` and `+=` write in place, and the states kept
+// per token and the caller's initial state must not change
+#[allow(clippy::too_many_arguments, clippy::assign_op_pattern)]
 fn reference_steps(
     q: &Tensor,
     k: &Tensor,

@@ -14,13 +14,18 @@ fn nvrtc() -> Option<Nvrtc> {
     let setup = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join(".deps/python/cuda-nvrtc/nvidia/cu13/lib/libnvrtc.so.13");
     if setup.is_file() {
-        return Some(Nvrtc::load_from(&setup).unwrap_or_else(|e| panic!("{}: {e}", setup.display())));
+        return Some(
+            Nvrtc::load_from(&setup).unwrap_or_else(|e| panic!("{}: {e}", setup.display())),
+        );
     }
     let libtorch = crate::runtime::loaded_library(|name| name == "libtorch_cpu.so");
     match Nvrtc::load(libtorch.as_deref().and_then(Path::parent)) {
         Ok(nvrtc) => Some(nvrtc),
         Err(e) => {
-            assert!(std::env::var_os("CI").is_none(), "{e:#} (make setup installs libnvrtc)");
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "{e:#} (make setup installs libnvrtc)"
+            );
             eprintln!("not run: {e:#} (make setup installs libnvrtc)");
             None
         }
@@ -46,7 +51,10 @@ fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
             let param = format!(".param .align 8 .b8 {name}_param_0[{size}]");
             let head = &text[at..at + 300.min(text.len() - at)];
             assert!(head.contains(&param), "{name}: no {param} in {head}");
-            assert!(!head.contains("_param_1"), "{name} takes more than one parameter");
+            assert!(
+                !head.contains("_param_1"),
+                "{name} takes more than one parameter"
+            );
         }
     }
 }
@@ -89,7 +97,11 @@ fn the_kernel_source_run_on_the_cpu_matches_the_rule() {
         "{report}{}",
         String::from_utf8_lossy(&ran.stderr)
     );
-    assert_eq!(report.lines().filter(|l| l.starts_with("ok ")).count(), 6, "{report}");
+    assert_eq!(
+        report.lines().filter(|l| l.starts_with("ok ")).count(),
+        6,
+        "{report}"
+    );
 }
 
 /// A tensor of the fixture: {"shape": [...], "values": [...]}.
@@ -137,7 +149,10 @@ fn the_reference_matches_transformers() {
             relative_error(&out, &t("out")),
             relative_error(&state, &t("final_state")),
         );
-        assert!(e_out < 1e-5 && e_state < 1e-5, "l2norm {l2norm}: {e_out} {e_state}");
+        assert!(
+            e_out < 1e-5 && e_state < 1e-5,
+            "l2norm {l2norm}: {e_out} {e_state}"
+        );
     }
 }
 
@@ -225,16 +240,8 @@ fn the_reference_runs_on_from_its_own_state() {
     };
     let x = case.make(3, Device::Cpu, Kind::Float);
     let (out, state) = x.reference(true);
-    let (out_s, states) = reference_with_states(
-        &x.q,
-        &x.k,
-        &x.v,
-        &x.g,
-        &x.beta,
-        x.initial.as_ref(),
-        true,
-    )
-    .unwrap();
+    let (out_s, states) =
+        reference_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref(), true).unwrap();
     assert_eq!(states.size(), [2, 6, 2, 4, 3]);
     assert!(out_s.equal(&out) && states.select(1, 5).equal(&state));
     let part = |t: &Tensor, s: i64, n: i64| t.narrow(1, s, n);
@@ -310,20 +317,51 @@ fn shapes_are_read_and_mismatches_named() {
         let e = e.unwrap_err();
         assert!(e.contains(want), "{e:?} does not say {want:?}");
     };
-    err(of(&x.q, &x.k.narrow(2, 0, 1), &x.v, &x.g, &x.beta, s), "k [2, 3, 1, 8]");
-    err(of(&x.q, &x.k, &x.v.narrow(1, 0, 2), &x.g, &x.beta, s), "v [2, 2, 4, 5]");
-    err(of(&x.q, &x.k, &x.v.narrow(2, 0, 3), &x.g, &x.beta, s), "multiple of the key heads");
-    err(of(&x.q, &x.k, &x.v, &x.g.narrow(2, 0, 3), &x.beta, s), "g [2, 3, 3]");
-    err(of(&x.q, &x.k, &x.v, &x.g, &x.beta.unsqueeze(0), s), "beta [1, 2, 3, 4]");
-    err(of(&x.q.flatten(0, 1), &x.k, &x.v, &x.g, &x.beta, s), "[batch, tokens, heads");
+    err(
+        of(&x.q, &x.k.narrow(2, 0, 1), &x.v, &x.g, &x.beta, s),
+        "k [2, 3, 1, 8]",
+    );
+    err(
+        of(&x.q, &x.k, &x.v.narrow(1, 0, 2), &x.g, &x.beta, s),
+        "v [2, 2, 4, 5]",
+    );
+    err(
+        of(&x.q, &x.k, &x.v.narrow(2, 0, 3), &x.g, &x.beta, s),
+        "multiple of the key heads",
+    );
+    err(
+        of(&x.q, &x.k, &x.v, &x.g.narrow(2, 0, 3), &x.beta, s),
+        "g [2, 3, 3]",
+    );
+    err(
+        of(&x.q, &x.k, &x.v, &x.g, &x.beta.unsqueeze(0), s),
+        "beta [1, 2, 3, 4]",
+    );
+    err(
+        of(&x.q.flatten(0, 1), &x.k, &x.v, &x.g, &x.beta, s),
+        "[batch, tokens, heads",
+    );
     let half = x.q.to_kind(Kind::Half);
-    err(of(&half, &x.k, &x.v, &x.g, &x.beta, s), "q is Half, v Float");
+    err(
+        of(&half, &x.k, &x.v, &x.g, &x.beta, s),
+        "q is Half, v Float",
+    );
     let int = x.g.to_kind(Kind::Int64);
     err(of(&x.q, &x.k, &x.v, &int, &x.beta, s), "g is Int64");
     let wrong = x.initial.as_ref().unwrap().narrow(3, 0, 4);
-    err(of(&x.q, &x.k, &x.v, &x.g, &x.beta, Some(&wrong)), "the initial state");
     err(
-        of(&x.q, &x.k, &x.v, &x.g, &x.beta, Some(&wrong.to_kind(Kind::Double))),
+        of(&x.q, &x.k, &x.v, &x.g, &x.beta, Some(&wrong)),
+        "the initial state",
+    );
+    err(
+        of(
+            &x.q,
+            &x.k,
+            &x.v,
+            &x.g,
+            &x.beta,
+            Some(&wrong.to_kind(Kind::Double)),
+        ),
         "expected Float [2, 4, 8, 5]",
     );
 }
@@ -338,7 +376,11 @@ fn gpu() -> (GdnKernels, Device, std::sync::MutexGuard<'static, ()>) {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let runtime = TorchRuntime::init();
-    assert!(runtime.cuda_devices() > 0, "no CUDA device: {:?}", runtime.cuda);
+    assert!(
+        runtime.cuda_devices() > 0,
+        "no CUDA device: {:?}",
+        runtime.cuda
+    );
     let device = Device::Cuda(0);
     let loader = runtime
         .fused_kernel_loader(true)
@@ -354,7 +396,10 @@ fn run(kernels: &GdnKernels, x: &Made, l2norm: bool) -> (Tensor, Tensor) {
 
 fn assert_close(got: &Tensor, want: &Tensor, tolerance: f64, what: &str) {
     let e = relative_error(got, want);
-    assert!(e <= tolerance, "{what}: relative error {e:e} > {tolerance:e}");
+    assert!(
+        e <= tolerance,
+        "{what}: relative error {e:e} > {tolerance:e}"
+    );
 }
 
 /// float32: output and final state within 1e-4 of the reference, for every key head size,
@@ -443,23 +488,53 @@ fn gpu_states_after_every_token() {
     let shape = GdnShape::of(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref()).unwrap();
     let states = Tensor::full(shape.states_size(), f64::NAN, (Kind::Float, device));
     let out = kernels
-        .forward_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref(), true, &states)
+        .forward_with_states(
+            &x.q,
+            &x.k,
+            &x.v,
+            &x.g,
+            &x.beta,
+            x.initial.as_ref(),
+            true,
+            &states,
+        )
         .unwrap();
-    let (want_out, want_states) = reference_with_states(
-        &x.q,
-        &x.k,
-        &x.v,
-        &x.g,
-        &x.beta,
-        x.initial.as_ref(),
-        true,
-    )
-    .unwrap();
+    let (want_out, want_states) =
+        reference_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref(), true).unwrap();
     assert_close(&out, &want_out, 1e-4, "output");
     assert_close(&states, &want_states, 1e-4, "states");
     let (plain_out, final_state) = run(&kernels, &x, true);
-    assert!(plain_out.equal(&out), "forward and forward_with_states differ");
-    assert!(final_state.equal(&states.select(1, 15)), "the last state is not the final one");
+    assert!(
+        plain_out.equal(&out),
+        "forward and forward_with_states differ"
+    );
+    assert!(
+        final_state.equal(&states.select(1, 15)),
+        "the last state is not the final one"
+    );
+    // a draft accepted up to token 8: the run continued from the state kept there (a strided
+    // view of the buffer) is the rest of the whole run
+    let rest = |t: &Tensor| t.narrow(1, 8, 8);
+    let kept = states.select(1, 7);
+    assert!(!kept.is_contiguous());
+    let (rest_out, rest_state) = kernels
+        .forward(
+            &rest(&x.q),
+            &rest(&x.k),
+            &rest(&x.v),
+            &rest(&x.g),
+            &rest(&x.beta),
+            Some(&kept),
+            true,
+        )
+        .unwrap();
+    assert_close(&rest_out, &rest(&out), 1e-5, "output after the kept state");
+    assert_close(
+        &rest_state,
+        &final_state,
+        1e-5,
+        "final state after the kept state",
+    );
     let wrong = states.narrow(1, 0, 15).contiguous();
     let e = kernels
         .forward_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, None, true, &wrong)
@@ -487,11 +562,27 @@ fn gpu_strided_inputs_and_padding_tokens() {
         .forward(&q, &k, &v, &g, &beta, Some(&state), true)
         .unwrap();
     let (dense_out, dense_last) = kernels
-        .forward(&q.contiguous(), &k.contiguous(), &v.contiguous(), &g, &beta, Some(&state), true)
+        .forward(
+            &q.contiguous(),
+            &k.contiguous(),
+            &v.contiguous(),
+            &g,
+            &beta,
+            Some(&state),
+            true,
+        )
         .unwrap();
     assert!(out.equal(&dense_out) && last.equal(&dense_last));
     let (_, kept) = kernels
-        .forward(&q, &k.zeros_like(), &v, &g.zeros_like(), &beta, Some(&state), true)
+        .forward(
+            &q,
+            &k.zeros_like(),
+            &v,
+            &g.zeros_like(),
+            &beta,
+            Some(&state),
+            true,
+        )
         .unwrap();
     assert!(kept.equal(&state), "padding tokens changed the state");
 }
@@ -503,7 +594,9 @@ fn gpu_strided_inputs_and_padding_tokens() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_a_step_replays_in_a_cuda_graph() {
     let (kernels, device, _turn) = gpu();
-    let graphs = TorchRuntime::init().graphs(true).expect("the CUDA graph library");
+    let graphs = TorchRuntime::init()
+        .graphs(true)
+        .expect("the CUDA graph library");
     let case = Case {
         batch: 2,
         steps: 1,
@@ -527,7 +620,11 @@ fn gpu_a_step_replays_in_a_cuda_graph() {
     ] {
         slot.shallow_clone().copy_(new);
     }
-    x.initial.as_ref().unwrap().shallow_clone().copy_(fresh.initial.as_ref().unwrap());
+    x.initial
+        .as_ref()
+        .unwrap()
+        .shallow_clone()
+        .copy_(fresh.initial.as_ref().unwrap());
     graph.replay().unwrap();
     let (want_out, want_state) = run(&kernels, &fresh, true);
     assert!(out.equal(&want_out) && state.equal(&want_state));
@@ -549,7 +646,15 @@ fn gpu_inputs_without_a_kernel_are_refused() {
         l2norm: true,
     };
     let on_cpu = case(32).make(1, Device::Cpu, Kind::Float);
-    let e = kernels.forward(&on_cpu.q, &on_cpu.k, &on_cpu.v, &on_cpu.g, &on_cpu.beta, None, true);
+    let e = kernels.forward(
+        &on_cpu.q,
+        &on_cpu.k,
+        &on_cpu.v,
+        &on_cpu.g,
+        &on_cpu.beta,
+        None,
+        true,
+    );
     assert!(e.unwrap_err().to_string().contains("the inputs are on Cpu"));
     let odd = case(48).make(1, device, Kind::Float);
     let e = kernels.forward(&odd.q, &odd.k, &odd.v, &odd.g, &odd.beta, None, true);
