@@ -75,8 +75,8 @@ fn nvrtc_candidates(libtorch_dir: Option<&Path>) -> Vec<PathBuf> {
     out
 }
 
-/// A loaded libnvrtc.
-struct Nvrtc {
+/// A loaded libnvrtc (also used by [`super::gdn`]).
+pub(super) struct Nvrtc {
     create: CreateProgram,
     compile: CompileProgram,
     log_size: GetSize,
@@ -91,7 +91,7 @@ struct Nvrtc {
 }
 
 impl Nvrtc {
-    fn load(libtorch_dir: Option<&Path>) -> Result<Self> {
+    pub(super) fn load(libtorch_dir: Option<&Path>) -> Result<Self> {
         let mut failures = Vec::new();
         for path in nvrtc_candidates(libtorch_dir) {
             match Self::load_from(&path) {
@@ -106,7 +106,7 @@ impl Nvrtc {
         )
     }
 
-    fn load_from(path: &Path) -> std::result::Result<Self, String> {
+    pub(super) fn load_from(path: &Path) -> std::result::Result<Self, String> {
         let builtins = path
             .parent()
             .filter(|dir| !dir.as_os_str().is_empty())
@@ -145,8 +145,13 @@ impl Nvrtc {
 
     /// PTX of `source` for compute capability `arch` (e.g. 90), or the compiler's log.
     fn compile_ptx(&self, source: &str, arch: i32) -> Result<CString> {
+        self.compile_named(source, "fused_kernels.cu", arch)
+    }
+
+    /// PTX of `source`, named `file` in the compiler's messages, for compute capability `arch`.
+    pub(super) fn compile_named(&self, source: &str, file: &str, arch: i32) -> Result<CString> {
         let src = CString::new(source)?;
-        let name = c"fused_kernels.cu";
+        let name = CString::new(file)?;
         let options = [
             CString::new(format!("--gpu-architecture=compute_{arch}"))?,
             CString::new("--std=c++17")?,
@@ -169,7 +174,7 @@ impl Nvrtc {
                 if code != 0 {
                     let log = self.text(prog, self.log_size, self.log).unwrap_or_default();
                     bail!(
-                        "compiling the fused kernels for compute_{arch} failed (code {code}): {}",
+                        "compiling {file} for compute_{arch} failed (code {code}): {}",
                         log.to_string_lossy().trim()
                     );
                 }
@@ -195,7 +200,7 @@ impl Nvrtc {
     }
 }
 
-fn driver(call: &str, code: cu::CUresult) -> Result<()> {
+pub(super) fn driver(call: &str, code: cu::CUresult) -> Result<()> {
     if code == cu::CUresult::CUDA_SUCCESS {
         return Ok(());
     }
@@ -245,12 +250,12 @@ impl FusedKernelLoader {
 }
 
 /// A pointer to one kernel argument, as `cuLaunchKernel` takes them (valid while `x` is).
-fn arg<T>(x: &mut T) -> *mut c_void {
+pub(super) fn arg<T>(x: &mut T) -> *mut c_void {
     (x as *mut T).cast()
 }
 
 /// The storage types the kernels exist for, in the order of the function arrays.
-fn kind_index(kind: Kind) -> Option<usize> {
+pub(super) fn kind_index(kind: Kind) -> Option<usize> {
     match kind {
         Kind::BFloat16 => Some(0),
         Kind::Half => Some(1),

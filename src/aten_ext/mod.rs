@@ -3,9 +3,11 @@
 //! [`crate::train::optim`]), the flash attention kernel called directly (also in its
 //! variable-length form over a key/value cache), and dropping a gradient; libtorch's profiler
 //! ([`ProfilerTrace`], profiler.cpp); CUDA graphs ([`graph`], a second library loaded once
-//! CUDA is there); and the drafter's fused decoding kernels ([`fused`], compiled at run time).
+//! CUDA is there); the drafter's fused decoding kernels ([`fused`], compiled at run time); and
+//! the gated delta rule of Gated DeltaNet layers ([`gdn`], compiled at run time).
 
 pub mod fused;
+pub mod gdn;
 pub(crate) mod graph;
 
 use std::ffi::{c_char, c_void};

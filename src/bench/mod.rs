@@ -24,6 +24,8 @@ use stages_alone::{measure_stages_alone, StageAloneRates};
 
 // Each stage alone on the pipeline's code: only the bench uses it.
 mod stages_alone;
+// The gated delta rule kernels alone (`bench-gdn`).
+pub(crate) mod gdn;
 
 /// H200 dense bf16 peak (benchmarks spec).
 pub(crate) const PEAK_FLOPS_PER_GPU: f64 = 989e12;

@@ -239,6 +239,9 @@ pub enum Command {
     /// Benchmark of the training pipeline (benchmarks spec): the real pipeline for a warm-up
     /// and a measured window, every stage alone on the same batches, one JSON object.
     Bench(crate::bench::BenchOptions),
+    /// Benchmark of the gated delta rule kernels alone on a GPU (Gated DeltaNet layers of
+    /// Qwen3.5): ms per call of a prefill, a decoding step and a verification, JSON lines.
+    BenchGdn(crate::bench::gdn::GdnBenchArgs),
     /// Benchmark of the control room: time to render one 120x40 frame with a full chart
     /// history, and the UI thread's CPU use at 10 frames per second.
     BenchUi {
@@ -369,6 +372,7 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             frames,
             seconds,
         } => bench_ui(history, frames, seconds),
+        Command::BenchGdn(args) => crate::bench::gdn::run(&TorchRuntime::init(), &args),
         Command::Bench(opts) => {
             let report = crate::bench::run(&TorchRuntime::init(), &opts)?;
             println!("{}", serde_json::to_string_pretty(&report)?);

@@ -1,0 +1,626 @@
+//! The gated delta rule of Gated DeltaNet layers (the linear attention of Qwen3.5 / Qwen3.6 /
+//! Qwen3-Next; Yang et al., "Gated Delta Networks", 2024; transformers'
+//! `torch_recurrent_gated_delta_rule`, FLA's `chunk_gated_delta_rule`) as CUDA kernels compiled
+//! at run time by NVRTC (`gdn_kernels.cu`, loaded as [`super::fused`] loads its kernels), and the
+//! same rule as a plain libtorch loop over the tokens ([`reference`]), which runs anywhere and
+//! which the kernels are tested against.
+//!
+//! Per value head, with q and k optionally l2-normalised and q scaled by 1/sqrt(K), the state
+//! S [K, V] (float32) takes each token t as `S = exp(g_t) S; u = beta_t (v_t - S^T k_t);
+//! S = S + k_t u^T; o_t = S^T q_t`. The kernel keeps each head's state in registers, 8 threads
+//! per value column, and walks the tokens (see the .cu file for the layout and the cost). It is
+//! a forward pass only (the target model it serves is frozen: no gradient).
+
+use std::ffi::{c_int, c_void, CString};
+use std::path::Path;
+
+use anyhow::{bail, ensure, Result};
+use cudarc::driver::sys as cu;
+use tch::{Device, Kind, Tensor};
+
+use super::fused::{arg, driver, kind_index, FusedKernelLoader, Nvrtc};
+use super::graph::GraphLibrary;
+
+/// The kernels' source, compiled for the device at run time.
+const SOURCE: &str = include_str!("gdn_kernels.cu");
+
+/// The key head sizes there is a kernel for (the state rows each thread holds are a
+/// compile-time count).
+pub const KEY_DIMS: [i64; 4] = [32, 64, 128, 256];
+
+/// Value columns per block and threads per block (`GDN_COLUMNS`, `GDN_THREADS` in the source).
+const COLUMNS: i64 = 16;
+const THREADS: u32 = 128;
+
+/// The sizes of one call, read from its inputs and checked against each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnShape {
+    pub batch: i64,
+    pub steps: i64,
+    pub key_heads: i64,
+    pub value_heads: i64,
+    pub key_dim: i64,
+    pub value_dim: i64,
+}
+
+impl GdnShape {
+    /// The shape of q, k [B, T, Hk, K], v [B, T, Hv, V], g and beta [B, T, Hv] and the initial
+    /// state [B, Hv, K, V]; an error naming the tensor whose shape, type or device disagrees
+    /// (q, k, v one of bf16 / f16 / f32; g and beta float32 or v's type; the state float32).
+    pub fn of(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        initial_state: Option<&Tensor>,
+    ) -> Result<Self> {
+        let (Ok((batch, steps, key_heads, key_dim)), Ok((vb, vt, value_heads, value_dim))) =
+            (q.size4(), v.size4())
+        else {
+            bail!(
+                "gated delta rule: q {:?} and v {:?} must be [batch, tokens, heads, head size]",
+                q.size(),
+                v.size()
+            );
+        };
+        let shape = GdnShape {
+            batch,
+            steps,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+        };
+        ensure!(
+            k.size() == q.size(),
+            "gated delta rule: k {:?} is not the shape of q {:?}",
+            k.size(),
+            q.size()
+        );
+        ensure!(
+            (vb, vt) == (batch, steps),
+            "gated delta rule: v {:?} has not q's batch and tokens {:?}",
+            v.size(),
+            q.size()
+        );
+        ensure!(
+            key_heads > 0 && value_heads % key_heads == 0 && key_dim > 0 && value_dim > 0,
+            "gated delta rule: {value_heads} value heads of {value_dim} over {key_heads} key heads \
+             of {key_dim} (the value heads must be a positive multiple of the key heads)"
+        );
+        for (what, t) in [("g", g), ("beta", beta)] {
+            ensure!(
+                t.size() == [batch, steps, value_heads],
+                "gated delta rule: {what} {:?} is not [{batch}, {steps}, {value_heads}]",
+                t.size()
+            );
+        }
+        let kind = v.kind();
+        ensure!(
+            kind_index(kind).is_some(),
+            "gated delta rule: v is {kind:?}, not BFloat16, Half or Float"
+        );
+        for (what, t) in [("q", q), ("k", k)] {
+            ensure!(
+                t.kind() == kind,
+                "gated delta rule: {what} is {:?}, v {kind:?}",
+                t.kind()
+            );
+        }
+        for (what, t) in [("g", g), ("beta", beta)] {
+            ensure!(
+                t.kind() == Kind::Float || t.kind() == kind,
+                "gated delta rule: {what} is {:?}, not Float or v's {kind:?}",
+                t.kind()
+            );
+        }
+        if let Some(s) = initial_state {
+            // any strides: a view such as one token's slice of the states buffer is copied
+            shape.check_state("the initial state", s, &shape.state_size(), false)?;
+        }
+        let device = q.device();
+        for (what, t) in [("k", k), ("v", v), ("g", g), ("beta", beta)] {
+            ensure!(
+                t.device() == device,
+                "gated delta rule: {what} is on {:?}, q on {device:?}",
+                t.device()
+            );
+        }
+        if let Some(s) = initial_state.filter(|s| s.device() != device) {
+            bail!(
+                "gated delta rule: the initial state is on {:?}, q on {device:?}",
+                s.device()
+            );
+        }
+        Ok(shape)
+    }
+
+    /// [B, Hv, K, V]: one state per batch row and value head.
+    pub fn state_size(&self) -> [i64; 4] {
+        [self.batch, self.value_heads, self.key_dim, self.value_dim]
+    }
+
+    /// [B, T, Hv, K, V]: the state after every token.
+    pub fn states_size(&self) -> [i64; 5] {
+        [
+            self.batch,
+            self.steps,
+            self.value_heads,
+            self.key_dim,
+            self.value_dim,
+        ]
+    }
+
+    /// Checks that `t` is a float32 tensor of `size`, and dense where `dense`.
+    fn check_state(&self, what: &str, t: &Tensor, size: &[i64], dense: bool) -> Result<()> {
+        ensure!(
+            t.size() == size && t.kind() == Kind::Float,
+            "gated delta rule: {what} is {:?} {:?}, expected Float {size:?}",
+            t.kind(),
+            t.size()
+        );
+        ensure!(
+            !dense || t.is_contiguous(),
+            "gated delta rule: {what} is not dense"
+        );
+        Ok(())
+    }
+}
+
+/// The launch's arguments: the kernel's `GdnParams`, field for field (every field 8 bytes, so
+/// there is no padding to disagree on; a test checks the size against the compiled PTX).
+#[repr(C)]
+struct GdnParams {
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    g: *const c_void,
+    beta: *const c_void,
+    initial: *const c_void,
+    out: *mut c_void,
+    final_state: *mut c_void,
+    states: *mut c_void,
+    q_stride: [i64; 3],
+    k_stride: [i64; 3],
+    v_stride: [i64; 3],
+    steps: i64,
+    key_heads: i64,
+    value_heads: i64,
+    value_dim: i64,
+    g_is_f32: i64,
+    beta_is_f32: i64,
+    l2norm: i64,
+}
+
+/// The batch, token and head strides of a [B, T, H, D] tensor whose last dimension is dense,
+/// and the tensor itself (a dense copy when its last dimension is not).
+fn strided(t: &Tensor) -> (Tensor, [i64; 3]) {
+    let t = if t.stride()[3] == 1 || t.size()[3] == 1 {
+        t.shallow_clone()
+    } else {
+        t.contiguous()
+    };
+    let s = t.stride();
+    (t, [s[0], s[1], s[2]])
+}
+
+/// The gated delta rule kernels, loaded for one CUDA device.
+#[derive(Clone, Copy)]
+pub struct GdnKernels {
+    device: usize,
+    context: cu::CUcontext,
+    /// [storage type (bf16, f16, f32)][key head size, as in KEY_DIMS]
+    recurrent: [[cu::CUfunction; 4]; 3],
+    graphs: GraphLibrary,
+}
+
+// SAFETY: as for `FusedKernels`: a CUDA context and the functions of a module loaded in it are
+// process-wide driver objects, usable from any thread; the module is never unloaded.
+unsafe impl Send for GdnKernels {}
+unsafe impl Sync for GdnKernels {}
+
+impl std::fmt::Debug for GdnKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GdnKernels(cuda:{})", self.device)
+    }
+}
+
+impl FusedKernelLoader {
+    /// Compiles and loads the gated delta rule kernels for `device` (see [`GdnKernels::load`]).
+    pub fn load_gdn(&self, device: Device) -> Result<GdnKernels> {
+        GdnKernels::load(self.graphs, self.libtorch_dir.as_deref(), device)
+    }
+}
+
+impl GdnKernels {
+    /// Compiles the kernels for CUDA device `device` and loads them into its primary context
+    /// (the one libtorch runs in). `graphs`: the library that knows libtorch's current stream.
+    pub fn load(graphs: GraphLibrary, libtorch_dir: Option<&Path>, device: Device) -> Result<Self> {
+        let Device::Cuda(index) = device else {
+            bail!("the gated delta rule kernels need a CUDA device, not {device:?}");
+        };
+        let nvrtc = Nvrtc::load(libtorch_dir)?;
+        // SAFETY: driver calls with out-pointers to locals; the context is retained for the
+        // life of the process (as libtorch does), the module never unloaded.
+        unsafe {
+            driver("cuInit", cu::cuInit(0))?;
+            let mut dev: cu::CUdevice = 0;
+            driver("cuDeviceGet", cu::cuDeviceGet(&mut dev, index as c_int))?;
+            let attribute = |a: cu::CUdevice_attribute| -> Result<i32> {
+                let mut v: c_int = 0;
+                driver(
+                    "cuDeviceGetAttribute",
+                    cu::cuDeviceGetAttribute(&mut v, a, dev),
+                )?;
+                Ok(v)
+            };
+            use cu::CUdevice_attribute::*;
+            let arch = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? * 10
+                + attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let ptx = nvrtc.compile_named(SOURCE, "gdn_kernels.cu", arch)?;
+            let mut context: cu::CUcontext = std::ptr::null_mut();
+            driver(
+                "cuDevicePrimaryCtxRetain",
+                cu::cuDevicePrimaryCtxRetain(&mut context, dev),
+            )?;
+            driver("cuCtxPushCurrent", cu::cuCtxPushCurrent_v2(context))?;
+            let loaded = (|| -> Result<[[cu::CUfunction; 4]; 3]> {
+                let mut module: cu::CUmodule = std::ptr::null_mut();
+                driver(
+                    "cuModuleLoadData",
+                    cu::cuModuleLoadData(&mut module, ptx.as_ptr().cast()),
+                )?;
+                let mut functions = [[std::ptr::null_mut(); 4]; 3];
+                for (row, kind) in functions.iter_mut().zip(["bf16", "f16", "f32"]) {
+                    for (f, dim) in row.iter_mut().zip(KEY_DIMS) {
+                        let name = CString::new(kernel_name(kind, dim))?;
+                        driver(
+                            "cuModuleGetFunction",
+                            cu::cuModuleGetFunction(f, module, name.as_ptr()),
+                        )?;
+                    }
+                }
+                Ok(functions)
+            })();
+            let mut popped: cu::CUcontext = std::ptr::null_mut();
+            cu::cuCtxPopCurrent_v2(&mut popped);
+            Ok(GdnKernels {
+                device: index,
+                context,
+                recurrent: loaded?,
+                graphs,
+            })
+        }
+    }
+
+    /// The CUDA device the kernels were loaded for.
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.device)
+    }
+
+    /// The gated delta rule over q, k [B, T, Hk, K], v [B, T, Hv, V] (bf16, f16 or f32; the
+    /// last dimension dense, other strides free, so views split from one projection need no
+    /// copy), g [B, T, Hv] (log decay, <= 0) and beta [B, T, Hv] (float32 or v's type), from
+    /// `initial_state` [B, Hv, K, V] float32 (zeros when `None`). Value head h reads key head
+    /// h / (Hv / Hk); with `l2norm` q and k are l2-normalised (in float32) first. Returns the
+    /// output [B, T, Hv, V] in v's type and the final state [B, Hv, K, V] float32. Queued on
+    /// libtorch's current stream (no host synchronisation; a CUDA graph may capture it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        initial_state: Option<&Tensor>,
+        l2norm: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        let shape = self.checked_shape(q, k, v, g, beta, initial_state)?;
+        let final_state = Tensor::empty(shape.state_size(), (Kind::Float, self.device()));
+        if shape.steps == 0 {
+            let mut copy = final_state.shallow_clone();
+            match initial_state {
+                Some(s) => copy.copy_(s),
+                None => {
+                    let _ = copy.zero_();
+                }
+            }
+        }
+        let inputs = Inputs {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            l2norm,
+        };
+        let out = self.launch(&shape, &inputs, Some(&final_state), None)?;
+        Ok((out, final_state))
+    }
+
+    /// [`GdnKernels::forward`] that writes the state after every token into `states_out`
+    /// [B, T, Hv, K, V] (float32, dense), so that a caller verifying a draft can keep the state
+    /// at the accepted prefix (the final state is `states_out[:, T - 1]`). Returns the output.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_with_states(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        initial_state: Option<&Tensor>,
+        l2norm: bool,
+        states_out: &Tensor,
+    ) -> Result<Tensor> {
+        let shape = self.checked_shape(q, k, v, g, beta, initial_state)?;
+        shape.check_state("the states buffer", states_out, &shape.states_size(), true)?;
+        ensure!(
+            states_out.device() == self.device(),
+            "gated delta rule: the states buffer is on {:?}, the kernels on cuda:{}",
+            states_out.device(),
+            self.device
+        );
+        let inputs = Inputs {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            l2norm,
+        };
+        self.launch(&shape, &inputs, None, Some(states_out))
+    }
+
+    /// The inputs' shape, checked, and on this device with a kernel for their sizes.
+    fn checked_shape(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        beta: &Tensor,
+        initial_state: Option<&Tensor>,
+    ) -> Result<GdnShape> {
+        let shape = GdnShape::of(q, k, v, g, beta, initial_state)?;
+        ensure!(
+            q.device() == self.device(),
+            "gated delta rule: the inputs are on {:?}, the kernels on cuda:{}",
+            q.device(),
+            self.device
+        );
+        ensure!(
+            KEY_DIMS.contains(&shape.key_dim),
+            "gated delta rule: no kernel for a key head size of {} (only {KEY_DIMS:?})",
+            shape.key_dim
+        );
+        ensure!(
+            shape.batch * shape.value_heads <= 65_535,
+            "gated delta rule: {} batch rows x {} value heads is more than one launch takes \
+             (65535)",
+            shape.batch,
+            shape.value_heads
+        );
+        Ok(shape)
+    }
+
+    /// One launch: the output, and the final state or the states of every token.
+    fn launch(
+        &self,
+        shape: &GdnShape,
+        x: &Inputs<'_>,
+        final_state: Option<&Tensor>,
+        states: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let kind = x.v.kind();
+        let out = Tensor::empty(
+            [shape.batch, shape.steps, shape.value_heads, shape.value_dim],
+            (kind, self.device()),
+        );
+        if shape.steps == 0 || shape.batch == 0 {
+            return Ok(out);
+        }
+        let (q, q_stride) = strided(x.q);
+        let (k, k_stride) = strided(x.k);
+        let (v, v_stride) = strided(x.v);
+        let (g, beta) = (x.g.contiguous(), x.beta.contiguous());
+        let initial = x.initial_state.map(Tensor::contiguous);
+        let null = std::ptr::null_mut();
+        let mut params = GdnParams {
+            q: q.data_ptr().cast_const(),
+            k: k.data_ptr().cast_const(),
+            v: v.data_ptr().cast_const(),
+            g: g.data_ptr().cast_const(),
+            beta: beta.data_ptr().cast_const(),
+            initial: initial.as_ref().map_or(null, Tensor::data_ptr).cast_const(),
+            out: out.data_ptr(),
+            final_state: final_state.map_or(null, Tensor::data_ptr),
+            states: states.map_or(null, Tensor::data_ptr),
+            q_stride,
+            k_stride,
+            v_stride,
+            steps: shape.steps,
+            key_heads: shape.key_heads,
+            value_heads: shape.value_heads,
+            value_dim: shape.value_dim,
+            g_is_f32: (g.kind() == Kind::Float) as i64,
+            beta_is_f32: (beta.kind() == Kind::Float) as i64,
+            l2norm: x.l2norm as i64,
+        };
+        let (Some(which), Some(dim)) = (
+            kind_index(kind),
+            KEY_DIMS.iter().position(|&d| d == shape.key_dim),
+        ) else {
+            bail!(
+                "gated delta rule: no kernel for {kind:?} and key heads of {}",
+                shape.key_dim
+            );
+        };
+        let grid = (
+            ((shape.value_dim + COLUMNS - 1) / COLUMNS) as u32,
+            (shape.batch * shape.value_heads) as u32,
+        );
+        self.run(self.recurrent[which][dim], grid, &mut [arg(&mut params)])?;
+        Ok(out)
+    }
+
+    /// One launch of `function` on libtorch's current stream of the device, with the device's
+    /// context current (pushed only when another one is).
+    fn run(
+        &self,
+        function: cu::CUfunction,
+        grid: (u32, u32),
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let stream = self.graphs.current_stream(self.device)? as cu::CUstream;
+        // SAFETY: a function of a module loaded in `self.context`; `params` points at the
+        // kernel's one argument, a `GdnParams` laid out as the kernel's struct.
+        unsafe {
+            let mut current: cu::CUcontext = std::ptr::null_mut();
+            driver("cuCtxGetCurrent", cu::cuCtxGetCurrent(&mut current))?;
+            let push = current != self.context;
+            if push {
+                driver("cuCtxPushCurrent", cu::cuCtxPushCurrent_v2(self.context))?;
+            }
+            let launched = cu::cuLaunchKernel(
+                function,
+                grid.0,
+                grid.1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            );
+            if push {
+                let mut popped: cu::CUcontext = std::ptr::null_mut();
+                cu::cuCtxPopCurrent_v2(&mut popped);
+            }
+            driver("cuLaunchKernel", launched)
+        }
+    }
+}
+
+/// The inputs of one call, as the public methods take them.
+struct Inputs<'a> {
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    g: &'a Tensor,
+    beta: &'a Tensor,
+    initial_state: Option<&'a Tensor>,
+    l2norm: bool,
+}
+
+/// The name of the kernel for storage type `kind` (bf16, f16, f32) and key heads of `dim`.
+fn kernel_name(kind: &str, dim: i64) -> String {
+    format!("gdn_recurrent_{kind}_k{dim}")
+}
+
+/// The gated delta rule as a loop over the tokens in libtorch float32 operations, the rule as
+/// transformers' `torch_recurrent_gated_delta_rule` states it; on any device, same arguments as
+/// [`GdnKernels::forward`]. Returns the output [B, T, Hv, V] in v's type and the final state.
+#[allow(clippy::too_many_arguments)]
+pub fn reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    initial_state: Option<&Tensor>,
+    l2norm: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (out, state, _) = reference_steps(q, k, v, g, beta, initial_state, l2norm, false)?;
+    Ok((out, state))
+}
+
+/// [`reference`] that also returns the state after every token [B, T, Hv, K, V] (in place of
+/// the final state).
+#[allow(clippy::too_many_arguments)]
+pub fn reference_with_states(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    initial_state: Option<&Tensor>,
+    l2norm: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (out, state, states) = reference_steps(q, k, v, g, beta, initial_state, l2norm, true)?;
+    Ok((out, states.unwrap_or(state)))
+}
+
+// out-of-place updates on purpose: tch's `*=` and `+=` write in place, and the states kept
+// per token and the caller's initial state must not change
+#[allow(clippy::too_many_arguments, clippy::assign_op_pattern)]
+fn reference_steps(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    initial_state: Option<&Tensor>,
+    l2norm: bool,
+    keep_states: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let shape = GdnShape::of(q, k, v, g, beta, initial_state)?;
+    let kind = v.kind();
+    let group = shape.value_heads / shape.key_heads;
+    let float = |t: &Tensor| t.to_kind(Kind::Float);
+    let l2 = |t: Tensor| {
+        if l2norm {
+            let norm = (&t * &t).sum_dim_intlist(-1, true, Kind::Float) + 1e-6;
+            t * norm.rsqrt()
+        } else {
+            t
+        }
+    };
+    // [B, T, Hv, K]: value head h reads key head h / group
+    let q = l2(float(q).repeat_interleave_self_int(group, 2, None)) / (shape.key_dim as f64).sqrt();
+    let k = l2(float(k).repeat_interleave_self_int(group, 2, None));
+    let (v, decay, beta) = (float(v), float(g).exp(), float(beta));
+    let mut state = match initial_state {
+        Some(s) => float(s),
+        None => Tensor::zeros(shape.state_size(), (Kind::Float, q.device())),
+    };
+    let (mut outs, mut states) = (Vec::new(), Vec::new());
+    for t in 0..shape.steps {
+        let (q_t, k_t, v_t) = (q.select(1, t), k.select(1, t), v.select(1, t));
+        state = state * decay.select(1, t).unsqueeze(-1).unsqueeze(-1);
+        // S^T k per value column: [B, Hv, V]
+        let kv = (&state * k_t.unsqueeze(-1)).sum_dim_intlist(-2, false, Kind::Float);
+        let u = (v_t - kv) * beta.select(1, t).unsqueeze(-1);
+        state = state + k_t.unsqueeze(-1) * u.unsqueeze(-2);
+        outs.push((&state * q_t.unsqueeze(-1)).sum_dim_intlist(-2, false, Kind::Float));
+        if keep_states {
+            states.push(state.shallow_clone());
+        }
+    }
+    let out = if outs.is_empty() {
+        Tensor::zeros(
+            [shape.batch, 0, shape.value_heads, shape.value_dim],
+            (Kind::Float, q.device()),
+        )
+    } else {
+        Tensor::stack(&outs, 1)
+    };
+    let states = keep_states.then(|| {
+        if states.is_empty() {
+            Tensor::zeros(shape.states_size(), (Kind::Float, q.device()))
+        } else {
+            Tensor::stack(&states, 1)
+        }
+    });
+    Ok((out.to_kind(kind), state, states))
+}
+
+#[cfg(test)]
+#[path = "gdn_tests.rs"]
+mod tests;

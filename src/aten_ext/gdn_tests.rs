@@ -1,0 +1,662 @@
+//! Tests of the gated delta rule: the reference against transformers' numbers, the shape
+//! checks, the kernels' source through NVRTC (on the CPU), and the kernels against the
+//! reference on a GPU:
+//!   cargo test --release --locked --lib aten_ext::gdn -- --include-ignored
+
+use super::*;
+use crate::aten_ext::graph::CudaGraph;
+use crate::runtime::TorchRuntime;
+
+/// libnvrtc for the compile test: the one `make setup` installs (NVRTC runs without a GPU),
+/// else one beside the loaded libtorch or on the library path; `None` (with the reason
+/// printed) where there is none, except under CI, whose set-up installs it.
+fn nvrtc() -> Option<Nvrtc> {
+    let setup = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".deps/python/cuda-nvrtc/nvidia/cu13/lib/libnvrtc.so.13");
+    if setup.is_file() {
+        return Some(
+            Nvrtc::load_from(&setup).unwrap_or_else(|e| panic!("{}: {e}", setup.display())),
+        );
+    }
+    let libtorch = crate::runtime::loaded_library(|name| name == "libtorch_cpu.so");
+    match Nvrtc::load(libtorch.as_deref().and_then(Path::parent)) {
+        Ok(nvrtc) => Some(nvrtc),
+        Err(e) => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "{e:#} (make setup installs libnvrtc)"
+            );
+            eprintln!("not run: {e:#} (make setup installs libnvrtc)");
+            None
+        }
+    }
+}
+
+/// The source compiles for a Hopper GPU; every kernel the loader looks up is in the PTX, each
+/// taking one parameter of the size of the Rust `GdnParams` (the layout both sides share).
+#[test]
+fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let ptx = nvrtc.compile_named(SOURCE, "gdn_kernels.cu", 90).unwrap();
+    let text = ptx.to_str().unwrap();
+    let size = std::mem::size_of::<GdnParams>();
+    assert_eq!(size, 200);
+    for kind in ["bf16", "f16", "f32"] {
+        for dim in KEY_DIMS {
+            let name = kernel_name(kind, dim);
+            let entry = format!(".entry {name}(");
+            let at = text
+                .find(&entry)
+                .unwrap_or_else(|| panic!("no {entry} in the PTX"));
+            let param = format!(".param .align 8 .b8 {name}_param_0[{size}]");
+            let head = &text[at..at + 300.min(text.len() - at)];
+            assert!(head.contains(&param), "{name}: no {param} in {head}");
+            assert!(
+                !head.contains("_param_1"),
+                "{name} takes more than one parameter"
+            );
+        }
+    }
+}
+
+/// The kernels' source run on the CPU (tests/cuda_emulation: one host thread per CUDA thread,
+/// barriers for __syncthreads and the warp shuffles) computes the rule as a double-precision
+/// loop does, over cases that reach every part of it (see gdn_emulation.cpp): the indexing,
+/// tiling and reductions checked where there is no GPU. Needs a C++20 compiler (`$CXX`, else
+/// `c++`), as the build does for its C++ shims.
+#[test]
+fn the_kernel_source_run_on_the_cpu_matches_the_rule() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join("gdn_emulation");
+    let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+    let built = std::process::Command::new(&compiler)
+        .args(["-std=c++20", "-O1", "-pthread", "-w"])
+        .arg(format!("-I{}", root.join("src/aten_ext").display()))
+        .arg(root.join("tests/cuda_emulation/gdn_emulation.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .output();
+    let built = match built {
+        Ok(out) => out,
+        Err(e) => {
+            assert!(std::env::var_os("CI").is_none(), "{compiler}: {e}");
+            eprintln!("not run: no C++ compiler ({compiler}: {e})");
+            return;
+        }
+    };
+    assert!(
+        built.status.success(),
+        "{compiler} failed: {}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let ran = std::process::Command::new(&exe).output().unwrap();
+    let report = String::from_utf8_lossy(&ran.stdout);
+    assert!(
+        ran.status.success(),
+        "{report}{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    assert_eq!(
+        report.lines().filter(|l| l.starts_with("ok ")).count(),
+        6,
+        "{report}"
+    );
+}
+
+/// A tensor of the fixture: {"shape": [...], "values": [...]}.
+fn fixture_tensor(x: &serde_json::Value) -> Tensor {
+    let shape: Vec<i64> = serde_json::from_value(x["shape"].clone()).unwrap();
+    let values: Vec<f32> = serde_json::from_value(x["values"].clone()).unwrap();
+    Tensor::from_slice(&values).reshape(shape)
+}
+
+fn max_abs(t: &Tensor) -> f64 {
+    t.abs().max().double_value(&[])
+}
+
+/// The largest difference relative to the largest magnitude of `want`.
+fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
+    assert_eq!(got.size(), want.size());
+    let (got, want) = (got.to_kind(Kind::Float), want.to_kind(Kind::Float));
+    max_abs(&(&got - &want)) / max_abs(&want).max(1e-30)
+}
+
+/// The reference computes what transformers' chunked (and recurrent) gated delta rule
+/// computes, with grouped heads, an initial state and l2 norms, and without.
+#[test]
+fn the_reference_matches_transformers() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gdn_rule.expected.json");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let cases = fixture["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2);
+    for case in cases {
+        let t = |name: &str| fixture_tensor(&case[name]);
+        let initial = case.get("initial_state").map(fixture_tensor);
+        let l2norm = case["l2norm"].as_bool().unwrap();
+        let (out, state) = reference(
+            &t("q"),
+            &t("k"),
+            &t("v"),
+            &t("g"),
+            &t("beta"),
+            initial.as_ref(),
+            l2norm,
+        )
+        .unwrap();
+        let (e_out, e_state) = (
+            relative_error(&out, &t("out")),
+            relative_error(&state, &t("final_state")),
+        );
+        assert!(
+            e_out < 1e-5 && e_state < 1e-5,
+            "l2norm {l2norm}: {e_out} {e_state}"
+        );
+    }
+}
+
+/// Random inputs of one case, made on the CPU (the same numbers on any device) and moved.
+struct Case {
+    batch: i64,
+    steps: i64,
+    key_heads: i64,
+    value_heads: i64,
+    key_dim: i64,
+    value_dim: i64,
+    initial: bool,
+    l2norm: bool,
+}
+
+struct Made {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial: Option<Tensor>,
+}
+
+impl Case {
+    fn make(&self, seed: i64, device: Device, kind: Kind) -> Made {
+        tch::manual_seed(seed);
+        let (b, t) = (self.batch, self.steps);
+        let opts = (Kind::Float, Device::Cpu);
+        let qk = [b, t, self.key_heads, self.key_dim];
+        let mut q = Tensor::randn(qk, opts);
+        let mut k = Tensor::randn(qk, opts);
+        if !self.l2norm {
+            // keeps the state bounded without the normalisation
+            q /= (self.key_dim as f64).sqrt();
+            k /= (self.key_dim as f64).sqrt();
+        }
+        let v = Tensor::randn([b, t, self.value_heads, self.value_dim], opts);
+        let g = -Tensor::randn([b, t, self.value_heads], opts).softplus();
+        let beta = Tensor::randn([b, t, self.value_heads], opts).sigmoid();
+        let state = [b, self.value_heads, self.key_dim, self.value_dim];
+        let initial = self
+            .initial
+            .then(|| (Tensor::randn(state, opts) * 0.5).to_device(device));
+        let to = |x: Tensor| x.to_kind(kind).to_device(device);
+        Made {
+            q: to(q),
+            k: to(k),
+            v: to(v),
+            g: g.to_device(device),
+            beta: to(beta),
+            initial,
+        }
+    }
+}
+
+impl Made {
+    fn reference(&self, l2norm: bool) -> (Tensor, Tensor) {
+        reference(
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.g,
+            &self.beta,
+            self.initial.as_ref(),
+            l2norm,
+        )
+        .unwrap()
+    }
+}
+
+/// The state after every token ends in the final state; a run split in two, the second part
+/// from the first's final state, is the whole run.
+#[test]
+fn the_reference_runs_on_from_its_own_state() {
+    let case = Case {
+        batch: 2,
+        steps: 6,
+        key_heads: 1,
+        value_heads: 2,
+        key_dim: 4,
+        value_dim: 3,
+        initial: true,
+        l2norm: true,
+    };
+    let x = case.make(3, Device::Cpu, Kind::Float);
+    let (out, state) = x.reference(true);
+    let (out_s, states) =
+        reference_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref(), true).unwrap();
+    assert_eq!(states.size(), [2, 6, 2, 4, 3]);
+    assert!(out_s.equal(&out) && states.select(1, 5).equal(&state));
+    let part = |t: &Tensor, s: i64, n: i64| t.narrow(1, s, n);
+    let (first, mid) = reference(
+        &part(&x.q, 0, 4),
+        &part(&x.k, 0, 4),
+        &part(&x.v, 0, 4),
+        &part(&x.g, 0, 4),
+        &part(&x.beta, 0, 4),
+        x.initial.as_ref(),
+        true,
+    )
+    .unwrap();
+    assert!(mid.equal(&states.select(1, 3)));
+    let (second, last) = reference(
+        &part(&x.q, 4, 2),
+        &part(&x.k, 4, 2),
+        &part(&x.v, 4, 2),
+        &part(&x.g, 4, 2),
+        &part(&x.beta, 4, 2),
+        Some(&mid),
+        true,
+    )
+    .unwrap();
+    assert!(Tensor::cat(&[first, second], 1).equal(&out) && last.equal(&state));
+    // no tokens: no output, the state as it was
+    let (none, kept) = reference(
+        &part(&x.q, 0, 0),
+        &part(&x.k, 0, 0),
+        &part(&x.v, 0, 0),
+        &part(&x.g, 0, 0),
+        &part(&x.beta, 0, 0),
+        x.initial.as_ref(),
+        true,
+    )
+    .unwrap();
+    assert_eq!(none.size(), [2, 0, 2, 3]);
+    assert!(kept.equal(x.initial.as_ref().unwrap()));
+}
+
+/// Every mismatch of shape, type or device is refused with a message naming the tensor.
+#[test]
+fn shapes_are_read_and_mismatches_named() {
+    let case = Case {
+        batch: 2,
+        steps: 3,
+        key_heads: 2,
+        value_heads: 4,
+        key_dim: 8,
+        value_dim: 5,
+        initial: true,
+        l2norm: true,
+    };
+    let x = case.make(4, Device::Cpu, Kind::Float);
+    let of = |q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, s: Option<&Tensor>| {
+        GdnShape::of(q, k, v, g, beta, s).map_err(|e| e.to_string())
+    };
+    let shape = of(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref()).unwrap();
+    assert_eq!(
+        shape,
+        GdnShape {
+            batch: 2,
+            steps: 3,
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 8,
+            value_dim: 5
+        }
+    );
+    assert_eq!(shape.states_size(), [2, 3, 4, 8, 5]);
+    let s = x.initial.as_ref();
+    let err = |e: std::result::Result<GdnShape, String>, want: &str| {
+        let e = e.unwrap_err();
+        assert!(e.contains(want), "{e:?} does not say {want:?}");
+    };
+    err(
+        of(&x.q, &x.k.narrow(2, 0, 1), &x.v, &x.g, &x.beta, s),
+        "k [2, 3, 1, 8]",
+    );
+    err(
+        of(&x.q, &x.k, &x.v.narrow(1, 0, 2), &x.g, &x.beta, s),
+        "v [2, 2, 4, 5]",
+    );
+    err(
+        of(&x.q, &x.k, &x.v.narrow(2, 0, 3), &x.g, &x.beta, s),
+        "multiple of the key heads",
+    );
+    err(
+        of(&x.q, &x.k, &x.v, &x.g.narrow(2, 0, 3), &x.beta, s),
+        "g [2, 3, 3]",
+    );
+    err(
+        of(&x.q, &x.k, &x.v, &x.g, &x.beta.unsqueeze(0), s),
+        "beta [1, 2, 3, 4]",
+    );
+    err(
+        of(&x.q.flatten(0, 1), &x.k, &x.v, &x.g, &x.beta, s),
+        "[batch, tokens, heads",
+    );
+    let half = x.q.to_kind(Kind::Half);
+    err(
+        of(&half, &x.k, &x.v, &x.g, &x.beta, s),
+        "q is Half, v Float",
+    );
+    let int = x.g.to_kind(Kind::Int64);
+    err(of(&x.q, &x.k, &x.v, &int, &x.beta, s), "g is Int64");
+    let wrong = x.initial.as_ref().unwrap().narrow(3, 0, 4);
+    err(
+        of(&x.q, &x.k, &x.v, &x.g, &x.beta, Some(&wrong)),
+        "the initial state",
+    );
+    err(
+        of(
+            &x.q,
+            &x.k,
+            &x.v,
+            &x.g,
+            &x.beta,
+            Some(&wrong.to_kind(Kind::Double)),
+        ),
+        "expected Float [2, 4, 8, 5]",
+    );
+}
+
+// ---- on a GPU ----
+
+/// One test at a time on the GPU (a CUDA graph capture in one thread breaks another's work).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn gpu() -> (GdnKernels, Device, std::sync::MutexGuard<'static, ()>) {
+    let turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let runtime = TorchRuntime::init();
+    assert!(
+        runtime.cuda_devices() > 0,
+        "no CUDA device: {:?}",
+        runtime.cuda
+    );
+    let device = Device::Cuda(0);
+    let loader = runtime
+        .fused_kernel_loader(true)
+        .unwrap_or_else(|| panic!("no CUDA graph library: {:?}", runtime.graphs));
+    (loader.load_gdn(device).unwrap(), device, turn)
+}
+
+fn run(kernels: &GdnKernels, x: &Made, l2norm: bool) -> (Tensor, Tensor) {
+    kernels
+        .forward(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref(), l2norm)
+        .unwrap()
+}
+
+fn assert_close(got: &Tensor, want: &Tensor, tolerance: f64, what: &str) {
+    let e = relative_error(got, want);
+    assert!(
+        e <= tolerance,
+        "{what}: relative error {e:e} > {tolerance:e}"
+    );
+}
+
+/// float32: output and final state within 1e-4 of the reference, for every key head size,
+/// grouped heads, token counts that are no multiple of a tile (32 steps at K = 128), value
+/// columns that are no multiple of a block's 16, several batch rows, one token.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_kernel_matches_the_reference_in_f32() {
+    let (kernels, device, _turn) = gpu();
+    let cases = [
+        (2, 37, 2, 4, 128, 40, false, true),
+        (2, 37, 2, 4, 128, 40, true, true),
+        (1, 70, 3, 3, 64, 16, true, false),
+        (2, 5, 1, 2, 32, 8, true, true),
+        (1, 150, 1, 1, 32, 3, false, true),
+        (1, 20, 2, 2, 256, 20, true, true),
+        (3, 1, 2, 6, 128, 128, true, true),
+        (1, 300, 2, 4, 128, 128, true, true),
+    ];
+    for (seed, (batch, steps, key_heads, value_heads, key_dim, value_dim, initial, l2norm)) in
+        cases.into_iter().enumerate()
+    {
+        let case = Case {
+            batch,
+            steps,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+            initial,
+            l2norm,
+        };
+        let x = case.make(seed as i64, device, Kind::Float);
+        let (out, state) = run(&kernels, &x, l2norm);
+        let (want_out, want_state) = x.reference(l2norm);
+        let what = format!("B {batch} T {steps} Hk {key_heads} Hv {value_heads} K {key_dim} V {value_dim} initial {initial} l2norm {l2norm}");
+        assert_close(&out, &want_out, 1e-4, &format!("output, {what}"));
+        assert_close(&state, &want_state, 1e-4, &format!("final state, {what}"));
+    }
+}
+
+/// bf16 and f16 inputs (beta in the storage type, g float32): the final state (float32, from
+/// the same inputs) within 1e-4 of the reference's, the output within its own rounding.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_half_types_match_the_reference() {
+    let (kernels, device, _turn) = gpu();
+    let case = Case {
+        batch: 2,
+        steps: 45,
+        key_heads: 2,
+        value_heads: 4,
+        key_dim: 128,
+        value_dim: 64,
+        initial: true,
+        l2norm: true,
+    };
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let x = case.make(11, device, kind);
+        assert_eq!((x.beta.kind(), x.g.kind()), (kind, Kind::Float));
+        let (out, state) = run(&kernels, &x, true);
+        let (want_out, want_state) = x.reference(true);
+        assert_eq!(out.kind(), kind);
+        assert_close(&out, &want_out, 1e-2, &format!("{kind:?} output"));
+        assert_close(&state, &want_state, 1e-4, &format!("{kind:?} final state"));
+    }
+}
+
+/// The state after every token of a verification step: the reference's, the last one the final
+/// state of `forward`, and the same output.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_states_after_every_token() {
+    let (kernels, device, _turn) = gpu();
+    let case = Case {
+        batch: 2,
+        steps: 16,
+        key_heads: 2,
+        value_heads: 6,
+        key_dim: 128,
+        value_dim: 128,
+        initial: true,
+        l2norm: true,
+    };
+    let x = case.make(5, device, Kind::Float);
+    let shape = GdnShape::of(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref()).unwrap();
+    let states = Tensor::full(shape.states_size(), f64::NAN, (Kind::Float, device));
+    let out = kernels
+        .forward_with_states(
+            &x.q,
+            &x.k,
+            &x.v,
+            &x.g,
+            &x.beta,
+            x.initial.as_ref(),
+            true,
+            &states,
+        )
+        .unwrap();
+    let (want_out, want_states) =
+        reference_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref(), true).unwrap();
+    assert_close(&out, &want_out, 1e-4, "output");
+    assert_close(&states, &want_states, 1e-4, "states");
+    let (plain_out, final_state) = run(&kernels, &x, true);
+    assert!(
+        plain_out.equal(&out),
+        "forward and forward_with_states differ"
+    );
+    assert!(
+        final_state.equal(&states.select(1, 15)),
+        "the last state is not the final one"
+    );
+    // a draft accepted up to token 8: the run continued from the state kept there (a strided
+    // view of the buffer) is the rest of the whole run
+    let rest = |t: &Tensor| t.narrow(1, 8, 8);
+    let kept = states.select(1, 7);
+    assert!(!kept.is_contiguous());
+    let (rest_out, rest_state) = kernels
+        .forward(
+            &rest(&x.q),
+            &rest(&x.k),
+            &rest(&x.v),
+            &rest(&x.g),
+            &rest(&x.beta),
+            Some(&kept),
+            true,
+        )
+        .unwrap();
+    assert_close(&rest_out, &rest(&out), 1e-5, "output after the kept state");
+    assert_close(
+        &rest_state,
+        &final_state,
+        1e-5,
+        "final state after the kept state",
+    );
+    let wrong = states.narrow(1, 0, 15).contiguous();
+    let e = kernels
+        .forward_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, None, true, &wrong)
+        .unwrap_err();
+    assert!(e.to_string().contains("the states buffer"), "{e}");
+}
+
+/// q, k and v as views of one projection (strided heads and tokens) give what dense copies
+/// give; tokens whose k and g are zero (the model's padding) leave the state as it was.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_strided_inputs_and_padding_tokens() {
+    let (kernels, device, _turn) = gpu();
+    let (b, t, hk, hv, d) = (2, 9, 2, 4, 128);
+    tch::manual_seed(7);
+    let mixed = Tensor::randn([b, t, (2 * hk + hv) * d], (Kind::Float, device));
+    let q = mixed.narrow(2, 0, hk * d).view([b, t, hk, d]);
+    let k = mixed.narrow(2, hk * d, hk * d).view([b, t, hk, d]);
+    let v = mixed.narrow(2, 2 * hk * d, hv * d).view([b, t, hv, d]);
+    assert!(!q.is_contiguous());
+    let g = -Tensor::rand([b, t, hv], (Kind::Float, device));
+    let beta = Tensor::rand([b, t, hv], (Kind::Float, device));
+    let state = Tensor::randn([b, hv, d, d], (Kind::Float, device));
+    let (out, last) = kernels
+        .forward(&q, &k, &v, &g, &beta, Some(&state), true)
+        .unwrap();
+    let (dense_out, dense_last) = kernels
+        .forward(
+            &q.contiguous(),
+            &k.contiguous(),
+            &v.contiguous(),
+            &g,
+            &beta,
+            Some(&state),
+            true,
+        )
+        .unwrap();
+    assert!(out.equal(&dense_out) && last.equal(&dense_last));
+    let (_, kept) = kernels
+        .forward(
+            &q,
+            &k.zeros_like(),
+            &v,
+            &g.zeros_like(),
+            &beta,
+            Some(&state),
+            true,
+        )
+        .unwrap();
+    assert!(kept.equal(&state), "padding tokens changed the state");
+}
+
+/// One decoding step captured in a CUDA graph and replayed on new inputs computes what an
+/// eager call on those inputs does: the launch is on libtorch's current stream and reads its
+/// arguments from device memory only.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_a_step_replays_in_a_cuda_graph() {
+    let (kernels, device, _turn) = gpu();
+    let graphs = TorchRuntime::init()
+        .graphs(true)
+        .expect("the CUDA graph library");
+    let case = Case {
+        batch: 2,
+        steps: 1,
+        key_heads: 2,
+        value_heads: 4,
+        key_dim: 128,
+        value_dim: 128,
+        initial: true,
+        l2norm: true,
+    };
+    let x = case.make(8, device, Kind::BFloat16);
+    let (graph, (out, state)) =
+        CudaGraph::capture(graphs, device, 2, || run(&kernels, &x, true)).unwrap();
+    let fresh = case.make(9, device, Kind::BFloat16);
+    for (slot, new) in [
+        (&x.q, &fresh.q),
+        (&x.k, &fresh.k),
+        (&x.v, &fresh.v),
+        (&x.g, &fresh.g),
+        (&x.beta, &fresh.beta),
+    ] {
+        slot.shallow_clone().copy_(new);
+    }
+    x.initial
+        .as_ref()
+        .unwrap()
+        .shallow_clone()
+        .copy_(fresh.initial.as_ref().unwrap());
+    graph.replay().unwrap();
+    let (want_out, want_state) = run(&kernels, &fresh, true);
+    assert!(out.equal(&want_out) && state.equal(&want_state));
+}
+
+/// Inputs on another device, or a key head size without a kernel, are refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_inputs_without_a_kernel_are_refused() {
+    let (kernels, device, _turn) = gpu();
+    let case = |key_dim| Case {
+        batch: 1,
+        steps: 2,
+        key_heads: 1,
+        value_heads: 1,
+        key_dim,
+        value_dim: 4,
+        initial: false,
+        l2norm: true,
+    };
+    let on_cpu = case(32).make(1, Device::Cpu, Kind::Float);
+    let e = kernels.forward(
+        &on_cpu.q,
+        &on_cpu.k,
+        &on_cpu.v,
+        &on_cpu.g,
+        &on_cpu.beta,
+        None,
+        true,
+    );
+    assert!(e.unwrap_err().to_string().contains("the inputs are on Cpu"));
+    let odd = case(48).make(1, device, Kind::Float);
+    let e = kernels.forward(&odd.q, &odd.k, &odd.v, &odd.g, &odd.beta, None, true);
+    assert!(e.unwrap_err().to_string().contains("key head size of 48"));
+}

@@ -1,0 +1,221 @@
+// Runs src/aten_ext/gdn_kernels.cu on the CPU (cuda_emu.h) against the gated delta rule
+// computed naively in double precision, over cases that reach every part of the kernel: each
+// key head size, grouped heads, partial tiles and partial column blocks, q / k / v as strided
+// views of one projection, g and beta in either type, bf16 storage, an initial state, the state
+// after every step, decays strong enough to renormalise the lazy decay (and one of zero).
+// Prints one line per case; exit status 1 when any is off. Built and run by
+// src/aten_ext/gdn_tests.rs:
+//   c++ -std=c++20 -O1 -pthread -w -Isrc/aten_ext tests/cuda_emulation/gdn_emulation.cpp
+#include "cuda_emu.h"
+
+#include "gdn_kernels.cu"
+
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+struct Case {
+    const char *name;
+    int batch, steps, key_heads, value_heads, key_dim, value_dim;
+    bool initial, l2norm, strided, g_f32, beta_f32, strong_decays;
+};
+
+// A [B, T, H, D] view: element (b, t, h, d) at base + b s0 + t s1 + h s2 + d.
+struct View {
+    long long offset, s0, s1, s2;
+    long long at(long long b, long long t, long long h, long long d) const {
+        return offset + b * s0 + t * s1 + h * s2 + d;
+    }
+};
+
+static double max_abs(const std::vector<double> &x) {
+    double m = 0;
+    for (double v : x) m = std::max(m, std::fabs(v));
+    return m;
+}
+
+// max |got - want| / max |want|; NaN in `got` (never written) counts as infinitely off.
+static double relative_error(const std::vector<float> &got, const std::vector<double> &want) {
+    double worst = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        const double d = std::fabs((double)got[i] - want[i]);
+        worst = std::max(worst, std::isnan(d) ? INFINITY : d);
+    }
+    return worst / std::max(max_abs(want), 1e-30);
+}
+
+template <class P>
+static bool run_case(const Case &c, void (*kernel)(const GdnParams), double out_tolerance) {
+    typedef typename P::T T;
+    const long long B = c.batch, L = c.steps, Hk = c.key_heads, Hv = c.value_heads, K = c.key_dim,
+                    V = c.value_dim;
+    std::mt19937 rng(1234 + B * 7 + L * 13 + K);
+    std::normal_distribution<float> normal;
+    // q, k, v: one buffer; as one projection's views (token rows of q | k | v | 8 spare) or
+    // three dense tensors back to back
+    View q, k, v;
+    long long total;
+    if (c.strided) {
+        const long long w = 2 * Hk * K + Hv * V + 8;
+        q = {0, L * w, w, K};
+        k = {Hk * K, L * w, w, K};
+        v = {2 * Hk * K, L * w, w, V};
+        total = B * L * w;
+    } else {
+        q = {0, L * Hk * K, Hk * K, K};
+        k = {B * L * Hk * K, L * Hk * K, Hk * K, K};
+        v = {2 * B * L * Hk * K, L * Hv * V, Hv * V, V};
+        total = 2 * B * L * Hk * K + B * L * Hv * V;
+    }
+    std::vector<T> qkv(total, P::store(NAN));
+    const float qk_scale = c.l2norm ? 1.0f : 1.0f / std::sqrt((float)K);
+    for (long long b = 0; b < B; ++b)
+        for (long long t = 0; t < L; ++t) {
+            for (long long h = 0; h < Hk; ++h)
+                for (long long d = 0; d < K; ++d) {
+                    qkv[q.at(b, t, h, d)] = P::store(normal(rng) * qk_scale);
+                    qkv[k.at(b, t, h, d)] = P::store(normal(rng) * qk_scale);
+                }
+            for (long long h = 0; h < Hv; ++h)
+                for (long long d = 0; d < V; ++d) qkv[v.at(b, t, h, d)] = P::store(normal(rng));
+        }
+    const long long n = B * L * Hv;
+    std::vector<float> g(n), beta(n), initial(B * Hv * K * V);
+    for (long long i = 0; i < n; ++i) {
+        g[i] = -std::log1p(std::exp(normal(rng)));
+        beta[i] = 1.0f / (1.0f + std::exp(-normal(rng)));
+        const long long t = (i / Hv) % L;
+        if (c.strong_decays && t % 5 == 4) g[i] = -12.0f;
+        if (c.strong_decays && t == 7) g[i] = -INFINITY;
+    }
+    for (float &x : initial) x = 0.5f * normal(rng);
+    std::vector<T> g_st(n), beta_st(n);
+    for (long long i = 0; i < n; ++i) {
+        g_st[i] = P::store(g[i]);
+        beta_st[i] = P::store(beta[i]);
+        if (!c.g_f32) g[i] = P::load(g_st[i]);   // what the kernel reads
+        if (!c.beta_f32) beta[i] = P::load(beta_st[i]);
+    }
+
+    // the rule in double precision
+    std::vector<double> want_out(B * L * Hv * V), want_states(B * L * Hv * K * V),
+        want_final(B * Hv * K * V);
+    for (long long b = 0; b < B; ++b)
+        for (long long h = 0; h < Hv; ++h) {
+            const long long hk = h / (Hv / Hk);
+            std::vector<double> S(K * V, 0.0), qd(K), kd(K);
+            if (c.initial)
+                for (long long i = 0; i < K * V; ++i) S[i] = initial[(b * Hv + h) * K * V + i];
+            for (long long t = 0; t < L; ++t) {
+                double qq = 0, kk = 0;
+                for (long long d = 0; d < K; ++d) {
+                    qd[d] = P::load(qkv[q.at(b, t, hk, d)]);
+                    kd[d] = P::load(qkv[k.at(b, t, hk, d)]);
+                    qq += qd[d] * qd[d];
+                    kk += kd[d] * kd[d];
+                }
+                const double qn = c.l2norm ? 1.0 / std::sqrt(qq + 1e-6) : 1.0;
+                const double kn = c.l2norm ? 1.0 / std::sqrt(kk + 1e-6) : 1.0;
+                for (long long d = 0; d < K; ++d) {
+                    qd[d] *= qn / std::sqrt((double)K);
+                    kd[d] *= kn;
+                }
+                const long long gi = (b * L + t) * Hv + h;
+                const double a = std::exp((double)g[gi]);
+                for (double &x : S) x *= a;
+                for (long long j = 0; j < V; ++j) {
+                    double kv = 0;
+                    for (long long i = 0; i < K; ++i) kv += S[i * V + j] * kd[i];
+                    const double u = beta[gi] * ((double)P::load(qkv[v.at(b, t, h, j)]) - kv);
+                    double o = 0;
+                    for (long long i = 0; i < K; ++i) {
+                        S[i * V + j] += kd[i] * u;
+                        o += S[i * V + j] * qd[i];
+                    }
+                    want_out[gi * V + j] = o;
+                }
+                for (long long i = 0; i < K * V; ++i) want_states[gi * K * V + i] = S[i];
+            }
+            for (long long i = 0; i < K * V; ++i) want_final[(b * Hv + h) * K * V + i] = S[i];
+        }
+
+    // the kernel, every output filled with NaN first (anything left unwritten shows)
+    std::vector<T> out(B * L * Hv * V + 64, P::store(NAN));
+    std::vector<float> states(B * L * Hv * K * V + 64, NAN), final_state(B * Hv * K * V + 64, NAN);
+    GdnParams p = {};
+    p.q = qkv.data();
+    p.k = qkv.data();
+    p.v = qkv.data();
+    // the views' offsets folded into the pointers, as the Rust side's data pointers are
+    p.q = qkv.data() + q.offset;
+    p.k = qkv.data() + k.offset;
+    p.v = qkv.data() + v.offset;
+    p.g = c.g_f32 ? (const void *)g.data() : (const void *)g_st.data();
+    p.beta = c.beta_f32 ? (const void *)beta.data() : (const void *)beta_st.data();
+    p.initial = c.initial ? initial.data() : nullptr;
+    p.out = out.data();
+    p.final_state = final_state.data();
+    p.states = states.data();
+    const View *views[3] = {&q, &k, &v};
+    long long *strides[3] = {p.q_stride, p.k_stride, p.v_stride};
+    for (int x = 0; x < 3; ++x) {
+        strides[x][0] = views[x]->s0;
+        strides[x][1] = views[x]->s1;
+        strides[x][2] = views[x]->s2;
+    }
+    p.steps = L;
+    p.key_heads = Hk;
+    p.value_heads = Hv;
+    p.value_dim = V;
+    p.g_is_f32 = c.g_f32;
+    p.beta_is_f32 = c.beta_f32;
+    p.l2norm = c.l2norm;
+    emu::launch({(unsigned)((V + GDN_COLUMNS - 1) / GDN_COLUMNS), (unsigned)(B * Hv), 1},
+                GDN_THREADS, [&] { kernel(p); });
+
+    std::vector<float> got_out(B * L * Hv * V);
+    for (size_t i = 0; i < got_out.size(); ++i) got_out[i] = P::load(out[i]);
+    bool untouched = true;   // nothing written past the ends
+    for (int i = 0; i < 64; ++i) {
+        untouched &= std::isnan(P::load(out[B * L * Hv * V + i]));
+        untouched &= std::isnan(states[B * L * Hv * K * V + i]);
+        untouched &= std::isnan(final_state[B * Hv * K * V + i]);
+    }
+    const double e_out = relative_error(got_out, want_out);
+    const double e_states = relative_error(states, want_states);
+    const double e_final = relative_error(final_state, want_final);
+    const bool ok = untouched && e_out <= out_tolerance && e_states <= 2e-5 && e_final <= 2e-5;
+    std::printf("%s %s: output %.2e, states %.2e, final state %.2e%s\n", ok ? "ok" : "FAILED",
+                c.name, e_out, e_states, e_final, untouched ? "" : ", wrote past the end");
+    return ok;
+}
+
+int main() {
+    // a thread that skips a barrier its block meets hangs the others: a deadline reports it
+    std::thread([] {
+        std::this_thread::sleep_for(std::chrono::seconds(120));
+        std::fprintf(stderr, "no result after 120 s: a barrier that not every thread meets?\n");
+        std::_Exit(2);
+    }).detach();
+    bool ok = true;
+    // name, B, T, Hk, Hv, K, V, initial, l2norm, strided, g f32, beta f32, strong decays
+    ok &= run_case<F32>({"f32 K32 grouped, one partial tile, 20 columns", 2, 37, 1, 2, 32, 20,
+                         true, true, false, true, true, false},
+                        gdn_recurrent_f32_k32, 2e-5);
+    ok &= run_case<F32>({"f32 K64 two tiles, no norm, no initial state", 1, 70, 2, 2, 64, 16,
+                         false, false, false, true, true, false},
+                        gdn_recurrent_f32_k64, 2e-5);
+    ok &= run_case<Bf16>({"bf16 K128 strided views, g and beta bf16, two tiles", 1, 40, 1, 3,
+                          128, 16, true, true, true, false, false, false},
+                         gdn_recurrent_bf16_k128, 1e-2);
+    ok &= run_case<F32>({"f32 K128 strided, grouped, 2 column blocks", 1, 33, 2, 4, 128, 20,
+                         true, true, true, true, false, false},
+                        gdn_recurrent_f32_k128, 2e-5);
+    ok &= run_case<F32>({"f32 K256 strong and zero decays, two tiles", 1, 20, 1, 1, 256, 8, true,
+                         true, false, true, true, true},
+                        gdn_recurrent_f32_k256, 2e-5);
+    ok &= run_case<F32>({"f32 K32 one token (decoding)", 3, 1, 1, 2, 32, 16, true, true, true,
+                         true, true, false},
+                        gdn_recurrent_f32_k32, 2e-5);
+    return ok ? 0 : 1;
+}
