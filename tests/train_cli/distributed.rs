@@ -1,0 +1,162 @@
+//! Multi-process runs through torch.distributed's c10d (Gloo on the CPU), as torchrun starts
+//! them: each rank is the real binary with torchrun's variables. Tiny models; every wait is
+//! on a process or a file, with a deadline.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dflash_tui::pipeline::distributed::group::free_port;
+use dflash_tui::telemetry::records::{read_metrics, MetricsRecord, StepRecord};
+
+use super::{base_args, bin, inputs, Inputs};
+
+/// Starts `world` ranks of one run (rank 0 first in the list), each with `extra` settings.
+fn start_ranks(i: &Inputs, run: &Path, world: usize, extra: &[String]) -> Vec<Child> {
+    let port = free_port().unwrap().to_string();
+    let mut args = base_args(i, run);
+    for e in extra {
+        args.extend(["--set".into(), e.clone()]);
+    }
+    (0..world)
+        .map(|rank| {
+            Command::new(bin())
+                .args(&args)
+                .env("DFLASH_LOG", "warn")
+                .env("TORCH_CPP_LOG_LEVEL", "ERROR")
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("DFLASH_DIST_TIMEOUT_S", "60")
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Each rank's exit code and output, waiting at most `limit` for all of them.
+fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(i32, String)> {
+    let t = Instant::now();
+    children
+        .into_iter()
+        .map(|mut c| {
+            loop {
+                if c.try_wait().unwrap().is_some() {
+                    break;
+                }
+                if t.elapsed() > limit {
+                    let _ = c.kill();
+                    panic!("a rank did not end within {limit:?}");
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let out = c.wait_with_output().unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (out.status.code().unwrap_or(-1), text)
+        })
+        .collect()
+}
+
+fn steps(metrics: &Path) -> Vec<StepRecord> {
+    read_metrics(metrics)
+        .unwrap()
+        .into_iter()
+        .filter_map(|r| match r {
+            MetricsRecord::Step(s) => Some(s),
+            _ => None,
+        })
+        .collect()
+}
+
+fn weights(run: &Path, step: u64) -> Vec<(String, tch::Tensor)> {
+    let file = run
+        .join("checkpoints")
+        .join(format!("step-{step:06}"))
+        .join("drafter/model.safetensors");
+    let mut w = tch::Tensor::read_safetensors(&file).unwrap();
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1.0)
+}
+
+/// The run of `world` processes of one replica and grad_accum 1 against one process of one
+/// replica and grad_accum `world`: the same global batches, the same losses and gradient norms
+/// (1e-6), weights within `weight_tolerance`. (Two gradients sum to the same float in either
+/// order; three are summed in Gloo's ring order, not the single process's (g0 + g1) + g2: a
+/// last-bit difference that AdamW's normalisation lets through to the weights.)
+fn equals_single_process(world: usize, weight_tolerance: f64) {
+    let i = inputs();
+    let common = ["train.total_steps=6", "checkpoint.save_every_steps=0"].map(String::from);
+    let single = i.tmp.path().join("single");
+    let mut one = common.to_vec();
+    one.push(format!("train.grad_accum={world}"));
+    let out = wait_all(start_ranks(&i, &single, 1, &one), Duration::from_secs(300));
+    assert_eq!(out[0].0, 0, "{}", out[0].1);
+    let multi = i.tmp.path().join("multi");
+    let out = wait_all(
+        start_ranks(&i, &multi, world, &common),
+        Duration::from_secs(300),
+    );
+    for (rank, (code, text)) in out.iter().enumerate() {
+        assert_eq!(*code, 0, "rank {rank}: {text}");
+    }
+    let (a, b) = (
+        steps(&single.join("metrics.jsonl")),
+        steps(&multi.join("metrics.jsonl")),
+    );
+    assert_eq!(a.len(), 6);
+    assert_eq!(b.len(), 6);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((x.step, x.tokens, x.samples), (y.step, y.tokens, y.samples));
+        assert!(
+            close(x.loss, y.loss),
+            "step {}: loss {} vs {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
+        assert!(
+            close(x.grad_norm, y.grad_norm),
+            "step {}: grad norm",
+            x.step
+        );
+    }
+    // every other rank recorded the same steps in its own folder, and wrote no checkpoint
+    for rank in 1..world {
+        let own: PathBuf = multi.join(format!("ranks/rank-{rank}"));
+        let theirs = steps(&own.join("metrics.jsonl"));
+        assert_eq!(theirs.len(), 6, "rank {rank}");
+        assert!(theirs.iter().zip(&b).all(|(x, y)| x.loss == y.loss));
+        assert!(!own.join("checkpoints").exists());
+    }
+    let (wa, wb) = (weights(&single, 6), weights(&multi, 6));
+    assert_eq!(wa.len(), wb.len());
+    for ((na, ta), (nb, tb)) in wa.iter().zip(&wb) {
+        assert_eq!(na, nb);
+        let diff = (ta - tb).abs().max().double_value(&[]);
+        assert!(diff <= weight_tolerance, "{na}: weights differ by {diff}");
+    }
+}
+
+#[test]
+fn two_processes_train_as_one_with_the_same_replicas() {
+    equals_single_process(2, 1e-6);
+}
+
+#[test]
+fn three_processes_train_as_one_with_the_same_replicas() {
+    equals_single_process(3, 3e-4);
+}
