@@ -1,5 +1,6 @@
 // 1. Compiles src/aten_ext/ops.cpp, the shim to libtorch's fused AdamW and flash attention
-//    kernels, and src/aten_ext/profiler.cpp, the one to its profiler (tch binds neither),
+//    kernels, src/aten_ext/profiler.cpp, the one to its profiler, and src/aten_ext/c10d.cpp, the
+//    one to torch.distributed's store and Gloo process group (tch binds none of them),
 //    against the libtorch headers with the flags torch-sys
 //    compiles its own C++ with: the same include folders and the same _GLIBCXX_USE_CXX11_ABI, found the same way
 //    (LIBTORCH_USE_PYTORCH asks Python's torch; else LIBTORCH_INCLUDE or LIBTORCH, or a system
@@ -22,6 +23,9 @@ use std::path::{Path, PathBuf};
 const SHIM: &str = "src/aten_ext/ops.cpp";
 const GRAPH_SHIM: &str = "src/aten_ext/cuda_graph.cpp";
 const PROFILER_SHIM: &str = "src/aten_ext/profiler.cpp";
+const C10D_SHIM: &str = "src/aten_ext/c10d.cpp";
+/// Declarations of the few Gloo names c10d's ProcessGroupGloo.hpp mentions (see its README).
+const GLOO_DECLARATIONS: &str = "src/aten_ext/gloo_decl";
 
 fn env_rerun(name: &str) -> Option<String> {
     println!("cargo:rerun-if-env-changed={name}");
@@ -155,6 +159,8 @@ fn main() {
     println!("cargo:rerun-if-changed={SHIM}");
     println!("cargo:rerun-if-changed={PROFILER_SHIM}");
     println!("cargo:rerun-if-changed=src/aten_ext/guard.h");
+    println!("cargo:rerun-if-changed={C10D_SHIM}");
+    println!("cargo:rerun-if-changed={GLOO_DECLARATIONS}");
     let (includes, abi) = libtorch_headers();
     if build_graph_library(&includes, &abi) {
         println!("cargo:rustc-cfg=dflash_cuda_graphs");
@@ -167,8 +173,12 @@ fn main() {
         .std("c++17")
         .includes(&includes)
         .file(SHIM)
-        .file(PROFILER_SHIM);
+        .file(PROFILER_SHIM)
+        .file(C10D_SHIM)
+        .include(GLOO_DECLARATIONS);
     build.define("GLOG_USE_GLOG_EXPORT", None);
+    // c10d's Gloo process group is declared only under this (libtorch_cpu is built with it)
+    build.define("USE_C10D_GLOO", None);
     // (torch-sys sets the ABI for GCC and Clang only)
     if std::env::var("CARGO_CFG_TARGET_ENV").as_deref() != Ok("msvc") {
         build.define("_GLIBCXX_USE_CXX11_ABI", abi.as_str());

@@ -2,6 +2,8 @@
 //! message and a non-zero exit; headless commands from stdin and signals steer a run.
 
 mod common;
+#[path = "train_cli/distributed.rs"]
+mod distributed;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -38,7 +38,7 @@ pub(crate) fn measure_stages_alone(
     skip: usize,
     batches: usize,
 ) -> Result<StageAloneRates> {
-    let mut p = prepare(runtime, config, None)?;
+    let mut p = prepare(runtime, config, None, true)?;
     let profile = ProfileStats::new();
     let packer = &mut p.packer;
     let warmup = skip.min(2);

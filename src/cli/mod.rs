@@ -20,6 +20,7 @@ pub(crate) mod progress;
 mod regenerate;
 mod tensorboard;
 mod train;
+mod train_ranks;
 
 #[derive(Debug, Parser)]
 #[command(

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
+use super::train_ranks::RunFolderNotice;
 use crate::config::{self, TrainConfig};
 use crate::data::arrow_io::resolve_split;
 use crate::data::check::scan_tokens;
@@ -18,6 +19,7 @@ use crate::frontend::socket;
 use crate::frontend::tui::state::Viewer;
 use crate::model::{Drafter, DrafterConfig, TargetConfig};
 use crate::paths::Locations;
+use crate::pipeline::distributed::Distributed;
 use crate::pipeline::trainer;
 use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
@@ -374,6 +376,11 @@ pub(super) fn run(
     init_logging: impl FnOnce(&Path) -> Arc<AtomicBool>,
 ) -> Result<()> {
     use std::io::IsTerminal;
+    let dist = Distributed::from_env().context("joining the multi-process run")?;
+    if let Some(d) = dist.clone().filter(|d| !d.is_leader()) {
+        return super::train_ranks::follow(args, d, init_logging);
+    }
+    let mut notice = RunFolderNotice::new(dist.clone());
     let config = load_config(&args)?;
     // Every check before anything is written or loaded: a refusal leaves no trace.
     let (run_dir, resume) = check_run_dir(&config, &args)?;
@@ -385,6 +392,7 @@ pub(super) fn run(
         .and_then(|run| finished_run(run, &config))
     {
         println!("{done}");
+        notice.done(&done)?;
         return Ok(());
     }
     let checked = check_inputs(&config)?;
@@ -393,6 +401,7 @@ pub(super) fn run(
         refuse_existing_run(&run_dir)?;
     }
     let _lock = create_run_dir(&run_dir, &config, changes.as_ref())?;
+    notice.ready(&run_dir)?;
     let tui = !args.no_tui && std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
     let log_to_terminal = init_logging(&run_dir.join("train.log"));
     log::info!("{checked}");
@@ -408,10 +417,14 @@ pub(super) fn run(
     let restart = restart_note(&run_dir, from);
     let signals = SignalFlags::install(restart.clone())?;
     let runtime = TorchRuntime::init();
-    let handle =
-        trainer::start(&runtime, &config, &run_dir, args.resume.is_some()).with_context(|| {
-            format!("the run did not start ({restart} once the cause below is fixed)")
-        })?;
+    let handle = trainer::start_with(
+        &runtime,
+        &config,
+        &run_dir,
+        args.resume.is_some(),
+        dist.clone(),
+    )
+    .with_context(|| format!("the run did not start ({restart} once the cause below is fixed)"))?;
     let screen = tui.then(|| {
         // The screen shows train.log: the logger leaves the terminal to it.
         log_to_terminal.store(false, Ordering::SeqCst);

@@ -5,6 +5,7 @@
 
 pub(crate) mod collective;
 pub mod command;
+pub mod distributed;
 mod held_out;
 pub(crate) mod nccl;
 pub mod queue;

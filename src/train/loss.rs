@@ -204,6 +204,11 @@ impl LossTensors {
         }
     }
 
+    /// Sums summed elsewhere (over the processes of a run): the float64 tensor [5].
+    pub(crate) fn from_tensor(sums: Tensor) -> Self {
+        LossTensors { sums }
+    }
+
     /// The float64 tensor [5] of sums.
     pub fn tensor(&self) -> &Tensor {
         &self.sums

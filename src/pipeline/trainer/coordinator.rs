@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+
+use crate::pipeline::distributed::step::Decision;
 use crossbeam_channel::{Receiver, Sender};
 use tch::{Device, Tensor};
 
@@ -19,6 +21,7 @@ use crate::device_event::{DeviceEvent, DeviceEvents};
 use crate::eval::cancel::is_cancelled;
 use crate::model::{Drafter, FrozenHead};
 use crate::pipeline::collective::{CoordinatorSync, ParamsMsg};
+use crate::pipeline::distributed::step::sum_step;
 use crate::pipeline::held_out::HeldOut;
 use crate::telemetry::profile::Event;
 use crate::telemetry::records::{MetricsRecord, Phase, StepRecord};
@@ -103,7 +106,14 @@ impl Coordinator {
     /// at once (see [`crate::eval::cancel`]) ends it as stopped, not failed (or as the failure
     /// of another stage that stopped it).
     pub(super) fn run(&mut self) -> Result<()> {
-        match self.train() {
+        let trained = if self.shared.is_leader() {
+            let trained = self.train();
+            self.release_followers(&trained);
+            trained
+        } else {
+            self.follow()
+        };
+        match trained {
             Err(e) if is_cancelled(&e) => {
                 let mut st = self.shared.status();
                 if st.error.is_some() {
@@ -162,7 +172,7 @@ impl Coordinator {
                     "paused",
                     format!("paused at step {}: the next step waits", self.step),
                 );
-                let going_on = self.shared.wait_if_paused();
+                let going_on = self.wait_paused()?;
                 let resumed_at = Instant::now();
                 self.shared.status().rates.resume(resumed_at);
                 self.last_step_end += resumed_at.duration_since(paused_at);
@@ -180,6 +190,7 @@ impl Coordinator {
             if !ready {
                 continue;
             }
+            self.tell_followers(Decision::Train)?;
             if !self.train_step(&cfg, warmup, std::mem::take(&mut feature_wait))? {
                 // stopping: the last step's record still goes out
                 return self.finish_queued();
@@ -201,7 +212,7 @@ impl Coordinator {
     /// AdamW, the new weights handed back; its numbers are queued (see [`QueuedStep`]). False
     /// when the run stops (or a stage fails) while the step waits.
     /// `feature_wait`: how long the loop already waited for this step's first batch.
-    fn train_step(
+    pub(super) fn train_step(
         &mut self,
         cfg: &TrainConfig,
         warmup: u64,
@@ -238,6 +249,16 @@ impl Coordinator {
         // (each replica's gradient is already scaled to its share of the step's mean)
         self.sync.reduce(&mut grad, &others)?;
         drop(others);
+        // then over the processes: one bucket, the same sum on every rank
+        let (sums, tokens, samples) = match &self.shared.dist {
+            Some(d) => {
+                let (sums, tokens, samples) =
+                    sum_step(&d.group, &mut grad, sums.tensor(), tokens, samples)
+                        .map_err(|e| super::failure::lost_rank(&self.shared, d, self.step, e))?;
+                (LossTensors::from_tensor(sums), tokens, samples)
+            }
+            None => (sums, tokens, samples),
+        };
         self.shared.profile.record(Event::GRAD_SYNC, t.elapsed());
         let lr = lr_at(
             self.step,

@@ -44,12 +44,13 @@ pub(super) struct MicroResult {
     pub(super) last: Option<(u64, PackerState, u64)>,
 }
 
-fn seed_for(seed: u64, step: u64, replica: usize, micro: usize) -> u64 {
-    // Distinct streams per (step, replica, micro-batch).
+/// The anchor seed of the batch at `position` (0..) of the global step `step`: it depends on
+/// the batch's place in the step, not on which replica or process trains it, so that a step
+/// samples the same anchors whatever the layout (a single replica's micro-batch m is the
+/// step's batch m, as before).
+fn seed_for(seed: u64, step: u64, position: usize) -> u64 {
     crate::seed::mix64(
-        seed ^ step.wrapping_mul(crate::seed::GOLDEN_GAMMA)
-            ^ ((replica as u64) << 40)
-            ^ ((micro as u64) << 20),
+        seed ^ step.wrapping_mul(crate::seed::GOLDEN_GAMMA) ^ ((position as u64) << 20),
     )
 }
 
@@ -154,10 +155,11 @@ pub(super) fn accumulate(
         samples: 0,
         last: None,
     };
-    // Each batch's gradient counts 1 / (the step's batches over all replicas): the sum over
-    // the replicas is the mean over the step's batches.
+    // Each batch's gradient counts 1 / (the global step's batches over all replicas of all
+    // processes): the sum over them is the mean over the step's batches.
     let micro_batches = cfg.replica_batches(replica);
-    let scale = 1.0 / cfg.step_batches() as f64;
+    let global = shared.share.global;
+    let scale = 1.0 / global as f64;
     for micro in 0..micro_batches {
         // Replica 0 runs on the coordinator, which waits out a pause between steps (so that a
         // pause takes hold at a step boundary); the other replicas wait at their next batch.
@@ -190,7 +192,7 @@ pub(super) fn accumulate(
             drafter,
             head,
             &item,
-            seed_for(cfg.run.seed, step, replica, micro),
+            seed_for(cfg.run.seed, step, (b.seq % global as u64) as usize),
             scale,
         );
         out.sums.add(&sums);

@@ -25,35 +25,53 @@ pub(crate) struct BatchItem {
     pub(crate) input_ids: Tensor,
 }
 
+/// Draws the packer's batches a global step at a time and queues this process's share of
+/// each (all of them in a single process): every rank draws the same stream, so the global
+/// step is the one a single process would train. Each queued batch carries its place in the
+/// stream (`seq`) and the packer's state (and epoch) after its whole step, which a checkpoint at that
+/// step boundary resumes from (whatever the number of processes then).
 pub(super) fn loader(
     shared: &Shared,
     store: Arc<TokenStore>,
     cfg: &TrainConfig,
     mut packer: Packer,
 ) -> Result<()> {
+    let share = shared.share;
     let mut seq = 0u64;
     loop {
         if !shared.wait_if_paused() {
             return Ok(());
         }
-        let batch = shared
-            .profile
-            .time(Event::LOADER_FETCH, || packer.next())
-            .ok_or_else(|| anyhow!("the data set yields no batch"))?;
-        let resume = packer.state();
-        let item = shared.profile.time(Event::LOADER_PACK, || {
-            batch_item(&store, &batch, seq, resume)
-        });
-        if cfg.debug.fail_stage == FailStage::Loader
-            && cfg.debug.fail_at_step > 0
-            && seq + 1 == cfg.debug.fail_at_step
-        {
-            return Err(injected_failure(cfg, format!("batch {seq}")));
+        let mut mine = Vec::with_capacity(share.count);
+        let mut step_epoch = 0;
+        for position in 0..share.global {
+            let batch = shared
+                .profile
+                .time(Event::LOADER_FETCH, || packer.next())
+                .ok_or_else(|| anyhow!("the data set yields no batch"))?;
+            step_epoch = batch.epoch;
+            if share.takes(position) {
+                mine.push((seq + position as u64, batch));
+            }
         }
-        seq += 1;
-        match shared.batch_q.push(item) {
-            Ok(()) => {}
-            Err((_, QueueClosed::Stopped)) | Err((_, QueueClosed::Drained)) => return Ok(()),
+        seq += share.global as u64;
+        let resume = packer.state();
+        for (item_seq, batch) in mine {
+            let mut item = shared.profile.time(Event::LOADER_PACK, || {
+                batch_item(&store, &batch, item_seq, resume)
+            });
+            // (the epoch that goes with `resume`: the step's last batch's, whichever rank has it)
+            item.epoch = step_epoch;
+            if cfg.debug.fail_stage == FailStage::Loader
+                && cfg.debug.fail_at_step > 0
+                && item_seq + 1 == cfg.debug.fail_at_step
+            {
+                return Err(injected_failure(cfg, format!("batch {item_seq}")));
+            }
+            match shared.batch_q.push(item) {
+                Ok(()) => {}
+                Err((_, QueueClosed::Stopped)) | Err((_, QueueClosed::Drained)) => return Ok(()),
+            }
         }
     }
 }

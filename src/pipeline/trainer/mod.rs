@@ -28,6 +28,8 @@ use crate::data::packer::Packer;
 use crate::data::store::TokenStore;
 use crate::device_event::DeviceEvents;
 use crate::model::{Drafter, FrozenHead, SharedTarget};
+use crate::pipeline::distributed::step::StepShare;
+use crate::pipeline::distributed::Distributed;
 use crate::runtime::TorchRuntime;
 use crate::telemetry::profile::{ProfileReport, ProfileStats, StageWorkers};
 use crate::telemetry::records::{
@@ -53,9 +55,11 @@ pub(crate) use target_stage::FeatureItem;
 
 mod coordinator;
 mod drafter_stage;
+mod failure;
 mod loader;
 mod periodic;
 mod prepare;
+mod ranks;
 mod shared;
 mod target_stage;
 
@@ -99,11 +103,39 @@ pub fn start(
     run_dir: &Path,
     resume: bool,
 ) -> Result<TrainerHandle> {
+    start_with(runtime, config, run_dir, resume, None)
+}
+
+/// [`start`] as one rank of a multi-process run (`dist`, see docs/distributed.md), or as a
+/// single process (`None`). Every rank resumes from `run_dir`'s checkpoints (rank 0's,
+/// on a file system they share); rank 0 writes checkpoints and records there, any other
+/// rank only its own records, in `run_dir/ranks/rank-N/`.
+pub fn start_with(
+    runtime: &TorchRuntime,
+    config: &TrainConfig,
+    run_dir: &Path,
+    resume: bool,
+    dist: Option<Arc<Distributed>>,
+) -> Result<TrainerHandle> {
+    let leader = dist.as_ref().is_none_or(|d| d.is_leader());
     let from_checkpoint = resume && ever_checkpointed(run_dir);
-    let prepared = prepare(runtime, config, from_checkpoint.then_some(run_dir))?;
-    for gone in remove_stale_partials(run_dir) {
-        log::info!("removed {}, left by a writer that is gone", gone.display());
+    let prepared = prepare(runtime, config, from_checkpoint.then_some(run_dir), leader)?;
+    let records_dir = match &dist {
+        Some(d) if !leader => rank_dir(run_dir, d.rank()),
+        _ => run_dir.to_path_buf(),
+    };
+    std::fs::create_dir_all(&records_dir)
+        .with_context(|| format!("cannot create {}", records_dir.display()))?;
+    if leader {
+        for gone in remove_stale_partials(run_dir) {
+            log::info!("removed {}, left by a writer that is gone", gone.display());
+        }
     }
+    let share = match &dist {
+        Some(d) => StepShare::of_rank(d.rank(), d.world(), config.step_batches()),
+        None => StepShare::whole(config.step_batches()),
+    };
+    let run_dir = records_dir.as_path();
     let metrics_path = run_dir.join("metrics.jsonl");
     let (metrics, before) = if resume {
         let metrics = MetricsWriter::open_resumed(&metrics_path, prepared.start_step)?;
@@ -167,6 +199,8 @@ pub fn start(
         run_dir: run_dir.to_path_buf(),
         run_name: config.run.name.clone(),
         total_steps: prepared.total_steps,
+        dist: dist.clone(),
+        share,
     });
     shared.event(
         "start",
@@ -181,6 +215,11 @@ pub fn start(
         ),
     );
     spawn_stages(shared, prepared)
+}
+
+/// Where rank `rank` (> 0) of a multi-process run keeps its own records.
+pub fn rank_dir(run_dir: &Path, rank: usize) -> PathBuf {
+    run_dir.join("ranks").join(format!("rank-{rank}"))
 }
 
 /// The last `n` of `items`.
@@ -248,7 +287,8 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         saved_step: None,
         retry: None,
         injected_checkpoint_failures: 0,
-        held_out: p.held_out,
+        // (rank 0 alone measures, keeps the best drafter and checkpoints)
+        held_out: p.held_out.filter(|_| shared.is_leader()),
         queued: None,
         events: DeviceEvents::load(),
         last_step_end: Instant::now(),

@@ -366,6 +366,10 @@ impl Coordinator {
     }
 
     fn write_checkpoint(&mut self, why: &str) -> Result<()> {
+        if !self.shared.is_leader() {
+            // rank 0 alone writes checkpoints (the weights are the same on every rank)
+            return Ok(());
+        }
         if self.step == 0 || self.saved_step == Some(self.step) {
             // nothing trained yet, or this step saved already by this process
             return Ok(());

@@ -83,10 +83,13 @@ fn target_files_summary(config: &TrainConfig, dir: &Path) -> String {
     format!("{layers}, {:.2} GB", bytes as f64 / 1e9)
 }
 
+/// `writes`: whether this process may mend the run folder it resumes (rank 0, or the only
+/// process); another rank of a multi-process run only reads it.
 pub(crate) fn prepare(
     runtime: &TorchRuntime,
     config: &TrainConfig,
     resume: Option<&Path>,
+    writes: bool,
 ) -> Result<Prepared> {
     let target_dir = PathBuf::from(&config.model.target);
     let target_devices = devices(
@@ -163,7 +166,7 @@ pub(crate) fn prepare(
         }),
     )?;
     // Everything loaded: now the run directory may be touched.
-    if let (Some(run_dir), Some(ckpt)) = (resume, resumed_from) {
+    if let (Some(run_dir), Some(ckpt), true) = (resume, resumed_from, writes) {
         if repair_latest(run_dir, ckpt)? {
             log::warn!(
                 "checkpoints/latest pointed elsewhere than {} (a run killed between saving and pointing at it, or a newer checkpoint that fails its verification): repaired",

@@ -12,6 +12,8 @@ use tch::Device;
 use super::loader::BatchItem;
 use super::target_stage::FeatureItem;
 use crate::config::{FailMode, TrainConfig};
+use crate::pipeline::distributed::step::StepShare;
+use crate::pipeline::distributed::Distributed;
 use crate::pipeline::queue::{QueueLevel, ResizableQueue};
 use crate::telemetry::profile::{ProfileReport, ProfileStats};
 use crate::telemetry::rate::RateWindow;
@@ -115,9 +117,18 @@ pub struct Shared {
     pub run_dir: PathBuf,
     pub run_name: String,
     pub(super) total_steps: u64,
+    /// This process's part in a multi-process run (`None`: a single process).
+    pub(super) dist: Option<Arc<Distributed>>,
+    /// The batches of each global step this process trains.
+    pub(super) share: StepShare,
 }
 
 impl Shared {
+    /// Whether this process decides for the run: rank 0, or the only process.
+    pub(super) fn is_leader(&self) -> bool {
+        self.dist.as_ref().is_none_or(|d| d.is_leader())
+    }
+
     /// Seconds since the run began, across resumes.
     pub(super) fn elapsed_s(&self) -> f64 {
         self.elapsed_before_s + self.started.elapsed().as_secs_f64()
@@ -142,6 +153,23 @@ impl Shared {
                 .0;
         }
         !self.stopping()
+    }
+
+    /// Waits up to `limit` while the run is paused (and not stopping).
+    pub(super) fn wait_while_paused_for(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let mut guard = self.pause_lock.lock().unwrap_or_else(|e| e.into_inner());
+        while self.paused.load(Ordering::Relaxed) && !self.stopping() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            guard = self
+                .pause_cv
+                .wait_timeout(guard, left.min(Duration::from_millis(50)))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     pub(super) fn event(&self, kind: &str, message: String) {
