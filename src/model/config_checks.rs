@@ -27,6 +27,10 @@ use super::hybrid_config::HYBRID_TYPES;
 /// naming the architecture.
 pub(crate) fn text_settings(top: &Map<String, Value>) -> Result<Map<String, Value>> {
     let Some(text) = top.get("text_config").filter(|v| !v.is_null()) else {
+        if top.get("model_type").and_then(Value::as_str) == Some("qwen3_5") {
+            // a multimodal Qwen3.5 (transformers would fill in a default 9B-shaped text model)
+            bail!("field text_config is missing: model_type \"qwen3_5\" keeps its text model's settings there (a text-only checkpoint is model_type \"qwen3_5_text\")");
+        }
         return Ok(top.clone());
     };
     let name = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or("?").to_string();
@@ -267,6 +271,12 @@ mod tests {
             "model_type": "qwen3_5", "vision_config": {"depth": 27},
             "text_config": {"model_type": "qwen3_5_text", "hidden_size": 64}});
         assert_eq!(text_settings(&map(qwen35)).unwrap()["hidden_size"], 64);
+        let bare = json!({"model_type": "qwen3_5", "vision_config": {"depth": 27}});
+        let e = format!("{:#}", text_settings(&map(bare)).unwrap_err());
+        assert!(
+            e.starts_with("field text_config is missing: model_type \"qwen3_5\""),
+            "{e}"
+        );
         let plain = json!({"model_type": "llama", "hidden_size": 32});
         assert_eq!(text_settings(&map(plain.clone())).unwrap(), map(plain));
     }
