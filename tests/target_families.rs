@@ -1,7 +1,10 @@
 //! Tiny random targets of each family: causality, KV-cache decoding against the full forward,
-//! tapped features, and the family-specific weights.
+//! tapped features, and the family-specific weights; the Qwen3.5 hybrids against transformers
+//! ([`qwen35`]).
 
 mod common;
+#[path = "target_families/qwen35.rs"]
+mod qwen35;
 
 use common::tiny_target_dir;
 use dflash_tui::model::{ForwardRequest, KvCache, TargetModel};
@@ -77,7 +80,7 @@ fn kv_cache_decoding_equals_the_full_forward() {
         }
         assert!(worst < CACHE_TOLERANCE, "{family}: max abs diff {worst}");
         // roll back 5 positions and decode them again
-        cache.truncate(35);
+        cache.truncate(35).unwrap();
         let again = m.forward(&ids(&seq[35..]), Some(&mut cache));
         assert!(
             max_diff(&again, &full.narrow(1, 35, 5)) < CACHE_TOLERANCE,
@@ -440,17 +443,17 @@ fn multimodal_text_models_load_from_either_weight_layout() {
     Tensor::write_safetensors(&renamed, &file).unwrap();
     check_against_reference(other.path(), &r);
     // a multimodal model whose text model is of another family is refused in one line
-    let qwen35 = edited_copy("mistral3_nested", |c| {
-        c["architectures"] = serde_json::json!(["Qwen3_5ForConditionalGeneration"]);
-        c["model_type"] = serde_json::json!("qwen3_5");
-        c["text_config"]["model_type"] = serde_json::json!("qwen3_5_text");
+    let gemma = edited_copy("mistral3_nested", |c| {
+        c["architectures"] = serde_json::json!(["Gemma3ForConditionalGeneration"]);
+        c["model_type"] = serde_json::json!("gemma3");
+        c["text_config"]["model_type"] = serde_json::json!("gemma3_text");
     });
     let e = format!(
         "{:#}",
-        TargetModel::load(qwen35.path(), Device::Cpu, Kind::Float).unwrap_err()
+        TargetModel::load(gemma.path(), Device::Cpu, Kind::Float).unwrap_err()
     );
     assert!(
-        e.ends_with("config.json: architectures[0] = \"Qwen3_5ForConditionalGeneration\" (model_type \"qwen3_5\", text_config.model_type \"qwen3_5_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3"),
+        e.ends_with("config.json: architectures[0] = \"Gemma3ForConditionalGeneration\" (model_type \"gemma3\", text_config.model_type \"gemma3_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_next"),
         "{e}"
     );
     assert!(!e.contains('\n'));

@@ -7,6 +7,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::config_checks::{check_computation_fields, text_settings};
+use super::hybrid_config::{HybridSettings, HYBRID_TYPES};
 use super::rope_scaling::{RopeScaling, RopeSettings, DEFAULT_THETA};
 
 /// The architecture families the target implementation covers.
@@ -18,6 +19,9 @@ pub enum Family {
     Qwen2,
     /// Qwen3: per-head RMSNorm on queries and keys ("QK-norm") before RoPE.
     Qwen3,
+    /// Qwen3.5 / Qwen3.6 and dense Qwen3-Next: Gated DeltaNet layers between gated attention
+    /// layers, zero-centred norms, partial rotary ([`HybridSettings`]).
+    Qwen35,
 }
 
 impl Family {
@@ -25,7 +29,7 @@ impl Family {
     pub(crate) fn qkv_bias(self, config_attention_bias: bool) -> bool {
         match self {
             Family::Qwen2 => true,
-            Family::Llama | Family::Qwen3 => config_attention_bias,
+            Family::Llama | Family::Qwen3 | Family::Qwen35 => config_attention_bias,
         }
     }
 
@@ -64,7 +68,8 @@ fn default_max_positions() -> i64 {
 }
 
 /// The `model_type`s of the supported families, as messages name them.
-pub(crate) const SUPPORTED: &str = "llama, mistral, qwen2, qwen3";
+pub(crate) const SUPPORTED: &str =
+    "llama, mistral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_next";
 
 /// The fields of `config.json` the target needs. Fields that would change the computation and
 /// are not implemented are refused by name ([`super::config_checks`]); the others are ignored.
@@ -100,6 +105,9 @@ pub struct TargetConfig {
     pub bos_token_id: Option<TokenIds>,
     #[serde(default)]
     pub eos_token_id: Option<TokenIds>,
+    /// The hybrid family's layer mix and Gated DeltaNet shape (None for the other families).
+    #[serde(skip)]
+    pub hybrid: Option<HybridSettings>,
 }
 
 impl TargetConfig {
@@ -130,7 +138,14 @@ impl TargetConfig {
         check_computation_fields(&text)?;
         let mut config: TargetConfig = serde_json::from_value(Value::Object(text.clone()))
             .context("not a usable model config")?;
-        let rope = RopeSettings::from_config(&text).map_err(|e| anyhow!(e))?;
+        let rope = if HYBRID_TYPES.contains(&config.model_type.as_str()) {
+            let (rope, partial) =
+                RopeSettings::from_config_partial(&text).map_err(|e| anyhow!(e))?;
+            config.hybrid = Some(HybridSettings::from_config(&text, partial)?);
+            rope
+        } else {
+            RopeSettings::from_config(&text).map_err(|e| anyhow!(e))?
+        };
         config.rope_theta = rope.theta;
         config.rope_scaling = rope.scaling;
         if config.model_type == "mistral" {
@@ -146,6 +161,7 @@ impl TargetConfig {
             "llama" | "mistral" => Ok(Family::Llama),
             "qwen2" => Ok(Family::Qwen2),
             "qwen3" => Ok(Family::Qwen3),
+            "qwen3_5" | "qwen3_5_text" | "qwen3_next" => Ok(Family::Qwen35),
             other => bail!(
                 "field model_type = {other:?} is not a supported architecture (supported: {SUPPORTED})"
             ),
@@ -159,6 +175,15 @@ impl TargetConfig {
     pub fn head_dim(&self) -> i64 {
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The dimensions of a head the rotary embedding turns: all of it, or a hybrid's first
+    /// `partial_rotary_factor`.
+    pub fn rotary_dim(&self) -> i64 {
+        match &self.hybrid {
+            Some(h) => h.rotary_dim(self.head_dim()),
+            None => self.head_dim(),
+        }
     }
 
     pub fn eos_ids(&self) -> Vec<u32> {
@@ -193,6 +218,22 @@ impl TargetConfig {
                 "head_dim must be a positive even number, found {}",
                 self.head_dim()
             );
+        }
+        let rotary = self.rotary_dim();
+        if rotary <= 0 || rotary % 2 != 0 {
+            bail!(
+                "the rotary dimensions (head_dim {} times partial_rotary_factor) must be a positive even number, found {rotary}",
+                self.head_dim()
+            );
+        }
+        if let Some(h) = &self.hybrid {
+            if h.layers.len() as i64 != self.num_hidden_layers {
+                bail!(
+                    "field layer_types has {} entries but num_hidden_layers = {}",
+                    h.layers.len(),
+                    self.num_hidden_layers
+                );
+            }
         }
         if let Some(act) = &self.hidden_act {
             if act != "silu" {

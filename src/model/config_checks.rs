@@ -2,7 +2,9 @@
 //! multimodal model's `text_config`, and fields that change the forward. A field that changes
 //! the computation and is not implemented is refused by name, never ignored.
 //!
-//! Checked against transformers 5's Llama, Mistral, Qwen2 and Qwen3 configurations and models.
+//! Checked against transformers 5's Llama, Mistral, Qwen2, Qwen3, Qwen3.5 and Qwen3-Next
+//! configurations and models (the hybrids' own fields: [`super::hybrid_config`]; a multimodal
+//! Qwen3.5's `vision_config` and image token ids are never read: text only).
 //! Implemented: the dimensions, `rms_norm_eps`, `head_dim`, `tie_word_embeddings`,
 //! `hidden_act` silu, Qwen2's q/k/v biases, the rotary settings of
 //! [`super::rope_scaling::RopeSettings`] (default, linear, llama3). Harmless at inference:
@@ -17,6 +19,7 @@ use anyhow::{bail, Result};
 use serde_json::{Map, Value};
 
 use super::config::SUPPORTED;
+use super::hybrid_config::HYBRID_TYPES;
 
 /// The text model's settings: the config itself, or, for a multimodal model whose
 /// `text_config` is of a supported family, that section (with the top level's weight tying, and
@@ -24,6 +27,10 @@ use super::config::SUPPORTED;
 /// naming the architecture.
 pub(crate) fn text_settings(top: &Map<String, Value>) -> Result<Map<String, Value>> {
     let Some(text) = top.get("text_config").filter(|v| !v.is_null()) else {
+        if top.get("model_type").and_then(Value::as_str) == Some("qwen3_5") {
+            // a multimodal Qwen3.5 (transformers would fill in a default 9B-shaped text model)
+            bail!("field text_config is missing: model_type \"qwen3_5\" keeps its text model's settings there (a text-only checkpoint is model_type \"qwen3_5_text\")");
+        }
         return Ok(top.clone());
     };
     let name = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or("?").to_string();
@@ -87,8 +94,8 @@ pub(crate) fn check_computation_fields(c: &Map<String, Value>) -> Result<()> {
     if get("mlp_bias") == Some(&Value::Bool(true)) {
         bail!("field mlp_bias = true is not supported (MLPs without biases)");
     }
-    if get("attention_bias") == Some(&Value::Bool(true)) && matches!(model_type, "llama" | "qwen3")
-    {
+    let mut biasless = ["llama", "qwen3"].iter().chain(HYBRID_TYPES.iter());
+    if get("attention_bias") == Some(&Value::Bool(true)) && biasless.any(|t| *t == model_type) {
         bail!(
             "field attention_bias = true (biases on q, k, v and o_proj) is not supported for model_type {model_type:?} (attention without biases; qwen2's q/k/v biases are)"
         );
@@ -102,10 +109,15 @@ pub(crate) fn check_computation_fields(c: &Map<String, Value>) -> Result<()> {
     check_sliding_window(c, model_type)
 }
 
+/// The hybrids' layer types are read by [`super::hybrid_config`].
 fn check_layer_types(c: &Map<String, Value>) -> Result<()> {
     let Some(types) = c.get("layer_types").and_then(Value::as_array) else {
         return Ok(());
     };
+    let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
+    if HYBRID_TYPES.contains(&model_type) {
+        return Ok(());
+    }
     for (i, t) in types.iter().enumerate() {
         let t = t.as_str().unwrap_or("?");
         if t != "full_attention" && t != "sliding_attention" {
@@ -248,12 +260,22 @@ mod tests {
         assert_eq!(text["model_type"], "mistral");
         assert_eq!(text["tie_word_embeddings"], false);
         assert_eq!(text["eos_token_id"], 2);
-        let qwen35 = json!({"architectures": ["Qwen3_5ForConditionalGeneration"],
-            "model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}});
-        let e = format!("{:#}", text_settings(&map(qwen35)).unwrap_err());
+        let gemma = json!({"architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}});
+        let e = format!("{:#}", text_settings(&map(gemma)).unwrap_err());
         assert_eq!(
             e,
-            "architectures[0] = \"Qwen3_5ForConditionalGeneration\" (model_type \"qwen3_5\", text_config.model_type \"qwen3_5_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3"
+            "architectures[0] = \"Gemma3ForConditionalGeneration\" (model_type \"gemma3\", text_config.model_type \"gemma3_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_next"
+        );
+        let qwen35 = json!({"architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5", "vision_config": {"depth": 27},
+            "text_config": {"model_type": "qwen3_5_text", "hidden_size": 64}});
+        assert_eq!(text_settings(&map(qwen35)).unwrap()["hidden_size"], 64);
+        let bare = json!({"model_type": "qwen3_5", "vision_config": {"depth": 27}});
+        let e = format!("{:#}", text_settings(&map(bare)).unwrap_err());
+        assert!(
+            e.starts_with("field text_config is missing: model_type \"qwen3_5\""),
+            "{e}"
         );
         let plain = json!({"model_type": "llama", "hidden_size": 32});
         assert_eq!(text_settings(&map(plain.clone())).unwrap(), map(plain));

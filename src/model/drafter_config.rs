@@ -309,6 +309,7 @@ impl DrafterConfig {
             rope_scaling: self.rope_scaling,
             bos_token_id: None,
             eos_token_id: None,
+            hybrid: None,
         }
     }
 

@@ -26,10 +26,11 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// Inverse frequencies from `rope_theta` and `head_dim`, with Llama 3 `rope_scaling` or
+    /// Inverse frequencies from `rope_theta` and the rotary dimensions (`head_dim`, or a
+    /// hybrid's first `partial_rotary_factor` of it), with Llama 3 `rope_scaling` or
     /// `linear` scaling applied when the config asks for it.
     pub fn new(config: &TargetConfig, device: Device) -> Result<Self> {
-        let d = config.head_dim();
+        let d = config.rotary_dim();
         let theta = config.rope_theta;
         let mut inv_freq: Vec<f64> = (0..d / 2)
             .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d as f64))

@@ -1,4 +1,4 @@
-//! Models: the frozen target (Llama, Qwen2, Qwen3 families) and what it needs (config,
+//! Models: the frozen target (Llama, Qwen2, Qwen3, Qwen3.5 hybrid families) and what it needs (config,
 //! weights, decoding), and the DFlash drafter.
 
 pub(crate) mod config;
@@ -7,7 +7,11 @@ pub mod decode;
 pub mod drafter;
 pub(crate) mod drafter_config;
 pub(crate) mod drafter_layout;
+pub(crate) mod gated_delta;
 pub mod generate;
+pub(crate) mod hybrid;
+pub(crate) mod hybrid_config;
+pub(crate) mod kv_cache;
 pub mod layers;
 pub(crate) mod mask_token;
 pub(crate) mod rope_scaling;
@@ -20,6 +24,8 @@ pub use drafter::{AnchorBatch, Drafter, FrozenHead};
 pub use drafter_config::{default_target_layer_ids, DrafterConfig, DrafterShape};
 pub(crate) use drafter_config::{MAX_BLOCK_SIZE, MAX_DRAFTER_LAYERS};
 pub use drafter_layout::LayerType;
+pub use gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 pub use generate::model_eos_ids;
+pub use hybrid_config::{GdnLayout, GdnShape, HybridSettings, LayerKind};
 pub use slots::{SeqSpan, SlotAttention, SlotBatch, SlotCache};
 pub use target::{ForwardRequest, KvCache, SharedTarget, SlotLogits, TargetModel, TargetOutput};

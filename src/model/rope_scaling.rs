@@ -140,18 +140,47 @@ impl RopeSettings {
     /// `rope_theta` and `rope_scaling`; where both forms are present they must agree (transformers
     /// would take one and drop the other without a word).
     pub(crate) fn from_config(config: &Map<String, Value>) -> Result<Self, String> {
+        let (settings, partial) = Self::with_partial_rotary(config)?;
+        match partial {
+            Some((f, field)) if f != 1.0 => Err(format!(
+                "{field} = {f} is not supported (the rotary embedding covers whole heads: 1.0)"
+            )),
+            _ => Ok(settings),
+        }
+    }
+
+    /// [`RopeSettings::from_config`] for models whose rotary embedding may cover the first
+    /// `partial_rotary_factor` of each head (in `rope_parameters` or at the top level, in (0, 1]):
+    /// the settings and that factor (1 where absent).
+    pub(crate) fn from_config_partial(config: &Map<String, Value>) -> Result<(Self, f64), String> {
+        let (settings, partial) = Self::with_partial_rotary(config)?;
+        match partial {
+            Some((f, field)) if !(f > 0.0 && f <= 1.0) => {
+                Err(format!("{field} = {f} must be in (0, 1]"))
+            }
+            _ => Ok((settings, partial.map_or(1.0, |(f, _)| f))),
+        }
+    }
+
+    /// The settings and the partial rotary factor with the field it came from, if any.
+    #[allow(clippy::type_complexity)]
+    fn with_partial_rotary(
+        config: &Map<String, Value>,
+    ) -> Result<(Self, Option<(f64, &'static str)>), String> {
         let present = |key: &str| config.get(key).filter(|v| !v.is_null());
         let max_positions = present("max_position_embeddings").and_then(Value::as_f64);
-        check_partial_rotary(present("partial_rotary_factor"), "partial_rotary_factor")?;
+        let top_partial = number(present("partial_rotary_factor"), "partial_rotary_factor")?
+            .map(|f| (f, "partial_rotary_factor"));
         let old_theta = number(present("rope_theta"), "rope_theta")?;
         let old_scaling = present("rope_scaling")
             .map(|v| scaling_of(v, "rope_scaling", max_positions))
             .transpose()?;
         let Some(params) = present("rope_parameters") else {
-            return Ok(RopeSettings {
+            let settings = RopeSettings {
                 theta: old_theta.unwrap_or(DEFAULT_THETA),
                 scaling: old_scaling.unwrap_or_default(),
-            });
+            };
+            return Ok((settings, top_partial));
         };
         let map = params
             .as_object()
@@ -161,10 +190,13 @@ impl RopeSettings {
                 "rope_parameters.{key}: rotary settings per layer type are not supported (one rope_parameters for every layer)"
             ));
         }
-        check_partial_rotary(
-            map.get("partial_rotary_factor"),
-            "rope_parameters.partial_rotary_factor",
-        )?;
+        let field = "rope_parameters.partial_rotary_factor";
+        let partial = number(
+            map.get("partial_rotary_factor").filter(|v| !v.is_null()),
+            field,
+        )?
+        .map(|f| (f, field))
+        .or(top_partial);
         let theta = number(
             map.get("rope_theta").filter(|v| !v.is_null()),
             "rope_parameters.rope_theta",
@@ -184,10 +216,11 @@ impl RopeSettings {
                 old.describe()
             ));
         }
-        Ok(RopeSettings {
+        let settings = RopeSettings {
             theta: theta.or(old_theta).unwrap_or(DEFAULT_THETA),
             scaling,
-        })
+        };
+        Ok((settings, partial))
     }
 }
 
@@ -198,16 +231,6 @@ fn number(value: Option<&Value>, field: &str) -> Result<Option<f64>, String> {
                 .ok_or_else(|| format!("{field} must be a number, found {v}"))
         })
         .transpose()
-}
-
-/// The rotary embedding covers whole heads here; a fraction of each head is refused.
-fn check_partial_rotary(value: Option<&Value>, field: &str) -> Result<(), String> {
-    match number(value.filter(|v| !v.is_null()), field)? {
-        Some(f) if f != 1.0 => Err(format!(
-            "{field} = {f} is not supported (the rotary embedding covers whole heads: 1.0)"
-        )),
-        _ => Ok(()),
-    }
 }
 
 /// The scaling in `value`; a llama3 scaling without `original_max_position_embeddings` takes
@@ -349,5 +372,28 @@ mod tests {
             let e = settings(config.clone()).unwrap_err();
             assert!(e.contains(says), "{config}: {e}");
         }
+    }
+
+    #[test]
+    fn hybrids_read_a_partial_rotary_factor() {
+        let partial = |v: Value| RopeSettings::from_config_partial(v.as_object().unwrap());
+        let qwen35 = json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+            "mrope_interleaved": true}});
+        let (rope, factor) = partial(qwen35).unwrap();
+        assert_eq!(
+            (rope.theta, rope.scaling, factor),
+            (1e7, RopeScaling::Default, 0.25)
+        );
+        assert_eq!(
+            partial(json!({"partial_rotary_factor": 0.5})).unwrap().1,
+            0.5
+        );
+        assert_eq!(partial(json!({})).unwrap().1, 1.0);
+        let e = partial(json!({"rope_parameters": {"partial_rotary_factor": 0}})).unwrap_err();
+        assert_eq!(
+            e,
+            "rope_parameters.partial_rotary_factor = 0 must be in (0, 1]"
+        );
     }
 }

@@ -1,5 +1,6 @@
-//! The frozen target model: Llama (incl. Llama 3 rope scaling), Qwen2/2.5 (q/k/v biases) and
-//! Qwen3 (per-head q/k RMSNorm). Attention runs through libtorch's fused
+//! The frozen target model: Llama (incl. Llama 3 rope scaling), Qwen2/2.5 (q/k/v biases),
+//! Qwen3 (per-head q/k RMSNorm) and the Qwen3.5 / 3.6 / Qwen3-Next hybrids (Gated DeltaNet and
+//! gated attention layers, [`super::hybrid`]). Attention runs through libtorch's fused
 //! `scaled_dot_product_attention` with grouped-query heads. Weights carry no gradients and every
 //! forward runs without autograd; one loaded model is shared (`Arc`) by the workers of a device.
 
@@ -9,127 +10,41 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::config::{Family, TargetConfig};
+use super::gated_delta::GdnState;
+use super::hybrid::{GatedDeltaNet, HybridLayer, Mixer, ZeroCentredNorm};
+pub use super::kv_cache::KvCache;
 use super::layers::{
     attention, rms_norm, rows, AttentionShape, AttentionWeights, DecoderLayer, Mlp, Rope,
 };
 use super::slots::{SlotBatch, SlotCache};
 use super::weights::{RandomWeights, WeightFiles, WeightSource};
 
-/// Keys and values of past positions, per layer: [batch, kv_heads, len, head_dim].
-///
-/// By default every append concatenates (the cache grows one copy at a time). A cache made with
-/// [`KvCache::with_capacity`] writes into buffers allocated once for that many positions, which
-/// long batched decoding needs; it falls back to concatenation past its capacity.
-#[derive(Debug, Default)]
-pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
-    /// Per layer, the preallocated buffers whose first positions `layers` views.
-    buffers: Vec<Option<(Tensor, Tensor)>>,
-    capacity: i64,
-    len: i64,
+/// One layer of a target: a Llama / Qwen decoder layer, or a hybrid's (gated attention or Gated
+/// DeltaNet).
+enum TargetLayer {
+    Decoder(DecoderLayer),
+    Hybrid(HybridLayer),
 }
 
-impl KvCache {
-    pub fn new() -> Self {
-        Self::default()
-    }
+/// The norm before the LM head: plain RMSNorm, or a hybrid's zero-centred one.
+enum FinalNorm {
+    Plain(Tensor),
+    ZeroCentred(ZeroCentredNorm),
+}
 
-    /// A cache that preallocates room for `positions` positions per layer on the first append.
-    pub fn with_capacity(positions: i64) -> Self {
-        KvCache {
-            capacity: positions.max(0),
-            ..Self::default()
-        }
-    }
-
-    /// Number of cached positions.
-    pub fn len(&self) -> i64 {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Rolls back to the first `len` positions (used when draft tokens are rejected).
-    pub fn truncate(&mut self, len: i64) {
-        if len >= self.len {
-            return;
-        }
-        let len = len.max(0);
-        for (k, v) in self.layers.iter_mut().flatten() {
-            *k = k.narrow(2, 0, len);
-            *v = v.narrow(2, 0, len);
-        }
-        self.len = len;
-    }
-
-    /// Keeps only the batch rows `rows` (int64 indices, in this order), e.g. to drop sequences
-    /// that finished decoding from a batch.
-    pub fn select_rows(&mut self, rows: &Tensor) {
-        let pick = |t: &Tensor| t.index_select(0, &rows.to_device(t.device()));
-        if self.buffers.len() < self.layers.len() {
-            self.buffers.resize_with(self.layers.len(), || None);
-        }
-        for (layer, buffer) in self.layers.iter_mut().zip(self.buffers.iter_mut()) {
-            let Some((k, v)) = layer.as_mut() else {
-                continue;
-            };
-            match buffer.as_mut() {
-                Some((bk, bv)) => {
-                    let n = k.size()[2];
-                    *bk = pick(bk);
-                    *bv = pick(bv);
-                    *k = bk.narrow(2, 0, n);
-                    *v = bv.narrow(2, 0, n);
-                }
-                None => {
-                    *k = pick(k);
-                    *v = pick(v);
-                }
-            }
+impl FinalNorm {
+    fn forward(&self, x: &Tensor, eps: f64) -> Tensor {
+        match self {
+            FinalNorm::Plain(w) => rms_norm(x, w, eps),
+            FinalNorm::ZeroCentred(n) => n.forward(x),
         }
     }
 
-    /// Appends keys and values of new positions to a layer; returns all of that layer's.
-    pub(crate) fn append(&mut self, layer: usize, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
-        if self.layers.len() <= layer {
-            self.layers.resize_with(layer + 1, || None);
+    fn numel(&self) -> usize {
+        match self {
+            FinalNorm::Plain(w) => w.numel(),
+            FinalNorm::ZeroCentred(n) => n.numel(),
         }
-        if self.capacity > 0 {
-            if self.buffers.len() <= layer {
-                self.buffers.resize_with(layer + 1, || None);
-            }
-            let n = k.size()[2];
-            let held = self.layers[layer].as_ref().map(|(pk, _)| pk.size()[2]);
-            if held.is_none() {
-                // First append: allocate the buffers.
-                let alloc = |t: &Tensor| {
-                    let mut shape = t.size();
-                    shape[2] = self.capacity.max(n);
-                    Tensor::zeros(&shape[..], (t.kind(), t.device()))
-                };
-                self.buffers[layer] = Some((alloc(&k), alloc(&v)));
-            }
-            let start = held.unwrap_or(0);
-            if let Some((bk, bv)) = self.buffers[layer].as_ref() {
-                if start + n <= bk.size()[2] {
-                    bk.narrow(2, start, n).copy_(&k);
-                    bv.narrow(2, start, n).copy_(&v);
-                    let merged = (bk.narrow(2, 0, start + n), bv.narrow(2, 0, start + n));
-                    self.layers[layer] = Some((merged.0.shallow_clone(), merged.1.shallow_clone()));
-                    return merged;
-                }
-            }
-            // Past the capacity: concatenate from here on.
-            self.buffers[layer] = None;
-        }
-        let merged = match self.layers[layer].take() {
-            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2), Tensor::cat(&[pv, v], 2)),
-            None => (k, v),
-        };
-        self.layers[layer] = Some((merged.0.shallow_clone(), merged.1.shallow_clone()));
-        merged
     }
 }
 
@@ -164,8 +79,8 @@ pub struct TargetModel {
     pub device: Device,
     pub kind: Kind,
     embed_tokens: Tensor,
-    layers: Vec<DecoderLayer>,
-    norm: Tensor,
+    layers: Vec<TargetLayer>,
+    norm: FinalNorm,
     lm_head: Tensor,
     /// The LM head in float32, made on the first logits of a bf16 / f16 model off the GPU
     /// (training only taps features and never needs it; on a GPU one bf16 product with float32
@@ -204,6 +119,7 @@ impl TargetModel {
             seed,
             std: 0.02,
             present: Box::new(move |name| untied && name == "lm_head.weight"),
+            zero_centred_norms: config.hybrid.is_some(),
         };
         Self::from_weights(config, &weights, device, kind)
             .with_context(|| format!("{}: cannot build a random model", dir.display()))
@@ -233,7 +149,13 @@ impl TargetModel {
         };
         let with_bias = family.qkv_bias(config.attention_bias);
         let mut layers = Vec::with_capacity(config.num_hidden_layers as usize);
-        for l in 0..config.num_hidden_layers {
+        if config.hybrid.is_some() {
+            for l in 0..config.num_hidden_layers as usize {
+                let layer = HybridLayer::load(&config, l, weights, device, kind)?;
+                layers.push(TargetLayer::Hybrid(layer));
+            }
+        }
+        for l in (0..config.num_hidden_layers).filter(|_| config.hybrid.is_none()) {
             let p = format!("model.layers.{l}");
             let bias = |name: &str, len: i64| -> Result<Option<Tensor>> {
                 let full = format!("{p}.self_attn.{name}.bias");
@@ -250,7 +172,7 @@ impl TargetModel {
                     Ok(None)
                 }
             };
-            layers.push(DecoderLayer {
+            let mut layer = DecoderLayer {
                 input_norm: load(&format!("{p}.input_layernorm.weight"), &[h])?,
                 attn: AttentionWeights {
                     q_proj: load(&format!("{p}.self_attn.q_proj.weight"), &[q_dim, h])?,
@@ -272,14 +194,22 @@ impl TargetModel {
                     down_proj: load(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
                     fused: None,
                 },
-            });
+            };
             // frozen weights: one matrix product for q, k, v and one for gate, up
-            if let Some(layer) = layers.last_mut() {
-                layer.attn.fuse();
-                layer.mlp.fuse();
-            }
+            layer.attn.fuse();
+            layer.mlp.fuse();
+            layers.push(TargetLayer::Decoder(layer));
         }
-        let norm = load("model.norm.weight", &[h])?;
+        let norm = match config.hybrid {
+            Some(_) => FinalNorm::ZeroCentred(ZeroCentredNorm::load(
+                weights,
+                "model.norm.weight",
+                h,
+                config.rms_norm_eps,
+                device,
+            )?),
+            None => FinalNorm::Plain(load("model.norm.weight", &[h])?),
+        };
         let rope = Rope::new(&config, device)?;
         Ok(TargetModel {
             config,
@@ -304,10 +234,16 @@ impl TargetModel {
         if !self.config.tie_word_embeddings {
             n += self.lm_head.numel();
         }
-        for l in &self.layers {
-            let mut tensors = vec![&l.input_norm, &l.post_norm];
-            tensors.extend(l.attn.tensors());
-            tensors.extend(l.mlp.tensors());
+        for layer in &self.layers {
+            let tensors = match layer {
+                TargetLayer::Decoder(l) => {
+                    let mut tensors = vec![&l.input_norm, &l.post_norm];
+                    tensors.extend(l.attn.tensors());
+                    tensors.extend(l.mlp.tensors());
+                    tensors
+                }
+                TargetLayer::Hybrid(l) => l.tensors(),
+            };
             n += tensors.iter().map(|t| t.numel()).sum::<usize>();
         }
         n as i64
@@ -327,6 +263,13 @@ impl TargetModel {
     /// the flash attention where the kernel takes the model's shapes, its rotary table.
     pub fn slot_cache(&self, slots: i64, capacity: i64) -> Result<SlotCache> {
         let c = &self.config;
+        if let Some(h) = &c.hybrid {
+            bail!(
+                "decoding over slot caches is not implemented yet for hybrid targets ({}: {})",
+                c.model_type,
+                h.layer_mix()
+            );
+        }
         let attention = super::slots::SlotAttention::for_model(
             self.device,
             self.kind,
@@ -420,11 +363,13 @@ impl TargetModel {
     /// are hidden from every query, on top of the causal / cache visibility. With left padding
     /// all rows share positions, and since the rotary embedding is relative the real tokens'
     /// outputs equal those of the unpadded rows (up to float rounding). Outputs at padding
-    /// positions are meaningless (each sees only itself, so they stay finite).
+    /// positions are meaningless (each sees only itself, so they stay finite). A hybrid's Gated
+    /// DeltaNet layers see padding as zeros that neither decay nor write their state (as
+    /// transformers zeroes them): exact for left padding, before a row's first real token.
     pub fn run_padded(
         &self,
         input_ids: &Tensor,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
         req: &ForwardRequest,
         key_mask: Option<&Tensor>,
     ) -> TargetOutput {
@@ -469,30 +414,37 @@ impl TargetModel {
             } else {
                 req.tap_layers.iter().map(|&l| l + 1).max().unwrap_or(0)
             };
+            let real_new = key_mask.map(|km| {
+                km.to_device(self.device)
+                    .to_kind(Kind::Bool)
+                    .narrow(1, past, seq)
+            });
+            let before = cache
+                .as_ref()
+                .filter(|c| c.keeps_step_states())
+                .map(|c| c.states_now());
+            let mut mixing = Mixing {
+                cache,
+                mask,
+                causal,
+                padded_step: key_mask.is_some() && seq == 1,
+                real_new,
+                steps: Vec::new(),
+            };
 
             let ids = input_ids.to_device(self.device).view([batch, seq]);
             let x = Tensor::embedding(&self.embed_tokens, &ids, -1, false, false);
-            let attend = |idx: usize, q: &Tensor, k: Tensor, v: Tensor| {
-                let (k, v) = match cache.as_deref_mut() {
-                    Some(c) => c.append(idx, k, v),
-                    None => (k, v),
-                };
-                Ok::<_, std::convert::Infallible>(match (&mask, key_mask.is_some() && seq == 1) {
-                    (Some(m), true) => masked_attention(q, &k, &v, m),
-                    _ => attention(q, &k, &v, mask.as_ref(), causal),
-                })
-            };
             let (x, taps) =
-                match self.decoder_layers(x, (&cos, &sin), last_layer, &req.tap_layers, attend) {
-                    Ok(out) => out,
-                    Err(never) => match never {},
-                };
-            if let Some(c) = cache {
+                self.decoder_layers(x, (&cos, &sin), last_layer, &req.tap_layers, &mut mixing);
+            if let Some(c) = mixing.cache {
                 c.len = past + seq;
+                if let Some(before) = before {
+                    c.record_steps(past, before, mixing.steps, seq);
+                }
             }
             let features = concat_taps(taps, &x);
             let (final_hidden, logits) = if req.final_hidden || req.logits {
-                let hidden = rms_norm(&x, &self.norm, eps);
+                let hidden = self.norm.forward(&x, eps);
                 let logits = req.logits.then(|| self.logits(&hidden));
                 (req.final_hidden.then_some(hidden), logits)
             } else {
@@ -507,44 +459,112 @@ impl TargetModel {
     }
 }
 
+/// What the token-mixing layers of one [`TargetModel::run_padded`] share: the cache, the
+/// attention mask, the padding of the new tokens, and the Gated DeltaNet states kept per token.
+struct Mixing<'a> {
+    cache: Option<&'a mut KvCache>,
+    mask: Option<Tensor>,
+    causal: bool,
+    /// A padded batch's one-token step: attention by plain products ([`masked_attention`]).
+    padded_step: bool,
+    /// [batch, seq] bool: the new tokens that are real (None: all).
+    real_new: Option<Tensor>,
+    /// Per Gated DeltaNet layer, its states after each new token (when the cache keeps them).
+    steps: Vec<(usize, Vec<GdnState>)>,
+}
+
+impl Mixing<'_> {
+    /// Attention of layer `idx`'s rotated queries [B, heads, L, d] over the cached and new keys
+    /// and values [B, kv_heads, L, d] (appended to the cache): [B, heads, L, d].
+    fn attend(&mut self, idx: usize, q: &Tensor, k: Tensor, v: Tensor) -> Tensor {
+        let (k, v) = match self.cache.as_deref_mut() {
+            Some(c) => c.append(idx, k, v),
+            None => (k, v),
+        };
+        match (&self.mask, self.padded_step) {
+            (Some(m), true) => masked_attention(q, &k, &v, m),
+            _ => attention(q, &k, &v, self.mask.as_ref(), self.causal),
+        }
+    }
+
+    /// Gated DeltaNet layer `idx` over its normed input `x` [B, L, H], continuing and updating
+    /// the cache's states.
+    fn delta_net(&mut self, idx: usize, layer: &GatedDeltaNet, x: &Tensor) -> Tensor {
+        let real = self.real_new.as_ref();
+        let Some(cache) = self.cache.as_deref_mut() else {
+            return layer.step(x, None, real).0;
+        };
+        let state = cache.gdn_state(idx).map(GdnState::shallow_clone);
+        if cache.keeps_step_states() {
+            let (out, states) = layer.step_each(x, state.as_ref(), real);
+            if let Some(last) = states.last() {
+                cache.set_gdn_state(idx, last.shallow_clone());
+            }
+            self.steps.push((idx, states));
+            return out;
+        }
+        let (out, new_state) = layer.step(x, state.as_ref(), real);
+        cache.set_gdn_state(idx, new_state);
+        out
+    }
+}
+
 impl TargetModel {
     /// The decoder layers `0..last_layer` over the embedded inputs `x` [B, L, H] at the
-    /// rotary angles `rope` (cos, signed sin, [L, d]): `attend(layer, q, k, v)` gets the rotated
-    /// queries [B, heads, L, d], keys and values [B, kv_heads, L, d] and returns the attention
-    /// output [B, heads, L, d] (it owns the cache). Returns the last residual stream and the
-    /// outputs of the `taps` layers, in order (`None` where a tap lies past `last_layer`).
-    fn decoder_layers<E>(
+    /// rotary angles `rope` (cos, signed sin, [L, d]), mixing tokens through `mixing` (which
+    /// owns the cache). Returns the last residual stream and the outputs of the `taps` layers,
+    /// in order (`None` where a tap lies past `last_layer`).
+    fn decoder_layers(
         &self,
         mut x: Tensor,
         rope: (&Tensor, &Tensor),
         last_layer: usize,
         taps: &[usize],
-        mut attend: impl FnMut(usize, &Tensor, Tensor, Tensor) -> std::result::Result<Tensor, E>,
-    ) -> std::result::Result<(Tensor, Vec<Option<Tensor>>), E> {
+        mixing: &mut Mixing,
+    ) -> (Tensor, Vec<Option<Tensor>>) {
         let cfg = &self.config;
         let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
         let eps = cfg.rms_norm_eps;
         let (cos, sin) = rope;
         let mut tapped: Vec<Option<Tensor>> = taps.iter().map(|_| None).collect();
         for (idx, layer) in self.layers.iter().enumerate().take(last_layer) {
-            let h = rms_norm(&x, &layer.input_norm, eps);
-            let (q, k, v) = layer
-                .attn
-                .project_qkv_rotated(&h, heads, kv_heads, d, eps, cos, sin);
-            let a = attend(idx, &q, k, v)?;
-            layer.attn.add_output(&mut x, &a);
-            let normed = rms_norm(&x, &layer.post_norm, eps);
-            layer.mlp.add_forward(&mut x, &normed);
+            match layer {
+                TargetLayer::Decoder(layer) => {
+                    let h = rms_norm(&x, &layer.input_norm, eps);
+                    let (q, k, v) = layer
+                        .attn
+                        .project_qkv_rotated(&h, heads, kv_heads, d, eps, cos, sin);
+                    let a = mixing.attend(idx, &q, k, v);
+                    layer.attn.add_output(&mut x, &a);
+                    let normed = rms_norm(&x, &layer.post_norm, eps);
+                    layer.mlp.add_forward(&mut x, &normed);
+                }
+                TargetLayer::Hybrid(layer) => {
+                    let h = layer.input_norm.forward(&x);
+                    match &layer.mixer {
+                        Mixer::Attention(attn) => {
+                            let [q, k, v, gate] = attn.project(&h, cos, sin);
+                            let a = mixing.attend(idx, &q, k, v);
+                            attn.add_output(&mut x, &a, &gate);
+                        }
+                        Mixer::DeltaNet(net) => {
+                            x += mixing.delta_net(idx, net, &h);
+                        }
+                    }
+                    layer.add_mlp(&mut x);
+                }
+            }
             record_taps(&mut tapped, taps, idx, &x);
         }
-        Ok((x, tapped))
+        (x, tapped)
     }
 
     /// One forward of new tokens `ids` [n] (int64, on the model's device) over a
     /// [`SlotCache`]: `batch` says which slot and position each token takes; their keys and
     /// values are written to the cache and each token attends causally to its sequence. Returns
     /// the float32 logits asked for by `logits` and the tapped features [n, K * H]. Built of
-    /// tensor operations on device tensors only, so that a CUDA graph can capture it.
+    /// tensor operations on device tensors only, so that a CUDA graph can capture it. Not
+    /// for hybrid targets yet (an error).
     pub(crate) fn forward_slots(
         &self,
         ids: &Tensor,
@@ -570,19 +590,21 @@ impl TargetModel {
             let mut taps: Vec<Option<Tensor>> = tap_layers.iter().map(|_| None).collect();
             // every layer: the cache must be filled
             for (idx, layer) in self.layers.iter().enumerate() {
+                let TargetLayer::Decoder(layer) = layer else {
+                    bail!("slot decoding is not implemented yet for hybrid targets");
+                };
                 layer.forward_slots(&mut x, idx, shape, (&cos, &sin), batch, cache, true)?;
                 record_taps(&mut taps, tap_layers, idx, &x);
             }
             let features = concat_taps(taps, &x).map(|f| f.squeeze_dim(0));
             let x = x.squeeze_dim(0);
+            let eps = self.config.rms_norm_eps;
             let logits = match logits {
                 SlotLogits::None => None,
-                SlotLogits::All => {
-                    Some(self.logits(&rms_norm(&x, &self.norm, self.config.rms_norm_eps)))
-                }
+                SlotLogits::All => Some(self.logits(&self.norm.forward(&x, eps))),
                 SlotLogits::Last => {
                     let last = x.index_select(0, &batch.last);
-                    Some(self.logits(&rms_norm(&last, &self.norm, self.config.rms_norm_eps)))
+                    Some(self.logits(&self.norm.forward(&last, eps)))
                 }
             };
             Ok(TargetOutput {

@@ -204,14 +204,19 @@ pub(crate) fn name_seed(seed: u64, name: &str) -> u64 {
     })
 }
 
-/// Random weights of a model's shape, for benchmarks that need no trained model: norm weights
-/// are 1, everything else is drawn from N(0, std) on the device (seeded per tensor name, so a
-/// shape always gets the same weights).
+/// Random weights of a model's shape, for benchmarks that need no trained model: norms are
+/// the identity (weight 1, or 0 where norms are zero-centred, `x * (1 + w)`), everything else
+/// is drawn from N(0, std) on the device (seeded per tensor name, so a shape always gets the
+/// same weights). Gated DeltaNet layers get what transformers initialises: `A_log` = log A
+/// with A log-uniform in [1, 16], `dt_bias` 1, the convolution U(-1/sqrt(width), 1/sqrt(width)).
 pub(crate) struct RandomWeights {
     pub seed: u64,
     pub std: f64,
     /// Names that exist besides the ones every model has (e.g. an untied `lm_head.weight`).
     pub present: Box<dyn Fn(&str) -> bool>,
+    /// The model's RMSNorms are zero-centred (the Qwen3.5 hybrids'; their Gated DeltaNet
+    /// output norm is not).
+    pub zero_centred_norms: bool,
 }
 
 impl WeightSource for RandomWeights {
@@ -219,13 +224,25 @@ impl WeightSource for RandomWeights {
         (self.present)(name)
     }
     fn load(&self, name: &str, shape: &[i64], kind: Kind, device: Device) -> Result<Tensor> {
-        if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+        let gated_norm = name.ends_with("linear_attn.norm.weight");
+        if name.ends_with("norm.weight") && !gated_norm && self.zero_centred_norms {
+            return Ok(Tensor::zeros(shape, (kind, device)));
+        }
+        if name.ends_with("norm.weight") || name.ends_with("dt_bias") {
             return Ok(Tensor::ones(shape, (kind, device)));
         }
         // one reproducible stream per tensor
         tch::manual_seed((name_seed(self.seed, name) >> 1) as i64);
         Ok(tch::no_grad(|| {
-            Tensor::empty(shape, (kind, device)).normal_(0.0, self.std)
+            let mut t = Tensor::empty(shape, (kind, device));
+            if name.ends_with("A_log") {
+                t.uniform_(0.0, 16f64.ln())
+            } else if name.ends_with("conv1d.weight") {
+                let bound = 1.0 / (*shape.last().unwrap_or(&1) as f64).sqrt();
+                t.uniform_(-bound, bound)
+            } else {
+                t.normal_(0.0, self.std)
+            }
         }))
     }
 }

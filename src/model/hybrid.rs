@@ -1,0 +1,456 @@
+//! The layers of the Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid targets, as transformers 5.23's
+//! `modeling_qwen3_5.py` computes them: zero-centred RMSNorm (`x * (1 + w)`), gated attention
+//! (the query projection also emits a sigmoid gate per head; per-head q/k norms; rotary on the
+//! first `partial_rotary_factor` of each head) and Gated DeltaNet layers
+//! ([`super::gated_delta`]), each followed by the SwiGLU MLP.
+
+use anyhow::Result;
+use tch::{Device, Kind, Tensor};
+
+use super::config::TargetConfig;
+use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, l2norm, GdnState};
+use super::hybrid_config::{GdnLayout, GdnShape};
+use super::layers::{add_product, Mlp, Rope};
+use super::weights::WeightSource;
+
+/// RMSNorm with a zero-centred weight: `norm(x) * (1 + w)`, the norm and the product in
+/// float32 and one rounding to the input's dtype (transformers' `Qwen3_5RMSNorm`).
+#[derive(Debug)]
+pub(crate) struct ZeroCentredNorm {
+    /// `1 + w`, float32.
+    scale: Tensor,
+    eps: f64,
+}
+
+impl ZeroCentredNorm {
+    pub(crate) fn load(
+        weights: &dyn WeightSource,
+        name: &str,
+        dim: i64,
+        eps: f64,
+        device: Device,
+    ) -> Result<Self> {
+        let w = weights.load(name, &[dim], Kind::Float, device)?;
+        Ok(ZeroCentredNorm {
+            scale: w + 1.0,
+            eps,
+        })
+    }
+
+    pub(crate) fn numel(&self) -> usize {
+        self.scale.numel()
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
+        let dim = self.scale.size()[0];
+        x.to_kind(Kind::Float)
+            .rms_norm([dim], Some(&self.scale), self.eps)
+            .to_kind(x.kind())
+    }
+}
+
+/// Gated full attention: `q_proj` emits per head a query and a gate of `head_dim` each.
+#[derive(Debug)]
+pub(crate) struct GatedAttention {
+    /// [q_proj; k_proj; v_proj] as one matrix (frozen weights: one product).
+    qkv: Tensor,
+    o_proj: Tensor,
+    q_norm: ZeroCentredNorm,
+    k_norm: ZeroCentredNorm,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+    rotary_dim: i64,
+}
+
+impl GatedAttention {
+    /// Rotated queries [B, heads, L, d], keys and values [B, kv_heads, L, d], and the gate
+    /// [B, L, heads * d] of the normed input `x` [B, L, H] at angles `cos`, `sin` [L, rotary].
+    pub(crate) fn project(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> [Tensor; 4] {
+        let (b, l) = (x.size()[0], x.size()[1]);
+        let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
+        let y = x.linear::<&Tensor>(&self.qkv, None);
+        let qg = y.narrow(-1, 0, 2 * h * d).view([b, l, h, 2 * d]);
+        let q = self.q_norm.forward(&qg.narrow(-1, 0, d));
+        let gate = qg.narrow(-1, d, d).reshape([b, l, h * d]);
+        let k = y.narrow(-1, 2 * h * d, kvh * d).view([b, l, kvh, d]);
+        let k = self.k_norm.forward(&k);
+        let v = y
+            .narrow(-1, 2 * h * d + kvh * d, kvh * d)
+            .view([b, l, kvh, d]);
+        let rotate = |t: &Tensor| self.rotate(&t.transpose(1, 2), cos, sin);
+        [rotate(&q), rotate(&k), v.transpose(1, 2), gate]
+    }
+
+    /// The rotary embedding on the first `rotary_dim` of each head, the rest passed through.
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let r = self.rotary_dim;
+        let turned = Rope::apply(&x.narrow(-1, 0, r), cos, sin);
+        if r == self.head_dim {
+            return turned;
+        }
+        Tensor::cat(&[turned, x.narrow(-1, r, self.head_dim - r)], -1)
+    }
+
+    /// `residual += o_proj(attn * sigmoid(gate))` for the attention output [B, heads, L, d].
+    pub(crate) fn add_output(&self, residual: &mut Tensor, attn: &Tensor, gate: &Tensor) {
+        let (b, h, l, d) = attn.size4().unwrap_or((0, 0, 0, 0));
+        let merged = attn.transpose(1, 2).reshape([b, l, h * d]) * gate.sigmoid();
+        add_product(residual, &merged.view([-1, h * d]), &self.o_proj);
+    }
+
+    fn tensors(&self) -> Vec<&Tensor> {
+        vec![
+            &self.qkv,
+            &self.o_proj,
+            &self.q_norm.scale,
+            &self.k_norm.scale,
+        ]
+    }
+}
+
+/// A Gated DeltaNet layer (transformers' `Qwen3_5GatedDeltaNet`).
+#[derive(Debug)]
+pub(crate) struct GatedDeltaNet {
+    /// [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a] as one matrix, Qwen3.5's row order.
+    in_proj: Tensor,
+    /// The depthwise convolution [conv_dim, 1, kernel].
+    conv: Tensor,
+    /// `-exp(A_log)` per value head, float32.
+    neg_a: Tensor,
+    dt_bias: Tensor,
+    /// The gated output norm's weight (not zero-centred) [value_dim].
+    norm: Tensor,
+    out_proj: Tensor,
+    shape: GdnShape,
+    eps: f64,
+}
+
+/// The projections of one Gated DeltaNet input, [B, T, ...] each.
+struct Projected {
+    /// q, k, v before the convolution, [B, conv_dim, T].
+    qkv: Tensor,
+    z: Tensor,
+    b: Tensor,
+    a: Tensor,
+}
+
+impl GatedDeltaNet {
+    /// The layer's output [B, T, H] for its normed input `x` [B, T, H] continuing `state`
+    /// (zeros when None), and the state after the last token. `real` [B, T] (bool) marks the
+    /// real tokens of a left-padded batch: padding is zeroed before the projections (as
+    /// transformers does) and neither decays nor writes the recurrent state.
+    pub(crate) fn step(
+        &self,
+        x: &Tensor,
+        state: Option<&GdnState>,
+        real: Option<&Tensor>,
+    ) -> (Tensor, GdnState) {
+        let (p, history) = self.convolved(x, state, real);
+        let (q, k, v, g, beta) = self.rule_inputs(&p, real);
+        let initial = state.map(|s| &s.recurrent);
+        let (core, recurrent) = gated_delta_rule(&q, &k, &v, &g, &beta, initial);
+        let out = self.output(&core, &p.z);
+        let (window, len) = (self.shape.conv_kernel - 1, history.size()[2]);
+        let conv = history.narrow(2, len - window, window).contiguous();
+        (out, GdnState { conv, recurrent })
+    }
+
+    /// [`GatedDeltaNet::step`] keeping the state after each of the `T` tokens (the last is the
+    /// state `step` returns): a multi-token step (speculative verification) can then resume
+    /// from any of its prefixes.
+    pub(crate) fn step_each(
+        &self,
+        x: &Tensor,
+        state: Option<&GdnState>,
+        real: Option<&Tensor>,
+    ) -> (Tensor, Vec<GdnState>) {
+        let (p, history) = self.convolved(x, state, real);
+        let (q, k, v, g, beta) = self.rule_inputs(&p, real);
+        let initial = state.map(|s| &s.recurrent);
+        let (core, recurrents) = gated_delta_rule_steps(&q, &k, &v, &g, &beta, initial);
+        let out = self.output(&core, &p.z);
+        let window = self.shape.conv_kernel - 1;
+        let t = x.size()[1];
+        let states = (0..t)
+            .map(|i| GdnState {
+                conv: history.narrow(2, i + 1, window),
+                recurrent: recurrents.select(1, i),
+            })
+            .collect();
+        (out, states)
+    }
+
+    /// The four projections of `x`, padding zeroed first.
+    fn project(&self, x: &Tensor, real: Option<&Tensor>) -> Projected {
+        let x = match real {
+            Some(m) => x * m.unsqueeze(-1).to_kind(x.kind()),
+            None => x.shallow_clone(),
+        };
+        let s = &self.shape;
+        let (conv_dim, z_dim) = (s.conv_dim(), s.value_heads * s.value_dim);
+        let (b, t) = (x.size()[0], x.size()[1]);
+        let y = x.linear::<&Tensor>(&self.in_proj, None);
+        let hv = s.value_heads;
+        Projected {
+            qkv: y.narrow(-1, 0, conv_dim).transpose(1, 2),
+            z: y.narrow(-1, conv_dim, z_dim).view([b, t, hv, s.value_dim]),
+            b: y.narrow(-1, conv_dim + z_dim, hv),
+            a: y.narrow(-1, conv_dim + z_dim + hv, hv),
+        }
+    }
+
+    /// The conv state followed by the new inputs: [B, conv_dim, kernel - 1 + T].
+    fn history(&self, qkv: &Tensor, state: Option<&GdnState>) -> Tensor {
+        let window = self.shape.conv_kernel - 1;
+        let prev = match state {
+            Some(s) => s.conv.to_kind(qkv.kind()),
+            None => Tensor::zeros(
+                [qkv.size()[0], qkv.size()[1], window],
+                (qkv.kind(), qkv.device()),
+            ),
+        };
+        Tensor::cat(&[prev, qkv.shallow_clone()], 2)
+    }
+
+    /// The projections with q, k, v through the causal convolution and SiLU (`p.qkv` [B, T,
+    /// conv_dim] after it), and the convolution's input: the conv state then the new q, k, v
+    /// ([B, conv_dim, kernel - 1 + T]; its last `kernel - 1` columns are the next conv state).
+    fn convolved(
+        &self,
+        x: &Tensor,
+        state: Option<&GdnState>,
+        real: Option<&Tensor>,
+    ) -> (Projected, Tensor) {
+        let mut p = self.project(x, real);
+        let history = self.history(&p.qkv, state);
+        let groups = self.shape.conv_dim();
+        p.qkv = history
+            .conv1d::<&Tensor>(&self.conv, None, [1], [0], [1], groups)
+            .silu()
+            .transpose(1, 2);
+        (p, history)
+    }
+
+    /// q, k (l2-normalised), v, g and beta of the rule from the convolved projections; padding
+    /// neither decays (g = 0) nor writes (beta = 0) the state.
+    fn rule_inputs(
+        &self,
+        p: &Projected,
+        real: Option<&Tensor>,
+    ) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
+        let s = &self.shape;
+        let (b, t) = (p.z.size()[0], p.z.size()[1]);
+        let key_width = s.key_heads * s.key_dim;
+        let heads = |from: i64, n: i64, d: i64| p.qkv.narrow(-1, from, n * d).reshape([b, t, n, d]);
+        let q = l2norm(&heads(0, s.key_heads, s.key_dim));
+        let k = l2norm(&heads(key_width, s.key_heads, s.key_dim));
+        let v = heads(2 * key_width, s.value_heads, s.value_dim);
+        let mut beta = p.b.sigmoid();
+        let mut g = (p.a.to_kind(Kind::Float) + &self.dt_bias).softplus() * &self.neg_a;
+        if let Some(m) = real {
+            let m = m.unsqueeze(-1);
+            g *= m.to_kind(Kind::Float);
+            let kind = beta.kind();
+            beta *= m.to_kind(kind);
+        }
+        (q, k, v, g, beta)
+    }
+
+    /// The gated norm of the rule's output [B, T, Hv, dv] with `z`, then `out_proj`: [B, T, H].
+    fn output(&self, core: &Tensor, z: &Tensor) -> Tensor {
+        let kind = core.kind();
+        let dv = self.shape.value_dim;
+        let normed = core
+            .to_kind(Kind::Float)
+            .rms_norm([dv], None::<&Tensor>, self.eps)
+            .to_kind(kind)
+            * &self.norm;
+        let gated = (normed.to_kind(Kind::Float) * z.to_kind(Kind::Float).silu()).to_kind(kind);
+        let (b, t) = (core.size()[0], core.size()[1]);
+        gated
+            .reshape([b, t, -1])
+            .linear::<&Tensor>(&self.out_proj, None)
+    }
+
+    fn tensors(&self) -> Vec<&Tensor> {
+        vec![
+            &self.in_proj,
+            &self.conv,
+            &self.neg_a,
+            &self.dt_bias,
+            &self.norm,
+            &self.out_proj,
+        ]
+    }
+}
+
+/// What mixes the tokens of a hybrid layer.
+#[derive(Debug)]
+pub(crate) enum Mixer {
+    Attention(GatedAttention),
+    DeltaNet(GatedDeltaNet),
+}
+
+/// One hybrid decoder layer: zero-centred pre-norms, the mixer, the SwiGLU MLP.
+#[derive(Debug)]
+pub(crate) struct HybridLayer {
+    pub input_norm: ZeroCentredNorm,
+    pub mixer: Mixer,
+    pub post_norm: ZeroCentredNorm,
+    pub mlp: Mlp,
+}
+
+impl HybridLayer {
+    /// `x += mlp(post_norm(x))` in place.
+    pub(crate) fn add_mlp(&self, x: &mut Tensor) {
+        let normed = self.post_norm.forward(x);
+        self.mlp.add_forward(x, &normed);
+    }
+
+    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
+        let mut out = vec![&self.input_norm.scale, &self.post_norm.scale];
+        out.extend(match &self.mixer {
+            Mixer::Attention(a) => a.tensors(),
+            Mixer::DeltaNet(d) => d.tensors(),
+        });
+        out.extend(self.mlp.tensors());
+        out
+    }
+
+    /// Layer `l` of a hybrid checkpoint (`model.layers.{l}.*`).
+    pub(crate) fn load(
+        config: &TargetConfig,
+        l: usize,
+        weights: &dyn WeightSource,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self> {
+        let hybrid = config
+            .hybrid
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("not a hybrid config"))?;
+        let (h, i, eps) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.rms_norm_eps,
+        );
+        let p = format!("model.layers.{l}");
+        let load =
+            |name: &str, shape: &[i64]| weights.load(&format!("{p}.{name}"), shape, kind, device);
+        let norm = |name: &str, dim: i64| {
+            ZeroCentredNorm::load(weights, &format!("{p}.{name}"), dim, eps, device)
+        };
+        let mixer = match hybrid.layers.get(l) {
+            Some(super::hybrid_config::LayerKind::LinearAttention) => {
+                Mixer::DeltaNet(load_delta_net(config, &p, weights, device, kind)?)
+            }
+            _ => {
+                let (heads, kvh, d) = (
+                    config.num_attention_heads,
+                    config.kv_heads(),
+                    config.head_dim(),
+                );
+                let q = load("self_attn.q_proj.weight", &[2 * heads * d, h])?;
+                let k = load("self_attn.k_proj.weight", &[kvh * d, h])?;
+                let v = load("self_attn.v_proj.weight", &[kvh * d, h])?;
+                Mixer::Attention(GatedAttention {
+                    qkv: Tensor::cat(&[q, k, v], 0),
+                    o_proj: load("self_attn.o_proj.weight", &[h, heads * d])?,
+                    q_norm: norm("self_attn.q_norm.weight", d)?,
+                    k_norm: norm("self_attn.k_norm.weight", d)?,
+                    heads,
+                    kv_heads: kvh,
+                    head_dim: d,
+                    rotary_dim: config.rotary_dim(),
+                })
+            }
+        };
+        let mut mlp = Mlp {
+            gate_proj: load("mlp.gate_proj.weight", &[i, h])?,
+            up_proj: load("mlp.up_proj.weight", &[i, h])?,
+            down_proj: load("mlp.down_proj.weight", &[h, i])?,
+            fused: None,
+        };
+        mlp.fuse();
+        Ok(HybridLayer {
+            input_norm: norm("input_layernorm.weight", h)?,
+            mixer,
+            post_norm: norm("post_attention_layernorm.weight", h)?,
+            mlp,
+        })
+    }
+}
+
+/// A Gated DeltaNet layer's weights under `{p}.linear_attn.*`, Qwen3-Next's fused
+/// per-key-head projections rearranged into Qwen3.5's order.
+fn load_delta_net(
+    config: &TargetConfig,
+    p: &str,
+    weights: &dyn WeightSource,
+    device: Device,
+    kind: Kind,
+) -> Result<GatedDeltaNet> {
+    let hybrid = config
+        .hybrid
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("not a hybrid config"))?;
+    let s = hybrid.gdn;
+    let h = config.hidden_size;
+    let load = |name: &str, shape: &[i64]| {
+        weights.load(&format!("{p}.linear_attn.{name}"), shape, kind, device)
+    };
+    let (conv_dim, value_width, hv) = (s.conv_dim(), s.value_heads * s.value_dim, s.value_heads);
+    let in_proj = match hybrid.layout {
+        GdnLayout::Split => Tensor::cat(
+            &[
+                load("in_proj_qkv.weight", &[conv_dim, h])?,
+                load("in_proj_z.weight", &[value_width, h])?,
+                load("in_proj_b.weight", &[hv, h])?,
+                load("in_proj_a.weight", &[hv, h])?,
+            ],
+            0,
+        ),
+        GdnLayout::PerKeyHead => {
+            let qkvz = load("in_proj_qkvz.weight", &[conv_dim + value_width, h])?;
+            let ba = load("in_proj_ba.weight", &[2 * hv, h])?;
+            split_per_key_head(&qkvz, &ba, s)
+        }
+    };
+    // transformers: `-A_log.float().exp()` of the parameter in the model's dtype
+    let a_log = load("A_log", &[hv])?.to_kind(Kind::Float);
+    Ok(GatedDeltaNet {
+        in_proj,
+        conv: load("conv1d.weight", &[conv_dim, 1, s.conv_kernel])?,
+        neg_a: -a_log.exp(),
+        dt_bias: load("dt_bias", &[hv])?,
+        norm: load("norm.weight", &[s.value_dim])?,
+        out_proj: load("out_proj.weight", &[h, value_width])?,
+        shape: s,
+        eps: config.rms_norm_eps,
+    })
+}
+
+/// Qwen3-Next's `in_proj_qkvz` rows, per key head [q, k, v of its value heads, z of them],
+/// and `in_proj_ba` rows, per key head [b of its value heads, a of them], as one matrix of
+/// Qwen3.5's order [all q; all k; all v; all z; all b; all a].
+fn split_per_key_head(qkvz: &Tensor, ba: &Tensor, s: GdnShape) -> Tensor {
+    let (hk, dk, dv) = (s.key_heads, s.key_dim, s.value_dim);
+    let r = s.value_heads / hk;
+    let h = qkvz.size()[1];
+    let groups = qkvz.view([hk, 2 * dk + 2 * r * dv, h]);
+    let part = |from: i64, len: i64| groups.narrow(1, from, len).reshape([-1, h]);
+    let ba = ba.view([hk, 2 * r, h]);
+    let ba_part = |from: i64| ba.narrow(1, from, r).reshape([-1, h]);
+    Tensor::cat(
+        &[
+            part(0, dk),
+            part(dk, dk),
+            part(2 * dk, r * dv),
+            part(2 * dk + r * dv, r * dv),
+            ba_part(0),
+            ba_part(r),
+        ],
+        0,
+    )
+}
