@@ -10,6 +10,7 @@ pub(crate) mod drafter_layout;
 pub mod generate;
 pub mod layers;
 pub(crate) mod mask_token;
+pub(crate) mod moe;
 pub(crate) mod rope_scaling;
 pub(crate) mod slots;
 pub(crate) mod target;
