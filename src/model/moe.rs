@@ -407,7 +407,7 @@ impl SparseMoe {
         out.view(size.as_slice())
     }
 
-    /// The routed experts' weighted sum for `x` [T, H] [T, H]: pairs sorted by expert
+    /// The routed experts' weighted sum [T, H] for `x` [T, H]: pairs sorted by expert
     /// (stable, so each expert's rows keep token order), one grouped product for gate+up and
     /// one for down, each product scaled by its weight (in the hidden dtype, as transformers),
     /// scattered back to its pair and summed over the `k` choices (one rounding in bf16, and
@@ -427,8 +427,10 @@ impl SparseMoe {
         let y = grouped_linear(&gated, &self.down, &ends, gemm);
         let weights = routing.weights.reshape([-1]).index_select(0, &order);
         let y = y * weights.unsqueeze(-1);
-        y.zeros_like()
-            .index_copy(0, &order, &y)
+        // `order` is a permutation: every row is written, no zero fill needed
+        let mut pairs = y.empty_like();
+        let _ = pairs.index_copy_(0, &order, &y);
+        pairs
             .view([t, k, h])
             .sum_dim_intlist(1, false, None::<Kind>)
     }
@@ -488,8 +490,7 @@ fn per_expert_linear(x: &Tensor, w: &Tensor, ends: &Tensor) -> Tensor {
     for (e, end) in (0..ends.size()[0]).map(|e| (e, ends.int64_value(&[e]))) {
         if end > start {
             let rows = x.narrow(0, start, end - start);
-            let _ = out
-                .narrow(0, start, end - start)
+            out.narrow(0, start, end - start)
                 .copy_(&rows.linear::<&Tensor>(&w.get(e), None));
         }
         start = end;
