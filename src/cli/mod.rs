@@ -243,6 +243,10 @@ pub enum Command {
     /// Benchmark of the gated delta rule kernels alone on a GPU (Gated DeltaNet layers of
     /// Qwen3.5): ms per call of a prefill, a decoding step and a verification, JSON lines.
     BenchGdn(crate::bench::gdn::GdnBenchArgs),
+    /// Benchmark of the target's forward alone (no autograd, every layer's hidden state
+    /// returned, as training runs it) on random token ids: best-of-N seconds, tokens/s, model
+    /// TFLOP and TFLOP/s, GPU memory; one JSON object.
+    BenchForward(crate::bench::forward::ForwardBenchArgs),
     /// Benchmark of the control room: time to render one 120x40 frame with a full chart
     /// history, and the UI thread's CPU use at 10 frames per second.
     BenchUi {
@@ -374,6 +378,11 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             seconds,
         } => bench_ui(history, frames, seconds),
         Command::BenchGdn(args) => crate::bench::gdn::run(&TorchRuntime::init(), &args),
+        Command::BenchForward(args) => {
+            let report = crate::bench::forward::run(&TorchRuntime::init(), &args)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
         Command::Bench(opts) => {
             let report = crate::bench::run(&TorchRuntime::init(), &opts)?;
             println!("{}", serde_json::to_string_pretty(&report)?);
