@@ -39,7 +39,11 @@ pub(crate) struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Report libtorch, CUDA devices, NVML and where models, data and runs are looked for.
-    Doctor,
+    Doctor {
+        /// Also name this model folder's family and layers, or why it cannot be a target.
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
     /// Convert a GGUF (llama.cpp) Llama-family model into a Hugging Face model folder.
     ImportGguf {
         /// The .gguf file.
@@ -309,7 +313,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.command,
-        Command::Doctor | Command::InspectData { .. } | Command::BenchData { .. }
+        Command::Doctor { .. } | Command::InspectData { .. } | Command::BenchData { .. }
     ) {
         // Report printers end quietly when their reader goes away (`inspect-data DIR | head`),
         // as Unix tools do, instead of failing on the write. Rust ignores SIGPIPE so that a
@@ -360,9 +364,9 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             },
             |log_file| logging::init(&level, Some(log_file), true),
         ),
-        Command::Doctor => {
+        Command::Doctor { model } => {
             let runtime = TorchRuntime::init();
-            doctor::run(&runtime)
+            doctor::run(&runtime, model.as_deref())
         }
         Command::ImportGguf {
             file,
