@@ -193,8 +193,10 @@ fn slot_cache_greedy_decoding_equals_transformers() {
 #[test]
 fn continuous_batching_over_a_hybrid_target_equals_greedy() {
     let m = load("conditional");
+    // ten slots: a waiting turn sits idle through decoding steps (until an eighth of the
+    // occupied slots wait)
     let limits = ContinuousLimits {
-        slots: 2,
+        slots: 10,
         max_len: 128,
         prefill_tokens: 256,
     };
@@ -204,8 +206,12 @@ fn continuous_batching_over_a_hybrid_target_equals_greedy() {
             .map(|k| (seed * 31 + k * 17 + k * k * 7) % 120 + 3)
             .collect()
     };
-    let prompts = [prompt(0, 3), prompt(1, 9), prompt(2, 70), prompt(3, 5)];
-    let max_new = [6usize, 4, 5, 7];
+    let lengths = [3, 9, 70, 5, 12, 4, 7, 30, 2, 6, 11, 8];
+    let prompts: Vec<Vec<u32>> = (0..12).map(|k| prompt(k, lengths[k as usize])).collect();
+    // the odd keys' short answers end while the long even ones decode
+    let max_new: Vec<usize> = (0..12)
+        .map(|k| if k % 2 == 0 { 25 } else { 3 + (k / 2) % 3 })
+        .collect();
     let mut fresh: Vec<(usize, Request)> = prompts
         .iter()
         .enumerate()
@@ -220,9 +226,9 @@ fn continuous_batching_over_a_hybrid_target_equals_greedy() {
         .rev()
         .collect();
     // per key: the whole sequence so far (what the slot holds plus its answer)
-    let mut history: Vec<Vec<u32>> = prompts.to_vec();
+    let mut history: Vec<Vec<u32>> = prompts.clone();
     let mut answers: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::new();
-    let mut turns = [0usize; 4];
+    let mut turns = [0usize; 12];
     engine
         .run(
             &Sampling::GREEDY,
@@ -250,7 +256,7 @@ fn continuous_batching_over_a_hybrid_target_equals_greedy() {
             |_| {},
         )
         .unwrap();
-    assert_eq!(turns, [1, 3, 1, 3]);
+    assert_eq!(turns, [1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3]);
     for (key, sequence, got) in &answers {
         let want = greedy_generate(&m, sequence, got.len(), &[]);
         assert_eq!(got, &want, "key {key}, sequence of {}", sequence.len());
