@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 
 use crate::aten_ext::fused::{FusedKernelLoader, FusedKernels};
+use crate::aten_ext::gdn::{self, GdnKernels};
 use crate::aten_ext::graph::GraphLibrary;
 
 const CUDA_LIBRARY: &str = "libtorch_cuda.so";
@@ -169,6 +170,35 @@ impl TorchRuntime {
 }
 
 /// The directory of a shared library this process has loaded, from /proc/self/maps.
+/// The gated delta rule's CUDA kernels for `device` (a GPU) and key heads of `key_dim`, compiled
+/// and loaded; `None` on the CPU, and, with one warning saying why, where they cannot load (the
+/// rule then runs as libtorch's operations).
+pub(crate) fn gdn_kernels_or_warn(device: tch::Device, key_dim: i64) -> Option<GdnKernels> {
+    if !device.is_cuda() {
+        return None;
+    }
+    let loaded = if gdn::KEY_DIMS.contains(&key_dim) {
+        GraphLibrary::load().and_then(|graphs| {
+            let dir = loaded_library_dir("libtorch_cpu.so");
+            GdnKernels::load(graphs, dir.as_deref(), device)
+        })
+    } else {
+        Err(anyhow::anyhow!(
+            "no kernel for key heads of {key_dim} (only {:?})",
+            gdn::KEY_DIMS
+        ))
+    };
+    match loaded {
+        Ok(kernels) => Some(kernels),
+        Err(e) => {
+            log::warn!(
+                "gated delta rule kernels unavailable on {device:?}, libtorch's operations instead: {e:#}"
+            );
+            None
+        }
+    }
+}
+
 fn loaded_library_dir(name: &str) -> Option<PathBuf> {
     loaded_library(|f| f == name).and_then(|p| p.parent().map(Path::to_path_buf))
 }
