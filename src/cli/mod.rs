@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::config::Dtype;
 use crate::gguf::OutputDtype;
 use crate::runtime::TorchRuntime;
 
@@ -75,9 +76,9 @@ pub enum Command {
         /// auto, cpu, cuda or cuda:N.
         #[arg(long, default_value = "auto")]
         device: String,
-        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
-        #[arg(long, default_value = "auto")]
-        dtype: String,
+        /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
+        #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+        dtype: Dtype,
         /// Use the prompt text as is, without the chat template.
         #[arg(long)]
         raw: bool,
@@ -287,9 +288,9 @@ pub enum Command {
         /// auto, cpu, cuda or cuda:N.
         #[arg(long, default_value = "auto")]
         device: String,
-        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
-        #[arg(long, default_value = "auto")]
-        dtype: String,
+        /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
+        #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+        dtype: Dtype,
     },
 }
 

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
+use crate::config::Dtype;
 use crate::data::arrow_io::{read_token_column, resolve_split};
 use crate::data::check::{scan_tokens, TokenScan};
 use crate::data::store::DataColumns;
@@ -12,7 +13,6 @@ use crate::model::mask_token;
 use crate::model::{Drafter, DrafterConfig, DrafterShape, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
 
-use super::generate::parse_kind;
 use super::progress::Bars;
 
 pub(super) struct InitDrafterArgs {
@@ -132,7 +132,7 @@ pub(super) struct PerplexityArgs {
     pub max_len: usize,
     pub batch_tokens: usize,
     pub device: String,
-    pub dtype: String,
+    pub dtype: Dtype,
 }
 
 pub(super) fn run_perplexity(
@@ -141,7 +141,7 @@ pub(super) fn run_perplexity(
     bars: &Bars,
 ) -> Result<()> {
     let device = runtime.device(&args.device)?;
-    let kind = parse_kind(&args.dtype, device)?;
+    let kind = args.dtype.kind(device);
     let model = TargetModel::load(&args.model, device, kind)?;
     let data = read_token_column(&args.data, &args.column)?;
     let bar = bars.bar("perplexity", 0, "tokens");
