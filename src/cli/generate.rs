@@ -8,7 +8,7 @@ use crate::config::Dtype;
 use crate::model::generate::greedy_generate;
 use crate::model::TargetModel;
 use crate::paths::Locations;
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 use crate::text::{Message, TextTokenizer};
 
 pub(super) struct GenerateArgs {
@@ -16,7 +16,7 @@ pub(super) struct GenerateArgs {
     pub prompt: String,
     pub system: Option<String>,
     pub max_new_tokens: usize,
-    pub device: String,
+    pub device: DeviceSpec,
     pub dtype: Dtype,
     pub raw: bool,
 }
@@ -31,7 +31,7 @@ pub(super) fn run(runtime: &TorchRuntime, args: GenerateArgs) -> Result<()> {
     let model_dir = args
         .model
         .unwrap_or_else(|| Locations::from_env().demo_model());
-    let device = runtime.device(&args.device)?;
+    let device = runtime.resolve(args.device)?;
     let kind = args.dtype.kind(device);
     let started = std::time::Instant::now();
     let model = TargetModel::load(&model_dir, device, kind)?;

@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 
 use crate::config::Dtype;
 use crate::gguf::OutputDtype;
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 
 mod acceptance;
 mod data;
@@ -74,8 +74,8 @@ pub enum Command {
         #[arg(long, default_value_t = 128)]
         max_new_tokens: usize,
         /// auto, cpu, cuda or cuda:N.
-        #[arg(long, default_value = "auto")]
-        device: String,
+        #[arg(long, default_value_t = DeviceSpec::Auto)]
+        device: DeviceSpec,
         /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
         #[arg(long, value_enum, default_value_t = Dtype::Auto)]
         dtype: Dtype,
@@ -286,8 +286,8 @@ pub enum Command {
         #[arg(long, default_value_t = 8192)]
         batch_tokens: usize,
         /// auto, cpu, cuda or cuda:N.
-        #[arg(long, default_value = "auto")]
-        device: String,
+        #[arg(long, default_value_t = DeviceSpec::Auto)]
+        device: DeviceSpec,
         /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
         #[arg(long, value_enum, default_value_t = Dtype::Auto)]
         dtype: Dtype,

@@ -11,7 +11,7 @@ use crate::data::store::DataColumns;
 use crate::eval::perplexity::{perplexity, PerplexityOptions};
 use crate::model::mask_token;
 use crate::model::{Drafter, DrafterConfig, DrafterShape, TargetConfig, TargetModel};
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 
 use super::progress::Bars;
 
@@ -131,7 +131,7 @@ pub(super) struct PerplexityArgs {
     pub limit: Option<usize>,
     pub max_len: usize,
     pub batch_tokens: usize,
-    pub device: String,
+    pub device: DeviceSpec,
     pub dtype: Dtype,
 }
 
@@ -140,7 +140,7 @@ pub(super) fn run_perplexity(
     args: PerplexityArgs,
     bars: &Bars,
 ) -> Result<()> {
-    let device = runtime.device(&args.device)?;
+    let device = runtime.resolve(args.device)?;
     let kind = args.dtype.kind(device);
     let model = TargetModel::load(&args.model, device, kind)?;
     let data = read_token_column(&args.data, &args.column)?;
