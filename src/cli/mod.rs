@@ -477,7 +477,7 @@ fn run_model_or_data(command: Command, bars: &progress::Bars) -> anyhow::Result<
             &tokenizer,
             &input,
             &out,
-            crate::data::prepare_run::PrepareOptions {
+            crate::data::prepare_data::PrepareOptions {
                 max_len,
                 shard_rows,
                 val_fraction,
