@@ -121,18 +121,6 @@ impl FusedKernels {
         self.module.device()
     }
 
-    /// One launch of `function` on libtorch's current stream of the device; `params` point at
-    /// the kernel's arguments, in its order and with its C types (checked by the callers).
-    fn launch(
-        &self,
-        function: cu::CUfunction,
-        grid: (u32, u32),
-        block: u32,
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
-        self.module.launch(function, grid, block, params)
-    }
-
     /// Checks that `t` is a dense tensor of `kind` on this device.
     fn check(&self, what: &str, t: &Tensor, kind: Kind) -> Result<()> {
         ensure!(
@@ -259,7 +247,8 @@ impl FusedKernels {
         };
         let block = ((d / 2 + 31) / 32 * 32) as u32;
         let grid = (n as u32, (layers * (heads + 2 * kv)) as u32);
-        self.launch(self.rotate_write[which], grid, block, &mut args.pointers())?;
+        self.module
+            .launch(self.rotate_write[which], grid, block, &mut args.pointers())?;
         Ok(q_out)
     }
 
@@ -296,7 +285,8 @@ impl FusedKernels {
         ];
         let threads = 256u32;
         let blocks = ((n * width + 255) / 256).clamp(1, 65_535) as u32;
-        self.launch(self.silu_mul[which], (blocks, 1), threads, &mut params)?;
+        self.module
+            .launch(self.silu_mul[which], (blocks, 1), threads, &mut params)?;
         Ok(out)
     }
 
@@ -355,7 +345,7 @@ impl FusedKernels {
             arg(&mut lo),
             arg(&mut co),
         ];
-        self.launch(
+        self.module.launch(
             self.cross_entropy_grad[which],
             (rows as u32, 1),
             512,
