@@ -5,14 +5,63 @@
 //! for it beside the loaded `libtorch_cpu.so` and on the library path and dlopen it with
 //! RTLD_GLOBAL. Without it (or without a driver) everything runs on the CPU.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
 use anyhow::{bail, Result};
 
 use crate::aten_ext::fused::{FusedKernelLoader, FusedKernels};
+use crate::aten_ext::gdn::{self, GdnKernels};
 use crate::aten_ext::graph::GraphLibrary;
 
 const CUDA_LIBRARY: &str = "libtorch_cuda.so";
+
+/// A device as the configuration and the command line name it: `auto` (the first GPU if any,
+/// else the CPU), `cpu`, `cuda` (the first GPU, the same as `cuda:0`) or `cuda:N`. Parsed here
+/// once for both (surrounding spaces ignored); [`TorchRuntime::resolve`] picks the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    #[default]
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+/// A word that names no device.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("device {0:?} is not one of auto, cpu, cuda, cuda:N")]
+pub struct UnknownDevice(pub String);
+
+impl FromStr for DeviceSpec {
+    type Err = UnknownDevice;
+    fn from_str(word: &str) -> std::result::Result<Self, UnknownDevice> {
+        let index = |n: &str| {
+            (!n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| n.parse::<usize>().ok())
+                .flatten()
+        };
+        match word.trim() {
+            "auto" => Ok(DeviceSpec::Auto),
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            other => match other.strip_prefix("cuda:").and_then(index) {
+                Some(i) => Ok(DeviceSpec::Cuda(i)),
+                None => Err(UnknownDevice(other.to_string())),
+            },
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Auto => f.write_str("auto"),
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
 
 /// What start-up found out about CUDA.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,9 +163,8 @@ impl TorchRuntime {
         }
     }
 
-    /// Resolves a device name: `auto` (first GPU if any, else CPU), `cpu`, `cuda`, `cuda:N`.
-    /// `auto`, `cpu`, `cuda`, `cuda:N`, or a comma-separated list of distinct CUDA devices
-    /// (one worker each).
+    /// The devices of `spec`: one [`DeviceSpec`], or a comma-separated list of distinct CUDA
+    /// devices (one worker each).
     pub(crate) fn device_list(&self, spec: &str) -> Result<Vec<tch::Device>> {
         let mut devices = Vec::new();
         for name in spec.split(',') {
@@ -132,43 +180,68 @@ impl TorchRuntime {
         Ok(devices)
     }
 
+    /// The device a [`DeviceSpec`] names, parsed from `name`.
     pub fn device(&self, name: &str) -> Result<tch::Device> {
+        self.resolve(name.parse()?)
+    }
+
+    /// The device `spec` names here: `auto` is the first GPU if one is usable, else the CPU; a
+    /// CUDA device that is not usable is refused, saying why.
+    pub fn resolve(&self, spec: DeviceSpec) -> Result<tch::Device> {
         let gpus = self.cuda_devices();
-        let device = match name.trim() {
-            "auto" => {
-                if gpus > 0 {
-                    tch::Device::Cuda(0)
-                } else {
-                    tch::Device::Cpu
-                }
-            }
-            "cpu" => tch::Device::Cpu,
-            "cuda" | "gpu" => tch::Device::Cuda(0),
-            other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
-                Some(Ok(i)) => tch::Device::Cuda(i),
-                _ => bail!("device {other:?} is not one of auto, cpu, cuda, cuda:N"),
-            },
+        let index = match spec {
+            DeviceSpec::Auto if gpus > 0 => 0,
+            DeviceSpec::Auto | DeviceSpec::Cpu => return Ok(tch::Device::Cpu),
+            DeviceSpec::Cuda(i) => i,
         };
-        if let tch::Device::Cuda(i) = device {
-            if i >= gpus {
-                bail!(
-                    "device {name:?} asked for, but {} CUDA device(s) are usable ({})",
-                    gpus,
-                    match &self.cuda {
-                        CudaSupport::Loaded { .. } => "check CUDA_VISIBLE_DEVICES".to_string(),
-                        CudaSupport::LibraryNotFound =>
-                            format!("{CUDA_LIBRARY} was not found; see `dflash-tui doctor`"),
-                        CudaSupport::LoadFailed { error, .. } =>
-                            format!("{CUDA_LIBRARY} failed to load: {error}"),
-                    }
-                );
-            }
+        if index >= gpus {
+            bail!(
+                "device {:?} asked for, but {} CUDA device(s) are usable ({})",
+                spec.to_string(),
+                gpus,
+                match &self.cuda {
+                    CudaSupport::Loaded { .. } => "check CUDA_VISIBLE_DEVICES".to_string(),
+                    CudaSupport::LibraryNotFound =>
+                        format!("{CUDA_LIBRARY} was not found; see `dflash-tui doctor`"),
+                    CudaSupport::LoadFailed { error, .. } =>
+                        format!("{CUDA_LIBRARY} failed to load: {error}"),
+                }
+            );
         }
-        Ok(device)
+        Ok(tch::Device::Cuda(index))
     }
 }
 
 /// The directory of a shared library this process has loaded, from /proc/self/maps.
+/// The gated delta rule's CUDA kernels for `device` (a GPU) and key heads of `key_dim`, compiled
+/// and loaded; `None` on the CPU, and, with one warning saying why, where they cannot load (the
+/// rule then runs as libtorch's operations).
+pub(crate) fn gdn_kernels_or_warn(device: tch::Device, key_dim: i64) -> Option<GdnKernels> {
+    if !device.is_cuda() {
+        return None;
+    }
+    let loaded = if gdn::KEY_DIMS.contains(&key_dim) {
+        GraphLibrary::load().and_then(|graphs| {
+            let dir = loaded_library_dir("libtorch_cpu.so");
+            GdnKernels::load(graphs, dir.as_deref(), device)
+        })
+    } else {
+        Err(anyhow::anyhow!(
+            "no kernel for key heads of {key_dim} (only {:?})",
+            gdn::KEY_DIMS
+        ))
+    };
+    match loaded {
+        Ok(kernels) => Some(kernels),
+        Err(e) => {
+            log::warn!(
+                "gated delta rule kernels unavailable on {device:?}, libtorch's operations instead: {e:#}"
+            );
+            None
+        }
+    }
+}
+
 fn loaded_library_dir(name: &str) -> Option<PathBuf> {
     loaded_library(|f| f == name).and_then(|p| p.parent().map(Path::to_path_buf))
 }
@@ -254,4 +327,35 @@ pub(crate) unsafe fn library_symbol<T: Copy>(
         .get::<T>(c_name.as_bytes())
         .map(|symbol| *symbol)
         .map_err(|e| format!("{name}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_specs_parse_and_print_one_way() {
+        for (word, spec) in [
+            ("auto", DeviceSpec::Auto),
+            ("cpu", DeviceSpec::Cpu),
+            (" cuda", DeviceSpec::Cuda(0)),
+            ("cuda:0", DeviceSpec::Cuda(0)),
+            ("cuda:12 ", DeviceSpec::Cuda(12)),
+        ] {
+            assert_eq!(word.parse::<DeviceSpec>(), Ok(spec), "{word:?}");
+            assert_eq!(spec.to_string().parse::<DeviceSpec>(), Ok(spec));
+        }
+        assert_eq!(DeviceSpec::Cuda(3).to_string(), "cuda:3");
+        for word in ["gpu", "cuda:", "cuda:+1", "cuda:x", "CPU", "", "cpu,cuda"] {
+            assert_eq!(
+                word.parse::<DeviceSpec>(),
+                Err(UnknownDevice(word.trim().to_string())),
+                "{word:?}"
+            );
+        }
+        assert_eq!(
+            "gpu".parse::<DeviceSpec>().unwrap_err().to_string(),
+            "device \"gpu\" is not one of auto, cpu, cuda, cuda:N"
+        );
+    }
 }

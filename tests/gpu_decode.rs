@@ -627,3 +627,108 @@ fn gpu_fused_loss_equals_the_libtorch_operations() {
         }
     }
 }
+
+/// A hybrid target (Qwen3.5: Gated DeltaNet and gated attention) decoded on the GPU: in f32
+/// with CUDA graphs the transformers fixture gives its greedy tokens and DFlash equals greedy;
+/// a random hybrid with key heads of 32 (the gated delta rule's CUDA kernels serve it) gives
+/// the CPU's greedy tokens and lossless DFlash with graphs; in bf16 (flash attention) graphs
+/// and eager engines agree step for step.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_hybrid_decoding_with_graphs_and_kernels_is_lossless_in_f32() {
+    let (rt, dev, _turn) = gpu();
+    let graphs = rt.graphs(true);
+    let fixtures =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen35_targets");
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
+    let drafter_for = |target: &TargetModel, kind: Kind| {
+        let config = DrafterConfig::for_target(
+            &target.config,
+            &DrafterShape {
+                layers: 1,
+                block_size: 4,
+                mask_token_id: 1,
+                target_layer_ids: None,
+                num_taps: 2,
+            },
+        )
+        .unwrap();
+        let drafter = Drafter::init(config, dev, kind, 3).unwrap();
+        let head = FrozenHead::from_target(target, dev, kind);
+        (drafter, head)
+    };
+    let opts = EvalOptions {
+        graphs,
+        warmup_prompts: 1,
+        ..Default::default()
+    };
+    // the fixture: transformers' greedy tokens through graphs
+    let conditional = fixtures.join("conditional");
+    let target = TargetModel::load(&conditional, dev, Kind::Float).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(conditional.join("reference.json")).unwrap())
+            .unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        let list = json[key].as_array().unwrap();
+        list.iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    };
+    let want = ids("greedy");
+    let eos = target.config.eos_ids();
+    let (drafter, head) = drafter_for(&target, Kind::Float);
+    let mut with_fixture = prompts.clone();
+    with_fixture.push(ids("prompt"));
+    let report = evaluate(
+        &target,
+        &drafter,
+        &head,
+        &with_fixture,
+        want.len(),
+        &eos,
+        &opts,
+    )
+    .unwrap();
+    assert_eq!(report.mismatches, 0);
+    assert!(report.cuda_graphs);
+    assert_eq!(
+        report.prompts[3].output_ids, want,
+        "transformers' greedy tokens"
+    );
+
+    // key heads of 32: the rule's kernels; the CPU's greedy tokens
+    let tmp = tempfile::tempdir().unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(conditional.join("config.json")).unwrap())
+            .unwrap();
+    config["text_config"]["linear_key_head_dim"] = 32.into();
+    config["text_config"]["linear_value_head_dim"] = 32.into();
+    std::fs::write(tmp.path().join("config.json"), config.to_string()).unwrap();
+    let cpu = TargetModel::random(tmp.path(), Device::Cpu, Kind::Float, 7).unwrap();
+    let gpu = TargetModel::random(tmp.path(), dev, Kind::Float, 7).unwrap();
+    let (drafter, head) = drafter_for(&gpu, Kind::Float);
+    let report = evaluate(&gpu, &drafter, &head, &prompts, 30, &[], &opts).unwrap();
+    assert_eq!(report.mismatches, 0);
+    for (p, r) in prompts.iter().zip(&report.prompts) {
+        let plain = tch::no_grad(|| greedy(&cpu, p, 30, &[])).unwrap();
+        assert_eq!(
+            plain.output_ids, r.output_ids,
+            "prompt {p:?}: GPU against CPU"
+        );
+    }
+
+    // bf16: flash attention over the gated attention layers; graphs equal eager
+    let target = TargetModel::load(&conditional, dev, Kind::BFloat16).unwrap();
+    let (drafter, head) = drafter_for(&target, Kind::BFloat16);
+    let taps = drafter.config.target_layer_ids().to_vec();
+    for p in &prompts {
+        let cap = capacity_for(p.len(), 30, 4);
+        let run = |g| {
+            let mut engine = TargetDecoder::new(&target, cap, &taps, g, None).unwrap();
+            let mut proposer = DrafterDecoder::new(&drafter, &head, cap, g, None).unwrap();
+            tch::no_grad(|| speculative_decode_with(&mut engine, &mut proposer, p, 30, &[]))
+                .unwrap()
+        };
+        let (a, b) = (run(None), run(graphs));
+        assert_eq!(a.output_ids, b.output_ids);
+        assert_eq!(a.accept_lengths, b.accept_lengths);
+    }
+}

@@ -11,7 +11,13 @@ use tch::{Device, Kind};
 fn models(block: i64) -> (tempfile::TempDir, TargetModel, Drafter, FrozenHead) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tiny_target_dir(&tmp.path().join("t"), "qwen3", false, None, 21);
-    let target = TargetModel::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let (target, drafter, head) = models_of(&dir, block);
+    (tmp, target, drafter, head)
+}
+
+/// The target in `dir` (f32) and a freshly initialised drafter for it.
+fn models_of(dir: &std::path::Path, block: i64) -> (TargetModel, Drafter, FrozenHead) {
+    let target = TargetModel::load(dir, Device::Cpu, Kind::Float).unwrap();
     let config = DrafterConfig::for_target(
         &target.config,
         &DrafterShape {
@@ -25,7 +31,14 @@ fn models(block: i64) -> (tempfile::TempDir, TargetModel, Drafter, FrozenHead) {
     .unwrap();
     let drafter = Drafter::init(config, Device::Cpu, Kind::Float, 3).unwrap();
     let head = FrozenHead::from_target(&target, Device::Cpu, Kind::Float);
-    (tmp, target, drafter, head)
+    (target, drafter, head)
+}
+
+/// The tiny Qwen3.5 hybrid checkpoint transformers wrote (Gated DeltaNet and gated attention
+/// layers; tests/fixtures/make_qwen35_targets.py).
+fn hybrid_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/qwen35_targets/conditional")
 }
 
 #[test]
@@ -293,6 +306,61 @@ fn rejected_drafts_roll_both_caches_back() {
         .collect();
     assert_eq!(d.accept_lengths, expected);
     assert!(expected.iter().any(|&a| a < block) && expected.contains(&block));
+}
+
+/// DFlash decoding of a hybrid target (Qwen3.5: Gated DeltaNet and gated attention layers) in
+/// f32 is lossless: with a fresh drafter (whose drafts are mostly rejected) and with an oracle
+/// that errs at random slots (partial acceptances), the output is greedy decoding's, token for
+/// token: a rejected draft never advances the recurrent states. (Committing the states after
+/// the whole block instead of the accepted prefix: the first mismatch within a few tokens.)
+#[test]
+fn dflash_on_a_hybrid_target_equals_greedy_decoding() {
+    let (target, drafter, head) = models_of(&hybrid_dir(), 4);
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
+    for p in &prompts {
+        let plain = tch::no_grad(|| greedy(&target, p, 30, &[])).unwrap();
+        let fast = tch::no_grad(|| dflash(&target, &drafter, &head, p, 30, &[])).unwrap();
+        assert_eq!(fast.output_ids, plain.output_ids, "prompt {p:?}");
+    }
+    let report = evaluate(
+        &target,
+        &drafter,
+        &head,
+        &prompts,
+        20,
+        &[],
+        &EvalOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(report.mismatches, 0);
+
+    let taps = drafter.config.target_layer_ids().to_vec();
+    let block = 5usize;
+    let p = vec![3u32, 1, 4, 1, 5, 9, 2, 6];
+    let max_new = 40;
+    let answer = tch::no_grad(|| greedy(&target, &p, max_new + block, &[]))
+        .unwrap()
+        .output_ids;
+    let wrong: Vec<Option<usize>> = (0..max_new)
+        .map(|i| [Some(1), Some(3), None, Some(2), Some(4)][i % 5])
+        .collect();
+    let mut oracle = Oracle {
+        block,
+        prompt_len: p.len() as i64,
+        answer: answer.clone(),
+        wrong: wrong.clone(),
+        step: 0,
+        context_len: 0,
+    };
+    let d =
+        tch::no_grad(|| speculative_decode(&target, &mut oracle, &taps, &p, max_new, &[])).unwrap();
+    assert_eq!(d.output_ids, answer[..max_new]);
+    let expected: Vec<usize> = wrong
+        .iter()
+        .take(d.accept_lengths.len())
+        .map(|w| w.unwrap_or(block))
+        .collect();
+    assert_eq!(d.accept_lengths, expected);
 }
 
 /// Records what the real drafter proposed and from which state.

@@ -8,214 +8,21 @@
 //! through the CUDA driver on libtorch's current stream, so that they are ordered with its work
 //! and captured with it into CUDA graphs.
 //!
-//! libnvrtc is loaded here rather than through cudarc's lazy loader, for the reason libnccl is
-//! (see [`crate::pipeline::nccl`]): the wheel's `libnvrtc.so.13` sits in
-//! `site-packages/nvidia/cu13/lib`, which only libtorch's own rpath names. The driver API and
-//! its types come from `cudarc` (feature `driver`, loaded dynamically).
+//! The compiler, the module and the launches are [`super::nvrtc`]'s, shared with
+//! [`super::gdn`].
 
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::ffi::{c_int, c_void};
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, ensure, Result};
+use anyhow::{bail, ensure, Result};
 use cudarc::driver::sys as cu;
 use tch::{Device, Kind, Tensor};
 
 use super::graph::GraphLibrary;
-use crate::runtime::library_symbol;
+use super::nvrtc::{arg, function, kind_index, KernelModule};
 
 /// The kernels' source, compiled for the device at run time.
 const SOURCE: &str = include_str!("fused_kernels.cu");
-
-/// Environment variable naming the libnvrtc file to load (tried before anything else).
-pub(crate) const NVRTC_ENV: &str = "DFLASH_NVRTC_LIBRARY";
-
-// NVRTC's entry points, `nvrtcResult` as a plain integer (0 = success).
-type CreateProgram = unsafe extern "C" fn(
-    *mut *mut c_void,
-    *const c_char,
-    *const c_char,
-    c_int,
-    *const *const c_char,
-    *const *const c_char,
-) -> c_int;
-type CompileProgram = unsafe extern "C" fn(*mut c_void, c_int, *const *const c_char) -> c_int;
-type GetSize = unsafe extern "C" fn(*mut c_void, *mut usize) -> c_int;
-type GetText = unsafe extern "C" fn(*mut c_void, *mut c_char) -> c_int;
-type DestroyProgram = unsafe extern "C" fn(*mut *mut c_void) -> c_int;
-
-/// Where libnvrtc is looked for: only `$DFLASH_NVRTC_LIBRARY` when set; otherwise a libnvrtc
-/// this process already loaded, the wheels' files beside the loaded libtorch (CUDA 13's
-/// `nvidia/cu13/lib`, CUDA 12's `nvidia/cuda_nvrtc/lib`), then the usual names through the
-/// dynamic loader's search.
-fn nvrtc_candidates(libtorch_dir: Option<&Path>) -> Vec<PathBuf> {
-    if let Some(p) = std::env::var_os(NVRTC_ENV).filter(|p| !p.is_empty()) {
-        return vec![PathBuf::from(p)];
-    }
-    let mut out: Vec<PathBuf> = crate::runtime::loaded_library(|name| {
-        name.starts_with("libnvrtc.so") && !name.contains("builtins")
-    })
-    .into_iter()
-    .collect();
-    if let Some(site) = libtorch_dir.and_then(Path::parent).and_then(Path::parent) {
-        for wheel in [
-            "nvidia/cu13/lib/libnvrtc.so.13",
-            "nvidia/cuda_nvrtc/lib/libnvrtc.so.12",
-        ] {
-            let path = site.join(wheel);
-            if path.is_file() {
-                out.push(path);
-            }
-        }
-    }
-    out.extend(
-        ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-            .into_iter()
-            .map(PathBuf::from),
-    );
-    out
-}
-
-/// A loaded libnvrtc (also used by [`super::gdn`]).
-pub(super) struct Nvrtc {
-    create: CreateProgram,
-    compile: CompileProgram,
-    log_size: GetSize,
-    log: GetText,
-    ptx_size: GetSize,
-    ptx: GetText,
-    destroy: DestroyProgram,
-    _library: libloading::Library,
-    /// libnvrtc-builtins from beside the file, loaded first: NVRTC opens it by name when it
-    /// compiles, which the dynamic loader does not always find next to a wheel's libnvrtc.
-    _builtins: Option<libloading::Library>,
-}
-
-impl Nvrtc {
-    pub(super) fn load(libtorch_dir: Option<&Path>) -> Result<Self> {
-        let mut failures = Vec::new();
-        for path in nvrtc_candidates(libtorch_dir) {
-            match Self::load_from(&path) {
-                Ok(lib) => return Ok(lib),
-                Err(e) => failures.push(format!("{}: {e}", path.display())),
-            }
-        }
-        bail!(
-            "libnvrtc could not be loaded (tried {}); set {NVRTC_ENV} to the file's path \
-             (e.g. <site-packages>/nvidia/cu13/lib/libnvrtc.so.13)",
-            failures.join("; ")
-        )
-    }
-
-    pub(super) fn load_from(path: &Path) -> std::result::Result<Self, String> {
-        let builtins = path
-            .parent()
-            .filter(|dir| !dir.as_os_str().is_empty())
-            .and_then(|dir| std::fs::read_dir(dir).ok())
-            .into_iter()
-            .flatten()
-            .filter_map(|entry| entry.ok().map(|e| e.path()))
-            .find(|p| {
-                p.file_name()
-                    .and_then(|f| f.to_str())
-                    .is_some_and(|f| f.starts_with("libnvrtc-builtins.so"))
-            });
-        // SAFETY: libnvrtc and its builtins are plain C libraries; each symbol is looked up
-        // with the signature nvrtc.h declares for it.
-        unsafe {
-            let builtins = match builtins {
-                Some(b) => Some(
-                    libloading::Library::new(&b).map_err(|e| format!("{}: {e}", b.display()))?,
-                ),
-                None => None,
-            };
-            let library = libloading::Library::new(path).map_err(|e| e.to_string())?;
-            Ok(Nvrtc {
-                create: library_symbol(&library, "nvrtcCreateProgram")?,
-                compile: library_symbol(&library, "nvrtcCompileProgram")?,
-                log_size: library_symbol(&library, "nvrtcGetProgramLogSize")?,
-                log: library_symbol(&library, "nvrtcGetProgramLog")?,
-                ptx_size: library_symbol(&library, "nvrtcGetPTXSize")?,
-                ptx: library_symbol(&library, "nvrtcGetPTX")?,
-                destroy: library_symbol(&library, "nvrtcDestroyProgram")?,
-                _library: library,
-                _builtins: builtins,
-            })
-        }
-    }
-
-    /// PTX of `source` for compute capability `arch` (e.g. 90), or the compiler's log.
-    fn compile_ptx(&self, source: &str, arch: i32) -> Result<CString> {
-        self.compile_named(source, "fused_kernels.cu", arch)
-    }
-
-    /// PTX of `source`, named `file` in the compiler's messages, for compute capability `arch`.
-    pub(super) fn compile_named(&self, source: &str, file: &str, arch: i32) -> Result<CString> {
-        let src = CString::new(source)?;
-        let name = CString::new(file)?;
-        let options = [
-            CString::new(format!("--gpu-architecture=compute_{arch}"))?,
-            CString::new("--std=c++17")?,
-        ];
-        let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
-        let mut prog: *mut c_void = std::ptr::null_mut();
-        // SAFETY: NVRTC calls on live C strings and a program created here and destroyed below.
-        unsafe {
-            let code = (self.create)(
-                &mut prog,
-                src.as_ptr(),
-                name.as_ptr(),
-                0,
-                std::ptr::null(),
-                std::ptr::null(),
-            );
-            ensure!(code == 0, "nvrtcCreateProgram failed (code {code})");
-            let result = (|| {
-                let code = (self.compile)(prog, option_ptrs.len() as c_int, option_ptrs.as_ptr());
-                if code != 0 {
-                    let log = self.text(prog, self.log_size, self.log).unwrap_or_default();
-                    bail!(
-                        "compiling {file} for compute_{arch} failed (code {code}): {}",
-                        log.to_string_lossy().trim()
-                    );
-                }
-                self.text(prog, self.ptx_size, self.ptx)
-            })();
-            (self.destroy)(&mut prog);
-            result
-        }
-    }
-
-    /// A text NVRTC returns (log or PTX), NUL-terminated.
-    unsafe fn text(&self, prog: *mut c_void, size: GetSize, get: GetText) -> Result<CString> {
-        let mut len = 0usize;
-        ensure!(size(prog, &mut len) == 0, "NVRTC could not size its output");
-        let mut buf = vec![0u8; len.max(1)];
-        ensure!(
-            get(prog, buf.as_mut_ptr().cast()) == 0,
-            "NVRTC could not copy its output"
-        );
-        Ok(CStr::from_bytes_until_nul(&buf)
-            .map(CStr::to_owned)
-            .unwrap_or_default())
-    }
-}
-
-pub(super) fn driver(call: &str, code: cu::CUresult) -> Result<()> {
-    if code == cu::CUresult::CUDA_SUCCESS {
-        return Ok(());
-    }
-    let mut msg: *const c_char = std::ptr::null();
-    // SAFETY: cuGetErrorString writes a pointer to a static string, or leaves it null.
-    let text = unsafe {
-        cu::cuGetErrorString(code, &mut msg);
-        if msg.is_null() {
-            format!("{code:?}")
-        } else {
-            CStr::from_ptr(msg).to_string_lossy().into_owned()
-        }
-    };
-    Err(anyhow!("{call}: {text}"))
-}
 
 /// What loading the kernels for a device takes (see [`FusedKernels::load`]), for work spread over
 /// several devices (one load each).
@@ -249,41 +56,24 @@ impl FusedKernelLoader {
     }
 }
 
-/// A pointer to one kernel argument, as `cuLaunchKernel` takes them (valid while `x` is).
-pub(super) fn arg<T>(x: &mut T) -> *mut c_void {
-    (x as *mut T).cast()
-}
-
-/// The storage types the kernels exist for, in the order of the function arrays.
-pub(super) fn kind_index(kind: Kind) -> Option<usize> {
-    match kind {
-        Kind::BFloat16 => Some(0),
-        Kind::Half => Some(1),
-        Kind::Float => Some(2),
-        _ => None,
-    }
-}
-
 /// The fused kernels, loaded for one CUDA device.
 #[derive(Clone, Copy)]
 pub struct FusedKernels {
-    device: usize,
-    context: cu::CUcontext,
+    module: KernelModule,
     rotate_write: [cu::CUfunction; 3],
     silu_mul: [cu::CUfunction; 3],
     cross_entropy_grad: [cu::CUfunction; 3],
-    graphs: GraphLibrary,
 }
 
-// SAFETY: a CUDA context and the functions of a module loaded in it are process-wide driver
-// objects, usable from any thread (each launch makes the context current first); the module is
-// never unloaded.
+// SAFETY: the functions of a module loaded in a CUDA context are process-wide driver objects,
+// usable from any thread (each launch makes the context current first); the module is never
+// unloaded.
 unsafe impl Send for FusedKernels {}
 unsafe impl Sync for FusedKernels {}
 
 impl std::fmt::Debug for FusedKernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "FusedKernels(cuda:{})", self.device)
+        write!(f, "FusedKernels(cuda:{})", self.module.index())
     }
 }
 
@@ -294,117 +84,41 @@ impl FusedKernels {
         let Device::Cuda(index) = device else {
             bail!("fused kernels need a CUDA device, not {device:?}");
         };
-        let nvrtc = Nvrtc::load(libtorch_dir)?;
-        // SAFETY: driver calls with out-pointers to locals; the context is retained for the
-        // life of the process (as libtorch does).
-        unsafe {
-            driver("cuInit", cu::cuInit(0))?;
-            let mut dev: cu::CUdevice = 0;
-            driver("cuDeviceGet", cu::cuDeviceGet(&mut dev, index as c_int))?;
-            let attribute = |a: cu::CUdevice_attribute| -> Result<i32> {
-                let mut v: c_int = 0;
-                driver(
-                    "cuDeviceGetAttribute",
-                    cu::cuDeviceGetAttribute(&mut v, a, dev),
-                )?;
-                Ok(v)
-            };
-            use cu::CUdevice_attribute::*;
-            let arch = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? * 10
-                + attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-            let ptx = nvrtc.compile_ptx(SOURCE, arch)?;
-            let mut context: cu::CUcontext = std::ptr::null_mut();
-            driver(
-                "cuDevicePrimaryCtxRetain",
-                cu::cuDevicePrimaryCtxRetain(&mut context, dev),
-            )?;
-            driver("cuCtxPushCurrent", cu::cuCtxPushCurrent_v2(context))?;
-            type Functions = [cu::CUfunction; 3];
-            let loaded = (|| -> Result<(Functions, Functions, Functions)> {
-                let mut module: cu::CUmodule = std::ptr::null_mut();
-                driver(
-                    "cuModuleLoadData",
-                    cu::cuModuleLoadData(&mut module, ptx.as_ptr().cast()),
-                )?;
-                let function = |name: &str| -> Result<cu::CUfunction> {
-                    let c_name = CString::new(name)?;
-                    let mut f: cu::CUfunction = std::ptr::null_mut();
-                    driver(
-                        "cuModuleGetFunction",
-                        cu::cuModuleGetFunction(&mut f, module, c_name.as_ptr()),
-                    )?;
-                    Ok(f)
-                };
-                let set = |stem: &str| -> Result<[cu::CUfunction; 3]> {
-                    Ok([
-                        function(&format!("{stem}_bf16"))?,
-                        function(&format!("{stem}_f16"))?,
-                        function(&format!("{stem}_f32"))?,
-                    ])
+        type Functions = [cu::CUfunction; 3];
+        let (module, (rotate_write, silu_mul, cross_entropy_grad)) = KernelModule::load(
+            graphs,
+            libtorch_dir,
+            index,
+            (SOURCE, "fused_kernels.cu"),
+            |module| -> Result<(Functions, Functions, Functions)> {
+                let set = |stem: &str| -> Result<Functions> {
+                    // SAFETY: the module was just loaded in the current context.
+                    unsafe {
+                        Ok([
+                            function(module, &format!("{stem}_bf16"))?,
+                            function(module, &format!("{stem}_f16"))?,
+                            function(module, &format!("{stem}_f32"))?,
+                        ])
+                    }
                 };
                 Ok((
                     set("rotate_write")?,
                     set("silu_mul")?,
                     set("cross_entropy_grad")?,
                 ))
-            })();
-            let mut popped: cu::CUcontext = std::ptr::null_mut();
-            cu::cuCtxPopCurrent_v2(&mut popped);
-            let (rotate_write, silu_mul, cross_entropy_grad) = loaded?;
-            Ok(FusedKernels {
-                device: index,
-                context,
-                rotate_write,
-                silu_mul,
-                cross_entropy_grad,
-                graphs,
-            })
-        }
+            },
+        )?;
+        Ok(FusedKernels {
+            module,
+            rotate_write,
+            silu_mul,
+            cross_entropy_grad,
+        })
     }
 
     /// The CUDA device the kernels were loaded for.
     pub fn device(&self) -> Device {
-        Device::Cuda(self.device)
-    }
-
-    /// One launch of `function` on libtorch's current stream of the device, with the device's
-    /// context current (pushed only when another one is).
-    fn launch(
-        &self,
-        function: cu::CUfunction,
-        grid: (u32, u32),
-        block: u32,
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
-        let stream = self.graphs.current_stream(self.device)? as cu::CUstream;
-        // SAFETY: a function of a module loaded in `self.context`; `params` points at the
-        // kernel's arguments, in its order and with its C types (checked by the callers).
-        unsafe {
-            let mut current: cu::CUcontext = std::ptr::null_mut();
-            driver("cuCtxGetCurrent", cu::cuCtxGetCurrent(&mut current))?;
-            let push = current != self.context;
-            if push {
-                driver("cuCtxPushCurrent", cu::cuCtxPushCurrent_v2(self.context))?;
-            }
-            let launched = cu::cuLaunchKernel(
-                function,
-                grid.0,
-                grid.1,
-                1,
-                block,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            );
-            if push {
-                let mut popped: cu::CUcontext = std::ptr::null_mut();
-                cu::cuCtxPopCurrent_v2(&mut popped);
-            }
-            driver("cuLaunchKernel", launched)
-        }
+        self.module.device()
     }
 
     /// Checks that `t` is a dense tensor of `kind` on this device.
@@ -413,7 +127,7 @@ impl FusedKernels {
             t.device() == self.device(),
             "fused kernels: {what} is on {:?}, the kernels on cuda:{}",
             t.device(),
-            self.device
+            self.module.index()
         );
         ensure!(
             t.kind() == kind,
@@ -533,7 +247,8 @@ impl FusedKernels {
         };
         let block = ((d / 2 + 31) / 32 * 32) as u32;
         let grid = (n as u32, (layers * (heads + 2 * kv)) as u32);
-        self.launch(self.rotate_write[which], grid, block, &mut args.pointers())?;
+        self.module
+            .launch(self.rotate_write[which], grid, block, &mut args.pointers())?;
         Ok(q_out)
     }
 
@@ -570,7 +285,8 @@ impl FusedKernels {
         ];
         let threads = 256u32;
         let blocks = ((n * width + 255) / 256).clamp(1, 65_535) as u32;
-        self.launch(self.silu_mul[which], (blocks, 1), threads, &mut params)?;
+        self.module
+            .launch(self.silu_mul[which], (blocks, 1), threads, &mut params)?;
         Ok(out)
     }
 
@@ -629,7 +345,7 @@ impl FusedKernels {
             arg(&mut lo),
             arg(&mut co),
         ];
-        self.launch(
+        self.module.launch(
             self.cross_entropy_grad[which],
             (rows as u32, 1),
             512,
@@ -685,26 +401,15 @@ impl RotateWriteArgs {
 mod tests {
     use super::*;
 
-    /// libnvrtc for the tests: the one `make setup` installs (NVRTC runs without a GPU), else
-    /// one beside the loaded libtorch or on the library path.
-    fn nvrtc() -> Nvrtc {
-        let setup = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join(".deps/python/cuda-nvrtc/nvidia/cu13/lib/libnvrtc.so.13");
-        if setup.is_file() {
-            return Nvrtc::load_from(&setup).unwrap_or_else(|e| panic!("{}: {e}", setup.display()));
-        }
-        let libtorch = crate::runtime::loaded_library(|name| name == "libtorch_cpu.so");
-        Nvrtc::load(libtorch.as_deref().and_then(Path::parent))
-            .unwrap_or_else(|e| panic!("{e:#} (make setup installs libnvrtc)"))
-    }
-
     /// The kernels' source compiles for a Hopper GPU, every kernel the loader looks up is in the
     /// PTX, and a source that does not compile is reported with the compiler's log: what a GPU
     /// machine does first, checked where there is none.
     #[test]
     fn the_kernel_source_compiles_and_a_broken_one_is_reported() {
-        let nvrtc = nvrtc();
-        let ptx = nvrtc.compile_ptx(SOURCE, 90).unwrap();
+        let Some(nvrtc) = super::super::nvrtc::nvrtc_for_tests() else {
+            return;
+        };
+        let ptx = nvrtc.compile_named(SOURCE, "fused_kernels.cu", 90).unwrap();
         let text = ptx.to_str().unwrap();
         for stem in ["rotate_write", "silu_mul", "cross_entropy_grad"] {
             for kind in ["bf16", "f16", "f32"] {
@@ -713,7 +418,11 @@ mod tests {
             }
         }
         let err = nvrtc
-            .compile_ptx("extern \"C\" __global__ void broken(int x) { y = x; }", 90)
+            .compile_named(
+                "extern \"C\" __global__ void broken(int x) { y = x; }",
+                "fused_kernels.cu",
+                90,
+            )
             .unwrap_err();
         let msg = format!("{err:#}");
         assert!(msg.contains("compute_90") && msg.contains("\"y\""), "{msg}");

@@ -11,15 +11,16 @@
 //! per value column, and walks the tokens (see the .cu file for the layout and the cost). It is
 //! a forward pass only (the target model it serves is frozen: no gradient).
 
-use std::ffi::{c_int, c_void, CString};
+use std::ffi::c_void;
 use std::path::Path;
 
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::sys as cu;
 use tch::{Device, Kind, Tensor};
 
-use super::fused::{arg, driver, kind_index, FusedKernelLoader, Nvrtc};
+use super::fused::FusedKernelLoader;
 use super::graph::GraphLibrary;
+use super::nvrtc::{arg, function, kind_index, KernelModule};
 
 /// The kernels' source, compiled for the device at run time.
 const SOURCE: &str = include_str!("gdn_kernels.cu");
@@ -208,21 +209,19 @@ fn strided(t: &Tensor) -> (Tensor, [i64; 3]) {
 /// The gated delta rule kernels, loaded for one CUDA device.
 #[derive(Clone, Copy)]
 pub struct GdnKernels {
-    device: usize,
-    context: cu::CUcontext,
+    module: KernelModule,
     /// [storage type (bf16, f16, f32)][key head size, as in KEY_DIMS]
     recurrent: [[cu::CUfunction; 4]; 3],
-    graphs: GraphLibrary,
 }
 
-// SAFETY: as for `FusedKernels`: a CUDA context and the functions of a module loaded in it are
+// SAFETY: as for `FusedKernels`: the functions of a module loaded in a CUDA context are
 // process-wide driver objects, usable from any thread; the module is never unloaded.
 unsafe impl Send for GdnKernels {}
 unsafe impl Sync for GdnKernels {}
 
 impl std::fmt::Debug for GdnKernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "GdnKernels(cuda:{})", self.device)
+        write!(f, "GdnKernels(cuda:{})", self.module.index())
     }
 }
 
@@ -240,63 +239,28 @@ impl GdnKernels {
         let Device::Cuda(index) = device else {
             bail!("the gated delta rule kernels need a CUDA device, not {device:?}");
         };
-        let nvrtc = Nvrtc::load(libtorch_dir)?;
-        // SAFETY: driver calls with out-pointers to locals; the context is retained for the
-        // life of the process (as libtorch does), the module never unloaded.
-        unsafe {
-            driver("cuInit", cu::cuInit(0))?;
-            let mut dev: cu::CUdevice = 0;
-            driver("cuDeviceGet", cu::cuDeviceGet(&mut dev, index as c_int))?;
-            let attribute = |a: cu::CUdevice_attribute| -> Result<i32> {
-                let mut v: c_int = 0;
-                driver(
-                    "cuDeviceGetAttribute",
-                    cu::cuDeviceGetAttribute(&mut v, a, dev),
-                )?;
-                Ok(v)
-            };
-            use cu::CUdevice_attribute::*;
-            let arch = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? * 10
-                + attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-            let ptx = nvrtc.compile_named(SOURCE, "gdn_kernels.cu", arch)?;
-            let mut context: cu::CUcontext = std::ptr::null_mut();
-            driver(
-                "cuDevicePrimaryCtxRetain",
-                cu::cuDevicePrimaryCtxRetain(&mut context, dev),
-            )?;
-            driver("cuCtxPushCurrent", cu::cuCtxPushCurrent_v2(context))?;
-            let loaded = (|| -> Result<[[cu::CUfunction; 4]; 3]> {
-                let mut module: cu::CUmodule = std::ptr::null_mut();
-                driver(
-                    "cuModuleLoadData",
-                    cu::cuModuleLoadData(&mut module, ptx.as_ptr().cast()),
-                )?;
+        let (module, recurrent) = KernelModule::load(
+            graphs,
+            libtorch_dir,
+            index,
+            (SOURCE, "gdn_kernels.cu"),
+            |module| -> Result<[[cu::CUfunction; 4]; 3]> {
                 let mut functions = [[std::ptr::null_mut(); 4]; 3];
                 for (row, kind) in functions.iter_mut().zip(["bf16", "f16", "f32"]) {
                     for (f, dim) in row.iter_mut().zip(KEY_DIMS) {
-                        let name = CString::new(kernel_name(kind, dim))?;
-                        driver(
-                            "cuModuleGetFunction",
-                            cu::cuModuleGetFunction(f, module, name.as_ptr()),
-                        )?;
+                        // SAFETY: the module was just loaded in the current context.
+                        *f = unsafe { function(module, &kernel_name(kind, dim))? };
                     }
                 }
                 Ok(functions)
-            })();
-            let mut popped: cu::CUcontext = std::ptr::null_mut();
-            cu::cuCtxPopCurrent_v2(&mut popped);
-            Ok(GdnKernels {
-                device: index,
-                context,
-                recurrent: loaded?,
-                graphs,
-            })
-        }
+            },
+        )?;
+        Ok(GdnKernels { module, recurrent })
     }
 
     /// The CUDA device the kernels were loaded for.
     pub fn device(&self) -> Device {
-        Device::Cuda(self.device)
+        self.module.device()
     }
 
     /// The gated delta rule over q, k [B, T, Hk, K], v [B, T, Hv, V] (bf16, f16 or f32; the
@@ -362,7 +326,7 @@ impl GdnKernels {
             states_out.device() == self.device(),
             "gated delta rule: the states buffer is on {:?}, the kernels on cuda:{}",
             states_out.device(),
-            self.device
+            self.module.index()
         );
         let inputs = Inputs {
             q,
@@ -391,7 +355,7 @@ impl GdnKernels {
             q.device() == self.device(),
             "gated delta rule: the inputs are on {:?}, the kernels on cuda:{}",
             q.device(),
-            self.device
+            self.module.index()
         );
         ensure!(
             KEY_DIMS.contains(&shape.key_dim),
@@ -468,43 +432,15 @@ impl GdnKernels {
         Ok(out)
     }
 
-    /// One launch of `function` on libtorch's current stream of the device, with the device's
-    /// context current (pushed only when another one is).
+    /// One launch of `function` on libtorch's current stream of the device; `params` points at
+    /// the kernel's one argument, a `GdnParams` laid out as the kernel's struct.
     fn run(
         &self,
         function: cu::CUfunction,
         grid: (u32, u32),
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        let stream = self.graphs.current_stream(self.device)? as cu::CUstream;
-        // SAFETY: a function of a module loaded in `self.context`; `params` points at the
-        // kernel's one argument, a `GdnParams` laid out as the kernel's struct.
-        unsafe {
-            let mut current: cu::CUcontext = std::ptr::null_mut();
-            driver("cuCtxGetCurrent", cu::cuCtxGetCurrent(&mut current))?;
-            let push = current != self.context;
-            if push {
-                driver("cuCtxPushCurrent", cu::cuCtxPushCurrent_v2(self.context))?;
-            }
-            let launched = cu::cuLaunchKernel(
-                function,
-                grid.0,
-                grid.1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            );
-            if push {
-                let mut popped: cu::CUcontext = std::ptr::null_mut();
-                cu::cuCtxPopCurrent_v2(&mut popped);
-            }
-            driver("cuLaunchKernel", launched)
-        }
+        self.module.launch(function, grid, THREADS, params)
     }
 }
 

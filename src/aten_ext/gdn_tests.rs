@@ -5,38 +5,16 @@
 
 use super::*;
 use crate::aten_ext::graph::CudaGraph;
+use crate::aten_ext::nvrtc::nvrtc_for_tests;
 use crate::runtime::TorchRuntime;
-
-/// libnvrtc for the compile test: the one `make setup` installs (NVRTC runs without a GPU),
-/// else one beside the loaded libtorch or on the library path; `None` (with the reason
-/// printed) where there is none, except under CI, whose set-up installs it.
-fn nvrtc() -> Option<Nvrtc> {
-    let setup = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join(".deps/python/cuda-nvrtc/nvidia/cu13/lib/libnvrtc.so.13");
-    if setup.is_file() {
-        return Some(
-            Nvrtc::load_from(&setup).unwrap_or_else(|e| panic!("{}: {e}", setup.display())),
-        );
-    }
-    let libtorch = crate::runtime::loaded_library(|name| name == "libtorch_cpu.so");
-    match Nvrtc::load(libtorch.as_deref().and_then(Path::parent)) {
-        Ok(nvrtc) => Some(nvrtc),
-        Err(e) => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "{e:#} (make setup installs libnvrtc)"
-            );
-            eprintln!("not run: {e:#} (make setup installs libnvrtc)");
-            None
-        }
-    }
-}
 
 /// The source compiles for a Hopper GPU; every kernel the loader looks up is in the PTX, each
 /// taking one parameter of the size of the Rust `GdnParams` (the layout both sides share).
 #[test]
 fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
-    let Some(nvrtc) = nvrtc() else { return };
+    let Some(nvrtc) = nvrtc_for_tests() else {
+        return;
+    };
     let ptx = nvrtc.compile_named(SOURCE, "gdn_kernels.cu", 90).unwrap();
     let text = ptx.to_str().unwrap();
     let size = std::mem::size_of::<GdnParams>();

@@ -4,11 +4,13 @@
 //! variable-length form over a key/value cache), and dropping a gradient; libtorch's profiler
 //! ([`ProfilerTrace`], profiler.cpp); CUDA graphs ([`graph`], a second library loaded once
 //! CUDA is there); the drafter's fused decoding kernels ([`fused`], compiled at run time); and
-//! the gated delta rule of Gated DeltaNet layers ([`gdn`], compiled at run time).
+//! the gated delta rule of Gated DeltaNet layers ([`gdn`], compiled at run time), both compiled
+//! and loaded through [`nvrtc`].
 
 pub mod fused;
 pub mod gdn;
 pub(crate) mod graph;
+mod nvrtc;
 
 use std::ffi::{c_char, c_void};
 

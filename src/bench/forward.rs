@@ -12,10 +12,10 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use super::flops::target_layers_cost;
-use super::gdn::BenchDtype;
+use crate::config::Dtype;
 use crate::model::{describe_target, ForwardRequest, TargetModel};
 use crate::pipeline::trainer::sync_device;
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 use crate::telemetry::gpu::GpuMonitor;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -29,9 +29,9 @@ pub struct ForwardBenchArgs {
     /// Sequences per forward.
     #[arg(long, default_value_t = 1)]
     pub batch: i64,
-    /// Compute dtype of the weights and activations.
-    #[arg(long, value_enum, default_value_t = BenchDtype::Bf16)]
-    pub dtype: BenchDtype,
+    /// Compute dtype of the weights and activations (auto: bf16 on a GPU, f32 on the CPU).
+    #[arg(long, value_enum, default_value_t = Dtype::Bf16)]
+    pub dtype: Dtype,
     /// Timed forwards (after one untimed); the best is reported.
     #[arg(long, default_value_t = 3)]
     pub iters: usize,
@@ -39,8 +39,8 @@ pub struct ForwardBenchArgs {
     #[arg(long)]
     pub random_weights: bool,
     /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: String,
+    #[arg(long, default_value_t = DeviceSpec::Auto)]
+    pub device: DeviceSpec,
     /// Seed of the random weights and token ids.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -75,8 +75,13 @@ pub(crate) struct ForwardReport {
     pub peak_mem_gb: Option<f64>,
 }
 
-fn dtype_name(dtype: BenchDtype) -> String {
-    format!("{dtype:?}").to_lowercase()
+/// The dtype's name as `--dtype` takes it.
+fn kind_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::BFloat16 => "bf16",
+        Kind::Half => "f16",
+        _ => "f32",
+    }
 }
 
 /// NVML's memory in use on GPU `index`, GB.
@@ -91,8 +96,8 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &ForwardBenchArgs) -> Result<For
     if args.iters == 0 || args.tokens < 1 || args.batch < 1 {
         bail!("--iters, --tokens and --batch must each be at least 1");
     }
-    let device = runtime.device(&args.device)?;
-    let kind = args.dtype.kind();
+    let device = runtime.resolve(args.device)?;
+    let kind = args.dtype.kind(device);
     let model = if args.random_weights {
         TargetModel::random(&args.target, device, kind, args.seed)?
     } else {
@@ -133,14 +138,14 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &ForwardBenchArgs) -> Result<For
     let (params, rule) = target_layers_cost(&model.config, layers);
     let flops = (2.0 * params + rule) * tokens;
     let (device_name, peak_mem_gb) = match device {
-        Device::Cuda(i) => (format!("cuda:{i}"), gpu_memory_gb(i)),
-        _ => ("cpu".to_string(), None),
+        Device::Cuda(i) => (DeviceSpec::Cuda(i), gpu_memory_gb(i)),
+        _ => (DeviceSpec::Cpu, None),
     };
     Ok(ForwardReport {
         target: args.target.display().to_string(),
         model: describe_target(&model.config),
-        device: device_name,
-        dtype: dtype_name(args.dtype),
+        device: device_name.to_string(),
+        dtype: kind_name(kind).to_string(),
         random_weights: args.random_weights,
         batch: args.batch,
         tokens: args.tokens,

@@ -14,20 +14,20 @@ use tch::{Device, Kind, Tensor};
 use crate::aten_ext::gdn::{reference, GdnKernels};
 use crate::runtime::TorchRuntime;
 
-/// The storage type of tensors in the benchmarks of single parts (`bench-gdn`, `bench-forward`).
+/// The storage type of q, k, v and the output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum BenchDtype {
+pub enum GdnDtype {
     Bf16,
     F16,
     F32,
 }
 
-impl BenchDtype {
-    pub(crate) fn kind(self) -> Kind {
+impl GdnDtype {
+    fn kind(self) -> Kind {
         match self {
-            BenchDtype::Bf16 => Kind::BFloat16,
-            BenchDtype::F16 => Kind::Half,
-            BenchDtype::F32 => Kind::Float,
+            GdnDtype::Bf16 => Kind::BFloat16,
+            GdnDtype::F16 => Kind::Half,
+            GdnDtype::F32 => Kind::Float,
         }
     }
 }
@@ -53,8 +53,8 @@ pub struct GdnBenchArgs {
     #[arg(long, default_value_t = 128)]
     pub head_dim: i64,
     /// Storage type of q, k, v and the output (g float32, beta this type).
-    #[arg(long, value_enum, default_value_t = BenchDtype::Bf16)]
-    pub dtype: BenchDtype,
+    #[arg(long, value_enum, default_value_t = GdnDtype::Bf16)]
+    pub dtype: GdnDtype,
     /// Timed calls per case (after 3 untimed ones).
     #[arg(long, default_value_t = 50)]
     pub iters: usize,

@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
+use crate::config::Dtype;
 use crate::eval::acceptance::{read_report, target_confidence, AcceptanceReport};
 use crate::model::TargetModel;
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 
-use super::generate::parse_kind;
 use super::progress::Bars;
 
 #[derive(Debug, clap::Args)]
@@ -23,12 +23,12 @@ pub struct AcceptanceArgs {
     #[arg(long)]
     pub limit: Option<usize>,
     /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    pub device: String,
-    /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16. f32 reproduces an f32
+    #[arg(long, default_value_t = DeviceSpec::Auto)]
+    pub device: DeviceSpec,
+    /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU). f32 reproduces an f32
     /// report's picks exactly; the table says how many agree.
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
+    #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+    pub dtype: Dtype,
     /// One JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -41,8 +41,8 @@ pub(super) fn run(runtime: &TorchRuntime, args: AcceptanceArgs, bars: &Bars) -> 
     if let Some(limit) = args.limit {
         prompts.truncate(limit);
     }
-    let device = runtime.device(&args.device)?;
-    let kind = parse_kind(&args.dtype, device)?;
+    let device = runtime.resolve(args.device)?;
+    let kind = args.dtype.kind(device);
     let target = TargetModel::load(&args.target, device, kind)?;
     let bar = bars.bar("acceptance", prompts.len() as u64, "prompts");
     let mut report = AcceptanceReport::new();

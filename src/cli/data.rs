@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::data::arrow_io::{dataset_files, read_token_data, resolve_split, ColumnError};
 use crate::data::packer::{collate, Packer, PackerConfig};
-use crate::data::prepare_run::{prepare_data, PrepareOptions};
+use crate::data::prepare_data::{prepare_data, PrepareOptions};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
 use crate::model::{describe_target, TargetConfig};
 use crate::text::TextTokenizer;

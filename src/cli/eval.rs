@@ -5,13 +5,13 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};
 
+use crate::config::Dtype;
 use crate::config::{flag_between, MAX_NEW_TOKENS};
 use crate::eval::prompts::{check_prompts, prompts_from_data, prompts_from_file};
 use crate::eval::speculative::{drafter_warnings, evaluate, EvalOptions, EvalReport};
 use crate::model::{Drafter, FrozenHead, TargetConfig, TargetModel};
 use crate::runtime::TorchRuntime;
 
-use super::generate::parse_kind;
 use super::progress::Bars;
 use indicatif::ProgressBar;
 
@@ -42,9 +42,9 @@ pub struct EvalArgs {
     /// shared out, one worker with its own copy of both models per device.
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
+    /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
+    #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+    pub dtype: Dtype,
     /// Prompts decoded once, untimed, before the measured pass (graph capture and libtorch's
     /// lazy set-up happen there, not in the timing).
     #[arg(long, default_value_t = 1)]
@@ -79,7 +79,7 @@ fn run_shard(
     bar: &ProgressBar,
     trace: Option<PathBuf>,
 ) -> Result<EvalReport> {
-    let kind = parse_kind(&args.dtype, device)?;
+    let kind = args.dtype.kind(device);
     let target = TargetModel::load(&args.target, device, kind)?;
     let drafter = Drafter::load_for_target(&args.drafter, &target.config, device, kind)?;
     let head = FrozenHead::from_target(&target, device, kind);

@@ -2,13 +2,13 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
-use tch::Kind;
+use anyhow::{Context, Result};
 
+use crate::config::Dtype;
 use crate::model::generate::greedy_generate;
 use crate::model::TargetModel;
 use crate::paths::Locations;
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 use crate::text::{Message, TextTokenizer};
 
 pub(super) struct GenerateArgs {
@@ -16,26 +16,9 @@ pub(super) struct GenerateArgs {
     pub prompt: String,
     pub system: Option<String>,
     pub max_new_tokens: usize,
-    pub device: String,
-    pub dtype: String,
+    pub device: DeviceSpec,
+    pub dtype: Dtype,
     pub raw: bool,
-}
-
-/// Resolves a dtype name; `auto` is bf16 on GPU and f32 on CPU.
-pub(super) fn parse_kind(name: &str, device: tch::Device) -> Result<Kind> {
-    Ok(match name {
-        "auto" => {
-            if device.is_cuda() {
-                Kind::BFloat16
-            } else {
-                Kind::Float
-            }
-        }
-        "f32" | "float32" => Kind::Float,
-        "bf16" | "bfloat16" => Kind::BFloat16,
-        "f16" | "float16" => Kind::Half,
-        other => bail!("dtype {other:?} is not one of auto, f32, bf16, f16"),
-    })
 }
 
 pub(super) fn run(runtime: &TorchRuntime, args: GenerateArgs) -> Result<()> {
@@ -48,8 +31,8 @@ pub(super) fn run(runtime: &TorchRuntime, args: GenerateArgs) -> Result<()> {
     let model_dir = args
         .model
         .unwrap_or_else(|| Locations::from_env().demo_model());
-    let device = runtime.device(&args.device)?;
-    let kind = parse_kind(&args.dtype, device)?;
+    let device = runtime.resolve(args.device)?;
+    let kind = args.dtype.kind(device);
     let started = std::time::Instant::now();
     let model = TargetModel::load(&model_dir, device, kind)?;
     let tokenizer = TextTokenizer::from_model_dir(&model_dir)?;

@@ -5,8 +5,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::config::Dtype;
 use crate::gguf::OutputDtype;
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 
 mod acceptance;
 mod data;
@@ -77,11 +78,11 @@ pub enum Command {
         #[arg(long, default_value_t = 128)]
         max_new_tokens: usize,
         /// auto, cpu, cuda or cuda:N.
-        #[arg(long, default_value = "auto")]
-        device: String,
-        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
-        #[arg(long, default_value = "auto")]
-        dtype: String,
+        #[arg(long, default_value_t = DeviceSpec::Auto)]
+        device: DeviceSpec,
+        /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
+        #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+        dtype: Dtype,
         /// Use the prompt text as is, without the chat template.
         #[arg(long)]
         raw: bool,
@@ -293,11 +294,11 @@ pub enum Command {
         #[arg(long, default_value_t = 8192)]
         batch_tokens: usize,
         /// auto, cpu, cuda or cuda:N.
-        #[arg(long, default_value = "auto")]
-        device: String,
-        /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
-        #[arg(long, default_value = "auto")]
-        dtype: String,
+        #[arg(long, default_value_t = DeviceSpec::Auto)]
+        device: DeviceSpec,
+        /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
+        #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+        dtype: Dtype,
     },
 }
 
@@ -489,7 +490,7 @@ fn run_model_or_data(command: Command, bars: &progress::Bars) -> anyhow::Result<
             &tokenizer,
             &input,
             &out,
-            crate::data::prepare_run::PrepareOptions {
+            crate::data::prepare_data::PrepareOptions {
                 max_len,
                 shard_rows,
                 val_fraction,

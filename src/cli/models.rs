@@ -4,15 +4,15 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
+use crate::config::Dtype;
 use crate::data::arrow_io::{read_token_column, resolve_split};
 use crate::data::check::{scan_tokens, TokenScan};
 use crate::data::store::DataColumns;
 use crate::eval::perplexity::{perplexity, PerplexityOptions};
 use crate::model::mask_token;
 use crate::model::{Drafter, DrafterConfig, DrafterShape, TargetConfig, TargetModel};
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 
-use super::generate::parse_kind;
 use super::progress::Bars;
 
 pub(super) struct InitDrafterArgs {
@@ -131,8 +131,8 @@ pub(super) struct PerplexityArgs {
     pub limit: Option<usize>,
     pub max_len: usize,
     pub batch_tokens: usize,
-    pub device: String,
-    pub dtype: String,
+    pub device: DeviceSpec,
+    pub dtype: Dtype,
 }
 
 pub(super) fn run_perplexity(
@@ -140,8 +140,8 @@ pub(super) fn run_perplexity(
     args: PerplexityArgs,
     bars: &Bars,
 ) -> Result<()> {
-    let device = runtime.device(&args.device)?;
-    let kind = parse_kind(&args.dtype, device)?;
+    let device = runtime.resolve(args.device)?;
+    let kind = args.dtype.kind(device);
     let model = TargetModel::load(&args.model, device, kind)?;
     let data = read_token_column(&args.data, &args.column)?;
     let bar = bars.bar("perplexity", 0, "tokens");

@@ -4,11 +4,11 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 
+use crate::config::Dtype;
 use crate::data::regenerate::{regenerate, RegenerateEngine, RegenerateOptions};
 use crate::model::generate::{Sampling, TraceWindow};
 use crate::runtime::TorchRuntime;
 
-use super::generate::parse_kind;
 use super::progress::Bars;
 
 #[derive(Debug, clap::Args)]
@@ -48,9 +48,9 @@ pub struct RegenerateArgs {
     /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices (one worker each).
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Compute dtype: auto (bf16 on GPU, f32 on CPU), f32, bf16, f16.
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
+    /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
+    #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+    pub dtype: Dtype,
     /// Longest row (context and answers); a row that would be longer ends early.
     #[arg(long, default_value_t = 3072)]
     pub max_len: usize,
@@ -93,7 +93,7 @@ pub struct RegenerateArgs {
 
 pub(super) fn run(runtime: &TorchRuntime, args: RegenerateArgs, bars: &Bars) -> Result<()> {
     let devices = runtime.device_list(&args.device)?;
-    let kind = parse_kind(&args.dtype, devices[0])?;
+    let kind = args.dtype.kind(devices[0]);
     // The length is set once the input is read.
     let bar = bars.bar("regenerate", 0, "answers");
     let opts = RegenerateOptions {

@@ -10,6 +10,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+use tch::{Device, Kind};
 
 /// A setting that takes one of a fixed set of words.
 pub trait Choice: Copy + Sized + 'static {
@@ -69,25 +70,46 @@ macro_rules! choice_text {
 
 choice_text!(Dtype, GradSync, FailStage, FailMode);
 
-/// `model.dtype`: the compute dtype.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// A compute dtype: `model.dtype` in the configuration and `--dtype` on the command line (where
+/// the long names `float32`, `bfloat16` and `float16` are taken too). Training takes auto, f32 or
+/// bf16 (the configuration refuses f16, which would need loss scaling); the commands that run a
+/// model also take f16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     /// bf16 on a GPU, f32 on the CPU.
     #[default]
     Auto,
+    #[value(alias = "float32")]
     F32,
+    #[value(alias = "bfloat16")]
     Bf16,
+    #[value(alias = "float16")]
+    F16,
+}
+
+impl Dtype {
+    /// The tensor type on `device`.
+    pub fn kind(self, device: Device) -> Kind {
+        match self {
+            Dtype::Auto if device.is_cuda() => Kind::BFloat16,
+            Dtype::Auto | Dtype::F32 => Kind::Float,
+            Dtype::Bf16 => Kind::BFloat16,
+            Dtype::F16 => Kind::Half,
+        }
+    }
 }
 
 impl Choice for Dtype {
     const FIELD: &'static str = "model.dtype";
+    /// The values the configuration takes (no f16: see [`Dtype`]).
     const ALL: &'static [Self] = &[Dtype::Auto, Dtype::F32, Dtype::Bf16];
     fn as_str(self) -> &'static str {
         match self {
             Dtype::Auto => "auto",
             Dtype::F32 => "f32",
             Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
         }
     }
 }
@@ -256,5 +278,26 @@ mod tests {
              hold-drafter, hold-optimizer, hold-rename)"
         );
         assert!(FailMode::HoldRename.holds() && !FailMode::Panic.holds());
+    }
+
+    /// The command line takes every dtype under its short and long names; auto is bf16 on a
+    /// GPU and f32 on the CPU.
+    #[test]
+    fn dtypes_on_the_command_line_and_as_tensor_types() {
+        use clap::ValueEnum;
+        let parsed = |word: &str| <Dtype as ValueEnum>::from_str(word, false).unwrap();
+        for (short, long, kind) in [
+            ("f32", "float32", Kind::Float),
+            ("bf16", "bfloat16", Kind::BFloat16),
+            ("f16", "float16", Kind::Half),
+        ] {
+            assert_eq!(parsed(short), parsed(long));
+            assert_eq!(parsed(short).as_str(), short);
+            assert_eq!(parsed(short).kind(Device::Cpu), kind);
+            assert_eq!(parsed(short).kind(Device::Cuda(0)), kind);
+        }
+        assert_eq!(parsed("auto").kind(Device::Cpu), Kind::Float);
+        assert_eq!(parsed("auto").kind(Device::Cuda(1)), Kind::BFloat16);
+        assert!(<Dtype as ValueEnum>::from_str("fp8", false).is_err());
     }
 }

@@ -294,8 +294,9 @@ impl TrainSection {
     }
 }
 
-/// `[devices]`: where the target and the drafter run. Each entry is "auto", "cpu", "cuda" or
-/// "cuda:N".
+/// `[devices]`: where the target and the drafter run. Each entry is a
+/// [`crate::runtime::DeviceSpec`] ("auto", "cpu", "cuda" or "cuda:N"), checked when the file
+/// is loaded.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DevicesSection {

@@ -8,6 +8,7 @@ use anyhow::{bail, Result};
 
 use super::{FailStage, GradSync, TrainConfig, MAX_QUEUE_DEPTH};
 use crate::model::{MAX_BLOCK_SIZE, MAX_DRAFTER_LAYERS};
+use crate::runtime::DeviceSpec;
 
 // Upper bounds of the settings that size memory: generous (far beyond any run so far) but
 // finite, so that a typo is refused with its field named rather than ending the process in a
@@ -331,20 +332,11 @@ fn devices(field: &str, list: &[String]) -> Result<()> {
         bail!("config: {field} is empty (must list at least one device, e.g. [\"auto\"])");
     }
     for (i, device) in list.iter().enumerate() {
-        if !is_device(device) {
+        if device.parse::<DeviceSpec>().is_err() {
             bail!(
                 "config: {field}[{i}] = {device:?} is not a device (must be auto, cpu, cuda or cuda:N)"
             );
         }
     }
     Ok(())
-}
-
-fn is_device(spec: &str) -> bool {
-    match spec {
-        "auto" | "cpu" | "cuda" => true,
-        _ => spec.strip_prefix("cuda:").is_some_and(|n| {
-            !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && n.parse::<usize>().is_ok()
-        }),
-    }
 }

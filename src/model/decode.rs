@@ -63,6 +63,20 @@ pub struct TargetDecoder<'a> {
     taps: Vec<usize>,
     graphs: GraphPolicy,
     steps: Vec<TargetStep>,
+    /// A hybrid target's recurrent states (see [`TargetDecoder::roll_states_to`]).
+    states: StatesAt,
+}
+
+/// Where a hybrid target's Gated DeltaNet states stand: the position after the last token
+/// they took in, and the latest multi-token step whose per-token states the cache kept
+/// (start, tokens), to which [`TargetDecoder::step`] can roll back.
+#[derive(Debug, Default)]
+struct StatesAt {
+    position: i64,
+    kept_step: Option<(i64, i64)>,
+    /// [1] int64 device buffers of the commit: slot 0, the accepted tokens.
+    slot: Option<Tensor>,
+    accepted: Option<Tensor>,
 }
 
 impl<'a> TargetDecoder<'a> {
@@ -88,7 +102,47 @@ impl<'a> TargetDecoder<'a> {
                 what: "target",
             },
             steps: Vec::new(),
+            states: StatesAt::default(),
         })
+    }
+
+    /// Before a step from `start` with a hybrid target: its Gated DeltaNet states must stand
+    /// at `start`. Where `start` lies within the latest multi-token step (a verify whose first
+    /// `start - step start` tokens were accepted), the states after that prefix are committed
+    /// from the ones the step kept (a device gather); a sequence from 0 starts afresh; any
+    /// other position cannot be returned to (an error).
+    fn roll_states_to(&mut self, start: i64) -> Result<()> {
+        let at = &mut self.states;
+        if start == 0 || start == at.position {
+            return Ok(());
+        }
+        let Some((first, _)) = at.kept_step.filter(|(s, n)| start > *s && start < s + n) else {
+            bail!(
+                "cannot roll a hybrid target's recurrent states to position {start}: they stand at {}, and only a position within the latest multi-token step can be returned to",
+                at.position
+            );
+        };
+        let dev = self.target.device;
+        let slot = at
+            .slot
+            .get_or_insert_with(|| Tensor::zeros([1], (Kind::Int64, dev)));
+        let accepted = at
+            .accepted
+            .get_or_insert_with(|| Tensor::zeros([1], (Kind::Int64, dev)));
+        let _ = accepted.fill_(start - first);
+        if let Some(states) = self.cache.states() {
+            states.commit_accepted(slot, accepted)?;
+        }
+        at.position = start;
+        at.kept_step = None;
+        Ok(())
+    }
+
+    /// After a forward of `tokens` tokens from `start`: where the states stand now.
+    fn states_moved(&mut self, start: i64, tokens: i64) {
+        let kept = self.cache.states().is_some_and(|s| s.keeps(tokens)) && tokens > 1;
+        self.states.position = start + tokens;
+        self.states.kept_step = kept.then_some((start, tokens));
     }
 
     pub fn capacity(&self) -> i64 {
@@ -127,6 +181,7 @@ impl<'a> TargetDecoder<'a> {
             &self.taps,
             SlotLogits::Last,
         )?;
+        self.states_moved(0, len);
         Ok((out.logits.context("no logits")?, out.features))
     }
 
@@ -135,6 +190,10 @@ impl<'a> TargetDecoder<'a> {
     /// Returns the float32 logits [q, vocab] and the features [q, K * H]. On a GPU the step
     /// runs as a CUDA graph captured on the first step of this size: the returned tensors are
     /// that graph's outputs and hold their values until the next step of the same size.
+    ///
+    /// A hybrid target's recurrent states cannot forget: a step of several tokens keeps the
+    /// states after each, and the next step, from within it, commits the accepted prefix's
+    /// (see [`TargetDecoder::roll_states_to`]); stepping back any further is an error.
     pub fn step(&mut self, ids: &Tensor, start: i64) -> Result<(Tensor, Option<Tensor>)> {
         let q = ids.size()[0];
         if start < 0 || start + q > self.cache.capacity {
@@ -142,6 +201,24 @@ impl<'a> TargetDecoder<'a> {
                 "{q} tokens from position {start} do not fit a cache of {} positions",
                 self.cache.capacity
             );
+        }
+        let out = self.step_from(ids, start, q)?;
+        self.states_moved(start, q);
+        Ok(out)
+    }
+
+    /// [`TargetDecoder::step`] after the checks.
+    fn step_from(&mut self, ids: &Tensor, start: i64, q: i64) -> Result<(Tensor, Option<Tensor>)> {
+        if self.cache.states().is_some() {
+            self.roll_states_to(start)?;
+            let grown = match self.cache.states_mut() {
+                Some(states) if q > 1 => states.keep_steps(q)?,
+                _ => false,
+            };
+            if grown {
+                // graphs captured before wrote the old per-token buffers
+                self.steps.clear();
+            }
         }
         if let Some(step) = self.steps.iter().find(|s| s.tokens == q) {
             step.ids.shallow_clone().copy_(ids);

@@ -6,9 +6,13 @@
 //! `S <- exp(g) S + k (beta (v - exp(g) S^T k))^T`, output `S^T q / sqrt(key_dim)`.
 //! [`gated_delta_rule`] runs it chunk by chunk (64 tokens: the WY form with one triangular solve
 //! per chunk and a sequential scan over chunks); [`gated_delta_rule_steps`] token by token,
-//! keeping the state after each (what rolling a speculative step back needs).
+//! keeping the state after each (what rolling a speculative step back needs). Both take CUDA
+//! tensors to the NVRTC kernels of [`crate::aten_ext::gdn`] when the caller holds them for the
+//! tensors' device, and run libtorch's operations otherwise.
 
 use tch::{Kind, Tensor};
+
+use crate::aten_ext::gdn::GdnKernels;
 
 /// Tokens per chunk of [`gated_delta_rule`] (transformers' and FLA's).
 pub(crate) const CHUNK: i64 = 64;
@@ -53,15 +57,17 @@ impl GdnState {
     }
 }
 
-/// The gated delta rule over a sequence: `q`, `k` [B, T, key_heads, key_dim] (l2-normalised,
-/// see [`l2norm`]), `v` [B, T, value_heads, value_dim], `g` (log decay, <= 0) and `beta`
-/// [B, T, value_heads]; each key head serves `value_heads / key_heads` consecutive value heads.
-/// `initial_state` [B, value_heads, key_dim, value_dim] (zeros when None). Returns the output
-/// [B, T, value_heads, value_dim] in `v`'s dtype and the final state (float32). Computed in
-/// float32 whatever the inputs' dtype.
+/// The gated delta rule over a sequence: `q`, `k` [B, T, key_heads, key_dim] (l2-normalised
+/// here, in float32, see [`l2norm`]: transformers' `use_qk_l2norm_in_kernel`), `v` [B, T,
+/// value_heads, value_dim], `g` (log decay, <= 0) and `beta` [B, T, value_heads]; each key head
+/// serves `value_heads / key_heads` consecutive value heads. `initial_state` [B, value_heads,
+/// key_dim, value_dim] (zeros when None). Returns the output [B, T, value_heads, value_dim] in
+/// `v`'s dtype and the final state (float32). Computed in float32 whatever the inputs' dtype.
 ///
-/// The one dispatch point of the rule: a GPU kernel for CUDA tensors goes here (see the
-/// marked line); every caller (full forwards, prefill, multi-token steps) comes through it.
+/// The one dispatch point of the rule: CUDA tensors go to `kernels` (loaded for their device,
+/// q, k and v of one dtype; the kernel normalises q and k itself, with the same formula);
+/// everything else, and a call the kernels refuse, to libtorch's operations. Every caller (full
+/// forwards, prefill, multi-token steps) comes through here or [`gated_delta_rule_steps`].
 pub fn gated_delta_rule(
     q: &Tensor,
     k: &Tensor,
@@ -69,16 +75,33 @@ pub fn gated_delta_rule(
     g: &Tensor,
     beta: &Tensor,
     initial_state: Option<&Tensor>,
+    kernels: Option<&GdnKernels>,
 ) -> (Tensor, Tensor) {
-    // DISPATCH POINT: a CUDA implementation (crate::aten_ext::gdn) takes CUDA tensors here,
-    // falling through to libtorch's operations when it is unavailable.
+    if let Some(kernels) = usable(kernels, q, k, v) {
+        match kernels.forward(q, k, v, g, beta, initial_state, true) {
+            Ok(done) => return done,
+            Err(e) => log::warn!("gated delta rule kernel refused a call, libtorch instead: {e:#}"),
+        }
+    }
+    let (q, k) = (l2norm(q), l2norm(k));
     if q.size()[1] == 1 {
         // one token: the recurrence is one step (a chunk would pad it to 64)
-        let (out, states) = gated_delta_rule_steps(q, k, v, g, beta, initial_state);
+        let x = Heads::new(&q, &k, v, g, beta);
+        let (out, states) = recurrence(x, initial_state, v.kind());
         let last = states.select(1, 0);
         return (out, last);
     }
-    chunked_rule(q, k, v, g, beta, initial_state)
+    chunked_rule(&q, &k, v, g, beta, initial_state)
+}
+
+/// The kernels when they serve these tensors: on their device, q, k and v of one dtype.
+fn usable<'a>(
+    kernels: Option<&'a GdnKernels>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Option<&'a GdnKernels> {
+    kernels.filter(|g| q.device() == g.device() && q.kind() == v.kind() && k.kind() == v.kind())
 }
 
 /// Inputs in the rule's working form: [B, value_heads, T, dim] float32 (queries scaled by
@@ -192,8 +215,24 @@ pub fn gated_delta_rule_steps(
     g: &Tensor,
     beta: &Tensor,
     initial_state: Option<&Tensor>,
+    kernels: Option<&GdnKernels>,
 ) -> (Tensor, Tensor) {
-    let x = Heads::new(q, k, v, g, beta);
+    if let Some(kernels) = usable(kernels, q, k, v) {
+        let (b, t, hv, dv) = v.size4().unwrap_or((0, 0, 0, 0));
+        let dk = k.size().last().copied().unwrap_or(0);
+        let states = Tensor::empty([b, t, hv, dk, dv], (Kind::Float, v.device()));
+        match kernels.forward_with_states(q, k, v, g, beta, initial_state, true, &states) {
+            Ok(out) => return (out, states),
+            Err(e) => log::warn!("gated delta rule kernel refused a call, libtorch instead: {e:#}"),
+        }
+    }
+    let x = Heads::new(&l2norm(q), &l2norm(k), v, g, beta);
+    recurrence(x, initial_state, v.kind())
+}
+
+/// The recurrence over `x`'s tokens: the output [B, T, H, dv] in `kind` and the state after
+/// each token [B, T, H, dk, dv].
+fn recurrence(x: Heads, initial_state: Option<&Tensor>, kind: Kind) -> (Tensor, Tensor) {
     let mut state = x.state(initial_state);
     let t = x.k.size()[2];
     let mut outs = Vec::with_capacity(t as usize);
@@ -211,7 +250,7 @@ pub fn gated_delta_rule_steps(
     }
     let out = Tensor::stack(&outs, 2); // [B, H, T, dv]
     (
-        out.transpose(1, 2).to_kind(v.kind()).contiguous(),
+        out.transpose(1, 2).to_kind(kind).contiguous(),
         Tensor::stack(&states, 1),
     )
 }
@@ -226,8 +265,9 @@ mod tests {
         tch::manual_seed(seed);
         let o = (Kind::Double, Device::Cpu);
         let (b, hk, hv, dk, dv) = (2, 2, 4, 8, 6);
-        let q = l2norm(&Tensor::randn([b, t, hk, dk], o)).to_kind(Kind::Double);
-        let k = l2norm(&Tensor::randn([b, t, hk, dk], o)).to_kind(Kind::Double);
+        // not normalised: the rule normalises q and k itself
+        let q = Tensor::randn([b, t, hk, dk], o);
+        let k = Tensor::randn([b, t, hk, dk], o);
         let v = Tensor::randn([b, t, hv, dv], o);
         let g = -(Tensor::rand([b, t, hv], o) * 0.5);
         let beta = Tensor::rand([b, t, hv], o);
@@ -235,9 +275,16 @@ mod tests {
     }
 
     /// The recurrence written out per batch row, head and token with explicit outer products
-    /// (float64): the definition the two forms must meet.
+    /// (float64), q and k l2-normalised first: the definition the two forms must meet.
     fn naive(x: &[Tensor; 5], initial: Option<&Tensor>) -> (Tensor, Tensor) {
         let [q, k, v, g, beta] = x;
+        let unit = |t: &Tensor| {
+            t / (t * t)
+                .sum_dim_intlist(-1, true, Kind::Double)
+                .g_add_scalar(1e-6)
+                .sqrt()
+        };
+        let (q, k) = (&unit(q), &unit(k));
         let (b, t, hk, dk) = k.size4().unwrap();
         let (hv, dv) = (v.size()[2], v.size()[3]);
         let o = (Kind::Double, Device::Cpu);
@@ -288,10 +335,10 @@ mod tests {
         for initial in [None, Some(&start)] {
             let (want, want_state) = naive(&x, initial);
             let [q, k, v, g, beta] = &x;
-            let (out, state) = gated_delta_rule(q, k, v, g, beta, initial);
+            let (out, state) = gated_delta_rule(q, k, v, g, beta, initial, None);
             assert!(max_diff(&out, &want) < 1e-5, "{}", max_diff(&out, &want));
             assert!(max_diff(&state, &want_state) < 1e-5);
-            let (out, states) = gated_delta_rule_steps(q, k, v, g, beta, initial);
+            let (out, states) = gated_delta_rule_steps(q, k, v, g, beta, initial, None);
             assert!(max_diff(&out, &want) < 1e-5);
             assert!(max_diff(&states.select(1, t - 1), &want_state) < 1e-5);
             // the state after token 20 resumes the rest
@@ -303,6 +350,7 @@ mod tests {
                 &rest(g),
                 &rest(beta),
                 Some(&states.select(1, 20)),
+                None,
             );
             assert!(max_diff(&tail, &want.narrow(1, 21, t - 21)) < 1e-5);
         }
@@ -310,7 +358,7 @@ mod tests {
         let one = inputs(1, 8);
         let (want, _) = naive(&one, Some(&start));
         let [q, k, v, g, beta] = &one;
-        let (out, _) = gated_delta_rule(q, k, v, g, beta, Some(&start));
+        let (out, _) = gated_delta_rule(q, k, v, g, beta, Some(&start), None);
         assert!(max_diff(&out, &want) < 1e-6);
     }
 }

@@ -8,10 +8,11 @@ use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
-use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, l2norm, GdnState};
+use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 use super::hybrid_config::{GdnLayout, GdnShape};
 use super::layers::{add_product, Mlp, Rope};
 use super::weights::WeightSource;
+use crate::aten_ext::gdn::GdnKernels;
 
 /// RMSNorm with a zero-centred weight: `norm(x) * (1 + w)`, the norm and the product in
 /// float32 and one rounding to the input's dtype (transformers' `Qwen3_5RMSNorm`).
@@ -124,6 +125,8 @@ pub(crate) struct GatedDeltaNet {
     out_proj: Tensor,
     shape: GdnShape,
     eps: f64,
+    /// The rule's CUDA kernels for the weights' device (None: libtorch's operations).
+    kernels: Option<GdnKernels>,
 }
 
 /// The projections of one Gated DeltaNet input, [B, T, ...] each.
@@ -149,7 +152,8 @@ impl GatedDeltaNet {
         let (p, history) = self.convolved(x, state, real);
         let (q, k, v, g, beta) = self.rule_inputs(&p, real);
         let initial = state.map(|s| &s.recurrent);
-        let (core, recurrent) = gated_delta_rule(&q, &k, &v, &g, &beta, initial);
+        let kernels = self.kernels.as_ref();
+        let (core, recurrent) = gated_delta_rule(&q, &k, &v, &g, &beta, initial, kernels);
         let out = self.output(&core, &p.z);
         let (window, len) = (self.shape.conv_kernel - 1, history.size()[2]);
         let conv = history.narrow(2, len - window, window).contiguous();
@@ -165,20 +169,44 @@ impl GatedDeltaNet {
         state: Option<&GdnState>,
         real: Option<&Tensor>,
     ) -> (Tensor, Vec<GdnState>) {
-        let (p, history) = self.convolved(x, state, real);
-        let (q, k, v, g, beta) = self.rule_inputs(&p, real);
-        let initial = state.map(|s| &s.recurrent);
-        let (core, recurrents) = gated_delta_rule_steps(&q, &k, &v, &g, &beta, initial);
-        let out = self.output(&core, &p.z);
-        let window = self.shape.conv_kernel - 1;
+        let (out, each) = self.step_kept(x, state, real);
         let t = x.size()[1];
         let states = (0..t)
             .map(|i| GdnState {
-                conv: history.narrow(2, i + 1, window),
-                recurrent: recurrents.select(1, i),
+                conv: each.conv.select(1, i),
+                recurrent: each.recurrent.select(1, i),
             })
             .collect();
         (out, states)
+    }
+
+    /// [`GatedDeltaNet::step_each`] with the states stacked: conv [B, T, conv_dim, kernel - 1]
+    /// and recurrent [B, T, value_heads, key_dim, value_dim] (token i's at index i).
+    pub(crate) fn step_kept(
+        &self,
+        x: &Tensor,
+        state: Option<&GdnState>,
+        real: Option<&Tensor>,
+    ) -> (Tensor, GdnState) {
+        let (p, history) = self.convolved(x, state, real);
+        let (q, k, v, g, beta) = self.rule_inputs(&p, real);
+        let initial = state.map(|s| &s.recurrent);
+        let kernels = self.kernels.as_ref();
+        let (core, recurrent) = gated_delta_rule_steps(&q, &k, &v, &g, &beta, initial, kernels);
+        let out = self.output(&core, &p.z);
+        let window = self.shape.conv_kernel - 1;
+        let t = x.size()[1];
+        // windows of the history ending after each new token: [B, conv_dim, T, window]
+        let conv = history
+            .unfold(2, window, 1)
+            .narrow(2, 1, t)
+            .permute([0, 2, 1, 3]);
+        (out, GdnState { conv, recurrent })
+    }
+
+    /// Runs the rule on `kernels` (CUDA tensors on their device; None: libtorch's operations).
+    pub(crate) fn set_kernels(&mut self, kernels: Option<GdnKernels>) {
+        self.kernels = kernels;
     }
 
     /// The four projections of `x`, padding zeroed first.
@@ -232,8 +260,8 @@ impl GatedDeltaNet {
         (p, history)
     }
 
-    /// q, k (l2-normalised), v, g and beta of the rule from the convolved projections; padding
-    /// neither decays (g = 0) nor writes (beta = 0) the state.
+    /// q, k (not yet l2-normalised: the rule does it), v, g and beta of the rule from the
+    /// convolved projections; padding neither decays (g = 0) nor writes (beta = 0) the state.
     fn rule_inputs(
         &self,
         p: &Projected,
@@ -243,8 +271,8 @@ impl GatedDeltaNet {
         let (b, t) = (p.z.size()[0], p.z.size()[1]);
         let key_width = s.key_heads * s.key_dim;
         let heads = |from: i64, n: i64, d: i64| p.qkv.narrow(-1, from, n * d).reshape([b, t, n, d]);
-        let q = l2norm(&heads(0, s.key_heads, s.key_dim));
-        let k = l2norm(&heads(key_width, s.key_heads, s.key_dim));
+        let q = heads(0, s.key_heads, s.key_dim);
+        let k = heads(key_width, s.key_heads, s.key_dim);
         let v = heads(2 * key_width, s.value_heads, s.value_dim);
         let mut beta = p.b.sigmoid();
         let mut g = (p.a.to_kind(Kind::Float) + &self.dt_bias).softplus() * &self.neg_a;
@@ -428,6 +456,7 @@ fn load_delta_net(
         out_proj: load("out_proj.weight", &[h, value_width])?,
         shape: s,
         eps: config.rms_norm_eps,
+        kernels: None,
     })
 }
 

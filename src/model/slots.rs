@@ -14,6 +14,7 @@ use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::layers::RopeTable;
+use super::slot_states::SlotStates;
 use crate::aten_ext::fused::FusedKernels;
 use crate::aten_ext::{flash_varlen, VarlenLengths};
 
@@ -67,6 +68,8 @@ pub struct SlotCache {
     uniform: RefCell<Vec<((i64, i64), UniformConstants)>>,
     /// Per layer, a sliding window (see [`SlotCache::with_windows`]); empty: none.
     windows: Vec<Option<i64>>,
+    /// A hybrid target's Gated DeltaNet states (see [`SlotCache::with_states`]).
+    states: Option<SlotStates>,
 }
 
 /// See [`SlotCache::uniform_constants`].
@@ -120,7 +123,24 @@ impl SlotCache {
             kernels: None,
             uniform: RefCell::new(Vec::new()),
             windows: Vec::new(),
+            states: None,
         })
+    }
+
+    /// Holds a hybrid target's Gated DeltaNet states beside the keys and values (whose layers
+    /// are then the attention layers only, in order).
+    pub(crate) fn with_states(mut self, states: SlotStates) -> Self {
+        self.states = Some(states);
+        self
+    }
+
+    /// The Gated DeltaNet states (a hybrid target's cache).
+    pub fn states(&self) -> Option<&SlotStates> {
+        self.states.as_ref()
+    }
+
+    pub(crate) fn states_mut(&mut self) -> Option<&mut SlotStates> {
+        self.states.as_mut()
     }
 
     /// Gives layer i the sliding window `windows[i]` (`None`: none): the new tokens of such a
@@ -237,9 +257,14 @@ impl SlotCache {
     /// Uses `kernels` for the norm, rotation and cache writes of the forwards over this cache
     /// where they apply: flash attention (half-precision caches on a GPU) on the kernels'
     /// device. Elsewhere the cache keeps libtorch's operations.
+    /// A hybrid target's cache (with Gated DeltaNet states) takes none: they assume the plain
+    /// attention layout (no output gate, whole-head rotary).
     pub fn with_kernels(mut self, kernels: Option<FusedKernels>) -> Self {
-        self.kernels =
-            kernels.filter(|k| self.attention == SlotAttention::Flash && self.device == k.device());
+        self.kernels = kernels.filter(|k| {
+            self.attention == SlotAttention::Flash
+                && self.device == k.device()
+                && self.states.is_none()
+        });
         self
     }
 
@@ -457,6 +482,9 @@ pub struct SlotBatch {
     /// [sequences] indices (into the n new tokens) of each sequence's last new token.
     pub last: Tensor,
     pub max_q: i64,
+    /// [sequences] bool: the sequences whose recurrent states this forward advances (None:
+    /// all); the idle slots of a decoding batch keep theirs. Attention layers ignore it.
+    pub live: Option<Tensor>,
     geometry: Geometry,
 }
 
@@ -478,6 +506,7 @@ impl SlotBatch {
             seq_used: (start + per_seq).to_kind(Kind::Int),
             last: c.last,
             max_q: per_seq,
+            live: None,
             geometry: Geometry::Uniform { batch: b, per_seq },
         }
     }
@@ -528,6 +557,7 @@ impl SlotBatch {
             seq_used: up32(&used),
             last: up(&last),
             max_q: seqs.iter().map(|s| s.len).max().unwrap_or(1),
+            live: None,
             geometry: Geometry::Packed(seqs.to_vec()),
         })
     }
@@ -535,6 +565,29 @@ impl SlotBatch {
     /// Number of new tokens.
     pub fn tokens(&self) -> i64 {
         self.positions.size()[0]
+    }
+
+    /// Advances the recurrent states of the sequences `live` [sequences] (bool, on the
+    /// device) marks, only (see [`SlotBatch::live`]).
+    pub fn with_live(mut self, live: &Tensor) -> Self {
+        self.live = Some(live.shallow_clone());
+        self
+    }
+
+    /// (sequences, tokens each) of a uniform batch (slots 0..sequences).
+    pub(crate) fn uniform_shape(&self) -> Option<(i64, i64)> {
+        match self.geometry {
+            Geometry::Uniform { batch, per_seq } => Some((batch, per_seq)),
+            Geometry::Packed(_) => None,
+        }
+    }
+
+    /// The sequences of a packed batch, in token order.
+    pub(crate) fn spans(&self) -> Option<&[SeqSpan]> {
+        match &self.geometry {
+            Geometry::Uniform { .. } => None,
+            Geometry::Packed(seqs) => Some(seqs),
+        }
     }
 }
 

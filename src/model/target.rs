@@ -12,6 +12,7 @@ use tch::{Device, Kind, Tensor};
 use super::config::{Family, TargetConfig};
 use super::gated_delta::GdnState;
 use super::hybrid::{GatedDeltaNet, HybridLayer, Mixer, ZeroCentredNorm};
+use super::hybrid_slots::MixerOrdinals;
 pub use super::kv_cache::KvCache;
 use super::layers::{
     attention, rms_norm, rows, AttentionShape, AttentionWeights, DecoderLayer, Mlp, Rope,
@@ -149,9 +150,14 @@ impl TargetModel {
         };
         let with_bias = family.qkv_bias(config.attention_bias);
         let mut layers = Vec::with_capacity(config.num_hidden_layers as usize);
-        if config.hybrid.is_some() {
+        if let Some(h) = &config.hybrid {
+            // the gated delta rule's CUDA kernels, loaded once for the model's device
+            let kernels = crate::runtime::gdn_kernels_or_warn(device, h.gdn.key_dim);
             for l in 0..config.num_hidden_layers as usize {
-                let layer = HybridLayer::load(&config, l, weights, device, kind)?;
+                let mut layer = HybridLayer::load(&config, l, weights, device, kind)?;
+                if let Mixer::DeltaNet(net) = &mut layer.mixer {
+                    net.set_kernels(kernels);
+                }
                 layers.push(TargetLayer::Hybrid(layer));
             }
         }
@@ -260,16 +266,11 @@ impl TargetModel {
     }
 
     /// A decoding cache of `slots` sequences of up to `capacity` positions for this model:
-    /// the flash attention where the kernel takes the model's shapes, its rotary table.
+    /// the flash attention where the kernel takes the model's shapes, its rotary table; for a
+    /// hybrid target keys and values of its attention layers only, and the conv and recurrent
+    /// states of its Gated DeltaNet layers per slot ([`super::SlotStates`]).
     pub fn slot_cache(&self, slots: i64, capacity: i64) -> Result<SlotCache> {
         let c = &self.config;
-        if let Some(h) = &c.hybrid {
-            bail!(
-                "decoding over slot caches is not implemented yet for hybrid targets ({}: {})",
-                c.model_type,
-                h.layer_mix()
-            );
-        }
         let attention = super::slots::SlotAttention::for_model(
             self.device,
             self.kind,
@@ -277,8 +278,9 @@ impl TargetModel {
             c.kv_heads(),
             c.head_dim(),
         );
-        Ok(SlotCache::new(
-            self.num_layers(),
+        let delta_nets = self.delta_net_layers();
+        let cache = SlotCache::new(
+            self.num_layers() - delta_nets,
             slots,
             capacity,
             c.kv_heads(),
@@ -287,7 +289,47 @@ impl TargetModel {
             self.device,
             attention,
         )?
-        .with_rope(self.rope.table(capacity, self.kind)))
+        .with_rope(self.rope.table(capacity, self.kind));
+        let Some(h) = &c.hybrid else {
+            return Ok(cache);
+        };
+        let states =
+            super::SlotStates::new(delta_nets as i64, slots, h.gdn, self.kind, self.device)
+                .with_context(|| {
+                    let bytes =
+                        super::SlotStates::bytes(delta_nets as i64, slots, h.gdn, self.kind, 0);
+                    format!(
+                    "the Gated DeltaNet states of {slots} slots ({:.2} GiB) cannot be allocated",
+                    bytes as f64 / (1u64 << 30) as f64
+                )
+                })?;
+        Ok(cache.with_states(states))
+    }
+
+    /// Bytes of a [`TargetModel::slot_cache`] of this shape: keys and values, and a hybrid's
+    /// Gated DeltaNet states.
+    pub fn slot_cache_bytes(&self, slots: i64, capacity: i64) -> i64 {
+        let c = &self.config;
+        let delta_nets = self.delta_net_layers();
+        let kv = SlotCache::bytes(
+            self.num_layers() - delta_nets,
+            slots,
+            capacity,
+            c.kv_heads(),
+            c.head_dim(),
+            self.kind,
+        );
+        let states = c.hybrid.as_ref().map_or(0, |h| {
+            super::SlotStates::bytes(delta_nets as i64, slots, h.gdn, self.kind, 0)
+        });
+        kv + states
+    }
+
+    /// Number of Gated DeltaNet layers (a hybrid's; 0 for the others).
+    fn delta_net_layers(&self) -> usize {
+        let linear = super::hybrid_config::LayerKind::LinearAttention;
+        let hybrid = self.config.hybrid.as_ref();
+        hybrid.map_or(0, |h| h.layers.iter().filter(|l| **l == linear).count())
     }
 
     /// Next-token logits [batch, seq, vocab] in float32.
@@ -563,8 +605,9 @@ impl TargetModel {
     /// [`SlotCache`]: `batch` says which slot and position each token takes; their keys and
     /// values are written to the cache and each token attends causally to its sequence. Returns
     /// the float32 logits asked for by `logits` and the tapped features [n, K * H]. Built of
-    /// tensor operations on device tensors only, so that a CUDA graph can capture it. Not
-    /// for hybrid targets yet (an error).
+    /// tensor operations on device tensors only, so that a CUDA graph can capture it (a packed
+    /// batch, known on the host, excepted). A hybrid target's Gated DeltaNet layers continue
+    /// their slots' states ([`super::hybrid_slots`]).
     pub(crate) fn forward_slots(
         &self,
         ids: &Tensor,
@@ -588,12 +631,17 @@ impl TargetModel {
                 eps: cfg.rms_norm_eps,
             };
             let mut taps: Vec<Option<Tensor>> = tap_layers.iter().map(|_| None).collect();
+            let mut ordinals = MixerOrdinals::default();
             // every layer: the cache must be filled
             for (idx, layer) in self.layers.iter().enumerate() {
-                let TargetLayer::Decoder(layer) = layer else {
-                    bail!("slot decoding is not implemented yet for hybrid targets");
-                };
-                layer.forward_slots(&mut x, idx, shape, (&cos, &sin), batch, cache, true)?;
+                match layer {
+                    TargetLayer::Decoder(layer) => {
+                        layer.forward_slots(&mut x, idx, shape, (&cos, &sin), batch, cache, true)?
+                    }
+                    TargetLayer::Hybrid(layer) => {
+                        layer.forward_slots(&mut x, &mut ordinals, (&cos, &sin), batch, cache)?
+                    }
+                }
                 record_taps(&mut taps, tap_layers, idx, &x);
             }
             let features = concat_taps(taps, &x).map(|f| f.squeeze_dim(0));

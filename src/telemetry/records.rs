@@ -63,6 +63,10 @@ impl std::fmt::Display for Phase {
     }
 }
 
+/// Step records kept for the charts, the newest ones: by the trainer and by a screen showing a
+/// recorded run alike.
+pub const STEP_HISTORY: usize = 20_000;
+
 /// One optimizer step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {

@@ -4,7 +4,10 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use dflash_tui::model::generate::greedy_generate;
+use dflash_tui::eval::speculative::greedy;
+use dflash_tui::model::generate::{
+    greedy_generate, Answer, ContinuousGenerator, ContinuousLimits, Next, Request, Sampling,
+};
 use dflash_tui::model::{ForwardRequest, KvCache, TargetConfig, TargetModel};
 use tch::{Device, Kind, Tensor};
 
@@ -154,6 +157,109 @@ fn greedy_decoding_equals_transformers() {
             next = argmax(&logits)[0];
             assert_eq!(next, expected, "{name}: token {i} after the rollback");
         }
+    }
+}
+
+/// Greedy decoding over a slot cache (the engine of `eval` and the trainer's evaluation: a
+/// uniform prefill, then one-token steps through the slot's Gated DeltaNet states) gives
+/// transformers' tokens, as the KvCache path does.
+#[test]
+fn slot_cache_greedy_decoding_equals_transformers() {
+    for name in CASES {
+        let m = load(name);
+        let json = reference_json(name);
+        let tokens = |key: &str| -> Vec<u32> {
+            let list = json[key].as_array().unwrap();
+            list.iter().map(|t| t.as_u64().unwrap() as u32).collect()
+        };
+        let (prompt, want) = (tokens("prompt"), tokens("greedy"));
+        let eos = m.config.eos_ids();
+        let got = tch::no_grad(|| greedy(&m, &prompt, want.len(), &eos)).unwrap();
+        assert_eq!(got.output_ids, want, "{name}: slot-cache greedy");
+        assert_eq!(
+            greedy_generate(&m, &prompt, want.len(), &eos),
+            want,
+            "{name}: KvCache greedy"
+        );
+    }
+}
+
+/// Continuous batching (`regenerate`'s engine) over a hybrid target: sequences of different
+/// lengths prefilled together in packed batches (one longer than a chunk of the rule), decoded
+/// in uniform steps in which idle slots keep their states, slots taken over by new sequences
+/// (states start afresh) and conversations continued in their slot (states carried on): every
+/// answer equals plain greedy decoding of its whole sequence. (With the idle slots' states
+/// advanced by their idle steps, the continued conversations' answers differ.)
+#[test]
+fn continuous_batching_over_a_hybrid_target_equals_greedy() {
+    let m = load("conditional");
+    // ten slots: a waiting turn sits idle through decoding steps (until an eighth of the
+    // occupied slots wait)
+    let limits = ContinuousLimits {
+        slots: 10,
+        max_len: 128,
+        prefill_tokens: 256,
+    };
+    let mut engine = ContinuousGenerator::new(&m, limits, None, None).unwrap();
+    let prompt = |seed: u32, len: u32| -> Vec<u32> {
+        (0..len)
+            .map(|k| (seed * 31 + k * 17 + k * k * 7) % 120 + 3)
+            .collect()
+    };
+    let lengths = [3, 9, 70, 5, 12, 4, 7, 30, 2, 6, 11, 8];
+    let prompts: Vec<Vec<u32>> = (0..12).map(|k| prompt(k, lengths[k as usize])).collect();
+    // the odd keys' short answers end while the long even ones decode
+    let max_new: Vec<usize> = (0..12)
+        .map(|k| if k % 2 == 0 { 25 } else { 3 + (k / 2) % 3 })
+        .collect();
+    let mut fresh: Vec<(usize, Request)> = prompts
+        .iter()
+        .enumerate()
+        .map(|(key, p)| {
+            let request = Request {
+                tokens: p.clone(),
+                max_new: max_new[key],
+                seed: 0,
+            };
+            (key, request)
+        })
+        .rev()
+        .collect();
+    // per key: the whole sequence so far (what the slot holds plus its answer)
+    let mut history: Vec<Vec<u32>> = prompts.clone();
+    let mut answers: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::new();
+    let mut turns = [0usize; 12];
+    engine
+        .run(
+            &Sampling::GREEDY,
+            &[],
+            || fresh.pop(),
+            |key: usize, answer: Answer| {
+                let sequence = history[key].clone();
+                answers.push((key, sequence.clone(), answer.tokens.clone()));
+                turns[key] += 1;
+                if key % 2 == 1 && turns[key] < 3 {
+                    // the slot holds the sequence and the answer but its last token
+                    let last = *answer.tokens.last().unwrap();
+                    let held = &answer.tokens[..answer.tokens.len() - 1];
+                    let more = vec![last, 7 + key as u32, 11];
+                    history[key] = [sequence.as_slice(), held, &more].concat();
+                    Next::Continue(Request {
+                        tokens: more,
+                        max_new: 4,
+                        seed: 0,
+                    })
+                } else {
+                    Next::Done
+                }
+            },
+            |_| {},
+        )
+        .unwrap();
+    assert_eq!(turns, [1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3]);
+    for (key, sequence, got) in &answers {
+        let want = greedy_generate(&m, sequence, got.len(), &[]);
+        assert_eq!(got, &want, "key {key}, sequence of {}", sequence.len());
     }
 }
 

@@ -11,8 +11,7 @@ use crate::telemetry::records::{
     EvalRecord, MetricsRecord, Phase, QueueLevel, Snapshot, StepRecord, ValidationRecord,
 };
 
-/// Step records a screen keeps (the trainer keeps as many).
-pub(crate) const HISTORY: usize = 20_000;
+pub(crate) use crate::telemetry::records::STEP_HISTORY as HISTORY;
 
 /// The end of a run, as its summary record says.
 #[derive(Debug, Clone)]

@@ -78,6 +78,7 @@ struct StepGraph {
     logits: Tensor,
     ids: Tensor,
     start: Tensor,
+    live: Tensor,
     graph: CudaGraph,
 }
 
@@ -126,23 +127,15 @@ impl<'a> ContinuousGenerator<'a> {
         if limits.slots == 0 || limits.max_len < 2 {
             bail!("continuous batching needs at least one slot and a length of 2");
         }
-        let c = &model.config;
         // one spare row: an idle step of a full slot writes there
         let capacity = limits.max_len as i64 + 1;
         let cache = model
             .slot_cache(limits.slots as i64, capacity)
             .with_context(|| {
-                let gib = SlotCache::bytes(
-                    model.num_layers(),
-                    limits.slots as i64,
-                    capacity,
-                    c.kv_heads(),
-                    c.head_dim(),
-                    model.kind,
-                ) as f64
+                let gib = model.slot_cache_bytes(limits.slots as i64, capacity) as f64
                     / (1u64 << 30) as f64;
                 format!(
-                    "the key/value cache of {} slots x {capacity} positions ({gib:.1} GiB) cannot be allocated: a smaller --batch-size or --max-len needs less",
+                    "the decoding cache of {} slots x {capacity} positions ({gib:.1} GiB) cannot be allocated: a smaller --batch-size or --max-len needs less",
                     limits.slots
                 )
             })?
@@ -387,11 +380,14 @@ impl<'a> ContinuousGenerator<'a> {
         let n = slots.len();
         let mut ids = vec![0i64; n];
         let mut start = vec![0i64; n];
+        // a hybrid target's idle slots keep their recurrent states
+        let mut live = vec![false; n];
         for (i, s) in slots.iter().enumerate() {
             match s {
                 SlotState::Decoding(d) => {
                     ids[i] = d.next as i64;
                     start[i] = d.len;
+                    live[i] = true;
                 }
                 // Its idle write lands on the row its next tokens overwrite.
                 SlotState::Waiting { len, .. } => start[i] = *len,
@@ -401,7 +397,8 @@ impl<'a> ContinuousGenerator<'a> {
         let dev = self.model.device;
         let ids = upload(&Tensor::from_slice(&ids), dev);
         let start = upload(&Tensor::from_slice(&start), dev);
-        let logits = self.run_step(&ids, &start)?;
+        let live = upload(&Tensor::from_slice(&live), dev);
+        let logits = self.run_step(&ids, &start, &live)?;
         let mut uniforms = vec![0.0; n];
         for (u, s) in uniforms.iter_mut().zip(slots.iter_mut()) {
             if let SlotState::Decoding(d) = s {
@@ -427,19 +424,22 @@ impl<'a> ContinuousGenerator<'a> {
         Ok((ended, made))
     }
 
-    /// The decoding forward: float32 logits [slots, vocab] of tokens `ids` at `start`.
-    fn run_step(&mut self, ids: &Tensor, start: &Tensor) -> Result<Tensor> {
+    /// The decoding forward: float32 logits [slots, vocab] of tokens `ids` at `start`, the
+    /// sequences `live` marks decoding (the others idle).
+    fn run_step(&mut self, ids: &Tensor, start: &Tensor, live: &Tensor) -> Result<Tensor> {
         if let Some(step) = &self.step {
             step.ids.shallow_clone().copy_(ids);
             step.start.shallow_clone().copy_(start);
+            step.live.shallow_clone().copy_(live);
             step.graph.replay()?;
             return Ok(step.logits.shallow_clone());
         }
         let (model, cache) = (self.model, &mut self.cache);
         let ids_buf = ids.copy();
         let start_buf = start.copy();
+        let live_buf = live.copy();
         let mut body = || -> Result<Tensor> {
-            let batch = SlotBatch::uniform(cache, &start_buf, 1);
+            let batch = SlotBatch::uniform(cache, &start_buf, 1).with_live(&live_buf);
             model
                 .forward_slots(&ids_buf, &batch, cache, &[], SlotLogits::All)?
                 .logits
@@ -458,6 +458,7 @@ impl<'a> ContinuousGenerator<'a> {
                     logits,
                     ids: ids_buf,
                     start: start_buf,
+                    live: live_buf,
                     graph,
                 });
                 Ok(out)

@@ -43,11 +43,7 @@ pub(crate) struct Prepared {
 }
 
 fn resolve_kind(dtype: Dtype, device: Device) -> Kind {
-    match dtype {
-        Dtype::Auto if device.is_cuda() => Kind::BFloat16,
-        Dtype::Auto | Dtype::F32 => Kind::Float,
-        Dtype::Bf16 => Kind::BFloat16,
-    }
+    dtype.kind(device)
 }
 
 fn load_target(

@@ -21,8 +21,7 @@ use crate::telemetry::records::{
     EvalRecord, MetricsRecord, MetricsWriter, Phase, StepRecord, ValidationRecord,
 };
 
-/// Steps kept for the charts.
-pub(super) const HISTORY: usize = 20_000;
+pub(super) use crate::telemetry::records::STEP_HISTORY as HISTORY;
 /// Periodic evaluations and validation passes kept for the charts.
 pub(super) const EVAL_HISTORY: usize = 2_000;
 

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use super::arrow_io::{write_split, SplitSummary, TokenRow};
 use super::chat::{read_input, ChatRecord, ReadOutcome, Skip};
-use super::prepare::{prepare_record, PreparedSample};
+use super::tokenise_chat::{prepare_record, PreparedSample};
 use crate::fsutil::{write_json, StagedDir};
 use crate::text::TextTokenizer;
 
