@@ -1,8 +1,10 @@
 //! Tiny random targets of each family: causality, KV-cache decoding against the full forward,
-//! tapped features, and the family-specific weights; the Qwen3.5 hybrids against transformers
-//! ([`qwen35`]).
+//! tapped features, and the family-specific weights; the Qwen3.5 hybrids ([`qwen35`]) and the
+//! mixtures of experts ([`moe`]) against transformers.
 
 mod common;
+#[path = "target_families/moe.rs"]
+mod moe;
 #[path = "target_families/qwen35.rs"]
 mod qwen35;
 
