@@ -455,7 +455,7 @@ fn multimodal_text_models_load_from_either_weight_layout() {
         TargetModel::load(gemma.path(), Device::Cpu, Kind::Float).unwrap_err()
     );
     assert!(
-        e.ends_with("config.json: architectures[0] = \"Gemma3ForConditionalGeneration\" (model_type \"gemma3\", text_config.model_type \"gemma3_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_next"),
+        e.ends_with("config.json: architectures[0] = \"Gemma3ForConditionalGeneration\" (model_type \"gemma3\", text_config.model_type \"gemma3_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next"),
         "{e}"
     );
     assert!(!e.contains('\n'));

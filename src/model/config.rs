@@ -353,4 +353,50 @@ mod tests {
         );
         assert!(e.contains("missing field"), "{e}");
     }
+
+    #[test]
+    fn mixtures_of_experts_are_read_and_dense_layers_need_a_width() {
+        let mut v = llama();
+        v["model_type"] = json!("qwen3_moe");
+        v["num_local_experts"] = json!(8);
+        v["num_experts_per_tok"] = json!(2);
+        v["moe_intermediate_size"] = json!(16);
+        v["mlp_only_layers"] = json!([1]);
+        v["output_router_logits"] = json!(false);
+        v["router_aux_loss_coef"] = json!(0.001);
+        let c = TargetConfig::from_json(&v).unwrap();
+        assert_eq!(c.family().unwrap(), Family::Qwen3);
+        assert_eq!((c.is_sparse(0), c.is_sparse(1)), (true, false));
+        assert_eq!((c.active_mlp_width(0), c.active_mlp_width(1)), (32, 64));
+        v.as_object_mut().unwrap().remove("intermediate_size");
+        let e = format!("{:#}", TargetConfig::from_json(&v).unwrap_err());
+        assert!(
+            e.contains("field intermediate_size is missing: layer 1 has a dense MLP"),
+            "{e}"
+        );
+        // every layer sparse: no dense width needed; the drafter takes 3 x hidden
+        v["mlp_only_layers"] = json!([]);
+        let c = TargetConfig::from_json(&v).unwrap();
+        assert_eq!(
+            (c.intermediate_size, c.drafter_intermediate_size()),
+            (None, 96)
+        );
+        // Qwen3-Next with experts: the shared expert, transformers' defaults where absent
+        let next = json!({"model_type": "qwen3_next", "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 64, "head_dim": 8});
+        let c = TargetConfig::from_json(&next).unwrap();
+        let moe = c.moe.as_ref().expect("512 experts by default");
+        assert_eq!(
+            (
+                moe.num_experts,
+                moe.num_experts_per_tok,
+                moe.shared_expert_intermediate_size
+            ),
+            (512, 10, Some(512))
+        );
+        assert!(moe.norm_topk_prob);
+        let mut dense = next.clone();
+        dense["num_experts"] = json!(0);
+        assert!(TargetConfig::from_json(&dense).unwrap().moe.is_none());
+    }
 }

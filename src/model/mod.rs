@@ -16,6 +16,7 @@ pub(crate) mod hybrid_config;
 pub(crate) mod kv_cache;
 pub mod layers;
 pub(crate) mod mask_token;
+pub mod memory;
 pub(crate) mod moe;
 pub(crate) mod rope_scaling;
 pub(crate) mod slots;

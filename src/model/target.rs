@@ -119,7 +119,10 @@ impl TargetModel {
         let weights = RandomWeights {
             seed,
             std: 0.02,
-            present: Box::new(move |name| untied && name == "lm_head.weight"),
+            // experts in the fused layout: one tensor per layer and projection, not 3 E
+            present: Box::new(move |name| {
+                (untied && name == "lm_head.weight") || name.ends_with(".experts.gate_up_proj")
+            }),
             zero_centred_norms: config.hybrid.is_some(),
         };
         Self::from_weights(config, &weights, device, kind)

@@ -239,3 +239,22 @@ fn kv_cache_decoding_equals_the_full_forward() {
         assert!(worst < 1e-4, "{name}: {worst}");
     }
 }
+
+/// Random weights of a mixture of experts' shape (the bench profiles' targets) have the
+/// checkpoint's parameters, its experts in the fused layout, and run.
+#[test]
+fn random_moe_targets_have_the_checkpoints_shape() {
+    for name in ["qwen3_moe_norm", "qwen3_5_moe"] {
+        let loaded = load(name);
+        let m = TargetModel::random(&dir(name), Device::Cpu, Kind::Float, 3).unwrap();
+        assert_eq!(m.parameter_count(), loaded.parameter_count(), "{name}");
+        assert_eq!(
+            m.active_parameter_count(),
+            loaded.active_parameter_count(),
+            "{name}"
+        );
+        let logits = m.forward(&Tensor::from_slice(&[3i64, 9, 27]).unsqueeze(0), None);
+        assert_eq!(logits.size(), [1, 3, 64]);
+        assert!(logits.isfinite().all().int64_value(&[]) == 1, "{name}");
+    }
+}
