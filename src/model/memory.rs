@@ -31,10 +31,12 @@ fn mixer_params(c: &TargetConfig, l: usize, h: u64, d: u64, heads: u64, kv: u64)
             let g = s.gdn;
             let value_width = (g.value_heads * g.value_dim) as u64;
             let conv = g.conv_dim() as u64;
+            // in_proj (q, k, v, z, b, a), conv, out_proj, A_log and dt_bias, the gated norm
             (conv + value_width + 2 * g.value_heads as u64) * h
                 + conv * g.conv_kernel as u64
                 + value_width * h
-                + 3 * g.value_heads as u64
+                + 2 * g.value_heads as u64
+                + g.value_dim as u64
         }
         // a hybrid's gated attention: the query projection also emits the gate
         (_, Some(_)) => 2 * heads * d * h + 2 * kv * d * h + heads * d * h + 2 * d,

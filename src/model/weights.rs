@@ -11,9 +11,10 @@ use safetensors::tensor::TensorInfo;
 use safetensors::{Dtype, SafeTensors};
 use tch::{Device, Kind, Tensor};
 
-/// The weight files of one model folder, memory-mapped, their headers parsed once (a
-/// mixture of experts stores thousands of tensors per file: Qwen3-30B-A3B 18k experts'
-/// products; parsing the header again for each would dominate the load).
+/// The weight files of one model folder, memory-mapped, their headers parsed once: a mixture
+/// of experts stores thousands of tensors (Qwen3-30B-A3B 18k experts' products). Measured on
+/// one file of 18,432 tiny tensors: a header parse takes 23 ms, so parsing it per tensor took
+/// 7 minutes; opened once (48 ms), all the loads take 25 ms.
 pub(crate) struct WeightFiles {
     dir: PathBuf,
     /// Each file's path, map, and where its data starts (after the header).

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use dflash_tui::eval::speculative::{dflash, evaluate, greedy, EvalOptions};
 use dflash_tui::model::decode::TargetDecoder;
 use dflash_tui::model::generate::greedy_generate;
+use dflash_tui::model::memory::parameter_estimate;
 use dflash_tui::model::{
     Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, KvCache, TargetModel,
 };
@@ -80,6 +81,12 @@ fn moe_checkpoints_give_transformers_outputs() {
         assert!(
             m.active_parameter_count() < m.parameter_count(),
             "{name}: 2 of 8 experts are active"
+        );
+        // the estimate from the config alone (memory checks before loading) is exact
+        assert_eq!(
+            parameter_estimate(&m.config) as i64,
+            m.parameter_count(),
+            "{name}"
         );
     }
 }
