@@ -149,22 +149,25 @@ impl ModelFlops {
         let drafter = DrafterConfig::for_target(&target, &shape)?;
         let h = target.hidden_size as f64;
         let d = target.head_dim() as f64;
-        let per_layer = layer_params(
-            h,
+        let (q, kv) = (
             target.num_attention_heads as f64 * d,
             target.kv_heads() as f64 * d,
-            target.intermediate_size as f64,
         );
         let run_layers = drafter
             .target_layer_ids()
             .iter()
             .map(|&l| l + 1)
             .max()
-            .unwrap_or(0) as f64;
+            .unwrap_or(0) as i64;
+        // a mixture of experts counts the experts a token is routed to (active parameters)
+        let target_params = (0..run_layers)
+            .map(|l| layer_params(h, q, kv, target.active_mlp_width(l) as f64))
+            .sum();
         let taps = drafter.target_layer_ids().len() as f64;
-        let drafter_params = per_layer * drafter.num_hidden_layers as f64 + taps * h * h;
+        let per_drafter_layer = layer_params(h, q, kv, drafter.intermediate_size as f64);
+        let drafter_params = per_drafter_layer * drafter.num_hidden_layers as f64 + taps * h * h;
         Ok(ModelFlops {
-            target_params: per_layer * run_layers,
+            target_params,
             drafter_params,
             hidden: h,
             vocab: target.vocab_size as f64,
