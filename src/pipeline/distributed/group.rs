@@ -24,6 +24,16 @@ extern "C" {
     fn dflash_c10d_allreduce_sum(group: *mut c_void, tensor: *const c_void) -> *mut c_char;
     fn dflash_c10d_broadcast(group: *mut c_void, tensor: *const c_void, root: i32) -> *mut c_char;
     fn dflash_c10d_barrier(group: *mut c_void) -> *mut c_char;
+    fn dflash_c10d_alltoall(
+        group: *mut c_void,
+        output: *const c_void,
+        input: *const c_void,
+    ) -> *mut c_char;
+    fn dflash_c10d_allgather(
+        group: *mut c_void,
+        output: *const c_void,
+        input: *const c_void,
+    ) -> *mut c_char;
     fn dflash_c10d_store_set(
         group: *mut c_void,
         key: *const c_char,
@@ -115,6 +125,47 @@ impl ProcessGroup {
         })
     }
 
+    /// Sums `t` over every rank, in place, adding the ranks' values in rank order
+    /// (`((t0 + t1) + t2) + ...`, element by element) as one process adds its replicas'
+    /// gradients: the result is bit for bit the single process's, whatever the world size.
+    /// A ring allreduce adds in an order that depends on the element's place in the ring.
+    ///
+    /// It is a reduce-scatter and an allgather, as a ring allreduce is, so it moves as many
+    /// bytes: `t` is cut into `world` shards; rank k receives shard k of every rank (one
+    /// all-to-all), adds them in rank order, and the summed shards are gathered by every rank.
+    /// Memory: two buffers of `t`'s size.
+    pub fn ordered_sum(&self, t: &mut Tensor) -> Result<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        self.on_host(t, |t| {
+            ordered_sum_with(
+                t,
+                self.world,
+                |out, input| {
+                    // SAFETY: a live group and tch tensors of the sizes the shim expects.
+                    unsafe {
+                        check(dflash_c10d_alltoall(
+                            self.group,
+                            out.as_ptr() as _,
+                            input.as_ptr() as _,
+                        ))
+                    }
+                },
+                |out, input| {
+                    // SAFETY: as above.
+                    unsafe {
+                        check(dflash_c10d_allgather(
+                            self.group,
+                            out.as_ptr() as _,
+                            input.as_ptr() as _,
+                        ))
+                    }
+                },
+            )
+        })
+    }
+
     /// Every rank's `t` becomes rank `root`'s.
     pub fn broadcast(&self, t: &mut Tensor, root: usize) -> Result<()> {
         self.on_host(t, |t| {
@@ -177,6 +228,33 @@ impl Drop for ProcessGroup {
     }
 }
 
+/// [`ProcessGroup::ordered_sum`] over any transport: `alltoall(out, input)` sends row k of
+/// `input` (`[world, shard]`) to rank k and fills row r of `out` with rank r's; `allgather(out,
+/// input)` fills `out` (`[world * shard]`) with every rank's `input` (`[shard]`) in rank order.
+/// Works on `t`'s device; `t` must be contiguous and one-dimensional.
+pub(crate) fn ordered_sum_with(
+    t: &Tensor,
+    world: usize,
+    alltoall: impl FnOnce(&Tensor, &Tensor) -> Result<()>,
+    allgather: impl FnOnce(&Tensor, &Tensor) -> Result<()>,
+) -> Result<()> {
+    let n = t.numel() as i64;
+    let w = world as i64;
+    let shard = (n + w - 1) / w;
+    let padded = Tensor::zeros([w * shard], (t.kind(), t.device()));
+    padded.narrow(0, 0, n).copy_(&t.reshape([-1]));
+    let rows = Tensor::empty([w, shard], (t.kind(), t.device()));
+    alltoall(&rows, &padded.view([w, shard]))?;
+    // this rank's shard of the sum: rank 0's row, then each next rank's added in turn
+    let mut mine = rows.get(0).copy();
+    for r in 1..w {
+        mine += rows.get(r);
+    }
+    allgather(&padded, &mine)?;
+    t.reshape([-1]).copy_(&padded.narrow(0, 0, n));
+    Ok(())
+}
+
 /// A free TCP port on this host (for tests that start several ranks here).
 pub fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("no free port on 127.0.0.1")?;
@@ -230,6 +308,41 @@ mod tests {
             assert_eq!(from_two, vec![2, 2]);
             assert_eq!(next, vec![((r + 1) % 3) as u8; 3]);
         }
+    }
+
+    /// 1e8, -1e8 and 1 add up to 1 in rank order and to 0 the other way round (1 is below
+    /// half an ulp of 1e8 in fp32): every element of the sum must be 1, on every rank, also
+    /// where the bucket does not divide into equal shards.
+    #[test]
+    fn the_ordered_sum_adds_in_rank_order_on_every_rank() {
+        let port = free_port().unwrap();
+        let values = [1e8f32, -1e8, 1.0];
+        let ranks: Vec<_> = (0..3)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let g = ProcessGroup::connect(&settings(r, 3, port)).unwrap();
+                    let mut t = Tensor::full([7], f64::from(values[r]), (Kind::Float, Device::Cpu));
+                    g.ordered_sum(&mut t).unwrap();
+                    let mut n = Tensor::from_slice(&[r as f64, 0.5]);
+                    g.ordered_sum(&mut n).unwrap();
+                    (
+                        Vec::<f32>::try_from(&t).unwrap(),
+                        Vec::<f64>::try_from(&n).unwrap(),
+                    )
+                })
+            })
+            .collect();
+        for h in ranks {
+            let (sum, numbers) = h.join().unwrap();
+            assert_eq!(sum, vec![1.0; 7]);
+            assert_eq!(numbers, vec![3.0, 1.5]);
+        }
+        let (a, b, c) = (values[0], values[1], values[2]);
+        assert_ne!(
+            (a + b) + c,
+            a + (b + c),
+            "the order matters for these values"
+        );
     }
 
     #[test]
