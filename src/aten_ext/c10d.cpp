@@ -152,6 +152,15 @@ char *dflash_c10d_store_set(void *group, const char *key, const std::uint8_t *da
     });
 }
 
+// Whether `key` is set (no waiting): `*set` is 1 or 0.
+char *dflash_c10d_store_check(void *group, const char *key, int *set) {
+    return guarded([&]() -> char * {
+        auto *g = static_cast<Group *>(group);
+        *set = g->store->check({std::string(key)}) ? 1 : 0;
+        return nullptr;
+    });
+}
+
 // The value of `key`, waiting for it up to `timeout_ms`: `*out` (malloc'd, freed with
 // `dflash_c10d_free_bytes`) holds `*len` bytes.
 char *dflash_c10d_store_get(void *group, const char *key, int64_t timeout_ms, std::uint8_t **out,

@@ -48,6 +48,11 @@ extern "C" {
         len: *mut usize,
     ) -> *mut c_char;
     fn dflash_c10d_free_bytes(bytes: *mut u8);
+    fn dflash_c10d_store_check(
+        group: *mut c_void,
+        key: *const c_char,
+        set: *mut i32,
+    ) -> *mut c_char;
 }
 
 /// This process's membership of the run's process group.
@@ -198,6 +203,15 @@ impl ProcessGroup {
                 value.len(),
             ))
         }
+    }
+
+    /// Whether `key` is set in the store (without waiting for it).
+    pub fn store_check(&self, key: &str) -> Result<bool> {
+        let k = c_string(key)?;
+        let mut set = 0i32;
+        // SAFETY: a live group, a C string and an out pointer.
+        unsafe { check(dflash_c10d_store_check(self.group, k.as_ptr(), &mut set))? };
+        Ok(set != 0)
     }
 
     /// The value of `key` in the store, waiting up to `timeout` for it to be set.
