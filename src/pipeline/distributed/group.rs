@@ -5,11 +5,15 @@
 use std::ffi::{c_char, c_void, CString};
 use std::time::Duration;
 
+use std::sync::Mutex;
+
 use anyhow::{Context, Result};
 use tch::{Device, Tensor};
 
+use super::nccl_peer::{self, CudaTransport};
 use super::settings::DistSettings;
 use crate::aten_ext::check;
+use crate::pipeline::nccl::ProcessComm;
 
 extern "C" {
     fn dflash_c10d_connect(
@@ -61,6 +65,9 @@ pub struct ProcessGroup {
     pub rank: usize,
     pub world: usize,
     pub timeout: Duration,
+    /// How CUDA buckets cross processes, decided by every rank at the first CUDA sum (see
+    /// [`super::nccl_peer`]): `Some(None)` is Gloo on host copies.
+    cuda: Mutex<Option<Option<ProcessComm>>>,
 }
 
 // SAFETY: c10d's store client and process groups are used from several threads by
@@ -107,6 +114,7 @@ impl ProcessGroup {
             rank: s.rank,
             world: s.world,
             timeout: s.timeout,
+            cuda: Mutex::new(None),
         })
     }
 
@@ -143,6 +151,15 @@ impl ProcessGroup {
         if self.world == 1 {
             return Ok(());
         }
+        if t.device().is_cuda() {
+            let mut cuda = self.cuda.lock().unwrap_or_else(|e| e.into_inner());
+            if cuda.is_none() {
+                *cuda = Some(nccl_peer::connect(self, t.device())?);
+            }
+            if let Some(Some(comm)) = cuda.as_ref() {
+                return nccl_peer::ordered_sum(comm, t);
+            }
+        }
         self.on_host(t, |t| {
             ordered_sum_with(
                 t,
@@ -168,6 +185,15 @@ impl ProcessGroup {
                     }
                 },
             )
+        })
+    }
+
+    /// How CUDA buckets cross processes, once the first one has.
+    pub fn cuda_transport(&self) -> Option<CudaTransport> {
+        let cuda = self.cuda.lock().unwrap_or_else(|e| e.into_inner());
+        cuda.as_ref().map(|c| match c {
+            Some(_) => CudaTransport::Nccl,
+            None => CudaTransport::Gloo,
         })
     }
 
@@ -276,12 +302,12 @@ pub fn free_port() -> Result<u16> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::super::settings::Launcher;
     use super::*;
     use tch::Kind;
 
-    fn settings(rank: usize, world: usize, port: u16) -> DistSettings {
+    pub(crate) fn settings(rank: usize, world: usize, port: u16) -> DistSettings {
         DistSettings {
             launcher: Launcher::Torchrun,
             rank,
