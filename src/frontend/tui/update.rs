@@ -328,6 +328,7 @@ mod tests {
             stage_devices: vec![],
             last_checkpoint: None,
             error: None,
+            ranks: Vec::new(),
         }
     }
 
