@@ -78,7 +78,7 @@ fn main() -> Result<()> {
         cfg.kv_heads(),
         cfg.head_dim(),
     );
-    let inter = cfg.intermediate_size;
+    let inter = cfg.drafter_intermediate_size();
     let n = rows * len;
     println!(
         "shape {} rows {rows} len {len} anchors {anchors} drafter layers {drafter_layers}",

@@ -83,6 +83,19 @@ impl DeviceEvents {
         }
     }
 
+    /// Makes CUDA device `index` this thread's current device (what NCCL binds a new
+    /// communicator to); false when the runtime refuses.
+    pub(crate) fn set_current_device(&self, index: i32) -> bool {
+        // SAFETY: a plain CUDA runtime call; its error, if any, is cleared for libtorch.
+        unsafe {
+            let ok = (self.set_device)(index as c_int) == 0;
+            if !ok {
+                (self.get_last_error)();
+            }
+            ok
+        }
+    }
+
     /// An event recorded now on `device`'s default stream; `None` for the CPU (its work is
     /// done when the call returns) or when the runtime refuses.
     pub(crate) fn record(&self, device: Device) -> Option<DeviceEvent> {

@@ -1,8 +1,10 @@
 //! Tiny random targets of each family: causality, KV-cache decoding against the full forward,
-//! tapped features, and the family-specific weights; the Qwen3.5 hybrids against transformers
-//! ([`qwen35`]).
+//! tapped features, and the family-specific weights; the Qwen3.5 hybrids ([`qwen35`]) and the
+//! mixtures of experts ([`moe`]) against transformers.
 
 mod common;
+#[path = "target_families/moe.rs"]
+mod moe;
 #[path = "target_families/qwen35.rs"]
 mod qwen35;
 
@@ -453,7 +455,7 @@ fn multimodal_text_models_load_from_either_weight_layout() {
         TargetModel::load(gemma.path(), Device::Cpu, Kind::Float).unwrap_err()
     );
     assert!(
-        e.ends_with("config.json: architectures[0] = \"Gemma3ForConditionalGeneration\" (model_type \"gemma3\", text_config.model_type \"gemma3_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_next"),
+        e.ends_with("config.json: architectures[0] = \"Gemma3ForConditionalGeneration\" (model_type \"gemma3\", text_config.model_type \"gemma3_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next"),
         "{e}"
     );
     assert!(!e.contains('\n'));

@@ -9,6 +9,7 @@ use dflash_tui::pipeline::queue::{QueueLevel, QueueName};
 use dflash_tui::telemetry::gpu::GpuReading;
 use dflash_tui::telemetry::host::HostReading;
 use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow, StageWorkers};
+use dflash_tui::telemetry::ranks::RankReport;
 use dflash_tui::telemetry::rate::RateWindow;
 use dflash_tui::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
 use ratatui::backend::TestBackend;
@@ -161,6 +162,7 @@ fn training() -> Snapshot {
         ],
         last_checkpoint: Some("runs/smollm2-dflash/checkpoints/step-000250".to_string()),
         error: None,
+        ranks: Vec::new(),
     }
 }
 
@@ -476,6 +478,52 @@ fn eight_gpus_screen() {
         }
         assert!(s.contains("drafter"), "{s}");
         assert!(s.contains("tokens/s"), "{s}");
+    }
+}
+
+/// Three ranks of a multi-process run, one GPU each: rank 2 waits least in the gradient
+/// exchange (the others wait for it), rank 1's last report is 14 s old.
+fn three_ranks() -> AppState {
+    let mut state = one_gpu();
+    let s = &mut state.snapshot;
+    let rank = |rank: usize, host: &str, sync_s: f64, util: u32| RankReport {
+        rank,
+        host: host.into(),
+        phase: Phase::Training,
+        step: 300 - rank as u64 % 2,
+        step_s: Some(1.25),
+        sync_s: Some(sync_s),
+        bottleneck: Some(("target".into(), 1.0 - sync_s / 1.25)),
+        queues: queues(),
+        gpus: Some(vec![h200(0, util)]),
+        age_s: (rank > 0).then_some(if rank == 1 { 14.0 } else { 0.4 }),
+        stop_requested: false,
+    };
+    s.ranks = vec![
+        rank(0, "gpu-node-01", 0.31, 92),
+        rank(1, "gpu-node-02.cluster.example", 0.27, 90),
+        rank(2, "gpu-node-03", 0.02, 99),
+    ];
+    state
+}
+
+#[test]
+fn three_ranks_screen() {
+    let (big, small) = snap_both!("three_ranks", three_ranks());
+    for s in [&big, &small] {
+        assert!(s.contains("Ranks (3) · slowest: rank 2"), "{s}");
+        let row = |r: &str| {
+            s.lines()
+                .find(|l| l.starts_with(&format!("│{r:>4} ")))
+                .unwrap_or_else(|| panic!("no row for rank {r}: {s}"))
+        };
+        assert!(row("0").contains("gpu-node-01"), "{s}");
+        assert!(row("2").contains("slowest"), "{s}");
+        assert!(row("1").contains("silent 14s"), "{s}");
+        assert!(
+            s.contains("step.total") || s.contains("ProfileStats"),
+            "{s}"
+        );
     }
 }
 

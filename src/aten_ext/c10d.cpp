@@ -97,6 +97,30 @@ char *dflash_c10d_allreduce_sum(void *group, const at::Tensor *tensor) {
     });
 }
 
+// Rank r's `input` is cut into `world` equal rows; row k goes to rank k, which gets every
+// rank's row in rank order in `output` (the same size as `input`).
+char *dflash_c10d_alltoall(void *group, const at::Tensor *output, const at::Tensor *input) {
+    return guarded([&]() -> char * {
+        auto *g = static_cast<Group *>(group);
+        at::Tensor out = *output;
+        at::Tensor in = *input;
+        std::vector<int64_t> equal_splits;
+        backend_for(g, in)->alltoall_base(out, in, equal_splits, equal_splits)->wait(g->timeout);
+        return nullptr;
+    });
+}
+
+// Every rank's `input` side by side in `output` (`world` times its size), in rank order.
+char *dflash_c10d_allgather(void *group, const at::Tensor *output, const at::Tensor *input) {
+    return guarded([&]() -> char * {
+        auto *g = static_cast<Group *>(group);
+        at::Tensor out = *output;
+        at::Tensor in = *input;
+        backend_for(g, in)->_allgather_base(out, in)->wait(g->timeout);
+        return nullptr;
+    });
+}
+
 // Copies rank `root`'s `tensor` into every rank's, in place.
 char *dflash_c10d_broadcast(void *group, const at::Tensor *tensor, int root) {
     return guarded([&]() -> char * {
@@ -124,6 +148,15 @@ char *dflash_c10d_store_set(void *group, const char *key, const std::uint8_t *da
         auto *g = static_cast<Group *>(group);
         std::vector<std::uint8_t> value(data, data + len);
         g->store->set(std::string(key), value);
+        return nullptr;
+    });
+}
+
+// Whether `key` is set (no waiting): `*set` is 1 or 0.
+char *dflash_c10d_store_check(void *group, const char *key, int *set) {
+    return guarded([&]() -> char * {
+        auto *g = static_cast<Group *>(group);
+        *set = g->store->check({std::string(key)}) ? 1 : 0;
         return nullptr;
     });
 }

@@ -45,9 +45,11 @@ fn target_layer(config: &TargetConfig, layer: usize) -> (f64, f64) {
         config.num_attention_heads as f64 * d,
         config.kv_heads() as f64 * d,
     );
-    let mlp = 3.0 * h * config.intermediate_size as f64;
+    // a mixture of experts counts the experts a token is routed to (active parameters)
+    let width = config.active_mlp_width(layer as i64) as f64;
+    let mlp = 3.0 * h * width;
     let Some(hybrid) = &config.hybrid else {
-        return (layer_params(h, q, kv, config.intermediate_size as f64), 0.0);
+        return (layer_params(h, q, kv, width), 0.0);
     };
     match hybrid.layers.get(layer) {
         // q_proj emits the query and its gate: twice as wide as o_proj's input

@@ -14,6 +14,7 @@ use crate::data::arrow_io::resolve_split;
 use crate::data::check::scan_tokens;
 use crate::data::store::DataColumns;
 use crate::frontend::headless::{self, RunLoopOptions, ScreenLink};
+use crate::frontend::ranks::RankLink;
 use crate::frontend::signals::SignalFlags;
 use crate::frontend::socket;
 use crate::frontend::tui::state::Viewer;
@@ -461,6 +462,7 @@ pub(super) fn run(
             gpu_interval_s: config.telemetry.gpu_sample_interval_s,
             log_to_terminal: log_to_terminal.clone(),
             screen: link,
+            ranks: dist.clone().map(RankLink::for_rank),
         },
     )?;
     if let (Some(close), Some(thread)) = (close, screen_thread) {

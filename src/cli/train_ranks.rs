@@ -1,7 +1,8 @@
 //! `train` as one rank of a multi-process run (see docs/distributed.md): rank 0 runs the
 //! ordinary `train` (checks, run folder, control socket, screen) and tells the other ranks
 //! through the c10d store where the run folder is ([`RunFolderNotice`]); every other rank
-//! waits for that word and trains headless, its records in `RUN/ranks/rank-N/`.
+//! waits for that word and trains headless, its records in `RUN/ranks/rank-N/`, with no
+//! control socket of its own: it reports to rank 0 (see `frontend::ranks`).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -11,6 +12,7 @@ use anyhow::{bail, Context, Result};
 
 use super::train::{load_config, TrainArgs};
 use crate::frontend::headless::{self, RunLoopOptions};
+use crate::frontend::ranks::RankLink;
 use crate::frontend::signals::SignalFlags;
 use crate::pipeline::distributed::Distributed;
 use crate::pipeline::trainer;
@@ -117,6 +119,7 @@ pub(super) fn follow(
             gpu_interval_s: config.telemetry.gpu_sample_interval_s,
             log_to_terminal,
             screen: None,
+            ranks: Some(RankLink::for_rank(d.clone())),
         },
     )?;
     match (&outcome.phase, &outcome.error) {

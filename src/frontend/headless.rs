@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
+use super::ranks::RankLink;
 use super::signals::{SignalFlags, SignalRequest};
 use super::socket::Request;
 use super::stdin::{say, spawn_stdin_reader};
@@ -76,6 +77,8 @@ pub(crate) struct RunLoopOptions {
     pub log_to_terminal: Arc<AtomicBool>,
     /// The screen of this process, if any.
     pub screen: Option<ScreenLink>,
+    /// This process's part in the control room of a multi-process run (none alone).
+    pub ranks: Option<RankLink>,
 }
 
 /// The run loop's hold on this process's screen (a viewer thread).
@@ -104,6 +107,8 @@ struct Live {
     gpus: Option<Vec<GpuReading>>,
     host: HostMonitor,
     host_reading: Option<HostReading>,
+    /// Every rank of a multi-process run, as rank 0 last put them together.
+    rank_rows: Vec<crate::telemetry::ranks::RankReport>,
 }
 
 impl Live {
@@ -113,6 +118,7 @@ impl Live {
         snap.gpus = self.gpus.clone();
         snap.gpu_error = self.gpu_error.clone();
         snap.host = self.host_reading.clone();
+        snap.ranks = self.rank_rows.clone();
         snap
     }
 
@@ -179,11 +185,19 @@ fn apply_signals(
     handle: &TrainerHandle,
     signals: &mut SignalFlags,
     first_step: u64,
-    opts: &RunLoopOptions,
+    opts: &mut RunLoopOptions,
     end: &mut RunEnd,
 ) {
     for request in signals.take(handle.progress().0 > first_step) {
         match request {
+            // a rank other than 0 passes a stop on to rank 0, which stops every rank
+            SignalRequest::Command(Command::Stop { .. })
+                if matches!(opts.ranks, Some(RankLink::Follower(_))) =>
+            {
+                if let Some(RankLink::Follower(f)) = &mut opts.ranks {
+                    f.request_stop();
+                }
+            }
             SignalRequest::Command(command) => {
                 if let Err(e) = handle.command(&command) {
                     log::warn!("signal: {e}");
@@ -251,7 +265,10 @@ impl ProgressLines {
 /// Ends the process when the stages did not end within [`STOP_AT_ONCE_GRACE`] of a second
 /// stop signal: what they do cannot be waited for, and checkpoints are written beside and
 /// renamed into place, so none is left half-written (the next start removes the leftovers).
-fn exit_without_the_stages(handle: &TrainerHandle, socket: super::socket::ControlSocket) -> ! {
+fn exit_without_the_stages(
+    handle: &TrainerHandle,
+    socket: Option<super::socket::ControlSocket>,
+) -> ! {
     let snap = handle.snapshot();
     let run_dir = handle.shared.run_dir.display().to_string();
     let message = format!(
@@ -279,24 +296,31 @@ fn exit_without_the_stages(handle: &TrainerHandle, socket: super::socket::Contro
 /// as it starts (its path was checked before anything loaded, so this is a file in the way or
 /// a permission): `ctl`, `attach` and the screen reach a run only through it, and a run
 /// recorded as stopped with no error left the cause out of its records.
+/// In a multi-process run only rank 0 takes commands (its socket, its stdin); the other ranks
+/// report to it (see [`super::ranks`]).
 pub(crate) fn run(
     handle: TrainerHandle,
     mut signals: SignalFlags,
-    opts: RunLoopOptions,
+    mut opts: RunLoopOptions,
 ) -> Result<(RunOutcome, RunEnd)> {
     signals.running();
     let (req_tx, req_rx) = super::socket::channel();
-    let socket = match super::socket::serve(&handle.shared.run_dir, req_tx.clone()) {
-        Ok(socket) => socket,
-        Err(e) => {
-            handle.fail("the control socket", &e);
-            let _ = handle.join();
-            return Err(e.context(
-                "the run is stopped: without its control socket, ctl and attach could not reach it",
-            ));
+    let takes_commands = RankLink::takes_commands(opts.ranks.as_ref());
+    let socket = if takes_commands {
+        match super::socket::serve(&handle.shared.run_dir, req_tx.clone()) {
+            Ok(socket) => Some(socket),
+            Err(e) => {
+                handle.fail("the control socket", &e);
+                let _ = handle.join();
+                return Err(e.context(
+                    "the run is stopped: without its control socket, ctl and attach could not reach it",
+                ));
+            }
         }
+    } else {
+        None
     };
-    if opts.screen.is_none() {
+    if opts.screen.is_none() && takes_commands {
         spawn_stdin_reader(req_tx);
     }
     let gpu = GpuMonitor::open();
@@ -306,6 +330,7 @@ pub(crate) fn run(
         gpus: None,
         host: HostMonitor::for_this_process(),
         host_reading: None,
+        rank_rows: Vec::new(),
     };
     let mut end = RunEnd::default();
     let mut progress = ProgressLines {
@@ -320,7 +345,7 @@ pub(crate) fn run(
     let first_step = handle.progress().0;
     while !handle.is_finished() {
         let tick_end = Instant::now() + TICK;
-        apply_signals(&handle, &mut signals, first_step, &opts, &mut end);
+        apply_signals(&handle, &mut signals, first_step, &mut opts, &mut end);
         if end
             .stopped_at_once
             .is_some_and(|t| t.elapsed() >= STOP_AT_ONCE_GRACE)
@@ -340,7 +365,15 @@ pub(crate) fn run(
                 );
             }
         }
-        let snap = live.snapshot(&handle);
+        let mut snap = live.snapshot(&handle);
+        match &mut opts.ranks {
+            Some(RankLink::Leader(leader)) => {
+                leader.fill(&handle, &mut snap);
+                live.rank_rows = snap.ranks.clone();
+            }
+            Some(RankLink::Follower(follower)) => follower.report(&snap),
+            None => {}
+        }
         progress.log_due(&snap);
         let interval = handle.profile_interval_s();
         if interval > 0.0 && last_profile.elapsed().as_secs_f64() >= interval {

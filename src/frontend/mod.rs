@@ -16,6 +16,7 @@
 
 pub(crate) mod ctl;
 pub(crate) mod headless;
+pub(crate) mod ranks;
 pub(crate) mod signals;
 pub mod socket;
 pub(crate) mod stdin;

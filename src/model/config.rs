@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use super::config_checks::{check_computation_fields, text_settings};
 use super::hybrid_config::{HybridSettings, HYBRID_TYPES};
+use super::moe::{MoeFamily, MoeSettings};
 use super::rope_scaling::{RopeScaling, RopeSettings, DEFAULT_THETA};
 
 /// The architecture families the target implementation covers.
@@ -17,10 +18,10 @@ pub enum Family {
     Llama,
     /// Qwen2 / Qwen2.5: biases on the q, k and v projections.
     Qwen2,
-    /// Qwen3: per-head RMSNorm on queries and keys ("QK-norm") before RoPE.
+    /// Qwen3 and Qwen3-MoE: per-head RMSNorm on queries and keys ("QK-norm") before RoPE.
     Qwen3,
-    /// Qwen3.5 / Qwen3.6 and dense Qwen3-Next: Gated DeltaNet layers between gated attention
-    /// layers, zero-centred norms, partial rotary ([`HybridSettings`]).
+    /// Qwen3.5 / Qwen3.6, Qwen3.5-MoE and Qwen3-Next: Gated DeltaNet layers between gated
+    /// attention layers, zero-centred norms, partial rotary ([`HybridSettings`]).
     Qwen35,
 }
 
@@ -68,8 +69,7 @@ fn default_max_positions() -> i64 {
 }
 
 /// The `model_type`s of the supported families, as messages name them.
-pub(crate) const SUPPORTED: &str =
-    "llama, mistral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_next";
+pub(crate) const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next";
 
 /// The fields of `config.json` the target needs. Fields that would change the computation and
 /// are not implemented are refused by name ([`super::config_checks`]); the others are ignored.
@@ -77,7 +77,10 @@ pub(crate) const SUPPORTED: &str =
 pub struct TargetConfig {
     pub model_type: String,
     pub hidden_size: i64,
-    pub intermediate_size: i64,
+    /// The dense MLPs' width; a mixture of experts whose every layer is sparse has none
+    /// (Qwen3.5-MoE's text config).
+    #[serde(default)]
+    pub intermediate_size: Option<i64>,
     pub num_hidden_layers: i64,
     pub num_attention_heads: i64,
     #[serde(default)]
@@ -108,6 +111,9 @@ pub struct TargetConfig {
     /// The hybrid family's layer mix and Gated DeltaNet shape (None for the other families).
     #[serde(skip)]
     pub hybrid: Option<HybridSettings>,
+    /// The routed experts of a mixture of experts (None: every MLP dense).
+    #[serde(skip)]
+    pub(crate) moe: Option<MoeSettings>,
 }
 
 impl TargetConfig {
@@ -146,6 +152,7 @@ impl TargetConfig {
         } else {
             RopeSettings::from_config(&text).map_err(|e| anyhow!(e))?
         };
+        config.moe = moe_settings(&text, config.num_hidden_layers)?;
         config.rope_theta = rope.theta;
         config.rope_scaling = rope.scaling;
         if config.model_type == "mistral" {
@@ -160,12 +167,41 @@ impl TargetConfig {
         match self.model_type.as_str() {
             "llama" | "mistral" => Ok(Family::Llama),
             "qwen2" => Ok(Family::Qwen2),
-            "qwen3" => Ok(Family::Qwen3),
-            "qwen3_5" | "qwen3_5_text" | "qwen3_next" => Ok(Family::Qwen35),
+            "qwen3" | "qwen3_moe" => Ok(Family::Qwen3),
+            "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen3_next" => {
+                Ok(Family::Qwen35)
+            }
             other => bail!(
                 "field model_type = {other:?} is not a supported architecture (supported: {SUPPORTED})"
             ),
         }
+    }
+
+    /// Whether layer `l`'s MLP is a sparse block of experts.
+    pub fn is_sparse(&self, l: i64) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(l))
+    }
+
+    /// The width of layer `l`'s dense MLP (an error naming the field where the config has none).
+    pub(crate) fn dense_intermediate_size(&self, l: i64) -> Result<i64> {
+        self.intermediate_size.with_context(|| {
+            format!("field intermediate_size is missing: layer {l} has a dense MLP")
+        })
+    }
+
+    /// The SwiGLU width one token runs through in layer `l`: the dense MLP's, or its chosen
+    /// experts' and the shared expert's (for counts of active parameters).
+    pub fn active_mlp_width(&self, l: i64) -> i64 {
+        match &self.moe {
+            Some(m) if m.is_sparse(l) => m.active_width(),
+            _ => self.intermediate_size.unwrap_or(0),
+        }
+    }
+
+    /// The MLP width of a drafter for this target: the dense MLPs', or, for a mixture of experts
+    /// without one, three times the hidden size (Qwen3-30B-A3B's ratio: 6144 for 2048).
+    pub fn drafter_intermediate_size(&self) -> i64 {
+        self.intermediate_size.unwrap_or(3 * self.hidden_size)
     }
 
     pub fn kv_heads(&self) -> i64 {
@@ -195,9 +231,12 @@ impl TargetConfig {
 
     fn validate(&self) -> Result<()> {
         self.family()?;
+        if let Some(dense) = (0..self.num_hidden_layers).find(|&l| !self.is_sparse(l)) {
+            self.dense_intermediate_size(dense)?;
+        }
         for (name, value) in [
             ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
+            ("intermediate_size", self.intermediate_size.unwrap_or(1)),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
             ("vocab_size", self.vocab_size),
@@ -242,6 +281,19 @@ impl TargetConfig {
         }
         Ok(())
     }
+}
+
+/// The MoE settings of a config's text settings: for the families of [`MoeFamily`] with
+/// experts (`num_experts` > 0, transformers' default where absent); None otherwise.
+fn moe_settings(text: &serde_json::Map<String, Value>, layers: i64) -> Result<Option<MoeSettings>> {
+    let model_type = text.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let Some(family) = MoeFamily::of_model_type(model_type) else {
+        return Ok(None);
+    };
+    if family.num_experts(text)? == 0 {
+        return Ok(None);
+    }
+    MoeSettings::from_text_config(family, text, layers).map(Some)
 }
 
 #[cfg(test)]
@@ -300,5 +352,51 @@ mod tests {
             TargetConfig::from_json(&json!({"model_type": "llama"})).unwrap_err()
         );
         assert!(e.contains("missing field"), "{e}");
+    }
+
+    #[test]
+    fn mixtures_of_experts_are_read_and_dense_layers_need_a_width() {
+        let mut v = llama();
+        v["model_type"] = json!("qwen3_moe");
+        v["num_local_experts"] = json!(8);
+        v["num_experts_per_tok"] = json!(2);
+        v["moe_intermediate_size"] = json!(16);
+        v["mlp_only_layers"] = json!([1]);
+        v["output_router_logits"] = json!(false);
+        v["router_aux_loss_coef"] = json!(0.001);
+        let c = TargetConfig::from_json(&v).unwrap();
+        assert_eq!(c.family().unwrap(), Family::Qwen3);
+        assert_eq!((c.is_sparse(0), c.is_sparse(1)), (true, false));
+        assert_eq!((c.active_mlp_width(0), c.active_mlp_width(1)), (32, 64));
+        v.as_object_mut().unwrap().remove("intermediate_size");
+        let e = format!("{:#}", TargetConfig::from_json(&v).unwrap_err());
+        assert!(
+            e.contains("field intermediate_size is missing: layer 1 has a dense MLP"),
+            "{e}"
+        );
+        // every layer sparse: no dense width needed; the drafter takes 3 x hidden
+        v["mlp_only_layers"] = json!([]);
+        let c = TargetConfig::from_json(&v).unwrap();
+        assert_eq!(
+            (c.intermediate_size, c.drafter_intermediate_size()),
+            (None, 96)
+        );
+        // Qwen3-Next with experts: the shared expert, transformers' defaults where absent
+        let next = json!({"model_type": "qwen3_next", "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 64, "head_dim": 8});
+        let c = TargetConfig::from_json(&next).unwrap();
+        let moe = c.moe.as_ref().expect("512 experts by default");
+        assert_eq!(
+            (
+                moe.num_experts,
+                moe.num_experts_per_tok,
+                moe.shared_expert_intermediate_size
+            ),
+            (512, 10, Some(512))
+        );
+        assert!(moe.norm_topk_prob);
+        let mut dense = next.clone();
+        dense["num_experts"] = json!(0);
+        assert!(TargetConfig::from_json(&dense).unwrap().moe.is_none());
     }
 }

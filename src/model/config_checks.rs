@@ -27,9 +27,10 @@ use super::hybrid_config::HYBRID_TYPES;
 /// naming the architecture.
 pub(crate) fn text_settings(top: &Map<String, Value>) -> Result<Map<String, Value>> {
     let Some(text) = top.get("text_config").filter(|v| !v.is_null()) else {
-        if top.get("model_type").and_then(Value::as_str) == Some("qwen3_5") {
-            // a multimodal Qwen3.5 (transformers would fill in a default 9B-shaped text model)
-            bail!("field text_config is missing: model_type \"qwen3_5\" keeps its text model's settings there (a text-only checkpoint is model_type \"qwen3_5_text\")");
+        let model_type = top.get("model_type").and_then(Value::as_str);
+        if let Some(t @ ("qwen3_5" | "qwen3_5_moe")) = model_type {
+            // a multimodal Qwen3.5 (transformers would fill in a default text model)
+            bail!("field text_config is missing: model_type {t:?} keeps its text model's settings there (a text-only checkpoint is model_type \"{t}_text\")");
         }
         return Ok(top.clone());
     };
@@ -94,7 +95,9 @@ pub(crate) fn check_computation_fields(c: &Map<String, Value>) -> Result<()> {
     if get("mlp_bias") == Some(&Value::Bool(true)) {
         bail!("field mlp_bias = true is not supported (MLPs without biases)");
     }
-    let mut biasless = ["llama", "qwen3"].iter().chain(HYBRID_TYPES.iter());
+    let mut biasless = ["llama", "qwen3", "qwen3_moe"]
+        .iter()
+        .chain(HYBRID_TYPES.iter());
     if get("attention_bias") == Some(&Value::Bool(true)) && biasless.any(|t| *t == model_type) {
         bail!(
             "field attention_bias = true (biases on q, k, v and o_proj) is not supported for model_type {model_type:?} (attention without biases; qwen2's q/k/v biases are)"
@@ -158,6 +161,8 @@ fn check_sliding_window(c: &Map<String, Value>, model_type: &str) -> Result<()> 
             };
             on && sliding_layers
         }
+        // transformers' Qwen3-MoE slides every layer when use_sliding_window is on
+        "qwen3_moe" => c.get("use_sliding_window") == Some(&Value::Bool(true)),
         _ => false,
     };
     if slides {
@@ -265,7 +270,7 @@ mod tests {
         let e = format!("{:#}", text_settings(&map(gemma)).unwrap_err());
         assert_eq!(
             e,
-            "architectures[0] = \"Gemma3ForConditionalGeneration\" (model_type \"gemma3\", text_config.model_type \"gemma3_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3, qwen3_5, qwen3_5_text, qwen3_next"
+            "architectures[0] = \"Gemma3ForConditionalGeneration\" (model_type \"gemma3\", text_config.model_type \"gemma3_text\") is not supported: the text model must be one of llama, mistral, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next"
         );
         let qwen35 = json!({"architectures": ["Qwen3_5ForConditionalGeneration"],
             "model_type": "qwen3_5", "vision_config": {"depth": 27},

@@ -204,7 +204,7 @@ impl DrafterConfig {
             num_target_layers: target.num_hidden_layers,
             num_hidden_layers: shape.layers,
             hidden_size: target.hidden_size,
-            intermediate_size: target.intermediate_size,
+            intermediate_size: target.drafter_intermediate_size(),
             num_attention_heads: target.num_attention_heads,
             num_key_value_heads: target.kv_heads(),
             head_dim: target.head_dim(),
@@ -294,7 +294,7 @@ impl DrafterConfig {
         TargetConfig {
             model_type: "qwen3".into(),
             hidden_size: self.hidden_size,
-            intermediate_size: self.intermediate_size,
+            intermediate_size: Some(self.intermediate_size),
             num_hidden_layers: self.num_hidden_layers,
             num_attention_heads: self.num_attention_heads,
             num_key_value_heads: Some(self.num_key_value_heads),
@@ -310,6 +310,7 @@ impl DrafterConfig {
             bos_token_id: None,
             eos_token_id: None,
             hybrid: None,
+            moe: None,
         }
     }
 

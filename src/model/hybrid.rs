@@ -8,9 +8,10 @@ use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
+use super::feed_forward::FeedForward;
 use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 use super::hybrid_config::{GdnLayout, GdnShape};
-use super::layers::{add_product, Mlp, Rope};
+use super::layers::{add_product, Rope};
 use super::weights::WeightSource;
 use crate::aten_ext::gdn::GdnKernels;
 
@@ -320,13 +321,14 @@ pub(crate) enum Mixer {
     DeltaNet(GatedDeltaNet),
 }
 
-/// One hybrid decoder layer: zero-centred pre-norms, the mixer, the SwiGLU MLP.
+/// One hybrid decoder layer: zero-centred pre-norms, the mixer, the MLP (a SwiGLU, or
+/// Qwen3.5-MoE's / Qwen3-Next's experts).
 #[derive(Debug)]
 pub(crate) struct HybridLayer {
     pub input_norm: ZeroCentredNorm,
     pub mixer: Mixer,
     pub post_norm: ZeroCentredNorm,
-    pub mlp: Mlp,
+    pub mlp: FeedForward,
 }
 
 impl HybridLayer {
@@ -358,11 +360,7 @@ impl HybridLayer {
             .hybrid
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("not a hybrid config"))?;
-        let (h, i, eps) = (
-            config.hidden_size,
-            config.intermediate_size,
-            config.rms_norm_eps,
-        );
+        let (h, eps) = (config.hidden_size, config.rms_norm_eps);
         let p = format!("model.layers.{l}");
         let load =
             |name: &str, shape: &[i64]| weights.load(&format!("{p}.{name}"), shape, kind, device);
@@ -394,13 +392,7 @@ impl HybridLayer {
                 })
             }
         };
-        let mut mlp = Mlp {
-            gate_proj: load("mlp.gate_proj.weight", &[i, h])?,
-            up_proj: load("mlp.up_proj.weight", &[i, h])?,
-            down_proj: load("mlp.down_proj.weight", &[h, i])?,
-            fused: None,
-        };
-        mlp.fuse();
+        let mlp = FeedForward::load(config, l, &p, weights, device, kind)?;
         Ok(HybridLayer {
             input_norm: norm("input_layernorm.weight", h)?,
             mixer,

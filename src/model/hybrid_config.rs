@@ -53,12 +53,19 @@ pub struct HybridSettings {
 }
 
 /// The `model_type`s of the hybrid family.
-pub(crate) const HYBRID_TYPES: [&str; 3] = ["qwen3_5", "qwen3_5_text", "qwen3_next"];
+pub(crate) const HYBRID_TYPES: [&str; 5] = [
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+];
 
 impl HybridSettings {
     /// From the text settings of a hybrid config (`partial_rotary_factor` as the rotary
     /// settings read it). Refuses, in one line naming the field, what is not implemented:
-    /// mixture-of-experts MLPs, biases, unknown layer types.
+    /// unknown layer types, key heads that do not divide the value heads. (The MLPs, dense or
+    /// experts, are read by [`super::moe::MoeSettings`].)
     pub(crate) fn from_config(c: &Map<String, Value>, partial_rotary_factor: f64) -> Result<Self> {
         let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
         let int = |key: &str, default: i64| -> Result<i64> {
@@ -70,7 +77,6 @@ impl HybridSettings {
                 },
             }
         };
-        refuse_experts(c, model_type)?;
         let layers = int("num_hidden_layers", 0)?;
         let gdn = GdnShape {
             key_heads: int("linear_num_key_heads", 16)?,
@@ -151,36 +157,6 @@ fn layer_kinds(c: &Map<String, Value>, layers: i64, interval: i64) -> Result<Vec
         .collect()
 }
 
-/// Qwen3-Next's published models route their MLPs through experts; a dense config
-/// (`num_experts` 0, or every layer in `mlp_only_layers`) computes what Qwen3.5 does.
-fn refuse_experts(c: &Map<String, Value>, model_type: &str) -> Result<()> {
-    let experts = c.get("num_experts").and_then(Value::as_i64).unwrap_or(0);
-    if experts <= 0 {
-        return Ok(());
-    }
-    let layers = c
-        .get("num_hidden_layers")
-        .and_then(Value::as_i64)
-        .unwrap_or(0);
-    let step = c
-        .get("decoder_sparse_step")
-        .and_then(Value::as_i64)
-        .unwrap_or(1)
-        .max(1);
-    let dense: Vec<i64> = c
-        .get("mlp_only_layers")
-        .and_then(Value::as_array)
-        .map(|l| l.iter().filter_map(Value::as_i64).collect())
-        .unwrap_or_default();
-    let sparse = (0..layers).find(|l| !dense.contains(l) && (l + 1) % step == 0);
-    if let Some(layer) = sparse {
-        bail!(
-            "field num_experts = {experts}: {model_type} mixture-of-experts MLPs (layer {layer} and others) are not supported yet (dense MLPs only: num_experts 0)"
-        );
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,10 +202,6 @@ mod tests {
     fn what_is_not_implemented_is_refused_in_one_line() {
         for (config, says) in [
             (
-                json!({"model_type": "qwen3_next", "num_hidden_layers": 4, "num_experts": 512}),
-                "field num_experts = 512: qwen3_next mixture-of-experts MLPs (layer 0 and others) are not supported yet",
-            ),
-            (
                 json!({"model_type": "qwen3_5_text", "num_hidden_layers": 2,
                     "layer_types": ["full_attention", "sliding_attention"]}),
                 "field layer_types[1] = \"sliding_attention\" is not supported",
@@ -248,9 +220,5 @@ mod tests {
             let e = format!("{:#}", settings(config.clone()).unwrap_err());
             assert!(e.contains(says) && !e.contains('\n'), "{config}: {e}");
         }
-        // experts confined to no layer: dense
-        let dense = json!({"model_type": "qwen3_next", "num_hidden_layers": 2, "num_experts": 8,
-            "mlp_only_layers": [0, 1]});
-        assert!(settings(dense).is_ok());
     }
 }

@@ -303,13 +303,42 @@ pub(crate) fn add_product(residual: &mut Tensor, x: &Tensor, weight: &Tensor) {
     }
 }
 
-/// One decoder layer (Llama, Qwen and the DFlash drafter alike): pre-norm attention and a
-/// SwiGLU MLP, each added to the residual stream.
-pub(crate) struct DecoderLayer {
+/// One decoder layer (Llama, Qwen and the DFlash drafter alike): pre-norm attention and an MLP
+/// (the drafter's and a dense target's a SwiGLU [`Mlp`]; a target's may be a mixture of
+/// experts, [`super::feed_forward::FeedForward`]), each added to the residual stream.
+pub(crate) struct DecoderLayer<F = Mlp> {
     pub input_norm: Tensor,
     pub attn: AttentionWeights,
     pub post_norm: Tensor,
-    pub mlp: Mlp,
+    pub mlp: F,
+}
+
+/// What a decoder layer's MLP does at inference: add its output to the residual stream.
+pub(crate) trait AddFeedForward {
+    /// `residual += mlp(x)` in place.
+    fn add_feed_forward(&self, residual: &mut Tensor, x: &Tensor);
+    /// The same with the cache's fused kernels where the MLP can use them.
+    fn add_feed_forward_fused(
+        &self,
+        residual: &mut Tensor,
+        x: &Tensor,
+        kernels: &FusedKernels,
+    ) -> Result<()>;
+}
+
+impl AddFeedForward for Mlp {
+    fn add_feed_forward(&self, residual: &mut Tensor, x: &Tensor) {
+        self.add_forward(residual, x)
+    }
+
+    fn add_feed_forward_fused(
+        &self,
+        residual: &mut Tensor,
+        x: &Tensor,
+        kernels: &FusedKernels,
+    ) -> Result<()> {
+        self.add_forward_fused(residual, x, kernels)
+    }
 }
 
 /// What a decoder layer's attention needs to know of its model: head counts, head size, the
@@ -322,7 +351,7 @@ pub(crate) struct AttentionShape {
     pub eps: f64,
 }
 
-impl DecoderLayer {
+impl<F: AddFeedForward> DecoderLayer<F> {
     /// The layer `idx` over a [`SlotCache`] (inference): the residual stream `h` [1, n, H] of
     /// the batch's n new tokens, rotated by `rope` (cos, signed sin, [n, d]), is updated in
     /// place; their keys and values are written to the cache, and they attend to their
@@ -369,9 +398,9 @@ impl DecoderLayer {
         attn.add_output(h, &a);
         let normed = rms_norm(h, &self.post_norm, eps);
         match &kernels {
-            Some(k) => self.mlp.add_forward_fused(h, &normed, k),
+            Some(k) => self.mlp.add_feed_forward_fused(h, &normed, k),
             None => {
-                self.mlp.add_forward(h, &normed);
+                self.mlp.add_feed_forward(h, &normed);
                 Ok(())
             }
         }

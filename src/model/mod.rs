@@ -1,4 +1,5 @@
-//! Models: the frozen target (Llama, Qwen2, Qwen3, Qwen3.5 hybrid families) and what it needs (config,
+//! Models: the frozen target (Llama, Qwen2, Qwen3, Qwen3.5 hybrid families, their
+//! mixtures of experts) and what it needs (config,
 //! weights, decoding), and the DFlash drafter.
 
 pub(crate) mod config;
@@ -8,6 +9,7 @@ pub(crate) mod describe;
 pub mod drafter;
 pub(crate) mod drafter_config;
 pub(crate) mod drafter_layout;
+pub(crate) mod feed_forward;
 pub(crate) mod gated_delta;
 pub mod generate;
 pub(crate) mod hybrid;
@@ -16,6 +18,7 @@ mod hybrid_slots;
 pub(crate) mod kv_cache;
 pub mod layers;
 pub(crate) mod mask_token;
+pub mod memory;
 pub(crate) mod moe;
 pub(crate) mod rope_scaling;
 pub(crate) mod slot_states;

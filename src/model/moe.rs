@@ -24,8 +24,6 @@
 //! equal inputs, equal choices (checked on the CPU against transformers' recorded indices,
 //! with four tied experts).
 
-#![allow(dead_code)] // wired into the target in the second step of issue 41
-
 use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
 use tch::{Device, Kind, Tensor};
@@ -58,14 +56,39 @@ pub(crate) enum MoeFamily {
     /// `qwen3_5_moe` (text config `qwen3_5_moe_text`): every layer sparse, routing weights
     /// normalised, plus the gated shared expert.
     Qwen3_5Moe,
+    /// `qwen3_next`: Qwen3.5-MoE's block (`Qwen3NextSparseMoeBlock` computes the same), with
+    /// Qwen3-MoE's switches (`norm_topk_prob`, default true; `mlp_only_layers`,
+    /// `decoder_sparse_step`) and transformers' defaults for absent fields (512 experts, 10
+    /// chosen, widths 512).
+    Qwen3Next,
 }
 
 impl MoeFamily {
+    /// transformers' value of an absent integer field, where it has one.
+    fn default_of(self, field: &str) -> Option<i64> {
+        match (self, field) {
+            (MoeFamily::Qwen3Next, "num_experts") => Some(512),
+            (MoeFamily::Qwen3Next, "num_experts_per_tok") => Some(10),
+            (MoeFamily::Qwen3Next, "moe_intermediate_size" | "shared_expert_intermediate_size") => {
+                Some(512)
+            }
+            _ => None,
+        }
+    }
+
+    /// The number of routed experts a config asks for (0: a dense model).
+    pub(crate) fn num_experts(self, c: &Map<String, Value>) -> Result<i64> {
+        Ok(int_field(c, &["num_experts", "num_local_experts"])?
+            .or(self.default_of("num_experts"))
+            .unwrap_or(0))
+    }
+
     /// The family of a `model_type`, if it is a mixture of experts this module serves.
     pub(crate) fn of_model_type(model_type: &str) -> Option<Self> {
         match model_type {
             "qwen3_moe" => Some(MoeFamily::Qwen3Moe),
             "qwen3_5_moe" | "qwen3_5_moe_text" => Some(MoeFamily::Qwen3_5Moe),
+            "qwen3_next" => Some(MoeFamily::Qwen3Next),
             _ => None,
         }
     }
@@ -86,8 +109,9 @@ fn int_field(c: &Map<String, Value>, names: &[&str]) -> Result<Option<i64>> {
     Ok(None)
 }
 
-fn required(c: &Map<String, Value>, names: &[&str]) -> Result<i64> {
-    int_field(c, names)?.with_context(|| {
+fn required(family: MoeFamily, c: &Map<String, Value>, names: &[&str]) -> Result<i64> {
+    let value = int_field(c, names)?.or(family.default_of(names[0]));
+    value.with_context(|| {
         format!(
             "field {} is missing (a mixture of experts needs it)",
             names[0]
@@ -104,15 +128,16 @@ impl MoeSettings {
         c: &Map<String, Value>,
         num_layers: i64,
     ) -> Result<Self> {
-        let qwen3 = family == MoeFamily::Qwen3Moe;
+        // Qwen3-MoE's and Qwen3-Next's routing switches; Qwen3.5-MoE has none
+        let switches = family != MoeFamily::Qwen3_5Moe;
         let norm_topk_prob = match c.get("norm_topk_prob") {
-            _ if !qwen3 => true,
-            None | Some(Value::Null) => false,
+            _ if !switches => true,
+            None | Some(Value::Null) => family == MoeFamily::Qwen3Next,
             Some(Value::Bool(b)) => *b,
             Some(v) => bail!("field norm_topk_prob = {v} is not true or false"),
         };
         let mlp_only_layers = match c.get("mlp_only_layers") {
-            _ if !qwen3 => Vec::new(),
+            _ if !switches => Vec::new(),
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(a)) => a
                 .iter()
@@ -124,20 +149,20 @@ impl MoeSettings {
             Some(v) => bail!("field mlp_only_layers = {v} is not a list of layer indices"),
         };
         let settings = MoeSettings {
-            num_experts: required(c, &["num_experts", "num_local_experts"])?,
-            num_experts_per_tok: required(c, &["num_experts_per_tok"])?,
-            moe_intermediate_size: required(c, &["moe_intermediate_size"])?,
+            num_experts: required(family, c, &["num_experts", "num_local_experts"])?,
+            num_experts_per_tok: required(family, c, &["num_experts_per_tok"])?,
+            moe_intermediate_size: required(family, c, &["moe_intermediate_size"])?,
             norm_topk_prob,
             mlp_only_layers,
-            decoder_sparse_step: if qwen3 {
+            decoder_sparse_step: if switches {
                 int_field(c, &["decoder_sparse_step"])?.unwrap_or(1)
             } else {
                 1
             },
-            shared_expert_intermediate_size: if qwen3 {
+            shared_expert_intermediate_size: if family == MoeFamily::Qwen3Moe {
                 None
             } else {
-                Some(required(c, &["shared_expert_intermediate_size"])?)
+                Some(required(family, c, &["shared_expert_intermediate_size"])?)
             },
         };
         settings.check(num_layers, c.get("hidden_act").and_then(Value::as_str))?;
@@ -191,6 +216,13 @@ impl MoeSettings {
         !self.mlp_only_layers.contains(&idx)
             && self.num_experts > 0
             && (idx + 1) % self.decoder_sparse_step.max(1) == 0
+    }
+
+    /// The width of the SwiGLU products one token runs through in a sparse block: its chosen
+    /// experts and the shared expert (for counts of active parameters).
+    pub(crate) fn active_width(&self) -> i64 {
+        self.num_experts_per_tok * self.moe_intermediate_size
+            + self.shared_expert_intermediate_size.unwrap_or(0)
     }
 
     /// The shape of a sparse block of a model with hidden size `hidden`.
@@ -284,7 +316,8 @@ impl ExpertGemm {
 /// The router's decision for `T` tokens.
 #[derive(Debug)]
 pub(crate) struct Routing {
-    /// [T, E], the hidden dtype.
+    /// [T, E], the hidden dtype (compared with transformers' router logits in the tests).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub logits: Tensor,
     /// [T, k], the hidden dtype, in topk's order.
     pub weights: Tensor,
@@ -355,6 +388,15 @@ impl SparseMoe {
 
     pub(crate) fn num_experts(&self) -> i64 {
         self.router.size()[0]
+    }
+
+    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
+        let mut out = vec![&self.router, &self.gate_up, &self.down];
+        if let Some(shared) = &self.shared {
+            out.extend(shared.mlp.tensors());
+            out.push(&shared.gate);
+        }
+        out
     }
 
     fn intermediate(&self) -> i64 {

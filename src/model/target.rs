@@ -10,12 +10,13 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::config::{Family, TargetConfig};
+use super::feed_forward::FeedForward;
 use super::gated_delta::GdnState;
 use super::hybrid::{GatedDeltaNet, HybridLayer, Mixer, ZeroCentredNorm};
 use super::hybrid_slots::MixerOrdinals;
 pub use super::kv_cache::KvCache;
 use super::layers::{
-    attention, rms_norm, rows, AttentionShape, AttentionWeights, DecoderLayer, Mlp, Rope,
+    attention, rms_norm, rows, AttentionShape, AttentionWeights, DecoderLayer, Rope,
 };
 use super::slots::{SlotBatch, SlotCache};
 use super::weights::{RandomWeights, WeightFiles, WeightSource};
@@ -23,7 +24,7 @@ use super::weights::{RandomWeights, WeightFiles, WeightSource};
 /// One layer of a target: a Llama / Qwen decoder layer, or a hybrid's (gated attention or Gated
 /// DeltaNet).
 enum TargetLayer {
-    Decoder(DecoderLayer),
+    Decoder(DecoderLayer<FeedForward>),
     Hybrid(HybridLayer),
 }
 
@@ -119,7 +120,10 @@ impl TargetModel {
         let weights = RandomWeights {
             seed,
             std: 0.02,
-            present: Box::new(move |name| untied && name == "lm_head.weight"),
+            // experts in the fused layout: one tensor per layer and projection, not 3 E
+            present: Box::new(move |name| {
+                (untied && name == "lm_head.weight") || name.ends_with(".experts.gate_up_proj")
+            }),
             zero_centred_norms: config.hybrid.is_some(),
         };
         Self::from_weights(config, &weights, device, kind)
@@ -134,7 +138,6 @@ impl TargetModel {
     ) -> Result<Self> {
         let family = config.family()?;
         let h = config.hidden_size;
-        let i = config.intermediate_size;
         let d = config.head_dim();
         let q_dim = config.num_attention_heads * d;
         let kv_dim = config.kv_heads() * d;
@@ -194,16 +197,10 @@ impl TargetModel {
                     fused_qk_norm: None,
                 },
                 post_norm: load(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                mlp: Mlp {
-                    gate_proj: load(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
-                    up_proj: load(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
-                    down_proj: load(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
-                    fused: None,
-                },
+                mlp: FeedForward::load(&config, l as usize, &p, weights, device, kind)?,
             };
-            // frozen weights: one matrix product for q, k, v and one for gate, up
+            // frozen weights: one matrix product for q, k, v (and for gate, up: at load)
             layer.attn.fuse();
-            layer.mlp.fuse();
             layers.push(TargetLayer::Decoder(layer));
         }
         let norm = match config.hybrid {
@@ -253,6 +250,16 @@ impl TargetModel {
             n += tensors.iter().map(|t| t.numel()).sum::<usize>();
         }
         n as i64
+    }
+
+    /// The parameters one token runs through: [`TargetModel::parameter_count`] less the
+    /// experts it is not routed to (for model FLOPs of a mixture of experts).
+    pub fn active_parameter_count(&self) -> i64 {
+        let mlp = |layer: &TargetLayer| match layer {
+            TargetLayer::Decoder(l) => l.mlp.inactive_numel(),
+            TargetLayer::Hybrid(l) => l.mlp.inactive_numel(),
+        };
+        self.parameter_count() - self.layers.iter().map(mlp).sum::<usize>() as i64
     }
 
     /// The frozen input embedding [vocab, hidden] (shared storage).

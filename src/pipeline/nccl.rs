@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use anyhow::{anyhow, bail, Result};
-use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t};
+use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 
 use crate::runtime::library_symbol;
 use tch::{Device, Kind, Tensor};
@@ -44,6 +44,24 @@ type ReduceFn = unsafe extern "C" fn(
     ncclDataType_t,
     ncclRedOp_t,
     c_int,
+    ncclComm_t,
+    cudaStream_t,
+) -> c_int;
+type GetUniqueIdFn = unsafe extern "C" fn(*mut ncclUniqueId) -> c_int;
+type CommInitRankFn = unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> c_int;
+type SendRecvFn = unsafe extern "C" fn(
+    *mut c_void,
+    usize,
+    ncclDataType_t,
+    c_int,
+    ncclComm_t,
+    cudaStream_t,
+) -> c_int;
+type AllGatherFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    ncclDataType_t,
     ncclComm_t,
     cudaStream_t,
 ) -> c_int;
@@ -70,6 +88,12 @@ pub(crate) struct NcclLibrary {
     group_end: GroupFn,
     reduce: ReduceFn,
     broadcast: BroadcastFn,
+    // across processes (see `distributed::nccl_peer`)
+    get_unique_id: GetUniqueIdFn,
+    comm_init_rank: CommInitRankFn,
+    send: SendRecvFn,
+    recv: SendRecvFn,
+    all_gather: AllGatherFn,
     /// Kept loaded for the life of the process (the entry points above point into it).
     _library: libloading::Library,
 }
@@ -199,6 +223,11 @@ fn load_from(path: &Path) -> std::result::Result<NcclLibrary, String> {
             group_end: library_symbol::<GroupFn>(&library, "ncclGroupEnd")?,
             reduce: library_symbol::<ReduceFn>(&library, "ncclReduce")?,
             broadcast: library_symbol::<BroadcastFn>(&library, "ncclBroadcast")?,
+            get_unique_id: library_symbol::<GetUniqueIdFn>(&library, "ncclGetUniqueId")?,
+            comm_init_rank: library_symbol::<CommInitRankFn>(&library, "ncclCommInitRank")?,
+            send: library_symbol::<SendRecvFn>(&library, "ncclSend")?,
+            recv: library_symbol::<SendRecvFn>(&library, "ncclRecv")?,
+            all_gather: library_symbol::<AllGatherFn>(&library, "ncclAllGather")?,
             _library: library,
         };
         let mut version: c_int = 0;
@@ -403,6 +432,154 @@ impl NcclRank {
             )
         };
         self.clique.library.check("ncclBroadcast", code)
+    }
+}
+
+/// The size of NCCL's unique id (`NCCL_UNIQUE_ID_BYTES`).
+pub(crate) const UNIQUE_ID_BYTES: usize = 128;
+
+impl NcclLibrary {
+    /// A new unique id for a communicator across processes (made by one rank, shared with the
+    /// others, e.g. through the c10d store).
+    pub(crate) fn unique_id(&self) -> Result<Vec<u8>> {
+        let mut id = ncclUniqueId {
+            internal: [0; UNIQUE_ID_BYTES],
+        };
+        // SAFETY: `id` is an ncclUniqueId NCCL fills.
+        self.check("ncclGetUniqueId", unsafe { (self.get_unique_id)(&mut id) })?;
+        Ok(id.internal.iter().map(|&b| b as u8).collect())
+    }
+}
+
+/// This process's communicator among the processes of a multi-process run (one rank per
+/// process, on its drafter device 0), used by one thread (the coordinator's).
+pub(crate) struct ProcessComm {
+    library: &'static NcclLibrary,
+    comm: RawComm,
+    device: i32,
+    pub world: usize,
+}
+
+impl ProcessComm {
+    /// Joins the communicator of `id` as `rank` of `world` on CUDA device `device` (every rank
+    /// calls this at the same time; it returns once all have). `set_device` makes `device` the
+    /// thread's current CUDA device, which ncclCommInitRank binds the communicator to.
+    pub(crate) fn join(
+        library: &'static NcclLibrary,
+        id: &[u8],
+        rank: usize,
+        world: usize,
+        device: i32,
+        set_device: impl FnOnce(i32) -> Result<()>,
+    ) -> Result<ProcessComm> {
+        if id.len() != UNIQUE_ID_BYTES {
+            bail!(
+                "NCCL unique id of {} bytes, not {UNIQUE_ID_BYTES}",
+                id.len()
+            );
+        }
+        let mut unique = ncclUniqueId {
+            internal: [0; UNIQUE_ID_BYTES],
+        };
+        for (d, s) in unique.internal.iter_mut().zip(id) {
+            *d = *s as c_char;
+        }
+        set_device(device)?;
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: an out pointer for the handle, the id by value, rank < world.
+        let code =
+            unsafe { (library.comm_init_rank)(&mut comm, world as c_int, unique, rank as c_int) };
+        library.check("ncclCommInitRank", code)?;
+        Ok(ProcessComm {
+            library,
+            comm: RawComm(comm),
+            device,
+            world,
+        })
+    }
+
+    fn buffer(&self, t: &Tensor) -> Result<(*mut c_void, usize, ncclDataType_t)> {
+        if t.device() != Device::Cuda(self.device as usize) || !t.is_contiguous() {
+            bail!(
+                "NCCL across processes: a contiguous tensor on cuda:{} is needed, not {:?}",
+                self.device,
+                t.device()
+            );
+        }
+        Ok((t.data_ptr(), t.numel(), data_type(t.kind())?))
+    }
+
+    /// Row k of `input` (`[world, shard]`) to rank k; row r of `out` from rank r: grouped
+    /// sends and receives on the device's default stream.
+    pub(crate) fn alltoall(&self, out: &Tensor, input: &Tensor) -> Result<()> {
+        let lib = self.library;
+        let (inp, n_in, dtype) = self.buffer(input)?;
+        let (outp, n_out, _) = self.buffer(out)?;
+        if n_in != n_out || n_in % self.world != 0 {
+            bail!(
+                "NCCL all-to-all: {n_in} elements in, {n_out} out, world {}",
+                self.world
+            );
+        }
+        let shard = n_in / self.world;
+        let bytes = shard * input.kind().elt_size_in_bytes();
+        // SAFETY: group calls; each send/recv addresses `shard` elements inside `input`/`out`,
+        // which the caller keeps alive until later work on the same stream.
+        unsafe {
+            lib.check("ncclGroupStart", (lib.group_start)())?;
+            let mut issued = Ok(());
+            for peer in 0..self.world {
+                let at = peer * bytes;
+                let sent = (lib.send)(
+                    (inp as *mut u8).add(at) as *mut c_void,
+                    shard,
+                    dtype,
+                    peer as c_int,
+                    self.comm.0,
+                    std::ptr::null_mut(),
+                );
+                let got = (lib.recv)(
+                    (outp as *mut u8).add(at) as *mut c_void,
+                    shard,
+                    dtype,
+                    peer as c_int,
+                    self.comm.0,
+                    std::ptr::null_mut(),
+                );
+                issued = issued
+                    .and(lib.check("ncclSend", sent))
+                    .and(lib.check("ncclRecv", got));
+            }
+            let ended = lib.check("ncclGroupEnd", (lib.group_end)());
+            issued.and(ended)
+        }
+    }
+
+    /// Every rank's `input` into `out`, in rank order.
+    pub(crate) fn allgather(&self, out: &Tensor, input: &Tensor) -> Result<()> {
+        let (inp, n, dtype) = self.buffer(input)?;
+        let (outp, n_out, _) = self.buffer(out)?;
+        if n_out != n * self.world {
+            bail!(
+                "NCCL allgather: {n} elements in, {n_out} out, world {}",
+                self.world
+            );
+        }
+        // SAFETY: as in `alltoall`.
+        let code = unsafe {
+            (self.library.all_gather)(inp, outp, n, dtype, self.comm.0, std::ptr::null_mut())
+        };
+        self.library.check("ncclAllGather", code)
+    }
+}
+
+impl Drop for ProcessComm {
+    fn drop(&mut self) {
+        // SAFETY: the one handle of this communicator, not used after this.
+        let code = unsafe { (self.library.comm_abort)(self.comm.0) };
+        if code != 0 {
+            log::warn!("{}", self.library.error("ncclCommAbort", code));
+        }
     }
 }
 

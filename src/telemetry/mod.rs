@@ -8,6 +8,7 @@ pub mod host;
 pub(crate) mod metrics_tail;
 pub mod profile;
 pub(crate) mod queues;
+pub mod ranks;
 pub mod rate;
 pub mod records;
 pub(crate) mod status;

@@ -428,6 +428,10 @@ pub struct Snapshot {
     pub stage_devices: Vec<(String, String)>,
     pub last_checkpoint: Option<String>,
     pub error: Option<String>,
+    /// Every rank of a multi-process run, rank 0 first (as rank 0 last heard from each; see
+    /// docs/distributed.md); empty in a single process.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<super::ranks::RankReport>,
 }
 
 /// How [`Snapshot::verdict`]'s line begins (screens keep it when they fold a profile table).

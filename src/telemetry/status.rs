@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use super::format::fmt_duration_clock;
 use super::queues::{queue_state, QueueLevel};
+use super::ranks::{self, RankReport};
 use super::records::{EvalRecord, Phase, Snapshot, ValidationRecord};
 
 /// `ctl status`: the run's state as one JSON object, for people and scripts.
@@ -38,6 +39,11 @@ pub(crate) struct RunStatus {
     /// answers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended: Option<String>,
+    /// Every rank of a multi-process run (rank 0 first), and the one the others wait for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankReport>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slowest_rank: Option<usize>,
 }
 
 impl RunStatus {
@@ -64,6 +70,8 @@ impl RunStatus {
             verdict: s.verdict(),
             error: s.error.clone(),
             ended: None,
+            ranks: s.ranks.clone(),
+            slowest_rank: ranks::slowest(&s.ranks),
         }
     }
 
@@ -131,6 +139,11 @@ impl RunStatus {
             lines.push(("eval", format!("step {}: tau {:.3}", e.step, e.tau)));
         }
         lines.extend(self.verdict.clone().map(|v| ("verdict", v)));
+        lines.extend(
+            self.ranks
+                .iter()
+                .map(|r| ("rank", ranks::describe(r, self.slowest_rank))),
+        );
         lines.extend(self.ended.clone().map(|e| ("ended", e)));
         lines.extend(self.error.clone().map(|e| ("error", e)));
         lines

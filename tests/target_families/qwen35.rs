@@ -396,9 +396,19 @@ fn hybrid_configs_are_read_and_refused_by_field() {
     assert_eq!(h.layer_mix(), "2 Gated DeltaNet + 2 gated attention layers");
     assert_eq!(c.eos_ids(), [2]);
 
+    // Qwen3-Next with experts is read (the MoE tests run the block); here the config asks
+    // for more choices than experts, then for experts the weights do not have
     let moe = refusal("next_dense", |c| c["num_experts"] = serde_json::json!(8));
     assert!(
-        moe.ends_with("config.json: field num_experts = 8: qwen3_next mixture-of-experts MLPs (layer 0 and others) are not supported yet (dense MLPs only: num_experts 0)"),
+        moe.ends_with("config.json: field num_experts_per_tok = 10 exceeds num_experts = 8: a token cannot choose more experts than there are"),
+        "{moe}"
+    );
+    let moe = refusal("next_dense", |c| {
+        c["num_experts"] = serde_json::json!(8);
+        c["num_experts_per_tok"] = serde_json::json!(2);
+    });
+    assert!(
+        moe.contains("no experts for model.layers.0.mlp") && !moe.contains('\n'),
         "{moe}"
     );
     for (name, edit, says) in [

@@ -207,6 +207,7 @@ pub(crate) fn base_snapshot(run_dir: &Path, running: bool) -> Snapshot {
         stage_devices: Vec::new(),
         last_checkpoint: None,
         error: None,
+        ranks: Vec::new(),
     }
 }
 

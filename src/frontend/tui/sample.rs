@@ -41,6 +41,7 @@ pub(crate) fn synthetic_state(steps: usize, gpus: usize) -> AppState {
         ],
         last_checkpoint: Some("/tmp/bench/checkpoints/step-001000".into()),
         error: None,
+        ranks: Vec::new(),
     };
     AppState::new(snapshot)
 }

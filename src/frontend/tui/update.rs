@@ -329,6 +329,7 @@ mod tests {
             stage_devices: vec![],
             last_checkpoint: None,
             error: None,
+            ranks: Vec::new(),
         }
     }
 

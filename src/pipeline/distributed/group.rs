@@ -5,11 +5,15 @@
 use std::ffi::{c_char, c_void, CString};
 use std::time::Duration;
 
+use std::sync::Mutex;
+
 use anyhow::{Context, Result};
 use tch::{Device, Tensor};
 
+use super::nccl_peer::{self, CudaTransport};
 use super::settings::DistSettings;
 use crate::aten_ext::check;
+use crate::pipeline::nccl::ProcessComm;
 
 extern "C" {
     fn dflash_c10d_connect(
@@ -24,6 +28,16 @@ extern "C" {
     fn dflash_c10d_allreduce_sum(group: *mut c_void, tensor: *const c_void) -> *mut c_char;
     fn dflash_c10d_broadcast(group: *mut c_void, tensor: *const c_void, root: i32) -> *mut c_char;
     fn dflash_c10d_barrier(group: *mut c_void) -> *mut c_char;
+    fn dflash_c10d_alltoall(
+        group: *mut c_void,
+        output: *const c_void,
+        input: *const c_void,
+    ) -> *mut c_char;
+    fn dflash_c10d_allgather(
+        group: *mut c_void,
+        output: *const c_void,
+        input: *const c_void,
+    ) -> *mut c_char;
     fn dflash_c10d_store_set(
         group: *mut c_void,
         key: *const c_char,
@@ -38,6 +52,11 @@ extern "C" {
         len: *mut usize,
     ) -> *mut c_char;
     fn dflash_c10d_free_bytes(bytes: *mut u8);
+    fn dflash_c10d_store_check(
+        group: *mut c_void,
+        key: *const c_char,
+        set: *mut i32,
+    ) -> *mut c_char;
 }
 
 /// This process's membership of the run's process group.
@@ -46,6 +65,9 @@ pub struct ProcessGroup {
     pub rank: usize,
     pub world: usize,
     pub timeout: Duration,
+    /// How CUDA buckets cross processes, decided by every rank at the first CUDA sum (see
+    /// [`super::nccl_peer`]): `Some(None)` is Gloo on host copies.
+    cuda: Mutex<Option<Option<ProcessComm>>>,
 }
 
 // SAFETY: c10d's store client and process groups are used from several threads by
@@ -92,6 +114,7 @@ impl ProcessGroup {
             rank: s.rank,
             world: s.world,
             timeout: s.timeout,
+            cuda: Mutex::new(None),
         })
     }
 
@@ -112,6 +135,65 @@ impl ProcessGroup {
         self.on_host(t, |t| {
             // SAFETY: a live group and a tch tensor (`as_ptr` is its `at::Tensor *`).
             unsafe { check(dflash_c10d_allreduce_sum(self.group, t.as_ptr() as _)) }
+        })
+    }
+
+    /// Sums `t` over every rank, in place, adding the ranks' values in rank order
+    /// (`((t0 + t1) + t2) + ...`, element by element) as one process adds its replicas'
+    /// gradients: the result is bit for bit the single process's, whatever the world size.
+    /// A ring allreduce adds in an order that depends on the element's place in the ring.
+    ///
+    /// It is a reduce-scatter and an allgather, as a ring allreduce is, so it moves as many
+    /// bytes: `t` is cut into `world` shards; rank k receives shard k of every rank (one
+    /// all-to-all), adds them in rank order, and the summed shards are gathered by every rank.
+    /// Memory: two buffers of `t`'s size.
+    pub fn ordered_sum(&self, t: &mut Tensor) -> Result<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        if t.device().is_cuda() {
+            let mut cuda = self.cuda.lock().unwrap_or_else(|e| e.into_inner());
+            if cuda.is_none() {
+                *cuda = Some(nccl_peer::connect(self, t.device())?);
+            }
+            if let Some(Some(comm)) = cuda.as_ref() {
+                return nccl_peer::ordered_sum(comm, t);
+            }
+        }
+        self.on_host(t, |t| {
+            ordered_sum_with(
+                t,
+                self.world,
+                |out, input| {
+                    // SAFETY: a live group and tch tensors of the sizes the shim expects.
+                    unsafe {
+                        check(dflash_c10d_alltoall(
+                            self.group,
+                            out.as_ptr() as _,
+                            input.as_ptr() as _,
+                        ))
+                    }
+                },
+                |out, input| {
+                    // SAFETY: as above.
+                    unsafe {
+                        check(dflash_c10d_allgather(
+                            self.group,
+                            out.as_ptr() as _,
+                            input.as_ptr() as _,
+                        ))
+                    }
+                },
+            )
+        })
+    }
+
+    /// How CUDA buckets cross processes, once the first one has.
+    pub fn cuda_transport(&self) -> Option<CudaTransport> {
+        let cuda = self.cuda.lock().unwrap_or_else(|e| e.into_inner());
+        cuda.as_ref().map(|c| match c {
+            Some(_) => CudaTransport::Nccl,
+            None => CudaTransport::Gloo,
         })
     }
 
@@ -149,6 +231,15 @@ impl ProcessGroup {
         }
     }
 
+    /// Whether `key` is set in the store (without waiting for it).
+    pub fn store_check(&self, key: &str) -> Result<bool> {
+        let k = c_string(key)?;
+        let mut set = 0i32;
+        // SAFETY: a live group, a C string and an out pointer.
+        unsafe { check(dflash_c10d_store_check(self.group, k.as_ptr(), &mut set))? };
+        Ok(set != 0)
+    }
+
     /// The value of `key` in the store, waiting up to `timeout` for it to be set.
     pub fn store_get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let k = c_string(key)?;
@@ -177,6 +268,33 @@ impl Drop for ProcessGroup {
     }
 }
 
+/// [`ProcessGroup::ordered_sum`] over any transport: `alltoall(out, input)` sends row k of
+/// `input` (`[world, shard]`) to rank k and fills row r of `out` with rank r's; `allgather(out,
+/// input)` fills `out` (`[world * shard]`) with every rank's `input` (`[shard]`) in rank order.
+/// Works on `t`'s device; `t` must be contiguous and one-dimensional.
+pub(crate) fn ordered_sum_with(
+    t: &Tensor,
+    world: usize,
+    alltoall: impl FnOnce(&Tensor, &Tensor) -> Result<()>,
+    allgather: impl FnOnce(&Tensor, &Tensor) -> Result<()>,
+) -> Result<()> {
+    let n = t.numel() as i64;
+    let w = world as i64;
+    let shard = (n + w - 1) / w;
+    let padded = Tensor::zeros([w * shard], (t.kind(), t.device()));
+    padded.narrow(0, 0, n).copy_(&t.reshape([-1]));
+    let rows = Tensor::empty([w, shard], (t.kind(), t.device()));
+    alltoall(&rows, &padded.view([w, shard]))?;
+    // this rank's shard of the sum: rank 0's row, then each next rank's added in turn
+    let mut mine = rows.get(0).copy();
+    for r in 1..w {
+        mine += rows.get(r);
+    }
+    allgather(&padded, &mine)?;
+    t.reshape([-1]).copy_(&padded.narrow(0, 0, n));
+    Ok(())
+}
+
 /// A free TCP port on this host (for tests that start several ranks here).
 pub fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("no free port on 127.0.0.1")?;
@@ -184,12 +302,12 @@ pub fn free_port() -> Result<u16> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::super::settings::Launcher;
     use super::*;
     use tch::Kind;
 
-    fn settings(rank: usize, world: usize, port: u16) -> DistSettings {
+    pub(crate) fn settings(rank: usize, world: usize, port: u16) -> DistSettings {
         DistSettings {
             launcher: Launcher::Torchrun,
             rank,
@@ -230,6 +348,41 @@ mod tests {
             assert_eq!(from_two, vec![2, 2]);
             assert_eq!(next, vec![((r + 1) % 3) as u8; 3]);
         }
+    }
+
+    /// 1e8, -1e8 and 1 add up to 1 in rank order and to 0 the other way round (1 is below
+    /// half an ulp of 1e8 in fp32): every element of the sum must be 1, on every rank, also
+    /// where the bucket does not divide into equal shards.
+    #[test]
+    fn the_ordered_sum_adds_in_rank_order_on_every_rank() {
+        let port = free_port().unwrap();
+        let values = [1e8f32, -1e8, 1.0];
+        let ranks: Vec<_> = (0..3)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let g = ProcessGroup::connect(&settings(r, 3, port)).unwrap();
+                    let mut t = Tensor::full([7], f64::from(values[r]), (Kind::Float, Device::Cpu));
+                    g.ordered_sum(&mut t).unwrap();
+                    let mut n = Tensor::from_slice(&[r as f64, 0.5]);
+                    g.ordered_sum(&mut n).unwrap();
+                    (
+                        Vec::<f32>::try_from(&t).unwrap(),
+                        Vec::<f64>::try_from(&n).unwrap(),
+                    )
+                })
+            })
+            .collect();
+        for h in ranks {
+            let (sum, numbers) = h.join().unwrap();
+            assert_eq!(sum, vec![1.0; 7]);
+            assert_eq!(numbers, vec![3.0, 1.5]);
+        }
+        let (a, b, c) = (values[0], values[1], values[2]);
+        assert_ne!(
+            (a + b) + c,
+            a + (b + c),
+            "the order matters for these values"
+        );
     }
 
     #[test]

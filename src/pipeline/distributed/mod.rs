@@ -1,9 +1,11 @@
 //! Data-parallel runs of several processes joined through torch.distributed's c10d (see
 //! docs/distributed.md): the launcher's settings ([`settings`]), the process group
-//! ([`group`]: rank 0's `TCPStore`, Gloo collectives), and what the trainer exchanges at each
+//! ([`group`]: rank 0's `TCPStore`, Gloo collectives; [`nccl_peer`]: NCCL between the GPUs
+//! of the processes), and what the trainer exchanges at each
 //! step ([`step`]: the summed gradient bucket and step numbers, rank 0's control word).
 
 pub mod group;
+pub mod nccl_peer;
 pub mod settings;
 pub mod step;
 

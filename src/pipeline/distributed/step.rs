@@ -42,9 +42,10 @@ impl StepShare {
 }
 
 /// Sums the flat fp32 gradient (one bucket) and then the step's numbers (loss sums, tokens,
-/// samples) over every rank. Each rank's gradient is already scaled to its share of the
-/// global step's mean, so the sum is that mean. Returns the summed loss sums (on the CPU) and
-/// counts.
+/// samples) over every rank, in rank order ([`ProcessGroup::ordered_sum`]: the single
+/// process's order, so its weights bit for bit). Each rank's gradient is already scaled to its
+/// share of the global step's mean, so the sum is that mean. Returns the summed loss sums (on
+/// the CPU) and counts.
 pub fn sum_step(
     group: &ProcessGroup,
     grad: &mut Tensor,
@@ -52,10 +53,10 @@ pub fn sum_step(
     tokens: u64,
     samples: u64,
 ) -> Result<(Tensor, u64, u64)> {
-    group.allreduce_sum(grad)?;
+    group.ordered_sum(grad)?;
     let counts = Tensor::from_slice(&[tokens as f64, samples as f64]);
     let mut numbers = Tensor::cat(&[sums.to_device(Device::Cpu), counts], 0);
-    group.allreduce_sum(&mut numbers)?;
+    group.ordered_sum(&mut numbers)?;
     let n = numbers.size()[0];
     let v = Vec::<f64>::try_from(&numbers.narrow(0, n - 2, 2))?;
     Ok((numbers.narrow(0, 0, n - 2), v[0] as u64, v[1] as u64))

@@ -600,6 +600,7 @@ impl TrainerHandle {
             stage_devices: st.stage_devices.clone(),
             last_checkpoint: st.last_checkpoint.as_ref().map(|p| p.display().to_string()),
             error: st.error.clone(),
+            ranks: Vec::new(),
         }
     }
 

@@ -59,6 +59,24 @@ fn load_target(
     }
 }
 
+/// "X GiB of weights" of the target in `dir` held as `kind`; on a GPU, refused (naming both
+/// sizes) when they cannot fit it with a margin ([`crate::model::memory::check_fits`]). The
+/// GPU's memory is NVML's smallest (NVML numbers GPUs regardless of CUDA_VISIBLE_DEVICES).
+fn target_weight_bytes(dir: &Path, dev: Device, kind: Kind) -> Result<String> {
+    use crate::model::memory::{check_fits, gib, weight_bytes};
+    let bytes = weight_bytes(&TargetConfig::from_model_dir(dir)?, kind);
+    let total = match crate::telemetry::gpu::nvml_status() {
+        crate::telemetry::gpu::NvmlStatus::Available { gpus, .. } if dev.is_cuda() => {
+            gpus.iter().filter_map(|g| g.memory_total_bytes).min()
+        }
+        _ => None,
+    };
+    if let Some(total) = total {
+        check_fits(bytes, total, &format!("{dev:?}"))?;
+    }
+    Ok(format!("{:.1} GiB of weights", gib(bytes)))
+}
+
 /// "N layers, X GB" of the target in `dir` (its config.json and safetensors files), for the
 /// line announcing its loading.
 fn target_files_summary(config: &TrainConfig, dir: &Path) -> String {
@@ -219,9 +237,10 @@ fn load_targets(
             targets.push(t.clone());
             continue;
         }
+        let weights = target_weight_bytes(target_dir, dev, kind)?;
         // Start-up time goes here for a big target: say so before, and how long after.
         log::info!(
-            "loading target {} ({}) on {dev:?} as {kind:?} ...",
+            "loading target {} ({}, {weights}) on {dev:?} as {kind:?} ...",
             target_dir.display(),
             target_files_summary(config, target_dir)
         );

@@ -2,8 +2,8 @@
 //! [`AppState`] only: no I/O, no clocks, no global state (the logs pane shows the run log's
 //! lines the state holds).
 //!
-//! Layout, top to bottom: header (2 lines), a red error line when the run failed, GPUs,
-//! queues beside the ProfileStats table, charts beside the logs, and the status bar. Overlays
+//! Layout, top to bottom: header (2 lines), a red error line when the run failed, GPUs, the
+//! ranks of a multi-process run (with two or more), queues beside the ProfileStats table, charts beside the logs, and the status bar. Overlays
 //! (help, quit dialog, end of run) are drawn on top. Below [`MIN_WIDTH`] x [`MIN_HEIGHT`] only a
 //! "terminal too small" message is drawn.
 
@@ -15,6 +15,7 @@ mod logs;
 mod overlays;
 mod profile;
 mod queues;
+mod ranks;
 mod status_bar;
 
 use ratatui::layout::{Alignment, Constraint, Layout, Rect};
@@ -36,6 +37,7 @@ use logs::render_logs;
 use overlays::{render_ended, render_help, render_quit_dialog, render_status};
 use profile::render_profile;
 use queues::render_queues;
+use ranks::{ranks_panel_height, render_ranks};
 use status_bar::render_status_bar;
 
 /// The smallest terminal the layout is drawn in.
@@ -113,7 +115,8 @@ fn render_too_small(frame: &mut Frame, area: Rect) {
 fn render_body(frame: &mut Frame, area: Rect, state: &AppState) {
     let snap = &state.snapshot;
     let gpu_h = gpu_panel_height(snap, area);
-    let rest = area.height.saturating_sub(gpu_h);
+    let ranks_h = ranks_panel_height(snap, area);
+    let rest = area.height.saturating_sub(gpu_h + ranks_h);
     let queue_h = snap.queues.len().max(1) as u16 + 2;
     let profile_h = match &snap.profile {
         // the rows, the waits' label, the verdict, the column titles and the border
@@ -121,14 +124,16 @@ fn render_body(frame: &mut Frame, area: Rect, state: &AppState) {
         _ => 3,
     };
     let mid_h = queue_h.max(profile_h).min((rest * 2 / 5).max(4));
-    let [gpus, mid, bottom] = Layout::vertical([
+    let [gpus, ranks, mid, bottom] = Layout::vertical([
         Constraint::Length(gpu_h),
+        Constraint::Length(ranks_h),
         Constraint::Length(mid_h),
         Constraint::Min(0),
     ])
     .areas(area);
 
     render_gpus(frame, gpus, snap);
+    render_ranks(frame, ranks, snap);
 
     let queue_w = if mid.width >= 110 {
         44
