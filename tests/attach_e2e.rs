@@ -183,6 +183,9 @@ fn a_closed_terminal_leaves_the_run_training_and_attach_opens_it_again() {
     let status: serde_json::Value = serde_json::from_str(text.trim()).expect(&text);
     assert_eq!(status["pid"].as_i64(), Some(i64::from(trainer.0)));
     assert_eq!(status["phase"], "training");
+    // the tiny target named by family and layers
+    let target = status["target"].as_str().unwrap_or_default();
+    assert!(target.ends_with(" decoder layers"), "{status}");
     assert!(status["step"].as_u64().unwrap() > at, "{status}");
     assert!(status["tokens_per_s"].as_f64().unwrap() > 0.0, "{status}");
     assert!(status["last_checkpoint"].is_string(), "{status}");
@@ -304,6 +307,8 @@ fn a_closed_terminal_leaves_the_run_training_and_attach_opens_it_again() {
         .unwrap_or_default();
     let status: serde_json::Value = serde_json::from_str(json).unwrap();
     assert_eq!(status["phase"], "stopped", "{text}");
+    // from the run's config.toml when no trainer answers
+    assert_eq!(status["target"].as_str(), Some(target), "{text}");
     assert_eq!(status["step"], stopped_at, "{text}");
     assert!(status["pid"].is_null(), "{text}");
     assert!(status["last_checkpoint"].is_string(), "{text}");

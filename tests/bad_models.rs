@@ -315,3 +315,30 @@ fn eval_of_a_drafter_with_weights_that_are_not_finite_warns() {
     let warning = stdout.lines().position(|l| l.starts_with("WARNING: "));
     assert_eq!(warning, Some(tau + 1), "{stdout}");
 }
+
+#[test]
+fn doctor_names_a_models_family_or_why_it_cannot_be_a_target() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let hybrid = root.join("configs/shapes/qwen3.5-27b");
+    let (ok, stdout, stderr) = common::dflash(&["doctor", "--model", hybrid.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("qwen3.5-27b: qwen3_5_text (Qwen3.5 hybrid): 48 Gated DeltaNet + 16 gated attention layers, hidden 5120, vocabulary 248320\n"),
+        "{stdout}"
+    );
+    // an FP8 checkpoint: one line naming the field
+    let tmp = tempfile::tempdir().unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hybrid.join("config.json")).unwrap())
+            .unwrap();
+    config["quantization_config"] = serde_json::json!({"quant_method": "fp8", "fmt": "e4m3"});
+    std::fs::write(tmp.path().join("config.json"), config.to_string()).unwrap();
+    let (ok, stdout, stderr) = common::dflash(&["doctor", "--model", tmp.path().to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    let line = stdout.lines().last().unwrap();
+    assert!(
+        line.contains(": not usable as a target: ")
+            && line.ends_with(r#"field quantization_config (quant_method "fp8"): quantized checkpoints are not supported (weights must be f32, f16 or bf16)"#),
+        "{line}"
+    );
+}

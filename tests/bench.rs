@@ -154,3 +154,54 @@ fn random_targets_of_a_shape_are_seeded_and_run() {
         assert!(151669 < c.vocab_size, "the bench mask token has a row");
     }
 }
+
+#[test]
+fn bench_forward_times_a_hybrid_target_with_every_hidden_state() {
+    let target = root().join("tests/fixtures/qwen35_targets/conditional");
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+        .args(["bench-forward", "--target"])
+        .arg(&target)
+        .args(["--tokens", "24", "--batch", "2", "--dtype", "f32"])
+        .args(["--iters", "2", "--random-weights", "--device", "cpu"])
+        .env("DFLASH_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        r["model"],
+        "qwen3_5_text (Qwen3.5 hybrid): 2 Gated DeltaNet + 2 gated attention layers"
+    );
+    // every layer run, and a hidden state back from each
+    assert_eq!(
+        (r["layers_run"].as_u64(), r["hidden_states"].as_u64()),
+        (Some(4), Some(4))
+    );
+    assert_eq!(
+        (r["device"].as_str(), r["dtype"].as_str()),
+        (Some("cpu"), Some("f32"))
+    );
+    let seconds: Vec<f64> = r["seconds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_f64().unwrap())
+        .collect();
+    assert_eq!(seconds.len(), 2);
+    let best = r["best_s"].as_f64().unwrap();
+    assert_eq!(best, seconds.iter().copied().fold(f64::INFINITY, f64::min));
+    let f = |k: &str| r[k].as_f64().unwrap();
+    assert!((f("tokens_per_s") - 48.0 / best).abs() < 1e-9 * f("tokens_per_s"));
+    // the fixture's 4 layers (hidden 32, ffn 64, 2 heads of 32 / 1 kv; GDN 4 value / 2 key heads
+    // of 8, conv 4), by hand: MLP 6,144; gated attention 32*128 + 2*32*32 + 64*32 = 8,192 +
+    // 6,144; Gated DeltaNet 32*64 + 32*32 + 2*32*4 + 64*4 + 32*32 = 4,608 (rule 6*4*8*8 =
+    // 1,536 FLOPs per token) + 6,144.
+    let per_token = 2.0 * (2.0 * 14_336.0 + 2.0 * 10_752.0) + 2.0 * 1536.0;
+    assert!((f("forward_tflop") * 1e12 - 48.0 * per_token).abs() < 1e-3);
+    assert!((f("tflop_per_s") - f("forward_tflop") / best).abs() < 1e-9 * f("tflop_per_s"));
+    assert!(r["peak_mem_gb"].is_null());
+}

@@ -501,8 +501,8 @@ fn openai_style_messages_are_read_and_tool_rows_skipped_without_tool_support() {
     let tmp = tempfile::tempdir().unwrap();
     let input = tmp.path().join("openai.jsonl");
     let mut text = String::new();
-    // Content as a list of parts: the text parts joined by a newline, the image left out.
-    text += r#"{"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "text", "text": "there"}]}, {"role": "assistant", "content": [{"type": "text", "text": "Hi!"}], "tool_calls": null, "refusal": null}]}"#;
+    // Content as a list of parts: the text parts joined by a newline.
+    text += r#"{"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}, {"role": "assistant", "content": [{"type": "text", "text": "Hi!"}], "tool_calls": null, "refusal": null}]}"#;
     text += "\n";
     // The same conversation with plain strings.
     text += r#"{"id": "plain", "messages": [{"role": "user", "content": "Hello\nthere"}, {"role": "assistant", "content": "Hi!"}]}"#;
@@ -557,6 +557,80 @@ fn openai_style_messages_are_read_and_tool_rows_skipped_without_tool_support() {
     assert_eq!(got[0].0, "parts");
     assert_eq!(got[1].0, "plain");
     assert_eq!((&got[0].1, &got[0].2), (&got[1].1, &got[1].2));
+}
+
+#[test]
+fn image_content_parts_are_refused_by_row_and_part() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("images.jsonl");
+    let text = concat!(
+        r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}"#,
+        "\n",
+        r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "What is in it?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}, {"role": "assistant", "content": "A cat."}]}"#,
+        "\n",
+    );
+    std::fs::write(&input, text).unwrap();
+    let out = tmp.path().join("out");
+    let (ok, stdout, stderr) = prepare(&[&input], &out, &["--val-fraction", "0"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("2 records in, 1 kept"), "{stdout}");
+    // one line naming the row, the message and the part
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("images.jsonl:2:"))
+        .unwrap_or_else(|| panic!("no line for row 2: {stdout}"));
+    assert!(
+        line.ends_with(r#"images.jsonl:2: bad message: messages[0] "content"[1] is an "image_url" part: image, audio and file inputs are not supported (text only)"#),
+        "{line}"
+    );
+    assert_eq!(rows(&out.join("train")).len(), 1);
+}
+
+#[test]
+fn inspect_data_names_the_models_family_and_checks_its_vocabulary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("chat.jsonl");
+    std::fs::write(
+        &input,
+        r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there!"}]}"#,
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let (ok, _, stderr) = prepare(&[&input], &out, &["--val-fraction", "0"]);
+    assert!(ok, "{stderr}");
+    let inspect = |model: &Path| {
+        let (ok, stdout, stderr) = dflash(&[
+            "inspect-data",
+            out.to_str().unwrap(),
+            "--tokenizer",
+            model.to_str().unwrap(),
+        ]);
+        assert!(ok, "{stderr}");
+        stdout
+    };
+    let stdout = inspect(&tokenizer_dir());
+    assert!(
+        stdout.contains(": llama (Llama): 30 decoder layers; vocabulary 49152 holds every id\n"),
+        "{stdout}"
+    );
+    // SmolLM2's tokenizer beside a tiny Qwen3.5 config of 128 tokens: named, and warned about
+    let hybrid = tmp.path().join("hybrid");
+    std::fs::create_dir(&hybrid).unwrap();
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tokenizer_dir().join(file), hybrid.join(file)).unwrap();
+    }
+    let config = fixtures().join("qwen35_targets/conditional/config.json");
+    std::fs::copy(config, hybrid.join("config.json")).unwrap();
+    let stdout = inspect(&hybrid);
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("(Qwen3.5 hybrid)"))
+        .unwrap_or_else(|| panic!("no model line: {stdout}"));
+    assert!(
+        line.contains(": qwen3_5_text (Qwen3.5 hybrid): 2 Gated DeltaNet + 2 gated attention layers; WARNING: token id ")
+            && line.ends_with(" is outside its vocabulary of 128 (tokenised for another model?)"),
+        "{line}"
+    );
 }
 
 #[test]

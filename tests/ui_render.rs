@@ -136,6 +136,7 @@ fn training() -> Snapshot {
     Snapshot {
         run_name: "smollm2-dflash".to_string(),
         run_dir: "runs/smollm2-dflash".to_string(),
+        target: Some("llama (Llama): 30 decoder layers".to_string()),
         phase: Phase::Training,
         step: 300,
         total_steps: 10_000,
@@ -852,6 +853,7 @@ fn status_on_the_command_line_shows_the_runs_status() {
     for part in [
         " Status ",
         "smollm2-dflash (runs/smollm2-dflash)",
+        "target      llama (Llama): 30 decoder layers",
         "phase       training",
         "step        300 / 10000 (3 %), epoch 0",
         "ETA 3:30:10",

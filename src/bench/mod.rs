@@ -13,17 +13,21 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 use crate::config::{self, TrainConfig};
-use crate::model::{DrafterConfig, TargetConfig};
 use crate::pipeline::command::Command;
 use crate::pipeline::trainer::{self, TrainerHandle};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::gpu::GpuMonitor;
 use crate::telemetry::profile::{stage_busy, ProfileReport, StageWorkers};
 use crate::telemetry::records::{Phase, Snapshot, StepRecord};
+use flops::ModelFlops;
 use stages_alone::{measure_stages_alone, StageAloneRates};
 
 // Each stage alone on the pipeline's code: only the bench uses it.
 mod stages_alone;
+// The target's forward alone (`bench-forward`).
+pub(crate) mod forward;
+// The model FLOPs behind `mfu`.
+pub(crate) mod flops;
 // The gated delta rule kernels alone (`bench-gdn`).
 pub(crate) mod gdn;
 
@@ -31,13 +35,19 @@ pub(crate) mod gdn;
 pub(crate) const PEAK_FLOPS_PER_GPU: f64 = 989e12;
 
 /// Profiles shipped in `configs/` as `bench-NAME.toml`.
-pub(crate) const PROFILES: [&str; 4] =
-    ["cpu-tiny", "smollm2", "qwen3-0.6b-shape", "qwen3-8b-shape"];
+pub(crate) const PROFILES: [&str; 6] = [
+    "cpu-tiny",
+    "smollm2",
+    "qwen3-0.6b-shape",
+    "qwen3-8b-shape",
+    "qwen3.5-4b-shape",
+    "qwen3.5-27b-shape",
+];
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchOptions {
-    /// A profile (cpu-tiny, smollm2, qwen3-0.6b-shape, qwen3-8b-shape: configs/bench-NAME.toml)
-    /// or a training config file.
+    /// A profile (cpu-tiny, smollm2, qwen3-0.6b-shape, qwen3-8b-shape, qwen3.5-4b-shape,
+    /// qwen3.5-27b-shape: configs/bench-NAME.toml) or a training config file.
     #[arg(long, default_value = "cpu-tiny")]
     pub profile: String,
     /// Override a config field, as in `train` (repeatable).
@@ -88,6 +98,9 @@ pub(crate) struct BenchReport {
     /// Parameters the FLOP count uses: target layers actually run (up to the last tapped
     /// layer, no embedding), drafter trainable parameters.
     pub target_params_used: f64,
+    /// FLOPs per target token beyond 2 per parameter: the Gated DeltaNet layers' state
+    /// products (0 for targets without them).
+    pub target_rule_flops_per_token: f64,
     pub drafter_params: f64,
     pub model_flops_per_s: f64,
     pub tokens: u64,
@@ -122,65 +135,6 @@ pub(crate) fn profile_path(profile: &str) -> PathBuf {
         p.to_path_buf()
     } else {
         Path::new("configs").join(format!("bench-{profile}.toml"))
-    }
-}
-
-/// Parameters of one pre-norm decoder layer (attention projections and SwiGLU MLP).
-fn layer_params(h: f64, q_dim: f64, kv_dim: f64, inter: f64) -> f64 {
-    h * q_dim * 2.0 + h * kv_dim * 2.0 + 3.0 * h * inter
-}
-
-/// What the FLOP count of a window is computed from: parameters used per target token and
-/// per drafted position, and the LM head's size.
-struct ModelFlops {
-    /// Target layers actually run (up to the last tapped layer, no embedding).
-    target_params: f64,
-    /// Drafter trainable parameters.
-    drafter_params: f64,
-    hidden: f64,
-    vocab: f64,
-    block: i64,
-}
-
-impl ModelFlops {
-    fn of(cfg: &TrainConfig) -> Result<ModelFlops> {
-        let target = TargetConfig::from_model_dir(Path::new(&cfg.model.target))?;
-        let shape = cfg.drafter_shape();
-        let drafter = DrafterConfig::for_target(&target, &shape)?;
-        let h = target.hidden_size as f64;
-        let d = target.head_dim() as f64;
-        let (q, kv) = (
-            target.num_attention_heads as f64 * d,
-            target.kv_heads() as f64 * d,
-        );
-        let run_layers = drafter
-            .target_layer_ids()
-            .iter()
-            .map(|&l| l + 1)
-            .max()
-            .unwrap_or(0) as i64;
-        // a mixture of experts counts the experts a token is routed to (active parameters)
-        let target_params = (0..run_layers)
-            .map(|l| layer_params(h, q, kv, target.active_mlp_width(l) as f64))
-            .sum();
-        let taps = drafter.target_layer_ids().len() as f64;
-        let per_drafter_layer = layer_params(h, q, kv, drafter.intermediate_size as f64);
-        let drafter_params = per_drafter_layer * drafter.num_hidden_layers as f64 + taps * h * h;
-        Ok(ModelFlops {
-            target_params,
-            drafter_params,
-            hidden: h,
-            vocab: target.vocab_size as f64,
-            block: drafter.block_size,
-        })
-    }
-
-    /// Model FLOPs of `tokens` target tokens and `positions` drafted positions: the target's
-    /// forward, the drafter's forward and backward, the LM head's forward and backward.
-    fn flops(&self, tokens: u64, positions: f64) -> f64 {
-        2.0 * self.target_params * tokens as f64
-            + 6.0 * self.drafter_params * positions
-            + 4.0 * self.hidden * self.vocab * positions
     }
 }
 
@@ -547,6 +501,7 @@ pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchRe
         profile_ms,
         peak_mem_gb,
         target_params_used: model.target_params,
+        target_rule_flops_per_token: model.target_rule_flops,
         drafter_params: model.drafter_params,
         model_flops_per_s: flops / w.window_s,
         tokens: w.tokens,

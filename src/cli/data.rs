@@ -10,6 +10,7 @@ use crate::data::arrow_io::{dataset_files, read_token_data, resolve_split, Colum
 use crate::data::packer::{collate, Packer, PackerConfig};
 use crate::data::prepare_data::{prepare_data, PrepareOptions};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
+use crate::model::{describe_target, TargetConfig};
 use crate::text::TextTokenizer;
 
 use super::progress::Bars;
@@ -176,6 +177,10 @@ pub(super) fn inspect(
         let bar = "#".repeat((n * 40).div_ceil(widest));
         println!("    {lo:>6}-{:<6} {n:>8} {bar}", hi - 1);
     }
+    if let Some(dir) = tokenizer.filter(|d| d.join("config.json").is_file()) {
+        let largest = data.ids.tokens.iter().copied().max().unwrap_or(0);
+        println!("  {}", model_line(dir, largest));
+    }
     let i = sample.min(rows - 1);
     let ids = data.ids.get(i);
     let mask: Vec<u8> = match &data.masks {
@@ -222,6 +227,28 @@ pub(super) fn inspect(
     };
     println!("{text}");
     Ok(())
+}
+
+/// The model folder of `--tokenizer` as a target: its family and layers, and whether the
+/// dataset's largest token id fits its vocabulary; or why it cannot be a target.
+fn model_line(dir: &Path, largest_id: u32) -> String {
+    let config = match TargetConfig::from_model_dir(dir) {
+        Ok(c) => c,
+        Err(e) => return format!("model: not usable as a target: {e:#}"),
+    };
+    let fits = if i64::from(largest_id) < config.vocab_size {
+        format!("vocabulary {} holds every id", config.vocab_size)
+    } else {
+        format!(
+            "WARNING: token id {largest_id} is outside its vocabulary of {} (tokenised for another model?)",
+            config.vocab_size
+        )
+    };
+    format!(
+        "model {}: {}; {fits}",
+        dir.display(),
+        describe_target(&config)
+    )
 }
 
 /// Random-access latency of the token store and batches per second of the packer, and the

@@ -1,7 +1,10 @@
 //! `doctor`: what this installation can use.
 
+use std::path::Path;
+
 use anyhow::Result;
 
+use crate::model::{describe_target, TargetConfig};
 use crate::paths::Locations;
 use crate::runtime::{libtorch_version, CudaSupport, TorchRuntime};
 use crate::telemetry::gpu::{nvml_status, NvmlStatus};
@@ -16,7 +19,20 @@ fn presence(path: &std::path::Path) -> &'static str {
     }
 }
 
-pub(super) fn run(runtime: &TorchRuntime) -> Result<()> {
+/// What a model folder holds as a target: its family and layers, or why it is not usable.
+fn model_summary(dir: &Path) -> String {
+    match TargetConfig::from_model_dir(dir) {
+        Ok(c) => format!(
+            "{}, hidden {}, vocabulary {}",
+            describe_target(&c),
+            c.hidden_size,
+            c.vocab_size
+        ),
+        Err(e) => format!("not usable as a target: {e:#}"),
+    }
+}
+
+pub(super) fn run(runtime: &TorchRuntime, model: Option<&Path>) -> Result<()> {
     println!("dflash-tui {}", env!("CARGO_PKG_VERSION"));
     let dir = runtime.libtorch_dir.as_deref();
     println!(
@@ -85,11 +101,15 @@ pub(super) fn run(runtime: &TorchRuntime) -> Result<()> {
         loc.demo_dir.display(),
         presence(&loc.demo_dir)
     );
-    println!(
-        "    demo model: {} ({})",
-        loc.demo_model().display(),
-        presence(&loc.demo_model())
-    );
+    let demo_model = loc.demo_model();
+    match presence(&demo_model) {
+        "present" => println!(
+            "    demo model: {} (present: {})",
+            demo_model.display(),
+            model_summary(&demo_model)
+        ),
+        missing => println!("    demo model: {} ({missing})", demo_model.display()),
+    }
     println!(
         "    demo conversations: {} ({})",
         loc.demo_conversations().display(),
@@ -98,5 +118,8 @@ pub(super) fn run(runtime: &TorchRuntime) -> Result<()> {
     println!("  models: {}", loc.models_dir.display());
     println!("  datasets: {}", loc.datasets_dir.display());
     println!("  runs: {}", loc.runs_dir.display());
+    if let Some(dir) = model {
+        println!("Model {}: {}", dir.display(), model_summary(dir));
+    }
     Ok(())
 }

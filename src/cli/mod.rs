@@ -40,7 +40,11 @@ pub(crate) struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Report libtorch, CUDA devices, NVML and where models, data and runs are looked for.
-    Doctor,
+    Doctor {
+        /// Also name this model folder's family and layers, or why it cannot be a target.
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
     /// Convert a GGUF (llama.cpp) Llama-family model into a Hugging Face model folder.
     ImportGguf {
         /// The .gguf file.
@@ -244,6 +248,10 @@ pub enum Command {
     /// Benchmark of the gated delta rule kernels alone on a GPU (Gated DeltaNet layers of
     /// Qwen3.5): ms per call of a prefill, a decoding step and a verification, JSON lines.
     BenchGdn(crate::bench::gdn::GdnBenchArgs),
+    /// Benchmark of the target's forward alone (no autograd, every layer's hidden state
+    /// returned, as training runs it) on random token ids: best-of-N seconds, tokens/s, model
+    /// TFLOP and TFLOP/s, GPU memory; one JSON object.
+    BenchForward(crate::bench::forward::ForwardBenchArgs),
     /// Benchmark of the control room: time to render one 120x40 frame with a full chart
     /// history, and the UI thread's CPU use at 10 frames per second.
     BenchUi {
@@ -306,7 +314,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.command,
-        Command::Doctor | Command::InspectData { .. } | Command::BenchData { .. }
+        Command::Doctor { .. } | Command::InspectData { .. } | Command::BenchData { .. }
     ) {
         // Report printers end quietly when their reader goes away (`inspect-data DIR | head`),
         // as Unix tools do, instead of failing on the write. Rust ignores SIGPIPE so that a
@@ -357,9 +365,9 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             },
             |log_file| logging::init(&level, Some(log_file), true),
         ),
-        Command::Doctor => {
+        Command::Doctor { model } => {
             let runtime = TorchRuntime::init();
-            doctor::run(&runtime)
+            doctor::run(&runtime, model.as_deref())
         }
         Command::ImportGguf {
             file,
@@ -375,6 +383,11 @@ fn run(cli: Cli, bars: &progress::Bars) -> anyhow::Result<()> {
             seconds,
         } => bench_ui(history, frames, seconds),
         Command::BenchGdn(args) => crate::bench::gdn::run(&TorchRuntime::init(), &args),
+        Command::BenchForward(args) => {
+            let report = crate::bench::forward::run(&TorchRuntime::init(), &args)?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
         Command::Bench(opts) => {
             let report = crate::bench::run(&TorchRuntime::init(), &opts)?;
             println!("{}", serde_json::to_string_pretty(&report)?);

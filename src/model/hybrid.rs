@@ -8,8 +8,8 @@ use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
-use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 use super::feed_forward::FeedForward;
+use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 use super::hybrid_config::{GdnLayout, GdnShape};
 use super::layers::{add_product, Rope};
 use super::weights::WeightSource;

@@ -5,6 +5,7 @@
 pub(crate) mod config;
 mod config_checks;
 pub mod decode;
+pub(crate) mod describe;
 pub mod drafter;
 pub(crate) mod drafter_config;
 pub(crate) mod drafter_layout;
@@ -26,6 +27,7 @@ pub(crate) mod target;
 pub(crate) mod weights;
 
 pub use config::{Family, TargetConfig};
+pub use describe::describe_target;
 pub use drafter::{AnchorBatch, Drafter, FrozenHead};
 pub use drafter_config::{default_target_layer_ids, DrafterConfig, DrafterShape};
 pub(crate) use drafter_config::{MAX_BLOCK_SIZE, MAX_DRAFTER_LAYERS};

@@ -395,6 +395,10 @@ pub fn read_metrics(path: &Path) -> anyhow::Result<Vec<MetricsRecord>> {
 pub struct Snapshot {
     pub run_name: String,
     pub run_dir: String,
+    /// The target's family and layers ([`crate::model::describe_target`]); None where its
+    /// config cannot be read (or from a trainer before it was sent).
+    #[serde(default)]
+    pub target: Option<String>,
     pub phase: Phase,
     pub step: u64,
     pub total_steps: u64,

@@ -12,6 +12,10 @@ use super::records::{EvalRecord, Phase, Snapshot, ValidationRecord};
 pub(crate) struct RunStatus {
     pub run_name: String,
     pub run_dir: String,
+    /// The target's family and layers, e.g. `qwen3_5_text (Qwen3.5 hybrid): 48 Gated DeltaNet
+    /// + 16 gated attention layers`.
+    #[serde(default)]
+    pub target: Option<String>,
     /// The trainer's; none once the run has ended.
     pub pid: Option<u32>,
     pub phase: Phase,
@@ -47,6 +51,7 @@ impl RunStatus {
         RunStatus {
             run_name: s.run_name.clone(),
             run_dir: s.run_dir.clone(),
+            target: s.target.clone(),
             pid,
             phase: s.phase,
             step: s.step,
@@ -97,6 +102,7 @@ impl RunStatus {
             .collect();
         let mut lines = vec![
             ("run", format!("{} ({})", self.run_name, self.run_dir)),
+            ("target", self.target.clone().unwrap_or_else(|| "-".into())),
             ("phase", self.phase.to_string()),
             (
                 "step",

@@ -19,7 +19,7 @@ use template_files::ChatTemplates;
 pub struct Message {
     pub role: String,
     /// The text. An OpenAI-style list of content parts is read as its text parts joined by
-    /// newlines (as vLLM does for text-only models); other parts (images, audio) are left out.
+    /// newlines; a message with other parts (images, audio, files) is refused.
     pub content: String,
     /// The content was `null` or missing (an assistant turn with only tool calls). The template
     /// sees "": transformers drops the key, and templates such as Qwen3's then fail on
@@ -172,8 +172,13 @@ fn text_of_parts(parts: &[serde_json::Value]) -> std::result::Result<String, Str
                     ))
                 }
             },
-            // Images, audio, files: a text model has no use for them.
-            Some(_) => {}
+            // Images, audio, files: dropping them would train answers about inputs the model
+            // never saw, so the record is refused.
+            Some(other) => {
+                return Err(format!(
+                    "\"content\"[{j}] is an {other:?} part: image, audio and file inputs are not supported (text only)"
+                ))
+            }
             None => {
                 return Err(format!(
                     "\"content\"[{j}] has no \"type\" (a content part is {{\"type\": \"text\", \"text\": ...}})"
@@ -377,12 +382,19 @@ mod tests {
         let seen = serde_json::to_value(&m).unwrap();
         assert_eq!(seen["content"], "");
         assert_eq!(seen["tool_calls"][0]["function"]["name"], "f");
-        // A list of parts: the text parts, joined by newlines.
+        // A list of parts: the text parts, joined by newlines; an image part is refused by
+        // index and type.
         let m = Message::from_json(&json!({"role": "user", "content": [
-            {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}},
-            {"type": "text", "text": "b"}]}))
+            {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}))
         .unwrap();
         assert_eq!((m.content.as_str(), m.content_is_null), ("a\nb", false));
+        let e = Message::from_json(&json!({"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}))
+        .unwrap_err();
+        assert_eq!(
+            e,
+            "\"content\"[1] is an \"image_url\" part: image, audio and file inputs are not supported (text only)"
+        );
         // `"tool_calls": null` is no tool call; other fields pass through.
         let m = Message::from_json(&json!({"role": "tool", "content": "42",
             "tool_call_id": "c1", "tool_calls": null}))

@@ -176,6 +176,10 @@ pub(crate) fn base_snapshot(run_dir: &Path, running: bool) -> Snapshot {
             .as_ref()
             .map_or_else(|| run_dir.display().to_string(), |c| c.run.name.clone()),
         run_dir: run_dir.display().to_string(),
+        target: config.as_ref().and_then(|c| {
+            let target = crate::model::TargetConfig::from_model_dir(Path::new(&c.model.target));
+            target.ok().map(|t| crate::model::describe_target(&t))
+        }),
         phase: if running {
             Phase::LoadingModel
         } else {

@@ -14,6 +14,9 @@ pub(crate) fn synthetic_state(steps: usize, gpus: usize) -> AppState {
     let snapshot = Snapshot {
         run_name: "bench".into(),
         run_dir: "/tmp/bench".into(),
+        target: Some(
+            "qwen3_5_text (Qwen3.5 hybrid): 48 Gated DeltaNet + 16 gated attention layers".into(),
+        ),
         phase: Phase::Training,
         step: steps as u64,
         total_steps: steps as u64 * 2,

@@ -292,6 +292,7 @@ mod tests {
         Snapshot {
             run_name: "t".into(),
             run_dir: "/tmp/r".into(),
+            target: None,
             phase,
             step: 3,
             total_steps: 10,

@@ -198,6 +198,10 @@ pub fn start_with(
         elapsed_before_s: before.elapsed_s,
         run_dir: run_dir.to_path_buf(),
         run_name: config.run.name.clone(),
+        target: prepared
+            .targets
+            .first()
+            .map(|t| crate::model::describe_target(&t.config)),
         total_steps: prepared.total_steps,
         dist: dist.clone(),
         share,
@@ -571,6 +575,7 @@ impl TrainerHandle {
         Snapshot {
             run_name: s.run_name.clone(),
             run_dir: s.run_dir.display().to_string(),
+            target: s.target.clone(),
             phase,
             step: st.step,
             total_steps: s.total_steps,

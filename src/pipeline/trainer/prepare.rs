@@ -247,10 +247,10 @@ fn load_targets(
         let started = Instant::now();
         let t = load_target(config, target_dir, dev, kind)?;
         log::info!(
-            "target loaded in {:.1} s: {} ({:?}, {:.1} M parameters) on {dev:?}",
+            "target loaded in {:.1} s: {} ({}, {:.1} M parameters) on {dev:?}",
             started.elapsed().as_secs_f64(),
             target_dir.display(),
-            t.family,
+            crate::model::describe_target(&t.config),
             t.parameter_count() as f64 / 1e6,
         );
         targets.push(Arc::new(SharedTarget::new(t)));

@@ -115,6 +115,8 @@ pub struct Shared {
     pub(super) elapsed_before_s: f64,
     pub run_dir: PathBuf,
     pub run_name: String,
+    /// The target's family and layers ([`crate::model::describe_target`]).
+    pub target: Option<String>,
     pub(super) total_steps: u64,
     /// This process's part in a multi-process run (`None`: a single process).
     pub(super) dist: Option<Arc<Distributed>>,
