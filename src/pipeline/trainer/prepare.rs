@@ -59,7 +59,7 @@ fn load_target(
     }
 }
 
-/// "X GiB of weights" of the target in `dir` held as `kind`; on a GPU, refused (naming both
+/// "X GiB in memory" of the target's weights in `dir` held as `kind`; on a GPU, refused (naming both
 /// sizes) when they cannot fit it with a margin ([`crate::model::memory::check_fits`]). The
 /// GPU's memory is NVML's smallest (NVML numbers GPUs regardless of CUDA_VISIBLE_DEVICES).
 fn target_weight_bytes(dir: &Path, dev: Device, kind: Kind) -> Result<String> {
@@ -74,10 +74,10 @@ fn target_weight_bytes(dir: &Path, dev: Device, kind: Kind) -> Result<String> {
     if let Some(total) = total {
         check_fits(bytes, total, &format!("{dev:?}"))?;
     }
-    Ok(format!("{:.1} GiB of weights", gib(bytes)))
+    Ok(format!("{:.1} GiB in memory", gib(bytes)))
 }
 
-/// "N layers, X GB" of the target in `dir` (its config.json and safetensors files), for the
+/// "N layers, X GB of files" of the target in `dir` (its config.json and safetensors files), for the
 /// line announcing its loading.
 fn target_files_summary(config: &TrainConfig, dir: &Path) -> String {
     let layers = crate::model::TargetConfig::from_model_dir(dir).map_or("? layers".into(), |c| {
@@ -94,7 +94,7 @@ fn target_files_summary(config: &TrainConfig, dir: &Path) -> String {
         .filter_map(|e| e.metadata().ok())
         .map(|m| m.len())
         .sum();
-    format!("{layers}, {:.2} GB", bytes as f64 / 1e9)
+    format!("{layers}, {:.2} GB of files", bytes as f64 / 1e9)
 }
 
 /// `writes`: whether this process may mend the run folder it resumes (rank 0, or the only
