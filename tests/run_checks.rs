@@ -186,7 +186,9 @@ fn a_directory_holding_a_run_is_refused_and_left_byte_for_byte_as_it_was() {
         at("checked ") < at("loading target ") && at("loading target ") < at("target loaded in ")
     );
     assert!(
-        first.stderr.contains("(4 layers, 0.00 GB of files, 0.0 GiB in memory)"),
+        first
+            .stderr
+            .contains("(4 layers, 0.00 GB of files, 0.0 GiB in memory)"),
         "{}",
         first.stderr
     );
