@@ -836,7 +836,7 @@ fn validation_records_the_walk_tau_and_keeps_the_best_drafter() {
     // The passes are the drafter worker's time: rows of their own in ProfileStats.
     let report = h.profile_report();
     let count = |e: &str| {
-        let row = report.rows.iter().find(|r| r.event == e);
+        let row = report.rows.iter().find(|r| r.event.name() == e);
         row.map_or(0, |r| r.cumulative.count)
     };
     assert_eq!((count("validation.pass"), count("eval.pass")), (6, 2));

@@ -8,7 +8,9 @@ use dflash_tui::frontend::tui::state::{AppState, Mode};
 use dflash_tui::pipeline::queue::{QueueLevel, QueueName};
 use dflash_tui::telemetry::gpu::GpuReading;
 use dflash_tui::telemetry::host::HostReading;
-use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow, StageWorkers};
+use dflash_tui::telemetry::profile::{
+    EventStats, ProfileEvent, ProfileReport, ProfileRow, StageWorkers,
+};
 use dflash_tui::telemetry::ranks::RankReport;
 use dflash_tui::telemetry::rate::RateWindow;
 use dflash_tui::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
@@ -86,7 +88,7 @@ fn profile() -> ProfileReport {
         rows: rows
             .iter()
             .map(|&(event, count, mean, max, share)| ProfileRow {
-                event: event.to_string(),
+                event: ProfileEvent::named(event).expect("a profile event"),
                 interval: stats(count, mean, max),
                 cumulative: stats(count * 39, mean * 1.02, max * 1.3),
                 // step.total spans overlapping steps: no stage's share
@@ -908,7 +910,7 @@ fn waits_are_grouped_apart_and_an_event_from_before_the_interval_says_so() {
     let wait = profile
         .rows
         .iter_mut()
-        .find(|r| r.event == "feature_q.wait")
+        .find(|r| r.event == ProfileEvent::FeatureQWait)
         .unwrap();
     wait.interval.began_earlier = 1;
     let s = screen(&state, 120, 40);

@@ -23,7 +23,7 @@ use crate::model::{Drafter, FrozenHead};
 use crate::pipeline::collective::{CoordinatorSync, ParamsMsg};
 use crate::pipeline::distributed::step::sum_step;
 use crate::pipeline::held_out::HeldOut;
-use crate::telemetry::profile::Event;
+use crate::telemetry::profile::ProfileEvent;
 use crate::telemetry::records::{MetricsRecord, Phase, StepRecord};
 use crate::train::loss::{LossSums, LossTensors};
 use crate::train::optim::{lr_at, AdamW};
@@ -259,7 +259,9 @@ impl Coordinator {
             }
             None => (sums, tokens, samples),
         };
-        self.shared.profile.record(Event::GRAD_SYNC, t.elapsed());
+        self.shared
+            .profile
+            .record(ProfileEvent::GradSync, t.elapsed());
         let lr = lr_at(
             self.step,
             self.total_steps,
@@ -267,7 +269,7 @@ impl Coordinator {
             cfg.train.lr,
             cfg.train.min_lr_ratio,
         );
-        let grad_norm = self.shared.profile.time(Event::OPTIM_STEP, || {
+        let grad_norm = self.shared.profile.time(ProfileEvent::OptimStep, || {
             apply_update(
                 &mut self.optimizer,
                 &params,
@@ -420,7 +422,7 @@ impl Coordinator {
         self.last_step_end = now;
         self.shared
             .profile
-            .record(Event::STEP_TOTAL, now.duration_since(q.started));
+            .record(ProfileEvent::StepTotal, now.duration_since(q.started));
         let rates = {
             let mut st = self.shared.status();
             st.rates.complete(now, q.tokens, q.samples);

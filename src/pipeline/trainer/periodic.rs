@@ -11,7 +11,7 @@ use super::coordinator::Coordinator;
 use super::shared::{injected_failure, StopState, EVAL_HISTORY};
 use crate::config::{FailMode, FailStage, TrainConfig};
 use crate::data::packer::PackerState;
-use crate::telemetry::profile::Event;
+use crate::telemetry::profile::ProfileEvent;
 use crate::telemetry::records::{EvalRecord, MetricsRecord, Phase, ValidationRecord};
 use crate::train::checkpoint::{
     save_checkpoint, BestEval, BestRule, CheckpointFault, HoldPoint, TrainerState,
@@ -99,7 +99,9 @@ impl Coordinator {
             )
             .with_context(|| format!("evaluation at step {}", self.step))?;
         // the drafter worker's time, so that its stage's shares add up with its busy share
-        self.shared.profile.record(Event::EVAL_PASS, t.elapsed());
+        self.shared
+            .profile
+            .record(ProfileEvent::EvalPass, t.elapsed());
         let eval_s = t.elapsed().as_secs_f64();
         let candidate = BestEval {
             step: self.step,
@@ -159,7 +161,7 @@ impl Coordinator {
             .with_context(|| format!("validation at step {}", self.step))?;
         self.shared
             .profile
-            .record(Event::VALIDATION_PASS, t.elapsed());
+            .record(ProfileEvent::ValidationPass, t.elapsed());
         let validation_s = t.elapsed().as_secs_f64();
         if !v.loss.is_finite() {
             bail!(
@@ -437,7 +439,7 @@ impl Coordinator {
         );
         self.shared
             .profile
-            .record(Event::CHECKPOINT_SAVE, t.elapsed());
+            .record(ProfileEvent::CheckpointSave, t.elapsed());
         let path = saved.with_context(|| {
             format!(
                 "checkpoint ({why}) at step {} failed; the previous checkpoint is kept",
