@@ -15,7 +15,7 @@ use dflash_tui::pipeline::queue::QueueName;
 use dflash_tui::pipeline::trainer::{self, RunOutcome, TrainerHandle};
 use dflash_tui::runtime::TorchRuntime;
 use dflash_tui::telemetry::records::{
-    read_metrics, MetricsRecord, Phase, StepRecord, ValidationRecord,
+    read_metrics, EventKind, MetricsRecord, Phase, StepRecord, ValidationRecord,
 };
 
 type Setup = common::TinyRun;
@@ -128,13 +128,15 @@ fn pause_stops_progress_and_resume_continues() {
     // takes hold between steps and its event says at which step the count stays.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let paused_at = loop {
-        let at = checkpoint_events(&run, "paused").first().and_then(|m| {
-            m.strip_prefix("paused at step ")?
-                .split(':')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        });
+        let at = checkpoint_events(&run, EventKind::Paused)
+            .first()
+            .and_then(|m| {
+                m.strip_prefix("paused at step ")?
+                    .split(':')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            });
         if let Some(at) = at {
             break at;
         }
@@ -426,7 +428,7 @@ fn a_failing_stage_stops_cleanly_and_keeps_the_last_checkpoint() {
     }
 }
 
-fn checkpoint_events(run: &Path, kind: &str) -> Vec<String> {
+fn checkpoint_events(run: &Path, kind: EventKind) -> Vec<String> {
     read_metrics(&run.join("metrics.jsonl"))
         .unwrap()
         .into_iter()
@@ -459,7 +461,7 @@ fn a_failed_checkpoint_keeps_the_previous_one_and_training_goes_on() {
     let out = join_within(start(&cfg, &run, false), Duration::from_secs(120));
     assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
     assert_eq!(out.steps, 14);
-    let failed = checkpoint_events(&run, "checkpoint_failed");
+    let failed = checkpoint_events(&run, EventKind::CheckpointFailed);
     assert_eq!(failed.len(), 2, "{failed:?}");
     assert!(
         failed[0].contains("step 8")
@@ -469,7 +471,7 @@ fn a_failed_checkpoint_keeps_the_previous_one_and_training_goes_on() {
         "{failed:?}"
     );
     assert!(failed[1].contains("tried again at step 11"), "{failed:?}");
-    let saved = checkpoint_events(&run, "checkpoint");
+    let saved = checkpoint_events(&run, EventKind::Checkpoint);
     assert!(
         saved.iter().any(|m| m.contains("(retry) at step 11")),
         "{saved:?}"
@@ -610,7 +612,11 @@ fn grad_sync_events(run_dir: &Path) -> Vec<String> {
         .unwrap()
         .into_iter()
         .filter_map(|r| match r {
-            MetricsRecord::Event { kind, message, .. } if kind == "grad_sync" => Some(message),
+            MetricsRecord::Event {
+                kind: EventKind::GradSync,
+                message,
+                ..
+            } => Some(message),
             _ => None,
         })
         .collect()
@@ -884,7 +890,11 @@ fn validation_records_the_walk_tau_and_keeps_the_best_drafter() {
     assert!((saved["tau"].as_f64().unwrap() - top.tau).abs() < 1e-12);
     // the log line says what was measured
     let events: Vec<String> = records(&run, |r| match r {
-        MetricsRecord::Event { kind, message, .. } if kind == "validation" => Some(message),
+        MetricsRecord::Event {
+            kind: EventKind::Validation,
+            message,
+            ..
+        } => Some(message),
         _ => None,
     });
     assert_eq!(events.len(), vals.len());
@@ -940,7 +950,11 @@ fn patience_stops_a_run_that_no_longer_improves_with_a_checkpoint() {
     });
     assert_eq!(summary, vec![(Phase::Stopped, Some(reason.clone()))]);
     let early: Vec<String> = records(&run, |r| match r {
-        MetricsRecord::Event { kind, message, .. } if kind == "early_stop" => Some(message),
+        MetricsRecord::Event {
+            kind: EventKind::EarlyStop,
+            message,
+            ..
+        } => Some(message),
         _ => None,
     });
     assert_eq!(early, vec![reason]);

@@ -22,7 +22,7 @@ use crate::telemetry::format::fmt_duration_compact;
 use crate::telemetry::gpu::{GpuMonitor, GpuReading};
 use crate::telemetry::host::{HostMonitor, HostReading};
 use crate::telemetry::records::{
-    GpuRecord, MetricsRecord, RunStatus, Snapshot, StepRecord, ValidationRecord,
+    EventKind, GpuRecord, MetricsRecord, RunStatus, Snapshot, StepRecord, ValidationRecord,
 };
 
 /// The human line of step `r` (a record of the run `s` shows now); `validation`, a pass made
@@ -283,7 +283,7 @@ fn exit_without_the_stages(
     log::error!("{message}");
     handle.write_record(&MetricsRecord::Event {
         elapsed_s: snap.elapsed_s,
-        kind: "error".into(),
+        kind: EventKind::Error,
         message,
     });
     drop(socket);

@@ -24,7 +24,7 @@ use crate::pipeline::collective::{CoordinatorSync, ParamsMsg};
 use crate::pipeline::distributed::step::sum_step;
 use crate::pipeline::held_out::HeldOut;
 use crate::telemetry::profile::ProfileEvent;
-use crate::telemetry::records::{MetricsRecord, Phase, StepRecord};
+use crate::telemetry::records::{EventKind, MetricsRecord, Phase, StepRecord};
 use crate::train::loss::{LossSums, LossTensors};
 use crate::train::optim::{lr_at, AdamW};
 
@@ -122,7 +122,7 @@ impl Coordinator {
                 st.stop_reason = Some("at once, no checkpoint".into());
                 drop(st);
                 self.shared.event(
-                    "stopped",
+                    EventKind::Stopped,
                     format!("stopped at once at step {}: {e:#}", self.step),
                 );
                 Ok(())
@@ -137,7 +137,7 @@ impl Coordinator {
             // only rewrite what the run left.
             self.shared.set_phase(Phase::Finished);
             self.shared.event(
-                "finished",
+                EventKind::Finished,
                 format!(
                     "already finished at step {} of {}; nothing to do",
                     self.step, self.total_steps
@@ -169,7 +169,7 @@ impl Coordinator {
                 let paused_at = Instant::now();
                 self.shared.status().rates.pause(paused_at);
                 self.shared.event(
-                    "paused",
+                    EventKind::Paused,
                     format!("paused at step {}: the next step waits", self.step),
                 );
                 let going_on = self.wait_paused()?;
@@ -203,8 +203,10 @@ impl Coordinator {
         self.final_measurements()?;
         self.final_checkpoint("final")?;
         self.shared.set_phase(Phase::Finished);
-        self.shared
-            .event("finished", format!("finished after {} steps", self.step));
+        self.shared.event(
+            EventKind::Finished,
+            format!("finished after {} steps", self.step),
+        );
         Ok(())
     }
 

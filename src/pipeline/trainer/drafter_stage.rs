@@ -17,6 +17,7 @@ use crate::model::{AnchorBatch, Drafter, FrozenHead};
 use crate::pipeline::collective::{self, ParamsMsg, ReplicaSync};
 use crate::pipeline::queue::QueueClosed;
 use crate::telemetry::profile::{ProfileEvent, ProfileStats};
+use crate::telemetry::records::EventKind;
 use crate::train::loss::{
     block_targets, loss_and_backward_deferred, sample_anchors, LossOptions, LossTensors,
 };
@@ -67,7 +68,7 @@ pub(super) fn warm_up_attention(
     let warmed = drafter.warm_up_attention(head, cfg.data.max_len);
     if warmed > 0 {
         shared.event(
-            "warm_up",
+            EventKind::WarmUp,
             format!(
                 "drafter worker {replica}: attention kernels planned for {warmed} context lengths in {:.1} s",
                 t.elapsed().as_secs_f64()

@@ -33,7 +33,7 @@ use crate::pipeline::distributed::Distributed;
 use crate::runtime::TorchRuntime;
 use crate::telemetry::profile::{ProfileReport, ProfileStats, StageWorkers};
 use crate::telemetry::records::{
-    MetricsRecord, MetricsWriter, Phase, RunHistory, Snapshot, StepRecord,
+    EventKind, MetricsRecord, MetricsWriter, Phase, RunHistory, Snapshot, StepRecord,
 };
 use crate::train::checkpoint::{checkpoints_dir, remove_stale_partials};
 use coordinator::Coordinator;
@@ -207,7 +207,7 @@ pub fn start_with(
         share,
     });
     shared.event(
-        "start",
+        EventKind::Start,
         format!(
             "run {} in {}: {} steps from step {}, targets on {:?}, drafters on {:?}",
             config.run.name,
@@ -248,7 +248,7 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
     let config = Arc::new(p.config.clone());
     // The NCCL communicators, if any, before any thread starts.
     let (coordinator_sync, replica_syncs, sync_note) = p.grad_sync.connect(&p.drafter_devices)?;
-    shared.event("grad_sync", sync_note);
+    shared.event(EventKind::GradSync, sync_note);
 
     let mut threads = vec![spawn_loader(&shared, &config, p.store.clone(), p.packer)?];
     let taps = p.drafters[0].config.target_layer_ids().to_vec();
@@ -507,7 +507,7 @@ impl TrainerHandle {
         };
         s.metrics.write(&MetricsRecord::Event {
             elapsed_s: s.elapsed_s(),
-            kind: "command".into(),
+            kind: EventKind::Command,
             message: format!("{cmd}: {reply}"),
         });
         Ok(reply)
