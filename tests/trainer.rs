@@ -15,7 +15,7 @@ use dflash_tui::pipeline::queue::QueueName;
 use dflash_tui::pipeline::trainer::{self, RunOutcome, TrainerHandle};
 use dflash_tui::runtime::TorchRuntime;
 use dflash_tui::telemetry::records::{
-    read_metrics, EventKind, MetricsRecord, Phase, StepRecord, ValidationRecord,
+    read_metrics, EventKind, MetricsRecord, Phase, Snapshot, StepRecord, ValidationRecord,
 };
 
 type Setup = common::TinyRun;
@@ -156,6 +156,16 @@ fn pause_stops_progress_and_resume_continues() {
     std::thread::sleep(Duration::from_millis(1500));
     let after = h.snapshot();
     assert_eq!(after.step, paused_at, "steps advanced while paused");
+    // A poll that has the records up to a step gets only those after it.
+    let steps = |s: &Snapshot| -> Vec<u64> { s.history.iter().map(|r| r.step).collect() };
+    assert_eq!(steps(&after).last(), Some(&paused_at));
+    assert_eq!(
+        steps(&h.snapshot_since(paused_at - 2)),
+        [paused_at - 1, paused_at]
+    );
+    let none_new = h.snapshot_since(paused_at);
+    assert!(none_new.history.is_empty(), "{:?}", steps(&none_new));
+    assert_eq!((none_new.step, none_new.phase), (paused_at, Phase::Paused));
     assert_eq!(after.phase, Phase::Paused);
     assert_eq!((before.tokens_per_s, after.tokens_per_s), (0.0, 0.0));
     assert!(before.eta_s.is_some(), "{before:?}");

@@ -564,7 +564,22 @@ impl TrainerHandle {
         self.shared.metrics.write(record);
     }
 
+    /// The run as screens show it, with the whole step history (up to [`HISTORY`] records).
     pub fn snapshot(&self) -> Snapshot {
+        self.snapshot_with(|history| history.to_vec())
+    }
+
+    /// The same with only the step records after `step`: a poll that has the older ones copies
+    /// only what is new (the whole history is 20,000 records).
+    pub fn snapshot_since(&self, step: u64) -> Snapshot {
+        self.snapshot_with(|history| {
+            // (pushed step by step: ascending)
+            let new = history.partition_point(|r| r.step <= step);
+            history[new..].to_vec()
+        })
+    }
+
+    fn snapshot_with(&self, history: impl FnOnce(&[StepRecord]) -> Vec<StepRecord>) -> Snapshot {
         let s = &self.shared;
         let st = s.status();
         let last = st.history.last().cloned();
@@ -585,7 +600,7 @@ impl TrainerHandle {
             tokens_per_s: rates.tokens_per_s,
             samples_per_s: rates.samples_per_s,
             last,
-            history: st.history.clone(),
+            history: history(&st.history),
             evals: st.evals.clone(),
             validations: st.validations.clone(),
             queues: s.queue_levels(),
