@@ -4,7 +4,7 @@
 use dflash_tui::frontend::tui::render::{
     downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS, NO_TAU,
 };
-use dflash_tui::frontend::tui::state::{AppState, Mode};
+use dflash_tui::frontend::tui::state::{AppState, Mode, QuitChoice};
 use dflash_tui::pipeline::queue::{QueueLevel, QueueName};
 use dflash_tui::telemetry::gpu::GpuReading;
 use dflash_tui::telemetry::host::HostReading;
@@ -616,7 +616,9 @@ fn help_overlay() {
 #[test]
 fn quit_dialog() {
     let mut state = one_gpu();
-    state.mode = Mode::QuitDialog { selected: 0 };
+    state.mode = Mode::QuitDialog {
+        selected: QuitChoice::CheckpointAndStop,
+    };
     let s = screen(&state, 120, 40);
     insta::assert_snapshot!("quit_dialog_120x40", s);
     assert!(s.contains("Quit?"), "{s}");
@@ -624,7 +626,9 @@ fn quit_dialog() {
     assert!(s.contains("stop"), "{s}");
     assert!(s.contains("cancel"), "{s}");
     assert!(s.contains("leave (the run goes on)"), "{s}");
-    state.mode = Mode::QuitDialog { selected: 3 };
+    state.mode = Mode::QuitDialog {
+        selected: QuitChoice::Cancel,
+    };
     let s = screen(&state, 120, 40);
     assert!(s.contains("> cancel <"), "{s}");
     assert!(!s.contains("> checkpoint and stop <"), "{s}");
