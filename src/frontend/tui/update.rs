@@ -1,6 +1,6 @@
 //! The control room's pure update: one `Action` type for what reaches the screen (keys, the
 //! `:` line, the run's state, log and replies), turned into state changes and effects. Signals
-//! are not among them: the run loop acts on them (`frontend::headless`), as for a run without
+//! are not among them: the run loop acts on them (`frontend::run_loop`), as for a run without
 //! a screen.
 
 use crate::config::MAX_QUEUE_DEPTH;
