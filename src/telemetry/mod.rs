@@ -8,6 +8,7 @@ pub mod gpu;
 pub mod host;
 pub(crate) mod metrics_tail;
 pub mod profile;
+pub(crate) mod profile_event;
 pub(crate) mod queues;
 pub mod ranks;
 pub mod rate;
