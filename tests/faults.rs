@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-use dflash_tui::telemetry::records::{read_metrics, MetricsRecord};
+use dflash_tui::telemetry::records::{read_metrics, EventKind, MetricsRecord};
 use dflash_tui::train::checkpoint::{
     latest_checkpoint, list_checkpoints, newest_checkpoint, read_state,
 };
@@ -425,7 +425,11 @@ fn a_panic_in_any_stage_ends_the_run_within_seconds_with_the_message() {
             .unwrap()
             .into_iter()
             .filter_map(|r| match r {
-                MetricsRecord::Event { kind, message, .. } if kind == "error" => Some(message),
+                MetricsRecord::Event {
+                    kind: EventKind::Error,
+                    message,
+                    ..
+                } => Some(message),
                 _ => None,
             })
             .collect();

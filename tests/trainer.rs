@@ -15,7 +15,7 @@ use dflash_tui::pipeline::queue::QueueName;
 use dflash_tui::pipeline::trainer::{self, RunOutcome, TrainerHandle};
 use dflash_tui::runtime::TorchRuntime;
 use dflash_tui::telemetry::records::{
-    read_metrics, MetricsRecord, Phase, StepRecord, ValidationRecord,
+    read_metrics, EventKind, MetricsRecord, Phase, Snapshot, StepRecord, ValidationRecord,
 };
 
 type Setup = common::TinyRun;
@@ -128,13 +128,15 @@ fn pause_stops_progress_and_resume_continues() {
     // takes hold between steps and its event says at which step the count stays.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let paused_at = loop {
-        let at = checkpoint_events(&run, "paused").first().and_then(|m| {
-            m.strip_prefix("paused at step ")?
-                .split(':')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        });
+        let at = checkpoint_events(&run, EventKind::Paused)
+            .first()
+            .and_then(|m| {
+                m.strip_prefix("paused at step ")?
+                    .split(':')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            });
         if let Some(at) = at {
             break at;
         }
@@ -154,6 +156,16 @@ fn pause_stops_progress_and_resume_continues() {
     std::thread::sleep(Duration::from_millis(1500));
     let after = h.snapshot();
     assert_eq!(after.step, paused_at, "steps advanced while paused");
+    // A poll that has the records up to a step gets only those after it.
+    let steps = |s: &Snapshot| -> Vec<u64> { s.history.iter().map(|r| r.step).collect() };
+    assert_eq!(steps(&after).last(), Some(&paused_at));
+    assert_eq!(
+        steps(&h.snapshot_since(paused_at - 2)),
+        [paused_at - 1, paused_at]
+    );
+    let none_new = h.snapshot_since(paused_at);
+    assert!(none_new.history.is_empty(), "{:?}", steps(&none_new));
+    assert_eq!((none_new.step, none_new.phase), (paused_at, Phase::Paused));
     assert_eq!(after.phase, Phase::Paused);
     assert_eq!((before.tokens_per_s, after.tokens_per_s), (0.0, 0.0));
     assert!(before.eta_s.is_some(), "{before:?}");
@@ -426,7 +438,7 @@ fn a_failing_stage_stops_cleanly_and_keeps_the_last_checkpoint() {
     }
 }
 
-fn checkpoint_events(run: &Path, kind: &str) -> Vec<String> {
+fn checkpoint_events(run: &Path, kind: EventKind) -> Vec<String> {
     read_metrics(&run.join("metrics.jsonl"))
         .unwrap()
         .into_iter()
@@ -459,7 +471,7 @@ fn a_failed_checkpoint_keeps_the_previous_one_and_training_goes_on() {
     let out = join_within(start(&cfg, &run, false), Duration::from_secs(120));
     assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
     assert_eq!(out.steps, 14);
-    let failed = checkpoint_events(&run, "checkpoint_failed");
+    let failed = checkpoint_events(&run, EventKind::CheckpointFailed);
     assert_eq!(failed.len(), 2, "{failed:?}");
     assert!(
         failed[0].contains("step 8")
@@ -469,7 +481,7 @@ fn a_failed_checkpoint_keeps_the_previous_one_and_training_goes_on() {
         "{failed:?}"
     );
     assert!(failed[1].contains("tried again at step 11"), "{failed:?}");
-    let saved = checkpoint_events(&run, "checkpoint");
+    let saved = checkpoint_events(&run, EventKind::Checkpoint);
     assert!(
         saved.iter().any(|m| m.contains("(retry) at step 11")),
         "{saved:?}"
@@ -610,7 +622,11 @@ fn grad_sync_events(run_dir: &Path) -> Vec<String> {
         .unwrap()
         .into_iter()
         .filter_map(|r| match r {
-            MetricsRecord::Event { kind, message, .. } if kind == "grad_sync" => Some(message),
+            MetricsRecord::Event {
+                kind: EventKind::GradSync,
+                message,
+                ..
+            } => Some(message),
             _ => None,
         })
         .collect()
@@ -836,7 +852,7 @@ fn validation_records_the_walk_tau_and_keeps_the_best_drafter() {
     // The passes are the drafter worker's time: rows of their own in ProfileStats.
     let report = h.profile_report();
     let count = |e: &str| {
-        let row = report.rows.iter().find(|r| r.event == e);
+        let row = report.rows.iter().find(|r| r.event.name() == e);
         row.map_or(0, |r| r.cumulative.count)
     };
     assert_eq!((count("validation.pass"), count("eval.pass")), (6, 2));
@@ -884,7 +900,11 @@ fn validation_records_the_walk_tau_and_keeps_the_best_drafter() {
     assert!((saved["tau"].as_f64().unwrap() - top.tau).abs() < 1e-12);
     // the log line says what was measured
     let events: Vec<String> = records(&run, |r| match r {
-        MetricsRecord::Event { kind, message, .. } if kind == "validation" => Some(message),
+        MetricsRecord::Event {
+            kind: EventKind::Validation,
+            message,
+            ..
+        } => Some(message),
         _ => None,
     });
     assert_eq!(events.len(), vals.len());
@@ -940,7 +960,11 @@ fn patience_stops_a_run_that_no_longer_improves_with_a_checkpoint() {
     });
     assert_eq!(summary, vec![(Phase::Stopped, Some(reason.clone()))]);
     let early: Vec<String> = records(&run, |r| match r {
-        MetricsRecord::Event { kind, message, .. } if kind == "early_stop" => Some(message),
+        MetricsRecord::Event {
+            kind: EventKind::EarlyStop,
+            message,
+            ..
+        } => Some(message),
         _ => None,
     });
     assert_eq!(early, vec![reason]);

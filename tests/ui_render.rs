@@ -4,11 +4,13 @@
 use dflash_tui::frontend::tui::render::{
     downsample, fmt_duration, fmt_si, render, EMPTY_CHARTS, NO_TAU,
 };
-use dflash_tui::frontend::tui::state::{AppState, Mode};
+use dflash_tui::frontend::tui::state::{AppState, Mode, QuitChoice};
 use dflash_tui::pipeline::queue::{QueueLevel, QueueName};
 use dflash_tui::telemetry::gpu::GpuReading;
 use dflash_tui::telemetry::host::HostReading;
-use dflash_tui::telemetry::profile::{EventStats, ProfileReport, ProfileRow, StageWorkers};
+use dflash_tui::telemetry::profile::{
+    EventStats, ProfileEvent, ProfileReport, ProfileRow, StageWorkers,
+};
 use dflash_tui::telemetry::ranks::RankReport;
 use dflash_tui::telemetry::rate::RateWindow;
 use dflash_tui::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
@@ -86,7 +88,7 @@ fn profile() -> ProfileReport {
         rows: rows
             .iter()
             .map(|&(event, count, mean, max, share)| ProfileRow {
-                event: event.to_string(),
+                event: ProfileEvent::named(event).expect("a profile event"),
                 interval: stats(count, mean, max),
                 cumulative: stats(count * 39, mean * 1.02, max * 1.3),
                 // step.total spans overlapping steps: no stage's share
@@ -614,7 +616,9 @@ fn help_overlay() {
 #[test]
 fn quit_dialog() {
     let mut state = one_gpu();
-    state.mode = Mode::QuitDialog { selected: 0 };
+    state.mode = Mode::QuitDialog {
+        selected: QuitChoice::CheckpointAndStop,
+    };
     let s = screen(&state, 120, 40);
     insta::assert_snapshot!("quit_dialog_120x40", s);
     assert!(s.contains("Quit?"), "{s}");
@@ -622,7 +626,9 @@ fn quit_dialog() {
     assert!(s.contains("stop"), "{s}");
     assert!(s.contains("cancel"), "{s}");
     assert!(s.contains("leave (the run goes on)"), "{s}");
-    state.mode = Mode::QuitDialog { selected: 3 };
+    state.mode = Mode::QuitDialog {
+        selected: QuitChoice::Cancel,
+    };
     let s = screen(&state, 120, 40);
     assert!(s.contains("> cancel <"), "{s}");
     assert!(!s.contains("> checkpoint and stop <"), "{s}");
@@ -908,7 +914,7 @@ fn waits_are_grouped_apart_and_an_event_from_before_the_interval_says_so() {
     let wait = profile
         .rows
         .iter_mut()
-        .find(|r| r.event == "feature_q.wait")
+        .find(|r| r.event == ProfileEvent::FeatureQWait)
         .unwrap();
     wait.interval.began_earlier = 1;
     let s = screen(&state, 120, 40);

@@ -17,7 +17,7 @@ use crate::pipeline::command::Command;
 use crate::pipeline::trainer::{self, TrainerHandle};
 use crate::runtime::TorchRuntime;
 use crate::telemetry::gpu::GpuMonitor;
-use crate::telemetry::profile::{stage_busy, ProfileReport, StageWorkers};
+use crate::telemetry::profile::{stage_busy, ProfileEvent, ProfileReport, StageWorkers};
 use crate::telemetry::records::{Phase, Snapshot, StepRecord};
 use flops::ModelFlops;
 use stages_alone::{measure_stages_alone, StageAloneRates};
@@ -139,11 +139,11 @@ pub(crate) fn profile_path(profile: &str) -> PathBuf {
 }
 
 /// Cumulative seconds of the named events.
-fn totals(report: &ProfileReport, events: &[&str]) -> f64 {
+fn totals(report: &ProfileReport, events: &[ProfileEvent]) -> f64 {
     report
         .rows
         .iter()
-        .filter(|r| events.contains(&r.event.as_str()))
+        .filter(|r| events.contains(&r.event))
         .map(|r| r.cumulative.total_s)
         .sum()
 }
@@ -370,7 +370,7 @@ fn stage_occupancy(
     p1: &ProfileReport,
 ) -> BTreeMap<String, f64> {
     let span = (p1.elapsed_s - p0.elapsed_s).max(1e-9);
-    let diff = |events: &[&str]| totals(p1, events) - totals(p0, events);
+    let diff = |events: &[ProfileEvent]| totals(p1, events) - totals(p0, events);
     let workers = StageWorkers {
         targets: cfg.devices.target_devices.len(),
         drafters: cfg.devices.drafter_devices.len(),
@@ -420,7 +420,10 @@ fn profile_means(p0: &ProfileReport, p1: &ProfileReport) -> BTreeMap<String, (f6
         let count = row.cumulative.count - before.map_or(0, |r| r.cumulative.count);
         let total = row.cumulative.total_s - before.map_or(0.0, |r| r.cumulative.total_s);
         if count > 0 {
-            profile_ms.insert(row.event.clone(), (total * 1e3 / count as f64, count));
+            profile_ms.insert(
+                row.event.name().to_string(),
+                (total * 1e3 / count as f64, count),
+            );
         }
     }
     profile_ms

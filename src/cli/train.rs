@@ -13,8 +13,8 @@ use crate::config::{self, TrainConfig};
 use crate::data::arrow_io::resolve_split;
 use crate::data::check::scan_tokens;
 use crate::data::store::DataColumns;
-use crate::frontend::headless::{self, RunLoopOptions, ScreenLink};
 use crate::frontend::ranks::RankLink;
+use crate::frontend::run_loop::{self, RunLoopOptions, ScreenLink};
 use crate::frontend::signals::SignalFlags;
 use crate::frontend::socket;
 use crate::frontend::tui::state::Viewer;
@@ -454,7 +454,7 @@ pub(super) fn run(
         None => (None, None),
     };
     let close = link.as_ref().map(|l| l.close.clone());
-    let (outcome, end) = headless::run(
+    let (outcome, end) = run_loop::run(
         handle,
         signals,
         RunLoopOptions {

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 
 use super::train::{load_config, TrainArgs};
-use crate::frontend::headless::{self, RunLoopOptions};
 use crate::frontend::ranks::RankLink;
+use crate::frontend::run_loop::{self, RunLoopOptions};
 use crate::frontend::signals::SignalFlags;
 use crate::pipeline::distributed::Distributed;
 use crate::pipeline::trainer;
@@ -111,7 +111,7 @@ pub(super) fn follow(
         Some(d.clone()),
     )
     .with_context(|| format!("rank {} did not start", d.rank()))?;
-    let (outcome, _) = headless::run(
+    let (outcome, _) = run_loop::run(
         handle,
         signals,
         RunLoopOptions {

@@ -9,14 +9,14 @@
 //! - [`stdin`]: command lines typed on stdin when no screen owns the terminal.
 //!
 //! The socket and stdin send [`socket::Request`]s down one channel to the run loop,
-//! [`headless`], which runs under either front end: it hands the commands to the trainer,
+//! [`run_loop`], which runs under either front end: it hands the commands to the trainer,
 //! answers the queries, acts on the signals, and writes the records and progress lines. The
 //! screen, [`tui`] (the control room), is a viewer of the run through its socket like `attach`:
 //! its keys and `:` line reach the run loop as socket requests.
 
 pub(crate) mod ctl;
-pub(crate) mod headless;
 pub(crate) mod ranks;
+pub(crate) mod run_loop;
 pub(crate) mod signals;
 pub mod socket;
 pub(crate) mod stdin;

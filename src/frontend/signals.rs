@@ -2,7 +2,7 @@
 //! second one stops at once), SIGUSR1 writes a checkpoint, SIGHUP (the terminal is gone: a closed
 //! SSH session or tmux window) leaves the run training without it, with a checkpoint. The handlers
 //! are installed before any model loads (SIGUSR1's default action, before they were, killed the
-//! process); what arrives is counted and acted on by the run loop (`headless`) once the trainer
+//! process); what arrives is counted and acted on by the run loop (`run_loop`) once the trainer
 //! runs.
 //!
 //! SIGINT or SIGTERM while the models still load exits at once with status 128 + the signal, as

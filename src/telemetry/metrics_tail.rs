@@ -204,7 +204,7 @@ mod tests {
     fn event(i: u64) -> String {
         serde_json::to_string(&MetricsRecord::Event {
             elapsed_s: i as f64,
-            kind: "k".into(),
+            kind: crate::telemetry::records::EventKind::Other("k".into()),
             message: format!("m{i}"),
         })
         .unwrap()

@@ -11,82 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// The event names of the control-room spec §3, in pipeline order.
-pub(crate) const EVENTS: [&str; 17] = [
-    "loader.fetch",
-    "loader.pack",
-    "batch_q.wait",
-    "target.h2d",
-    "target.forward",
-    "target.handoff",
-    "feature_q.wait",
-    "drafter.anchors",
-    "drafter.forward",
-    "drafter.loss",
-    "drafter.backward",
-    "grad.sync",
-    "optim.step",
-    "checkpoint.save",
-    "validation.pass",
-    "eval.pass",
-    "step.total",
-];
-
-/// Index of an event in [`EVENTS`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Event(usize);
-
-impl Event {
-    pub fn named(name: &str) -> Option<Event> {
-        EVENTS.iter().position(|e| *e == name).map(Event)
-    }
-    pub(crate) const LOADER_FETCH: Event = Event(0);
-    pub(crate) const LOADER_PACK: Event = Event(1);
-    pub(crate) const BATCH_Q_WAIT: Event = Event(2);
-    pub(crate) const TARGET_H2D: Event = Event(3);
-    pub(crate) const TARGET_FORWARD: Event = Event(4);
-    pub(crate) const TARGET_HANDOFF: Event = Event(5);
-    pub(crate) const FEATURE_Q_WAIT: Event = Event(6);
-    pub(crate) const DRAFTER_ANCHORS: Event = Event(7);
-    pub(crate) const DRAFTER_FORWARD: Event = Event(8);
-    pub(crate) const DRAFTER_LOSS: Event = Event(9);
-    pub(crate) const DRAFTER_BACKWARD: Event = Event(10);
-    pub(crate) const GRAD_SYNC: Event = Event(11);
-    pub(crate) const OPTIM_STEP: Event = Event(12);
-    pub(crate) const CHECKPOINT_SAVE: Event = Event(13);
-    pub(crate) const VALIDATION_PASS: Event = Event(14);
-    pub(crate) const EVAL_PASS: Event = Event(15);
-    pub(crate) const STEP_TOTAL: Event = Event(16);
-}
-
-/// What an event's time is: a span over other events, work, or a wait on a queue (in the
-/// order reports list them).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum EventKind {
-    /// `step.total`: a step from its start to its numbers read, overlapping the next one.
-    Span,
-    Work,
-    /// A stage idle: waiting for its input queue, or handing off to a full one.
-    Wait,
-}
-
-impl EventKind {
-    pub fn of(event: &str) -> EventKind {
-        match event {
-            "batch_q.wait" | "target.handoff" | "feature_q.wait" => EventKind::Wait,
-            "step.total" => EventKind::Span,
-            _ => EventKind::Work,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EventKind::Work => "work",
-            EventKind::Wait => "wait",
-            EventKind::Span => "span",
-        }
-    }
-}
+pub use super::profile_event::{ProfileEvent, Stage, TimingKind};
 
 struct Slot {
     count: AtomicU64,
@@ -193,23 +118,6 @@ impl EventStats {
     }
 }
 
-/// The stage an event's time belongs to: the share of an event is of its stage's wall time
-/// (with two target workers, target.forward was 122 % of the interval).
-pub(crate) fn stage_of(event: &str) -> Option<&'static str> {
-    match event.split('.').next() {
-        Some("loader") => Some("loader"),
-        Some("batch_q" | "target") => Some("target"),
-        // The coordinator is drafter worker 0: it syncs, steps, checkpoints, validates and
-        // evaluates.
-        Some("feature_q" | "drafter" | "grad" | "optim" | "checkpoint" | "validation" | "eval") => {
-            Some("drafter")
-        }
-        // step.total spans overlapping steps (the next begins before the last is read): no
-        // stage's time, so no share.
-        _ => None,
-    }
-}
-
 /// Threads of each stage: what a stage's wall time is made of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StageWorkers {
@@ -227,11 +135,11 @@ impl Default for StageWorkers {
 }
 
 impl StageWorkers {
-    fn of(&self, stage: &str) -> usize {
+    fn of(&self, stage: Stage) -> usize {
         match stage {
-            "target" => self.targets,
-            "drafter" => self.drafters,
-            _ => 1,
+            Stage::Loader => 1,
+            Stage::Target => self.targets,
+            Stage::Drafter => self.drafters,
         }
         .max(1)
     }
@@ -240,7 +148,7 @@ impl StageWorkers {
 /// One row of a report.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ProfileRow {
-    pub event: String,
+    pub event: ProfileEvent,
     pub interval: EventStats,
     pub cumulative: EventStats,
     /// Interval total over the wall time of its stage's threads in the interval (at most 1);
@@ -258,7 +166,7 @@ pub struct ProfileReport {
     pub elapsed_s: f64,
     #[serde(default)]
     pub workers: StageWorkers,
-    /// `step.total`, then work, then waits ([`EventKind`]); each by share of the interval,
+    /// `step.total`, then work, then waits ([`TimingKind`]); each by share of the interval,
     /// largest first.
     pub rows: Vec<ProfileRow>,
 }
@@ -267,7 +175,7 @@ pub struct ProfileReport {
 /// its input queue (or handing off), over their wall time. The formulas `bench` uses for
 /// `stage_busy`.
 pub fn stage_busy(
-    interval_total_s: impl Fn(&[&str]) -> f64,
+    interval_total_s: impl Fn(&[ProfileEvent]) -> f64,
     span_s: f64,
     workers: StageWorkers,
 ) -> Vec<(&'static str, f64)> {
@@ -275,17 +183,19 @@ pub fn stage_busy(
     vec![
         (
             "loader",
-            (interval_total_s(&["loader.fetch", "loader.pack"]) / span).clamp(0.0, 1.0),
+            (interval_total_s(&[ProfileEvent::LoaderFetch, ProfileEvent::LoaderPack]) / span)
+                .clamp(0.0, 1.0),
         ),
         (
             "target",
-            (1.0 - interval_total_s(&["batch_q.wait", "target.handoff"])
+            (1.0 - interval_total_s(&[ProfileEvent::BatchQWait, ProfileEvent::TargetHandoff])
                 / (span * workers.targets.max(1) as f64))
                 .clamp(0.0, 1.0),
         ),
         (
             "drafter",
-            (1.0 - interval_total_s(&["feature_q.wait"]) / (span * workers.drafters.max(1) as f64))
+            (1.0 - interval_total_s(&[ProfileEvent::FeatureQWait])
+                / (span * workers.drafters.max(1) as f64))
                 .clamp(0.0, 1.0),
         ),
     ]
@@ -294,10 +204,10 @@ pub fn stage_busy(
 impl ProfileReport {
     /// Each stage's busy share over the interval (see [`stage_busy`]).
     pub fn stage_busy(&self) -> Vec<(&'static str, f64)> {
-        let total = |events: &[&str]| {
+        let total = |events: &[ProfileEvent]| {
             self.rows
                 .iter()
-                .filter(|r| events.contains(&r.event.as_str()))
+                .filter(|r| events.contains(&r.event))
                 .map(|r| r.interval.total_s)
                 .sum::<f64>()
         };
@@ -329,8 +239,8 @@ impl ProfileReport {
         for r in &self.rows {
             out.push_str(&format!(
                 "{:<18} {:<4} {:>7} {:>10.3} {:>10.3} {:>10.3} {:>10} {:>7} {:>12.3}\n",
-                r.event,
-                EventKind::of(&r.event).as_str(),
+                r.event.name(),
+                r.event.kind().as_str(),
                 r.interval.count,
                 r.interval.total_s,
                 r.interval.mean_s * 1e3,
@@ -389,8 +299,8 @@ impl ProfileStats {
     pub(crate) fn with_workers(workers: StageWorkers) -> Self {
         ProfileStats {
             workers,
-            slots: EVENTS.iter().map(|_| Slot::new()).collect(),
-            cumulative: Mutex::new(vec![EventStats::default(); EVENTS.len()]),
+            slots: ProfileEvent::ALL.iter().map(|_| Slot::new()).collect(),
+            cumulative: Mutex::new(vec![EventStats::default(); ProfileEvent::ALL.len()]),
             started: Instant::now(),
             interval_start_ns: AtomicU64::new(0),
         }
@@ -398,15 +308,15 @@ impl ProfileStats {
 
     /// Records one occurrence.
     #[inline]
-    pub fn record(&self, event: Event, duration: Duration) {
+    pub fn record(&self, event: ProfileEvent, duration: Duration) {
         let now = self.started.elapsed().as_nanos() as u64;
         let inside = now.saturating_sub(self.interval_start_ns.load(Ordering::Relaxed));
-        self.slots[event.0].record(duration.as_nanos() as u64, inside);
+        self.slots[event.index()].record(duration.as_nanos() as u64, inside);
     }
 
     /// Times `f` as `event`.
     #[inline]
-    pub fn time<R>(&self, event: Event, f: impl FnOnce() -> R) -> R {
+    pub fn time<R>(&self, event: ProfileEvent, f: impl FnOnce() -> R) -> R {
         let t = Instant::now();
         let r = f();
         self.record(event, t.elapsed());
@@ -421,21 +331,20 @@ impl ProfileStats {
         let interval_s = now.saturating_sub(began) as f64 / 1e9;
         let elapsed_s = now as f64 / 1e9;
         let mut cumulative = self.cumulative.lock().unwrap_or_else(|e| e.into_inner());
-        let share = |total: f64, wall: f64, stage: Option<&str>| {
+        let share = |total: f64, wall: f64, stage: Option<Stage>| {
             let threads = self.workers.of(stage?) as f64;
             // Clock reads of different threads may overlap the edges by a hair.
             (wall > 0.0).then(|| (total / (wall * threads)).min(1.0))
         };
-        let mut rows: Vec<ProfileRow> = self
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(i, slot)| {
-                let (interval, whole) = slot.take();
+        let mut rows: Vec<ProfileRow> = ProfileEvent::ALL
+            .into_iter()
+            .map(|event| {
+                let i = event.index();
+                let (interval, whole) = self.slots[i].take();
                 cumulative[i].merge(&whole);
-                let stage = stage_of(EVENTS[i]);
+                let stage = event.stage();
                 ProfileRow {
-                    event: EVENTS[i].to_string(),
+                    event,
                     interval,
                     cumulative: cumulative[i],
                     share: share(interval.total_s, interval_s, stage),
@@ -446,8 +355,9 @@ impl ProfileStats {
         // step.total, then the work by share, then the waits by share.
         rows.sort_by(|a, b| {
             let share = |r: &ProfileRow| r.share.unwrap_or(0.0);
-            EventKind::of(&a.event)
-                .cmp(&EventKind::of(&b.event))
+            a.event
+                .kind()
+                .cmp(&b.event.kind())
                 .then(share(b).total_cmp(&share(a)))
                 .then(b.interval.total_s.total_cmp(&a.interval.total_s))
         });
@@ -469,36 +379,44 @@ mod tests {
         let p = ProfileStats::new();
         // (events end inside the interval: it must be longer than they are)
         std::thread::sleep(Duration::from_millis(20));
-        p.record(Event::DRAFTER_FORWARD, Duration::from_millis(4));
-        p.record(Event::DRAFTER_FORWARD, Duration::from_millis(2));
-        p.record(Event::LOADER_FETCH, Duration::from_millis(1));
+        p.record(ProfileEvent::DrafterForward, Duration::from_millis(4));
+        p.record(ProfileEvent::DrafterForward, Duration::from_millis(2));
+        p.record(ProfileEvent::LoaderFetch, Duration::from_millis(1));
         let r = p.report();
         let fwd = r
             .rows
             .iter()
-            .find(|r| r.event == "drafter.forward")
+            .find(|r| r.event == ProfileEvent::DrafterForward)
             .unwrap();
         assert_eq!(fwd.interval.count, 2);
         assert!((fwd.interval.mean_s - 0.003).abs() < 1e-9);
         assert!((fwd.interval.min_s - 0.002).abs() < 1e-9);
         assert!((fwd.interval.max_s - 0.004).abs() < 1e-9);
         assert_eq!(
-            r.rows[0].event, "step.total",
+            r.rows[0].event,
+            ProfileEvent::StepTotal,
             "the span without a share first"
         );
-        assert_eq!(r.rows[1].event, "drafter.forward", "then the work by share");
+        assert_eq!(
+            r.rows[1].event,
+            ProfileEvent::DrafterForward,
+            "then the work by share"
+        );
         std::thread::sleep(Duration::from_millis(20));
-        p.record(Event::DRAFTER_FORWARD, Duration::from_millis(10));
+        p.record(ProfileEvent::DrafterForward, Duration::from_millis(10));
         let r2 = p.report();
         let fwd = r2
             .rows
             .iter()
-            .find(|r| r.event == "drafter.forward")
+            .find(|r| r.event == ProfileEvent::DrafterForward)
             .unwrap();
         assert_eq!(fwd.interval.count, 1);
         assert_eq!(fwd.cumulative.count, 3);
         assert!((fwd.cumulative.max_s - 0.010).abs() < 1e-9);
-        assert_eq!(Event::named("step.total"), Some(Event::STEP_TOTAL));
+        assert_eq!(
+            ProfileEvent::named("step.total"),
+            Some(ProfileEvent::StepTotal)
+        );
         assert!(r2.table().contains("drafter.forward"));
     }
 
@@ -512,12 +430,12 @@ mod tests {
         let t = Instant::now();
         std::thread::sleep(Duration::from_millis(40));
         let wall = t.elapsed();
-        p.record(Event::named("target.forward").unwrap(), wall);
-        p.record(Event::named("target.forward").unwrap(), wall);
-        p.record(Event::named("feature_q.wait").unwrap(), wall / 2);
-        p.record(Event::STEP_TOTAL, wall * 3);
+        p.record(ProfileEvent::named("target.forward").unwrap(), wall);
+        p.record(ProfileEvent::named("target.forward").unwrap(), wall);
+        p.record(ProfileEvent::named("feature_q.wait").unwrap(), wall / 2);
+        p.record(ProfileEvent::StepTotal, wall * 3);
         let r = p.report();
-        let row = |e: &str| r.rows.iter().find(|r| r.event == e).unwrap().clone();
+        let row = |e: &str| r.rows.iter().find(|r| r.event.name() == e).unwrap().clone();
         let fwd = row("target.forward").share.unwrap();
         assert!(
             fwd > 0.9 && fwd <= 1.0,
@@ -550,10 +468,10 @@ mod tests {
         p.report();
         // a handoff that waited on a full queue for 4.4 s, ending 30 ms into this interval
         std::thread::sleep(Duration::from_millis(30));
-        p.record(Event::TARGET_HANDOFF, Duration::from_millis(4424));
-        p.record(Event::TARGET_FORWARD, Duration::from_millis(5));
+        p.record(ProfileEvent::TargetHandoff, Duration::from_millis(4424));
+        p.record(ProfileEvent::TargetForward, Duration::from_millis(5));
         let r = p.report();
-        let row = |e: &str| r.rows.iter().find(|r| r.event == e).unwrap().clone();
+        let row = |e: &str| r.rows.iter().find(|r| r.event.name() == e).unwrap().clone();
         let handoff = row("target.handoff");
         assert_eq!(handoff.interval.count, 1);
         assert_eq!(handoff.interval.began_earlier, 1);
@@ -578,9 +496,9 @@ mod tests {
             .unwrap();
         assert!(line.contains(" wait ") && line.contains(" >"), "{line}");
         // step.total, then the work, then the waits
-        let kinds: Vec<EventKind> = r.rows.iter().map(|r| EventKind::of(&r.event)).collect();
+        let kinds: Vec<TimingKind> = r.rows.iter().map(|r| r.event.kind()).collect();
         assert!(kinds.windows(2).all(|k| k[0] <= k[1]), "{kinds:?}");
-        assert_eq!(EventKind::of("feature_q.wait"), EventKind::Wait);
+        assert_eq!(ProfileEvent::FeatureQWait.kind(), TimingKind::Wait);
     }
 
     #[test]
@@ -590,14 +508,14 @@ mod tests {
         std::thread::sleep(Duration::from_millis(40));
         let wall = t.elapsed();
         // the drafter worker validated for 3/4 of the interval and trained the rest
-        p.record(Event::VALIDATION_PASS, wall * 3 / 4);
-        p.record(Event::DRAFTER_FORWARD, wall / 8);
-        p.record(Event::EVAL_PASS, wall / 16);
+        p.record(ProfileEvent::ValidationPass, wall * 3 / 4);
+        p.record(ProfileEvent::DrafterForward, wall / 8);
+        p.record(ProfileEvent::EvalPass, wall / 16);
         let r = p.report();
         let drafter: f64 = r
             .rows
             .iter()
-            .filter(|r| stage_of(&r.event) == Some("drafter"))
+            .filter(|r| r.event.stage() == Some(Stage::Drafter))
             .filter_map(|r| r.share)
             .sum();
         let busy = r
@@ -608,7 +526,25 @@ mod tests {
             .1;
         assert_eq!(busy, 1.0, "no wait on feature_q");
         assert!(drafter > 0.85 && drafter <= 1.0, "{drafter}");
-        assert_eq!(stage_of("validation.pass"), Some("drafter"));
-        assert_eq!(stage_of("eval.pass"), Some("drafter"));
+        assert_eq!(ProfileEvent::ValidationPass.stage(), Some(Stage::Drafter));
+        assert_eq!(ProfileEvent::EvalPass.stage(), Some(Stage::Drafter));
+    }
+
+    #[test]
+    fn events_are_named_as_the_spec_and_read_back_by_name() {
+        for (i, event) in ProfileEvent::ALL.into_iter().enumerate() {
+            assert_eq!(event.index(), i, "{event}: ALL is in declaration order");
+            assert_eq!(ProfileEvent::named(event.name()), Some(event));
+            let json = serde_json::to_string(&event).unwrap();
+            assert_eq!(json, format!("\"{}\"", event.name()));
+            assert_eq!(serde_json::from_str::<ProfileEvent>(&json).unwrap(), event);
+        }
+        assert_eq!(
+            ProfileEvent::named("target.h2d"),
+            Some(ProfileEvent::TargetH2d)
+        );
+        assert_eq!(ProfileEvent::named("drafter"), None);
+        assert_eq!(ProfileEvent::StepTotal.stage(), None);
+        assert_eq!(ProfileEvent::BatchQWait.stage(), Some(Stage::Target));
     }
 }

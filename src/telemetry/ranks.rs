@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::gpu::GpuReading;
+use super::profile::ProfileEvent;
 use super::queues::QueueLevel;
 use super::records::{Phase, Snapshot};
 
@@ -47,7 +48,7 @@ impl RankReport {
             sync_s: profile.and_then(|p| {
                 p.rows
                     .iter()
-                    .find(|r| r.event == "grad.sync" && r.interval.count > 0)
+                    .find(|r| r.event == ProfileEvent::GradSync && r.interval.count > 0)
                     .map(|r| r.interval.mean_s)
             }),
             bottleneck: profile

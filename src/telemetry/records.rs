@@ -7,6 +7,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
+pub use super::event_kind::EventKind;
 use super::gpu::GpuReading;
 use super::host::HostReading;
 use super::metrics_tail::{self, BadLines};
@@ -184,7 +185,7 @@ pub enum MetricsRecord {
     Profile(ProfileReport),
     Event {
         elapsed_s: f64,
-        kind: String,
+        kind: EventKind,
         message: String,
     },
     Summary {
@@ -547,7 +548,7 @@ mod tests {
             MetricsRecord::Profile(crate::telemetry::profile::ProfileStats::new().report()),
             MetricsRecord::Event {
                 elapsed_s: 3.0,
-                kind: "checkpoint".into(),
+                kind: EventKind::Checkpoint,
                 message: "saved".into(),
             },
             MetricsRecord::Summary {
@@ -655,7 +656,7 @@ mod tests {
         for _ in 0..5 {
             w.write(&MetricsRecord::Event {
                 elapsed_s: 0.0,
-                kind: "x".into(),
+                kind: EventKind::Other("x".into()),
                 message: "y".into(),
             });
         }

@@ -554,7 +554,7 @@ mod tests {
         w.write(&step(1, 3.0));
         w.write(&MetricsRecord::Event {
             elapsed_s: 1.0,
-            kind: "checkpoint".into(),
+            kind: crate::telemetry::records::EventKind::Checkpoint,
             message: "saved".into(),
         });
         w.write(&step(2, 2.0));

@@ -3,7 +3,7 @@
 
 use crate::pipeline::queue::{QueueLevel, QueueName};
 use crate::telemetry::gpu::GpuReading;
-use crate::telemetry::profile::{EventStats, ProfileReport, ProfileRow, EVENTS};
+use crate::telemetry::profile::{EventStats, ProfileEvent, ProfileReport, ProfileRow};
 use crate::telemetry::records::{EvalRecord, Phase, Snapshot, StepRecord, ValidationRecord};
 
 use super::state::AppState;
@@ -77,11 +77,11 @@ fn profile_report(steps: usize) -> ProfileReport {
         interval_s: 30.0,
         elapsed_s: steps as f64 * 0.2,
         workers: Default::default(),
-        rows: EVENTS
-            .iter()
+        rows: ProfileEvent::ALL
+            .into_iter()
             .enumerate()
-            .map(|(i, e)| ProfileRow {
-                event: e.to_string(),
+            .map(|(i, event)| ProfileRow {
+                event,
                 interval: EventStats {
                     count: 150,
                     total_s: 30.0 / (i + 2) as f64,
@@ -98,8 +98,8 @@ fn profile_report(steps: usize) -> ProfileReport {
                     max_s: 0.09,
                     began_earlier: 0,
                 },
-                share: (*e != "step.total").then_some(1.0 / (i + 2) as f64),
-                all_time_share: (*e != "step.total").then_some(1.0 / (i + 2) as f64),
+                share: (event != ProfileEvent::StepTotal).then_some(1.0 / (i + 2) as f64),
+                all_time_share: (event != ProfileEvent::StepTotal).then_some(1.0 / (i + 2) as f64),
             })
             .collect(),
     }

@@ -19,21 +19,53 @@ pub enum Mode {
     /// `:status`: the run's status (what `ctl status` answers) over the screen, kept up to
     /// date; any key closes it.
     Status,
-    /// `q`: one of [`QUIT_CHOICES`] (read-only viewers: leave or cancel).
+    /// `q`: the choice under the cursor (a read-only viewer leaves at once instead).
     QuitDialog {
-        selected: usize,
+        selected: QuitChoice,
     },
     /// The run has ended; any key leaves.
     Ended,
 }
 
-/// The quit dialog's choices, in order.
-pub(crate) const QUIT_CHOICES: [&str; 4] = [
-    "checkpoint and stop",
-    "stop now",
-    "leave (the run goes on)",
-    "cancel",
-];
+/// A choice of the quit dialog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuitChoice {
+    CheckpointAndStop,
+    StopNow,
+    /// Close the screen; the run goes on.
+    Leave,
+    Cancel,
+}
+
+impl QuitChoice {
+    /// The choices in the order the dialog lists them.
+    pub const ALL: [QuitChoice; 4] = [
+        QuitChoice::CheckpointAndStop,
+        QuitChoice::StopNow,
+        QuitChoice::Leave,
+        QuitChoice::Cancel,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            QuitChoice::CheckpointAndStop => "checkpoint and stop",
+            QuitChoice::StopNow => "stop now",
+            QuitChoice::Leave => "leave (the run goes on)",
+            QuitChoice::Cancel => "cancel",
+        }
+    }
+
+    /// The choice below, wrapping around.
+    pub fn next(self) -> QuitChoice {
+        QuitChoice::ALL[(self as usize + 1) % QuitChoice::ALL.len()]
+    }
+
+    /// The choice above, wrapping around.
+    pub fn previous(self) -> QuitChoice {
+        let n = QuitChoice::ALL.len();
+        QuitChoice::ALL[(self as usize + n - 1) % n]
+    }
+}
 
 /// Log lines the logs pane keeps.
 pub(crate) const LOG_LINES: usize = 300;

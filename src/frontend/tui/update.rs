@@ -1,13 +1,13 @@
 //! The control room's pure update: one `Action` type for what reaches the screen (keys, the
 //! `:` line, the run's state, log and replies), turned into state changes and effects. Signals
-//! are not among them: the run loop acts on them (`frontend::headless`), as for a run without
+//! are not among them: the run loop acts on them (`frontend::run_loop`), as for a run without
 //! a screen.
 
 use crate::config::MAX_QUEUE_DEPTH;
 use crate::pipeline::command::Command;
 use crate::telemetry::records::{Phase, Snapshot};
 
-use super::state::{AppState, Mode, Viewer, QUIT_CHOICES, ZOOM_LEVELS};
+use super::state::{AppState, Mode, QuitChoice, Viewer, ZOOM_LEVELS};
 
 /// A key, independent of the terminal library.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,13 +152,13 @@ fn on_key(state: &mut AppState, key: Key) -> Vec<Effect> {
         Mode::QuitDialog { selected } => match key {
             Key::Left | Key::Up | Key::BackTab => {
                 state.mode = Mode::QuitDialog {
-                    selected: (selected + QUIT_CHOICES.len() - 1) % QUIT_CHOICES.len(),
+                    selected: selected.previous(),
                 };
                 vec![]
             }
             Key::Right | Key::Down | Key::Tab => {
                 state.mode = Mode::QuitDialog {
-                    selected: (selected + 1) % QUIT_CHOICES.len(),
+                    selected: selected.next(),
                 };
                 vec![]
             }
@@ -169,13 +169,15 @@ fn on_key(state: &mut AppState, key: Key) -> Vec<Effect> {
             Key::Enter | Key::Char('y') => {
                 state.mode = Mode::Normal;
                 match selected {
-                    0 => vec![Effect::Send(Command::Stop { checkpoint: true })],
-                    1 => vec![Effect::Send(Command::Stop { checkpoint: false })],
-                    2 => {
+                    QuitChoice::CheckpointAndStop => {
+                        vec![Effect::Send(Command::Stop { checkpoint: true })]
+                    }
+                    QuitChoice::StopNow => vec![Effect::Send(Command::Stop { checkpoint: false })],
+                    QuitChoice::Leave => {
                         state.quit = true;
                         vec![]
                     }
-                    _ => vec![],
+                    QuitChoice::Cancel => vec![],
                 }
             }
             Key::Interrupt => interrupt(state),
@@ -262,7 +264,9 @@ fn normal_key(state: &mut AppState, key: Key) -> Vec<Effect> {
             vec![]
         }
         Key::Char('q') => {
-            state.mode = Mode::QuitDialog { selected: 0 };
+            state.mode = Mode::QuitDialog {
+                selected: QuitChoice::CheckpointAndStop,
+            };
             vec![]
         }
         Key::Interrupt => interrupt(state),
@@ -453,6 +457,23 @@ mod tests {
             assert_eq!(s.mode, Mode::Normal);
             assert_eq!(s.quit, moves == 2, "leave closes the screen only");
         }
+        // the cursor wraps around both ways
+        let mut s = state(Phase::Training);
+        update(&mut s, Action::Key(Key::Char('q')));
+        update(&mut s, Action::Key(Key::Up));
+        assert_eq!(
+            s.mode,
+            Mode::QuitDialog {
+                selected: QuitChoice::Cancel
+            }
+        );
+        update(&mut s, Action::Key(Key::Down));
+        assert_eq!(
+            s.mode,
+            Mode::QuitDialog {
+                selected: QuitChoice::CheckpointAndStop
+            }
+        );
         let mut s = state(Phase::Training);
         update(&mut s, Action::Key(Key::Char('q')));
         assert_eq!(update(&mut s, Action::Key(Key::Esc)), vec![]);

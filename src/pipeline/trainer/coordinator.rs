@@ -23,8 +23,8 @@ use crate::model::{Drafter, FrozenHead};
 use crate::pipeline::collective::{CoordinatorSync, ParamsMsg};
 use crate::pipeline::distributed::step::sum_step;
 use crate::pipeline::held_out::HeldOut;
-use crate::telemetry::profile::Event;
-use crate::telemetry::records::{MetricsRecord, Phase, StepRecord};
+use crate::telemetry::profile::ProfileEvent;
+use crate::telemetry::records::{EventKind, MetricsRecord, Phase, StepRecord};
 use crate::train::loss::{LossSums, LossTensors};
 use crate::train::optim::{lr_at, AdamW};
 
@@ -122,7 +122,7 @@ impl Coordinator {
                 st.stop_reason = Some("at once, no checkpoint".into());
                 drop(st);
                 self.shared.event(
-                    "stopped",
+                    EventKind::Stopped,
                     format!("stopped at once at step {}: {e:#}", self.step),
                 );
                 Ok(())
@@ -137,7 +137,7 @@ impl Coordinator {
             // only rewrite what the run left.
             self.shared.set_phase(Phase::Finished);
             self.shared.event(
-                "finished",
+                EventKind::Finished,
                 format!(
                     "already finished at step {} of {}; nothing to do",
                     self.step, self.total_steps
@@ -169,7 +169,7 @@ impl Coordinator {
                 let paused_at = Instant::now();
                 self.shared.status().rates.pause(paused_at);
                 self.shared.event(
-                    "paused",
+                    EventKind::Paused,
                     format!("paused at step {}: the next step waits", self.step),
                 );
                 let going_on = self.wait_paused()?;
@@ -203,8 +203,10 @@ impl Coordinator {
         self.final_measurements()?;
         self.final_checkpoint("final")?;
         self.shared.set_phase(Phase::Finished);
-        self.shared
-            .event("finished", format!("finished after {} steps", self.step));
+        self.shared.event(
+            EventKind::Finished,
+            format!("finished after {} steps", self.step),
+        );
         Ok(())
     }
 
@@ -259,7 +261,9 @@ impl Coordinator {
             }
             None => (sums, tokens, samples),
         };
-        self.shared.profile.record(Event::GRAD_SYNC, t.elapsed());
+        self.shared
+            .profile
+            .record(ProfileEvent::GradSync, t.elapsed());
         let lr = lr_at(
             self.step,
             self.total_steps,
@@ -267,7 +271,7 @@ impl Coordinator {
             cfg.train.lr,
             cfg.train.min_lr_ratio,
         );
-        let grad_norm = self.shared.profile.time(Event::OPTIM_STEP, || {
+        let grad_norm = self.shared.profile.time(ProfileEvent::OptimStep, || {
             apply_update(
                 &mut self.optimizer,
                 &params,
@@ -420,7 +424,7 @@ impl Coordinator {
         self.last_step_end = now;
         self.shared
             .profile
-            .record(Event::STEP_TOTAL, now.duration_since(q.started));
+            .record(ProfileEvent::StepTotal, now.duration_since(q.started));
         let rates = {
             let mut st = self.shared.status();
             st.rates.complete(now, q.tokens, q.samples);

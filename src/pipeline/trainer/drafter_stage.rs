@@ -16,7 +16,8 @@ use crate::data::packer::PackerState;
 use crate::model::{AnchorBatch, Drafter, FrozenHead};
 use crate::pipeline::collective::{self, ParamsMsg, ReplicaSync};
 use crate::pipeline::queue::QueueClosed;
-use crate::telemetry::profile::{Event, ProfileStats};
+use crate::telemetry::profile::{ProfileEvent, ProfileStats};
+use crate::telemetry::records::EventKind;
 use crate::train::loss::{
     block_targets, loss_and_backward_deferred, sample_anchors, LossOptions, LossTensors,
 };
@@ -67,7 +68,7 @@ pub(super) fn warm_up_attention(
     let warmed = drafter.warm_up_attention(head, cfg.data.max_len);
     if warmed > 0 {
         shared.event(
-            "warm_up",
+            EventKind::WarmUp,
             format!(
                 "drafter worker {replica}: attention kernels planned for {warmed} context lengths in {:.1} s",
                 t.elapsed().as_secs_f64()
@@ -99,7 +100,7 @@ pub(crate) fn train_on_item(
         kernels: head.loss_kernels,
     };
     let b = &item.batch;
-    let (plan, targets) = profile.time(Event::DRAFTER_ANCHORS, || {
+    let (plan, targets) = profile.time(ProfileEvent::DrafterAnchors, || {
         let plan = sample_anchors(
             &b.mask,
             &b.lengths,
@@ -118,11 +119,11 @@ pub(crate) fn train_on_item(
         anchors: Tensor::from_slice(&plan.anchors).view([rows, plan.per_row as i64]),
         valid: Tensor::from_slice(&plan.valid).view([rows, plan.per_row as i64]),
     };
-    let hidden = profile.time(Event::DRAFTER_FORWARD, || {
+    let hidden = profile.time(ProfileEvent::DrafterForward, || {
         drafter.forward_train(head, &item.features.to_device(dev), &batch)
     });
     let teacher = item.teacher_hidden.as_ref().map(|t| t.to_device(dev));
-    let (sums, pending) = profile.time(Event::DRAFTER_LOSS, || {
+    let (sums, pending) = profile.time(ProfileEvent::DrafterLoss, || {
         loss_and_backward_deferred(
             &hidden,
             &head.lm_head,
@@ -134,7 +135,7 @@ pub(crate) fn train_on_item(
         )
     });
     if let Some(p) = pending {
-        profile.time(Event::DRAFTER_BACKWARD, || p.run());
+        profile.time(ProfileEvent::DrafterBackward, || p.run());
     }
     sums
 }
@@ -184,7 +185,7 @@ pub(super) fn accumulate(
         };
         shared
             .profile
-            .record(Event::FEATURE_Q_WAIT, t.elapsed() + waited_before);
+            .record(ProfileEvent::FeatureQWait, t.elapsed() + waited_before);
         let b = &item.batch;
         let sums = train_on_item(
             &shared.profile,
@@ -230,7 +231,7 @@ pub(super) fn replica(
             return Ok(());
         };
         let params = drafter.named_parameters();
-        let out = shared.profile.time(Event::GRAD_SYNC, || {
+        let out = shared.profile.time(ProfileEvent::GradSync, || {
             sync.outgoing(AdamW::flatten_grads(&params))
         });
         if tx

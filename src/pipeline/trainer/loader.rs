@@ -10,7 +10,7 @@ use crate::config::{FailStage, TrainConfig};
 use crate::data::packer::{collate, Packer, PackerState};
 use crate::data::store::TokenStore;
 use crate::pipeline::queue::QueueClosed;
-use crate::telemetry::profile::Event;
+use crate::telemetry::profile::ProfileEvent;
 
 /// A batch on its way to a target worker.
 pub(crate) struct BatchItem {
@@ -47,7 +47,7 @@ pub(super) fn loader(
         for position in 0..share.global {
             let batch = shared
                 .profile
-                .time(Event::LOADER_FETCH, || packer.next())
+                .time(ProfileEvent::LoaderFetch, || packer.next())
                 .ok_or_else(|| anyhow!("the data set yields no batch"))?;
             step_epoch = batch.epoch;
             if share.takes(position) {
@@ -57,7 +57,7 @@ pub(super) fn loader(
         seq += share.global as u64;
         let resume = packer.state();
         for (item_seq, batch) in mine {
-            let mut item = shared.profile.time(Event::LOADER_PACK, || {
+            let mut item = shared.profile.time(ProfileEvent::LoaderPack, || {
                 batch_item(&store, &batch, item_seq, resume)
             });
             // (the epoch that goes with `resume`: the step's last batch's, whichever rank has it)

@@ -33,7 +33,7 @@ use crate::pipeline::distributed::Distributed;
 use crate::runtime::TorchRuntime;
 use crate::telemetry::profile::{ProfileReport, ProfileStats, StageWorkers};
 use crate::telemetry::records::{
-    MetricsRecord, MetricsWriter, Phase, RunHistory, Snapshot, StepRecord,
+    EventKind, MetricsRecord, MetricsWriter, Phase, RunHistory, Snapshot, StepRecord,
 };
 use crate::train::checkpoint::{checkpoints_dir, remove_stale_partials};
 use coordinator::Coordinator;
@@ -207,7 +207,7 @@ pub fn start_with(
         share,
     });
     shared.event(
-        "start",
+        EventKind::Start,
         format!(
             "run {} in {}: {} steps from step {}, targets on {:?}, drafters on {:?}",
             config.run.name,
@@ -248,7 +248,7 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
     let config = Arc::new(p.config.clone());
     // The NCCL communicators, if any, before any thread starts.
     let (coordinator_sync, replica_syncs, sync_note) = p.grad_sync.connect(&p.drafter_devices)?;
-    shared.event("grad_sync", sync_note);
+    shared.event(EventKind::GradSync, sync_note);
 
     let mut threads = vec![spawn_loader(&shared, &config, p.store.clone(), p.packer)?];
     let taps = p.drafters[0].config.target_layer_ids().to_vec();
@@ -507,7 +507,7 @@ impl TrainerHandle {
         };
         s.metrics.write(&MetricsRecord::Event {
             elapsed_s: s.elapsed_s(),
-            kind: "command".into(),
+            kind: EventKind::Command,
             message: format!("{cmd}: {reply}"),
         });
         Ok(reply)
@@ -564,7 +564,22 @@ impl TrainerHandle {
         self.shared.metrics.write(record);
     }
 
+    /// The run as screens show it, with the whole step history (up to [`HISTORY`] records).
     pub fn snapshot(&self) -> Snapshot {
+        self.snapshot_with(|history| history.to_vec())
+    }
+
+    /// The same with only the step records after `step`: a poll that has the older ones copies
+    /// only what is new (the whole history is 20,000 records).
+    pub fn snapshot_since(&self, step: u64) -> Snapshot {
+        self.snapshot_with(|history| {
+            // (pushed step by step: ascending)
+            let new = history.partition_point(|r| r.step <= step);
+            history[new..].to_vec()
+        })
+    }
+
+    fn snapshot_with(&self, history: impl FnOnce(&[StepRecord]) -> Vec<StepRecord>) -> Snapshot {
         let s = &self.shared;
         let st = s.status();
         let last = st.history.last().cloned();
@@ -585,7 +600,7 @@ impl TrainerHandle {
             tokens_per_s: rates.tokens_per_s,
             samples_per_s: rates.samples_per_s,
             last,
-            history: st.history.clone(),
+            history: history(&st.history),
             evals: st.evals.clone(),
             validations: st.validations.clone(),
             queues: s.queue_levels(),

@@ -11,8 +11,8 @@ use super::coordinator::Coordinator;
 use super::shared::{injected_failure, StopState, EVAL_HISTORY};
 use crate::config::{FailMode, FailStage, TrainConfig};
 use crate::data::packer::PackerState;
-use crate::telemetry::profile::Event;
-use crate::telemetry::records::{EvalRecord, MetricsRecord, Phase, ValidationRecord};
+use crate::telemetry::profile::ProfileEvent;
+use crate::telemetry::records::{EvalRecord, EventKind, MetricsRecord, Phase, ValidationRecord};
 use crate::train::checkpoint::{
     save_checkpoint, BestEval, BestRule, CheckpointFault, HoldPoint, TrainerState,
 };
@@ -99,7 +99,9 @@ impl Coordinator {
             )
             .with_context(|| format!("evaluation at step {}", self.step))?;
         // the drafter worker's time, so that its stage's shares add up with its busy share
-        self.shared.profile.record(Event::EVAL_PASS, t.elapsed());
+        self.shared
+            .profile
+            .record(ProfileEvent::EvalPass, t.elapsed());
         let eval_s = t.elapsed().as_secs_f64();
         let candidate = BestEval {
             step: self.step,
@@ -133,7 +135,7 @@ impl Coordinator {
             st.evals.push(record.clone());
         }
         self.shared.event(
-            "eval",
+            EventKind::Eval,
             format!(
                 "eval at step {}: tau {:.3} over {} prompts ({} tokens, {:.1} s){note}",
                 self.step, record.tau, record.prompts, record.generated_tokens, eval_s
@@ -159,7 +161,7 @@ impl Coordinator {
             .with_context(|| format!("validation at step {}", self.step))?;
         self.shared
             .profile
-            .record(Event::VALIDATION_PASS, t.elapsed());
+            .record(ProfileEvent::ValidationPass, t.elapsed());
         let validation_s = t.elapsed().as_secs_f64();
         if !v.loss.is_finite() {
             bail!(
@@ -204,7 +206,7 @@ impl Coordinator {
             st.validations.push(record.clone());
         }
         self.shared.event(
-            "validation",
+            EventKind::Validation,
             format!(
                 "validation at step {}: loss {:.4} acc {:.3} tau(walk) {:.3} (anchor mean {:.3}) over {} sequences ({} answers, {} steps, {:.1} s){note}",
                 self.step,
@@ -265,7 +267,7 @@ impl Coordinator {
         self.final_checkpoint("early stop")?;
         self.shared.status().stop_reason = Some(reason.clone());
         self.shared.set_phase(self.ended_phase());
-        self.shared.event("early_stop", reason);
+        self.shared.event(EventKind::EarlyStop, reason);
         Ok(())
     }
 
@@ -305,7 +307,7 @@ impl Coordinator {
                 self.shared.status().stop_reason = Some("stop command".into());
                 self.shared.set_phase(self.ended_phase());
                 self.shared.event(
-                    "stopped",
+                    EventKind::Stopped,
                     format!("stopped at step {} by command", self.step),
                 );
                 Ok(true)
@@ -314,7 +316,7 @@ impl Coordinator {
                 self.shared.status().stop_reason = Some("stop command, no checkpoint".into());
                 self.shared.set_phase(self.ended_phase());
                 self.shared.event(
-                    "stopped",
+                    EventKind::Stopped,
                     format!("stopped at step {} without checkpoint", self.step),
                 );
                 Ok(true)
@@ -331,7 +333,7 @@ impl Coordinator {
             Ok(()) => {
                 if self.retry.take().is_some() {
                     self.shared.event(
-                        "checkpoint",
+                        EventKind::Checkpoint,
                         format!("checkpoints work again at step {}", self.step),
                     );
                 }
@@ -346,7 +348,7 @@ impl Coordinator {
                 log::warn!("{message}");
                 self.shared.metrics.write(&MetricsRecord::Event {
                     elapsed_s: self.shared.elapsed_s(),
-                    kind: "checkpoint_failed".into(),
+                    kind: EventKind::CheckpointFailed,
                     message,
                 });
             }
@@ -437,7 +439,7 @@ impl Coordinator {
         );
         self.shared
             .profile
-            .record(Event::CHECKPOINT_SAVE, t.elapsed());
+            .record(ProfileEvent::CheckpointSave, t.elapsed());
         let path = saved.with_context(|| {
             format!(
                 "checkpoint ({why}) at step {} failed; the previous checkpoint is kept",
@@ -448,7 +450,7 @@ impl Coordinator {
         self.saved_step = Some(self.step);
         self.shared.status().last_checkpoint = Some(path.clone());
         self.shared.event(
-            "checkpoint",
+            EventKind::Checkpoint,
             format!(
                 "checkpoint ({why}) at step {}: {} in {:.2} s",
                 self.step,

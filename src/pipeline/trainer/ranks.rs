@@ -11,7 +11,7 @@ use anyhow::Result;
 use super::coordinator::Coordinator;
 use crate::pipeline::distributed::step::{Control, Decision};
 use crate::pipeline::queue::QueueName;
-use crate::telemetry::records::Phase;
+use crate::telemetry::records::{EventKind, Phase};
 
 /// How often rank 0 tells the others that the run is still paused (well inside any timeout).
 const PAUSED_KEEPALIVE: Duration = Duration::from_secs(1);
@@ -87,8 +87,10 @@ impl Coordinator {
                         paused_at = Some(Instant::now());
                         self.shared.paused.store(true, Ordering::SeqCst);
                         self.shared.set_phase(Phase::Paused);
-                        self.shared
-                            .event("paused", format!("paused at step {} by rank 0", self.step));
+                        self.shared.event(
+                            EventKind::Paused,
+                            format!("paused at step {} by rank 0", self.step),
+                        );
                     }
                 }
                 Decision::Stop => {
@@ -96,7 +98,7 @@ impl Coordinator {
                     self.shared.status().stop_reason = Some("stopped by rank 0".into());
                     self.shared.set_phase(Phase::Stopped);
                     self.shared.event(
-                        "stopped",
+                        EventKind::Stopped,
                         format!("stopped at step {} by rank 0", self.step),
                     );
                     return Ok(());
@@ -116,8 +118,10 @@ impl Coordinator {
         }
         self.finish_queued()?;
         self.shared.set_phase(Phase::Finished);
-        self.shared
-            .event("finished", format!("finished after {} steps", self.step));
+        self.shared.event(
+            EventKind::Finished,
+            format!("finished after {} steps", self.step),
+        );
         Ok(())
     }
 

@@ -18,7 +18,7 @@ use crate::pipeline::queue::{QueueLevel, ResizableQueue};
 use crate::telemetry::profile::{ProfileReport, ProfileStats};
 use crate::telemetry::rate::RateWindow;
 use crate::telemetry::records::{
-    EvalRecord, MetricsRecord, MetricsWriter, Phase, StepRecord, ValidationRecord,
+    EvalRecord, EventKind, MetricsRecord, MetricsWriter, Phase, StepRecord, ValidationRecord,
 };
 
 pub(super) use crate::telemetry::records::STEP_HISTORY as HISTORY;
@@ -173,11 +173,11 @@ impl Shared {
         }
     }
 
-    pub(super) fn event(&self, kind: &str, message: String) {
+    pub(super) fn event(&self, kind: EventKind, message: String) {
         log::info!("{message}");
         self.metrics.write(&MetricsRecord::Event {
             elapsed_s: self.elapsed_s(),
-            kind: kind.to_string(),
+            kind,
             message,
         });
     }
@@ -199,7 +199,7 @@ impl Shared {
         log::error!("{message}");
         self.metrics.write(&MetricsRecord::Event {
             elapsed_s: self.elapsed_s(),
-            kind: "error".into(),
+            kind: EventKind::Error,
             message,
         });
         self.stop.store(true, Ordering::Relaxed);

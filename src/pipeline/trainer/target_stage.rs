@@ -11,7 +11,7 @@ use super::shared::{injected_failure, sync_device, Shared};
 use crate::config::{FailStage, TrainConfig};
 use crate::model::layers::upload;
 use crate::model::{ForwardRequest, TargetModel};
-use crate::telemetry::profile::Event;
+use crate::telemetry::profile::ProfileEvent;
 
 /// Target features on their way to a drafter worker.
 pub(crate) struct FeatureItem {
@@ -47,12 +47,12 @@ pub(super) fn target_worker(
             Ok(b) => b,
             Err(_) => return Ok(()),
         };
-        shared.profile.record(Event::BATCH_Q_WAIT, t.elapsed());
+        shared.profile.record(ProfileEvent::BatchQWait, t.elapsed());
         // pinned and non-blocking: a pageable copy would wait for the device's queued work
-        let ids = shared.profile.time(Event::TARGET_H2D, || {
+        let ids = shared.profile.time(ProfileEvent::TargetH2d, || {
             upload(&batch.input_ids, target.device)
         });
-        let out = shared.profile.time(Event::TARGET_FORWARD, || {
+        let out = shared.profile.time(ProfileEvent::TargetForward, || {
             let out = target.run(&ids, None, &req);
             if wait_for_device {
                 sync_device(target.device);
@@ -76,7 +76,9 @@ pub(super) fn target_worker(
         };
         let t = Instant::now();
         let pushed = shared.feature_q.push(item);
-        shared.profile.record(Event::TARGET_HANDOFF, t.elapsed());
+        shared
+            .profile
+            .record(ProfileEvent::TargetHandoff, t.elapsed());
         if pushed.is_err() {
             return Ok(());
         }

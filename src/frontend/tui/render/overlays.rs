@@ -8,7 +8,7 @@ use ratatui::Frame;
 
 use super::dim;
 use super::format::fmt_duration;
-use crate::frontend::tui::state::QUIT_CHOICES;
+use crate::frontend::tui::state::QuitChoice;
 use crate::telemetry::records::{Phase, RunStatus, Snapshot};
 
 /// A rectangle of at most `width` x `height`, centred in `area`.
@@ -91,19 +91,20 @@ pub(super) fn render_help(frame: &mut Frame, area: Rect) {
     );
 }
 
-pub(super) fn render_quit_dialog(frame: &mut Frame, area: Rect, selected: usize) {
+pub(super) fn render_quit_dialog(frame: &mut Frame, area: Rect, selected: QuitChoice) {
     let mut lines = vec![Line::raw("")];
-    for (i, choice) in QUIT_CHOICES.iter().enumerate() {
-        if i == selected {
+    for choice in QuitChoice::ALL {
+        let choice_label = choice.label();
+        if choice == selected {
             lines.push(
                 Line::from(Span::styled(
-                    format!("> {choice} <"),
+                    format!("> {choice_label} <"),
                     Style::new().add_modifier(Modifier::REVERSED | Modifier::BOLD),
                 ))
                 .centered(),
             );
         } else {
-            lines.push(Line::from(format!("  {choice}  ")).centered());
+            lines.push(Line::from(format!("  {choice_label}  ")).centered());
         }
     }
     lines.push(Line::raw(""));

@@ -8,7 +8,7 @@ use ratatui::Frame;
 
 use super::dim;
 use super::format::{fmt_duration, fmt_ms, fmt_secs, truncate};
-use crate::telemetry::profile::{fmt_max_ms, fmt_share, EventKind, ProfileReport, ProfileRow};
+use crate::telemetry::profile::{fmt_max_ms, fmt_share, ProfileReport, ProfileRow, TimingKind};
 
 pub(super) fn render_profile(
     frame: &mut Frame,
@@ -105,7 +105,7 @@ fn shown_rows(report: &ProfileReport, max_rows: usize) -> Vec<Option<&ProfileRow
     let (mut work, waits): (Vec<&ProfileRow>, Vec<&ProfileRow>) = report
         .rows
         .iter()
-        .partition(|r| EventKind::of(&r.event) != EventKind::Wait);
+        .partition(|r| r.event.kind() != TimingKind::Wait);
     let waits_rows = if waits.is_empty() { 0 } else { waits.len() + 1 };
     work.truncate(max_rows.saturating_sub(waits_rows).max(2));
     let label = (!waits.is_empty()).then_some(None);
@@ -131,7 +131,7 @@ fn render_table(frame: &mut Frame, area: Rect, report: &ProfileReport) {
     let event_w = report
         .rows
         .iter()
-        .map(|r| r.event.chars().count())
+        .map(|r| r.event.name().chars().count())
         .max()
         .unwrap_or(5)
         .clamp(5, 18);
@@ -154,14 +154,14 @@ fn render_table(frame: &mut Frame, area: Rect, report: &ProfileReport) {
             continue;
         };
         let values = [
-            Cell::from(truncate(&r.event, event_w)),
+            Cell::from(truncate(r.event.name(), event_w)),
             right(r.interval.count.to_string()),
             right(fmt_ms(r.interval.mean_s)),
             right(fmt_max_ms(&r.interval, |ms| fmt_ms(ms * 1e-3))),
             right(fmt_share(r.share)),
             right(fmt_share(r.all_time_share)),
         ];
-        let wait = EventKind::of(&r.event) == EventKind::Wait;
+        let wait = r.event.kind() == TimingKind::Wait;
         let style = match r.share {
             Some(s) if wait && s >= 0.2 => Style::new().fg(Color::Yellow),
             _ if wait => dim(),

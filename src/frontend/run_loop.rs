@@ -22,7 +22,7 @@ use crate::telemetry::format::fmt_duration_compact;
 use crate::telemetry::gpu::{GpuMonitor, GpuReading};
 use crate::telemetry::host::{HostMonitor, HostReading};
 use crate::telemetry::records::{
-    GpuRecord, MetricsRecord, RunStatus, Snapshot, StepRecord, ValidationRecord,
+    EventKind, GpuRecord, MetricsRecord, RunStatus, Snapshot, StepRecord, ValidationRecord,
 };
 
 /// The human line of step `r` (a record of the run `s` shows now); `validation`, a pass made
@@ -112,9 +112,13 @@ struct Live {
 }
 
 impl Live {
-    /// The trainer's snapshot with the machine's readings, as screens show it.
-    fn snapshot(&self, handle: &TrainerHandle) -> Snapshot {
-        let mut snap = handle.snapshot();
+    /// The trainer's snapshot with the machine's readings, as screens show it; with the step
+    /// records after `since` only, when given.
+    fn snapshot(&self, handle: &TrainerHandle, since: Option<u64>) -> Snapshot {
+        let mut snap = match since {
+            Some(step) => handle.snapshot_since(step),
+            None => handle.snapshot(),
+        };
         snap.gpus = self.gpus.clone();
         snap.gpu_error = self.gpu_error.clone();
         snap.host = self.host_reading.clone();
@@ -124,17 +128,13 @@ impl Live {
 
     /// Answers a query as JSON text.
     fn query(&self, handle: &TrainerHandle, command: &Command) -> Result<String, String> {
-        let mut snap = self.snapshot(handle);
         let json = match command {
             Command::Status => {
+                // (the status needs no step history)
+                let snap = self.snapshot(handle, Some(u64::MAX));
                 serde_json::to_string(&RunStatus::new(&snap, Some(std::process::id())))
             }
-            Command::Snapshot { since } => {
-                if let Some(after) = since {
-                    snap.history.retain(|r| r.step > *after);
-                }
-                serde_json::to_string(&snap)
-            }
+            Command::Snapshot { since } => serde_json::to_string(&self.snapshot(handle, *since)),
             other => return Err(format!("{other} is not a query")),
         };
         json.map_err(|e| format!("cannot encode the answer: {e}"))
@@ -283,7 +283,7 @@ fn exit_without_the_stages(
     log::error!("{message}");
     handle.write_record(&MetricsRecord::Event {
         elapsed_s: snap.elapsed_s,
-        kind: "error".into(),
+        kind: EventKind::Error,
         message,
     });
     drop(socket);
@@ -365,7 +365,8 @@ pub(crate) fn run(
                 );
             }
         }
-        let mut snap = live.snapshot(&handle);
+        // (the progress lines need only the steps not logged yet)
+        let mut snap = live.snapshot(&handle, Some(progress.last_logged));
         match &mut opts.ranks {
             Some(RankLink::Leader(leader)) => {
                 leader.fill(&handle, &mut snap);
@@ -409,7 +410,7 @@ pub(crate) fn run(
         live.answer_until(&handle, &req_rx, tick_end);
     }
     // Steps that finished after the last look, and the queues as the run ends.
-    let last = live.snapshot(&handle);
+    let last = live.snapshot(&handle, Some(progress.last_logged));
     progress.log_due(&last);
     handle.write_record(&MetricsRecord::Queues {
         elapsed_s: last.elapsed_s,
