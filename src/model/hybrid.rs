@@ -150,12 +150,7 @@ impl GatedDeltaNet {
         state: Option<&GdnState>,
         real: Option<&Tensor>,
     ) -> (Tensor, GdnState) {
-        let (p, history) = self.convolved(x, state, real);
-        let (q, k, v, g, beta) = self.rule_inputs(&p, real);
-        let initial = state.map(|s| &s.recurrent);
-        let kernels = self.kernels.as_ref();
-        let (core, recurrent) = gated_delta_rule(&q, &k, &v, &g, &beta, initial, kernels);
-        let out = self.output(&core, &p.z);
+        let (out, history, recurrent) = self.mix(x, state, real, false);
         let (window, len) = (self.shape.conv_kernel - 1, history.size()[2]);
         let conv = history.narrow(2, len - window, window).contiguous();
         (out, GdnState { conv, recurrent })
@@ -189,12 +184,7 @@ impl GatedDeltaNet {
         state: Option<&GdnState>,
         real: Option<&Tensor>,
     ) -> (Tensor, GdnState) {
-        let (p, history) = self.convolved(x, state, real);
-        let (q, k, v, g, beta) = self.rule_inputs(&p, real);
-        let initial = state.map(|s| &s.recurrent);
-        let kernels = self.kernels.as_ref();
-        let (core, recurrent) = gated_delta_rule_steps(&q, &k, &v, &g, &beta, initial, kernels);
-        let out = self.output(&core, &p.z);
+        let (out, history, recurrent) = self.mix(x, state, real, true);
         let window = self.shape.conv_kernel - 1;
         let t = x.size()[1];
         // windows of the history ending after each new token: [B, conv_dim, T, window]
@@ -203,6 +193,28 @@ impl GatedDeltaNet {
             .narrow(2, 1, t)
             .permute([0, 2, 1, 3]);
         (out, GdnState { conv, recurrent })
+    }
+
+    /// The layer's output for `x` continuing `state`, the conv history (the state's inputs then
+    /// the new ones, [B, conv_dim, kernel - 1 + T]) and the recurrent state: after the last
+    /// token, or with `each_token` after every token ([B, T, ...]).
+    fn mix(
+        &self,
+        x: &Tensor,
+        state: Option<&GdnState>,
+        real: Option<&Tensor>,
+        each_token: bool,
+    ) -> (Tensor, Tensor, Tensor) {
+        let (p, history) = self.convolved(x, state, real);
+        let (q, k, v, g, beta) = self.rule_inputs(&p, real);
+        let initial = state.map(|s| &s.recurrent);
+        let kernels = self.kernels.as_ref();
+        let (core, recurrent) = if each_token {
+            gated_delta_rule_steps(&q, &k, &v, &g, &beta, initial, kernels)
+        } else {
+            gated_delta_rule(&q, &k, &v, &g, &beta, initial, kernels)
+        };
+        (self.output(&core, &p.z), history, recurrent)
     }
 
     /// Runs the rule on `kernels` (CUDA tensors on their device; None: libtorch's operations).
