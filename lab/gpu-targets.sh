@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The GPU acceptance runs of the Qwen3.5 hybrid and mixture-of-experts targets, in stages that
+# each fit one device call. Carried in .carry/ (made by `lab/gpu-targets.sh pack` here):
+# anchors/ (copies of ../shared/anchors), bins.tar.xz (the stripped release binary, the library's and gpu_decode's test binaries),
+# benchdata.tar.xz (assets/bench), whl/ (FLA 0.6.0 for the anchors), debs/ (tmux), mt-bench.jsonl.
+# Every stage unpacks them into $W once, so a stage runs on a fresh machine as on a warm one.
+#   OUT=/tmp/out bash lab/gpu-targets.sh check|anchors|bench|room
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = pack ]; then
+  set -e
+  make carry >/dev/null
+  bash lab/carry-tests.sh >/dev/null
+  rm -f .carry/tests/trainer
+  tar -C .carry -cf - dflash-tui tests | xz -T2 -6 > .carry/bins.tar.xz
+  rm -rf .carry/dflash-tui .carry/tests
+  tar -C assets -cf - bench | xz -T2 -6 > .carry/benchdata.tar.xz
+  mkdir -p .carry/whl .carry/debs
+  (cd .carry/whl && python3 -m pip download -q --no-deps -d . flash-linear-attention==0.6.0 fla-core==0.6.0)
+  (cd .carry/debs && apt-get download -q tmux libevent-core-2.1-7 libutempter0 2>/dev/null)
+  cp assets/demo/mt-bench.jsonl .carry/ && mkdir -p .carry/anchors && cp ../shared/anchors/*.py .carry/anchors/
+  du -sh .carry/*
+  exit 0
+fi
+TL=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))")/lib
+export LD_LIBRARY_PATH=$TL
+W=${W:-/tmp/w}
+OUT=${OUT:-/tmp/out}
+B=$W/dflash-tui
+mkdir -p "$OUT" "$W"
+t() { echo "== $(date +%T) $*"; }
+if [ ! -x "$B" ]; then
+  xz -dc .carry/bins.tar.xz | tar -C "$W" -xf -
+  xz -dc .carry/benchdata.tar.xz | tar -C "$W" -xf -
+fi
+mkdir -p assets
+ln -sfn "$W/bench" assets/bench
+# one JSON line of a command's stdout into $OUT/NAME.json, its log into NAME.err
+run_json() { # NAME TIMEOUT command...
+  local name=$1 limit=$2; shift 2
+  t "$name"
+  timeout "$limit" "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
+  local rc=$?
+  [ $rc -ne 0 ] && { echo "$name: exit $rc"; tail -4 "$OUT/$name.err"; }
+  cat "$OUT/$name.json"
+}
+
+case "${1:-}" in
+check)
+  nvidia-smi -L
+  $B doctor 2>&1 | sed -n 2,6p
+  t gdn-kernel-tests
+  timeout 150 "$W/tests/lib" --ignored gdn_tests:: cuda_blocks --test-threads 1 2>&1 | tail -14
+  run_json gdn-48x48 120 $B bench-gdn --reference
+  run_json gdn-48x16 60 $B bench-gdn --key-heads 16
+  run_json forward-qwen3.5-27b 150 $B bench-forward --target configs/shapes/qwen3.5-27b --random-weights
+  run_json forward-qwen3.5-35b-a3b 120 $B bench-forward --target configs/shapes/qwen3.5-35b-a3b --random-weights
+  run_json forward-qwen3-30b-a3b 120 $B bench-forward --target configs/shapes/qwen3-30b-a3b --random-weights
+  ;;
+anchors)
+  python3 -m pip install -q --no-deps --target /tmp/fla .carry/whl/*.whl 2>&1 | tail -2
+  t gpu-decode-tests
+  timeout 200 "$W/tests/gpu_decode" --ignored gpu --test-threads 1 2>&1 | tail -16
+  run_json anchor-qwen3.5-27b 240 env PYTHONPATH=/tmp/fla python3 .carry/anchors/qwen35_hf_forward.py 1 3072 64
+  run_json anchor-qwen3.5-35b-a3b 180 env PYTHONPATH=/tmp/fla python3 .carry/anchors/qwen35_moe_hf_forward.py 1 3072
+  ;;
+bench)
+  for p in ${PROFILES:-qwen3.5-27b-shape qwen3-8b-shape}; do
+    run_json "bench-$p" "${BENCH_S:-270}" $B bench --profile "$p" --warmup-steps 3 --steps "${STEPS:-10}"
+  done
+  ;;
+room)
+  # a small Qwen3.5 model written by the machine's transformers, with the Qwen3 tokenizer
+  t target
+  python3 - <<'PY'
+import shutil, torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+cfg = Qwen3_5TextConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+    num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+    linear_num_value_heads=16, linear_num_key_heads=8, linear_key_head_dim=64,
+    linear_value_head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=8192,
+    tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
+torch.manual_seed(0)
+m = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).eval()
+m.save_pretrained("/tmp/q35t", safe_serialization=True)
+for f in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(f"assets/bench/qwen3-tokenizer/{f}", f"/tmp/q35t/{f}")
+print("qwen3.5 target:", sum(p.numel() for p in m.parameters()) / 1e6, "M parameters")
+PY
+  $B doctor --model /tmp/q35t 2>&1 | tail -1
+  t regenerate
+  timeout 150 $B regenerate --target /tmp/q35t --input assets/bench/sharegpt-qwen3-3000 --out /tmp/q35regen \
+    --max-new-tokens 256 --max-len 1024 --limit "${ROWS:-1500}" --max-turns 1 2> "$OUT/regen.err" | tail -3
+  grep -E "tokens/s|rows" "$OUT/regen.err" | tail -3
+  # the control room, in tmux
+  if ! command -v tmux >/dev/null; then
+    for d in .carry/debs/*.deb; do dpkg-deb -x "$d" "$W/tmuxroot"; done
+    export PATH="$W/tmuxroot/usr/bin:$PATH"
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$W/tmuxroot/usr/lib/x86_64-linux-gnu"
+  fi
+  R=/tmp/q35run
+  sets="--set model.target=/tmp/q35t --set model.random_weights=false --set model.drafter_layers=2"
+  sets="$sets --set model.mask_token_id=151669 --set data.path=/tmp/q35regen --set data.max_len=1280"
+  sets="$sets --set data.token_budget=8192 --set data.max_batch=16 --set train.num_anchors=128"
+  sets="$sets --set train.total_steps=${STEPS:-600} --set train.lr=1e-3 --set checkpoint.save_every_steps=200"
+  sets="$sets --set telemetry.log_every_steps=10 --set telemetry.profile_interval_s=10"
+  t train
+  tmux new-session -d -s cr -x 150 -y 48 "$B train --config configs/bench-qwen3.5-4b-shape.toml $sets --run-dir $R 2> $OUT/train.err"
+  for i in $(seq 1 60); do [ -S $R/control.sock ] && break; sleep 1; done
+  sleep "${SCREEN_AFTER_S:-45}"
+  tmux capture-pane -p -t cr > "$OUT/control-room.txt"
+  $B ctl $R status > "$OUT/ctl-status.json" 2>&1
+  cat "$OUT/control-room.txt"; head -c 1500 "$OUT/ctl-status.json"; echo
+  for i in $(seq 1 "${TRAIN_WAIT_S:-240}"); do tmux has-session -t cr 2>/dev/null || break; sleep 1; done
+  tmux kill-session -t cr 2>/dev/null
+  tail -3 "$OUT/train.err"
+  D=$(ls -d $R/checkpoints/step-*/drafter | tail -1)
+  echo "drafter: $D"
+  run_json eval-mtbench-graphs 120 $B eval --target /tmp/q35t --drafter "$D" --prompts .carry/mt-bench.jsonl --limit 40 --max-new-tokens 128 --json
+  run_json eval-mtbench-f32 120 $B eval --target /tmp/q35t --drafter "$D" --prompts .carry/mt-bench.jsonl --limit 12 --max-new-tokens 96 --dtype f32 --json
+  python3 tools/eval_summary.py "$OUT"/eval-mtbench-graphs.json "$OUT"/eval-mtbench-f32.json 2>&1 | tail -8
+  ;;
+*) echo "usage: $0 pack|check|anchors|bench|room"; exit 2 ;;
+esac
+t done
