@@ -177,20 +177,20 @@ mod tests {
         assert!(line.contains(" B active per token), 69."), "{line}");
         assert!(line.ends_with(" GiB) in bf16"), "{line}");
 
-        let e = weights_on_device(&c, Kind::BFloat16, "Cuda(0)", Some(40_000_000_000)).unwrap_err();
+        let e = weights_on_device(&c, Kind::BFloat16, "cuda:0", Some(40_000_000_000)).unwrap_err();
         let e = format!("{e:#}");
         let want = format!(
-            "the target's weights take {:.1} GiB, more than Cuda(0) can hold (37.3 GiB",
+            "the target's weights take {:.1} GiB, more than cuda:0 can hold (37.3 GiB",
             gib(weight_bytes(&c, Kind::BFloat16))
         );
         assert!(e.starts_with(&want), "{e}");
         let h200 = Some(150_754_820_096);
-        let ok = weights_on_device(&c, Kind::BFloat16, "Cuda(0)", h200).unwrap();
+        let ok = weights_on_device(&c, Kind::BFloat16, "cuda:0", h200).unwrap();
         assert_eq!(
             ok,
             format!("{:.1} GiB in memory", gib(weight_bytes(&c, Kind::BFloat16)))
         );
-        assert!(weights_on_device(&c, Kind::Float, "Cpu", None).is_ok());
+        assert!(weights_on_device(&c, Kind::Float, "cpu", None).is_ok());
         // a dense target has no active count
         assert!(!describe_weights(&shape("qwen3-8b")).contains("active"));
     }

@@ -70,7 +70,7 @@ fn target_weight_bytes(dir: &Path, dev: Device, kind: Kind) -> Result<String> {
         }
         _ => None,
     };
-    crate::model::memory::weights_on_device(&config, kind, &format!("{dev:?}"), total)
+    crate::model::memory::weights_on_device(&config, kind, &super::device_name(dev), total)
 }
 
 /// "N layers, X GB of files" of the target in `dir` (its config.json and safetensors files), for the
