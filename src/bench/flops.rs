@@ -1,8 +1,9 @@
 //! The model FLOPs a benchmark divides by its time (benchmarks spec): 2 FLOPs per parameter and
 //! token for the target's forward, 6 per parameter and drafted position for the drafter's forward
 //! and backward, 4 H V per drafted position for the frozen LM head's forward and backward. What
-//! is counted of a target layer: its projections and MLP (and a Gated DeltaNet layer's
-//! convolution, a product with its own weights too), and a Gated DeltaNet layer's state products;
+//! is counted of a target layer: its projections and MLP (of a mixture of experts the active
+//! parameters only: router, chosen experts, shared expert), a Gated DeltaNet layer's convolution
+//! (a product with its own weights too) and its state products;
 //! not the attention scores of any family (the spec's count never had them), not norms, rotary
 //! embedding or activations.
 
@@ -17,6 +18,25 @@ use crate::model::{DrafterConfig, TargetConfig};
 /// Parameters of one pre-norm decoder layer (attention projections and SwiGLU MLP).
 fn layer_params(h: f64, q_dim: f64, kv_dim: f64, inter: f64) -> f64 {
     h * q_dim * 2.0 + h * kv_dim * 2.0 + 3.0 * h * inter
+}
+
+/// Parameters of layer `l`'s MLP one token runs through: the dense SwiGLU, or of a sparse block
+/// its active parameters: the router (every expert's logit is computed), the `k` experts it is
+/// routed to, the shared expert and its gate; the other experts cost it nothing.
+fn active_mlp_params(config: &TargetConfig, l: usize) -> f64 {
+    let h = config.hidden_size as f64;
+    let swiglu = 3.0 * h * config.active_mlp_width(l as i64) as f64;
+    match &config.moe {
+        Some(m) if m.is_sparse(l as i64) => {
+            let shared_gate = if m.shared_expert_intermediate_size.is_some() {
+                h
+            } else {
+                0.0
+            };
+            swiglu + m.num_experts as f64 * h + shared_gate
+        }
+        _ => swiglu,
+    }
 }
 
 /// Parameters of a Gated DeltaNet layer's token mixer: `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
@@ -45,11 +65,10 @@ fn target_layer(config: &TargetConfig, layer: usize) -> (f64, f64) {
         config.num_attention_heads as f64 * d,
         config.kv_heads() as f64 * d,
     );
-    // a mixture of experts counts the experts a token is routed to (active parameters)
-    let width = config.active_mlp_width(layer as i64) as f64;
-    let mlp = 3.0 * h * width;
+    // a mixture of experts counts what a token runs through (active parameters)
+    let mlp = active_mlp_params(config, layer);
     let Some(hybrid) = &config.hybrid else {
-        return (layer_params(h, q, kv, width), 0.0);
+        return (layer_params(h, q, kv, 0.0) + mlp, 0.0);
     };
     match hybrid.layers.get(layer) {
         // q_proj emits the query and its gate: twice as wide as o_proj's input
@@ -216,8 +235,125 @@ mod tests {
         assert!((3.5e9..4.5e9).contains(&total), "{total}");
     }
 
+    fn moe_target(v: serde_json::Value) -> TargetConfig {
+        TargetConfig::from_json(&v).unwrap()
+    }
+
+    /// A Qwen3-MoE of 3 layers, layer 1 dense (`mlp_only_layers`), by hand: hidden 32, 4 heads /
+    /// 2 kv of 8, dense ffn 64, 8 experts of width 16, 2 per token.
+    /// - attention: q_proj + o_proj 2 * 32 * 32 = 2048, k_proj + v_proj 2 * 32 * 16 = 1024.
+    /// - sparse MLP: 2 experts 3 * 32 * (2 * 16) = 3072, router 8 * 32 = 256 (the 6 other
+    ///   experts, 6 * 3 * 32 * 16 = 9216, not counted).
+    /// - dense MLP: 3 * 32 * 64 = 6144.
+    #[test]
+    fn a_mixture_of_experts_counts_its_active_parameters() {
+        let t = moe_target(
+            serde_json::json!({"model_type": "qwen3_moe", "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": true,
+            "mlp_only_layers": [1]}),
+        );
+        let attention = 2048.0 + 1024.0;
+        let sparse = attention + 3072.0 + 256.0;
+        let dense = attention + 6144.0;
+        assert_eq!(target_layers_cost(&t, 1), (sparse, 0.0));
+        assert_eq!(target_layers_cost(&t, 2), (sparse + dense, 0.0));
+        assert_eq!(target_layers_cost(&t, 3), (22_016.0, 0.0));
+        // all experts would count 2 * 9216 more
+        let all = crate::model::memory::parameter_estimate(&t) as f64;
+        let embed_head_norms = 2.0 * 64.0 * 32.0 + 3.0 * (2.0 * 32.0 + 2.0 * 8.0) + 32.0;
+        assert_eq!(all - embed_head_norms, 22_016.0 + 2.0 * 9216.0);
+    }
+
+    /// A Qwen3.5-MoE of 2 layers (Gated DeltaNet, gated attention), by hand: hidden 32, 4 heads /
+    /// 2 kv of 8, GDN 4 value heads / 2 key heads of 8 (conv dim 2 * 16 + 32 = 64, kernel 4),
+    /// 8 experts of width 8, 2 per token, shared expert of 24.
+    /// - MoE: 2 experts 3 * 32 * 16 = 1536, shared expert 3 * 32 * 24 = 2304, router 8 * 32 =
+    ///   256, shared expert gate 32: 4128.
+    /// - Gated DeltaNet: in_proj_qkv 32 * 64 = 2048, in_proj_z 32 * 32 = 1024, in_proj_b + a
+    ///   2 * 32 * 4 = 256, conv 64 * 4 = 256, out_proj 1024: 4608; rule 6 * 4 * 8 * 8 = 1536.
+    /// - gated attention: q_proj 32 * 64 = 2048, k + v 2 * 32 * 16 = 1024, o_proj 1024: 4096.
+    #[test]
+    fn a_hybrid_mixture_of_experts_counts_the_shared_expert_and_router() {
+        let t = moe_target(serde_json::json!({"model_type": "qwen3_5_moe_text",
+            "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64,
+            "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_value_head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "shared_expert_intermediate_size": 24,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25}}));
+        assert_eq!(target_layers_cost(&t, 1), (4608.0 + 4128.0, 1536.0));
+        assert_eq!(
+            target_layers_cost(&t, 2),
+            (4608.0 + 4128.0 + 4096.0 + 4128.0, 1536.0)
+        );
+    }
+
+    /// Qwen3.5-35B-A3B, by hand (h 2048, 256 experts of 512, 8 active, shared expert of 512,
+    /// 16 heads / 2 kv of 256, GDN 32 value / 16 key heads of 128, conv 4):
+    /// - MoE: 3 * 2048 * (8 * 512 + 512) = 28,311,552, router 256 * 2048 = 524,288, shared gate
+    ///   2048: 28,837,888 in every layer.
+    /// - Gated DeltaNet: 2048 * 8192 + 2 * 2048 * 4096 + 2 * 2048 * 32 + 8192 * 4 = 33,718,272;
+    ///   rule 6 * 32 * 128 * 128 = 3,145,728 FLOPs per token.
+    /// - gated attention: 2048 * 4096 * 3 + 2048 * 512 * 2 = 27,262,976.
+    /// - 30 + 10 layers: 2,437,693,440 active parameters (with the embedding and the LM head,
+    ///   2 * 248320 * 2048, 3.45 B: the "A3B"); one forward of 3072 tokens (2 * 2,437,693,440 +
+    ///   30 * 3,145,728) * 3072 = 15.27 TFLOP. The issue's ~18 TFLOP is 2 * 3 B * 3072.
+    #[test]
+    fn the_35b_a3b_forward_counts_active_parameters() {
+        let t = shape("qwen3.5-35b-a3b");
+        let (params, rule) = target_layers_cost(&t, 40);
+        let moe = 28_311_552.0 + 524_288.0 + 2048.0;
+        assert_eq!(
+            params,
+            30.0 * (33_718_272.0 + moe) + 10.0 * (27_262_976.0 + moe)
+        );
+        assert_eq!(params, 2_437_693_440.0);
+        assert_eq!(rule, 30.0 * 3_145_728.0);
+        let tflop = (2.0 * params + rule) * 3072.0 / 1e12;
+        assert!((tflop - 15.27).abs() < 0.01, "{tflop}");
+        // the bench's drafter reads [1, 10, 19, 28, 37]: 38 layers run
+        let d = drafter(&t);
+        assert_eq!(d.target_layer_ids(), [1, 10, 19, 28, 37]);
+        let m = ModelFlops::for_models(&t, &d);
+        // layers 38 and 39: linear attention, full attention
+        let unrun = 33_718_272.0 + moe + 27_262_976.0 + moe;
+        assert_eq!(m.target_params, params - unrun);
+    }
+
+    /// Qwen3-30B-A3B: 48 layers of attention (q 4096, kv 512 at h 2048) and 8 of 128 experts of
+    /// 768: 48 * (2 * 2048 * 4096 + 2 * 2048 * 512 + 3 * 2048 * 8 * 768 + 128 * 2048).
+    #[test]
+    fn the_30b_a3b_forward_counts_active_parameters() {
+        let t = shape("qwen3-30b-a3b");
+        let (params, rule) = target_layers_cost(&t, 48);
+        let layer = 16_777_216.0 + 2_097_152.0 + 37_748_736.0 + 262_144.0;
+        assert_eq!((params, rule), (48.0 * layer, 0.0));
+        // with the embedding and the untied head about the published 3.3 B active
+        let active = params + 2.0 * 151_936.0 * 2048.0;
+        assert!((3.2e9..3.4e9).contains(&active), "{active}");
+        assert_eq!(drafter(&t).target_layer_ids(), [1, 12, 23, 34, 45]);
+    }
+
     #[test]
     fn every_profile_loads_and_is_counted() {
+        // every configs/bench-NAME.toml is a listed profile
+        let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        for entry in std::fs::read_dir(configs).unwrap() {
+            let file = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if let Some(name) = file
+                .strip_prefix("bench-")
+                .and_then(|f| f.strip_suffix(".toml"))
+            {
+                assert!(
+                    crate::bench::PROFILES.contains(&name),
+                    "{file} is not in PROFILES"
+                );
+            }
+        }
         for name in crate::bench::PROFILES {
             let path = crate::bench::profile_path(name);
             let cfg = crate::config::load(&path, &[]).unwrap_or_else(|e| panic!("{name}: {e:#}"));

@@ -35,19 +35,22 @@ pub(crate) mod gdn;
 pub(crate) const PEAK_FLOPS_PER_GPU: f64 = 989e12;
 
 /// Profiles shipped in `configs/` as `bench-NAME.toml`.
-pub(crate) const PROFILES: [&str; 6] = [
+pub(crate) const PROFILES: [&str; 8] = [
     "cpu-tiny",
     "smollm2",
     "qwen3-0.6b-shape",
     "qwen3-8b-shape",
     "qwen3.5-4b-shape",
     "qwen3.5-27b-shape",
+    "qwen3-30b-a3b-shape",
+    "qwen3.5-35b-a3b-shape",
 ];
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchOptions {
     /// A profile (cpu-tiny, smollm2, qwen3-0.6b-shape, qwen3-8b-shape, qwen3.5-4b-shape,
-    /// qwen3.5-27b-shape: configs/bench-NAME.toml) or a training config file.
+    /// qwen3.5-27b-shape, qwen3-30b-a3b-shape, qwen3.5-35b-a3b-shape: configs/bench-NAME.toml)
+    /// or a training config file.
     #[arg(long, default_value = "cpu-tiny")]
     pub profile: String,
     /// Override a config field, as in `train` (repeatable).

@@ -120,6 +120,10 @@ pub(super) fn run(runtime: &TorchRuntime, model: Option<&Path>) -> Result<()> {
     println!("  runs: {}", loc.runs_dir.display());
     if let Some(dir) = model {
         println!("Model {}: {}", dir.display(), model_summary(dir));
+        // every expert of a mixture counts: all are held in memory
+        if let Ok(c) = TargetConfig::from_model_dir(dir) {
+            println!("  weights: {}", crate::model::memory::describe_weights(&c));
+        }
     }
     Ok(())
 }

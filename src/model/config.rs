@@ -199,7 +199,10 @@ impl TargetConfig {
     }
 
     /// The MLP width of a drafter for this target: the dense MLPs', or, for a mixture of experts
-    /// without one, three times the hidden size (Qwen3-30B-A3B's ratio: 6144 for 2048).
+    /// without one (Qwen3.5-MoE's text config), three times the hidden size: 6144 for 2048, the
+    /// width of the published Qwen3.5-35B-A3B DFlash drafter (z-lab's config: hidden 2048,
+    /// intermediate 6144, 8 layers; its 905 MiB bf16 file is that shape's 0.47 B parameters),
+    /// and the `intermediate_size` Qwen3-30B-A3B / Qwen3-Coder-30B-A3B configs carry.
     pub fn drafter_intermediate_size(&self) -> i64 {
         self.intermediate_size.unwrap_or(3 * self.hidden_size)
     }

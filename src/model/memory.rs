@@ -57,9 +57,63 @@ fn mlp_params(c: &TargetConfig, l: i64, h: u64) -> u64 {
     }
 }
 
+/// The parameters one token runs through: [`parameter_estimate`] less, in each sparse layer, the
+/// experts it is not routed to (the router and the shared expert count).
+pub fn active_parameter_estimate(c: &TargetConfig) -> u64 {
+    let h = c.hidden_size as u64;
+    let idle: u64 = match &c.moe {
+        Some(m) => (0..c.num_hidden_layers)
+            .filter(|&l| m.is_sparse(l))
+            .map(|_| {
+                (m.num_experts - m.num_experts_per_tok) as u64
+                    * 3
+                    * m.moe_intermediate_size as u64
+                    * h
+            })
+            .sum(),
+        None => 0,
+    };
+    parameter_estimate(c) - idle
+}
+
 /// The bytes of the target's weights held as `kind`.
 pub fn weight_bytes(c: &TargetConfig, kind: Kind) -> u64 {
     parameter_estimate(c) * kind.elt_size_in_bytes() as u64
+}
+
+/// `doctor`'s line on a target's weights: `34.7 B parameters (3.5 B active per token), 69.3 GB
+/// (64.6 GiB) in bf16` (the active count only for a mixture of experts).
+pub fn describe_weights(c: &TargetConfig) -> String {
+    let bytes = weight_bytes(c, Kind::BFloat16);
+    let active = match c.moe {
+        Some(_) => format!(
+            " ({:.1} B active per token)",
+            active_parameter_estimate(c) as f64 / 1e9
+        ),
+        None => String::new(),
+    };
+    format!(
+        "{:.1} B parameters{active}, {:.1} GB ({:.1} GiB) in bf16",
+        parameter_estimate(c) as f64 / 1e9,
+        bytes as f64 / 1e9,
+        gib(bytes)
+    )
+}
+
+/// The start-up line's `X GiB in memory` for the target's weights held as `kind` on `device`,
+/// refused ([`check_fits`]) where the device has `gpu_total` bytes (None: no limit known, as on
+/// the CPU) and they cannot fit.
+pub fn weights_on_device(
+    c: &TargetConfig,
+    kind: Kind,
+    device: &str,
+    gpu_total: Option<u64>,
+) -> Result<String> {
+    let bytes = weight_bytes(c, kind);
+    if let Some(total) = gpu_total {
+        check_fits(bytes, total, device)?;
+    }
+    Ok(format!("{:.1} GiB in memory", gib(bytes)))
 }
 
 /// Refuses, naming both sizes, weights of `bytes` that with the margin exceed a GPU of `total`
@@ -99,6 +153,46 @@ mod tests {
         let n = parameter_estimate(&c) as f64 / 1e9;
         assert!((30.4..30.6).contains(&n), "{n} B");
         assert!((56.0..57.5).contains(&gib(weight_bytes(&c, Kind::BFloat16))));
+    }
+
+    fn shape(name: &str) -> TargetConfig {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        TargetConfig::from_model_dir(&root.join("configs/shapes").join(name)).unwrap()
+    }
+
+    /// The Qwen3.5-35B-A3B shape with every expert: 34.7 B parameters, 69.3 GB in bf16 (the
+    /// issue's 69 GB); 3.5 B of them active per token. A 40 GB GPU refuses it before loading,
+    /// naming both sizes; an H200 (NVML: 150,754,820,096 bytes) takes it; the CPU has no limit.
+    #[test]
+    fn the_35b_a3b_shape_counts_every_expert_and_is_refused_by_a_small_gpu() {
+        let c = shape("qwen3.5-35b-a3b");
+        let n = parameter_estimate(&c) as f64 / 1e9;
+        assert!((34.5..35.0).contains(&n), "{n} B");
+        let gb = weight_bytes(&c, Kind::BFloat16) as f64 / 1e9;
+        assert!((69.0..70.0).contains(&gb), "{gb} GB");
+        let active = active_parameter_estimate(&c) as f64 / 1e9;
+        assert!((3.4..3.6).contains(&active), "{active} B active");
+        let line = describe_weights(&c);
+        assert!(line.starts_with("34."), "{line}");
+        assert!(line.contains(" B active per token), 69."), "{line}");
+        assert!(line.ends_with(" GiB) in bf16"), "{line}");
+
+        let e = weights_on_device(&c, Kind::BFloat16, "cuda:0", Some(40_000_000_000)).unwrap_err();
+        let e = format!("{e:#}");
+        let want = format!(
+            "the target's weights take {:.1} GiB, more than cuda:0 can hold (37.3 GiB",
+            gib(weight_bytes(&c, Kind::BFloat16))
+        );
+        assert!(e.starts_with(&want), "{e}");
+        let h200 = Some(150_754_820_096);
+        let ok = weights_on_device(&c, Kind::BFloat16, "cuda:0", h200).unwrap();
+        assert_eq!(
+            ok,
+            format!("{:.1} GiB in memory", gib(weight_bytes(&c, Kind::BFloat16)))
+        );
+        assert!(weights_on_device(&c, Kind::Float, "cpu", None).is_ok());
+        // a dense target has no active count
+        assert!(!describe_weights(&shape("qwen3-8b")).contains("active"));
     }
 
     #[test]

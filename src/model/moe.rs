@@ -407,6 +407,9 @@ impl SparseMoe {
     pub(crate) fn route(&self, x: &Tensor) -> Routing {
         let logits = x.linear::<&Tensor>(&self.router, None);
         let probs = logits.softmax(-1, Kind::Float);
+        // torch.topk(probs, k, dim=-1) as transformers calls it (largest, sorted): the same
+        // selection on the same float32 probabilities breaks ties as it does on one device,
+        // where a sort or an argmax loop could pick other experts among equal probabilities
         let (mut top, experts) = probs.topk(self.top_k, -1, true, true);
         if self.norm_topk_prob {
             top = &top / top.sum_dim_intlist(-1, true, Kind::Float);

@@ -291,9 +291,17 @@ fn grouped_experts_equal_a_per_token_computation() {
                     _ => &[ExpertGemm::PerExpert],
                 };
                 assert_eq!(ExpertGemm::for_shape(kind, 16, 8), paths[0]);
+                // relative to the outputs' scale: libtorch's random generator is shared by the
+                // tests running beside this one, so the draws and the outputs' size differ from
+                // run to run, and float32 rounds to about 1e-7 of that size (an absolute 1e-5
+                // failed once with other tests in parallel)
+                let scale = 1.0 + want.abs().max().double_value(&[]);
                 for &gemm in paths {
                     let diff = max_diff(&block.forward_with(&x, gemm), &want);
-                    assert!(diff < tol, "{kind:?} {gemm:?} {tokens} tokens: {diff}");
+                    assert!(
+                        diff < tol * scale,
+                        "{kind:?} {gemm:?} {tokens} tokens: {diff} (outputs up to {scale})"
+                    );
                 }
             }
         }

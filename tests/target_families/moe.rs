@@ -9,9 +9,10 @@ use std::path::{Path, PathBuf};
 use dflash_tui::eval::speculative::{dflash, evaluate, greedy, EvalOptions};
 use dflash_tui::model::decode::TargetDecoder;
 use dflash_tui::model::generate::greedy_generate;
-use dflash_tui::model::memory::parameter_estimate;
+use dflash_tui::model::memory::{active_parameter_estimate, parameter_estimate};
 use dflash_tui::model::{
-    Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, KvCache, TargetModel,
+    Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, KvCache, TargetConfig,
+    TargetModel,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -25,7 +26,14 @@ const CASES: [(&str, &str); 6] = [
     ("qwen3_moe_norm_fused", "qwen3_moe_norm"),
     ("qwen3_5_moe_fused", "qwen3_5_moe"),
 ];
-const QWEN3_MOE: [&str; 2] = ["qwen3_moe_norm", "qwen3_moe_step2"];
+/// One checkpoint of each routing: Qwen3-MoE's (plain and with a dense layer), Qwen3.5-MoE's
+/// (hybrid layers, shared expert, no `intermediate_size`) and Qwen3-Next's.
+const ROUTINGS: [&str; 4] = [
+    "qwen3_moe_norm",
+    "qwen3_moe_step2",
+    "qwen3_5_moe",
+    "qwen3_next_moe",
+];
 
 fn dir(name: &str) -> PathBuf {
     Path::new(FIXTURES).join(name)
@@ -88,6 +96,11 @@ fn moe_checkpoints_give_transformers_outputs() {
             m.parameter_count(),
             "{name}"
         );
+        assert_eq!(
+            active_parameter_estimate(&m.config) as i64,
+            m.active_parameter_count(),
+            "{name}"
+        );
     }
 }
 
@@ -148,8 +161,7 @@ fn padded_rows_equal_transformers_and_each_row_alone() {
 }
 
 /// Greedy decoding through the KV cache equals transformers' generate token for token, from
-/// either layout. (Qwen3.5-MoE and Qwen3-Next decode through the KV cache only: slot caches for the hybrid
-/// layers are not on this branch.)
+/// either layout (the slot-cache engines: [`moe_targets_decode_through_the_slot_engines`]).
 #[test]
 fn greedy_decoding_equals_transformers() {
     for (name, refs) in CASES {
@@ -167,12 +179,14 @@ fn greedy_decoding_equals_transformers() {
     }
 }
 
-/// Qwen3-MoE through the slot-cache engines: the decoder's prefill and blocks of several
-/// tokens give the full forward's logits; greedy decoding by the evaluation engine equals
-/// transformers'; DFlash decoding with a fresh float32 drafter is lossless (0 mismatches).
+/// Both families through the slot-cache engines (a hybrid's with its Gated DeltaNet states): the
+/// decoder's prefill and blocks of several tokens give the full forward's logits; greedy
+/// decoding by the evaluation engine equals transformers' `generate` token for token; DFlash
+/// decoding with a fresh float32 drafter (for Qwen3.5-MoE, whose config has no
+/// `intermediate_size`, of MLP width 3 x hidden) is lossless (0 mismatches).
 #[test]
-fn qwen3_moe_decodes_through_the_slot_engines() {
-    for name in QWEN3_MOE {
+fn moe_targets_decode_through_the_slot_engines() {
+    for name in ROUTINGS {
         let m = load(name);
         let r = reference(name);
         let seq = to_vec(&r["input_ids"]);
@@ -213,6 +227,9 @@ fn qwen3_moe_decodes_through_the_slot_engines() {
             },
         )
         .unwrap();
+        // the drafter's MLP: the target's dense width, or 3 x hidden where the config has none
+        let width = if name == "qwen3_5_moe" { 96 } else { 48 };
+        assert_eq!(config.intermediate_size, width, "{name}");
         let drafter = Drafter::init(config, Device::Cpu, Kind::Float, 3).unwrap();
         let head = FrozenHead::from_target(&m, Device::Cpu, Kind::Float);
         let fast =
@@ -272,4 +289,30 @@ fn random_moe_targets_have_the_checkpoints_shape() {
         assert_eq!(logits.size(), [1, 3, 64]);
         assert!(logits.isfinite().all().int64_value(&[]) == 1, "{name}");
     }
+}
+
+/// The bench profiles' drafters for the MoE shapes (what `init-drafter --target` makes): at the
+/// target's hidden size 2048 with an MLP of 6144, as the published DFlash drafters for
+/// Qwen3.5-35B-A3B (whose text config has no `intermediate_size`) and Qwen3-Coder-30B-A3B.
+#[test]
+fn drafters_for_moe_shapes_take_the_published_mlp_width() {
+    let shapes = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/shapes");
+    for (name, mask, taps) in [
+        ("qwen3.5-35b-a3b", 248070, [1, 10, 19, 28, 37]),
+        ("qwen3-30b-a3b", 151669, [1, 12, 23, 34, 45]),
+    ] {
+        let target = TargetConfig::from_model_dir(&shapes.join(name)).unwrap();
+        let shape = DrafterShape {
+            layers: 5,
+            block_size: 16,
+            mask_token_id: mask,
+            target_layer_ids: None,
+            num_taps: 5,
+        };
+        let c = DrafterConfig::for_target(&target, &shape).unwrap();
+        assert_eq!((c.hidden_size, c.intermediate_size), (2048, 6144), "{name}");
+        assert_eq!(c.target_layer_ids(), taps, "{name}");
+    }
+    let moe35 = TargetConfig::from_model_dir(&shapes.join("qwen3.5-35b-a3b")).unwrap();
+    assert_eq!(moe35.intermediate_size, None);
 }

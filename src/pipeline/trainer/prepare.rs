@@ -63,18 +63,14 @@ fn load_target(
 /// sizes) when they cannot fit it with a margin ([`crate::model::memory::check_fits`]). The
 /// GPU's memory is NVML's smallest (NVML numbers GPUs regardless of CUDA_VISIBLE_DEVICES).
 fn target_weight_bytes(dir: &Path, dev: Device, kind: Kind) -> Result<String> {
-    use crate::model::memory::{check_fits, gib, weight_bytes};
-    let bytes = weight_bytes(&TargetConfig::from_model_dir(dir)?, kind);
+    let config = TargetConfig::from_model_dir(dir)?;
     let total = match crate::telemetry::gpu::nvml_status() {
         crate::telemetry::gpu::NvmlStatus::Available { gpus, .. } if dev.is_cuda() => {
             gpus.iter().filter_map(|g| g.memory_total_bytes).min()
         }
         _ => None,
     };
-    if let Some(total) = total {
-        check_fits(bytes, total, &format!("{dev:?}"))?;
-    }
-    Ok(format!("{:.1} GiB in memory", gib(bytes)))
+    crate::model::memory::weights_on_device(&config, kind, &super::device_name(dev), total)
 }
 
 /// "N layers, X GB of files" of the target in `dir` (its config.json and safetensors files), for the
