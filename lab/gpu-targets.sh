@@ -65,7 +65,7 @@ anchors)
   run_json anchor-qwen3.5-35b-a3b 180 env PYTHONPATH=/tmp/fla python3 .carry/anchors/qwen35_moe_hf_forward.py 1 3072
   ;;
 bench)
-  for p in ${PROFILES:-qwen3.5-27b-shape qwen3-8b-shape}; do
+  for p in ${PROFILES:-qwen3.5-27b-shape qwen3.5-35b-a3b-shape qwen3-8b-shape}; do
     run_json "bench-$p" "${BENCH_S:-270}" $B bench --profile "$p" --warmup-steps 3 --steps "${STEPS:-10}"
   done
   ;;
