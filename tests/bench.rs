@@ -123,7 +123,14 @@ fn drafter_parts_add_up(r: &serde_json::Value) {
     let part = |k: &str| ms[k].as_f64().unwrap();
     assert_eq!(ms["clock"], "host", "{ms}");
     assert_eq!(ms["steps"], 4, "{ms}");
-    let parts = ["anchors", "forward", "loss", "backward", "grad_sync", "optimizer"];
+    let parts = [
+        "anchors",
+        "forward",
+        "loss",
+        "backward",
+        "grad_sync",
+        "optimizer",
+    ];
     for k in &parts[1..] {
         assert!(part(k) > 0.0, "{k}: {ms}");
     }
@@ -134,7 +141,10 @@ fn drafter_parts_add_up(r: &serde_json::Value) {
     // at least their sum
     let rate = r["stage_alone_tokens_per_s"]["drafter"].as_f64().unwrap();
     let stage_ms = 1e3 * r["tokens"].as_f64().unwrap() / rate;
-    assert!(4.0 * sum <= stage_ms * 1.001, "{sum} ms x 4 > {stage_ms} ms");
+    assert!(
+        4.0 * sum <= stage_ms * 1.001,
+        "{sum} ms x 4 > {stage_ms} ms"
+    );
 }
 
 /// The trace: the two steps (the default --trace-steps) and their parts as named ranges, the
@@ -143,7 +153,12 @@ fn trace_holds_the_traced_steps(trace: &std::path::Path) {
     let ranges = common::trace_events(trace, "user_annotation");
     let count = |name: &str| ranges.iter().filter(|e| e["name"] == name).count();
     assert_eq!(count("training step"), 2, "{ranges:?}");
-    for part in ["drafter.forward", "drafter.loss", "drafter.backward", "optim.step"] {
+    for part in [
+        "drafter.forward",
+        "drafter.loss",
+        "drafter.backward",
+        "optim.step",
+    ] {
         assert_eq!(count(part), 2, "{part}");
     }
     let ops = common::trace_events(trace, "cpu_op");
@@ -154,20 +169,33 @@ fn trace_holds_the_traced_steps(trace: &std::path::Path) {
         .arg("--json")
         .output()
         .expect("python3 (make setup needs it too)");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let stages = &s["stages"];
     let host = |k: &str| stages[k]["host_ms"].as_f64().unwrap();
     for part in ["drafter.forward", "drafter.loss", "drafter.backward"] {
         let own = stages[part]["cpu_self_ms"].as_f64().unwrap();
         // the operators' own time is inside the range's time, and most of it
-        assert!(own > 0.0 && own <= host(part) * 1.001, "{part}: {}", stages[part]);
+        assert!(
+            own > 0.0 && own <= host(part) * 1.001,
+            "{part}: {}",
+            stages[part]
+        );
         assert!(!stages[part]["top_cpu_ops"].as_array().unwrap().is_empty());
     }
-    let parts: f64 = ["drafter.forward", "drafter.loss", "drafter.backward", "optim.step"]
-        .iter()
-        .map(|k| host(k))
-        .sum();
+    let parts: f64 = [
+        "drafter.forward",
+        "drafter.loss",
+        "drafter.backward",
+        "optim.step",
+    ]
+    .iter()
+    .map(|k| host(k))
+    .sum();
     assert!(parts <= host("training step") * 1.001, "{stages}");
 }
 
@@ -185,7 +213,10 @@ fn bench_rejects_unknown_profiles_and_zero_steps() {
     let out = bench(&["--profile", "cpu-tiny", "--trace", "no/such/trace.json"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("no/such/trace.json") && err.contains("does not exist"), "{err}");
+    assert!(
+        err.contains("no/such/trace.json") && err.contains("does not exist"),
+        "{err}"
+    );
     let out = bench(&["--trace", "t.json", "--trace-steps", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--trace-steps"));

@@ -19,8 +19,8 @@ use crate::runtime::TorchRuntime;
 use crate::telemetry::gpu::GpuMonitor;
 use crate::telemetry::profile::{stage_busy, ProfileEvent, ProfileReport, StageWorkers};
 use crate::telemetry::records::{Phase, Snapshot, StepRecord};
-use flops::ModelFlops;
 use drafter_steps::DrafterStepMs;
+use flops::ModelFlops;
 use stages_alone::{measure_stages_alone, StageAloneRates, TraceRequest};
 
 // Each stage alone on the pipeline's code: only the bench uses it.
@@ -335,8 +335,7 @@ fn stages_alone(
         path: path.clone(),
         steps: opts.trace_steps,
     });
-    let alone: StageAloneRates =
-        measure_stages_alone(runtime, cfg, skip, batches, trace.as_ref())?;
+    let alone: StageAloneRates = measure_stages_alone(runtime, cfg, skip, batches, trace.as_ref())?;
     log::info!(
         "alone: loader {:.0}, target {:.0}, drafter {:.0} tokens/s",
         alone.loader_tokens_per_s,

@@ -11,11 +11,11 @@ use crate::aten_ext::ProfilerTrace;
 use crate::config::TrainConfig;
 use crate::model::layers::upload;
 use crate::model::ForwardRequest;
+use crate::pipeline::trainer::StageTimer;
 use crate::pipeline::trainer::{
     apply_update, batch_item, prepare, sync_device, train_on_item, BatchItem, FeatureItem,
 };
 use crate::runtime::TorchRuntime;
-use crate::pipeline::trainer::StageTimer;
 use crate::telemetry::profile::ProfileEvent;
 use crate::train::optim::{lr_at, AdamW};
 
