@@ -68,11 +68,15 @@ impl StageClock {
     /// for the device.
     pub(crate) fn per_step(&self, steps: usize) -> DrafterStepMs {
         let marks = self.marks.borrow();
+        let on_device = marks
+            .iter()
+            .filter(|m| matches!(m, Mark::Device(..)))
+            .count();
         let mut ms = DrafterStepMs {
-            clock: if self.events.is_some() {
-                "device (CUDA events)"
-            } else {
-                "host"
+            clock: match on_device {
+                0 => "host",
+                n if n == marks.len() => "device (CUDA events)",
+                _ => "device, host where the runtime gave no event",
             },
             steps,
             ..DrafterStepMs::default()

@@ -71,7 +71,7 @@ pub struct BenchOptions {
     /// after the timed stages, to this file. See tools/trace_summary.py.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// Training steps the --trace records.
+    /// Training steps the --trace records (at most the measured window's batches).
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub trace_steps: usize,
 }
