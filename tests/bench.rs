@@ -27,6 +27,9 @@ fn bench(args: &[&str]) -> std::process::Output {
 #[test]
 fn cpu_tiny_bench_reports_every_field_consistently() {
     common::require_demo(&common::demo_dir().join("sharegpt-smollm2"));
+    // (with a profiler trace: one run checks both)
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("trace.json");
     let out = bench(&[
         "--profile",
         "cpu-tiny",
@@ -34,6 +37,8 @@ fn cpu_tiny_bench_reports_every_field_consistently() {
         "2",
         "--steps",
         "4",
+        "--trace",
+        trace.to_str().unwrap(),
     ]);
     assert!(
         out.status.success(),
@@ -107,6 +112,91 @@ fn cpu_tiny_bench_reports_every_field_consistently() {
     // on the CPU there is no peak FLOP rate and no NVML reading
     assert!(r["mfu"].is_null());
     assert!(f("model_flops_per_s") > 0.0);
+    drafter_parts_add_up(&r);
+    trace_holds_the_traced_steps(&trace);
+}
+
+/// The drafter alone, per step: each part timed (host clock on the CPU), their sum within the
+/// stage's own time.
+fn drafter_parts_add_up(r: &serde_json::Value) {
+    let ms = &r["drafter_step_ms"];
+    let part = |k: &str| ms[k].as_f64().unwrap();
+    assert_eq!(ms["clock"], "host", "{ms}");
+    assert_eq!(ms["steps"], 4, "{ms}");
+    let parts = [
+        "anchors",
+        "forward",
+        "loss",
+        "backward",
+        "grad_sync",
+        "optimizer",
+    ];
+    for k in &parts[1..] {
+        assert!(part(k) > 0.0, "{k}: {ms}");
+    }
+    let sum: f64 = parts.iter().map(|k| part(k)).sum();
+    assert!((part("total") - sum).abs() < 1e-9 * sum, "{ms}");
+    assert!((part("forward_over_backward") - part("forward") / part("backward")).abs() < 1e-9);
+    // the parts are inside the stage's timed steps (the measured window's batches): those take
+    // at least their sum
+    let rate = r["stage_alone_tokens_per_s"]["drafter"].as_f64().unwrap();
+    let stage_ms = 1e3 * r["tokens"].as_f64().unwrap() / rate;
+    assert!(
+        4.0 * sum <= stage_ms * 1.001,
+        "{sum} ms x 4 > {stage_ms} ms"
+    );
+}
+
+/// The trace: the two steps (the default --trace-steps) and their parts as named ranges, the
+/// operators inside them, and tools/trace_summary.py's totals per range.
+fn trace_holds_the_traced_steps(trace: &std::path::Path) {
+    let ranges = common::trace_events(trace, "user_annotation");
+    let count = |name: &str| ranges.iter().filter(|e| e["name"] == name).count();
+    assert_eq!(count("training step"), 2, "{ranges:?}");
+    for part in [
+        "drafter.forward",
+        "drafter.loss",
+        "drafter.backward",
+        "optim.step",
+    ] {
+        assert_eq!(count(part), 2, "{part}");
+    }
+    let ops = common::trace_events(trace, "cpu_op");
+    assert!(ops.iter().filter(|e| e["name"] == "aten::mm").count() > 10);
+    let out = Command::new("python3")
+        .arg(root().join("tools/trace_summary.py"))
+        .arg(trace)
+        .arg("--json")
+        .output()
+        .expect("python3 (make setup needs it too)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stages = &s["stages"];
+    let host = |k: &str| stages[k]["host_ms"].as_f64().unwrap();
+    for part in ["drafter.forward", "drafter.loss", "drafter.backward"] {
+        let own = stages[part]["cpu_self_ms"].as_f64().unwrap();
+        // the operators' own time is inside the range's time, and most of it
+        assert!(
+            own > 0.0 && own <= host(part) * 1.001,
+            "{part}: {}",
+            stages[part]
+        );
+        assert!(!stages[part]["top_cpu_ops"].as_array().unwrap().is_empty());
+    }
+    let parts: f64 = [
+        "drafter.forward",
+        "drafter.loss",
+        "drafter.backward",
+        "optim.step",
+    ]
+    .iter()
+    .map(|k| host(k))
+    .sum();
+    assert!(parts <= host("training step") * 1.001, "{stages}");
 }
 
 #[test]
@@ -119,6 +209,17 @@ fn bench_rejects_unknown_profiles_and_zero_steps() {
     let out = bench(&["--profile", "cpu-tiny", "--steps", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--steps"));
+    // a trace into a folder that does not exist, or of no step: refused before anything runs
+    let out = bench(&["--profile", "cpu-tiny", "--trace", "no/such/trace.json"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no/such/trace.json") && err.contains("does not exist"),
+        "{err}"
+    );
+    let out = bench(&["--trace", "t.json", "--trace-steps", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--trace-steps"));
 }
 
 #[test]

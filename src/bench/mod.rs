@@ -19,11 +19,14 @@ use crate::runtime::TorchRuntime;
 use crate::telemetry::gpu::GpuMonitor;
 use crate::telemetry::profile::{stage_busy, ProfileEvent, ProfileReport, StageWorkers};
 use crate::telemetry::records::{Phase, Snapshot, StepRecord};
+use drafter_steps::DrafterStepMs;
 use flops::ModelFlops;
-use stages_alone::{measure_stages_alone, StageAloneRates};
+use stages_alone::{measure_stages_alone, StageAloneRates, TraceRequest};
 
 // Each stage alone on the pipeline's code: only the bench uses it.
 mod stages_alone;
+// The drafter stage's device time per part of a step, and its trace's named ranges.
+mod drafter_steps;
 // The target's forward alone (`bench-forward`).
 pub(crate) mod forward;
 // The model FLOPs behind `mfu`.
@@ -65,6 +68,15 @@ pub struct BenchOptions {
     /// Batches each stage runs alone; 0 = exactly the measured window's batches.
     #[arg(long, default_value_t = 0)]
     pub stage_batches: usize,
+    /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with
+    /// their shapes, on a GPU the CUDA kernels, and a named range per step and per part of it)
+    /// of --trace-steps drafter training steps on the measured window's first batches, run
+    /// after the timed stages, to this file. See tools/trace_summary.py.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Training steps the --trace records (at most the measured window's batches).
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    pub trace_steps: usize,
 }
 
 /// The benchmark's result (benchmarks spec fields, plus what they were computed from).
@@ -90,6 +102,9 @@ pub(crate) struct BenchReport {
     /// tokens/s of each stage run alone on the same batches. Stages that share a device are
     /// also listed together ("target+drafter"): run alone, one after the other, on that device.
     pub stage_alone_tokens_per_s: BTreeMap<String, f64>,
+    /// The drafter stage alone: milliseconds per step of each part of its steps, device time
+    /// on a GPU (the pipeline's `profile_ms` are host times).
+    pub drafter_step_ms: DrafterStepMs,
     /// The slowest of the stages run alone; where stages share a device, the stages of that
     /// device together (they cannot overlap there: the device is the stage).
     pub slowest_stage: String,
@@ -319,7 +334,11 @@ fn stages_alone(
         "bench {}: each stage alone on {batches} batches",
         opts.profile
     );
-    let alone: StageAloneRates = measure_stages_alone(runtime, cfg, skip, batches)?;
+    let trace = opts.trace.as_ref().map(|path| TraceRequest {
+        path: path.clone(),
+        steps: opts.trace_steps,
+    });
+    let alone: StageAloneRates = measure_stages_alone(runtime, cfg, skip, batches, trace.as_ref())?;
     log::info!(
         "alone: loader {:.0}, target {:.0}, drafter {:.0} tokens/s",
         alone.loader_tokens_per_s,
@@ -457,6 +476,13 @@ pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchRe
     if opts.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    if let Some(trace) = &opts.trace {
+        if opts.trace_steps == 0 {
+            bail!("--trace-steps must be at least 1");
+        }
+        // refused before anything runs, not after the pipeline's window
+        crate::aten_ext::ProfilerTrace::check_path(trace)?;
+    }
     let path = profile_path(&opts.profile);
     if !path.is_file() {
         bail!(
@@ -503,6 +529,7 @@ pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchRe
         mfu,
         pipeline_efficiency: tokens_per_s / slowest_rate.max(1e-9),
         stage_alone_tokens_per_s: alone_rates,
+        drafter_step_ms: alone.drafter_step_ms.clone(),
         slowest_stage: slowest,
         profile_ms,
         peak_mem_gb,

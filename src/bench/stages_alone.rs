@@ -6,14 +6,17 @@ use std::time::Instant;
 use anyhow::{anyhow, Result};
 use tch::Device;
 
+use super::drafter_steps::{step_range, DrafterStepMs, StageClock};
+use crate::aten_ext::ProfilerTrace;
 use crate::config::TrainConfig;
 use crate::model::layers::upload;
 use crate::model::ForwardRequest;
+use crate::pipeline::trainer::StageTimer;
 use crate::pipeline::trainer::{
     apply_update, batch_item, prepare, sync_device, train_on_item, BatchItem, FeatureItem,
 };
 use crate::runtime::TorchRuntime;
-use crate::telemetry::profile::ProfileStats;
+use crate::telemetry::profile::ProfileEvent;
 use crate::train::optim::{lr_at, AdamW};
 
 /// Target tokens per second of each stage run alone, one stage after the other on the same
@@ -21,7 +24,9 @@ use crate::train::optim::{lr_at, AdamW};
 /// pipeline efficiency). The packer's batches `skip .. skip + batches` are timed (a run's
 /// measured window sees exactly these when `skip` is its warm-up's batch count); up to two
 /// batches before them run first, untimed, as the stages' own warm-up. The drafter stage
-/// trains a scratch copy (one optimizer step per batch). Several target or drafter devices
+/// trains a scratch copy (one optimizer step per batch), each part of its steps timed on the
+/// device ([`DrafterStepMs`]); with `trace`, it then trains on the first measured batches again
+/// with libtorch's profiler recording (see [`TraceRequest`]). Several target or drafter devices
 /// are counted as that many times one device's rate.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub(crate) struct StageAloneRates {
@@ -30,6 +35,15 @@ pub(crate) struct StageAloneRates {
     pub loader_tokens_per_s: f64,
     pub target_tokens_per_s: f64,
     pub drafter_tokens_per_s: f64,
+    /// The drafter's time per part of a step (see [`DrafterStepMs`]).
+    pub drafter_step_ms: DrafterStepMs,
+}
+
+/// `bench --trace`: the file, and the drafter training steps it records.
+#[derive(Debug, Clone)]
+pub(crate) struct TraceRequest {
+    pub path: std::path::PathBuf,
+    pub steps: usize,
 }
 
 pub(crate) fn measure_stages_alone(
@@ -37,9 +51,9 @@ pub(crate) fn measure_stages_alone(
     config: &TrainConfig,
     skip: usize,
     batches: usize,
+    trace: Option<&TraceRequest>,
 ) -> Result<StageAloneRates> {
     let mut p = prepare(runtime, config, None, true)?;
-    let profile = ProfileStats::new();
     let packer = &mut p.packer;
     let warmup = skip.min(2);
     for _ in 0..skip - warmup {
@@ -103,16 +117,10 @@ pub(crate) fn measure_stages_alone(
     let total_steps = config.train.total_steps.max(1);
     let warmup_steps = (config.train.warmup_ratio * total_steps as f64).round() as u64;
     let first_step = (skip - warmup) as u64;
-    // this thread's kernel plans, as the pipeline's drafter threads make theirs at their start
-    drafter.warm_up_attention(head, config.data.max_len);
-    let mut drafter_clock = None;
-    for (i, item) in features.iter().enumerate() {
-        if i == warmup {
-            sync_device(drafter.device);
-            drafter_clock = Some(Instant::now());
-        }
-        train_on_item(&profile, config, drafter, head, item, i as u64, 1.0);
-        let mut grad = AdamW::flatten_grads(&params);
+    let mut step = |clock: &StageClock, i: usize, item: &FeatureItem| -> Result<()> {
+        let _range = step_range();
+        train_on_item(clock, config, drafter, head, item, i as u64, 1.0);
+        let mut grad = clock.time(ProfileEvent::GradSync, || AdamW::flatten_grads(&params));
         let lr = lr_at(
             first_step + i as u64,
             total_steps,
@@ -120,16 +128,48 @@ pub(crate) fn measure_stages_alone(
             config.train.lr,
             config.train.min_lr_ratio,
         );
-        let _norm = apply_update(
-            &mut optimizer,
-            &params,
-            &mut grad,
-            config.train.clip_grad_norm,
-            lr,
-        )?;
+        let _norm = clock.time(ProfileEvent::OptimStep, || {
+            apply_update(
+                &mut optimizer,
+                &params,
+                &mut grad,
+                config.train.clip_grad_norm,
+                lr,
+            )
+        })?;
+        Ok(())
+    };
+    // this thread's kernel plans, as the pipeline's drafter threads make theirs at their start
+    drafter.warm_up_attention(head, config.data.max_len);
+    let untimed = StageClock::new(Device::Cpu);
+    for (i, item) in features.iter().enumerate().take(warmup) {
+        step(&untimed, i, item)?;
     }
     sync_device(drafter.device);
-    let drafter_s = drafter_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let clock = StageClock::new(drafter.device);
+    let drafter_clock = Instant::now();
+    for (i, item) in features.iter().enumerate().skip(warmup) {
+        step(&clock, i, item)?;
+    }
+    sync_device(drafter.device);
+    let drafter_s = drafter_clock.elapsed().as_secs_f64();
+    let drafter_step_ms = clock.per_step(features.len() - warmup);
+    if let Some(trace) = trace {
+        // The first measured batches again (the scratch drafter trains on), traced: after the
+        // timing, so that the profiler's overhead is not in it.
+        let recording = ProfilerTrace::start(drafter.device.is_cuda())?;
+        let traced = StageClock::new(drafter.device);
+        for (i, item) in features.iter().enumerate().skip(warmup).take(trace.steps) {
+            step(&traced, i, item)?;
+        }
+        sync_device(drafter.device);
+        recording.save(&trace.path)?;
+        log::info!(
+            "bench: profiler trace of {} drafter training steps written to {}",
+            trace.steps.min(features.len() - warmup),
+            trace.path.display()
+        );
+    }
     let distinct = |devs: &[Device]| {
         let mut d = devs.to_vec();
         d.dedup();
@@ -142,5 +182,6 @@ pub(crate) fn measure_stages_alone(
         loader_tokens_per_s: rate(loader_s),
         target_tokens_per_s: rate(target_s) * distinct(&p.target_devices),
         drafter_tokens_per_s: rate(drafter_s) * distinct(&p.drafter_devices),
+        drafter_step_ms,
     })
 }

@@ -359,16 +359,44 @@ pub(super) fn chunked_attention(
             attention_with_bias(&q, &k, &v, bias)
         })
         .collect();
-    // [K * B, heads, rows, d] -> [B, K * rows, heads * d]
-    let o = Tensor::cat(&parts, 0)
-        .transpose(1, 2)
-        .reshape([chunks, b, rows, heads * d])
-        .transpose(0, 1)
-        .reshape([b, chunks * rows, heads * d]);
+    let o = sequence_major(&parts, b, chunks, rows, heads * d);
     if pad > 0 {
         o.narrow(1, 0, len)
     } else {
         o
+    }
+}
+
+/// The calls' outputs `parts` (each [CHUNKS_PER_CALL, heads, rows, d], entries chunk-major) as
+/// rows of the sequences [B, K * rows, width]. Where B divides a call's entries (each call then
+/// holds whole chunks of every sequence) one copy does it: each call's entries regrouped by
+/// sequence (views), concatenated along the chunks. Otherwise the chunk-major concatenation is
+/// reordered by a second copy. (Concatenating first and reordering after took three copies of
+/// the whole attention output, forward and backward.)
+fn sequence_major(parts: &[Tensor], b: i64, chunks: i64, rows: i64, width: i64) -> Tensor {
+    // token-major rows [entries, rows, heads * d]: a view where the kernel wrote its output
+    // token-major, as the fused kernels do
+    let token_major = |p: &Tensor| {
+        let entries = p.size()[0];
+        p.transpose(1, 2).reshape([entries, rows, width])
+    };
+    if b > 0 && CHUNKS_PER_CALL % b == 0 {
+        let per_call = CHUNKS_PER_CALL / b;
+        let by_sequence: Vec<Tensor> = parts
+            .iter()
+            .map(|p| {
+                token_major(p)
+                    .view([per_call, b, rows, width])
+                    .transpose(0, 1)
+            })
+            .collect();
+        Tensor::cat(&by_sequence, 1).view([b, chunks * rows, width])
+    } else {
+        let all: Vec<Tensor> = parts.iter().map(token_major).collect();
+        Tensor::cat(&all, 0)
+            .view([chunks, b, rows, width])
+            .transpose(0, 1)
+            .reshape([b, chunks * rows, width])
     }
 }
 
@@ -410,6 +438,42 @@ fn gcd(a: i64, b: i64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The reordering of the calls' outputs gives what concatenating them and reordering the
+    /// whole did (the earlier formulation), in values and gradients, with B dividing a call's
+    /// entries or not, from outputs laid out head-major (the math kernel's) or token-major
+    /// (the fused kernels').
+    #[test]
+    fn the_calls_outputs_reorder_as_before_in_values_and_gradients() {
+        let (heads, rows, d) = (3, 4, 2);
+        for (b, chunks) in [(1, 8), (2, 4), (2, 8), (3, 8), (8, 2), (5, 8)] {
+            for token_major in [false, true] {
+                let calls = chunks * b / CHUNKS_PER_CALL;
+                let shape = [calls * CHUNKS_PER_CALL, heads, rows, d];
+                let x = Tensor::randn(shape, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+                let x_in = if token_major {
+                    x.transpose(1, 2).contiguous().transpose(1, 2)
+                } else {
+                    x.shallow_clone()
+                };
+                let parts = x_in.split(CHUNKS_PER_CALL, 0);
+                let before = Tensor::cat(&parts, 0)
+                    .transpose(1, 2)
+                    .reshape([chunks, b, rows, heads * d])
+                    .transpose(0, 1)
+                    .reshape([b, chunks * rows, heads * d]);
+                let now = sequence_major(&parts, b, chunks, rows, heads * d);
+                assert!(before.equal(&now), "b {b}, chunks {chunks}");
+                let probe = Tensor::randn(now.size(), (Kind::Float, Device::Cpu));
+                let grad = |y: &Tensor| {
+                    let g =
+                        Tensor::run_backward(&[(y * &probe).sum(Kind::Float)], &[&x], true, false);
+                    g[0].shallow_clone()
+                };
+                assert!(grad(&before).equal(&grad(&now)), "b {b}, chunks {chunks}");
+            }
+        }
+    }
 
     #[test]
     fn a_call_reads_the_context_up_to_its_last_anchor() {

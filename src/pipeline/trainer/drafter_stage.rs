@@ -77,11 +77,23 @@ pub(super) fn warm_up_attention(
     }
 }
 
+/// What times the parts of [`train_on_item`]: the pipeline's [`ProfileStats`] (host time), or
+/// the bench's per-stage clock (device time, and named ranges for its profiler trace).
+pub(crate) trait StageTimer {
+    fn time<R>(&self, event: ProfileEvent, f: impl FnOnce() -> R) -> R;
+}
+
+impl StageTimer for ProfileStats {
+    fn time<R>(&self, event: ProfileEvent, f: impl FnOnce() -> R) -> R {
+        ProfileStats::time(self, event, f)
+    }
+}
+
 /// The drafter's work on one batch of target features: anchors, forward, loss, backward
 /// (gradients accumulate into the parameters, scaled by `scale`). The loss sums stay on the
 /// device: reading them is the step's one synchronisation, after the backward is queued.
 pub(crate) fn train_on_item(
-    profile: &ProfileStats,
+    profile: &impl StageTimer,
     cfg: &TrainConfig,
     drafter: &Drafter,
     head: &FrozenHead,

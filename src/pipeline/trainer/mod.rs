@@ -47,7 +47,7 @@ pub use shared::Shared;
 
 // The bench's stages-alone measurement (crate::bench) runs the stages' own code.
 pub(crate) use coordinator::apply_update;
-pub(crate) use drafter_stage::train_on_item;
+pub(crate) use drafter_stage::{train_on_item, StageTimer};
 pub(crate) use loader::{batch_item, BatchItem};
 pub(crate) use prepare::prepare;
 pub(crate) use shared::sync_device;
