@@ -26,12 +26,27 @@ use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
 use crate::train::run_lock::RunLock;
 
-pub(super) struct TrainArgs {
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// The TOML configuration (see configs/).
+    #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Override a config field, e.g. --set train.lr=1e-4 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// The run directory (default: RUNS_DIR/NAME-DATE-TIME).
+    #[arg(long)]
     pub run_dir: Option<PathBuf>,
+    /// Continue the run in this directory from its newest checkpoint. Fields that change
+    /// the model or the data stream cannot change on a resume.
+    #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// On --resume: allow changes of the schedule (train.total_steps, epochs, lr,
+    /// warmup_ratio, min_lr_ratio, clip_grad_norm); they are logged.
+    #[arg(long, requires = "resume")]
     pub allow_schedule_change: bool,
+    /// Headless: human lines and metrics.jsonl, commands from stdin.
+    #[arg(long)]
     pub no_tui: bool,
 }
 
