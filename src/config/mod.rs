@@ -39,7 +39,8 @@
 //! A setting that takes one of a few words (`model.dtype`, `devices.grad_sync`,
 //! `debug.fail_stage`, `debug.fail_mode`) is an enum; a word that is not one of its values is
 //! refused as the file is read, as `config: section.field = "WORD" is not allowed (must be one
-//! of ...)`. [`TrainConfig::validate`] then checks every range and reports the first problem as
+//! of ...)`; so is a device list's entry that is not a device word, as `config:
+//! devices.target_devices[I] = "WORD" is not a device (...)`. [`TrainConfig::validate`] then checks every range and reports the first problem as
 //! `config: section.field = VALUE is out of range (must be ...)`. Checks that need the target
 //! model (the mask token against the vocabulary, tapped layers against the layer count) are
 //! made where the model is loaded.
@@ -58,7 +59,7 @@ pub(crate) use validate::{
     flag_between, MAX_BATCH_ROWS, MAX_BATCH_TOKENS, MAX_NEW_TOKENS, MAX_SEQUENCE_TOKENS,
 };
 
-use choices::check_choices;
+use choices::{check_choices, check_device_lists};
 
 use parse::{apply_override, deserialize_error, position, schema};
 
@@ -68,6 +69,8 @@ mod tests;
 use std::path::Path;
 
 use anyhow::{anyhow, Result};
+
+use crate::runtime::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
 /// The whole training configuration, one field per TOML section.
@@ -294,16 +297,15 @@ impl TrainSection {
     }
 }
 
-/// `[devices]`: where the target and the drafter run. Each entry is a
-/// [`crate::runtime::DeviceSpec`] ("auto", "cpu", "cuda" or "cuda:N"), checked when the file
-/// is loaded.
+/// `[devices]`: where the target and the drafter run. Each entry is a [`DeviceSpec`] ("auto",
+/// "cpu", "cuda" or "cuda:N"), read when the file is loaded.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DevicesSection {
     /// Devices running target forwards (one worker each). Default ["auto"].
-    pub target_devices: Vec<String>,
+    pub target_devices: Vec<DeviceSpec>,
     /// Devices training the drafter (one replica each). Default ["auto"].
-    pub drafter_devices: Vec<String>,
+    pub drafter_devices: Vec<DeviceSpec>,
     /// How the replicas' gradients are summed on the first drafter device and the new weights
     /// handed back: "nccl" (NCCL collectives between the GPUs; CUDA drafter devices only,
     /// libnccl loaded at run time), "copy" (tensor copies to and from the first drafter
@@ -320,8 +322,8 @@ pub struct DevicesSection {
 impl Default for DevicesSection {
     fn default() -> Self {
         DevicesSection {
-            target_devices: vec!["auto".into()],
-            drafter_devices: vec!["auto".into()],
+            target_devices: vec![DeviceSpec::Auto],
+            drafter_devices: vec![DeviceSpec::Auto],
             grad_sync: GradSync::Auto,
             drafter_batches: Vec::new(),
         }
@@ -539,6 +541,7 @@ pub(crate) fn from_toml_str(text: &str, source: &str, overrides: &[String]) -> R
         applied.push((apply_override(&mut table, &schema, spec)?, spec.as_str()));
     }
     check_choices(&table)?;
+    check_device_lists(&table)?;
     let config: TrainConfig = toml::Value::Table(table)
         .try_into()
         .map_err(|e| deserialize_error(&e, text, source, &applied))?;

@@ -197,7 +197,8 @@ impl TrainConfig {
         }
         if self.devices.grad_sync == GradSync::Nccl {
             // Devices that resolve to the CPU only at run time ("auto") are refused there.
-            if let Some(i) = self.devices.drafter_devices.iter().position(|d| d == "cpu") {
+            let cpu = |d: &DeviceSpec| *d == DeviceSpec::Cpu;
+            if let Some(i) = self.devices.drafter_devices.iter().position(cpu) {
                 bail!(
                     "config: devices.grad_sync = \"nccl\" needs CUDA drafter devices, but \
                      devices.drafter_devices[{i}] = \"cpu\" (use \"copy\" or \"auto\")"
@@ -327,16 +328,10 @@ fn unit(field: &str, value: f64) -> Result<()> {
     float(field, value, (0.0..=1.0).contains(&value), ">= 0 and <= 1")
 }
 
-fn devices(field: &str, list: &[String]) -> Result<()> {
+/// A device list has at least one device (its words are read with the file: `choices.rs`).
+fn devices(field: &str, list: &[DeviceSpec]) -> Result<()> {
     if list.is_empty() {
         bail!("config: {field} is empty (must list at least one device, e.g. [\"auto\"])");
-    }
-    for (i, device) in list.iter().enumerate() {
-        if device.parse::<DeviceSpec>().is_err() {
-            bail!(
-                "config: {field}[{i}] = {device:?} is not a device (must be auto, cpu, cuda or cuda:N)"
-            );
-        }
     }
     Ok(())
 }

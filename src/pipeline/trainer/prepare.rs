@@ -14,7 +14,7 @@ use crate::data::store::{DataColumns, StoreOptions, TokenStore};
 use crate::model::{Drafter, DrafterConfig, FrozenHead, SharedTarget, TargetConfig, TargetModel};
 use crate::pipeline::collective::{self, GradSyncPlan};
 use crate::pipeline::held_out::{HeldOut, Resumed};
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 use crate::train::checkpoint::repair_latest;
 use crate::train::optim::{AdamW, AdamWConfig};
 use crate::train::resume::{self, DataBounds, ResumePoint};
@@ -213,12 +213,12 @@ pub(crate) fn prepare(
 }
 
 /// The devices a `devices.*` setting names.
-fn devices(runtime: &TorchRuntime, names: &[String], setting: &str) -> Result<Vec<Device>> {
-    names
+fn devices(runtime: &TorchRuntime, specs: &[DeviceSpec], setting: &str) -> Result<Vec<Device>> {
+    specs
         .iter()
-        .map(|d| {
+        .map(|&d| {
             runtime
-                .device(d)
+                .resolve(d)
                 .with_context(|| format!("config: {setting}"))
         })
         .collect()
