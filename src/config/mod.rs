@@ -66,7 +66,7 @@ use parse::{apply_override, deserialize_error, position, schema};
 #[cfg(test)]
 mod tests;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Result};
 
@@ -96,8 +96,10 @@ pub struct TrainConfig {
 pub struct RunSection {
     /// Name of the run (its folder is named after it). Default "dflash".
     pub name: String,
-    /// Folder holding the runs; "" means the `runs` folder of the platform data directory.
-    pub runs_dir: String,
+    /// Folder holding the runs; "" (`None`) means the `runs` folder of the platform data
+    /// directory.
+    #[serde(with = "optional_path")]
+    pub runs_dir: Option<PathBuf>,
     /// Seed for initialisation and data order. Default 0.
     pub seed: u64,
 }
@@ -106,9 +108,34 @@ impl Default for RunSection {
     fn default() -> Self {
         RunSection {
             name: "dflash".into(),
-            runs_dir: String::new(),
+            runs_dir: None,
             seed: 0,
         }
+    }
+}
+
+/// An optional path as the file writes it: "" for none (TOML has no null, and the overrides
+/// find a field by its written default).
+mod optional_path {
+    use std::path::PathBuf;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(
+        path: &Option<PathBuf>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match path {
+            Some(path) => path.serialize(s),
+            None => s.serialize_str(""),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<PathBuf>, D::Error> {
+        let path = PathBuf::deserialize(d)?;
+        Ok((!path.as_os_str().is_empty()).then_some(path))
     }
 }
 
@@ -118,8 +145,10 @@ impl Default for RunSection {
 pub struct ModelSection {
     /// Hugging Face model folder of the target (required).
     pub target: String,
-    /// "" trains a freshly initialised drafter; otherwise a drafter folder to start from.
-    pub drafter_init: String,
+    /// "" (`None`) trains a freshly initialised drafter; otherwise a drafter folder to start
+    /// from.
+    #[serde(with = "optional_path")]
+    pub drafter_init: Option<PathBuf>,
     /// Drafter decoder layers, 1..=64. Default 5.
     pub drafter_layers: i64,
     /// Decoder layers appended to the `drafter_init` drafter, 0..=63 (0 needs no init). They
@@ -146,7 +175,7 @@ impl Default for ModelSection {
     fn default() -> Self {
         ModelSection {
             target: String::new(),
-            drafter_init: String::new(),
+            drafter_init: None,
             drafter_layers: 5,
             drafter_added_layers: 0,
             block_size: 16,

@@ -66,7 +66,7 @@ impl TrainConfig {
             0,
             MAX_DRAFTER_LAYERS - 1,
         )?;
-        if model.drafter_added_layers > 0 && model.drafter_init.trim().is_empty() {
+        if model.drafter_added_layers > 0 && model.drafter_init.is_none() {
             bail!(
                 "config: model.drafter_added_layers = {} needs model.drafter_init (layers are \
                  added to a trained drafter; a fresh one has model.drafter_layers)",

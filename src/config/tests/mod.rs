@@ -1,4 +1,4 @@
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::*;
 
@@ -40,10 +40,10 @@ fn invalid(change: impl FnOnce(&mut TrainConfig)) -> String {
 fn defaults() {
     let c = TrainConfig::default();
     assert_eq!(c.run.name, "dflash");
-    assert_eq!(c.run.runs_dir, "");
+    assert_eq!(c.run.runs_dir, None);
     assert_eq!(c.run.seed, 0);
     assert_eq!(c.model.target, "");
-    assert_eq!(c.model.drafter_init, "");
+    assert_eq!(c.model.drafter_init, None);
     assert_eq!(c.model.drafter_layers, 5);
     assert_eq!(c.model.block_size, 16);
     assert_eq!(c.model.mask_token_id, -1);
@@ -216,7 +216,7 @@ fn overrides_of_numbers_strings_and_arrays() {
     assert_eq!(c.train.total_steps, 100);
     assert_eq!(c.model.block_size, 8);
     assert_eq!(c.run.name, "foo");
-    assert_eq!(c.run.runs_dir, "/tmp/my runs");
+    assert_eq!(c.run.runs_dir, Some(PathBuf::from("/tmp/my runs")));
     assert_eq!(c.model.dtype, Dtype::Bf16);
     assert_eq!(
         c.devices.drafter_devices,

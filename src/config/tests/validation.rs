@@ -46,7 +46,7 @@ fn validation_errors_name_their_field() {
         (
             "model.drafter_added_layers = 64",
             Box::new(|c| {
-                c.model.drafter_init = "d".into();
+                c.model.drafter_init = Some("d".into());
                 c.model.drafter_added_layers = 64
             }),
         ),

@@ -130,14 +130,13 @@ pub(crate) fn prepare(
 
     // Drafter configuration: from drafter_init, the resume checkpoint, or fresh.
     let drafter_config = fit_drafter_config(config, target_cfg, &target_dir)?;
-    let init_dir =
-        (!config.model.drafter_init.is_empty()).then(|| PathBuf::from(&config.model.drafter_init));
+    let init_dir = config.model.drafter_init.as_deref();
 
     let store = load_store(config, target_cfg.vocab_size as usize)?;
     let packer_config = packer_config(config);
     let drafters = load_drafters(
         config,
-        init_dir.as_deref(),
+        init_dir,
         &drafter_config,
         target_cfg,
         &drafter_devices,
@@ -349,27 +348,27 @@ fn load_drafters(
         };
         drafters.push(d.with_train_attention(config.train.attention));
     }
-    if init_dir.is_some() {
+    if let Some(dir) = init_dir {
         // A released drafter decides its own shape; the config must agree on the block size.
         let c = &drafters[0].config;
         if c.block_size != config.model.block_size {
             bail!(
                 "config: model.block_size = {} but the drafter in {} has block_size {}",
                 config.model.block_size,
-                config.model.drafter_init,
+                dir.display(),
                 c.block_size
             );
         }
-    }
-    let added = config.model.drafter_added_layers;
-    if added > 0 {
-        let total = drafters[0].config.num_hidden_layers;
-        log::info!(
-            "model.drafter_added_layers = {added}: layers {} to {} appended to the drafter of {}, starting as the identity",
-            total - added,
-            total - 1,
-            config.model.drafter_init
-        );
+        let added = config.model.drafter_added_layers;
+        if added > 0 {
+            let total = c.num_hidden_layers;
+            log::info!(
+                "model.drafter_added_layers = {added}: layers {} to {} appended to the drafter of {}, starting as the identity",
+                total - added,
+                total - 1,
+                dir.display()
+            );
+        }
     }
     log::info!("{}", drafters[0].describe());
     Ok(drafters)
