@@ -381,6 +381,25 @@ impl TrainConfig {
 /// `queue NAME DEPTH` at run time (a batch_q of a million batches grew memory by 3.5 GB).
 pub(crate) const MAX_QUEUE_DEPTH: usize = 1024;
 
+/// Why a queue depth is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum BadQueueDepth {
+    #[error("depth must be at least 1")]
+    Zero,
+    #[error("depth {0} is above the limit of {MAX_QUEUE_DEPTH}")]
+    AboveLimit(usize),
+}
+
+/// The one check of a queue depth, 1..=[`MAX_QUEUE_DEPTH`]: for `pipeline.*_queue_depth`,
+/// `queue NAME DEPTH`, a queue's new capacity and the control room's +/- keys.
+pub(crate) fn check_queue_depth(depth: usize) -> Result<usize, BadQueueDepth> {
+    match depth {
+        0 => Err(BadQueueDepth::Zero),
+        d if d > MAX_QUEUE_DEPTH => Err(BadQueueDepth::AboveLimit(d)),
+        d => Ok(d),
+    }
+}
+
 /// `[pipeline]`: capacities of the queues between the background stages.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

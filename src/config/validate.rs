@@ -6,7 +6,7 @@ use std::fmt::Display;
 
 use anyhow::{bail, Result};
 
-use super::{FailStage, GradSync, TrainConfig, MAX_QUEUE_DEPTH};
+use super::{check_queue_depth, FailStage, GradSync, TrainConfig, MAX_QUEUE_DEPTH};
 use crate::model::{MAX_BLOCK_SIZE, MAX_DRAFTER_LAYERS};
 use crate::runtime::DeviceSpec;
 
@@ -212,18 +212,14 @@ impl TrainConfig {
     /// telemetry and debug.
     fn check_stages(&self) -> Result<()> {
         let p = &self.pipeline;
-        int_between(
-            "pipeline.batch_queue_depth",
-            p.batch_queue_depth,
-            1,
-            MAX_QUEUE_DEPTH,
-        )?;
-        int_between(
-            "pipeline.feature_queue_depth",
-            p.feature_queue_depth,
-            1,
-            MAX_QUEUE_DEPTH,
-        )?;
+        for (field, depth) in [
+            ("pipeline.batch_queue_depth", p.batch_queue_depth),
+            ("pipeline.feature_queue_depth", p.feature_queue_depth),
+        ] {
+            check_queue_depth(depth).map_err(|_| {
+                out_of_range(field, depth, &format!("between 1 and {MAX_QUEUE_DEPTH}"))
+            })?;
+        }
 
         let c = &self.checkpoint;
         float(
