@@ -11,7 +11,7 @@ use super::config::TargetConfig;
 use super::feed_forward::FeedForward;
 use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 use super::hybrid_config::{GdnLayout, GdnShape};
-use super::layers::{add_product, Rope};
+use super::layers::{add_product, AddFeedForward, Rope};
 use super::weights::WeightSource;
 use crate::aten_ext::gdn::{GdnInputs, GdnKernels};
 
