@@ -19,8 +19,9 @@ const CUDA_LIBRARY: &str = "libtorch_cuda.so";
 
 /// A device as the configuration and the command line name it: `auto` (the first GPU if any,
 /// else the CPU), `cpu`, `cuda` (the first GPU, the same as `cuda:0`) or `cuda:N`. Parsed here
-/// once for both (surrounding spaces ignored); [`TorchRuntime::resolve`] picks the device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// once for both (surrounding spaces ignored; serde reads and writes the same words);
+/// [`TorchRuntime::resolve`] picks the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub enum DeviceSpec {
     #[default]
     Auto,
@@ -60,6 +61,34 @@ impl fmt::Display for DeviceSpec {
             DeviceSpec::Cpu => f.write_str("cpu"),
             DeviceSpec::Cuda(i) => write!(f, "cuda:{i}"),
         }
+    }
+}
+
+impl serde::Serialize for DeviceSpec {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DeviceSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> std::result::Result<Self, D::Error> {
+        let word = String::deserialize(deserializer)?;
+        word.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// How messages and the control room name a device: "cpu" or "cuda:N", the words of
+/// [`DeviceSpec`].
+pub fn device_name(device: tch::Device) -> String {
+    match device {
+        tch::Device::Cpu => DeviceSpec::Cpu.to_string(),
+        tch::Device::Cuda(i) => DeviceSpec::Cuda(i).to_string(),
+        other => format!("{other:?}"),
     }
 }
 
@@ -163,12 +192,17 @@ impl TorchRuntime {
         }
     }
 
-    /// The devices of `spec`: one [`DeviceSpec`], or a comma-separated list of distinct CUDA
-    /// devices (one worker each).
-    pub(crate) fn device_list(&self, spec: &str) -> Result<Vec<tch::Device>> {
+    /// The devices of `specs` (`--device`): one device, or distinct CUDA devices (one worker
+    /// each).
+    pub(crate) fn device_list(&self, specs: &[DeviceSpec]) -> Result<Vec<tch::Device>> {
+        let spec = specs
+            .iter()
+            .map(DeviceSpec::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
         let mut devices = Vec::new();
-        for name in spec.split(',') {
-            let device = self.device(name)?;
+        for &one in specs {
+            let device = self.resolve(one)?;
             if devices.contains(&device) {
                 bail!("--device {spec:?} names {device:?} twice");
             }
@@ -357,5 +391,12 @@ mod tests {
             "gpu".parse::<DeviceSpec>().unwrap_err().to_string(),
             "device \"gpu\" is not one of auto, cpu, cuda, cuda:N"
         );
+    }
+
+    #[test]
+    fn device_names_are_the_spec_words() {
+        assert_eq!(device_name(tch::Device::Cpu), "cpu");
+        assert_eq!(device_name(tch::Device::Cuda(2)), "cuda:2");
+        assert_eq!(device_name(tch::Device::Mps), "Mps");
     }
 }

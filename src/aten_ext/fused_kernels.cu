@@ -12,48 +12,10 @@
 //
 // Each rounds where the libtorch operations it replaces round (every intermediate in the storage
 // type), so that a fused step computes what the unfused one does up to the order of the float
-// sums inside a norm. No headers: storage types are converted by hand (bf16, f16) so that
-// NVRTC needs nothing but itself.
+// sums inside a norm. No system headers: storage types are converted by hand (bf16, f16,
+// storage_types.cuh) so that NVRTC needs nothing but itself.
 
-typedef unsigned short u16;
-
-// bf16 storage: the top half of a float32; rounding to nearest even as c10::BFloat16 does.
-struct Bf16 {
-    typedef u16 T;
-    static __device__ __forceinline__ float load(T v) {
-        return __uint_as_float(((unsigned int)v) << 16);
-    }
-    static __device__ __forceinline__ T store(float f) {
-        unsigned int u = __float_as_uint(f);
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            return (T)0x7fc0;
-        }
-        u += 0x7fffu + ((u >> 16) & 1u);
-        return (T)(u >> 16);
-    }
-};
-
-// IEEE half storage, through the hardware conversions.
-struct F16 {
-    typedef u16 T;
-    static __device__ __forceinline__ float load(T v) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
-        return f;
-    }
-    static __device__ __forceinline__ T store(float f) {
-        T v;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v) : "f"(f));
-        return v;
-    }
-};
-
-// float32 storage: nothing to round.
-struct F32 {
-    typedef float T;
-    static __device__ __forceinline__ float load(T v) { return v; }
-    static __device__ __forceinline__ T store(float f) { return f; }
-};
+#include "storage_types.cuh"
 
 // The sum of `v` over the block's threads (at most 1024), returned to every thread.
 static __device__ __forceinline__ float block_sum(float v) {

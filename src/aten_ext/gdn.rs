@@ -33,6 +33,19 @@ pub const KEY_DIMS: [i64; 4] = [32, 64, 128, 256];
 const COLUMNS: i64 = 16;
 const THREADS: u32 = 128;
 
+/// The tensors of one call of the rule: q, k [B, T, Hk, K], v [B, T, Hv, V], g (log decay,
+/// <= 0) and beta [B, T, Hv], and the state before the first token [B, Hv, K, V] float32
+/// (zeros when `None`).
+#[derive(Clone, Copy)]
+pub struct GdnInputs<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub g: &'a Tensor,
+    pub beta: &'a Tensor,
+    pub initial_state: Option<&'a Tensor>,
+}
+
 /// The sizes of one call, read from its inputs and checked against each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GdnShape {
@@ -45,17 +58,18 @@ pub struct GdnShape {
 }
 
 impl GdnShape {
-    /// The shape of q, k [B, T, Hk, K], v [B, T, Hv, V], g and beta [B, T, Hv] and the initial
-    /// state [B, Hv, K, V]; an error naming the tensor whose shape, type or device disagrees
-    /// (q, k, v one of bf16 / f16 / f32; g and beta float32 or v's type; the state float32).
-    pub fn of(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        beta: &Tensor,
-        initial_state: Option<&Tensor>,
-    ) -> Result<Self> {
+    /// The shape of the inputs; an error naming the tensor whose shape, type or device
+    /// disagrees (q, k, v one of bf16 / f16 / f32; g and beta float32 or v's type; the state
+    /// float32).
+    pub fn of(x: &GdnInputs<'_>) -> Result<Self> {
+        let GdnInputs {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+        } = *x;
         let (Ok((batch, steps, key_heads, key_dim)), Ok((vb, vt, value_heads, value_dim))) =
             (q.size4(), v.size4())
         else {
@@ -263,64 +277,38 @@ impl GdnKernels {
         self.module.device()
     }
 
-    /// The gated delta rule over q, k [B, T, Hk, K], v [B, T, Hv, V] (bf16, f16 or f32; the
-    /// last dimension dense, other strides free, so views split from one projection need no
-    /// copy), g [B, T, Hv] (log decay, <= 0) and beta [B, T, Hv] (float32 or v's type), from
-    /// `initial_state` [B, Hv, K, V] float32 (zeros when `None`). Value head h reads key head
-    /// h / (Hv / Hk); with `l2norm` q and k are l2-normalised (in float32) first. Returns the
-    /// output [B, T, Hv, V] in v's type and the final state [B, Hv, K, V] float32. Queued on
-    /// libtorch's current stream (no host synchronisation; a CUDA graph may capture it).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        beta: &Tensor,
-        initial_state: Option<&Tensor>,
-        l2norm: bool,
-    ) -> Result<(Tensor, Tensor)> {
-        let shape = self.checked_shape(q, k, v, g, beta, initial_state)?;
+    /// The gated delta rule over `x` (q, k and v bf16, f16 or f32, the last dimension dense,
+    /// other strides free, so views split from one projection need no copy; g and beta float32
+    /// or v's type). Value head h reads key head h / (Hv / Hk); with `l2norm` q and k are
+    /// l2-normalised (in float32) first. Returns the output [B, T, Hv, V] in v's type and the
+    /// final state [B, Hv, K, V] float32. Queued on libtorch's current stream (no host
+    /// synchronisation; a CUDA graph may capture it).
+    pub fn forward(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
+        let shape = self.checked_shape(x)?;
         let final_state = Tensor::empty(shape.state_size(), (Kind::Float, self.device()));
         if shape.steps == 0 {
             let mut copy = final_state.shallow_clone();
-            match initial_state {
+            match x.initial_state {
                 Some(s) => copy.copy_(s),
                 None => {
                     let _ = copy.zero_();
                 }
             }
         }
-        let inputs = Inputs {
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state,
-            l2norm,
-        };
-        let out = self.launch(&shape, &inputs, Some(&final_state), None)?;
+        let out = self.launch(&shape, x, l2norm, Some(&final_state), None)?;
         Ok((out, final_state))
     }
 
     /// [`GdnKernels::forward`] that writes the state after every token into `states_out`
     /// [B, T, Hv, K, V] (float32, dense), so that a caller verifying a draft can keep the state
     /// at the accepted prefix (the final state is `states_out[:, T - 1]`). Returns the output.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward_with_states(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        beta: &Tensor,
-        initial_state: Option<&Tensor>,
+        x: &GdnInputs<'_>,
         l2norm: bool,
         states_out: &Tensor,
     ) -> Result<Tensor> {
-        let shape = self.checked_shape(q, k, v, g, beta, initial_state)?;
+        let shape = self.checked_shape(x)?;
         shape.check_state("the states buffer", states_out, &shape.states_size(), true)?;
         ensure!(
             states_out.device() == self.device(),
@@ -328,33 +316,16 @@ impl GdnKernels {
             states_out.device(),
             self.module.index()
         );
-        let inputs = Inputs {
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state,
-            l2norm,
-        };
-        self.launch(&shape, &inputs, None, Some(states_out))
+        self.launch(&shape, x, l2norm, None, Some(states_out))
     }
 
     /// The inputs' shape, checked, and on this device with a kernel for their sizes.
-    fn checked_shape(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        beta: &Tensor,
-        initial_state: Option<&Tensor>,
-    ) -> Result<GdnShape> {
-        let shape = GdnShape::of(q, k, v, g, beta, initial_state)?;
+    fn checked_shape(&self, x: &GdnInputs<'_>) -> Result<GdnShape> {
+        let shape = GdnShape::of(x)?;
         ensure!(
-            q.device() == self.device(),
+            x.q.device() == self.device(),
             "gated delta rule: the inputs are on {:?}, the kernels on cuda:{}",
-            q.device(),
+            x.q.device(),
             self.module.index()
         );
         ensure!(
@@ -376,7 +347,8 @@ impl GdnKernels {
     fn launch(
         &self,
         shape: &GdnShape,
-        x: &Inputs<'_>,
+        x: &GdnInputs<'_>,
+        l2norm: bool,
         final_state: Option<&Tensor>,
         states: Option<&Tensor>,
     ) -> Result<Tensor> {
@@ -413,7 +385,7 @@ impl GdnKernels {
             value_dim: shape.value_dim,
             g_is_f32: (g.kind() == Kind::Float) as i64,
             beta_is_f32: (beta.kind() == Kind::Float) as i64,
-            l2norm: x.l2norm as i64,
+            l2norm: l2norm as i64,
         };
         let (Some(which), Some(dim)) = (
             kind_index(kind),
@@ -444,17 +416,6 @@ impl GdnKernels {
     }
 }
 
-/// The inputs of one call, as the public methods take them.
-struct Inputs<'a> {
-    q: &'a Tensor,
-    k: &'a Tensor,
-    v: &'a Tensor,
-    g: &'a Tensor,
-    beta: &'a Tensor,
-    initial_state: Option<&'a Tensor>,
-    l2norm: bool,
-}
-
 /// The name of the kernel for storage type `kind` (bf16, f16, f32) and key heads of `dim`.
 fn kernel_name(kind: &str, dim: i64) -> String {
     format!("gdn_recurrent_{kind}_k{dim}")
@@ -463,50 +424,35 @@ fn kernel_name(kind: &str, dim: i64) -> String {
 /// The gated delta rule as a loop over the tokens in libtorch float32 operations, the rule as
 /// transformers' `torch_recurrent_gated_delta_rule` states it; on any device, same arguments as
 /// [`GdnKernels::forward`]. Returns the output [B, T, Hv, V] in v's type and the final state.
-#[allow(clippy::too_many_arguments)]
-pub fn reference(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    initial_state: Option<&Tensor>,
-    l2norm: bool,
-) -> Result<(Tensor, Tensor)> {
-    let (out, state, _) = reference_steps(q, k, v, g, beta, initial_state, l2norm, false)?;
+pub fn reference(x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
+    let (out, state, _) = reference_steps(x, l2norm, false)?;
     Ok((out, state))
 }
 
 /// [`reference`] that also returns the state after every token [B, T, Hv, K, V] (in place of
 /// the final state).
-#[allow(clippy::too_many_arguments)]
-pub fn reference_with_states(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    initial_state: Option<&Tensor>,
-    l2norm: bool,
-) -> Result<(Tensor, Tensor)> {
-    let (out, state, states) = reference_steps(q, k, v, g, beta, initial_state, l2norm, true)?;
+pub fn reference_with_states(x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
+    let (out, state, states) = reference_steps(x, l2norm, true)?;
     Ok((out, states.unwrap_or(state)))
 }
 
 // out-of-place updates on purpose: tch's `*=` and `+=` write in place, and the states kept
 // per token and the caller's initial state must not change
-#[allow(clippy::too_many_arguments, clippy::assign_op_pattern)]
+#[allow(clippy::assign_op_pattern)]
 fn reference_steps(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    initial_state: Option<&Tensor>,
+    x: &GdnInputs<'_>,
     l2norm: bool,
     keep_states: bool,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let shape = GdnShape::of(q, k, v, g, beta, initial_state)?;
+    let shape = GdnShape::of(x)?;
+    let GdnInputs {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+    } = *x;
     let kind = v.kind();
     let group = shape.value_heads / shape.key_heads;
     let float = |t: &Tensor| t.to_kind(Kind::Float);

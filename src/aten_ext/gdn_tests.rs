@@ -113,16 +113,9 @@ fn the_reference_matches_transformers() {
         let t = |name: &str| fixture_tensor(&case[name]);
         let initial = case.get("initial_state").map(fixture_tensor);
         let l2norm = case["l2norm"].as_bool().unwrap();
-        let (out, state) = reference(
-            &t("q"),
-            &t("k"),
-            &t("v"),
-            &t("g"),
-            &t("beta"),
-            initial.as_ref(),
-            l2norm,
-        )
-        .unwrap();
+        let [q, k, v, g, beta] = ["q", "k", "v", "g", "beta"].map(t);
+        let (out, state) =
+            reference(&rule([&q, &k, &v, &g, &beta], initial.as_ref()), l2norm).unwrap();
         let (e_out, e_state) = (
             relative_error(&out, &t("out")),
             relative_error(&state, &t("final_state")),
@@ -187,18 +180,31 @@ impl Case {
     }
 }
 
+/// The rule's inputs q, k, v, g, beta from `initial_state`.
+fn rule<'a>(x: [&'a Tensor; 5], initial_state: Option<&'a Tensor>) -> GdnInputs<'a> {
+    let [q, k, v, g, beta] = x;
+    GdnInputs {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+    }
+}
+
 impl Made {
+    fn tensors(&self) -> [&Tensor; 5] {
+        [&self.q, &self.k, &self.v, &self.g, &self.beta]
+    }
+
+    /// The inputs from the case's initial state.
+    fn inputs(&self) -> GdnInputs<'_> {
+        rule(self.tensors(), self.initial.as_ref())
+    }
+
     fn reference(&self, l2norm: bool) -> (Tensor, Tensor) {
-        reference(
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.g,
-            &self.beta,
-            self.initial.as_ref(),
-            l2norm,
-        )
-        .unwrap()
+        reference(&self.inputs(), l2norm).unwrap()
     }
 }
 
@@ -218,44 +224,17 @@ fn the_reference_runs_on_from_its_own_state() {
     };
     let x = case.make(3, Device::Cpu, Kind::Float);
     let (out, state) = x.reference(true);
-    let (out_s, states) =
-        reference_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref(), true).unwrap();
+    let (out_s, states) = reference_with_states(&x.inputs(), true).unwrap();
     assert_eq!(states.size(), [2, 6, 2, 4, 3]);
     assert!(out_s.equal(&out) && states.select(1, 5).equal(&state));
-    let part = |t: &Tensor, s: i64, n: i64| t.narrow(1, s, n);
-    let (first, mid) = reference(
-        &part(&x.q, 0, 4),
-        &part(&x.k, 0, 4),
-        &part(&x.v, 0, 4),
-        &part(&x.g, 0, 4),
-        &part(&x.beta, 0, 4),
-        x.initial.as_ref(),
-        true,
-    )
-    .unwrap();
+    let part = |s: i64, n: i64| x.tensors().map(|t| t.narrow(1, s, n));
+    let run = |part: &[Tensor; 5], initial| reference(&rule(part.each_ref(), initial), true);
+    let (first, mid) = run(&part(0, 4), x.initial.as_ref()).unwrap();
     assert!(mid.equal(&states.select(1, 3)));
-    let (second, last) = reference(
-        &part(&x.q, 4, 2),
-        &part(&x.k, 4, 2),
-        &part(&x.v, 4, 2),
-        &part(&x.g, 4, 2),
-        &part(&x.beta, 4, 2),
-        Some(&mid),
-        true,
-    )
-    .unwrap();
+    let (second, last) = run(&part(4, 2), Some(&mid)).unwrap();
     assert!(Tensor::cat(&[first, second], 1).equal(&out) && last.equal(&state));
     // no tokens: no output, the state as it was
-    let (none, kept) = reference(
-        &part(&x.q, 0, 0),
-        &part(&x.k, 0, 0),
-        &part(&x.v, 0, 0),
-        &part(&x.g, 0, 0),
-        &part(&x.beta, 0, 0),
-        x.initial.as_ref(),
-        true,
-    )
-    .unwrap();
+    let (none, kept) = run(&part(0, 0), x.initial.as_ref()).unwrap();
     assert_eq!(none.size(), [2, 0, 2, 3]);
     assert!(kept.equal(x.initial.as_ref().unwrap()));
 }
@@ -275,7 +254,7 @@ fn shapes_are_read_and_mismatches_named() {
     };
     let x = case.make(4, Device::Cpu, Kind::Float);
     let of = |q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, s: Option<&Tensor>| {
-        GdnShape::of(q, k, v, g, beta, s).map_err(|e| e.to_string())
+        GdnShape::of(&rule([q, k, v, g, beta], s)).map_err(|e| e.to_string())
     };
     let shape = of(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref()).unwrap();
     assert_eq!(
@@ -367,9 +346,7 @@ fn gpu() -> (GdnKernels, Device, std::sync::MutexGuard<'static, ()>) {
 }
 
 fn run(kernels: &GdnKernels, x: &Made, l2norm: bool) -> (Tensor, Tensor) {
-    kernels
-        .forward(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref(), l2norm)
-        .unwrap()
+    kernels.forward(&x.inputs(), l2norm).unwrap()
 }
 
 fn assert_close(got: &Tensor, want: &Tensor, tolerance: f64, what: &str) {
@@ -463,22 +440,12 @@ fn gpu_states_after_every_token() {
         l2norm: true,
     };
     let x = case.make(5, device, Kind::Float);
-    let shape = GdnShape::of(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref()).unwrap();
+    let shape = GdnShape::of(&x.inputs()).unwrap();
     let states = Tensor::full(shape.states_size(), f64::NAN, (Kind::Float, device));
     let out = kernels
-        .forward_with_states(
-            &x.q,
-            &x.k,
-            &x.v,
-            &x.g,
-            &x.beta,
-            x.initial.as_ref(),
-            true,
-            &states,
-        )
+        .forward_with_states(&x.inputs(), true, &states)
         .unwrap();
-    let (want_out, want_states) =
-        reference_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, x.initial.as_ref(), true).unwrap();
+    let (want_out, want_states) = reference_with_states(&x.inputs(), true).unwrap();
     assert_close(&out, &want_out, 1e-4, "output");
     assert_close(&states, &want_states, 1e-4, "states");
     let (plain_out, final_state) = run(&kernels, &x, true);
@@ -492,21 +459,18 @@ fn gpu_states_after_every_token() {
     );
     // a draft accepted up to token 8: the run continued from the state kept there (a strided
     // view of the buffer) is the rest of the whole run
-    let rest = |t: &Tensor| t.narrow(1, 8, 8);
+    let rest = x.tensors().map(|t| t.narrow(1, 8, 8));
     let kept = states.select(1, 7);
     assert!(!kept.is_contiguous());
     let (rest_out, rest_state) = kernels
-        .forward(
-            &rest(&x.q),
-            &rest(&x.k),
-            &rest(&x.v),
-            &rest(&x.g),
-            &rest(&x.beta),
-            Some(&kept),
-            true,
-        )
+        .forward(&rule(rest.each_ref(), Some(&kept)), true)
         .unwrap();
-    assert_close(&rest_out, &rest(&out), 1e-5, "output after the kept state");
+    assert_close(
+        &rest_out,
+        &out.narrow(1, 8, 8),
+        1e-5,
+        "output after the kept state",
+    );
     assert_close(
         &rest_state,
         &final_state,
@@ -515,7 +479,7 @@ fn gpu_states_after_every_token() {
     );
     let wrong = states.narrow(1, 0, 15).contiguous();
     let e = kernels
-        .forward_with_states(&x.q, &x.k, &x.v, &x.g, &x.beta, None, true, &wrong)
+        .forward_with_states(&rule(x.tensors(), None), true, &wrong)
         .unwrap_err();
     assert!(e.to_string().contains("the states buffer"), "{e}");
 }
@@ -537,30 +501,16 @@ fn gpu_strided_inputs_and_padding_tokens() {
     let beta = Tensor::rand([b, t, hv], (Kind::Float, device));
     let state = Tensor::randn([b, hv, d, d], (Kind::Float, device));
     let (out, last) = kernels
-        .forward(&q, &k, &v, &g, &beta, Some(&state), true)
+        .forward(&rule([&q, &k, &v, &g, &beta], Some(&state)), true)
         .unwrap();
+    let [dq, dk, dv] = [&q, &k, &v].map(Tensor::contiguous);
     let (dense_out, dense_last) = kernels
-        .forward(
-            &q.contiguous(),
-            &k.contiguous(),
-            &v.contiguous(),
-            &g,
-            &beta,
-            Some(&state),
-            true,
-        )
+        .forward(&rule([&dq, &dk, &dv, &g, &beta], Some(&state)), true)
         .unwrap();
     assert!(out.equal(&dense_out) && last.equal(&dense_last));
+    let (k0, g0) = (k.zeros_like(), g.zeros_like());
     let (_, kept) = kernels
-        .forward(
-            &q,
-            &k.zeros_like(),
-            &v,
-            &g.zeros_like(),
-            &beta,
-            Some(&state),
-            true,
-        )
+        .forward(&rule([&q, &k0, &v, &g0, &beta], Some(&state)), true)
         .unwrap();
     assert!(kept.equal(&state), "padding tokens changed the state");
 }
@@ -624,17 +574,9 @@ fn gpu_inputs_without_a_kernel_are_refused() {
         l2norm: true,
     };
     let on_cpu = case(32).make(1, Device::Cpu, Kind::Float);
-    let e = kernels.forward(
-        &on_cpu.q,
-        &on_cpu.k,
-        &on_cpu.v,
-        &on_cpu.g,
-        &on_cpu.beta,
-        None,
-        true,
-    );
+    let e = kernels.forward(&rule(on_cpu.tensors(), None), true);
     assert!(e.unwrap_err().to_string().contains("the inputs are on Cpu"));
     let odd = case(48).make(1, device, Kind::Float);
-    let e = kernels.forward(&odd.q, &odd.k, &odd.v, &odd.g, &odd.beta, None, true);
+    let e = kernels.forward(&rule(odd.tensors(), None), true);
     assert!(e.unwrap_err().to_string().contains("key head size of 48"));
 }

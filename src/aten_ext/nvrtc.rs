@@ -16,6 +16,10 @@ use tch::{Device, Kind};
 use super::graph::GraphLibrary;
 use crate::runtime::library_symbol;
 
+/// The header every kernel source may include by name: the storage types (bf16, f16, f32) the
+/// kernels load and store, one copy for all of them.
+const HEADERS: [(&str, &str); 1] = [("storage_types.cuh", include_str!("storage_types.cuh"))];
+
 /// Environment variable naming the libnvrtc file to load (tried before anything else).
 pub(crate) const NVRTC_ENV: &str = "DFLASH_NVRTC_LIBRARY";
 
@@ -137,6 +141,12 @@ impl Nvrtc {
     pub(super) fn compile_named(&self, source: &str, file: &str, arch: i32) -> Result<CString> {
         let src = CString::new(source)?;
         let name = CString::new(file)?;
+        let headers = HEADERS
+            .iter()
+            .map(|&(name, text)| Ok((CString::new(name)?, CString::new(text)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let header_texts: Vec<*const c_char> = headers.iter().map(|h| h.1.as_ptr()).collect();
+        let header_names: Vec<*const c_char> = headers.iter().map(|h| h.0.as_ptr()).collect();
         let options = [
             CString::new(format!("--gpu-architecture=compute_{arch}"))?,
             CString::new("--std=c++17")?,
@@ -149,9 +159,9 @@ impl Nvrtc {
                 &mut prog,
                 src.as_ptr(),
                 name.as_ptr(),
-                0,
-                std::ptr::null(),
-                std::ptr::null(),
+                headers.len() as c_int,
+                header_texts.as_ptr(),
+                header_names.as_ptr(),
             );
             ensure!(code == 0, "nvrtcCreateProgram failed (code {code})");
             let result = (|| {

@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
-use crate::aten_ext::gdn::{reference, GdnKernels};
+use crate::aten_ext::gdn::{reference, GdnInputs, GdnKernels};
 use crate::runtime::TorchRuntime;
 
 /// The storage type of q, k, v and the output.
@@ -71,6 +71,20 @@ struct Inputs {
     g: Tensor,
     beta: Tensor,
     state: Tensor,
+}
+
+impl Inputs {
+    /// The rule's inputs, from the state or from zeros.
+    fn rule(&self, from_state: bool) -> GdnInputs<'_> {
+        GdnInputs {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+            initial_state: from_state.then_some(&self.state),
+        }
+    }
 }
 
 fn inputs(args: &GdnBenchArgs, tokens: i64, device: Device) -> Inputs {
@@ -137,25 +151,15 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
     let (b, hv, d) = (args.batch, args.value_heads, args.head_dim);
     let states = Tensor::empty([b, 16, hv, d, d], (Kind::Float, device));
     let ms = time_ms(index, args.iters, || {
-        let v = &verify;
         kernels
-            .forward_with_states(
-                &v.q,
-                &v.k,
-                &v.v,
-                &v.g,
-                &v.beta,
-                Some(&v.state),
-                true,
-                &states,
-            )
+            .forward_with_states(&verify.rule(true), true, &states)
             .map(drop)
     })?;
     println!("{}", line("verify_states", 16, ms));
     if args.reference {
         let p = &prefill;
         let start = Instant::now();
-        let (want_out, want_state) = reference(&p.q, &p.k, &p.v, &p.g, &p.beta, None, true)?;
+        let (want_out, want_state) = reference(&p.rule(false), true)?;
         tch::Cuda::synchronize(index as i64);
         let ms = start.elapsed().as_secs_f64() * 1e3;
         let (out, state) = forward(&kernels, p, false)?;
@@ -176,6 +180,5 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
 
 /// One call of the kernel on `x`, from its state or from zeros.
 fn forward(kernels: &GdnKernels, x: &Inputs, from_state: bool) -> Result<(Tensor, Tensor)> {
-    let state = from_state.then_some(&x.state);
-    kernels.forward(&x.q, &x.k, &x.v, &x.g, &x.beta, state, true)
+    kernels.forward(&x.rule(from_state), true)
 }

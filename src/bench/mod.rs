@@ -15,7 +15,7 @@ use serde::Serialize;
 use crate::config::{self, TrainConfig};
 use crate::pipeline::command::Command;
 use crate::pipeline::trainer::{self, TrainerHandle};
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 use crate::telemetry::gpu::GpuMonitor;
 use crate::telemetry::profile::{stage_busy, ProfileEvent, ProfileReport, StageWorkers};
 use crate::telemetry::records::{Phase, Snapshot, StepRecord};
@@ -84,8 +84,8 @@ pub struct BenchOptions {
 pub(crate) struct BenchReport {
     pub profile: String,
     pub config: String,
-    pub target_devices: Vec<String>,
-    pub drafter_devices: Vec<String>,
+    pub target_devices: Vec<DeviceSpec>,
+    pub drafter_devices: Vec<DeviceSpec>,
     pub warmup_steps: u64,
     pub steps: u64,
     pub window_s: f64,
@@ -127,18 +127,18 @@ pub(crate) struct BenchReport {
 }
 
 /// A device setting with "auto" and "cuda" written as the GPU they pick first, "cuda:0".
-fn first_gpu_named(device: &str) -> String {
+fn first_gpu_named(device: DeviceSpec) -> DeviceSpec {
     match device {
-        "auto" | "cuda" => "cuda:0".to_string(),
-        other => other.to_string(),
+        DeviceSpec::Auto => DeviceSpec::Cuda(0),
+        other => other,
     }
 }
 
 /// Whether the target and the drafter stages run on the same devices (as configured; "auto"
 /// and "cuda" name the first GPU, as "cuda:0" does).
-fn shared_devices(targets: &[String], drafters: &[String]) -> bool {
-    let mut t: Vec<String> = targets.iter().map(|d| first_gpu_named(d)).collect();
-    let mut d: Vec<String> = drafters.iter().map(|d| first_gpu_named(d)).collect();
+fn shared_devices(targets: &[DeviceSpec], drafters: &[DeviceSpec]) -> bool {
+    let mut t: Vec<DeviceSpec> = targets.iter().map(|&d| first_gpu_named(d)).collect();
+    let mut d: Vec<DeviceSpec> = drafters.iter().map(|&d| first_gpu_named(d)).collect();
     t.sort();
     t.dedup();
     d.sort();
@@ -459,13 +459,17 @@ fn model_flops_utilisation(
     flops: f64,
     window_s: f64,
 ) -> Option<f64> {
-    let mut cuda: Vec<String> = cfg
+    let mut cuda: Vec<DeviceSpec> = cfg
         .devices
         .target_devices
         .iter()
         .chain(&cfg.devices.drafter_devices)
-        .filter(|d| d.starts_with("cuda") || (d.as_str() == "auto" && runtime.cuda_devices() > 0))
-        .map(|d| first_gpu_named(d))
+        .filter(|&&d| match d {
+            DeviceSpec::Cuda(_) => true,
+            DeviceSpec::Auto => runtime.cuda_devices() > 0,
+            DeviceSpec::Cpu => false,
+        })
+        .map(|&d| first_gpu_named(d))
         .collect();
     cuda.sort();
     cuda.dedup();

@@ -15,20 +15,47 @@ use crate::text::TextTokenizer;
 
 use super::progress::Bars;
 
-pub(super) fn prepare(
-    tokenizer: &Path,
-    inputs: &[PathBuf],
-    out: &Path,
-    opts: PrepareOptions,
-    bars: &Bars,
-) -> Result<()> {
+#[derive(Debug, clap::Args)]
+pub struct PrepareDataArgs {
+    /// Model folder whose tokenizer.json and chat template are used.
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    /// Input files (several allowed).
+    #[arg(long, num_args = 1.., required = true)]
+    pub input: Vec<PathBuf>,
+    /// The dataset folder to create.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Longest sample in tokens; longer conversations are cut to it (and counted).
+    #[arg(long, default_value_t = 3072)]
+    pub max_len: usize,
+    /// Rows per Arrow shard.
+    #[arg(long, default_value_t = 50_000)]
+    pub shard_rows: usize,
+    /// Share of conversations held out for validation.
+    #[arg(long, default_value_t = 0.01)]
+    pub val_fraction: f64,
+    /// Seed of the validation split.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep only the first N usable conversations (in input order); reading and
+    /// tokenising stop once N are kept.
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+pub(super) fn prepare(args: PrepareDataArgs, bars: &Bars) -> Result<()> {
     // The length grows as the inputs are read.
     let bar = bars.bar("prepare-data", 0, "rows");
     let opts = PrepareOptions {
+        max_len: args.max_len,
+        shard_rows: args.shard_rows,
+        val_fraction: args.val_fraction,
+        seed: args.seed,
+        limit: args.limit,
         progress: Some(bar.clone()),
-        ..opts
     };
-    let summary = prepare_data(tokenizer, inputs, out, &opts);
+    let summary = prepare_data(&args.tokenizer, &args.input, &args.out, &opts);
     bar.finish_and_clear();
     let summary = summary?;
     println!("{summary}");
@@ -106,19 +133,29 @@ fn not_a_dataset(path: &Path) -> Option<String> {
     })
 }
 
-pub(super) fn inspect(
-    path: &Path,
-    split: Option<&str>,
-    tokenizer: Option<&Path>,
-    sample: usize,
-) -> Result<()> {
-    if let Some(why) = not_a_dataset(path) {
+#[derive(Debug, clap::Args)]
+pub struct InspectDataArgs {
+    /// A prepare-data output folder, one split folder, or an Arrow / Parquet file.
+    pub path: PathBuf,
+    /// Split of a dataset with splits (default: train).
+    #[arg(long)]
+    pub split: Option<String>,
+    /// Model folder to decode the sample with.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Which sample to show.
+    #[arg(long, default_value_t = 0)]
+    pub sample: usize,
+}
+
+pub(super) fn inspect(args: &InspectDataArgs) -> Result<()> {
+    if let Some(why) = not_a_dataset(&args.path) {
         anyhow::bail!(
             "{}: not a prepared dataset ({why}); {PREPARE_HINT}",
-            path.display()
+            args.path.display()
         );
     }
-    let path = resolve_split(path, split)?;
+    let path = resolve_split(&args.path, args.split.as_deref())?;
     let files = dataset_files(&path)?;
     let data = match read_token_data(&path, "input_ids", Some("loss_mask"))
         .or_else(|_| read_token_data(&path, "input_ids", None))
@@ -177,11 +214,12 @@ pub(super) fn inspect(
         let bar = "#".repeat((n * 40).div_ceil(widest));
         println!("    {lo:>6}-{:<6} {n:>8} {bar}", hi - 1);
     }
+    let tokenizer = args.tokenizer.as_deref();
     if let Some(dir) = tokenizer.filter(|d| d.join("config.json").is_file()) {
         let largest = data.ids.tokens.iter().copied().max().unwrap_or(0);
         println!("  {}", model_line(dir, largest));
     }
-    let i = sample.min(rows - 1);
+    let i = args.sample.min(rows - 1);
     let ids = data.ids.get(i);
     let mask: Vec<u8> = match &data.masks {
         Some(m) => m[data.ids.offsets[i]..data.ids.offsets[i + 1]].to_vec(),
@@ -253,8 +291,23 @@ fn model_line(dir: &Path, largest_id: u32) -> String {
 
 /// Random-access latency of the token store and batches per second of the packer, and the
 /// same single-row access through pyarrow for comparison. Prints one JSON object.
-pub(super) fn bench(path: &Path, samples: usize, batches: usize, python: &str) -> Result<()> {
-    let path = resolve_split(path, None)?;
+#[derive(Debug, clap::Args)]
+pub struct BenchDataArgs {
+    /// A prepared dataset (folder, split folder or Arrow / Parquet file).
+    pub path: PathBuf,
+    /// Random single-row reads timed.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub samples: usize,
+    /// Packed training batches timed.
+    #[arg(long, default_value_t = 2_000)]
+    pub batches: usize,
+    /// Python with pyarrow, for the comparison.
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+}
+
+pub(super) fn bench(args: &BenchDataArgs) -> Result<()> {
+    let path = resolve_split(&args.path, None)?;
     let started = Instant::now();
     let (store, report) = TokenStore::load(
         &path,
@@ -272,7 +325,7 @@ pub(super) fn bench(path: &Path, samples: usize, batches: usize, python: &str) -
 
     // Random indices from a fixed LCG, so both sides read the same rows.
     let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let indices: Vec<usize> = (0..samples)
+    let indices: Vec<usize> = (0..args.samples)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
@@ -289,12 +342,12 @@ pub(super) fn bench(path: &Path, samples: usize, batches: usize, python: &str) -
         buf.extend_from_slice(s.input_ids);
         checksum = checksum.wrapping_add(buf.len() as u64 + s.loss_mask.len() as u64);
     }
-    let access_ns = t.elapsed().as_nanos() as f64 / samples as f64;
+    let access_ns = t.elapsed().as_nanos() as f64 / args.samples as f64;
 
     let store = Arc::new(store);
     let mut packer = Packer::new(store.clone(), PackerConfig::default());
     let t = Instant::now();
-    for _ in 0..batches {
+    for _ in 0..args.batches {
         let b = packer.next().context("the packer produced no batch")?;
         let c = collate(&store, &b);
         checksum = checksum.wrapping_add(c.lengths.len() as u64);
@@ -305,7 +358,7 @@ pub(super) fn bench(path: &Path, samples: usize, batches: usize, python: &str) -
         .iter()
         .map(|p| p.display().to_string())
         .collect();
-    let pyarrow = pyarrow_take(python, &files, &indices[..indices.len().min(20_000)]);
+    let pyarrow = pyarrow_take(&args.python, &files, &indices[..indices.len().min(20_000)]);
     let mut out = serde_json::json!({
         "dataset": path.display().to_string(),
         "samples": n,
@@ -313,9 +366,9 @@ pub(super) fn bench(path: &Path, samples: usize, batches: usize, python: &str) -
         "store_mib": store.memory_bytes() as f64 / (1u64 << 20) as f64,
         "load_s": load_s,
         "random_access_ns_per_sample": access_ns,
-        "random_accesses": samples,
-        "batches_per_s": batches as f64 / pack_s,
-        "batches": batches,
+        "random_accesses": args.samples,
+        "batches_per_s": args.batches as f64 / pack_s,
+        "batches": args.batches,
         "padding_fraction": packer.stats.padding_fraction(),
         "token_budget": PackerConfig::default().token_budget,
         "checksum": checksum,

@@ -1,6 +1,6 @@
 //! `doctor`: what this installation can use.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
@@ -32,7 +32,14 @@ fn model_summary(dir: &Path) -> String {
     }
 }
 
-pub(super) fn run(runtime: &TorchRuntime, model: Option<&Path>) -> Result<()> {
+#[derive(Debug, clap::Args)]
+pub struct DoctorArgs {
+    /// Also name this model folder's family and layers, or why it cannot be a target.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+}
+
+pub(super) fn run(runtime: &TorchRuntime, args: &DoctorArgs) -> Result<()> {
     println!("dflash-tui {}", env!("CARGO_PKG_VERSION"));
     let dir = runtime.libtorch_dir.as_deref();
     println!(
@@ -118,7 +125,7 @@ pub(super) fn run(runtime: &TorchRuntime, model: Option<&Path>) -> Result<()> {
     println!("  models: {}", loc.models_dir.display());
     println!("  datasets: {}", loc.datasets_dir.display());
     println!("  runs: {}", loc.runs_dir.display());
-    if let Some(dir) = model {
+    if let Some(dir) = &args.model {
         println!("Model {}: {}", dir.display(), model_summary(dir));
         // every expert of a mixture counts: all are held in memory
         if let Ok(c) = TargetConfig::from_model_dir(dir) {

@@ -10,7 +10,7 @@ use crate::config::{flag_between, MAX_NEW_TOKENS};
 use crate::eval::prompts::{check_prompts, prompts_from_data, prompts_from_file};
 use crate::eval::speculative::{drafter_warnings, evaluate, EvalOptions, EvalReport};
 use crate::model::{Drafter, FrozenHead, TargetConfig, TargetModel};
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 
 use super::progress::Bars;
 use indicatif::ProgressBar;
@@ -40,8 +40,8 @@ pub struct EvalArgs {
     pub max_new_tokens: usize,
     /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices: the prompts are
     /// shared out, one worker with its own copy of both models per device.
-    #[arg(long, default_value = "auto")]
-    pub device: String,
+    #[arg(long, default_value = "auto", value_delimiter = ',')]
+    pub device: Vec<DeviceSpec>,
     /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
     #[arg(long, value_enum, default_value_t = Dtype::Auto)]
     pub dtype: Dtype,

@@ -11,13 +11,28 @@ use crate::paths::Locations;
 use crate::runtime::{DeviceSpec, TorchRuntime};
 use crate::text::{Message, TextTokenizer};
 
-pub(super) struct GenerateArgs {
+#[derive(Debug, clap::Args)]
+pub struct GenerateArgs {
+    /// Hugging Face model folder (default: the demo model).
+    #[arg(long)]
     pub model: Option<PathBuf>,
+    /// The user message.
+    #[arg(long)]
     pub prompt: String,
+    /// A system message (otherwise the template's default, if any).
+    #[arg(long)]
     pub system: Option<String>,
+    /// Most tokens generated after the prompt (fewer when the model ends its answer).
+    #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value_t = DeviceSpec::Auto)]
     pub device: DeviceSpec,
+    /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
+    #[arg(long, value_enum, default_value_t = Dtype::Auto)]
     pub dtype: Dtype,
+    /// Use the prompt text as is, without the chat template.
+    #[arg(long)]
     pub raw: bool,
 }
 

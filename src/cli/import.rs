@@ -1,15 +1,31 @@
 //! `import-gguf` and `import-sharegpt`.
 
-use std::path::Path;
+use std::path::PathBuf;
 
 use anyhow::Result;
 
 use crate::data::sharegpt;
 use crate::gguf::{self, OutputDtype};
 
-pub(super) fn import_gguf(file: &Path, out_dir: &Path, dtype: OutputDtype) -> Result<()> {
+#[derive(Debug, clap::Args)]
+pub struct ImportGgufArgs {
+    /// The .gguf file.
+    pub file: PathBuf,
+    /// The model folder to create (must not exist yet, or be empty).
+    pub out_dir: PathBuf,
+    /// Element type of the written weights.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: OutputDtype,
+}
+
+pub(super) fn import_gguf(args: &ImportGgufArgs) -> Result<()> {
+    let ImportGgufArgs {
+        file,
+        out_dir,
+        dtype,
+    } = args;
     let started = std::time::Instant::now();
-    let summary = gguf::import_gguf(file, out_dir, dtype)?;
+    let summary = gguf::import_gguf(file, out_dir, *dtype)?;
     let hp = &summary.hparams;
     let types: Vec<String> = summary
         .source_types
@@ -36,7 +52,16 @@ pub(super) fn import_gguf(file: &Path, out_dir: &Path, dtype: OutputDtype) -> Re
     Ok(())
 }
 
-pub(super) fn import_sharegpt(file: &Path, out: &Path) -> Result<()> {
+#[derive(Debug, clap::Args)]
+pub struct ImportSharegptArgs {
+    /// The ShareGPT .json file (a JSON array of {"id", "conversations"} records).
+    pub file: PathBuf,
+    /// The .jsonl file to write.
+    pub out: PathBuf,
+}
+
+pub(super) fn import_sharegpt(args: &ImportSharegptArgs) -> Result<()> {
+    let ImportSharegptArgs { file, out } = args;
     let (conversations, report) = sharegpt::read_conversations(file)?;
     sharegpt::write_jsonl(&conversations, out)?;
     println!(

@@ -15,21 +15,49 @@ use crate::runtime::{DeviceSpec, TorchRuntime};
 
 use super::progress::Bars;
 
-pub(super) struct InitDrafterArgs {
+#[derive(Debug, clap::Args)]
+pub struct InitDrafterArgs {
+    /// The target's Hugging Face model folder.
+    #[arg(long)]
     pub target: PathBuf,
+    /// The drafter folder to create.
+    #[arg(long)]
     pub out: PathBuf,
+    /// Transformer layers of the drafter.
+    #[arg(long, default_value_t = 5)]
     pub layers: i64,
+    /// Tokens per drafted block (the token after the last accepted one + block_size - 1
+    /// drafts).
+    #[arg(long, default_value_t = 16)]
     pub block_size: i64,
-    /// `None`: chosen from the target's tokenizer and the data ([`choose_mask_token`]).
+    /// Token id fed in the masked block slots; its embedding row stays frozen. Pick a
+    /// token that never occurs in the data (SmolLM2: 16, `<empty_output>`; Qwen3: 151669).
+    /// Left out: one is chosen from the target's tokenizer (and --data), and said why.
+    #[arg(long)]
     pub mask_token_id: Option<i64>,
+    /// Tapped target layers, comma separated (default: the DFlash formula).
+    #[arg(long, value_delimiter = ',')]
     pub target_layer_ids: Option<Vec<usize>>,
+    /// Number of tapped layers when --target-layer-ids is not given.
+    #[arg(long, default_value_t = 5)]
     pub num_taps: usize,
+    /// Seed of the random initialisation (the same seed gives the same weights).
+    #[arg(long, default_value_t = 0)]
     pub seed: i64,
-    /// A dataset to check the mask token against.
+    /// A prepared dataset (prepare-data output; its train split) to check the mask token
+    /// against: refused when the loss trains on it there (loss_mask 1).
+    #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Sliding-window layers of this many positions ([`DrafterConfig::with_sliding_window`]).
+    /// Sliding-window attention of N positions in every layer but those of
+    /// --full-attention-layers (the layer_types / sliding_window of Qwen3.6-27B's drafter:
+    /// --sliding-window 2048 with 5 layers, the last full). A sliding layer's block slot at
+    /// position p sees the keys at positions p - N < k <= p (its block causally). Left out:
+    /// every layer full.
+    #[arg(long, value_name = "N")]
     pub sliding_window: Option<i64>,
-    /// The layers that stay full with a sliding window (`None`: the last).
+    /// With --sliding-window: the layers (0-based, comma separated) that keep full
+    /// attention [default: the last one].
+    #[arg(long, value_delimiter = ',', requires = "sliding_window")]
     pub full_attention_layers: Option<Vec<usize>>,
 }
 
@@ -124,14 +152,31 @@ fn choose_mask_token(dir: &Path, target: &TargetConfig, scan: Option<&TokenScan>
     Ok(choice.id as i64)
 }
 
-pub(super) struct PerplexityArgs {
+#[derive(Debug, clap::Args)]
+pub struct PerplexityArgs {
+    /// Hugging Face model folder.
+    #[arg(long)]
     pub model: PathBuf,
+    /// The tokenised dataset: a folder, split folder, Arrow or Parquet file.
+    #[arg(long)]
     pub data: PathBuf,
+    /// The token column.
+    #[arg(long, default_value = "input_ids")]
     pub column: String,
+    /// Use at most this many sequences.
+    #[arg(long)]
     pub limit: Option<usize>,
+    /// Cut sequences to this many tokens.
+    #[arg(long, default_value_t = 1024)]
     pub max_len: usize,
+    /// Padded tokens per forward batch.
+    #[arg(long, default_value_t = 8192)]
     pub batch_tokens: usize,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value_t = DeviceSpec::Auto)]
     pub device: DeviceSpec,
+    /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
+    #[arg(long, value_enum, default_value_t = Dtype::Auto)]
     pub dtype: Dtype,
 }
 

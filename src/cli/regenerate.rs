@@ -7,7 +7,7 @@ use anyhow::Result;
 use crate::config::Dtype;
 use crate::data::regenerate::{regenerate, RegenerateEngine, RegenerateOptions};
 use crate::model::generate::{Sampling, TraceWindow};
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 
 use super::progress::Bars;
 
@@ -46,8 +46,8 @@ pub struct RegenerateArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// auto, cpu, cuda, cuda:N, or a comma-separated list of CUDA devices (one worker each).
-    #[arg(long, default_value = "auto")]
-    pub device: String,
+    #[arg(long, default_value = "auto", value_delimiter = ',')]
+    pub device: Vec<DeviceSpec>,
     /// Compute dtype (auto: bf16 on a GPU, f32 on the CPU).
     #[arg(long, value_enum, default_value_t = Dtype::Auto)]
     pub dtype: Dtype,

@@ -1,14 +1,21 @@
 //! `export-tensorboard`: the TensorBoard event files of a run made before training wrote them,
 //! from its metrics.jsonl.
 
-use std::path::Path;
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
 use crate::telemetry::tensorboard;
 use crate::train::run_lock::RunLock;
 
-pub(super) fn export(run_dir: &Path) -> Result<()> {
+#[derive(Debug, clap::Args)]
+pub struct ExportTensorboardArgs {
+    /// The run directory (it holds metrics.jsonl).
+    pub run_dir: PathBuf,
+}
+
+pub(super) fn export(args: &ExportTensorboardArgs) -> Result<()> {
+    let run_dir = args.run_dir.as_path();
     if !run_dir.join("metrics.jsonl").is_file() {
         bail!(
             "{}: no metrics.jsonl here; give the folder of a training run",

@@ -26,12 +26,27 @@ use crate::runtime::TorchRuntime;
 use crate::telemetry::records::Phase;
 use crate::train::run_lock::RunLock;
 
-pub(super) struct TrainArgs {
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// The TOML configuration (see configs/).
+    #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Override a config field, e.g. --set train.lr=1e-4 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// The run directory (default: RUNS_DIR/NAME-DATE-TIME).
+    #[arg(long)]
     pub run_dir: Option<PathBuf>,
+    /// Continue the run in this directory from its newest checkpoint. Fields that change
+    /// the model or the data stream cannot change on a resume.
+    #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// On --resume: allow changes of the schedule (train.total_steps, epochs, lr,
+    /// warmup_ratio, min_lr_ratio, clip_grad_norm); they are logged.
+    #[arg(long, requires = "resume")]
     pub allow_schedule_change: bool,
+    /// Headless: human lines and metrics.jsonl, commands from stdin.
+    #[arg(long)]
     pub no_tui: bool,
 }
 
@@ -243,10 +258,9 @@ fn check_run_dir(config: &TrainConfig, args: &TrainArgs) -> Result<(PathBuf, Opt
         (Some(r), _) => r.clone(),
         (None, Some(d)) => d.clone(),
         (None, None) => {
-            let root = if config.run.runs_dir.is_empty() {
-                Locations::from_env().runs_dir
-            } else {
-                PathBuf::from(&config.run.runs_dir)
+            let root = match &config.run.runs_dir {
+                Some(dir) => dir.clone(),
+                None => Locations::from_env().runs_dir,
             };
             root.join(format!("{}-{}", config.run.name, timestamp()))
         }
@@ -276,25 +290,25 @@ pub(super) fn check_inputs(config: &TrainConfig) -> Result<String> {
     })?;
     // A released drafter brings its own mask token.
     type Fix = Box<dyn Fn(u32) -> String>;
-    let (mask, field, fix): (i64, String, Fix) = if config.model.drafter_init.is_empty() {
-        (
+    let (mask, field, fix): (i64, String, Fix) = match &config.model.drafter_init {
+        None => (
             config.model.mask_token_id,
             "config: model.mask_token_id".into(),
             Box::new(|id| format!("--set model.mask_token_id={id}")),
-        )
-    } else {
-        let init = Path::new(&config.model.drafter_init);
-        let c = Drafter::config_for_target(init, &target)?;
-        c.with_added_layers(config.model.drafter_added_layers)
-            .with_context(|| format!("config: model.drafter_init = {}", init.display()))?;
-        (
-            c.mask_token_id(),
-            format!(
-                "{}: dflash_config.mask_token_id",
-                init.join("config.json").display()
-            ),
-            Box::new(|id| format!("a drafter made with init-drafter --mask-token-id {id}")),
-        )
+        ),
+        Some(init) => {
+            let c = Drafter::config_for_target(init, &target)?;
+            c.with_added_layers(config.model.drafter_added_layers)
+                .with_context(|| format!("config: model.drafter_init = {}", init.display()))?;
+            (
+                c.mask_token_id(),
+                format!(
+                    "{}: dflash_config.mask_token_id",
+                    init.join("config.json").display()
+                ),
+                Box::new(|id| format!("a drafter made with init-drafter --mask-token-id {id}")),
+            )
+        }
     };
 
     let data = Path::new(&config.data.path);

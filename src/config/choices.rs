@@ -4,13 +4,16 @@
 //! [`FromStr`] agree on them).
 //!
 //! A word that is not one of the values is refused before the file is deserialised, with a
-//! message naming the field and listing the values ([`check_choices`]).
+//! message naming the field and listing the values ([`check_choices`]); so is an entry of a
+//! device list that is not a [`DeviceSpec`] ([`check_device_lists`]).
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
+
+use crate::runtime::DeviceSpec;
 
 /// A setting that takes one of a fixed set of words.
 pub trait Choice: Copy + Sized + 'static {
@@ -214,6 +217,32 @@ impl Choice for FailMode {
             FailMode::HoldRename => "hold-rename",
         }
     }
+}
+
+/// The device lists of the parsed file (after the overrides): an entry that is not a
+/// [`DeviceSpec`] word is refused naming the field and its index. A field that is not a list is
+/// left to serde, which names it.
+pub(super) fn check_device_lists(table: &toml::Table) -> anyhow::Result<()> {
+    let Some(section) = table.get("devices") else {
+        return Ok(());
+    };
+    for field in ["target_devices", "drafter_devices"] {
+        let Some(toml::Value::Array(items)) = section.get(field) else {
+            continue;
+        };
+        for (i, item) in items.iter().enumerate() {
+            if item
+                .as_str()
+                .and_then(|w| w.parse::<DeviceSpec>().ok())
+                .is_none()
+            {
+                anyhow::bail!(
+                    "config: devices.{field}[{i}] = {item} is not a device (must be auto, cpu, cuda or cuda:N)"
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks the word of every [`Choice`] setting in the parsed file (after the overrides), in

@@ -39,7 +39,8 @@
 //! A setting that takes one of a few words (`model.dtype`, `devices.grad_sync`,
 //! `debug.fail_stage`, `debug.fail_mode`) is an enum; a word that is not one of its values is
 //! refused as the file is read, as `config: section.field = "WORD" is not allowed (must be one
-//! of ...)`. [`TrainConfig::validate`] then checks every range and reports the first problem as
+//! of ...)`; so is a device list's entry that is not a device word, as `config:
+//! devices.target_devices[I] = "WORD" is not a device (...)`. [`TrainConfig::validate`] then checks every range and reports the first problem as
 //! `config: section.field = VALUE is out of range (must be ...)`. Checks that need the target
 //! model (the mask token against the vocabulary, tapped layers against the layer count) are
 //! made where the model is loaded.
@@ -58,16 +59,18 @@ pub(crate) use validate::{
     flag_between, MAX_BATCH_ROWS, MAX_BATCH_TOKENS, MAX_NEW_TOKENS, MAX_SEQUENCE_TOKENS,
 };
 
-use choices::check_choices;
+use choices::{check_choices, check_device_lists};
 
 use parse::{apply_override, deserialize_error, position, schema};
 
 #[cfg(test)]
 mod tests;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, Result};
+
+use crate::runtime::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
 /// The whole training configuration, one field per TOML section.
@@ -93,8 +96,10 @@ pub struct TrainConfig {
 pub struct RunSection {
     /// Name of the run (its folder is named after it). Default "dflash".
     pub name: String,
-    /// Folder holding the runs; "" means the `runs` folder of the platform data directory.
-    pub runs_dir: String,
+    /// Folder holding the runs; "" (`None`) means the `runs` folder of the platform data
+    /// directory.
+    #[serde(with = "optional_path")]
+    pub runs_dir: Option<PathBuf>,
     /// Seed for initialisation and data order. Default 0.
     pub seed: u64,
 }
@@ -103,9 +108,34 @@ impl Default for RunSection {
     fn default() -> Self {
         RunSection {
             name: "dflash".into(),
-            runs_dir: String::new(),
+            runs_dir: None,
             seed: 0,
         }
+    }
+}
+
+/// An optional path as the file writes it: "" for none (TOML has no null, and the overrides
+/// find a field by its written default).
+mod optional_path {
+    use std::path::PathBuf;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(
+        path: &Option<PathBuf>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match path {
+            Some(path) => path.serialize(s),
+            None => s.serialize_str(""),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<PathBuf>, D::Error> {
+        let path = PathBuf::deserialize(d)?;
+        Ok((!path.as_os_str().is_empty()).then_some(path))
     }
 }
 
@@ -115,8 +145,10 @@ impl Default for RunSection {
 pub struct ModelSection {
     /// Hugging Face model folder of the target (required).
     pub target: String,
-    /// "" trains a freshly initialised drafter; otherwise a drafter folder to start from.
-    pub drafter_init: String,
+    /// "" (`None`) trains a freshly initialised drafter; otherwise a drafter folder to start
+    /// from.
+    #[serde(with = "optional_path")]
+    pub drafter_init: Option<PathBuf>,
     /// Drafter decoder layers, 1..=64. Default 5.
     pub drafter_layers: i64,
     /// Decoder layers appended to the `drafter_init` drafter, 0..=63 (0 needs no init). They
@@ -143,7 +175,7 @@ impl Default for ModelSection {
     fn default() -> Self {
         ModelSection {
             target: String::new(),
-            drafter_init: String::new(),
+            drafter_init: None,
             drafter_layers: 5,
             drafter_added_layers: 0,
             block_size: 16,
@@ -294,16 +326,15 @@ impl TrainSection {
     }
 }
 
-/// `[devices]`: where the target and the drafter run. Each entry is a
-/// [`crate::runtime::DeviceSpec`] ("auto", "cpu", "cuda" or "cuda:N"), checked when the file
-/// is loaded.
+/// `[devices]`: where the target and the drafter run. Each entry is a [`DeviceSpec`] ("auto",
+/// "cpu", "cuda" or "cuda:N"), read when the file is loaded.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DevicesSection {
     /// Devices running target forwards (one worker each). Default ["auto"].
-    pub target_devices: Vec<String>,
+    pub target_devices: Vec<DeviceSpec>,
     /// Devices training the drafter (one replica each). Default ["auto"].
-    pub drafter_devices: Vec<String>,
+    pub drafter_devices: Vec<DeviceSpec>,
     /// How the replicas' gradients are summed on the first drafter device and the new weights
     /// handed back: "nccl" (NCCL collectives between the GPUs; CUDA drafter devices only,
     /// libnccl loaded at run time), "copy" (tensor copies to and from the first drafter
@@ -320,8 +351,8 @@ pub struct DevicesSection {
 impl Default for DevicesSection {
     fn default() -> Self {
         DevicesSection {
-            target_devices: vec!["auto".into()],
-            drafter_devices: vec!["auto".into()],
+            target_devices: vec![DeviceSpec::Auto],
+            drafter_devices: vec![DeviceSpec::Auto],
             grad_sync: GradSync::Auto,
             drafter_batches: Vec::new(),
         }
@@ -349,6 +380,25 @@ impl TrainConfig {
 /// The most items a pipeline queue may hold: `pipeline.*_queue_depth` in the config and
 /// `queue NAME DEPTH` at run time (a batch_q of a million batches grew memory by 3.5 GB).
 pub(crate) const MAX_QUEUE_DEPTH: usize = 1024;
+
+/// Why a queue depth is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum BadQueueDepth {
+    #[error("depth must be at least 1")]
+    Zero,
+    #[error("depth {0} is above the limit of {MAX_QUEUE_DEPTH}")]
+    AboveLimit(usize),
+}
+
+/// The one check of a queue depth, 1..=[`MAX_QUEUE_DEPTH`]: for `pipeline.*_queue_depth`,
+/// `queue NAME DEPTH`, a queue's new capacity and the control room's +/- keys.
+pub(crate) fn check_queue_depth(depth: usize) -> Result<usize, BadQueueDepth> {
+    match depth {
+        0 => Err(BadQueueDepth::Zero),
+        d if d > MAX_QUEUE_DEPTH => Err(BadQueueDepth::AboveLimit(d)),
+        d => Ok(d),
+    }
+}
 
 /// `[pipeline]`: capacities of the queues between the background stages.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -539,6 +589,7 @@ pub(crate) fn from_toml_str(text: &str, source: &str, overrides: &[String]) -> R
         applied.push((apply_override(&mut table, &schema, spec)?, spec.as_str()));
     }
     check_choices(&table)?;
+    check_device_lists(&table)?;
     let config: TrainConfig = toml::Value::Table(table)
         .try_into()
         .map_err(|e| deserialize_error(&e, text, source, &applied))?;

@@ -6,7 +6,7 @@ use std::fmt::Display;
 
 use anyhow::{bail, Result};
 
-use super::{FailStage, GradSync, TrainConfig, MAX_QUEUE_DEPTH};
+use super::{check_queue_depth, FailStage, GradSync, TrainConfig, MAX_QUEUE_DEPTH};
 use crate::model::{MAX_BLOCK_SIZE, MAX_DRAFTER_LAYERS};
 use crate::runtime::DeviceSpec;
 
@@ -66,7 +66,7 @@ impl TrainConfig {
             0,
             MAX_DRAFTER_LAYERS - 1,
         )?;
-        if model.drafter_added_layers > 0 && model.drafter_init.trim().is_empty() {
+        if model.drafter_added_layers > 0 && model.drafter_init.is_none() {
             bail!(
                 "config: model.drafter_added_layers = {} needs model.drafter_init (layers are \
                  added to a trained drafter; a fresh one has model.drafter_layers)",
@@ -197,7 +197,8 @@ impl TrainConfig {
         }
         if self.devices.grad_sync == GradSync::Nccl {
             // Devices that resolve to the CPU only at run time ("auto") are refused there.
-            if let Some(i) = self.devices.drafter_devices.iter().position(|d| d == "cpu") {
+            let cpu = |d: &DeviceSpec| *d == DeviceSpec::Cpu;
+            if let Some(i) = self.devices.drafter_devices.iter().position(cpu) {
                 bail!(
                     "config: devices.grad_sync = \"nccl\" needs CUDA drafter devices, but \
                      devices.drafter_devices[{i}] = \"cpu\" (use \"copy\" or \"auto\")"
@@ -211,18 +212,14 @@ impl TrainConfig {
     /// telemetry and debug.
     fn check_stages(&self) -> Result<()> {
         let p = &self.pipeline;
-        int_between(
-            "pipeline.batch_queue_depth",
-            p.batch_queue_depth,
-            1,
-            MAX_QUEUE_DEPTH,
-        )?;
-        int_between(
-            "pipeline.feature_queue_depth",
-            p.feature_queue_depth,
-            1,
-            MAX_QUEUE_DEPTH,
-        )?;
+        for (field, depth) in [
+            ("pipeline.batch_queue_depth", p.batch_queue_depth),
+            ("pipeline.feature_queue_depth", p.feature_queue_depth),
+        ] {
+            check_queue_depth(depth).map_err(|_| {
+                out_of_range(field, depth, &format!("between 1 and {MAX_QUEUE_DEPTH}"))
+            })?;
+        }
 
         let c = &self.checkpoint;
         float(
@@ -327,16 +324,10 @@ fn unit(field: &str, value: f64) -> Result<()> {
     float(field, value, (0.0..=1.0).contains(&value), ">= 0 and <= 1")
 }
 
-fn devices(field: &str, list: &[String]) -> Result<()> {
+/// A device list has at least one device (its words are read with the file: `choices.rs`).
+fn devices(field: &str, list: &[DeviceSpec]) -> Result<()> {
     if list.is_empty() {
         bail!("config: {field} is empty (must list at least one device, e.g. [\"auto\"])");
-    }
-    for (i, device) in list.iter().enumerate() {
-        if device.parse::<DeviceSpec>().is_err() {
-            bail!(
-                "config: {field}[{i}] = {device:?} is not a device (must be auto, cpu, cuda or cuda:N)"
-            );
-        }
     }
     Ok(())
 }

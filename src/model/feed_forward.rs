@@ -61,30 +61,6 @@ impl FeedForward {
         }
     }
 
-    /// `residual += mlp(x)` in place (inference).
-    pub(crate) fn add_forward(&self, residual: &mut Tensor, x: &Tensor) {
-        match self {
-            FeedForward::Dense(mlp) => mlp.add_forward(residual, x),
-            FeedForward::Sparse(moe) => moe.add_forward(residual, x),
-        }
-    }
-
-    /// [`FeedForward::add_forward`] with a dense MLP's `silu(gate) * up` as one fused kernel.
-    pub(crate) fn add_forward_fused(
-        &self,
-        residual: &mut Tensor,
-        x: &Tensor,
-        kernels: &FusedKernels,
-    ) -> Result<()> {
-        match self {
-            FeedForward::Dense(mlp) => mlp.add_forward_fused(residual, x, kernels),
-            FeedForward::Sparse(moe) => {
-                moe.add_forward(residual, x);
-                Ok(())
-            }
-        }
-    }
-
     pub(crate) fn tensors(&self) -> Vec<&Tensor> {
         match self {
             FeedForward::Dense(mlp) => mlp.tensors(),
@@ -106,16 +82,27 @@ impl FeedForward {
 }
 
 impl AddFeedForward for FeedForward {
-    fn add_feed_forward(&self, residual: &mut Tensor, x: &Tensor) {
-        self.add_forward(residual, x)
+    /// `residual += mlp(x)` in place (inference).
+    fn add_forward(&self, residual: &mut Tensor, x: &Tensor) {
+        match self {
+            FeedForward::Dense(mlp) => mlp.add_forward(residual, x),
+            FeedForward::Sparse(moe) => moe.add_forward(residual, x),
+        }
     }
 
-    fn add_feed_forward_fused(
+    /// [`FeedForward::add_forward`] with a dense MLP's `silu(gate) * up` as one fused kernel.
+    fn add_forward_fused(
         &self,
         residual: &mut Tensor,
         x: &Tensor,
         kernels: &FusedKernels,
     ) -> Result<()> {
-        self.add_forward_fused(residual, x, kernels)
+        match self {
+            FeedForward::Dense(mlp) => mlp.add_forward_fused(residual, x, kernels),
+            FeedForward::Sparse(moe) => {
+                moe.add_forward(residual, x);
+                Ok(())
+            }
+        }
     }
 }

@@ -12,7 +12,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::aten_ext::gdn::GdnKernels;
+use crate::aten_ext::gdn::{GdnInputs, GdnKernels};
 
 /// Tokens per chunk of [`gated_delta_rule`] (transformers' and FLA's).
 pub(crate) const CHUNK: i64 = 64;
@@ -57,55 +57,48 @@ impl GdnState {
     }
 }
 
-/// The gated delta rule over a sequence: `q`, `k` [B, T, key_heads, key_dim] (l2-normalised
-/// here, in float32, see [`l2norm`]: transformers' `use_qk_l2norm_in_kernel`), `v` [B, T,
-/// value_heads, value_dim], `g` (log decay, <= 0) and `beta` [B, T, value_heads]; each key head
-/// serves `value_heads / key_heads` consecutive value heads. `initial_state` [B, value_heads,
-/// key_dim, value_dim] (zeros when None). Returns the output [B, T, value_heads, value_dim] in
-/// `v`'s dtype and the final state (float32). Computed in float32 whatever the inputs' dtype.
+/// The gated delta rule over a sequence ([`GdnInputs`]: q and k are l2-normalised here, in
+/// float32, see [`l2norm`]: transformers' `use_qk_l2norm_in_kernel`); each key head serves
+/// `value_heads / key_heads` consecutive value heads. Returns the output [B, T, value_heads,
+/// value_dim] in `v`'s dtype and the final state (float32). Computed in float32 whatever the
+/// inputs' dtype.
 ///
 /// The one dispatch point of the rule: CUDA tensors go to `kernels` (loaded for their device,
 /// q, k and v of one dtype; the kernel normalises q and k itself, with the same formula);
 /// everything else, and a call the kernels refuse, to libtorch's operations. Every caller (full
 /// forwards, prefill, multi-token steps) comes through here or [`gated_delta_rule_steps`].
-pub fn gated_delta_rule(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    initial_state: Option<&Tensor>,
-    kernels: Option<&GdnKernels>,
-) -> (Tensor, Tensor) {
-    if let Some(kernels) = usable(kernels, q, k, v) {
-        match kernels.forward(q, k, v, g, beta, initial_state, true) {
-            Ok(done) => return done,
-            Err(e) => log::warn!("gated delta rule kernel refused a call, libtorch instead: {e:#}"),
-        }
+pub fn gated_delta_rule(x: &GdnInputs<'_>, kernels: Option<&GdnKernels>) -> (Tensor, Tensor) {
+    if let Some(done) = on_kernels(kernels, x, |kernels| kernels.forward(x, true)) {
+        return done;
     }
-    let (q, k) = (l2norm(q), l2norm(k));
-    if q.size()[1] == 1 {
+    let heads = Heads::new(x);
+    if x.q.size()[1] == 1 {
         // one token: the recurrence is one step (a chunk would pad it to 64)
-        let x = Heads::new(&q, &k, v, g, beta);
-        let (out, states) = recurrence(x, initial_state, v.kind());
-        let last = states.select(1, 0);
-        return (out, last);
+        let (out, states) = recurrence(heads, x.initial_state, x.v.kind());
+        return (out, states.select(1, 0));
     }
-    chunked_rule(&q, &k, v, g, beta, initial_state)
+    chunked_rule(heads, x.initial_state, x.v.kind())
 }
 
-/// The kernels when they serve these tensors: on their device, q, k and v of one dtype.
-fn usable<'a>(
-    kernels: Option<&'a GdnKernels>,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-) -> Option<&'a GdnKernels> {
-    kernels.filter(|g| q.device() == g.device() && q.kind() == v.kind() && k.kind() == v.kind())
+/// What `run` gives on `kernels` where they serve `x` (on their device, q, k and v of one
+/// dtype); `None` sends the call to libtorch's operations, with a warning where the kernels
+/// refused it.
+fn on_kernels<T>(
+    kernels: Option<&GdnKernels>,
+    x: &GdnInputs<'_>,
+    run: impl FnOnce(&GdnKernels) -> anyhow::Result<T>,
+) -> Option<T> {
+    let (q, k, v) = (x.q, x.k, x.v);
+    let kernels = kernels
+        .filter(|g| q.device() == g.device() && q.kind() == v.kind() && k.kind() == v.kind())?;
+    run(kernels)
+        .map_err(|e| log::warn!("gated delta rule kernel refused a call, libtorch instead: {e:#}"))
+        .ok()
 }
 
-/// Inputs in the rule's working form: [B, value_heads, T, dim] float32 (queries scaled by
-/// `1 / sqrt(key_dim)`, keys and queries repeated per value head), `g` and `beta` [B, H, T].
+/// Inputs in the rule's working form: [B, value_heads, T, dim] float32 (queries and keys
+/// l2-normalised, queries scaled by `1 / sqrt(key_dim)`, keys and queries repeated per value
+/// head), `g` and `beta` [B, H, T].
 struct Heads {
     q: Tensor,
     k: Tensor,
@@ -115,7 +108,8 @@ struct Heads {
 }
 
 impl Heads {
-    fn new(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor) -> Self {
+    fn new(x: &GdnInputs<'_>) -> Self {
+        let (q, k, v) = (&l2norm(x.q), &l2norm(x.k), x.v);
         let group = v.size()[2] / k.size()[2].max(1);
         let per_value_head = |t: &Tensor| match group {
             1 => t.shallow_clone(),
@@ -127,8 +121,8 @@ impl Heads {
             q: f32_heads(&per_value_head(q)) * (key_dim as f64).powf(-0.5),
             k: f32_heads(&per_value_head(k)),
             v: f32_heads(v),
-            g: f32_heads(g),
-            beta: f32_heads(beta),
+            g: f32_heads(x.g),
+            beta: f32_heads(x.beta),
         }
     }
 
@@ -148,15 +142,7 @@ impl Heads {
 
 /// The chunked form (see the module doc): per chunk, the decays between its positions, the
 /// UT transform solved once for the new values and the decayed keys, then one scan over chunks.
-fn chunked_rule(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    initial_state: Option<&Tensor>,
-) -> (Tensor, Tensor) {
-    let x = Heads::new(q, k, v, g, beta);
+fn chunked_rule(x: Heads, initial_state: Option<&Tensor>, kind: Kind) -> (Tensor, Tensor) {
     let mut state = x.state(initial_state);
     let (b, h, t, dk) = x.k.size4().unwrap_or((0, 0, 0, 0));
     let dv = x.v.size()[3];
@@ -197,7 +183,7 @@ fn chunked_rule(
         state = &state * at(&chunk_decay) + at(&k_to_end).transpose(-1, -2).matmul(&v_new);
     }
     let out = Tensor::cat(&outs, 2).narrow(2, 0, t);
-    (out.transpose(1, 2).to_kind(v.kind()).contiguous(), state)
+    (out.transpose(1, 2).to_kind(kind).contiguous(), state)
 }
 
 /// `a @ b^T` over the last two dimensions.
@@ -208,26 +194,16 @@ fn kc_product(a: &Tensor, b: &Tensor) -> Tensor {
 /// The gated delta rule token by token (arguments as [`gated_delta_rule`]): the output and the
 /// state after each token, [B, T, value_heads, key_dim, value_dim] float32 (the last is the
 /// final state). For short steps whose every prefix may have to be resumed from.
-pub fn gated_delta_rule_steps(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    beta: &Tensor,
-    initial_state: Option<&Tensor>,
-    kernels: Option<&GdnKernels>,
-) -> (Tensor, Tensor) {
-    if let Some(kernels) = usable(kernels, q, k, v) {
-        let (b, t, hv, dv) = v.size4().unwrap_or((0, 0, 0, 0));
-        let dk = k.size().last().copied().unwrap_or(0);
-        let states = Tensor::empty([b, t, hv, dk, dv], (Kind::Float, v.device()));
-        match kernels.forward_with_states(q, k, v, g, beta, initial_state, true, &states) {
-            Ok(out) => return (out, states),
-            Err(e) => log::warn!("gated delta rule kernel refused a call, libtorch instead: {e:#}"),
-        }
-    }
-    let x = Heads::new(&l2norm(q), &l2norm(k), v, g, beta);
-    recurrence(x, initial_state, v.kind())
+pub fn gated_delta_rule_steps(x: &GdnInputs<'_>, kernels: Option<&GdnKernels>) -> (Tensor, Tensor) {
+    let on_gpu = on_kernels(kernels, x, |kernels| {
+        let (b, t, hv, dv) = x.v.size4().unwrap_or((0, 0, 0, 0));
+        let dk = x.k.size().last().copied().unwrap_or(0);
+        let states = Tensor::empty([b, t, hv, dk, dv], (Kind::Float, x.v.device()));
+        kernels
+            .forward_with_states(x, true, &states)
+            .map(|out| (out, states))
+    });
+    on_gpu.unwrap_or_else(|| recurrence(Heads::new(x), x.initial_state, x.v.kind()))
 }
 
 /// The recurrence over `x`'s tokens: the output [B, T, H, dv] in `kind` and the state after
@@ -316,6 +292,19 @@ mod tests {
         (out, finals)
     }
 
+    /// `x` as the rule's inputs, from `initial`.
+    fn rule<'a>(x: &'a [Tensor; 5], initial: Option<&'a Tensor>) -> GdnInputs<'a> {
+        let [q, k, v, g, beta] = x;
+        GdnInputs {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state: initial,
+        }
+    }
+
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         (a.to_kind(Kind::Double) - b.to_kind(Kind::Double))
             .abs()
@@ -334,31 +323,21 @@ mod tests {
         let start = Tensor::randn([2, 4, 8, 6], (Kind::Double, Device::Cpu)) * 0.5;
         for initial in [None, Some(&start)] {
             let (want, want_state) = naive(&x, initial);
-            let [q, k, v, g, beta] = &x;
-            let (out, state) = gated_delta_rule(q, k, v, g, beta, initial, None);
+            let (out, state) = gated_delta_rule(&rule(&x, initial), None);
             assert!(max_diff(&out, &want) < 1e-5, "{}", max_diff(&out, &want));
             assert!(max_diff(&state, &want_state) < 1e-5);
-            let (out, states) = gated_delta_rule_steps(q, k, v, g, beta, initial, None);
+            let (out, states) = gated_delta_rule_steps(&rule(&x, initial), None);
             assert!(max_diff(&out, &want) < 1e-5);
             assert!(max_diff(&states.select(1, t - 1), &want_state) < 1e-5);
             // the state after token 20 resumes the rest
-            let rest = |x: &Tensor| x.narrow(1, 21, t - 21);
-            let (tail, _) = gated_delta_rule(
-                &rest(q),
-                &rest(k),
-                &rest(v),
-                &rest(g),
-                &rest(beta),
-                Some(&states.select(1, 20)),
-                None,
-            );
+            let rest = x.each_ref().map(|x| x.narrow(1, 21, t - 21));
+            let (tail, _) = gated_delta_rule(&rule(&rest, Some(&states.select(1, 20))), None);
             assert!(max_diff(&tail, &want.narrow(1, 21, t - 21)) < 1e-5);
         }
         // a single token takes the stepwise path
         let one = inputs(1, 8);
         let (want, _) = naive(&one, Some(&start));
-        let [q, k, v, g, beta] = &one;
-        let (out, _) = gated_delta_rule(q, k, v, g, beta, Some(&start), None);
+        let (out, _) = gated_delta_rule(&rule(&one, Some(&start)), None);
         assert!(max_diff(&out, &want) < 1e-6);
     }
 }

@@ -11,9 +11,9 @@ use super::config::TargetConfig;
 use super::feed_forward::FeedForward;
 use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 use super::hybrid_config::{GdnLayout, GdnShape};
-use super::layers::{add_product, Rope};
+use super::layers::{add_product, AddFeedForward, Rope};
 use super::weights::WeightSource;
-use crate::aten_ext::gdn::GdnKernels;
+use crate::aten_ext::gdn::{GdnInputs, GdnKernels};
 
 /// RMSNorm with a zero-centred weight: `norm(x) * (1 + w)`, the norm and the product in
 /// float32 and one rounding to the input's dtype (transformers' `Qwen3_5RMSNorm`).
@@ -207,12 +207,19 @@ impl GatedDeltaNet {
     ) -> (Tensor, Tensor, Tensor) {
         let (p, history) = self.convolved(x, state, real);
         let (q, k, v, g, beta) = self.rule_inputs(&p, real);
-        let initial = state.map(|s| &s.recurrent);
         let kernels = self.kernels.as_ref();
+        let rule = GdnInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &g,
+            beta: &beta,
+            initial_state: state.map(|s| &s.recurrent),
+        };
         let (core, recurrent) = if each_token {
-            gated_delta_rule_steps(&q, &k, &v, &g, &beta, initial, kernels)
+            gated_delta_rule_steps(&rule, kernels)
         } else {
-            gated_delta_rule(&q, &k, &v, &g, &beta, initial, kernels)
+            gated_delta_rule(&rule, kernels)
         };
         (self.output(&core, &p.z), history, recurrent)
     }

@@ -316,9 +316,9 @@ pub(crate) struct DecoderLayer<F = Mlp> {
 /// What a decoder layer's MLP does at inference: add its output to the residual stream.
 pub(crate) trait AddFeedForward {
     /// `residual += mlp(x)` in place.
-    fn add_feed_forward(&self, residual: &mut Tensor, x: &Tensor);
+    fn add_forward(&self, residual: &mut Tensor, x: &Tensor);
     /// The same with the cache's fused kernels where the MLP can use them.
-    fn add_feed_forward_fused(
+    fn add_forward_fused(
         &self,
         residual: &mut Tensor,
         x: &Tensor,
@@ -327,17 +327,34 @@ pub(crate) trait AddFeedForward {
 }
 
 impl AddFeedForward for Mlp {
-    fn add_feed_forward(&self, residual: &mut Tensor, x: &Tensor) {
-        self.add_forward(residual, x)
+    /// `residual += forward(x)` in place, the sum done by the down projection's product
+    /// ([`add_product`]): inference only.
+    fn add_forward(&self, residual: &mut Tensor, x: &Tensor) {
+        self.add_down(residual, &self.gated(x));
     }
 
-    fn add_feed_forward_fused(
+    /// [`Mlp::add_forward`] with `silu(gate) * up` as one fused kernel (fused weights only;
+    /// else as `add_forward`).
+    fn add_forward_fused(
         &self,
         residual: &mut Tensor,
         x: &Tensor,
         kernels: &FusedKernels,
     ) -> Result<()> {
-        self.add_forward_fused(residual, x, kernels)
+        let Some(w) = &self.fused else {
+            self.add_forward(residual, x);
+            return Ok(());
+        };
+        self.add_down(residual, &kernels.silu_mul(&x.linear::<&Tensor>(w, None))?);
+        Ok(())
+    }
+}
+
+impl Mlp {
+    /// `residual += down(gated)` in place, the sum done by the product ([`add_product`]).
+    fn add_down(&self, residual: &mut Tensor, gated: &Tensor) {
+        let width = gated.size().last().copied().unwrap_or(0);
+        add_product(residual, &gated.view([-1, width]), &self.down_proj);
     }
 }
 
@@ -398,9 +415,9 @@ impl<F: AddFeedForward> DecoderLayer<F> {
         attn.add_output(h, &a);
         let normed = rms_norm(h, &self.post_norm, eps);
         match &kernels {
-            Some(k) => self.mlp.add_feed_forward_fused(h, &normed, k),
+            Some(k) => self.mlp.add_forward_fused(h, &normed, k),
             None => {
-                self.mlp.add_feed_forward(h, &normed);
+                self.mlp.add_forward(h, &normed);
                 Ok(())
             }
         }
@@ -429,32 +446,6 @@ impl Mlp {
 
     pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
         self.gated(x).linear::<&Tensor>(&self.down_proj, None)
-    }
-
-    /// `residual += forward(x)` in place, the sum done by the down projection's product
-    /// ([`add_product`]): inference only.
-    pub(crate) fn add_forward(&self, residual: &mut Tensor, x: &Tensor) {
-        let gated = self.gated(x);
-        let width = gated.size().last().copied().unwrap_or(0);
-        add_product(residual, &gated.view([-1, width]), &self.down_proj);
-    }
-
-    /// [`Mlp::add_forward`] with `silu(gate) * up` as one fused kernel (fused weights only;
-    /// else as `add_forward`).
-    pub(crate) fn add_forward_fused(
-        &self,
-        residual: &mut Tensor,
-        x: &Tensor,
-        kernels: &FusedKernels,
-    ) -> Result<()> {
-        let Some(w) = &self.fused else {
-            self.add_forward(residual, x);
-            return Ok(());
-        };
-        let gated = kernels.silu_mul(&x.linear::<&Tensor>(w, None))?;
-        let width = gated.size().last().copied().unwrap_or(0);
-        add_product(residual, &gated.view([-1, width]), &self.down_proj);
-        Ok(())
     }
 
     /// `silu(gate(x)) * up(x)`.

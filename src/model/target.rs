@@ -16,7 +16,7 @@ use super::hybrid::{GatedDeltaNet, HybridLayer, Mixer, ZeroCentredNorm};
 use super::hybrid_slots::MixerOrdinals;
 pub use super::kv_cache::KvCache;
 use super::layers::{
-    attention, rms_norm, rows, AttentionShape, AttentionWeights, DecoderLayer, Rope,
+    attention, rms_norm, rows, AddFeedForward, AttentionShape, AttentionWeights, DecoderLayer, Rope,
 };
 use super::slots::{SlotBatch, SlotCache};
 use super::weights::{RandomWeights, WeightFiles, WeightSource};

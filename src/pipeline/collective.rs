@@ -27,6 +27,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::nccl::{self, NcclLibrary, NcclRank};
 use crate::config::GradSync;
+use crate::runtime::{device_name, DeviceSpec};
 
 /// What the coordinator sends a replica after that replica's gradient message of a step.
 pub(crate) enum ParamsMsg {
@@ -77,7 +78,7 @@ impl GradSyncPlan {
 /// the copy path otherwise. libnccl is loaded only when NCCL is otherwise possible.
 pub(crate) fn plan(
     setting: GradSync,
-    specs: &[String],
+    specs: &[DeviceSpec],
     devices: &[Device],
     libtorch_dir: Option<&Path>,
 ) -> Result<GradSyncPlan> {
@@ -93,13 +94,10 @@ pub(crate) fn plan(
         GradSync::Nccl => true,
         GradSync::Auto => false,
     };
-    let spec = |i: usize| specs.get(i).map_or("?", String::as_str);
+    let spec = |i: usize| specs.get(i).map_or("?".into(), DeviceSpec::to_string);
     if let Some(i) = devices.iter().position(|d| !d.is_cuda()) {
-        let why = format!(
-            "devices.drafter_devices[{i}] = {:?} is {}",
-            spec(i),
-            device_name(devices[i])
-        );
+        // Only CUDA and the CPU are configurable.
+        let why = format!("devices.drafter_devices[{i}] = {:?} is the CPU", spec(i));
         if explicit {
             bail!("{field} = \"nccl\" needs CUDA drafter devices, but {why} (use \"copy\" or \"auto\")");
         }
@@ -148,14 +146,6 @@ fn first_repeat(devices: &[Device]) -> Option<(usize, usize)> {
             .position(|d| *d == devices[j])
             .map(|i| (i, j))
     })
-}
-
-fn device_name(d: Device) -> String {
-    match d {
-        Device::Cpu => "the CPU".into(),
-        Device::Cuda(i) => format!("cuda:{i}"),
-        other => format!("{other:?}"),
-    }
 }
 
 /// The coordinator's side of the exchange.
@@ -394,12 +384,12 @@ mod tests {
     use super::*;
     use crate::train::optim::{AdamW, AdamWConfig};
 
-    fn specs(devices: &[Device]) -> Vec<String> {
+    fn specs(devices: &[Device]) -> Vec<DeviceSpec> {
         devices
             .iter()
             .map(|d| match d {
-                Device::Cuda(i) => format!("cuda:{i}"),
-                _ => "cpu".into(),
+                Device::Cuda(i) => DeviceSpec::Cuda(*i),
+                _ => DeviceSpec::Cpu,
             })
             .collect()
     }

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use super::queue::QueueName;
-use crate::config::MAX_QUEUE_DEPTH;
+use crate::config::{check_queue_depth, BadQueueDepth, MAX_QUEUE_DEPTH};
 
 /// The shortest non-zero ProfileStats interval: a report is a table in the log, and 0.001 s
 /// would write a thousand a second.
@@ -84,14 +84,11 @@ fn parse_queue(name: &str, depth: &str) -> Result<Command, String> {
     if name.chars().count() > QUOTE_CHARS {
         return Err(format!("queue {name_q}: no such queue"));
     }
-    let depth = match depth.parse::<usize>() {
-        Ok(d) if d > MAX_QUEUE_DEPTH => {
-            return Err(format!(
-                "queue {name}: depth {d} is above the limit of {MAX_QUEUE_DEPTH} \
-                 (as pipeline.*_queue_depth)"
-            ))
+    let depth = match depth.parse::<usize>().map(check_queue_depth) {
+        Ok(Ok(d)) => d,
+        Ok(Err(e @ BadQueueDepth::AboveLimit(_))) => {
+            return Err(format!("queue {name}: {e} (as pipeline.*_queue_depth)"))
         }
-        Ok(d) if d >= 1 => d,
         _ => {
             return Err(format!(
                 "queue {name}: depth {} must be a whole number >= 1 and <= {MAX_QUEUE_DEPTH}",

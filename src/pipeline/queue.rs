@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::config::MAX_QUEUE_DEPTH;
+use crate::config::check_queue_depth;
 
 /// Why a push or pop gave up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,18 +136,10 @@ impl<T> ResizableQueue<T> {
         self.not_empty.notify_all();
     }
 
-    /// Sets the capacity (1..=[`MAX_QUEUE_DEPTH`]) at once. Items above a smaller capacity stay
+    /// Sets the capacity (1..=[`crate::config::MAX_QUEUE_DEPTH`]) at once. Items above a smaller capacity stay
     /// queued.
     pub(crate) fn set_capacity(&self, capacity: usize) -> Result<(), String> {
-        if capacity == 0 {
-            return Err(format!("queue {}: depth must be at least 1", self.name));
-        }
-        if capacity > MAX_QUEUE_DEPTH {
-            return Err(format!(
-                "queue {}: depth {capacity} is above the limit of {MAX_QUEUE_DEPTH}",
-                self.name
-            ));
-        }
+        check_queue_depth(capacity).map_err(|e| format!("queue {}: {e}", self.name))?;
         self.lock().capacity = capacity;
         self.not_full.notify_all();
         Ok(())
@@ -232,7 +224,7 @@ mod tests {
         producer.join().unwrap();
         assert_eq!(got, (0..1000).collect::<Vec<_>>());
         assert!(q.set_capacity(0).is_err());
-        assert!(q.set_capacity(MAX_QUEUE_DEPTH + 1).is_err());
+        assert!(q.set_capacity(crate::config::MAX_QUEUE_DEPTH + 1).is_err());
     }
 
     #[test]

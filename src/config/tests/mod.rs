@@ -1,4 +1,4 @@
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::*;
 
@@ -40,10 +40,10 @@ fn invalid(change: impl FnOnce(&mut TrainConfig)) -> String {
 fn defaults() {
     let c = TrainConfig::default();
     assert_eq!(c.run.name, "dflash");
-    assert_eq!(c.run.runs_dir, "");
+    assert_eq!(c.run.runs_dir, None);
     assert_eq!(c.run.seed, 0);
     assert_eq!(c.model.target, "");
-    assert_eq!(c.model.drafter_init, "");
+    assert_eq!(c.model.drafter_init, None);
     assert_eq!(c.model.drafter_layers, 5);
     assert_eq!(c.model.block_size, 16);
     assert_eq!(c.model.mask_token_id, -1);
@@ -83,8 +83,8 @@ fn defaults() {
         ),
         (0.0, 1.0, 0.0, 0.0)
     );
-    assert_eq!(c.devices.target_devices, vec!["auto"]);
-    assert_eq!(c.devices.drafter_devices, vec!["auto"]);
+    assert_eq!(c.devices.target_devices, vec![DeviceSpec::Auto]);
+    assert_eq!(c.devices.drafter_devices, vec![DeviceSpec::Auto]);
     assert_eq!(c.devices.grad_sync, GradSync::Auto);
     assert_eq!(
         (c.pipeline.batch_queue_depth, c.pipeline.feature_queue_depth),
@@ -216,10 +216,16 @@ fn overrides_of_numbers_strings_and_arrays() {
     assert_eq!(c.train.total_steps, 100);
     assert_eq!(c.model.block_size, 8);
     assert_eq!(c.run.name, "foo");
-    assert_eq!(c.run.runs_dir, "/tmp/my runs");
+    assert_eq!(c.run.runs_dir, Some(PathBuf::from("/tmp/my runs")));
     assert_eq!(c.model.dtype, Dtype::Bf16);
-    assert_eq!(c.devices.drafter_devices, vec!["cpu", "cpu"]);
-    assert_eq!(c.devices.target_devices, vec!["cuda:0", "cuda:1"]);
+    assert_eq!(
+        c.devices.drafter_devices,
+        vec![DeviceSpec::Cpu, DeviceSpec::Cpu]
+    );
+    assert_eq!(
+        c.devices.target_devices,
+        vec![DeviceSpec::Cuda(0), DeviceSpec::Cuda(1)]
+    );
     assert_eq!(c.model.target_layer_ids, vec![1, 8, 15]);
     assert_eq!(c.checkpoint.save_every_minutes, 0.0);
     assert_eq!(c.data.loss_mask_column, "");
@@ -394,8 +400,8 @@ fn shipped_configs_parse_validate_and_list_every_field() {
     );
     assert_eq!((tiny.train.total_steps, tiny.train.num_anchors), (30, 8));
     assert_eq!((tiny.train.lr, tiny.train.warmup_ratio), (3e-3, 0.1));
-    assert_eq!(tiny.devices.target_devices, vec!["cpu"]);
-    assert_eq!(tiny.devices.drafter_devices, vec!["cpu"]);
+    assert_eq!(tiny.devices.target_devices, vec![DeviceSpec::Cpu]);
+    assert_eq!(tiny.devices.drafter_devices, vec![DeviceSpec::Cpu]);
     assert_eq!(tiny.devices.grad_sync, GradSync::Auto);
     assert_eq!(tiny.checkpoint.save_every_steps, 10);
     assert_eq!(tiny.checkpoint.save_every_minutes, 0.0);
@@ -409,7 +415,7 @@ fn shipped_configs_parse_validate_and_list_every_field() {
     assert_eq!((demo.model.drafter_layers, demo.model.block_size), (2, 16));
     // the CPU demo must stay small enough to show progress within a minute
     assert!(demo.data.max_len <= 512 && demo.train.num_anchors <= 32);
-    assert_eq!(demo.devices.drafter_devices, vec!["cpu"]);
+    assert_eq!(demo.devices.drafter_devices, vec![DeviceSpec::Cpu]);
     assert_eq!(
         (
             demo.checkpoint.save_every_steps,
@@ -433,8 +439,8 @@ fn shipped_configs_parse_validate_and_list_every_field() {
         (3072, 16384, 16)
     );
     assert_eq!((gpu.train.total_steps, gpu.train.epochs), (0, 1.0));
-    assert_eq!(gpu.devices.target_devices, vec!["cuda:0"]);
-    assert_eq!(gpu.devices.drafter_devices, vec!["cuda:0"]);
+    assert_eq!(gpu.devices.target_devices, vec![DeviceSpec::Cuda(0)]);
+    assert_eq!(gpu.devices.drafter_devices, vec![DeviceSpec::Cuda(0)]);
     assert_eq!(gpu.devices.grad_sync, GradSync::Auto);
     assert_eq!(
         (gpu.validation.every_steps, gpu.validation.sequences),

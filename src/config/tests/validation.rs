@@ -46,7 +46,7 @@ fn validation_errors_name_their_field() {
         (
             "model.drafter_added_layers = 64",
             Box::new(|c| {
-                c.model.drafter_init = "d".into();
+                c.model.drafter_init = Some("d".into());
                 c.model.drafter_added_layers = 64
             }),
         ),
@@ -136,14 +136,6 @@ fn validation_errors_of_devices_and_stages_name_their_field() {
         (
             "devices.target_devices is empty",
             Box::new(|c| c.devices.target_devices.clear()),
-        ),
-        (
-            "devices.drafter_devices[1] = \"gpu\"",
-            Box::new(|c| c.devices.drafter_devices = vec!["cpu".into(), "gpu".into()]),
-        ),
-        (
-            "devices.drafter_devices[0] = \"cuda:x\"",
-            Box::new(|c| c.devices.drafter_devices = vec!["cuda:x".into()]),
         ),
         (
             "pipeline.batch_queue_depth = 0",
@@ -323,9 +315,50 @@ fn grad_sync_values() {
     );
     let e = invalid(|c| {
         c.devices.grad_sync = GradSync::Nccl;
-        c.devices.drafter_devices = vec!["cpu".into()];
+        c.devices.drafter_devices = vec![DeviceSpec::Cpu];
     });
     assert!(e.contains("devices.grad_sync") && e.contains("cpu"), "{e}");
+}
+
+#[test]
+fn device_words_are_read_with_the_file_and_named() {
+    for (set, expected) in [
+        (
+            "devices.drafter_devices=cpu,gpu",
+            "config: devices.drafter_devices[1] = \"gpu\" is not a device (must be auto, cpu, cuda or cuda:N)",
+        ),
+        (
+            "devices.target_devices=[\"cuda:x\"]",
+            "config: devices.target_devices[0] = \"cuda:x\" is not a device (must be auto, cpu, cuda or cuda:N)",
+        ),
+        (
+            "devices.target_devices=[0]",
+            "config: devices.target_devices[0] = 0 is not a device (must be auto, cpu, cuda or cuda:N)",
+        ),
+    ] {
+        assert_eq!(err_text(minimal(&[set])), expected, "{set}");
+    }
+    // A field that is not a list is named by serde, with the file.
+    let e = err_text(from_toml_str(
+        &format!("{MINIMAL}\n[devices]\ntarget_devices = \"cuda:0\"\n"),
+        "test.toml",
+        &[],
+    ));
+    assert!(
+        e.contains("devices.target_devices") && e.contains("test.toml"),
+        "{e}"
+    );
+    // Written back as the same words.
+    let c = minimal(&["devices.drafter_devices=[\" cuda \", \"cuda:1\"]"]).unwrap();
+    assert_eq!(
+        c.devices.drafter_devices,
+        [DeviceSpec::Cuda(0), DeviceSpec::Cuda(1)]
+    );
+    let text = c.to_toml_string().unwrap();
+    assert!(
+        text.contains("drafter_devices = [\"cuda:0\", \"cuda:1\"]"),
+        "{text}"
+    );
 }
 
 #[test]

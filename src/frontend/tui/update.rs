@@ -3,7 +3,7 @@
 //! are not among them: the run loop acts on them (`frontend::run_loop`), as for a run without
 //! a screen.
 
-use crate::config::MAX_QUEUE_DEPTH;
+use crate::config::{check_queue_depth, BadQueueDepth, MAX_QUEUE_DEPTH};
 use crate::pipeline::command::Command;
 use crate::telemetry::records::{Phase, Snapshot};
 
@@ -219,13 +219,14 @@ fn normal_key(state: &mut AppState, key: Key) -> Vec<Effect> {
             } else {
                 q.capacity + 1
             };
-            if depth == 0 {
-                state.status = Some((format!("{}: depth must stay at least 1", q.name), true));
-                return vec![];
-            }
-            if depth > MAX_QUEUE_DEPTH {
-                let why = format!("{}: depth is at its limit of {MAX_QUEUE_DEPTH}", q.name);
-                state.status = Some((why, true));
+            if let Err(e) = check_queue_depth(depth) {
+                let why = match e {
+                    BadQueueDepth::Zero => "depth must stay at least 1".to_string(),
+                    BadQueueDepth::AboveLimit(_) => {
+                        format!("depth is at its limit of {MAX_QUEUE_DEPTH}")
+                    }
+                };
+                state.status = Some((format!("{}: {why}", q.name), true));
                 return vec![];
             }
             vec![Effect::Send(Command::Queue {

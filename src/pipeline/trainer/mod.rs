@@ -30,7 +30,7 @@ use crate::device_event::DeviceEvents;
 use crate::model::{Drafter, FrozenHead, SharedTarget};
 use crate::pipeline::distributed::step::StepShare;
 use crate::pipeline::distributed::Distributed;
-use crate::runtime::TorchRuntime;
+use crate::runtime::{device_name, TorchRuntime};
 use crate::telemetry::profile::{ProfileReport, ProfileStats, StageWorkers};
 use crate::telemetry::records::{
     EventKind, MetricsRecord, MetricsWriter, Phase, RunHistory, Snapshot, StepRecord,
@@ -231,14 +231,6 @@ fn tail<T>(mut items: Vec<T>, n: usize) -> Vec<T> {
     let cut = items.len().saturating_sub(n);
     items.drain(..cut);
     items
-}
-
-fn device_name(d: Device) -> String {
-    match d {
-        Device::Cpu => "cpu".into(),
-        Device::Cuda(i) => format!("cuda:{i}"),
-        other => format!("{other:?}"),
-    }
 }
 
 /// A stage's thread and its name.

@@ -14,7 +14,7 @@ use crate::data::store::{DataColumns, StoreOptions, TokenStore};
 use crate::model::{Drafter, DrafterConfig, FrozenHead, SharedTarget, TargetConfig, TargetModel};
 use crate::pipeline::collective::{self, GradSyncPlan};
 use crate::pipeline::held_out::{HeldOut, Resumed};
-use crate::runtime::TorchRuntime;
+use crate::runtime::{DeviceSpec, TorchRuntime};
 use crate::train::checkpoint::repair_latest;
 use crate::train::optim::{AdamW, AdamWConfig};
 use crate::train::resume::{self, DataBounds, ResumePoint};
@@ -126,14 +126,13 @@ pub(crate) fn prepare(
 
     // Drafter configuration: from drafter_init, the resume checkpoint, or fresh.
     let drafter_config = fit_drafter_config(config, target_cfg, &target_dir)?;
-    let init_dir =
-        (!config.model.drafter_init.is_empty()).then(|| PathBuf::from(&config.model.drafter_init));
+    let init_dir = config.model.drafter_init.as_deref();
 
     let store = load_store(config, target_cfg.vocab_size as usize)?;
     let packer_config = packer_config(config);
     let drafters = load_drafters(
         config,
-        init_dir.as_deref(),
+        init_dir,
         &drafter_config,
         target_cfg,
         &drafter_devices,
@@ -209,12 +208,12 @@ pub(crate) fn prepare(
 }
 
 /// The devices a `devices.*` setting names.
-fn devices(runtime: &TorchRuntime, names: &[String], setting: &str) -> Result<Vec<Device>> {
-    names
+fn devices(runtime: &TorchRuntime, specs: &[DeviceSpec], setting: &str) -> Result<Vec<Device>> {
+    specs
         .iter()
-        .map(|d| {
+        .map(|&d| {
             runtime
-                .device(d)
+                .resolve(d)
                 .with_context(|| format!("config: {setting}"))
         })
         .collect()
@@ -345,27 +344,27 @@ fn load_drafters(
         };
         drafters.push(d.with_train_attention(config.train.attention));
     }
-    if init_dir.is_some() {
+    if let Some(dir) = init_dir {
         // A released drafter decides its own shape; the config must agree on the block size.
         let c = &drafters[0].config;
         if c.block_size != config.model.block_size {
             bail!(
                 "config: model.block_size = {} but the drafter in {} has block_size {}",
                 config.model.block_size,
-                config.model.drafter_init,
+                dir.display(),
                 c.block_size
             );
         }
-    }
-    let added = config.model.drafter_added_layers;
-    if added > 0 {
-        let total = drafters[0].config.num_hidden_layers;
-        log::info!(
-            "model.drafter_added_layers = {added}: layers {} to {} appended to the drafter of {}, starting as the identity",
-            total - added,
-            total - 1,
-            config.model.drafter_init
-        );
+        let added = config.model.drafter_added_layers;
+        if added > 0 {
+            let total = c.num_hidden_layers;
+            log::info!(
+                "model.drafter_added_layers = {added}: layers {} to {} appended to the drafter of {}, starting as the identity",
+                total - added,
+                total - 1,
+                dir.display()
+            );
+        }
     }
     log::info!("{}", drafters[0].describe());
     Ok(drafters)
