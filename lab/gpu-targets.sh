@@ -66,7 +66,10 @@ anchors)
   ;;
 bench)
   for p in ${PROFILES:-qwen3.5-27b-shape qwen3.5-35b-a3b-shape qwen3-8b-shape}; do
-    run_json "bench-$p" "${BENCH_S:-270}" $B bench --profile "$p" --warmup-steps 3 --steps "${STEPS:-10}"
+    run_json "bench-$p" "${BENCH_S:-270}" $B bench --profile "$p" --warmup-steps 3 --steps "${STEPS:-10}" \
+      --trace "/tmp/trace-$p.json"
+    python3 -c "import json,sys;r=json.load(open(sys.argv[1]));print('drafter_step_ms', r.get('drafter_step_ms'))" "$OUT/bench-$p.json"
+    [ -f "/tmp/trace-$p.json" ] && python3 tools/trace_summary.py "/tmp/trace-$p.json" > "$OUT/trace-$p.txt" 2>&1 && head -40 "$OUT/trace-$p.txt"
   done
   ;;
 room)
