@@ -103,7 +103,7 @@ PY
   fi
   R=/tmp/q35run
   sets="--set model.target=/tmp/q35t --set model.random_weights=false --set model.drafter_layers=2"
-  sets="$sets --set model.mask_token_id=151669 --set data.path=/tmp/q35regen --set data.max_len=1280"
+  sets="$sets --set model.mask_token_id=${MASK:-151648} --set data.path=/tmp/q35regen --set data.max_len=1280"
   sets="$sets --set data.token_budget=8192 --set data.max_batch=16 --set train.num_anchors=128"
   sets="$sets --set train.total_steps=${STEPS:-600} --set train.lr=1e-3 --set checkpoint.save_every_steps=200"
   sets="$sets --set telemetry.log_every_steps=10 --set telemetry.profile_interval_s=10"
