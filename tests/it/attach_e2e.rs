@@ -4,7 +4,7 @@
 //! read-only one), leaving a screen never stops the run, `ctl status` answers, SIGTERM ends a
 //! screen run without a key, and `attach` on a finished run shows its record.
 
-mod common;
+use crate::common;
 
 use common::{ctl, wait_until};
 

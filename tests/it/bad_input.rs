@@ -1,7 +1,7 @@
 //! Bad input through the real binary: one clear error naming the file and the reason, a
 //! non-zero exit, and no half-written output left behind.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

@@ -2,7 +2,7 @@
 //! architectures, drafters that do not fit their target, mask tokens outside the vocabulary.
 //! Each gets one error naming the file and the tensor or field.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -2,7 +2,7 @@
 //! the demo chat data): every field of the benchmarks spec, consistent with each other; and
 //! random-initialised targets of a shape.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Command;

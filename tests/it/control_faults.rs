@@ -4,8 +4,7 @@
 //! [`signals`], signals during start-up and a second stop signal during a long pass (issue 47).
 //! Each case prints its trials and outcomes (`--nocapture`).
 
-mod common;
-#[path = "control_faults/signals.rs"]
+use crate::common;
 mod signals;
 
 use common::ctl;

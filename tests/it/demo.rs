@@ -1,7 +1,7 @@
 //! The real demo assets (made by `make setup`): SmolLM2-135M-Instruct imported from its GGUF,
 //! and the ShareGPT conversations recovered from the cut-off file.
 
-mod common;
+use crate::common;
 
 use common::{demo_dir, require_demo};
 use dflash_tui::data::sharegpt;

@@ -1,8 +1,7 @@
 //! The DFlash drafter: visibility rules of the training forward as properties, padding blocks,
 //! the inference forward against the training forward, checkpoints and their exact format.
 
-mod common;
-#[path = "drafter/sliding.rs"]
+use crate::common;
 mod sliding;
 
 use std::collections::BTreeSet;

@@ -5,7 +5,7 @@
 //! non-finite weight, a cut or lost servable drafter, a false trainer state, no manifest). Each case prints its trials and outcomes (`--nocapture`). Events are
 //! awaited by reading the run's output, never by sleeping.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -1,6 +1,6 @@
 //! The target forward pass on tiny random models: causality, batching, the KV cache.
 
-mod common;
+use crate::common;
 
 use common::tiny_llama_dir;
 use dflash_tui::model::{KvCache, TargetModel};

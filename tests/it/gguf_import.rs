@@ -1,7 +1,7 @@
 //! GGUF import: tensor names, shapes, dtypes and values (every supported type), the Q/K
 //! un-permutation, the tokenizer files, and that the result loads and runs as a model.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 

@@ -4,7 +4,7 @@
 //!   cargo test --release --test gpu_decode -- --ignored gpu
 //! (or the carried test binary: `.carry/tests/gpu_decode --ignored gpu`).
 
-mod common;
+use crate::common;
 
 use common::tiny_target_dir;
 use dflash_tui::eval::speculative::{

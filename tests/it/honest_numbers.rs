@@ -3,7 +3,7 @@
 //! come from a time window, so no step shows a spike above the run's real pace; TensorBoard
 //! reads the run's event files back equal to metrics.jsonl.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};

@@ -1,7 +1,7 @@
 //! The loader: token store validation and rules, packer budgets, coverage, padding and resume,
 //! and bad Arrow / Parquet input named by file and row.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::sync::Arc;

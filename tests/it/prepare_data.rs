@@ -2,8 +2,7 @@
 //! conversation of the committed fixture, loss masks equal transformers' assistant masks, and
 //! `datasets.load_from_disk` reads the output. Bad input gets one message naming file and row.
 
-mod common;
-#[path = "prepare_data/long_records.rs"]
+use crate::common;
 mod long_records;
 
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 //! every context segment, replaces every assistant segment by the target's own answer, resumes
 //! from finished chunks, and refuses bad input with one clear error.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -4,7 +4,7 @@
 //! token the loss trains on is refused naming the token, its count and an unused one. Each
 //! case prints what it measured (`--nocapture`).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::io::Read;

@@ -1,7 +1,7 @@
 //! Speculative decoding with a DFlash drafter is lossless: its output equals plain greedy
 //! decoding token for token, and its step accounting is consistent.
 
-mod common;
+use crate::common;
 
 use common::tiny_target_dir;
 use dflash_tui::eval::speculative::{dflash, evaluate, greedy, EvalOptions};

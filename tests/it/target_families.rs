@@ -2,10 +2,8 @@
 //! tapped features, and the family-specific weights; the Qwen3.5 hybrids ([`qwen35`]) and the
 //! mixtures of experts ([`moe`]) against transformers.
 
-mod common;
-#[path = "target_families/moe.rs"]
+use crate::common;
 mod moe;
-#[path = "target_families/qwen35.rs"]
 mod qwen35;
 
 use common::tiny_target_dir;

@@ -1,8 +1,7 @@
 //! `dflash-tui train` through the real binary: bad configuration and inputs get one clear
 //! message and a non-zero exit; headless commands from stdin and signals steer a run.
 
-mod common;
-#[path = "train_cli/distributed.rs"]
+use crate::common;
 mod distributed;
 
 use std::io::Write;

@@ -2,7 +2,7 @@
 //! queue resizing without losing or duplicating samples, bit-identical resume, failures, and a
 //! storm of commands.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;

@@ -2,7 +2,7 @@
 //! `:` line, the quit dialog), and the same scenario headless through `dflash-tui ctl` and
 //! signals.
 
-mod common;
+use crate::common;
 
 use common::{ctl, wait_until};
 

@@ -1,7 +1,7 @@
 //! Held-out validation: the walk tau against real speculative decoding, and the teacher-forced
 //! pass on a tiny random model (the training objective's numbers, deterministic, in range).
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::AtomicBool;
 
