@@ -124,9 +124,11 @@ fn bench_rejects_unknown_profiles_and_zero_steps() {
 #[test]
 fn random_targets_of_a_shape_are_seeded_and_run() {
     let dir = root().join("configs/shapes/tiny-llama");
+    let rng = crate::common::torch_rng();
     let a = TargetModel::random(&dir, Device::Cpu, Kind::Float, 7).unwrap();
     let b = TargetModel::random(&dir, Device::Cpu, Kind::Float, 7).unwrap();
     let c = TargetModel::random(&dir, Device::Cpu, Kind::Float, 8).unwrap();
+    drop(rng);
     assert_eq!(a.config.vocab_size, 49152);
     let ids = tch::Tensor::from_slice(&[1i64, 500, 9000, 49151]).unsqueeze(0);
     let (la, lb, lc) = (

@@ -77,8 +77,7 @@ fn batch(tokens: &[i64], anchors: &[i64], valid: &[bool]) -> AnchorBatch {
 }
 
 fn features(seed: i64) -> Tensor {
-    tch::manual_seed(seed);
-    Tensor::randn([1, S, 64], (Kind::Float, Device::Cpu))
+    common::randn(&[1, S, 64], seed as u64)
 }
 
 /// Every formulation of the training attention: the dense reference, one block per chunk,
@@ -423,9 +422,8 @@ fn added_layers_start_as_the_identity_and_learn() {
     assert_eq!(names, tensor_names(4));
     let feats = features(3);
     let probe = {
-        tch::manual_seed(4);
         let hidden = f.drafter.config.hidden_size;
-        Tensor::randn([1, 3, BLOCK, hidden], (Kind::Float, Device::Cpu))
+        common::randn(&[1, 3, BLOCK, hidden], 4)
     };
     for attn in [TrainAttention::Dense, TrainAttention::AUTO] {
         let want = run(&f, &tokens(), &feats, attn);
@@ -559,8 +557,7 @@ fn random_batch(
 }
 
 fn random_features(rows: i64, s: i64, seed: i64) -> Tensor {
-    tch::manual_seed(seed);
-    Tensor::randn([rows, s, 64], (Kind::Float, Device::Cpu))
+    common::randn(&[rows, s, 64], seed as u64)
 }
 
 /// Logits and every parameter's gradient of a fixed random functional of the logits.
@@ -628,8 +625,7 @@ fn chunked_attention_matches_dense_logits_and_gradients() {
         let s = *lengths.iter().max().unwrap() as i64;
         let feats = random_features(rows, s, 7 + i as i64);
         let n = plan.per_row as i64;
-        tch::manual_seed(50 + i as i64);
-        let probe = Tensor::randn([rows, n, block, 50], (Kind::Float, Device::Cpu));
+        let probe = common::randn(&[rows, n, block, 50], 50 + i as u64);
         let dense = logits_and_grads(&f, &feats, &b, TrainAttention::Dense, &probe);
         for &c in sizes {
             let attn = TrainAttention::Chunked {
@@ -666,8 +662,7 @@ impl LossCase {
         let (b, ids, mask, plan) = random_batch(&lengths, block, 10, 9, true);
         let targets = block_targets(&ids, &mask, &lengths, 26, &plan, block, 7.0);
         let feats = random_features(2, 26, seed);
-        tch::manual_seed(seed + 1);
-        let teacher = Tensor::randn([2, 26, 32], (Kind::Float, Device::Cpu));
+        let teacher = common::randn(&[2, 26, 32], seed as u64 + 1);
         LossCase {
             f,
             b,

@@ -113,6 +113,31 @@ impl Lcg {
     }
 }
 
+/// A float tensor of `shape` with N(0, 1) values drawn from a generator of its own seeded by
+/// `seed` (Box-Muller): the tests run in threads of one process, and libtorch's global
+/// generator (`tch::manual_seed`, `Tensor::randn`) is shared by all of them.
+pub fn randn(shape: &[i64], seed: u64) -> Tensor {
+    let mut rng = Lcg(seed ^ 0x9E37_79B9_7F4A_7C15);
+    let n: i64 = shape.iter().product();
+    let mut uniform = || (rng.next_u32() as f64 + 0.5) / (1u64 << 31) as f64;
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            let (u, v) = (uniform(), uniform());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        })
+        .collect();
+    Tensor::from_slice(&values).view(shape)
+}
+
+/// Held while a test draws from libtorch's global generator (`TargetModel::random` seeds it
+/// per tensor): a draw of another thread in between would change the seeded values.
+pub static TORCH_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// [`TORCH_RNG`], also after a test that held it failed.
+pub fn torch_rng() -> std::sync::MutexGuard<'static, ()> {
+    TORCH_RNG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub fn f32_tensor(name: &str, rows: u64, cols: u64, values: &[f32]) -> RawTensor {
     assert_eq!(values.len() as u64, rows * cols);
     let dims = if rows == 1 {

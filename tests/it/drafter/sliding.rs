@@ -147,11 +147,7 @@ fn reference_and_grads(
 }
 
 fn probe() -> Tensor {
-    tch::manual_seed(31);
-    Tensor::randn(
-        [1, ANCHORS.len() as i64, BLOCK, 50],
-        (Kind::Float, Device::Cpu),
-    )
+    crate::common::randn(&[1, ANCHORS.len() as i64, BLOCK, 50], 31)
 }
 
 #[test]

@@ -261,7 +261,9 @@ fn kv_cache_decoding_equals_the_full_forward() {
 fn random_moe_targets_have_the_checkpoints_shape() {
     for name in ["qwen3_moe_norm", "qwen3_5_moe"] {
         let loaded = load(name);
+        let rng = crate::common::torch_rng();
         let m = TargetModel::random(&dir(name), Device::Cpu, Kind::Float, 3).unwrap();
+        drop(rng);
         assert_eq!(m.parameter_count(), loaded.parameter_count(), "{name}");
         assert_eq!(
             m.active_parameter_count(),
