@@ -7,7 +7,7 @@ mod distributed;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::tiny_target_dir;
 
@@ -217,15 +217,15 @@ fn stdin_commands_and_signals_steer_a_headless_run() {
         .spawn()
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
+    let mut replies = common::Lines::read(child.stdout.take().unwrap());
     let metrics = run_dir.join("metrics.jsonl");
-    let t = Instant::now();
-    while !std::fs::read_to_string(&metrics)
-        .unwrap_or_default()
-        .contains("\"type\":\"step\"")
-    {
-        assert!(t.elapsed() < Duration::from_secs(60), "no step within 60 s");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_until("the first step in metrics.jsonl", Duration::from_secs(60), || {
+        std::fs::read_to_string(&metrics)
+            .unwrap_or_default()
+            .contains("\"type\":\"step\"")
+            .then_some(())
+    });
+    // one command at a time: each gets its reply line before the next is sent
     for line in [
         "pause",
         "resume",
@@ -236,16 +236,19 @@ fn stdin_commands_and_signals_steer_a_headless_run() {
         "bogus",
     ] {
         writeln!(stdin, "{line}").unwrap();
-        std::thread::sleep(Duration::from_millis(150));
+        replies.next_with(
+            &format!("the reply to {line:?}"),
+            Duration::from_secs(60),
+            |l| l.starts_with("ok: ") || l.starts_with("error: "),
+        );
     }
-    std::thread::sleep(Duration::from_millis(500));
     // SIGTERM: stop with a checkpoint, exit 0
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
     }
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}");
+    let stdout = replies.all(Duration::from_secs(120));
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{stdout}");
     assert!(
         stdout.contains("ok: paused") && stdout.contains("ok: resumed"),
         "{stdout}"

@@ -153,6 +153,7 @@ fn pause_stops_progress_and_resume_continues() {
     );
     // While paused: no rate, and an ETA that waits instead of growing as the window empties.
     let before = h.snapshot();
+    // an interval is what is checked here (nothing happens in it), so a sleep: no event to await
     std::thread::sleep(Duration::from_millis(1500));
     let after = h.snapshot();
     assert_eq!(after.step, paused_at, "steps advanced while paused");
@@ -750,7 +751,9 @@ fn nccl_two_gpu_replicas_learn_pause_and_stop_cleanly() {
         h.snapshot().step >= 5
     });
     h.command(&Command::Pause).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    wait_for(&h, "the pause to take hold", Duration::from_secs(120), |h| {
+        h.snapshot().phase == Phase::Paused
+    });
     h.command(&Command::Resume).unwrap();
     let at = h.snapshot().step;
     wait_for(&h, "progress after resume", Duration::from_secs(120), |h| {

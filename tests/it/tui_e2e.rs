@@ -176,6 +176,7 @@ fn keys_drive_the_control_room_in_tmux() {
     wait_until("the header at that step", Duration::from_secs(10), || {
         (t.step() == Some(paused_at)).then_some(())
     });
+    // an interval is what is checked here (no step in it), so a sleep: no event to await
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(t.step(), Some(paused_at), "steps advanced while paused");
     // p resumes
