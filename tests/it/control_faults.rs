@@ -730,6 +730,13 @@ fn emfile_backs_off(run: &Trainer) {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("{back}"));
     assert!(attempts <= 20, "the accept loop spins: {back}");
+    // a spinning accept loop takes a whole core; one that pauses costs what the paused run does
+    assert!(
+        cpu_share < paused_share + 0.25,
+        "{:.1} % of a core while accepts fail, {:.1} % paused before",
+        cpu_share * 100.0,
+        paused_share * 100.0
+    );
 }
 
 #[test]
