@@ -219,12 +219,16 @@ fn stdin_commands_and_signals_steer_a_headless_run() {
     let mut stdin = child.stdin.take().unwrap();
     let mut replies = common::Lines::read(child.stdout.take().unwrap());
     let metrics = run_dir.join("metrics.jsonl");
-    common::wait_until("the first step in metrics.jsonl", Duration::from_secs(60), || {
-        std::fs::read_to_string(&metrics)
-            .unwrap_or_default()
-            .contains("\"type\":\"step\"")
-            .then_some(())
-    });
+    common::wait_until(
+        "the first step in metrics.jsonl",
+        Duration::from_secs(60),
+        || {
+            std::fs::read_to_string(&metrics)
+                .unwrap_or_default()
+                .contains("\"type\":\"step\"")
+                .then_some(())
+        },
+    );
     // one command at a time: each gets its reply line before the next is sent
     for line in [
         "pause",

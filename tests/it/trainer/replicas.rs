@@ -165,9 +165,12 @@ fn nccl_two_gpu_replicas_learn_pause_and_stop_cleanly() {
         h.snapshot().step >= 5
     });
     h.command(&Command::Pause).unwrap();
-    wait_for(&h, "the pause to take hold", Duration::from_secs(120), |h| {
-        h.snapshot().phase == Phase::Paused
-    });
+    wait_for(
+        &h,
+        "the pause to take hold",
+        Duration::from_secs(120),
+        |h| h.snapshot().phase == Phase::Paused,
+    );
     h.command(&Command::Resume).unwrap();
     let at = h.snapshot().step;
     wait_for(&h, "progress after resume", Duration::from_secs(120), |h| {
