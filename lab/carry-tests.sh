@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Builds the test binaries and copies the library's, tests/trainer.rs's and tests/gpu_decode.rs's,
-# stripped, into .carry/tests/ for the GPU machine (which has no cargo): there, from the repo
-# root, `.carry/tests/lib --ignored nccl` and `.carry/tests/trainer --ignored nccl` run the
-# two-GPU NCCL checks (docs/training.md, "Data-parallel replicas"), `.carry/tests/gpu_decode --ignored
-# gpu` the GPU decoding checks.
+# Builds the test binaries and copies the library's and the integration tests' (tests/it/, the
+# binary `it`), stripped, into .carry/tests/ for the GPU machine (which has no cargo): there, from
+# the repo root, `.carry/tests/lib --ignored nccl` and `.carry/tests/it --ignored nccl` run the
+# two-GPU NCCL checks (docs/training.md, "Data-parallel replicas"), `.carry/tests/it --ignored
+# gpu_decode::` the GPU decoding checks (tests/it/gpu_decode.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .carry/tests
@@ -15,9 +15,9 @@ for line in sys.stdin:
         continue
     t = m["target"]
     name = "lib" if "lib" in t["kind"] else t["name"] if t["kind"] == ["test"] else None
-    if name in ("lib", "trainer", "gpu_decode"):
+    if name in ("lib", "it"):
         shutil.copy(m["executable"], ".carry/tests/" + name)
         print(name, "<-", m["executable"])
 '
-strip .carry/tests/lib .carry/tests/trainer .carry/tests/gpu_decode
+strip .carry/tests/lib .carry/tests/it
 ls -la .carry/tests

@@ -54,7 +54,7 @@ two-gpus)
     # the NCCL checks (test binaries from lab/carry-tests.sh)
     t nccl-tests
     "$W/tests/lib" --ignored nccl 2>&1 | tail -4
-    "$W/tests/trainer" --ignored nccl 2>&1 | tail -4
+    "$W/tests/it" --ignored nccl 2>&1 | tail -4
   fi
   T=devices.target_devices; D=devices.drafter_devices
   # target on the first GPU, the drafter on the second

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU decoding paths on a machine with a GPU, in one call, without real weights: the GPU
-# tests of tests/gpu_decode.rs (flash over the slot cache against dense attention, graph replays
+# tests of tests/it/gpu_decode.rs (flash over the slot cache against dense attention, graph replays
 # against eager steps, f32 losslessness), then `eval` and `regenerate` on a random model of the
 # target's shape (speed only: a random model's answers mean nothing).
-# Inputs in $W: dflash-tui, gpu_decode (the test binary, from lab/carry-tests.sh), shape/
+# Inputs in $W: dflash-tui, it (the integration-test binary, from lab/carry-tests.sh), shape/
 # (config.json of the target), data/ (a prepare-data folder of that tokenizer). Results in $OUT.
 #   W=.carry/check OUT=/tmp/out bash lab/gpu-decode-check.sh
 set -uo pipefail
@@ -17,7 +17,7 @@ t() { echo "== $(date +%T) $*"; }
 
 t doctor; $B doctor 2>&1 | head -12
 t gpu-tests
-"$W/gpu_decode" --ignored gpu --test-threads 1 2>&1 | tail -15
+"$W/it" --ignored gpu_decode:: --test-threads 1 2>&1 | tail -15
 
 t random-model
 python3 - "$W/shape" /tmp/rand <<'PY'

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance runs of the Qwen3.5 hybrid and mixture-of-experts targets, in stages that
 # each fit one device call. Carried in .carry/ (made by `lab/gpu-targets.sh pack` here):
-# anchors/ (copies of ../shared/anchors), bins.tar.xz (the stripped release binary, the library's and gpu_decode's test binaries),
+# anchors/ (copies of ../shared/anchors), bins.tar.xz (the stripped release binary, the library's and the integration tests' (it) test binaries),
 # benchdata.tar.xz (assets/bench), whl/ (FLA 0.6.0 for the anchors), debs/ (tmux), mt-bench.jsonl.
 # Every stage unpacks them into $W once, so a stage runs on a fresh machine as on a warm one.
 #   OUT=/tmp/out bash lab/gpu-targets.sh check|anchors|bench|room
@@ -11,7 +11,6 @@ if [ "${1:-}" = pack ]; then
   set -e
   make carry >/dev/null
   bash lab/carry-tests.sh >/dev/null
-  rm -f .carry/tests/trainer
   tar -C .carry -cf - dflash-tui tests | xz -T2 -6 > .carry/bins.tar.xz
   rm -rf .carry/dflash-tui .carry/tests
   tar -C assets -cf - bench | xz -T2 -6 > .carry/benchdata.tar.xz
@@ -60,7 +59,7 @@ check)
 anchors)
   python3 -m pip install -q --no-deps --target /tmp/fla .carry/whl/*.whl 2>&1 | tail -2
   t gpu-decode-tests
-  timeout 200 "$W/tests/gpu_decode" --ignored gpu --test-threads 1 2>&1 | tail -16
+  timeout 200 "$W/tests/it" --ignored gpu_decode:: --test-threads 1 2>&1 | tail -16
   run_json anchor-qwen3.5-27b 240 env PYTHONPATH=/tmp/fla python3 .carry/anchors/qwen35_hf_forward.py 1 3072 64
   run_json anchor-qwen3.5-35b-a3b 180 env PYTHONPATH=/tmp/fla python3 .carry/anchors/qwen35_moe_hf_forward.py 1 3072
   ;;

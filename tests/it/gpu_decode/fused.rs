@@ -1,0 +1,364 @@
+//! The fused kernels on a GPU against the libtorch operations they replace: the kernels alone,
+//! a drafter block, the target's steps, the loss (ignored here: they need a CUDA device).
+
+use super::*;
+
+/// Whether `got` equals `want` up to bf16 rounding: every element within `rel` of the reference
+/// (relative, plus a tiny absolute floor), and at least `exact` of them bit for bit. The fused
+/// kernels round where libtorch's operations round; only the order of a norm's float sum
+/// differs, which moves a rounding now and then.
+fn assert_close(what: &str, got: &Tensor, want: &Tensor, rel: f64, exact: f64) {
+    assert_eq!(got.size(), want.size(), "{what}: shapes");
+    let (g, w) = (got.to_kind(Kind::Float), want.to_kind(Kind::Float));
+    let diff = (&g - &w).abs();
+    let bound = w.abs() * rel + 1e-4;
+    let over = diff.gt_tensor(&bound).sum(Kind::Int64).int64_value(&[]);
+    let n = w.numel() as f64;
+    let same = diff.eq(0.0).sum(Kind::Int64).int64_value(&[]) as f64 / n;
+    assert_eq!(
+        over,
+        0,
+        "{what}: {over} elements off by more than {rel} (max {})",
+        max_diff(&g, &w)
+    );
+    assert!(
+        same >= exact,
+        "{what}: only {same:.4} of the elements are equal"
+    );
+}
+
+/// cos and the sign-folded sin of positions `start..start + n` for head size `d`, as
+/// `Rope::cos_sin` makes them ([n, d]).
+fn rotary(start: i64, n: i64, d: i64, kind: Kind, dev: Device) -> (Tensor, Tensor) {
+    let inv: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
+        .collect();
+    let pos = Tensor::arange_start(start, start + n, (Kind::Float, dev)).unsqueeze(-1);
+    let freqs = pos * Tensor::from_slice(&inv).to_device(dev);
+    let (c, s) = (freqs.cos(), freqs.sin());
+    (
+        Tensor::cat(&[&c, &c], -1).to_kind(kind),
+        Tensor::cat(&[&s.neg(), &s], -1).to_kind(kind),
+    )
+}
+
+/// The fused kernels against the libtorch operations they replace: the q/k norm, rotation and
+/// cache writes of one layer (with norms and without; head sizes 64 and 16, the latter with
+/// idle threads in the block), of several layers' context keys at once, and SwiGLU's product;
+/// in bf16 (up to rounding) and f32.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_fused_kernels_equal_the_libtorch_operations() {
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    let eps = 1e-6;
+    for kind in [Kind::BFloat16, Kind::Float] {
+        let (rel, exact) = if kind == Kind::Float {
+            (1e-5, 0.0)
+        } else {
+            (2e-2, 0.95)
+        };
+        let rand = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, dev)).to_kind(kind);
+        for (heads, kv, d, norms) in [
+            (9i64, 3i64, 64i64, true),
+            (4, 2, 16, true),
+            (9, 3, 64, false),
+        ] {
+            let (n, cache_rows) = (16i64, 40i64);
+            let what = format!("{kind:?} {heads}x{kv}x{d} norms {norms}");
+            let y = rand(&[1, n, (heads + 2 * kv) * d]);
+            let q_norm = (rand(&[d]) * 0.1 + 1.0).to_kind(kind);
+            let k_norm = (rand(&[d]) * 0.1 + 1.0).to_kind(kind);
+            let (cos, sin) = rotary(5, n, d, kind, dev);
+            let rows = Tensor::randperm(cache_rows, (Kind::Int64, dev)).narrow(0, 0, n);
+            let k_cache = Tensor::zeros([cache_rows, kv, d], (kind, dev));
+            let v_cache = Tensor::zeros([cache_rows, kv, d], (kind, dev));
+            let q = kernels
+                .rotate_write(
+                    &y,
+                    1,
+                    heads,
+                    norms.then_some(&q_norm),
+                    norms.then_some(&k_norm),
+                    eps,
+                    &cos,
+                    &sin,
+                    &rows,
+                    &k_cache,
+                    &v_cache,
+                )
+                .unwrap()
+                .unwrap();
+            // libtorch: normalised, times the weight, then x * cos + roll(x) * sin
+            let yv = y.view([n, heads + 2 * kv, d]);
+            let qk = yv.narrow(1, 0, heads + kv);
+            let qk = if norms {
+                let w = Tensor::cat(
+                    &[
+                        q_norm.expand([heads, d], false),
+                        k_norm.expand([kv, d], false),
+                    ],
+                    0,
+                );
+                qk.rms_norm([d], None::<&Tensor>, eps) * w
+            } else {
+                qk.copy()
+            };
+            let (c, s) = (cos.unsqueeze(1), sin.unsqueeze(1));
+            let mut want = &qk * &c;
+            let _ = want.addcmul_(&qk.roll([d / 2], [-1]), &s);
+            assert_close(
+                &format!("{what}: queries"),
+                &q.view([n, heads, d]),
+                &want.narrow(1, 0, heads),
+                rel,
+                exact,
+            );
+            assert_close(
+                &format!("{what}: keys"),
+                &k_cache.index_select(0, &rows),
+                &want.narrow(1, heads, kv),
+                rel,
+                exact,
+            );
+            assert_eq!(
+                max_diff(
+                    &v_cache.index_select(0, &rows),
+                    &yv.narrow(1, heads + kv, kv)
+                ),
+                0.0,
+                "{what}: values"
+            );
+            // rows not written stay as they were
+            let written = k_cache
+                .abs()
+                .sum_dim_intlist([1, 2].as_slice(), false, Kind::Float)
+                .gt(0.0);
+            assert_eq!(
+                written.sum(Kind::Int64).int64_value(&[]),
+                n,
+                "{what}: rows written"
+            );
+        }
+        // the context of 3 layers at once: keys normalised per layer, no queries
+        let (layers, kv, d, n, cache_rows) = (3i64, 2i64, 64i64, 5i64, 24i64);
+        let y = rand(&[n, layers, 2, kv, d]);
+        let k_norm = (rand(&[layers, 1, d]) * 0.1 + 1.0).to_kind(kind);
+        let (cos, sin) = rotary(7, n, d, kind, dev);
+        let rows = Tensor::arange_start(7, 7 + n, (Kind::Int64, dev));
+        let k_cache = Tensor::zeros([layers, cache_rows, kv, d], (kind, dev));
+        let v_cache = Tensor::zeros([layers, cache_rows, kv, d], (kind, dev));
+        let q = kernels
+            .rotate_write(
+                &y,
+                layers,
+                0,
+                None,
+                Some(&k_norm),
+                eps,
+                &cos,
+                &sin,
+                &rows,
+                &k_cache,
+                &v_cache,
+            )
+            .unwrap();
+        assert!(q.is_none());
+        let k = y.select(2, 0).rms_norm([d], None::<&Tensor>, eps) * &k_norm;
+        let (c, s) = (cos.view([n, 1, 1, d]), sin.view([n, 1, 1, d]));
+        let mut want = &k * &c;
+        let _ = want.addcmul_(&k.roll([d / 2], [-1]), &s);
+        for l in 0..layers {
+            let what = format!("{kind:?} context layer {l}");
+            assert_close(
+                &format!("{what}: keys"),
+                &k_cache.get(l).index_select(0, &rows),
+                &want.select(1, l),
+                rel,
+                exact,
+            );
+            assert_eq!(
+                max_diff(
+                    &v_cache.get(l).index_select(0, &rows),
+                    &y.select(2, 1).select(1, l)
+                ),
+                0.0,
+                "{what}: values"
+            );
+        }
+        // SwiGLU
+        let both = rand(&[1, 16, 2 * 48]);
+        let got = kernels.silu_mul(&both).unwrap();
+        let want = both.narrow(-1, 0, 48).silu() * both.narrow(-1, 48, 48);
+        assert_close(
+            &format!("{kind:?} silu(gate) * up"),
+            &got,
+            &want,
+            rel,
+            if kind == Kind::Float { 0.0 } else { 0.99 },
+        );
+    }
+}
+
+/// A drafter's block forward over its cache with the fused kernels equals the one with
+/// libtorch's operations up to bf16 rounding (the context written by both paths, then a block).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_drafter_block_with_fused_kernels_equals_the_plain_one() {
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    let tmp = tempfile::tempdir().unwrap();
+    let (_target, drafter, head) = models(tmp.path(), dev, Kind::BFloat16, 8);
+    let copy = drafter.decode_copy().unwrap();
+    let features = Tensor::randn([11, 2 * 32], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+    let ids = Tensor::from_slice(&[3i64, 1, 1, 1, 1, 1, 1, 1]).to_device(dev);
+    let run = |fused: bool| {
+        let mut cache = copy
+            .slot_cache(40)
+            .unwrap()
+            .with_kernels(fused.then_some(kernels));
+        let start = Tensor::zeros([1], (Kind::Int64, dev));
+        let ctx = SlotBatch::uniform(&cache, &start, 11);
+        copy.append_context_slots(&features, &ctx, &mut cache)
+            .unwrap();
+        let start = Tensor::full([1], 11, (Kind::Int64, dev));
+        let blk = SlotBatch::uniform(&cache, &start, 8);
+        copy.block_slots(&head, &ids, &blk, &mut cache).unwrap()
+    };
+    let (plain, fused) = (run(false), run(true));
+    let scale = plain.abs().max().double_value(&[]);
+    let diff = max_diff(&plain, &fused);
+    assert!(diff <= 0.05 * scale, "fused {diff} off a scale of {scale}");
+}
+
+/// The target's forwards over its cache with the fused kernels (a prompt, then steps of 1 and
+/// of 4 tokens) equal the ones with libtorch's operations up to bf16 rounding, for a model with
+/// q/k norms (Qwen3) and one without (Llama).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_target_steps_with_fused_kernels_equal_the_plain_ones() {
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev);
+    assert!(kernels.is_some(), "the fused kernels did not load");
+    let tmp = tempfile::tempdir().unwrap();
+    for family in ["qwen3", "llama"] {
+        let dir = tiny_target_dir(&tmp.path().join(family), family, false, None, 5);
+        let target = TargetModel::load(&dir, dev, Kind::BFloat16).unwrap();
+        let taps = [0usize, 1];
+        tch::no_grad(|| {
+            let mut plain = TargetDecoder::new(&target, 64, &taps, None, None).unwrap();
+            let mut fused = TargetDecoder::new(&target, 64, &taps, None, kernels).unwrap();
+            assert!(fused.uses_fused_kernels() && !plain.uses_fused_kernels());
+            let close = |what: &str, a: &Tensor, b: &Tensor| {
+                let scale = a.abs().max().double_value(&[]);
+                let diff = max_diff(a, b);
+                assert!(
+                    diff <= 0.05 * scale,
+                    "{family} {what}: {diff} off a scale of {scale}"
+                );
+            };
+            let prompt = [5u32, 9, 13, 2, 7, 11, 3];
+            let (la, fa) = plain.prefill(&prompt).unwrap();
+            let (lb, fb) = fused.prefill(&prompt).unwrap();
+            close("prompt logits", &la, &lb);
+            close("prompt features", &fa.unwrap(), &fb.unwrap());
+            for (i, (q, start)) in [(1i64, 7i64), (4, 8), (1, 12)].into_iter().enumerate() {
+                let ids = Tensor::from_slice(
+                    &(0..q).map(|j| (3 * i as i64 + j) % 50).collect::<Vec<_>>(),
+                )
+                .to_device(dev);
+                let (la, fa) = plain.step(&ids, start).unwrap();
+                let (lb, fb) = fused.step(&ids, start).unwrap();
+                close(&format!("step {i} logits"), &la, &lb);
+                close(&format!("step {i} features"), &fa.unwrap(), &fb.unwrap());
+            }
+        });
+    }
+}
+
+/// The training loss with the fused kernel (cross-entropy, argmax check and gradient of each
+/// chunk of logits in one kernel) against libtorch's operations, on random hidden states and a
+/// random LM head: the same loss, accuracy and acceptance sums, and the same gradient into the
+/// hidden states up to rounding, in float32 and bf16, for a vocabulary the kernel reads in
+/// 16-byte vectors (1,024) and one it reads element by element (1,003), with one chunk and
+/// several. A soft-label loss keeps libtorch's operations (same numbers with the kernels on).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_fused_loss_equals_the_libtorch_operations() {
+    use dflash_tui::train::loss::{
+        block_targets, loss_and_backward, sample_anchors, LossOptions, LossSums,
+    };
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    let (rows, len, block, h) = (3usize, 90usize, 8usize, 64i64);
+    let lengths = [90usize, 61, 37];
+    let mask: Vec<i64> = (0..rows * len).map(|i| i64::from(i % len >= 5)).collect();
+    for vocab in [1024i64, 1003] {
+        let ids: Vec<i64> = (0..rows * len)
+            .map(|i| (i as i64 * 7919 + 13) % vocab)
+            .collect();
+        let plan = sample_anchors(&mask, &lengths, len, block, 12, 5);
+        let targets = block_targets(&ids, &mask, &lengths, len, &plan, block, 7.0);
+        for kind in [Kind::Float, Kind::BFloat16] {
+            tch::manual_seed(vocab + 1);
+            let lm_head = (Tensor::randn([vocab, h], (Kind::Float, dev)) * 0.3).to_kind(kind);
+            let per_row = plan.per_row as i64;
+            // about half the slots pointed at their label, so that the argmax check counts
+            let slots = rows as i64 * per_row * block as i64;
+            let labels = Tensor::from_slice(&targets.labels).to_device(dev);
+            let hint = lm_head.to_kind(Kind::Float).index_select(0, &labels)
+                * (Tensor::rand([slots, 1], (Kind::Float, dev)).gt(0.5) * 3.0);
+            let hidden0 = (Tensor::randn([slots, h], (Kind::Float, dev)) + hint)
+                .view([rows as i64, per_row, block as i64, h])
+                .to_kind(kind);
+            let teacher = Tensor::randn([rows as i64, len as i64, h], (kind, dev));
+            let run = |fused: bool, chunk_rows: i64, kl_weight: f64| -> (LossSums, Tensor) {
+                let hidden = hidden0.detach().set_requires_grad(true);
+                let opts = LossOptions {
+                    kl_weight,
+                    kl_temperature: 1.0,
+                    streak_alpha: 0.0,
+                    streak_tau_power: 0.0,
+                    chunk_rows,
+                    kernels: fused.then_some(kernels),
+                };
+                let (sums, pending) = loss_and_backward(
+                    &hidden,
+                    &lm_head,
+                    &targets,
+                    &plan.valid,
+                    (kl_weight > 0.0).then_some(&teacher),
+                    &opts,
+                    0.5,
+                );
+                pending.expect("a backward pass").run();
+                (sums, hidden.grad())
+            };
+            for chunk_rows in [100_000, 37] {
+                let what = format!("vocab {vocab} {kind:?} chunks of {chunk_rows}");
+                let (want, want_grad) = run(false, chunk_rows, 0.0);
+                let (got, got_grad) = run(true, chunk_rows, 0.0);
+                let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
+                assert!(
+                    rel(got.loss(), want.loss()) < 1e-5,
+                    "{what}: {got:?} {want:?}"
+                );
+                assert_eq!(got.weight, want.weight, "{what}");
+                assert_eq!(got.weighted_correct, want.weighted_correct, "{what}");
+                assert_eq!(got.accepted, want.accepted, "{what}");
+                assert!(want.weighted_correct > 0.0, "{what}: no argmax hit");
+                let (rel_grad, exact) = if kind == Kind::Float {
+                    (1e-4, 0.0)
+                } else {
+                    (1e-2, 0.95)
+                };
+                assert_close(&what, &got_grad, &want_grad, rel_grad, exact);
+                assert!(max_diff(&want_grad, &Tensor::zeros_like(&want_grad)) > 0.0);
+            }
+            let (want, want_grad) = run(false, 37, 0.5);
+            let (got, got_grad) = run(true, 37, 0.5);
+            assert_eq!(got, want, "soft labels");
+            assert_eq!(max_diff(&got_grad, &want_grad), 0.0, "soft labels");
+        }
+    }
+}
