@@ -49,7 +49,7 @@ check)
   nvidia-smi -L
   $B doctor 2>&1 | sed -n 2,6p
   t gdn-kernel-tests
-  timeout 150 "$W/tests/lib" --ignored gdn_tests:: cuda_blocks --test-threads 1 2>&1 | tail -14
+  timeout 150 "$W/tests/lib" --ignored aten_ext::gdn:: cuda_blocks --test-threads 1 2>&1 | tail -14
   run_json gdn-48x48 120 $B bench-gdn --reference
   run_json gdn-48x16 60 $B bench-gdn --key-heads 16
   run_json forward-qwen3.5-27b 150 $B bench-forward --target configs/shapes/qwen3.5-27b --random-weights
@@ -112,6 +112,7 @@ PY
   sleep "${SCREEN_AFTER_S:-45}"
   tmux capture-pane -p -t cr > "$OUT/control-room.txt"
   $B ctl $R status > "$OUT/ctl-status.json" 2>&1
+  $B ctl $R checkpoint > "$OUT/ctl-checkpoint.txt" 2>&1
   cat "$OUT/control-room.txt"; head -c 1500 "$OUT/ctl-status.json"; echo
   for i in $(seq 1 "${TRAIN_WAIT_S:-240}"); do tmux has-session -t cr 2>/dev/null || break; sleep 1; done
   tmux kill-session -t cr 2>/dev/null

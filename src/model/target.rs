@@ -116,8 +116,27 @@ impl TargetModel {
     }
 
     /// A model of the shape in `dir`'s config.json with seeded random weights (see
-    /// [`RandomWeights`]); no weight files are read.
+    /// [`RandomWeights`]), drawn on `device`; no weight files are read. Each device's
+    /// generator gives other weights: [`TargetModel::random_drawn_on_cpu`] gives the same
+    /// model on every device.
     pub fn random(dir: &Path, device: Device, kind: Kind, seed: u64) -> Result<Self> {
+        Self::random_drawn_on(dir, device, kind, seed, None)
+    }
+
+    /// [`TargetModel::random`] with the weights drawn by the CPU and moved to `device`: the
+    /// same model as `random(dir, Device::Cpu, kind, seed)`, for comparing devices (slower
+    /// to make at large shapes).
+    pub fn random_drawn_on_cpu(dir: &Path, device: Device, kind: Kind, seed: u64) -> Result<Self> {
+        Self::random_drawn_on(dir, device, kind, seed, Some(Device::Cpu))
+    }
+
+    fn random_drawn_on(
+        dir: &Path,
+        device: Device,
+        kind: Kind,
+        seed: u64,
+        draw_on: Option<Device>,
+    ) -> Result<Self> {
         let config = TargetConfig::from_model_dir(dir)?;
         let untied = !config.tie_word_embeddings;
         let weights = RandomWeights {
@@ -128,6 +147,7 @@ impl TargetModel {
                 (untied && name == "lm_head.weight") || name.ends_with(".experts.gate_up_proj")
             }),
             zero_centred_norms: config.hybrid.is_some(),
+            draw_on,
         };
         Self::from_weights(config, &weights, device, kind)
             .with_context(|| format!("{}: cannot build a random model", dir.display()))

@@ -233,6 +233,9 @@ pub(crate) struct RandomWeights {
     /// The model's RMSNorms are zero-centred (the Qwen3.5 hybrids'; their Gated DeltaNet
     /// output norm is not).
     pub zero_centred_norms: bool,
+    /// Where the numbers are drawn: `None` on the model's device (fast, but each device's
+    /// generator gives other numbers), `Some(Device::Cpu)` for the same weights on every device.
+    pub draw_on: Option<Device>,
 }
 
 impl WeightSource for RandomWeights {
@@ -250,15 +253,16 @@ impl WeightSource for RandomWeights {
         // one reproducible stream per tensor
         tch::manual_seed((name_seed(self.seed, name) >> 1) as i64);
         Ok(tch::no_grad(|| {
-            let mut t = Tensor::empty(shape, (kind, device));
-            if name.ends_with("A_log") {
+            let mut t = Tensor::empty(shape, (kind, self.draw_on.unwrap_or(device)));
+            let drawn = if name.ends_with("A_log") {
                 t.uniform_(0.0, 16f64.ln())
             } else if name.ends_with("conv1d.weight") {
                 let bound = 1.0 / (*shape.last().unwrap_or(&1) as f64).sqrt();
                 t.uniform_(-bound, bound)
             } else {
                 t.normal_(0.0, self.std)
-            }
+            };
+            drawn.to_device(device)
         }))
     }
 }
