@@ -123,6 +123,25 @@ PY
   run_json eval-mtbench-f32 120 $B eval --target /tmp/q35t --drafter "$D" --prompts .carry/mt-bench.jsonl --limit 12 --max-new-tokens 96 --dtype f32 --json
   python3 tools/eval_summary.py "$OUT"/eval-mtbench-graphs.json "$OUT"/eval-mtbench-f32.json 2>&1 | tail -8
   ;;
-*) echo "usage: $0 pack|check|anchors|bench|room"; exit 2 ;;
+dist1)
+  # issue 45: the same 8B-shape training through the c10d path with one rank (WORLD_SIZE=1)
+  # and through the plain path; samples/s over the steps after the first 10, from metrics.jsonl
+  for mode in plain c10d; do
+    t "train-8b-$mode"
+    env=""
+    [ $mode = c10d ] && env="WORLD_SIZE=1 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517"
+    env $env timeout "${DIST_S:-150}" $B train --config configs/bench-qwen3-8b-shape.toml --no-tui \
+      --set train.total_steps="${STEPS:-50}" --run-dir "/tmp/dist1-$mode" > "$OUT/train-8b-$mode.out" 2> "$OUT/train-8b-$mode.err"
+    grep -E "grad|c10d|rank" "$OUT/train-8b-$mode.err" | head -3
+    python3 - "/tmp/dist1-$mode/metrics.jsonl" "$mode" <<'PY'
+import json, sys
+steps = [r for r in map(json.loads, open(sys.argv[1])) if r.get("type") == "step"]
+late = [r for r in steps if r["step"] > 10]
+t = late[-1]["elapsed_s"] - steps[9]["elapsed_s"]
+print(sys.argv[2], len(steps), "steps;", "samples/s after step 10:", round(sum(r["samples"] for r in late) / t, 3))
+PY
+  done
+  ;;
+*) echo "usage: $0 pack|check|anchors|bench|room|dist1"; exit 2 ;;
 esac
 t done
