@@ -238,8 +238,16 @@ fn chunked_and_dense_attention_give_the_same_loss_curve_on_the_demo_data() {
         assert_eq!(out.phase, Phase::Finished, "{:?}", out.error);
         steps(&dir)
     };
-    let dense = run("dense");
-    let chunked = run("chunked:2");
+    // the two runs side by side: independent trainers, and this test is often the suite's last
+    let (dense, chunked) = std::thread::scope(|s| {
+        let dense = s.spawn(|| run("dense"));
+        let chunked = s.spawn(|| run("chunked:2"));
+        (dense.join(), chunked.join())
+    });
+    let (dense, chunked) = (
+        dense.expect("the dense run"),
+        chunked.expect("the chunked run"),
+    );
     assert_eq!(dense.len(), 50);
     assert_eq!(chunked.len(), 50);
     let mut worst = 0.0f64;
