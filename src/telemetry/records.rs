@@ -18,9 +18,10 @@ pub(crate) use super::status::RunStatus;
 use super::tensorboard::TensorBoardWriter;
 
 /// What the run is doing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
+    #[default]
     LoadingModel,
     WarmingUp,
     Training,
@@ -391,8 +392,9 @@ pub fn read_metrics(path: &Path) -> anyhow::Result<Vec<MetricsRecord>> {
     Ok(records)
 }
 
-/// Everything a front end shows, at one moment.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Everything a front end shows, at one moment. `Default` is a run before anything is known:
+/// loading, step 0, nothing recorded.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Snapshot {
     pub run_name: String,
     pub run_dir: String,

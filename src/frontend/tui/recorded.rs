@@ -185,29 +185,12 @@ pub(crate) fn base_snapshot(run_dir: &Path, running: bool) -> Snapshot {
         } else {
             Phase::Failed
         },
-        step: 0,
         total_steps: config.as_ref().map_or(0, |c| c.train.total_steps),
-        epoch: 0,
-        elapsed_s: 0.0,
-        eta_s: None,
-        tokens_per_s: 0.0,
-        samples_per_s: 0.0,
-        last: None,
-        history: Vec::new(),
-        evals: Vec::new(),
-        validations: Vec::new(),
-        queues: Vec::new(),
-        profile: None,
         profile_interval_s: config
             .as_ref()
             .map_or(0.0, |c| c.telemetry.profile_interval_s),
-        gpus: None,
         gpu_error: Some("not measured: no trainer runs".into()),
-        host: None,
-        stage_devices: Vec::new(),
-        last_checkpoint: None,
-        error: None,
-        ranks: Vec::new(),
+        ..Snapshot::default()
     }
 }
 

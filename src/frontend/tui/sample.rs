@@ -33,15 +33,12 @@ pub(crate) fn synthetic_state(steps: usize, gpus: usize) -> AppState {
         profile: Some(profile_report(steps)),
         profile_interval_s: 30.0,
         gpus: Some(gpu_readings(gpus)),
-        gpu_error: None,
-        host: None,
         stage_devices: vec![
             ("target".into(), "cuda:0".into()),
             ("drafter".into(), "cuda:1".into()),
         ],
         last_checkpoint: Some("/tmp/bench/checkpoints/step-001000".into()),
-        error: None,
-        ranks: Vec::new(),
+        ..Snapshot::default()
     };
     AppState::new(snapshot)
 }

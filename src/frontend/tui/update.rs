@@ -297,19 +297,12 @@ mod tests {
         Snapshot {
             run_name: "t".into(),
             run_dir: "/tmp/r".into(),
-            target: None,
             phase,
             step: 3,
             total_steps: 10,
-            epoch: 0,
             elapsed_s: 1.0,
-            eta_s: None,
             tokens_per_s: 0.0,
             samples_per_s: 0.0,
-            last: None,
-            history: vec![],
-            evals: vec![],
-            validations: vec![],
             queues: vec![
                 QueueLevel {
                     name: QueueName::Batch,
@@ -326,15 +319,8 @@ mod tests {
                     popped: 0,
                 },
             ],
-            profile: None,
             profile_interval_s: 30.0,
-            gpus: None,
-            gpu_error: None,
-            host: None,
-            stage_devices: vec![],
-            last_checkpoint: None,
-            error: None,
-            ranks: Vec::new(),
+            ..Snapshot::default()
         }
     }
 
