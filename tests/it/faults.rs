@@ -25,29 +25,9 @@ fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_dflash-tui")
 }
 
-fn tiny_config() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml")
-}
-
 /// `train` on the tiny inputs in `run_dir`, with `--set` overrides.
 fn train_args(i: &common::TinyRun, run_dir: &Path, set: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = vec![
-        "train".into(),
-        "--config".into(),
-        tiny_config().display().to_string(),
-        "--set".into(),
-        format!("model.target={}", i.target.display()),
-        "--set".into(),
-        format!("data.path={}", i.data.display()),
-        "--run-dir".into(),
-        run_dir.display().to_string(),
-        "--no-tui".into(),
-    ];
-    for s in set {
-        args.push("--set".into());
-        args.push((*s).into());
-    }
-    args
+    common::tiny_train_args(i, run_dir, set)
 }
 
 fn resume_args(run_dir: &Path) -> Vec<String> {

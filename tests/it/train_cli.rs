@@ -15,29 +15,14 @@ fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_dflash-tui")
 }
 
-fn tiny_config() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml")
-}
-
 type Inputs = common::TinyRun;
 
 fn inputs() -> Inputs {
     common::tiny_run(32, 3)
 }
 
-fn base_args<'a>(i: &'a Inputs, run_dir: &'a Path) -> Vec<String> {
-    vec![
-        "train".into(),
-        "--config".into(),
-        tiny_config().display().to_string(),
-        "--set".into(),
-        format!("model.target={}", i.target.display()),
-        "--set".into(),
-        format!("data.path={}", i.data.display()),
-        "--run-dir".into(),
-        run_dir.display().to_string(),
-        "--no-tui".into(),
-    ]
+fn base_args(i: &Inputs, run_dir: &Path) -> Vec<String> {
+    common::tiny_train_args(i, run_dir, &[])
 }
 
 fn run(args: &[String]) -> (i32, String, String) {

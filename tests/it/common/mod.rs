@@ -544,6 +544,29 @@ pub struct TinyRun {
     pub data: PathBuf,
 }
 
+/// `train --config configs/tiny.toml` on `i` into `run_dir`, without the screen, with `--set`
+/// overrides.
+pub fn tiny_train_args(i: &TinyRun, run_dir: &Path, set: &[&str]) -> Vec<String> {
+    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
+    let mut args: Vec<String> = vec![
+        "train".into(),
+        "--config".into(),
+        config.display().to_string(),
+        "--set".into(),
+        format!("model.target={}", i.target.display()),
+        "--set".into(),
+        format!("data.path={}", i.data.display()),
+        "--run-dir".into(),
+        run_dir.display().to_string(),
+        "--no-tui".into(),
+    ];
+    for s in set {
+        args.push("--set".into());
+        args.push((*s).into());
+    }
+    args
+}
+
 pub fn tiny_run(rows: usize, seed: i64) -> TinyRun {
     let tmp = tempfile::tempdir().unwrap();
     let target = tiny_target_dir(&tmp.path().join("target"), "llama", false, None, seed);
