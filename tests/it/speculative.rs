@@ -290,23 +290,7 @@ fn rejected_drafts_roll_both_caches_back() {
             (k > 0).then_some(k) // 0: no error this step
         })
         .collect();
-    let mut oracle = Oracle {
-        block,
-        prompt_len: p.len() as i64,
-        answer: answer.clone(),
-        wrong: wrong.clone(),
-        step: 0,
-        context_len: 0,
-    };
-    let d =
-        tch::no_grad(|| speculative_decode(&target, &mut oracle, &taps, &p, max_new, &[])).unwrap();
-    assert_eq!(d.output_ids, answer[..max_new]);
-    let expected: Vec<usize> = wrong
-        .iter()
-        .take(d.accept_lengths.len())
-        .map(|w| w.unwrap_or(block))
-        .collect();
-    assert_eq!(d.accept_lengths, expected);
+    let expected = decode_with_oracle(&target, &taps, &p, &answer, &wrong, block, max_new);
     assert!(expected.iter().any(|&a| a < block) && expected.contains(&block));
 }
 
@@ -346,16 +330,31 @@ fn dflash_on_a_hybrid_target_equals_greedy_decoding() {
     let wrong: Vec<Option<usize>> = (0..max_new)
         .map(|i| [Some(1), Some(3), None, Some(2), Some(4)][i % 5])
         .collect();
+    decode_with_oracle(&target, &taps, &p, &answer, &wrong, block, max_new);
+}
+
+/// DFlash decoding of `p` with an oracle that drafts `answer` (greedy's tokens) in blocks of
+/// `block` and errs at `wrong[step]`: the output is the answer, and each step accepts up to its
+/// error (a whole block without one). Returns those acceptance lengths.
+fn decode_with_oracle(
+    target: &TargetModel,
+    taps: &[usize],
+    p: &[u32],
+    answer: &[u32],
+    wrong: &[Option<usize>],
+    block: usize,
+    max_new: usize,
+) -> Vec<usize> {
     let mut oracle = Oracle {
         block,
         prompt_len: p.len() as i64,
-        answer: answer.clone(),
-        wrong: wrong.clone(),
+        answer: answer.to_vec(),
+        wrong: wrong.to_vec(),
         step: 0,
         context_len: 0,
     };
     let d =
-        tch::no_grad(|| speculative_decode(&target, &mut oracle, &taps, &p, max_new, &[])).unwrap();
+        tch::no_grad(|| speculative_decode(target, &mut oracle, taps, p, max_new, &[])).unwrap();
     assert_eq!(d.output_ids, answer[..max_new]);
     let expected: Vec<usize> = wrong
         .iter()
@@ -363,6 +362,7 @@ fn dflash_on_a_hybrid_target_equals_greedy_decoding() {
         .map(|w| w.unwrap_or(block))
         .collect();
     assert_eq!(d.accept_lengths, expected);
+    expected
 }
 
 /// Records what the real drafter proposed and from which state.
