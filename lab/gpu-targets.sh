@@ -123,6 +123,22 @@ PY
   run_json eval-mtbench-f32 120 $B eval --target /tmp/q35t --drafter "$D" --prompts .carry/mt-bench.jsonl --limit 12 --max-new-tokens 96 --dtype f32 --json
   python3 tools/eval_summary.py "$OUT"/eval-mtbench-graphs.json "$OUT"/eval-mtbench-f32.json 2>&1 | tail -8
   ;;
+gdn)
+  # the gated delta rule kernels: tests, then both forms at the 27B and 35B-A3B layer shapes
+  t gdn-kernel-tests
+  timeout 150 "$W/tests/lib" --ignored aten_ext::gdn:: --test-threads 1 2>&1 | tail -16
+  run_json gdn-27b 90 $B bench-gdn --key-heads 16 --reference
+  run_json gdn-35b-a3b 60 $B bench-gdn --key-heads 16 --value-heads 32
+  ;;
+probe)
+  # where the target forwards' time goes: one traced call each, totalled by kernel
+  for shape in ${SHAPES:-qwen3.5-27b qwen3.5-35b-a3b}; do
+    run_json "forward-$shape" 150 $B bench-forward --target "configs/shapes/$shape" --random-weights \
+      --iters 2 --trace "/tmp/forward-$shape.trace.json"
+    python3 tools/trace_summary.py "/tmp/forward-$shape.trace.json" > "$OUT/trace-forward-$shape.txt" 2>&1
+    head -32 "$OUT/trace-forward-$shape.txt"
+  done
+  ;;
 dist1)
   # issue 45: the same 8B-shape training through the c10d path with one rank (WORLD_SIZE=1)
   # and through the plain path; samples/s over the steps after the first 10, from metrics.jsonl
@@ -142,6 +158,6 @@ print(sys.argv[2], len(steps), "steps;", "samples/s after step 10:", round(sum(r
 PY
   done
   ;;
-*) echo "usage: $0 pack|check|anchors|bench|room|dist1"; exit 2 ;;
+*) echo "usage: $0 pack|check|anchors|bench|room|gdn|probe|dist1"; exit 2 ;;
 esac
 t done

@@ -7,9 +7,12 @@
 //!
 //! Per value head, with q and k optionally l2-normalised and q scaled by 1/sqrt(K), the state
 //! S [K, V] (float32) takes each token t as `S = exp(g_t) S; u = beta_t (v_t - S^T k_t);
-//! S = S + k_t u^T; o_t = S^T q_t`. The kernel keeps each head's state in registers, 8 threads
-//! per value column, and walks the tokens (see the .cu file for the layout and the cost). It is
-//! a forward pass only (the target model it serves is frozen: no gradient).
+//! S = S + k_t u^T; o_t = S^T q_t`. The recurrent kernel keeps each head's state in registers,
+//! 8 threads per value column, and walks the tokens (see the .cu file for the layout and the
+//! cost): decoding steps, draft verification with the state after every token. A long prefill
+//! takes the chunked form instead (chunks of 64 tokens; all chunks prepared at once, then one
+//! pass over them per 32 value columns). It is a forward pass only (the target model it serves
+//! is frozen: no gradient).
 
 use std::ffi::c_void;
 use std::path::Path;
@@ -20,7 +23,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::fused::FusedKernelLoader;
 use super::graph::GraphLibrary;
-use super::nvrtc::{arg, function, kind_index, KernelModule};
+use super::nvrtc::{allow_dynamic_shared, arg, function, kind_index, KernelModule};
 
 /// The kernels' source, compiled for the device at run time.
 const SOURCE: &str = include_str!("gdn_kernels.cu");
@@ -32,6 +35,33 @@ pub const KEY_DIMS: [i64; 4] = [32, 64, 128, 256];
 /// Value columns per block and threads per block (`GDN_COLUMNS`, `GDN_THREADS` in the source).
 const COLUMNS: i64 = 16;
 const THREADS: u32 = 128;
+
+/// The chunked form's sizes, as the source's `GDN_CHUNK`, `GDN_CHUNK_K`, `GDN_SCAN_COLUMNS`,
+/// `GDN_CHUNK_THREADS`.
+const CHUNK: i64 = 64;
+pub const CHUNKED_KEY_DIM: i64 = 128;
+const SCAN_COLUMNS: i64 = 32;
+const CHUNK_THREADS: u32 = 256;
+
+/// The calls from which [`GdnKernels::forward`] takes the chunked form: from this many tokens
+/// (one chunk), with key heads of [`CHUNKED_KEY_DIM`].
+pub const CHUNKED_FROM_STEPS: i64 = CHUNK;
+
+/// Dynamic shared memory of the two chunked kernels, bytes: the source's `GDN_PREP_FLOATS` and
+/// `GDN_SCAN_FLOATS` (two staged key tiles and A; [W; Q]^T, the state's columns, u and Q S).
+const PREP_SHARED_BYTES: usize = {
+    let (c, row, arow) = (
+        CHUNK as usize,
+        CHUNKED_KEY_DIM as usize + 4,
+        CHUNK as usize + 4,
+    );
+    4 * (2 * c * row + c * arow + 2 * c)
+};
+const SCAN_SHARED_BYTES: usize = {
+    let (c, k) = (CHUNK as usize, CHUNKED_KEY_DIM as usize);
+    let (xrow, srow) = (2 * c + 4, SCAN_COLUMNS as usize + 4);
+    4 * (k * xrow + k * srow + 2 * c * srow + c)
+};
 
 /// The tensors of one call of the rule: q, k [B, T, Hk, K], v [B, T, Hv, V], g (log decay,
 /// <= 0) and beta [B, T, Hv], and the state before the first token [B, Hv, K, V] float32
@@ -208,6 +238,22 @@ struct GdnParams {
     l2norm: i64,
 }
 
+/// The chunked kernels' argument: the kernel's `GdnChunkParams` (the rule's arguments, then
+/// the work buffers, float32 and dense, and the chunk count).
+#[repr(C)]
+struct GdnChunkParams {
+    rule: GdnParams,
+    /// [B, Hv, N, C, V]
+    u: *mut c_void,
+    /// [B, Hv, N, K, C]
+    w: *mut c_void,
+    /// [B, Hv, N, C, C]
+    p: *mut c_void,
+    /// [B, Hv, N, C]
+    gamma: *mut c_void,
+    chunks: i64,
+}
+
 /// The batch, token and head strides of a [B, T, H, D] tensor whose last dimension is dense,
 /// and the tensor itself (a dense copy when its last dimension is not).
 fn strided(t: &Tensor) -> (Tensor, [i64; 3]) {
@@ -226,6 +272,9 @@ pub struct GdnKernels {
     module: KernelModule,
     /// [storage type (bf16, f16, f32)][key head size, as in KEY_DIMS]
     recurrent: [[cu::CUfunction; 4]; 3],
+    /// The chunked form's kernels, [storage type]
+    chunk_prep: [cu::CUfunction; 3],
+    chunk_scan: [cu::CUfunction; 3],
 }
 
 // SAFETY: as for `FusedKernels`: the functions of a module loaded in a CUDA context are
@@ -253,23 +302,41 @@ impl GdnKernels {
         let Device::Cuda(index) = device else {
             bail!("the gated delta rule kernels need a CUDA device, not {device:?}");
         };
-        let (module, recurrent) = KernelModule::load(
+        type Functions = (
+            [[cu::CUfunction; 4]; 3],
+            [cu::CUfunction; 3],
+            [cu::CUfunction; 3],
+        );
+        let (module, (recurrent, chunk_prep, chunk_scan)) = KernelModule::load(
             graphs,
             libtorch_dir,
             index,
             (SOURCE, "gdn_kernels.cu"),
-            |module| -> Result<[[cu::CUfunction; 4]; 3]> {
-                let mut functions = [[std::ptr::null_mut(); 4]; 3];
-                for (row, kind) in functions.iter_mut().zip(["bf16", "f16", "f32"]) {
-                    for (f, dim) in row.iter_mut().zip(KEY_DIMS) {
+            |module| -> Result<Functions> {
+                let null = std::ptr::null_mut();
+                let (mut recurrent, mut prep, mut scan) = ([[null; 4]; 3], [null; 3], [null; 3]);
+                for (i, kind) in ["bf16", "f16", "f32"].into_iter().enumerate() {
+                    for (f, dim) in recurrent[i].iter_mut().zip(KEY_DIMS) {
                         // SAFETY: the module was just loaded in the current context.
                         *f = unsafe { function(module, &kernel_name(kind, dim))? };
                     }
+                    // SAFETY: as above; the attributes are set in the same context.
+                    unsafe {
+                        prep[i] = function(module, &format!("gdn_chunk_prep_{kind}"))?;
+                        scan[i] = function(module, &format!("gdn_chunk_scan_{kind}"))?;
+                        allow_dynamic_shared(prep[i], PREP_SHARED_BYTES)?;
+                        allow_dynamic_shared(scan[i], SCAN_SHARED_BYTES)?;
+                    }
                 }
-                Ok(functions)
+                Ok((recurrent, prep, scan))
             },
         )?;
-        Ok(GdnKernels { module, recurrent })
+        Ok(GdnKernels {
+            module,
+            recurrent,
+            chunk_prep,
+            chunk_scan,
+        })
     }
 
     /// The CUDA device the kernels were loaded for.
@@ -282,8 +349,24 @@ impl GdnKernels {
     /// or v's type). Value head h reads key head h / (Hv / Hk); with `l2norm` q and k are
     /// l2-normalised (in float32) first. Returns the output [B, T, Hv, V] in v's type and the
     /// final state [B, Hv, K, V] float32. Queued on libtorch's current stream (no host
-    /// synchronisation; a CUDA graph may capture it).
+    /// synchronisation; a CUDA graph may capture it). Calls of [`CHUNKED_FROM_STEPS`] tokens or
+    /// more with key heads of [`CHUNKED_KEY_DIM`] take the chunked form, others the recurrent
+    /// kernel.
     pub fn forward(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
+        let shape = self.checked_shape(x)?;
+        if Self::takes_chunked(&shape) {
+            return self.forward_chunked(x, l2norm);
+        }
+        self.forward_recurrent(x, l2norm)
+    }
+
+    /// Whether [`GdnKernels::forward`] takes the chunked form for a call of `shape`.
+    pub fn takes_chunked(shape: &GdnShape) -> bool {
+        shape.key_dim == CHUNKED_KEY_DIM && shape.steps >= CHUNKED_FROM_STEPS
+    }
+
+    /// [`GdnKernels::forward`] through the recurrent kernel, whatever the length.
+    pub fn forward_recurrent(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
         let shape = self.checked_shape(x)?;
         let final_state = Tensor::empty(shape.state_size(), (Kind::Float, self.device()));
         if shape.steps == 0 {
@@ -296,6 +379,76 @@ impl GdnKernels {
             }
         }
         let out = self.launch(&shape, x, l2norm, Some(&final_state), None)?;
+        Ok((out, final_state))
+    }
+
+    /// [`GdnKernels::forward`] through the chunked form, whatever the length (key heads of
+    /// [`CHUNKED_KEY_DIM`] only).
+    pub fn forward_chunked(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
+        let shape = self.checked_shape(x)?;
+        ensure!(
+            shape.key_dim == CHUNKED_KEY_DIM,
+            "gated delta rule: the chunked form takes key heads of {CHUNKED_KEY_DIM}, not {}",
+            shape.key_dim
+        );
+        let device = self.device();
+        let final_state = Tensor::empty(shape.state_size(), (Kind::Float, device));
+        let out = Tensor::empty(
+            [shape.batch, shape.steps, shape.value_heads, shape.value_dim],
+            (x.v.kind(), device),
+        );
+        if shape.steps == 0 || shape.batch == 0 {
+            let mut copy = final_state.shallow_clone();
+            match x.initial_state {
+                Some(s) => copy.copy_(s),
+                None => {
+                    let _ = copy.zero_();
+                }
+            }
+            return Ok((out, final_state));
+        }
+        let (b, hv, k, v) = (
+            shape.batch,
+            shape.value_heads,
+            shape.key_dim,
+            shape.value_dim,
+        );
+        let chunks = (shape.steps + CHUNK - 1) / CHUNK;
+        let work = |size: &[i64]| Tensor::empty(size, (Kind::Float, device));
+        let u = work(&[b, hv, chunks, CHUNK, v]);
+        let w = work(&[b, hv, chunks, k, CHUNK]);
+        let p = work(&[b, hv, chunks, CHUNK, CHUNK]);
+        let gamma = work(&[b, hv, chunks, CHUNK]);
+        let (rule, which, _inputs) =
+            self.params(&shape, x, l2norm, &out, Some(&final_state), None)?;
+        let mut params = GdnChunkParams {
+            rule,
+            u: u.data_ptr(),
+            w: w.data_ptr(),
+            p: p.data_ptr(),
+            gamma: gamma.data_ptr(),
+            chunks,
+        };
+        ensure!(
+            chunks <= u32::MAX as i64,
+            "gated delta rule: {} tokens are more chunks than one launch takes",
+            shape.steps
+        );
+        let rows = (b * hv) as u32;
+        self.module.launch_with_shared(
+            self.chunk_prep[which],
+            (chunks as u32, rows),
+            CHUNK_THREADS,
+            PREP_SHARED_BYTES as u32,
+            &mut [arg(&mut params)],
+        )?;
+        self.module.launch_with_shared(
+            self.chunk_scan[which],
+            (((v + SCAN_COLUMNS - 1) / SCAN_COLUMNS) as u32, rows),
+            CHUNK_THREADS,
+            SCAN_SHARED_BYTES as u32,
+            &mut [arg(&mut params)],
+        )?;
         Ok((out, final_state))
     }
 
@@ -360,13 +513,50 @@ impl GdnKernels {
         if shape.steps == 0 || shape.batch == 0 {
             return Ok(out);
         }
+        let (mut params, which, _inputs) =
+            self.params(shape, x, l2norm, &out, final_state, states)?;
+        let Some(dim) = KEY_DIMS.iter().position(|&d| d == shape.key_dim) else {
+            bail!(
+                "gated delta rule: no kernel for key heads of {}",
+                shape.key_dim
+            );
+        };
+        let grid = (
+            ((shape.value_dim + COLUMNS - 1) / COLUMNS) as u32,
+            (shape.batch * shape.value_heads) as u32,
+        );
+        self.module.launch(
+            self.recurrent[which][dim],
+            grid,
+            THREADS,
+            &mut [arg(&mut params)],
+        )?;
+        Ok(out)
+    }
+
+    /// The kernels' `GdnParams` for a call writing `out` (and the final state or the states of
+    /// every token), the storage type's index, and the tensors the pointers point into (dense
+    /// copies where the inputs were not: they must live until the launch is queued).
+    fn params(
+        &self,
+        shape: &GdnShape,
+        x: &GdnInputs<'_>,
+        l2norm: bool,
+        out: &Tensor,
+        final_state: Option<&Tensor>,
+        states: Option<&Tensor>,
+    ) -> Result<(GdnParams, usize, Vec<Tensor>)> {
+        let kind = x.v.kind();
+        let Some(which) = kind_index(kind) else {
+            bail!("gated delta rule: no kernel for {kind:?}");
+        };
         let (q, q_stride) = strided(x.q);
         let (k, k_stride) = strided(x.k);
         let (v, v_stride) = strided(x.v);
         let (g, beta) = (x.g.contiguous(), x.beta.contiguous());
         let initial = x.initial_state.map(Tensor::contiguous);
         let null = std::ptr::null_mut();
-        let mut params = GdnParams {
+        let params = GdnParams {
             q: q.data_ptr().cast_const(),
             k: k.data_ptr().cast_const(),
             v: v.data_ptr().cast_const(),
@@ -387,32 +577,9 @@ impl GdnKernels {
             beta_is_f32: (beta.kind() == Kind::Float) as i64,
             l2norm: l2norm as i64,
         };
-        let (Some(which), Some(dim)) = (
-            kind_index(kind),
-            KEY_DIMS.iter().position(|&d| d == shape.key_dim),
-        ) else {
-            bail!(
-                "gated delta rule: no kernel for {kind:?} and key heads of {}",
-                shape.key_dim
-            );
-        };
-        let grid = (
-            ((shape.value_dim + COLUMNS - 1) / COLUMNS) as u32,
-            (shape.batch * shape.value_heads) as u32,
-        );
-        self.run(self.recurrent[which][dim], grid, &mut [arg(&mut params)])?;
-        Ok(out)
-    }
-
-    /// One launch of `function` on libtorch's current stream of the device; `params` points at
-    /// the kernel's one argument, a `GdnParams` laid out as the kernel's struct.
-    fn run(
-        &self,
-        function: cu::CUfunction,
-        grid: (u32, u32),
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
-        self.module.launch(function, grid, THREADS, params)
+        let mut kept = vec![q, k, v, g, beta];
+        kept.extend(initial);
+        Ok((params, which, kept))
     }
 }
 

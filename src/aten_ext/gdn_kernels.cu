@@ -247,3 +247,418 @@ static __device__ void gdn_recurrent(const GdnParams &p) {
 DFLASH_GDN_KERNELS(bf16, Bf16)
 DFLASH_GDN_KERNELS(f16, F16)
 DFLASH_GDN_KERNELS(f32, F32)
+
+// ---- The chunked form (long prefills) ----
+//
+// The recurrent kernel above is a chain of T dependent steps. For a long prefill the rule is
+// computed per chunk of C = 64 tokens instead (the WY form of Yang et al., as FLA's
+// chunk_gated_delta_rule computes it), in two kernels:
+//
+// gdn_chunk_prep (one block per chunk and value head, all chunks at once): with the chunk's
+// cumulative log decays gamma_i (g clamped at -110, where exp already underflows, so that a
+// decay of zero stays finite), A_ij = beta_i exp(gamma_i - gamma_j) k_i.k_j (j < i) and
+// forward substitution through (I + A), it writes
+//   U' = (I + A)^-1 diag(beta) V,   W = (I + A)^-1 diag(beta exp(gamma)) K,
+//   P_ij = exp(gamma_i - gamma_j) q_i.k_j (j <= i, else 0),   gamma.
+// Then, for the state S0 at the chunk's start, the chunk's values u = U' - W S0, its outputs
+// O = diag(exp(gamma)) Q S0 + P u, and the next state exp(gamma_C) S0 + sum_j
+// exp(gamma_C - gamma_j) k_j u_j^T.
+//
+// gdn_chunk_scan (one block per 32 value columns of a head, walking its chunks): the state's
+// columns are independent, so a block keeps [K, 32] of it in shared memory and per chunk
+// computes [W; exp(gamma) Q] S0 as one product, then the outputs and the next state. Both
+// kernels work in float32 with register tiles of 4 x 4 (2 x 4) products over operands staged
+// in shared memory (dynamic: more than the static 48 KB; the Rust side sizes it with the same
+// formulas, gdn.rs). Key heads of 128 only (Qwen3.5, Qwen3.6, Qwen3-Next); other sizes and
+// short calls take the recurrent kernel.
+//
+// Tokens past the end (the last chunk's padding) read as g = 0, beta = 0, q = k = v = 0: their
+// rows of U' and W are zero, so they change neither the state nor any output.
+
+#define GDN_CHUNK 64                 // tokens per chunk
+#define GDN_CHUNK_THREADS 256
+#define GDN_SCAN_COLUMNS 32          // value columns per scan block
+#define GDN_CHUNK_K 128              // the key head size of the chunked kernels
+#define GDN_MIN_LOG_DECAY (-110.0f)  // exp() of it is 0 in float32
+
+// float counts of the two kernels' dynamic shared memory (gdn.rs computes the same)
+#define GDN_ROW (GDN_CHUNK_K + 4)                           // a staged key row, padded
+#define GDN_AROW (GDN_CHUNK + 4)                            // a row of A / P^T, padded
+#define GDN_PREP_FLOATS (2 * GDN_CHUNK * GDN_ROW + GDN_CHUNK * GDN_AROW + 2 * GDN_CHUNK)
+#define GDN_XROW (2 * GDN_CHUNK + 4)                        // a row of [W; Q]^T, padded
+#define GDN_SROW (GDN_SCAN_COLUMNS + 4)                     // a row of the state tile, padded
+#define GDN_SCAN_STAGE_FLOATS (GDN_CHUNK_K * GDN_XROW)      // >= C * GDN_ROW + C * GDN_AROW
+#define GDN_SCAN_FLOATS \
+    (GDN_SCAN_STAGE_FLOATS + GDN_CHUNK_K * GDN_SROW + 2 * GDN_CHUNK * GDN_SROW + GDN_CHUNK)
+
+#ifndef GDN_DYNAMIC_SHARED
+#define GDN_DYNAMIC_SHARED(name) extern __shared__ float4 name[]
+#endif
+
+// The recurrent kernel's arguments, and the chunked form's work buffers (float32, dense).
+struct GdnChunkParams {
+    GdnParams rule;           // q .. l2norm; initial, out, final_state used; states unused
+    float *u;                 // [B, Hv, N, C, V]: U'
+    float *w;                 // [B, Hv, N, K, C]: W, transposed
+    float *p;                 // [B, Hv, N, C, C]: P, transposed (row j holds P_ij over i)
+    float *gamma;             // [B, Hv, N, C]
+    long long chunks;         // N
+};
+
+// Row t of q or k (head `head` of batch row b) into `dst` (K floats, `stride` apart), as the
+// rule reads it: l2-normalised where asked, times `scale`; zeros past the end. One warp.
+template <class P>
+static __device__ __forceinline__ void stage_key_row(const GdnParams &p, const void *base,
+                                                     const long long *stride, long long b,
+                                                     long long t, long long head, float scale,
+                                                     float *dst, int dst_stride, int lane) {
+    typedef typename P::T T;
+    const int CHUNKS = GDN_CHUNK_K / 32;
+    float x[CHUNKS];
+    float ss = 0.0f;
+    const bool valid = t < p.steps;
+    const T *row = (const T *)base + b * stride[0] + t * stride[1] + head * stride[2];
+#pragma unroll
+    for (int m = 0; m < CHUNKS; ++m) {
+        x[m] = valid ? P::load(row[lane + 32 * m]) : 0.0f;
+        ss += x[m] * x[m];
+    }
+    const float norm = p.l2norm ? rsqrtf(warp_sum(ss) + 1e-6f) : 1.0f;
+#pragma unroll
+    for (int m = 0; m < CHUNKS; ++m) {
+        dst[(lane + 32 * m) * dst_stride] = x[m] * norm * scale;
+    }
+}
+
+// One block per (chunk, batch row x value head): U', W, P and gamma of the chunk.
+template <class P>
+static __device__ void gdn_chunk_prep(const GdnChunkParams &cp) {
+    const int C = GDN_CHUNK, K = GDN_CHUNK_K;
+    const GdnParams &p = cp.rule;
+    GDN_DYNAMIC_SHARED(shared);
+    float *ks = (float *)shared;             // [C][GDN_ROW]: unit keys
+    float *qs = ks + C * GDN_ROW;            // [C][GDN_ROW]: unit queries / sqrt(K)
+    float *as = qs + C * GDN_ROW;            // [C][GDN_AROW]: A (zero on and above the diagonal)
+    float *gam = as + C * GDN_AROW;          // [C]
+    float *bet = gam + C;                    // [C]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const long long hv = p.value_heads, vd = p.value_dim, n = blockIdx.x;
+    const long long h = blockIdx.y % hv, b = blockIdx.y / hv;
+    const long long hk = h / (hv / p.key_heads);
+    const long long t0 = n * C;
+    const long long chunk = (b * hv + h) * cp.chunks + n;   // this chunk's index in the buffers
+
+    if (tid < C) {
+        const long long t = t0 + tid;
+        const long long idx = (b * p.steps + t) * hv + h;
+        const bool valid = t < p.steps;
+        const float g = valid ? load_scalar<P>(p.g, p.g_is_f32, idx) : 0.0f;
+        gam[tid] = fmaxf(g, GDN_MIN_LOG_DECAY);
+        bet[tid] = valid ? load_scalar<P>(p.beta, p.beta_is_f32, idx) : 0.0f;
+    }
+    for (int r = warp; r < C; r += GDN_CHUNK_THREADS / 32) {
+        stage_key_row<P>(p, p.k, p.k_stride, b, t0 + r, hk, 1.0f, ks + r * GDN_ROW, 1, lane);
+        stage_key_row<P>(p, p.q, p.q_stride, b, t0 + r, hk, rsqrtf((float)K), qs + r * GDN_ROW,
+                         1, lane);
+    }
+    __syncthreads();
+    if (tid == 0) {   // the cumulative sums (64 adds)
+        float sum = 0.0f;
+        for (int i = 0; i < C; ++i) {
+            sum += gam[i];
+            gam[i] = sum;
+        }
+    }
+    __syncthreads();
+    if (tid < C) {
+        cp.gamma[chunk * C + tid] = gam[tid];
+    }
+
+    // k_i.k_j and q_i.k_j: thread (ti, tj) takes rows i = ti + 16 a and j = tj + 16 b (rows
+    // 16 apart: the lanes of a quarter warp read 8 consecutive padded rows, no bank conflicts)
+    {
+        const int ti = tid / 16, tj = tid % 16;
+        float kk[4][4], qk[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                kk[a][c] = 0.0f;
+                qk[a][c] = 0.0f;
+            }
+        }
+        for (int d = 0; d < K; d += 4) {
+            float4 ki[4], qi[4], kj[4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                ki[a] = *(const float4 *)(ks + (ti + 16 * a) * GDN_ROW + d);
+                qi[a] = *(const float4 *)(qs + (ti + 16 * a) * GDN_ROW + d);
+                kj[a] = *(const float4 *)(ks + (tj + 16 * a) * GDN_ROW + d);
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    kk[a][c] += ki[a].x * kj[c].x + ki[a].y * kj[c].y + ki[a].z * kj[c].z +
+                                ki[a].w * kj[c].w;
+                    qk[a][c] += qi[a].x * kj[c].x + qi[a].y * kj[c].y + qi[a].z * kj[c].z +
+                                qi[a].w * kj[c].w;
+                }
+            }
+        }
+        float *pt = cp.p + chunk * C * C;
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int i = ti + 16 * a, j = tj + 16 * c;
+                const float decay = j <= i ? expf(gam[i] - gam[j]) : 0.0f;
+                as[i * GDN_AROW + j] = j < i ? bet[i] * decay * kk[a][c] : 0.0f;
+                pt[j * C + i] = decay * qk[a][c];
+            }
+        }
+    }
+    __syncthreads();
+
+    // forward substitution, one right-hand column per thread: x_i = r_i - sum_{j<i} A_ij x_j
+    // over the columns of beta V (U') and of beta exp(gamma) K (W)
+    const long long vstride_t = p.v_stride[1];
+    const typename P::T *vbase = (const typename P::T *)p.v + b * p.v_stride[0] + h * p.v_stride[2];
+    for (long long col = tid; col < vd + K; col += GDN_CHUNK_THREADS) {
+        const bool is_u = col < vd;
+        float x[C];
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+            float r;
+            if (is_u) {
+                r = t0 + i < p.steps ? bet[i] * P::load(vbase[(t0 + i) * vstride_t + col]) : 0.0f;
+            } else {
+                r = bet[i] * expf(gam[i]) * ks[i * GDN_ROW + (col - vd)];
+            }
+            const float *arow = as + i * GDN_AROW;
+#pragma unroll
+            for (int j = 0; j < (i & ~3); j += 4) {
+                const float4 a4 = *(const float4 *)(arow + j);
+                r -= a4.x * x[j] + a4.y * x[j + 1] + a4.z * x[j + 2] + a4.w * x[j + 3];
+            }
+#pragma unroll
+            for (int j = i & ~3; j < i; ++j) {
+                r -= arow[j] * x[j];
+            }
+            x[i] = r;
+        }
+        if (is_u) {
+            float *u = cp.u + chunk * C * vd + col;
+#pragma unroll
+            for (int i = 0; i < C; ++i) {
+                u[i * vd] = x[i];
+            }
+        } else {
+            float *w = cp.w + (chunk * K + (col - vd)) * C;
+#pragma unroll
+            for (int i = 0; i < C; ++i) {
+                w[i] = x[i];
+            }
+        }
+    }
+}
+
+// One block per 32 value columns of (batch row, value head), through its chunks in order.
+template <class P>
+static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
+    typedef typename P::T T;
+    const int C = GDN_CHUNK, K = GDN_CHUNK_K, VS = GDN_SCAN_COLUMNS;
+    const GdnParams &p = cp.rule;
+    GDN_DYNAMIC_SHARED(shared);
+    float *xt = (float *)shared;                    // [K][GDN_XROW]: [W; exp(gamma) Q]^T
+    float *kt = xt;                                 // then [C][GDN_ROW]: decayed keys
+    float *pt = xt + C * GDN_ROW;                   //  and [C][GDN_AROW]: P^T
+    float *ss = xt + GDN_SCAN_STAGE_FLOATS;         // [K][GDN_SROW]: the state's columns
+    float *us = ss + K * GDN_SROW;                  // [C][GDN_SROW]: U' then u
+    float *os = us + C * GDN_SROW;                  // [C][GDN_SROW]: exp(gamma) Q S0
+    float *gam = os + C * GDN_SROW;                 // [C]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int rt = tid / 8, ct = tid % 8;           // a thread's row tile and column tile
+    const long long hv = p.value_heads, vd = p.value_dim;
+    const long long h = blockIdx.y % hv, b = blockIdx.y / hv;
+    const long long hk = h / (hv / p.key_heads);
+    const long long j0 = (long long)blockIdx.x * VS;
+    const long long head = b * hv + h;
+    const float scale = rsqrtf((float)K);
+
+    // the state: thread (rt, ct) owns rows 4 rt .. 4 rt + 3, columns 4 ct .. 4 ct + 3
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const long long k = 4 * rt + a, j = j0 + 4 * ct + c;
+            ss[k * GDN_SROW + 4 * ct + c] =
+                (p.initial != nullptr && j < vd) ? p.initial[(head * K + k) * vd + j] : 0.0f;
+        }
+    }
+    for (long long n = 0; n < cp.chunks; ++n) {
+        const long long chunk = head * cp.chunks + n, t0 = n * C;
+        __syncthreads();   // the previous chunk's readers are done
+        if (tid < C) {
+            gam[tid] = cp.gamma[chunk * C + tid];
+        }
+        const float *w = cp.w + chunk * K * C;
+        for (int e = tid; e < K * C; e += GDN_CHUNK_THREADS) {
+            xt[(e / C) * GDN_XROW + e % C] = w[e];
+        }
+        const float *u = cp.u + chunk * C * vd;
+        for (int e = tid; e < C * VS; e += GDN_CHUNK_THREADS) {
+            const int i = e / VS, c = e % VS;
+            us[i * GDN_SROW + c] = j0 + c < vd ? u[i * vd + j0 + c] : 0.0f;
+        }
+        __syncthreads();   // gamma
+        for (int r = warp; r < C; r += GDN_CHUNK_THREADS / 32) {
+            stage_key_row<P>(p, p.q, p.q_stride, b, t0 + r, hk, scale * expf(gam[r]),
+                             xt + C + r, GDN_XROW, lane);
+        }
+        __syncthreads();
+
+        // [W; exp(gamma) Q] S0: rows 4 rt .. (of 2C), columns 4 ct ..
+        {
+            float acc[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    acc[a][c] = 0.0f;
+                }
+            }
+            for (int k = 0; k < K; ++k) {
+                const float4 x4 = *(const float4 *)(xt + k * GDN_XROW + 4 * rt);
+                const float4 s4 = *(const float4 *)(ss + k * GDN_SROW + 4 * ct);
+                const float xv[4] = {x4.x, x4.y, x4.z, x4.w}, sv[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        acc[a][c] = fmaf(xv[a], sv[c], acc[a][c]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const int row = 4 * rt + a;
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    if (row < C) {
+                        us[row * GDN_SROW + 4 * ct + c] -= acc[a][c];   // u = U' - W S0
+                    } else {
+                        os[(row - C) * GDN_SROW + 4 * ct + c] = acc[a][c];
+                    }
+                }
+            }
+        }
+        __syncthreads();   // xt is read: stage the decayed keys and P^T in its place
+        for (int r = warp; r < C; r += GDN_CHUNK_THREADS / 32) {
+            stage_key_row<P>(p, p.k, p.k_stride, b, t0 + r, hk, expf(gam[C - 1] - gam[r]),
+                             kt + r * GDN_ROW, 1, lane);
+        }
+        const float *pg = cp.p + chunk * C * C;
+        for (int e = tid; e < C * C; e += GDN_CHUNK_THREADS) {
+            pt[(e / C) * GDN_AROW + e % C] = pg[e];
+        }
+        __syncthreads();
+
+        // outputs: rows 2 rt, 2 rt + 1 of the chunk, columns 4 ct ..
+        {
+            float o[2][4];
+#pragma unroll
+            for (int a = 0; a < 2; ++a) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    o[a][c] = os[(2 * rt + a) * GDN_SROW + 4 * ct + c];
+                }
+            }
+            for (int j = 0; j < C; ++j) {
+                const float2 p2 = *(const float2 *)(pt + j * GDN_AROW + 2 * rt);
+                const float4 u4 = *(const float4 *)(us + j * GDN_SROW + 4 * ct);
+                const float pv[2] = {p2.x, p2.y}, uv[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+                for (int a = 0; a < 2; ++a) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        o[a][c] = fmaf(pv[a], uv[c], o[a][c]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < 2; ++a) {
+                const long long t = t0 + 2 * rt + a;
+                if (t < p.steps) {
+                    T *out = (T *)p.out + ((b * p.steps + t) * hv + h) * vd + j0 + 4 * ct;
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        if (j0 + 4 * ct + c < vd) {
+                            out[c] = P::store(o[a][c]);
+                        }
+                    }
+                }
+            }
+        }
+        // the next state: exp(gamma_C) S0 + sum_j (decayed k_j) u_j^T, rows 4 rt .., cols 4 ct ..
+        {
+            const float decay = expf(gam[C - 1]);
+            float s[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    s[a][c] = ss[(4 * rt + a) * GDN_SROW + 4 * ct + c] * decay;
+                }
+            }
+            for (int j = 0; j < C; ++j) {
+                const float4 k4 = *(const float4 *)(kt + j * GDN_ROW + 4 * rt);
+                const float4 u4 = *(const float4 *)(us + j * GDN_SROW + 4 * ct);
+                const float kv[4] = {k4.x, k4.y, k4.z, k4.w}, uv[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        s[a][c] = fmaf(kv[a], uv[c], s[a][c]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    ss[(4 * rt + a) * GDN_SROW + 4 * ct + c] = s[a][c];
+                }
+            }
+        }
+    }
+    if (p.final_state != nullptr) {
+        // each thread wrote its own tile of ss: no barrier needed before reading it back
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const long long k = 4 * rt + a, j = j0 + 4 * ct + c;
+                if (j < vd) {
+                    p.final_state[(head * K + k) * vd + j] = ss[k * GDN_SROW + 4 * ct + c];
+                }
+            }
+        }
+    }
+}
+
+#define DFLASH_GDN_CHUNK_KERNELS(SUFFIX, P)                                               \
+    extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)                       \
+        gdn_chunk_prep_##SUFFIX(const GdnChunkParams p) {                                 \
+        gdn_chunk_prep<P>(p);                                                             \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)                       \
+        gdn_chunk_scan_##SUFFIX(const GdnChunkParams p) {                                 \
+        gdn_chunk_scan<P>(p);                                                             \
+    }
+
+DFLASH_GDN_CHUNK_KERNELS(bf16, Bf16)
+DFLASH_GDN_CHUNK_KERNELS(f16, F16)
+DFLASH_GDN_CHUNK_KERNELS(f32, F32)

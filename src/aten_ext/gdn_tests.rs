@@ -19,9 +19,12 @@ fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
     let text = ptx.to_str().unwrap();
     let size = std::mem::size_of::<GdnParams>();
     assert_eq!(size, 200);
+    let chunk_size = std::mem::size_of::<GdnChunkParams>();
+    assert_eq!(chunk_size, 240);
     for kind in ["bf16", "f16", "f32"] {
-        for dim in KEY_DIMS {
-            let name = kernel_name(kind, dim);
+        let recurrent = KEY_DIMS.map(|dim| (kernel_name(kind, dim), size));
+        let chunked = ["prep", "scan"].map(|part| (format!("gdn_chunk_{part}_{kind}"), chunk_size));
+        for (name, size) in recurrent.into_iter().chain(chunked) {
             let entry = format!(".entry {name}(");
             let at = text
                 .find(&entry)
@@ -34,6 +37,18 @@ fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
                 "{name} takes more than one parameter"
             );
         }
+    }
+}
+
+/// The chunked kernels' dynamic shared memory fits an H100 / H200 block (227 KB) twice over
+/// less a little, so that two blocks share a multiprocessor.
+#[test]
+fn the_chunked_kernels_fit_two_blocks_per_multiprocessor() {
+    for bytes in [PREP_SHARED_BYTES, SCAN_SHARED_BYTES] {
+        assert!(
+            bytes > 48 * 1024 && 2 * bytes <= 227 * 1024,
+            "{bytes} bytes"
+        );
     }
 }
 
@@ -77,7 +92,7 @@ fn the_kernel_source_run_on_the_cpu_matches_the_rule() {
     );
     assert_eq!(
         report.lines().filter(|l| l.starts_with("ok ")).count(),
-        6,
+        9,
         "{report}"
     );
 }
@@ -421,6 +436,68 @@ fn gpu_half_types_match_the_reference() {
         assert_close(&out, &want_out, 1e-2, &format!("{kind:?} output"));
         assert_close(&state, &want_state, 1e-4, &format!("{kind:?} final state"));
     }
+}
+
+/// The chunked form (long calls with key heads of 128): float32 within 1e-4 of the reference
+/// (whole and partial chunks, grouped heads, partial column blocks, with and without the
+/// normalisation and an initial state); bf16 output within its rounding of the reference and of
+/// the recurrent kernel, its final state within 1e-4.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_chunked_form_matches_the_reference() {
+    let (kernels, device, _turn) = gpu();
+    let cases = [
+        (1, 64, 1, 2, 32, true, true),
+        (2, 130, 1, 2, 40, true, true),
+        (1, 300, 2, 6, 128, false, false),
+        (1, 1000, 2, 4, 96, true, true),
+    ];
+    for (seed, (batch, steps, key_heads, value_heads, value_dim, initial, l2norm)) in
+        cases.into_iter().enumerate()
+    {
+        let case = Case {
+            batch,
+            steps,
+            key_heads,
+            value_heads,
+            key_dim: CHUNKED_KEY_DIM,
+            value_dim,
+            initial,
+            l2norm,
+        };
+        let x = case.make(20 + seed as i64, device, Kind::Float);
+        assert!(GdnKernels::takes_chunked(
+            &GdnShape::of(&x.inputs()).unwrap()
+        ));
+        let (out, state) = kernels.forward_chunked(&x.inputs(), l2norm).unwrap();
+        let (want_out, want_state) = x.reference(l2norm);
+        let what = format!("B {batch} T {steps} Hk {key_heads} Hv {value_heads} V {value_dim} initial {initial} l2norm {l2norm}");
+        assert_close(&out, &want_out, 1e-4, &format!("output, {what}"));
+        assert_close(&state, &want_state, 1e-4, &format!("final state, {what}"));
+    }
+    let case = Case {
+        batch: 2,
+        steps: 200,
+        key_heads: 2,
+        value_heads: 4,
+        key_dim: CHUNKED_KEY_DIM,
+        value_dim: 128,
+        initial: true,
+        l2norm: true,
+    };
+    let x = case.make(30, device, Kind::BFloat16);
+    let (out, state) = kernels.forward_chunked(&x.inputs(), true).unwrap();
+    let (want_out, want_state) = x.reference(true);
+    let (recurrent_out, _) = kernels.forward_recurrent(&x.inputs(), true).unwrap();
+    assert_eq!(out.kind(), Kind::BFloat16);
+    assert_close(&out, &want_out, 1e-2, "bf16 output");
+    assert_close(
+        &out,
+        &recurrent_out,
+        1e-2,
+        "bf16 output against the recurrent kernel",
+    );
+    assert_close(&state, &want_state, 1e-4, "bf16 final state");
 }
 
 /// The state after every token of a verification step: the reference's, the last one the final

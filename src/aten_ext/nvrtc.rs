@@ -313,6 +313,19 @@ impl KernelModule {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        self.launch_with_shared(function, grid, block, 0, params)
+    }
+
+    /// [`KernelModule::launch`] with `shared_bytes` of dynamic shared memory (more than 48 KB
+    /// needs [`allow_dynamic_shared`] on the function first).
+    pub(super) fn launch_with_shared(
+        &self,
+        function: cu::CUfunction,
+        grid: (u32, u32),
+        block: u32,
+        shared_bytes: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         let stream = self.graphs.current_stream(self.device)? as cu::CUstream;
         // SAFETY: a function of a module loaded in `self.context`; `params` as documented.
         unsafe {
@@ -330,7 +343,7 @@ impl KernelModule {
                 block,
                 1,
                 1,
-                0,
+                shared_bytes,
                 stream,
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
@@ -342,6 +355,21 @@ impl KernelModule {
             driver("cuLaunchKernel", launched)
         }
     }
+}
+
+/// Lets `function` take up to `bytes` of dynamic shared memory (the default cap is 48 KB).
+///
+/// # Safety
+/// `function` is a function of a module loaded in the current context.
+pub(super) unsafe fn allow_dynamic_shared(function: cu::CUfunction, bytes: usize) -> Result<()> {
+    driver(
+        "cuFuncSetAttribute",
+        cu::cuFuncSetAttribute(
+            function,
+            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as c_int,
+        ),
+    )
 }
 
 /// The function `name` of a loaded module.

@@ -1,7 +1,7 @@
 //! `dflash-tui bench-forward`: the target's forward alone, as the trainer's target stage runs it
 //! (no autograd, every layer's hidden state returned), on one batch of random token ids: the
 //! best of N timed calls, tokens/s, the forward's model FLOPs ([`super::flops`]) and the rate
-//! reached, and on a GPU the memory NVML reports in use after the calls (the caching allocator
+//! reached, optionally a profiler trace of one more call, and on a GPU the memory NVML reports in use after the calls (the caching allocator
 //! keeps what the forward took, so this is its peak plus the CUDA context). One JSON object.
 
 use std::path::PathBuf;
@@ -12,6 +12,7 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use super::flops::target_layers_cost;
+use crate::aten_ext::ProfilerTrace;
 use crate::config::Dtype;
 use crate::model::{describe_target, ForwardRequest, TargetModel};
 use crate::pipeline::trainer::sync_device;
@@ -44,6 +45,10 @@ pub struct ForwardBenchArgs {
     /// Seed of the random weights and token ids.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// After the timed calls, record one more forward with libtorch's profiler and write the
+    /// trace here (Chrome trace JSON; `tools/trace_summary.py` totals it by kernel).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
 }
 
 /// The benchmark's result.
@@ -96,6 +101,9 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &ForwardBenchArgs) -> Result<For
     if args.iters == 0 || args.tokens < 1 || args.batch < 1 {
         bail!("--iters, --tokens and --batch must each be at least 1");
     }
+    if let Some(trace) = &args.trace {
+        ProfilerTrace::check_path(trace)?;
+    }
     let device = runtime.resolve(args.device)?;
     let kind = args.dtype.kind(device);
     let model = if args.random_weights {
@@ -132,6 +140,11 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &ForwardBenchArgs) -> Result<For
         let (s, states) = forward()?;
         seconds.push(s);
         hidden_states = states;
+    }
+    if let Some(path) = &args.trace {
+        let trace = ProfilerTrace::start(device.is_cuda())?;
+        forward()?;
+        trace.save(path)?;
     }
     let best_s = seconds.iter().copied().fold(f64::INFINITY, f64::min);
     let tokens = (args.batch * args.tokens) as f64;

@@ -2,7 +2,8 @@
 //! on a GPU, at the shape of one Gated DeltaNet layer (by default Qwen3.5-27B's: 48 value heads,
 //! q / k repeated to 48 heads, head size 128, 3072 tokens, bf16): a prefill, a single decoding
 //! step and a 16-token verification writing every state, each as one JSON line with the mean
-//! milliseconds per call; with `--reference` also the libtorch loop over the tokens once, and
+//! milliseconds per call (the prefill as `forward` takes it, the chunked form from 64 tokens,
+//! and through the recurrent kernel); with `--reference` also the libtorch loop over the tokens once, and
 //! how far the kernel's prefill is from it.
 
 use std::time::Instant;
@@ -11,7 +12,7 @@ use anyhow::{bail, Result};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
-use crate::aten_ext::gdn::{reference, GdnInputs, GdnKernels};
+use crate::aten_ext::gdn::{reference, GdnInputs, GdnKernels, GdnShape};
 use crate::runtime::TorchRuntime;
 
 /// The storage type of q, k, v and the output.
@@ -141,7 +142,21 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
     let ms = time_ms(index, args.iters, || {
         forward(&kernels, &prefill, false).map(drop)
     })?;
-    println!("{}", line("prefill", args.tokens, ms));
+    let mut record = line("prefill", args.tokens, ms);
+    record["form"] = json!(
+        if GdnKernels::takes_chunked(&GdnShape::of(&prefill.rule(false))?) {
+            "chunked"
+        } else {
+            "recurrent"
+        }
+    );
+    println!("{record}");
+    let ms = time_ms(index, args.iters, || {
+        kernels
+            .forward_recurrent(&prefill.rule(false), true)
+            .map(drop)
+    })?;
+    println!("{}", line("prefill_recurrent", args.tokens, ms));
     let step = inputs(args, 1, device);
     let ms = time_ms(index, args.iters, || {
         forward(&kernels, &step, true).map(drop)
@@ -163,6 +178,7 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
         tch::Cuda::synchronize(index as i64);
         let ms = start.elapsed().as_secs_f64() * 1e3;
         let (out, state) = forward(&kernels, p, false)?;
+        let (recurrent_out, recurrent_state) = kernels.forward_recurrent(&p.rule(false), true)?;
         let diff = |a: &Tensor, b: &Tensor| -> f64 {
             (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
                 .abs()
@@ -172,6 +188,8 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
         let mut record = line("prefill_reference_loop", args.tokens, ms);
         record["max_abs_diff_out"] = json!(diff(&out, &want_out));
         record["max_abs_diff_state"] = json!(diff(&state, &want_state));
+        record["recurrent_max_abs_diff_out"] = json!(diff(&recurrent_out, &want_out));
+        record["recurrent_max_abs_diff_state"] = json!(diff(&recurrent_state, &want_state));
         record["max_abs_state"] = json!(want_state.abs().max().double_value(&[]));
         println!("{record}");
     }

@@ -337,7 +337,8 @@ impl GatedDeltaNet {
 #[derive(Debug)]
 pub(crate) enum Mixer {
     Attention(GatedAttention),
-    DeltaNet(GatedDeltaNet),
+    // boxed: the kernels it carries make it several times the size of an attention mixer
+    DeltaNet(Box<GatedDeltaNet>),
 }
 
 /// One hybrid decoder layer: zero-centred pre-norms, the mixer, the MLP (a SwiGLU, or
@@ -388,7 +389,7 @@ impl HybridLayer {
         };
         let mixer = match hybrid.layers.get(l) {
             Some(super::hybrid_config::LayerKind::LinearAttention) => {
-                Mixer::DeltaNet(load_delta_net(config, &p, weights, device, kind)?)
+                Mixer::DeltaNet(Box::new(load_delta_net(config, &p, weights, device, kind)?))
             }
             _ => {
                 let (heads, kvh, d) = (

@@ -3,6 +3,7 @@
 // of its warp's, __shared__ variables are statics (one block runs at a time). For testing a
 // kernel's indexing, tiling and reductions where there is no GPU; not for speed. A thread that
 // skips a barrier its block meets hangs the run (the caller's time limit reports it).
+// Dynamic shared memory is emu::dynamic_shared, which the caller sizes before a launch.
 // Inline assembly is dropped: kernels that need it (f16 conversions) compute garbage here.
 #pragma once
 
@@ -28,6 +29,9 @@ struct uint3 {
 struct alignas(16) float4 {
     float x, y, z, w;
 };
+struct alignas(8) float2 {
+    float x, y;
+};
 
 namespace emu {
 inline uint3 block_idx, block_dim, grid_dim;
@@ -35,6 +39,7 @@ inline thread_local uint3 thread_idx;
 inline std::unique_ptr<std::barrier<>> block_barrier;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<float> warp_values;   // one slot per thread
+inline std::vector<float4> dynamic_shared;   // a launch's dynamic shared memory (sized by its caller)
 
 // Runs `kernel` over the grid, blocks in turn, each with its own threads.
 template <class F>
