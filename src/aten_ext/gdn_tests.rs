@@ -389,8 +389,22 @@ fn gpu_kernel_matches_the_reference_in_f32() {
         (3, 1, 2, 6, 128, 128, true, true),
         (1, 300, 2, 4, 128, 128, true, true),
     ];
-    for (seed, (batch, steps, key_heads, value_heads, key_dim, value_dim, initial, l2norm)) in
-        cases.into_iter().enumerate()
+    assert_f32_cases(&cases, 0, device, |x, l2norm| run(&kernels, x, l2norm));
+}
+
+/// (batch, steps, key heads, value heads, key head size, value head size, initial state, l2norm)
+type CaseRow = (i64, i64, i64, i64, i64, i64, bool, bool);
+
+/// Each case in float32 (seeded `first_seed`, the next, ...) through `forward`: output and
+/// final state within 1e-4 of the reference.
+fn assert_f32_cases(
+    cases: &[CaseRow],
+    first_seed: i64,
+    device: Device,
+    forward: impl Fn(&Made, bool) -> (Tensor, Tensor),
+) {
+    for (seed, &(batch, steps, key_heads, value_heads, key_dim, value_dim, initial, l2norm)) in
+        (first_seed..).zip(cases)
     {
         let case = Case {
             batch,
@@ -402,8 +416,8 @@ fn gpu_kernel_matches_the_reference_in_f32() {
             initial,
             l2norm,
         };
-        let x = case.make(seed as i64, device, Kind::Float);
-        let (out, state) = run(&kernels, &x, l2norm);
+        let x = case.make(seed, device, Kind::Float);
+        let (out, state) = forward(&x, l2norm);
         let (want_out, want_state) = x.reference(l2norm);
         let what = format!("B {batch} T {steps} Hk {key_heads} Hv {value_heads} K {key_dim} V {value_dim} initial {initial} l2norm {l2norm}");
         assert_close(&out, &want_out, 1e-4, &format!("output, {what}"));
@@ -446,35 +460,19 @@ fn gpu_half_types_match_the_reference() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_chunked_form_matches_the_reference() {
     let (kernels, device, _turn) = gpu();
+    let k = CHUNKED_KEY_DIM;
     let cases = [
-        (1, 64, 1, 2, 32, true, true),
-        (2, 130, 1, 2, 40, true, true),
-        (1, 300, 2, 6, 128, false, false),
-        (1, 1000, 2, 4, 96, true, true),
+        (1, 64, 1, 2, k, 32, true, true),
+        (2, 130, 1, 2, k, 40, true, true),
+        (1, 300, 2, 6, k, 128, false, false),
+        (1, 1000, 2, 4, k, 96, true, true),
     ];
-    for (seed, (batch, steps, key_heads, value_heads, value_dim, initial, l2norm)) in
-        cases.into_iter().enumerate()
-    {
-        let case = Case {
-            batch,
-            steps,
-            key_heads,
-            value_heads,
-            key_dim: CHUNKED_KEY_DIM,
-            value_dim,
-            initial,
-            l2norm,
-        };
-        let x = case.make(20 + seed as i64, device, Kind::Float);
+    assert_f32_cases(&cases, 20, device, |x, l2norm| {
         assert!(GdnKernels::takes_chunked(
             &GdnShape::of(&x.inputs()).unwrap()
         ));
-        let (out, state) = kernels.forward_chunked(&x.inputs(), l2norm).unwrap();
-        let (want_out, want_state) = x.reference(l2norm);
-        let what = format!("B {batch} T {steps} Hk {key_heads} Hv {value_heads} V {value_dim} initial {initial} l2norm {l2norm}");
-        assert_close(&out, &want_out, 1e-4, &format!("output, {what}"));
-        assert_close(&state, &want_state, 1e-4, &format!("final state, {what}"));
-    }
+        kernels.forward_chunked(&x.inputs(), l2norm).unwrap()
+    });
     let case = Case {
         batch: 2,
         steps: 200,
