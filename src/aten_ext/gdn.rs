@@ -47,21 +47,26 @@ const CHUNK_THREADS: u32 = 256;
 /// (one chunk), with key heads of [`CHUNKED_KEY_DIM`].
 pub const CHUNKED_FROM_STEPS: i64 = CHUNK;
 
-/// Dynamic shared memory of the two chunked kernels, bytes: the source's `GDN_PREP_FLOATS` and
-/// `GDN_SCAN_FLOATS` (two staged key tiles and A; [W; Q]^T, the state's columns, u and Q S).
+/// Dynamic shared memory of the two chunked kernels, bytes: the source's `GDN_PREP_FLOATS`
+/// (two staged key tiles, A, gamma, beta, exp(gamma)) and `GDN_SCAN_FLOATS` ([W; Q]^T, the
+/// keys, P^T, the state's columns, u, Q S0, gamma and the keys' decays).
 const PREP_SHARED_BYTES: usize = {
     let (c, row, arow) = (
         CHUNK as usize,
         CHUNKED_KEY_DIM as usize + 4,
         CHUNK as usize + 4,
     );
-    4 * (2 * c * row + c * arow + 2 * c)
+    4 * (2 * c * row + c * arow + 3 * c)
 };
 const SCAN_SHARED_BYTES: usize = {
     let (c, k) = (CHUNK as usize, CHUNKED_KEY_DIM as usize);
-    let (xrow, srow) = (2 * c + 4, SCAN_COLUMNS as usize + 4);
-    4 * (k * xrow + k * srow + 2 * c * srow + c)
+    let (row, arow, xrow, srow) = (k + 4, c + 4, 2 * c + 4, SCAN_COLUMNS as usize + 4);
+    4 * (k * xrow + c * row + c * arow + k * srow + 2 * c * srow + 2 * c)
 };
+// Both fit a multiprocessor of an H100 / H200 (227 KB), the prep kernel's twice (its blocks are
+// many and short).
+const _: () = assert!(PREP_SHARED_BYTES > 48 * 1024 && 2 * PREP_SHARED_BYTES <= 227 * 1024);
+const _: () = assert!(SCAN_SHARED_BYTES > 48 * 1024 && SCAN_SHARED_BYTES <= 227 * 1024);
 
 /// The tensors of one call of the rule: q, k [B, T, Hk, K], v [B, T, Hv, V], g (log decay,
 /// <= 0) and beta [B, T, Hv], and the state before the first token [B, Hv, K, V] float32

@@ -266,17 +266,20 @@ DFLASH_GDN_KERNELS(f32, F32)
 //
 // gdn_chunk_scan (one block per 32 value columns of a head, walking its chunks): the state's
 // columns are independent, so a block keeps [K, 32] of it in shared memory and per chunk
-// computes [W; exp(gamma) Q] S0 as one product, then the outputs and the next state. Both
-// kernels work in float32 with register tiles of 4 x 4 (2 x 4) products over operands staged
-// in shared memory (dynamic: more than the static 48 KB; the Rust side sizes it with the same
-// formulas, gdn.rs). Key heads of 128 only (Qwen3.5, Qwen3.6, Qwen3-Next); other sizes and
-// short calls take the recurrent kernel.
+// computes [W; Q] S0 as one product, then the outputs and the next state. Both kernels work in
+// float32 with register tiles of 4 x 4 (2 x 4) products over operands staged in shared memory
+// (dynamic: more than the static 48 KB; the Rust side sizes it with the same formulas,
+// gdn.rs). What a chunk reads from global memory is loaded into registers while the chunk
+// before it computes, so the walk waits for memory once, not once per chunk. Key heads of 128
+// only (Qwen3.5, Qwen3.6, Qwen3-Next); other sizes and short calls take the recurrent kernel.
 //
 // Tokens past the end (the last chunk's padding) read as g = 0, beta = 0, q = k = v = 0: their
 // rows of U' and W are zero, so they change neither the state nor any output.
 
 #define GDN_CHUNK 64                 // tokens per chunk
 #define GDN_CHUNK_THREADS 256
+#define GDN_CHUNK_WARPS (GDN_CHUNK_THREADS / 32)
+#define GDN_WARP_ROWS (GDN_CHUNK / GDN_CHUNK_WARPS)   // key rows a warp stages: 8
 #define GDN_SCAN_COLUMNS 32          // value columns per scan block
 #define GDN_CHUNK_K 128              // the key head size of the chunked kernels
 #define GDN_MIN_LOG_DECAY (-110.0f)  // exp() of it is 0 in float32
@@ -284,12 +287,12 @@ DFLASH_GDN_KERNELS(f32, F32)
 // float counts of the two kernels' dynamic shared memory (gdn.rs computes the same)
 #define GDN_ROW (GDN_CHUNK_K + 4)                           // a staged key row, padded
 #define GDN_AROW (GDN_CHUNK + 4)                            // a row of A / P^T, padded
-#define GDN_PREP_FLOATS (2 * GDN_CHUNK * GDN_ROW + GDN_CHUNK * GDN_AROW + 2 * GDN_CHUNK)
+#define GDN_PREP_FLOATS (2 * GDN_CHUNK * GDN_ROW + GDN_CHUNK * GDN_AROW + 3 * GDN_CHUNK)
 #define GDN_XROW (2 * GDN_CHUNK + 4)                        // a row of [W; Q]^T, padded
 #define GDN_SROW (GDN_SCAN_COLUMNS + 4)                     // a row of the state tile, padded
-#define GDN_SCAN_STAGE_FLOATS (GDN_CHUNK_K * GDN_XROW)      // >= C * GDN_ROW + C * GDN_AROW
-#define GDN_SCAN_FLOATS \
-    (GDN_SCAN_STAGE_FLOATS + GDN_CHUNK_K * GDN_SROW + 2 * GDN_CHUNK * GDN_SROW + GDN_CHUNK)
+#define GDN_SCAN_FLOATS                                                                     \
+    (GDN_CHUNK_K * GDN_XROW + GDN_CHUNK * GDN_ROW + GDN_CHUNK * GDN_AROW +                  \
+     GDN_CHUNK_K * GDN_SROW + 2 * GDN_CHUNK * GDN_SROW + 2 * GDN_CHUNK)
 
 #ifndef GDN_DYNAMIC_SHARED
 #define GDN_DYNAMIC_SHARED(name) extern __shared__ float4 name[]
@@ -305,29 +308,65 @@ struct GdnChunkParams {
     long long chunks;         // N
 };
 
-// Row t of q or k (head `head` of batch row b) into `dst` (K floats, `stride` apart), as the
-// rule reads it: l2-normalised where asked, times `scale`; zeros past the end. One warp.
+// A warp's rows of q or k in a chunk (rows warp, warp + 8, ...), 4 elements per lane and row.
+struct KeyRows {
+    float x[GDN_WARP_ROWS][GDN_CHUNK_K / 32];
+};
+
+// Loads the warp's rows of the chunk from t0 (head `head` of batch row b); zeros past the end.
+// Every load is issued before any is used.
 template <class P>
-static __device__ __forceinline__ void stage_key_row(const GdnParams &p, const void *base,
+static __device__ __forceinline__ void load_key_rows(const GdnParams &p, const void *base,
                                                      const long long *stride, long long b,
-                                                     long long t, long long head, float scale,
-                                                     float *dst, int dst_stride, int lane) {
+                                                     long long t0, long long head, int warp,
+                                                     int lane, KeyRows &rows) {
     typedef typename P::T T;
-    const int CHUNKS = GDN_CHUNK_K / 32;
-    float x[CHUNKS];
-    float ss = 0.0f;
-    const bool valid = t < p.steps;
-    const T *row = (const T *)base + b * stride[0] + t * stride[1] + head * stride[2];
 #pragma unroll
-    for (int m = 0; m < CHUNKS; ++m) {
-        x[m] = valid ? P::load(row[lane + 32 * m]) : 0.0f;
-        ss += x[m] * x[m];
-    }
-    const float norm = p.l2norm ? rsqrtf(warp_sum(ss) + 1e-6f) : 1.0f;
+    for (int m = 0; m < GDN_WARP_ROWS; ++m) {
+        const long long t = t0 + warp + GDN_CHUNK_WARPS * m;
+        const T *row = (const T *)base + b * stride[0] + t * stride[1] + head * stride[2];
 #pragma unroll
-    for (int m = 0; m < CHUNKS; ++m) {
-        dst[(lane + 32 * m) * dst_stride] = x[m] * norm * scale;
+        for (int x = 0; x < GDN_CHUNK_K / 32; ++x) {
+            rows.x[m][x] = t < p.steps ? P::load(row[lane + 32 * x]) : 0.0f;
+        }
     }
+}
+
+// Writes the rows as the rule reads them (l2-normalised where asked, times `scale`): element d
+// of row r at dst[r * row_stride + d * element_stride].
+static __device__ __forceinline__ void store_key_rows(const KeyRows &rows, long long l2norm,
+                                                      float scale, float *dst, int row_stride,
+                                                      int element_stride, int warp, int lane) {
+#pragma unroll
+    for (int m = 0; m < GDN_WARP_ROWS; ++m) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int x = 0; x < GDN_CHUNK_K / 32; ++x) {
+            ss += rows.x[m][x] * rows.x[m][x];
+        }
+        const float norm = (l2norm ? rsqrtf(warp_sum(ss) + 1e-6f) : 1.0f) * scale;
+        float *row = dst + (warp + GDN_CHUNK_WARPS * m) * row_stride;
+#pragma unroll
+        for (int x = 0; x < GDN_CHUNK_K / 32; ++x) {
+            row[(lane + 32 * x) * element_stride] = rows.x[m][x] * norm;
+        }
+    }
+}
+
+// The inclusive prefix sums of x[0 .. 64), in place, by warp 0 (two values per lane).
+static __device__ __forceinline__ void chunk_cumsum(float *x, int lane) {
+    const float a = x[2 * lane], b = x[2 * lane + 1];
+    float sum = a + b;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const float up = __shfl_up_sync(0xffffffffu, sum, offset);
+        if (lane >= offset) {
+            sum += up;
+        }
+    }
+    const float before = sum - a - b;
+    x[2 * lane] = before + a;
+    x[2 * lane + 1] = before + a + b;
 }
 
 // One block per (chunk, batch row x value head): U', W, P and gamma of the chunk.
@@ -341,6 +380,7 @@ static __device__ void gdn_chunk_prep(const GdnChunkParams &cp) {
     float *as = qs + C * GDN_ROW;            // [C][GDN_AROW]: A (zero on and above the diagonal)
     float *gam = as + C * GDN_AROW;          // [C]
     float *bet = gam + C;                    // [C]
+    float *egam = bet + C;                   // [C]: exp(gamma)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const long long hv = p.value_heads, vd = p.value_dim, n = blockIdx.x;
@@ -349,6 +389,9 @@ static __device__ void gdn_chunk_prep(const GdnChunkParams &cp) {
     const long long t0 = n * C;
     const long long chunk = (b * hv + h) * cp.chunks + n;   // this chunk's index in the buffers
 
+    KeyRows k_rows, q_rows;
+    load_key_rows<P>(p, p.k, p.k_stride, b, t0, hk, warp, lane, k_rows);
+    load_key_rows<P>(p, p.q, p.q_stride, b, t0, hk, warp, lane, q_rows);
     if (tid < C) {
         const long long t = t0 + tid;
         const long long idx = (b * p.steps + t) * hv + h;
@@ -357,28 +400,35 @@ static __device__ void gdn_chunk_prep(const GdnChunkParams &cp) {
         gam[tid] = fmaxf(g, GDN_MIN_LOG_DECAY);
         bet[tid] = valid ? load_scalar<P>(p.beta, p.beta_is_f32, idx) : 0.0f;
     }
-    for (int r = warp; r < C; r += GDN_CHUNK_THREADS / 32) {
-        stage_key_row<P>(p, p.k, p.k_stride, b, t0 + r, hk, 1.0f, ks + r * GDN_ROW, 1, lane);
-        stage_key_row<P>(p, p.q, p.q_stride, b, t0 + r, hk, rsqrtf((float)K), qs + r * GDN_ROW,
-                         1, lane);
+    store_key_rows(k_rows, p.l2norm, 1.0f, ks, GDN_ROW, 1, warp, lane);
+    store_key_rows(q_rows, p.l2norm, rsqrtf((float)K), qs, GDN_ROW, 1, warp, lane);
+    // this thread's right-hand column of V (loaded now, used after the products below)
+    const long long col = tid;
+    const bool is_u = col < vd;
+    float x[C];
+    {
+        const typename P::T *vcol = (const typename P::T *)p.v + b * p.v_stride[0] +
+                                    h * p.v_stride[2] + (is_u ? col : 0);
+#pragma unroll
+        for (int i = 0; i < C; ++i) {
+            x[i] = (is_u && t0 + i < p.steps) ? P::load(vcol[(t0 + i) * p.v_stride[1]]) : 0.0f;
+        }
     }
     __syncthreads();
-    if (tid == 0) {   // the cumulative sums (64 adds)
-        float sum = 0.0f;
-        for (int i = 0; i < C; ++i) {
-            sum += gam[i];
-            gam[i] = sum;
-        }
+    if (warp == 0) {
+        chunk_cumsum(gam, lane);
     }
     __syncthreads();
     if (tid < C) {
         cp.gamma[chunk * C + tid] = gam[tid];
+        egam[tid] = expf(gam[tid]);
     }
 
-    // k_i.k_j and q_i.k_j: thread (ti, tj) takes rows i = ti + 16 a and j = tj + 16 b (rows
-    // 16 apart: the lanes of a quarter warp read 8 consecutive padded rows, no bank conflicts)
+    // k_i.k_j and q_i.k_j: thread (ti, tj) takes rows i = ti + 16 a and j = tj + 16 c (rows
+    // 16 apart: the lanes of a quarter warp read 8 consecutive padded rows, no bank conflicts;
+    // the lanes of a half warp write 16 consecutive floats of a row of P^T)
     {
-        const int ti = tid / 16, tj = tid % 16;
+        const int ti = tid % 16, tj = tid / 16;
         float kk[4][4], qk[4][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
@@ -388,6 +438,7 @@ static __device__ void gdn_chunk_prep(const GdnChunkParams &cp) {
                 qk[a][c] = 0.0f;
             }
         }
+#pragma unroll 2
         for (int d = 0; d < K; d += 4) {
             float4 ki[4], qi[4], kj[4];
 #pragma unroll
@@ -421,21 +472,22 @@ static __device__ void gdn_chunk_prep(const GdnChunkParams &cp) {
     }
     __syncthreads();
 
-    // forward substitution, one right-hand column per thread: x_i = r_i - sum_{j<i} A_ij x_j
-    // over the columns of beta V (U') and of beta exp(gamma) K (W)
-    const long long vstride_t = p.v_stride[1];
-    const typename P::T *vbase = (const typename P::T *)p.v + b * p.v_stride[0] + h * p.v_stride[2];
-    for (long long col = tid; col < vd + K; col += GDN_CHUNK_THREADS) {
-        const bool is_u = col < vd;
-        float x[C];
+    // forward substitution, one right-hand column per thread, in place: x_i = r_i - sum_{j<i}
+    // A_ij x_j over the columns of beta V (U') and of beta exp(gamma) K (W)
+    for (long long c = col; c < vd + K; c += GDN_CHUNK_THREADS) {
+        const bool u_column = c < vd;
+        if (c != col) {   // a further column of V (value heads wider than 128)
+            const typename P::T *vcol = (const typename P::T *)p.v + b * p.v_stride[0] +
+                                        h * p.v_stride[2] + (u_column ? c : 0);
+#pragma unroll
+            for (int i = 0; i < C; ++i) {
+                x[i] = (u_column && t0 + i < p.steps) ? P::load(vcol[(t0 + i) * p.v_stride[1]])
+                                                      : 0.0f;
+            }
+        }
 #pragma unroll
         for (int i = 0; i < C; ++i) {
-            float r;
-            if (is_u) {
-                r = t0 + i < p.steps ? bet[i] * P::load(vbase[(t0 + i) * vstride_t + col]) : 0.0f;
-            } else {
-                r = bet[i] * expf(gam[i]) * ks[i * GDN_ROW + (col - vd)];
-            }
+            float r = u_column ? bet[i] * x[i] : bet[i] * egam[i] * ks[i * GDN_ROW + (c - vd)];
             const float *arow = as + i * GDN_AROW;
 #pragma unroll
             for (int j = 0; j < (i & ~3); j += 4) {
@@ -448,20 +500,64 @@ static __device__ void gdn_chunk_prep(const GdnChunkParams &cp) {
             }
             x[i] = r;
         }
-        if (is_u) {
-            float *u = cp.u + chunk * C * vd + col;
+        if (u_column) {
+            float *u = cp.u + chunk * C * vd + c;
 #pragma unroll
             for (int i = 0; i < C; ++i) {
                 u[i * vd] = x[i];
             }
         } else {
-            float *w = cp.w + (chunk * K + (col - vd)) * C;
+            float4 *w = (float4 *)(cp.w + (chunk * K + (c - vd)) * C);
 #pragma unroll
-            for (int i = 0; i < C; ++i) {
-                w[i] = x[i];
+            for (int i = 0; i < C; i += 4) {
+                float4 v;
+                v.x = x[i];
+                v.y = x[i + 1];
+                v.z = x[i + 2];
+                v.w = x[i + 3];
+                w[i / 4] = v;
             }
         }
     }
+}
+
+// What a scan block reads of one chunk: W (8 float4 per thread), its columns of U', P^T
+// (4 float4), gamma (threads < C), the warp's rows of q and k.
+struct ScanLoads {
+    float4 w[8];
+    float u[8];
+    float4 p[4];
+    float gamma;
+    KeyRows q, k;
+};
+
+template <class P>
+static __device__ __forceinline__ void load_scan_chunk(const GdnChunkParams &cp, long long head,
+                                                       long long b, long long hk, long long j0,
+                                                       long long n, int tid, ScanLoads &in) {
+    const int C = GDN_CHUNK, K = GDN_CHUNK_K, VS = GDN_SCAN_COLUMNS;
+    const GdnParams &p = cp.rule;
+    const long long chunk = head * cp.chunks + n, vd = p.value_dim;
+    const float4 *w = (const float4 *)(cp.w + chunk * K * C);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        in.w[m] = w[tid + GDN_CHUNK_THREADS * m];
+    }
+    const float *u = cp.u + chunk * C * vd;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const int e = tid + GDN_CHUNK_THREADS * m, i = e / VS, c = e % VS;
+        in.u[m] = j0 + c < vd ? u[i * vd + j0 + c] : 0.0f;
+    }
+    const float4 *pg = (const float4 *)(cp.p + chunk * C * C);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        in.p[m] = pg[tid + GDN_CHUNK_THREADS * m];
+    }
+    in.gamma = tid < C ? cp.gamma[chunk * C + tid] : 0.0f;
+    const int warp = tid >> 5, lane = tid & 31;
+    load_key_rows<P>(p, p.q, p.q_stride, b, n * C, hk, warp, lane, in.q);
+    load_key_rows<P>(p, p.k, p.k_stride, b, n * C, hk, warp, lane, in.k);
 }
 
 // One block per 32 value columns of (batch row, value head), through its chunks in order.
@@ -471,13 +567,14 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
     const int C = GDN_CHUNK, K = GDN_CHUNK_K, VS = GDN_SCAN_COLUMNS;
     const GdnParams &p = cp.rule;
     GDN_DYNAMIC_SHARED(shared);
-    float *xt = (float *)shared;                    // [K][GDN_XROW]: [W; exp(gamma) Q]^T
-    float *kt = xt;                                 // then [C][GDN_ROW]: decayed keys
-    float *pt = xt + C * GDN_ROW;                   //  and [C][GDN_AROW]: P^T
-    float *ss = xt + GDN_SCAN_STAGE_FLOATS;         // [K][GDN_SROW]: the state's columns
+    float *xt = (float *)shared;                    // [K][GDN_XROW]: [W; Q / sqrt(K)]^T
+    float *kt = xt + K * GDN_XROW;                  // [C][GDN_ROW]: unit keys
+    float *pt = kt + C * GDN_ROW;                   // [C][GDN_AROW]: P^T
+    float *ss = pt + C * GDN_AROW;                  // [K][GDN_SROW]: the state's columns
     float *us = ss + K * GDN_SROW;                  // [C][GDN_SROW]: U' then u
     float *os = us + C * GDN_SROW;                  // [C][GDN_SROW]: exp(gamma) Q S0
     float *gam = os + C * GDN_SROW;                 // [C]
+    float *kdecay = gam + C;                        // [C]: exp(gamma_C - gamma_j)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int rt = tid / 8, ct = tid % 8;           // a thread's row tile and column tile
@@ -486,7 +583,6 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
     const long long hk = h / (hv / p.key_heads);
     const long long j0 = (long long)blockIdx.x * VS;
     const long long head = b * hv + h;
-    const float scale = rsqrtf((float)K);
 
     // the state: thread (rt, ct) owns rows 4 rt .. 4 rt + 3, columns 4 ct .. 4 ct + 3
 #pragma unroll
@@ -498,29 +594,40 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
                 (p.initial != nullptr && j < vd) ? p.initial[(head * K + k) * vd + j] : 0.0f;
         }
     }
+    ScanLoads in;
+    load_scan_chunk<P>(cp, head, b, hk, j0, 0, tid, in);
     for (long long n = 0; n < cp.chunks; ++n) {
-        const long long chunk = head * cp.chunks + n, t0 = n * C;
+        const long long t0 = n * C;
         __syncthreads();   // the previous chunk's readers are done
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int e = 4 * (tid + GDN_CHUNK_THREADS * m);   // W^T is [K][C]
+            *(float4 *)(xt + (e / C) * GDN_XROW + e % C) = in.w[m];
+        }
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+            const int e = tid + GDN_CHUNK_THREADS * m;
+            us[(e / VS) * GDN_SROW + e % VS] = in.u[m];
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int e = 4 * (tid + GDN_CHUNK_THREADS * m);
+            *(float4 *)(pt + (e / C) * GDN_AROW + e % C) = in.p[m];
+        }
         if (tid < C) {
-            gam[tid] = cp.gamma[chunk * C + tid];
+            gam[tid] = in.gamma;
         }
-        const float *w = cp.w + chunk * K * C;
-        for (int e = tid; e < K * C; e += GDN_CHUNK_THREADS) {
-            xt[(e / C) * GDN_XROW + e % C] = w[e];
-        }
-        const float *u = cp.u + chunk * C * vd;
-        for (int e = tid; e < C * VS; e += GDN_CHUNK_THREADS) {
-            const int i = e / VS, c = e % VS;
-            us[i * GDN_SROW + c] = j0 + c < vd ? u[i * vd + j0 + c] : 0.0f;
-        }
-        __syncthreads();   // gamma
-        for (int r = warp; r < C; r += GDN_CHUNK_THREADS / 32) {
-            stage_key_row<P>(p, p.q, p.q_stride, b, t0 + r, hk, scale * expf(gam[r]),
-                             xt + C + r, GDN_XROW, lane);
+        store_key_rows(in.q, p.l2norm, rsqrtf((float)K), xt + C, 1, GDN_XROW, warp, lane);
+        store_key_rows(in.k, p.l2norm, 1.0f, kt, GDN_ROW, 1, warp, lane);
+        if (n + 1 < cp.chunks) {   // the next chunk's loads, in flight while this one computes
+            load_scan_chunk<P>(cp, head, b, hk, j0, n + 1, tid, in);
         }
         __syncthreads();
+        if (tid < C) {
+            kdecay[tid] = expf(gam[C - 1] - gam[tid]);
+        }
 
-        // [W; exp(gamma) Q] S0: rows 4 rt .. (of 2C), columns 4 ct ..
+        // [W; Q] S0: rows 4 rt .. (of 2C), columns 4 ct ..
         {
             float acc[4][4];
 #pragma unroll
@@ -530,6 +637,7 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
                     acc[a][c] = 0.0f;
                 }
             }
+#pragma unroll 4
             for (int k = 0; k < K; ++k) {
                 const float4 x4 = *(const float4 *)(xt + k * GDN_XROW + 4 * rt);
                 const float4 s4 = *(const float4 *)(ss + k * GDN_SROW + 4 * ct);
@@ -545,24 +653,16 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
 #pragma unroll
             for (int a = 0; a < 4; ++a) {
                 const int row = 4 * rt + a;
+                const float scale = row < C ? 1.0f : expf(gam[row - C]);
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     if (row < C) {
                         us[row * GDN_SROW + 4 * ct + c] -= acc[a][c];   // u = U' - W S0
                     } else {
-                        os[(row - C) * GDN_SROW + 4 * ct + c] = acc[a][c];
+                        os[(row - C) * GDN_SROW + 4 * ct + c] = acc[a][c] * scale;
                     }
                 }
             }
-        }
-        __syncthreads();   // xt is read: stage the decayed keys and P^T in its place
-        for (int r = warp; r < C; r += GDN_CHUNK_THREADS / 32) {
-            stage_key_row<P>(p, p.k, p.k_stride, b, t0 + r, hk, expf(gam[C - 1] - gam[r]),
-                             kt + r * GDN_ROW, 1, lane);
-        }
-        const float *pg = cp.p + chunk * C * C;
-        for (int e = tid; e < C * C; e += GDN_CHUNK_THREADS) {
-            pt[(e / C) * GDN_AROW + e % C] = pg[e];
         }
         __syncthreads();
 
@@ -576,6 +676,7 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
                     o[a][c] = os[(2 * rt + a) * GDN_SROW + 4 * ct + c];
                 }
             }
+#pragma unroll 4
             for (int j = 0; j < C; ++j) {
                 const float2 p2 = *(const float2 *)(pt + j * GDN_AROW + 2 * rt);
                 const float4 u4 = *(const float4 *)(us + j * GDN_SROW + 4 * ct);
@@ -602,7 +703,8 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
                 }
             }
         }
-        // the next state: exp(gamma_C) S0 + sum_j (decayed k_j) u_j^T, rows 4 rt .., cols 4 ct ..
+        // the next state: exp(gamma_C) S0 + sum_j k_j (exp(gamma_C - gamma_j) u_j)^T,
+        // rows 4 rt .., columns 4 ct ..
         {
             const float decay = expf(gam[C - 1]);
             float s[4][4];
@@ -613,10 +715,13 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
                     s[a][c] = ss[(4 * rt + a) * GDN_SROW + 4 * ct + c] * decay;
                 }
             }
+#pragma unroll 4
             for (int j = 0; j < C; ++j) {
                 const float4 k4 = *(const float4 *)(kt + j * GDN_ROW + 4 * rt);
                 const float4 u4 = *(const float4 *)(us + j * GDN_SROW + 4 * ct);
-                const float kv[4] = {k4.x, k4.y, k4.z, k4.w}, uv[4] = {u4.x, u4.y, u4.z, u4.w};
+                const float f = kdecay[j];
+                const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
+                const float uv[4] = {u4.x * f, u4.y * f, u4.z * f, u4.w * f};
 #pragma unroll
                 for (int a = 0; a < 4; ++a) {
 #pragma unroll

@@ -40,18 +40,6 @@ fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
     }
 }
 
-/// The chunked kernels' dynamic shared memory fits an H100 / H200 block (227 KB) twice over
-/// less a little, so that two blocks share a multiprocessor.
-#[test]
-fn the_chunked_kernels_fit_two_blocks_per_multiprocessor() {
-    for bytes in [PREP_SHARED_BYTES, SCAN_SHARED_BYTES] {
-        assert!(
-            bytes > 48 * 1024 && 2 * bytes <= 227 * 1024,
-            "{bytes} bytes"
-        );
-    }
-}
-
 /// The kernels' source run on the CPU (tests/cuda_emulation: one host thread per CUDA thread,
 /// barriers for __syncthreads and the warp shuffles) computes the rule as a double-precision
 /// loop does, over cases that reach every part of it (see gdn_emulation.cpp): the indexing,

@@ -90,6 +90,17 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
     return other;
 }
 
+// The value of lane - offset (a lane's own below `offset`).
+inline float __shfl_up_sync(unsigned, float v, int offset) {
+    const unsigned t = threadIdx.x, lane = t % 32;
+    auto &barrier = *emu::warp_barriers[t / 32];
+    emu::warp_values[t] = v;
+    barrier.arrive_and_wait();
+    const float other = lane >= (unsigned)offset ? emu::warp_values[t - offset] : v;
+    barrier.arrive_and_wait();
+    return other;
+}
+
 inline float __uint_as_float(unsigned u) {
     float f;
     std::memcpy(&f, &u, 4);
@@ -104,3 +115,4 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 #include <math.h>  // expf, fmaf
 inline long long min(long long a, long long b) { return a < b ? a : b; }
+using std::fmaxf;
