@@ -2,8 +2,8 @@
 //! on a GPU, at the shape of one Gated DeltaNet layer (by default Qwen3.5-27B's: 48 value heads,
 //! q / k repeated to 48 heads, head size 128, 3072 tokens, bf16): a prefill, a single decoding
 //! step and a 16-token verification writing every state, each as one JSON line with the mean
-//! milliseconds per call (the prefill as `forward` takes it, the chunked form from 64 tokens,
-//! and through the recurrent kernel); with `--reference` also the libtorch loop over the tokens once, and
+//! milliseconds per call (the prefill as `forward` takes it, through the recurrent kernel, and
+//! at key heads of 128 through the chunked form); with `--reference` also the libtorch loop over the tokens once, and
 //! how far the kernel's prefill is from it.
 
 use std::time::Instant;
@@ -12,7 +12,7 @@ use anyhow::{bail, Result};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
-use crate::aten_ext::gdn::{reference, GdnInputs, GdnKernels, GdnShape};
+use crate::aten_ext::gdn::{reference, GdnInputs, GdnKernels, GdnShape, CHUNKED_KEY_DIM};
 use crate::runtime::TorchRuntime;
 
 /// The storage type of q, k, v and the output.
@@ -157,6 +157,14 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
             .map(drop)
     })?;
     println!("{}", line("prefill_recurrent", args.tokens, ms));
+    if args.head_dim == CHUNKED_KEY_DIM {
+        let ms = time_ms(index, args.iters, || {
+            kernels
+                .forward_chunked(&prefill.rule(false), true)
+                .map(drop)
+        })?;
+        println!("{}", line("prefill_chunked", args.tokens, ms));
+    }
     let step = inputs(args, 1, device);
     let ms = time_ms(index, args.iters, || {
         forward(&kernels, &step, true).map(drop)
@@ -179,6 +187,9 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
         let ms = start.elapsed().as_secs_f64() * 1e3;
         let (out, state) = forward(&kernels, p, false)?;
         let (recurrent_out, recurrent_state) = kernels.forward_recurrent(&p.rule(false), true)?;
+        let chunked = (args.head_dim == CHUNKED_KEY_DIM)
+            .then(|| kernels.forward_chunked(&p.rule(false), true))
+            .transpose()?;
         let diff = |a: &Tensor, b: &Tensor| -> f64 {
             (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
                 .abs()
@@ -190,6 +201,10 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
         record["max_abs_diff_state"] = json!(diff(&state, &want_state));
         record["recurrent_max_abs_diff_out"] = json!(diff(&recurrent_out, &want_out));
         record["recurrent_max_abs_diff_state"] = json!(diff(&recurrent_state, &want_state));
+        if let Some((out, state)) = &chunked {
+            record["chunked_max_abs_diff_out"] = json!(diff(out, &want_out));
+            record["chunked_max_abs_diff_state"] = json!(diff(state, &want_state));
+        }
         record["max_abs_state"] = json!(want_state.abs().max().double_value(&[]));
         println!("{record}");
     }
