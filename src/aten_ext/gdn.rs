@@ -54,8 +54,8 @@ pub const CHUNKED_FROM_STEPS: i64 = CHUNK;
 pub const CHUNKED_BY_DEFAULT: bool = false;
 
 /// Dynamic shared memory of the two chunked kernels, bytes: the source's `GDN_PREP_FLOATS`
-/// (two staged key tiles, A, gamma, beta, exp(gamma)) and `GDN_SCAN_FLOATS` ([W; Q]^T, the
-/// keys, P^T, the state's columns, u, Q S0, gamma and the keys' decays).
+/// (two staged key tiles, A, gamma, beta, exp(gamma)) and `GDN_SCAN_FLOATS` ([W; Q]^T, then the
+/// keys and P^T in its place; the state's columns, u, Q S0, gamma and the keys' decays).
 const PREP_SHARED_BYTES: usize = {
     let (c, row, arow) = (
         CHUNK as usize,
@@ -67,12 +67,16 @@ const PREP_SHARED_BYTES: usize = {
 const SCAN_SHARED_BYTES: usize = {
     let (c, k) = (CHUNK as usize, CHUNKED_KEY_DIM as usize);
     let (row, arow, xrow, srow) = (k + 4, c + 4, 2 * c + 4, SCAN_COLUMNS as usize + 4);
-    4 * (k * xrow + c * row + c * arow + k * srow + 2 * c * srow + 2 * c)
+    let stage = if k * xrow > c * row + c * arow {
+        k * xrow
+    } else {
+        c * row + c * arow
+    };
+    4 * (stage + k * srow + 2 * c * srow + 2 * c)
 };
-// Both fit a multiprocessor of an H100 / H200 (227 KB), the prep kernel's twice (its blocks are
-// many and short).
+// Both fit twice in a multiprocessor of an H100 / H200 (227 KB).
 const _: () = assert!(PREP_SHARED_BYTES > 48 * 1024 && 2 * PREP_SHARED_BYTES <= 227 * 1024);
-const _: () = assert!(SCAN_SHARED_BYTES > 48 * 1024 && SCAN_SHARED_BYTES <= 227 * 1024);
+const _: () = assert!(SCAN_SHARED_BYTES > 48 * 1024 && 2 * SCAN_SHARED_BYTES <= 227 * 1024);
 
 /// The tensors of one call of the rule: q, k [B, T, Hk, K], v [B, T, Hv, V], g (log decay,
 /// <= 0) and beta [B, T, Hv], and the state before the first token [B, Hv, K, V] float32
@@ -286,8 +290,8 @@ pub struct GdnKernels {
     /// The chunked form's kernels, [storage type]
     chunk_prep: [cu::CUfunction; 3],
     chunk_scan: [cu::CUfunction; 3],
-    /// Whether the device grants the chunked kernels their shared memory (not every GPU has
-    /// the 153 KB per block an H100 / H200 has).
+    /// Whether the device grants the chunked kernels their shared memory (about 103 KB per
+    /// block: not every GPU has that).
     chunked: bool,
 }
 

@@ -269,8 +269,9 @@ DFLASH_GDN_KERNELS(f32, F32)
 // computes [W; Q] S0 as one product, then the outputs and the next state. Both kernels work in
 // float32 with register tiles of 4 x 4 (2 x 4) products over operands staged in shared memory
 // (dynamic: more than the static 48 KB; the Rust side sizes it with the same formulas,
-// gdn.rs). What a chunk reads from global memory is loaded into registers while the chunk
-// before it computes, so the walk waits for memory once, not once per chunk. Key heads of 128
+// gdn.rs; the scan's fits two blocks per multiprocessor: the keys and P^T take the place of
+// [W; Q]^T once that is read). What a chunk reads from global memory is loaded into registers
+// while the chunk before it computes, so the walk does not wait for memory at every chunk. Key heads of 128
 // only (Qwen3.5, Qwen3.6, Qwen3-Next); other sizes and short calls take the recurrent kernel.
 //
 // Tokens past the end (the last chunk's padding) read as g = 0, beta = 0, q = k = v = 0: their
@@ -290,9 +291,9 @@ DFLASH_GDN_KERNELS(f32, F32)
 #define GDN_PREP_FLOATS (2 * GDN_CHUNK * GDN_ROW + GDN_CHUNK * GDN_AROW + 3 * GDN_CHUNK)
 #define GDN_XROW (2 * GDN_CHUNK + 4)                        // a row of [W; Q]^T, padded
 #define GDN_SROW (GDN_SCAN_COLUMNS + 4)                     // a row of the state tile, padded
-#define GDN_SCAN_FLOATS                                                                     \
-    (GDN_CHUNK_K * GDN_XROW + GDN_CHUNK * GDN_ROW + GDN_CHUNK * GDN_AROW +                  \
-     GDN_CHUNK_K * GDN_SROW + 2 * GDN_CHUNK * GDN_SROW + 2 * GDN_CHUNK)
+#define GDN_SCAN_STAGE_FLOATS (GDN_CHUNK_K * GDN_XROW)      // >= C * GDN_ROW + C * GDN_AROW
+#define GDN_SCAN_FLOATS \
+    (GDN_SCAN_STAGE_FLOATS + GDN_CHUNK_K * GDN_SROW + 2 * GDN_CHUNK * GDN_SROW + 2 * GDN_CHUNK)
 
 #ifndef GDN_DYNAMIC_SHARED
 #define GDN_DYNAMIC_SHARED(name) extern __shared__ float4 name[]
@@ -568,9 +569,9 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
     const GdnParams &p = cp.rule;
     GDN_DYNAMIC_SHARED(shared);
     float *xt = (float *)shared;                    // [K][GDN_XROW]: [W; Q / sqrt(K)]^T
-    float *kt = xt + K * GDN_XROW;                  // [C][GDN_ROW]: unit keys
-    float *pt = kt + C * GDN_ROW;                   // [C][GDN_AROW]: P^T
-    float *ss = pt + C * GDN_AROW;                  // [K][GDN_SROW]: the state's columns
+    float *kt = xt;                                 // then [C][GDN_ROW]: unit keys
+    float *pt = xt + C * GDN_ROW;                   //  and [C][GDN_AROW]: P^T
+    float *ss = xt + GDN_SCAN_STAGE_FLOATS;         // [K][GDN_SROW]: the state's columns
     float *us = ss + K * GDN_SROW;                  // [C][GDN_SROW]: U' then u
     float *os = us + C * GDN_SROW;                  // [C][GDN_SROW]: exp(gamma) Q S0
     float *gam = os + C * GDN_SROW;                 // [C]
@@ -609,19 +610,10 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
             const int e = tid + GDN_CHUNK_THREADS * m;
             us[(e / VS) * GDN_SROW + e % VS] = in.u[m];
         }
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const int e = 4 * (tid + GDN_CHUNK_THREADS * m);
-            *(float4 *)(pt + (e / C) * GDN_AROW + e % C) = in.p[m];
-        }
         if (tid < C) {
             gam[tid] = in.gamma;
         }
         store_key_rows(in.q, p.l2norm, rsqrtf((float)K), xt + C, 1, GDN_XROW, warp, lane);
-        store_key_rows(in.k, p.l2norm, 1.0f, kt, GDN_ROW, 1, warp, lane);
-        if (n + 1 < cp.chunks) {   // the next chunk's loads, in flight while this one computes
-            load_scan_chunk<P>(cp, head, b, hk, j0, n + 1, tid, in);
-        }
         __syncthreads();
         if (tid < C) {
             kdecay[tid] = expf(gam[C - 1] - gam[tid]);
@@ -663,6 +655,16 @@ static __device__ void gdn_chunk_scan(const GdnChunkParams &cp) {
                     }
                 }
             }
+        }
+        __syncthreads();   // xt is read: the keys and P^T in its place
+        store_key_rows(in.k, p.l2norm, 1.0f, kt, GDN_ROW, 1, warp, lane);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int e = 4 * (tid + GDN_CHUNK_THREADS * m);
+            *(float4 *)(pt + (e / C) * GDN_AROW + e % C) = in.p[m];
+        }
+        if (n + 1 < cp.chunks) {   // the next chunk's loads, in flight while this one computes
+            load_scan_chunk<P>(cp, head, b, hk, j0, n + 1, tid, in);
         }
         __syncthreads();
 
