@@ -269,8 +269,8 @@ DFLASH_GDN_KERNELS(f32, F32)
 // computes [W; Q] S0 as one product, then the outputs and the next state. Both kernels work in
 // float32 with register tiles of 4 x 4 (2 x 4) products over operands staged in shared memory
 // (dynamic: more than the static 48 KB; the Rust side sizes it with the same formulas,
-// gdn.rs; the scan's fits two blocks per multiprocessor: the keys and P^T take the place of
-// [W; Q]^T once that is read). What a chunk reads from global memory is loaded into registers
+// gdn.rs; in the scan the keys and P^T take the place of [W; Q]^T once that is read, so that
+// two blocks' shared memory fits a multiprocessor). What a chunk reads from global memory is loaded into registers
 // while the chunk before it computes, so the walk does not wait for memory at every chunk. Key heads of 128
 // only (Qwen3.5, Qwen3.6, Qwen3-Next); other sizes and short calls take the recurrent kernel.
 //
