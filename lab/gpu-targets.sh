@@ -131,12 +131,16 @@ gdn)
   run_json gdn-35b-a3b 60 $B bench-gdn --key-heads 16 --value-heads 32
   ;;
 probe)
-  # where the target forwards' time goes: one traced call each, totalled by kernel
+  # where the target forwards' time goes, with the gated delta rule's prefill in each form: one
+  # traced call each, totalled by kernel
   for shape in ${SHAPES:-qwen3.5-27b qwen3.5-35b-a3b}; do
-    run_json "forward-$shape" 150 $B bench-forward --target "configs/shapes/$shape" --random-weights \
-      --iters 2 --trace "/tmp/forward-$shape.trace.json"
-    python3 tools/trace_summary.py "/tmp/forward-$shape.trace.json" > "$OUT/trace-forward-$shape.txt" 2>&1
-    head -32 "$OUT/trace-forward-$shape.txt"
+    for form in ${FORMS:-recurrent chunked}; do
+      run_json "forward-$shape-$form" 150 $B bench-forward --target "configs/shapes/$shape" \
+        --random-weights --iters 2 --gdn-prefill "$form" --trace "/tmp/forward-$shape-$form.trace.json"
+      python3 tools/trace_summary.py "/tmp/forward-$shape-$form.trace.json" \
+        > "$OUT/trace-forward-$shape-$form.txt" 2>&1
+      head -24 "$OUT/trace-forward-$shape-$form.txt"
+    done
   done
   ;;
 dist1)

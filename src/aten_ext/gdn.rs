@@ -293,6 +293,9 @@ pub struct GdnKernels {
     /// Whether the device grants the chunked kernels their shared memory (about 103 KB per
     /// block: not every GPU has that).
     chunked: bool,
+    /// Whether [`GdnKernels::forward`] takes the chunked form for long calls
+    /// ([`CHUNKED_BY_DEFAULT`] unless [`GdnKernels::with_chunked_prefill`] says otherwise).
+    prefer_chunked: bool,
 }
 
 // SAFETY: as for `FusedKernels`: the functions of a module loaded in a CUDA context are
@@ -357,6 +360,7 @@ impl GdnKernels {
             chunk_prep,
             chunk_scan,
             chunked,
+            prefer_chunked: CHUNKED_BY_DEFAULT,
         })
     }
 
@@ -370,20 +374,31 @@ impl GdnKernels {
     /// or v's type). Value head h reads key head h / (Hv / Hk); with `l2norm` q and k are
     /// l2-normalised (in float32) first. Returns the output [B, T, Hv, V] in v's type and the
     /// final state [B, Hv, K, V] float32. Queued on libtorch's current stream (no host
-    /// synchronisation; a CUDA graph may capture it). With [`CHUNKED_BY_DEFAULT`], calls of
-    /// [`CHUNKED_FROM_STEPS`] tokens or more with key heads of [`CHUNKED_KEY_DIM`] take the
-    /// chunked form; others the recurrent kernel.
+    /// synchronisation; a CUDA graph may capture it). Where [`GdnKernels::takes_chunked`]
+    /// (calls of [`CHUNKED_FROM_STEPS`] tokens or more with key heads of [`CHUNKED_KEY_DIM`],
+    /// the chunked form preferred and granted its memory) the chunked form runs, otherwise
+    /// the recurrent kernel.
     pub fn forward(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
         let shape = self.checked_shape(x)?;
-        if self.chunked && Self::takes_chunked(&shape) {
+        if self.takes_chunked(&shape) {
             return self.forward_chunked(x, l2norm);
         }
         self.forward_recurrent(x, l2norm)
     }
 
     /// Whether [`GdnKernels::forward`] takes the chunked form for a call of `shape`.
-    pub fn takes_chunked(shape: &GdnShape) -> bool {
-        CHUNKED_BY_DEFAULT && shape.key_dim == CHUNKED_KEY_DIM && shape.steps >= CHUNKED_FROM_STEPS
+    pub fn takes_chunked(&self, shape: &GdnShape) -> bool {
+        self.prefer_chunked
+            && self.chunked
+            && shape.key_dim == CHUNKED_KEY_DIM
+            && shape.steps >= CHUNKED_FROM_STEPS
+    }
+
+    /// The same kernels with long calls of [`GdnKernels::forward`] taking the chunked form
+    /// (`true`) or the recurrent kernel (`false`), whatever [`CHUNKED_BY_DEFAULT`] says.
+    pub fn with_chunked_prefill(mut self, chunked: bool) -> Self {
+        self.prefer_chunked = chunked;
+        self
     }
 
     /// [`GdnKernels::forward`] through the recurrent kernel, whatever the length.

@@ -45,10 +45,23 @@ pub struct ForwardBenchArgs {
     /// Seed of the random weights and token ids.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// How a hybrid target's gated delta rule runs the prefill on the GPU: "auto" (the
+    /// default form), "recurrent" or "chunked".
+    #[arg(long, value_enum, default_value_t = GdnPrefill::Auto)]
+    pub gdn_prefill: GdnPrefill,
     /// After the timed calls, record one more forward with libtorch's profiler and write the
     /// trace here (Chrome trace JSON; `tools/trace_summary.py` totals it by kernel).
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
+}
+
+/// The form of the gated delta rule's prefill kernels (`--gdn-prefill`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GdnPrefill {
+    Auto,
+    Recurrent,
+    Chunked,
 }
 
 /// The benchmark's result.
@@ -60,6 +73,7 @@ pub(crate) struct ForwardReport {
     pub device: String,
     pub dtype: String,
     pub random_weights: bool,
+    pub gdn_prefill: GdnPrefill,
     pub batch: i64,
     pub tokens: i64,
     /// Layers run, and hidden states returned (one per layer).
@@ -106,11 +120,16 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &ForwardBenchArgs) -> Result<For
     }
     let device = runtime.resolve(args.device)?;
     let kind = args.dtype.kind(device);
-    let model = if args.random_weights {
+    let mut model = if args.random_weights {
         TargetModel::random(&args.target, device, kind, args.seed)?
     } else {
         TargetModel::load(&args.target, device, kind)?
     };
+    match args.gdn_prefill {
+        GdnPrefill::Auto => {}
+        GdnPrefill::Recurrent => model.set_gdn_chunked_prefill(false),
+        GdnPrefill::Chunked => model.set_gdn_chunked_prefill(true),
+    }
     let layers = model.num_layers();
     let req = ForwardRequest {
         tap_layers: (0..layers).collect(),
@@ -160,6 +179,7 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &ForwardBenchArgs) -> Result<For
         device: device_name.to_string(),
         dtype: kind_name(kind).to_string(),
         random_weights: args.random_weights,
+        gdn_prefill: args.gdn_prefill,
         batch: args.batch,
         tokens: args.tokens,
         layers_run: layers,

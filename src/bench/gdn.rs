@@ -144,7 +144,7 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
     })?;
     let mut record = line("prefill", args.tokens, ms);
     record["form"] = json!(
-        if GdnKernels::takes_chunked(&GdnShape::of(&prefill.rule(false))?) {
+        if kernels.takes_chunked(&GdnShape::of(&prefill.rule(false))?) {
             "chunked"
         } else {
             "recurrent"

@@ -229,6 +229,11 @@ impl GatedDeltaNet {
         self.kernels = kernels;
     }
 
+    /// The gated delta rule kernels the layer runs on, if any.
+    pub(crate) fn kernels(&self) -> Option<GdnKernels> {
+        self.kernels
+    }
+
     /// The four projections of `x`, padding zeroed first.
     fn project(&self, x: &Tensor, real: Option<&Tensor>) -> Projected {
         let x = match real {

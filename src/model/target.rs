@@ -95,6 +95,25 @@ pub struct TargetModel {
     rope: Rope,
 }
 
+impl TargetModel {
+    /// Whether a hybrid target's long gated delta rule calls (prefills, training forwards) take
+    /// the chunked form of the CUDA kernels (`true`) or their recurrent kernel (`false`); the
+    /// default is [`crate::aten_ext::gdn::CHUNKED_BY_DEFAULT`]. Nothing changes without the
+    /// kernels (off CUDA, or other models).
+    pub fn set_gdn_chunked_prefill(&mut self, chunked: bool) {
+        for layer in &mut self.layers {
+            if let TargetLayer::Hybrid(HybridLayer {
+                mixer: Mixer::DeltaNet(net),
+                ..
+            }) = layer
+            {
+                let kernels = net.kernels().map(|k| k.with_chunked_prefill(chunked));
+                net.set_kernels(kernels);
+            }
+        }
+    }
+}
+
 impl std::fmt::Debug for TargetModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TargetModel")

@@ -261,11 +261,15 @@ fn random_targets_of_a_shape_are_seeded_and_run() {
 #[test]
 fn bench_forward_times_a_hybrid_target_with_every_hidden_state() {
     let target = root().join("tests/fixtures/qwen35_targets/conditional");
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("forward.json");
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
         .args(["bench-forward", "--target"])
         .arg(&target)
         .args(["--tokens", "24", "--batch", "2", "--dtype", "f32"])
         .args(["--iters", "2", "--random-weights", "--device", "cpu"])
+        .args(["--gdn-prefill", "chunked", "--trace"])
+        .arg(&trace)
         .env("DFLASH_LOG", "warn")
         .output()
         .unwrap();
@@ -307,4 +311,18 @@ fn bench_forward_times_a_hybrid_target_with_every_hidden_state() {
     assert!((f("forward_tflop") * 1e12 - 48.0 * per_token).abs() < 1e-3);
     assert!((f("tflop_per_s") - f("forward_tflop") / best).abs() < 1e-9 * f("tflop_per_s"));
     assert!(r["peak_mem_gb"].is_null());
+    assert_eq!(r["gdn_prefill"], "chunked");
+    // the traced extra call: a Chrome trace naming the forward's operators
+    let events: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let names: Vec<&str> = events["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert!(
+        names.contains(&"aten::mm") || names.contains(&"aten::matmul"),
+        "{names:?}"
+    );
 }
