@@ -21,10 +21,13 @@ fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
     assert_eq!(size, 200);
     let chunk_size = std::mem::size_of::<GdnChunkParams>();
     assert_eq!(chunk_size, 240);
+    let conv_size = std::mem::size_of::<GdnConvParams>();
+    assert_eq!(conv_size, 72);
     for kind in ["bf16", "f16", "f32"] {
         let recurrent = KEY_DIMS.map(|dim| (kernel_name(kind, dim), size));
         let chunked = ["prep", "scan"].map(|part| (format!("gdn_chunk_{part}_{kind}"), chunk_size));
-        for (name, size) in recurrent.into_iter().chain(chunked) {
+        let conv = (format!("gdn_causal_conv_{kind}"), conv_size);
+        for (name, size) in recurrent.into_iter().chain(chunked).chain([conv]) {
             let entry = format!(".entry {name}(");
             let at = text
                 .find(&entry)
@@ -80,7 +83,7 @@ fn the_kernel_source_run_on_the_cpu_matches_the_rule() {
     );
     assert_eq!(
         report.lines().filter(|l| l.starts_with("ok ")).count(),
-        9,
+        13,
         "{report}"
     );
 }
@@ -481,6 +484,44 @@ fn gpu_chunked_form_matches_the_reference() {
         "bf16 output against the recurrent kernel",
     );
     assert_close(&state, &want_state, 1e-4, "bf16 final state");
+}
+
+/// The causal convolution kernel gives what libtorch's conv1d over the conv state and the new
+/// inputs, then silu, give (f32 within 1e-6, bf16 within its rounding), and the next conv
+/// state exactly: a prefill from a strided projection, a one-token step from a state, no state.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_causal_conv_matches_libtorch() {
+    let (kernels, device, _turn) = gpu();
+    for (kind, tolerance) in [(Kind::Float, 1e-6), (Kind::BFloat16, 1e-2)] {
+        for (batch, tokens, channels, with_state) in
+            [(2, 300, 520, true), (3, 1, 130, true), (1, 37, 64, false)]
+        {
+            tch::manual_seed(tokens);
+            let opts = (Kind::Float, device);
+            // the projection: q, k, v columns first, then others
+            let projection = Tensor::randn([batch, tokens, channels + 24], opts).to_kind(kind);
+            let x = projection.narrow(2, 0, channels);
+            let weight = (Tensor::randn([channels, 1, CONV_WIDTH], opts) * 0.5).to_kind(kind);
+            let state = with_state
+                .then(|| Tensor::randn([batch, channels, CONV_WIDTH - 1], opts).to_kind(kind));
+            let (out, next) = kernels
+                .causal_conv_silu(&x, &weight, state.as_ref())
+                .unwrap();
+            let prev = state.unwrap_or_else(|| {
+                Tensor::zeros([batch, channels, CONV_WIDTH - 1], (kind, device))
+            });
+            let history = Tensor::cat(&[prev, x.transpose(1, 2)], 2);
+            let want = history
+                .conv1d::<&Tensor>(&weight, None, [1], [0], [1], channels)
+                .silu()
+                .transpose(1, 2);
+            let what = format!("{kind:?} B {batch} T {tokens} C {channels} state {with_state}");
+            assert_close(&out, &want, tolerance, &format!("output, {what}"));
+            let last = history.narrow(2, tokens, CONV_WIDTH - 1);
+            assert!(next.equal(&last), "next conv state, {what}");
+        }
+    }
 }
 
 /// The state after every token of a verification step: the reference's, the last one the final

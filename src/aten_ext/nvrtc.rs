@@ -313,6 +313,17 @@ impl KernelModule {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        self.launch_with_shared(function, (grid.0, grid.1, 1), block, 0, params)
+    }
+
+    /// [`KernelModule::launch`] over a three-dimensional grid.
+    pub(super) fn launch_3d(
+        &self,
+        function: cu::CUfunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         self.launch_with_shared(function, grid, block, 0, params)
     }
 
@@ -321,7 +332,7 @@ impl KernelModule {
     pub(super) fn launch_with_shared(
         &self,
         function: cu::CUfunction,
-        grid: (u32, u32),
+        grid: (u32, u32, u32),
         block: u32,
         shared_bytes: u32,
         params: &mut [*mut c_void],
@@ -339,7 +350,7 @@ impl KernelModule {
                 function,
                 grid.0,
                 grid.1,
-                1,
+                grid.2,
                 block,
                 1,
                 1,

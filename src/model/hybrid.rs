@@ -13,7 +13,7 @@ use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 use super::hybrid_config::{GdnLayout, GdnShape};
 use super::layers::{add_product, AddFeedForward, Rope};
 use super::weights::WeightSource;
-use crate::aten_ext::gdn::{GdnInputs, GdnKernels};
+use crate::aten_ext::gdn::{GdnInputs, GdnKernels, CONV_WIDTH};
 
 /// RMSNorm with a zero-centred weight: `norm(x) * (1 + w)`, the norm and the product in
 /// float32 and one rounding to the input's dtype (transformers' `Qwen3_5RMSNorm`).
@@ -150,9 +150,7 @@ impl GatedDeltaNet {
         state: Option<&GdnState>,
         real: Option<&Tensor>,
     ) -> (Tensor, GdnState) {
-        let (out, history, recurrent) = self.mix(x, state, real, false);
-        let (window, len) = (self.shape.conv_kernel - 1, history.size()[2]);
-        let conv = history.narrow(2, len - window, window).contiguous();
+        let (out, conv, recurrent) = self.mix(x, state, real, false);
         (out, GdnState { conv, recurrent })
     }
 
@@ -195,9 +193,10 @@ impl GatedDeltaNet {
         (out, GdnState { conv, recurrent })
     }
 
-    /// The layer's output for `x` continuing `state`, the conv history (the state's inputs then
-    /// the new ones, [B, conv_dim, kernel - 1 + T]) and the recurrent state: after the last
-    /// token, or with `each_token` after every token ([B, T, ...]).
+    /// The layer's output for `x` continuing `state`, and after the last token the next conv
+    /// state [B, conv_dim, kernel - 1] and the recurrent state; with `each_token` the conv
+    /// history instead (the state's inputs then the new ones, [B, conv_dim, kernel - 1 + T])
+    /// and the recurrent state after every token ([B, T, ...]).
     fn mix(
         &self,
         x: &Tensor,
@@ -205,7 +204,7 @@ impl GatedDeltaNet {
         real: Option<&Tensor>,
         each_token: bool,
     ) -> (Tensor, Tensor, Tensor) {
-        let (p, history) = self.convolved(x, state, real);
+        let (p, history) = self.convolved(x, state, real, each_token);
         let (q, k, v, g, beta) = self.rule_inputs(&p, real);
         let kernels = self.kernels.as_ref();
         let rule = GdnInputs {
@@ -267,22 +266,49 @@ impl GatedDeltaNet {
     }
 
     /// The projections with q, k, v through the causal convolution and SiLU (`p.qkv` [B, T,
-    /// conv_dim] after it), and the convolution's input: the conv state then the new q, k, v
-    /// ([B, conv_dim, kernel - 1 + T]; its last `kernel - 1` columns are the next conv state).
+    /// conv_dim] after it), and the next conv state [B, conv_dim, kernel - 1]; with
+    /// `keep_history` the convolution's whole input instead: the conv state then the new q, k,
+    /// v ([B, conv_dim, kernel - 1 + T]; its last `kernel - 1` columns are the next conv state).
     fn convolved(
         &self,
         x: &Tensor,
         state: Option<&GdnState>,
         real: Option<&Tensor>,
+        keep_history: bool,
     ) -> (Projected, Tensor) {
         let mut p = self.project(x, real);
+        if !keep_history {
+            if let Some((out, next)) = self.conv_on_kernels(&p.qkv, state) {
+                p.qkv = out;
+                return (p, next);
+            }
+        }
         let history = self.history(&p.qkv, state);
         let groups = self.shape.conv_dim();
         p.qkv = history
             .conv1d::<&Tensor>(&self.conv, None, [1], [0], [1], groups)
             .silu()
             .transpose(1, 2);
-        (p, history)
+        if keep_history {
+            return (p, history);
+        }
+        let (window, len) = (self.shape.conv_kernel - 1, history.size()[2]);
+        (p, history.narrow(2, len - window, window).contiguous())
+    }
+
+    /// The causal convolution and SiLU of `qkv` [B, conv_dim, T] (a view of the projection)
+    /// and the next conv state, by the CUDA kernel where the layer holds the kernels for its
+    /// device and the convolution is theirs (width 4, one dtype); `None` sends it to libtorch.
+    fn conv_on_kernels(&self, qkv: &Tensor, state: Option<&GdnState>) -> Option<(Tensor, Tensor)> {
+        let kernels = self
+            .kernels
+            .as_ref()
+            .filter(|k| k.device() == qkv.device() && self.shape.conv_kernel == CONV_WIDTH)?;
+        let prev = state.map(|s| s.conv.to_kind(qkv.kind()));
+        kernels
+            .causal_conv_silu(&qkv.transpose(1, 2), &self.conv, prev.as_ref())
+            .map_err(|e| log::warn!("causal conv kernel refused a call, libtorch instead: {e:#}"))
+            .ok()
     }
 
     /// q, k (not yet l2-normalised: the rule does it), v, g and beta of the rule from the

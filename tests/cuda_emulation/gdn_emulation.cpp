@@ -225,6 +225,60 @@ static bool run_case(const Case &c, void (*kernel)(const GdnParams), double out_
     return ok;
 }
 
+// The causal convolution + SiLU kernel against the same in double precision (the sum rounded
+// to the storage type before SiLU, as the kernel and libtorch do): B batch rows of T tokens
+// and C channels read from a strided projection, with or without a conv state.
+template <class P>
+static bool run_conv_case(const char *name, int B, int T, int C, bool with_prev,
+                          void (*kernel)(const GdnConvParams), double tolerance) {
+    typedef typename P::T Tst;
+    const int W = GDN_CONV_WIDTH;
+    std::mt19937 rng(99 + T + C);
+    std::normal_distribution<float> normal;
+    const long long row = C + 5, batch = (long long)T * row + 3;   // strided rows and batches
+    std::vector<Tst> x(B * batch), weight(C * W), prev(B * C * (W - 1));
+    for (auto &e : x) e = P::store(normal(rng));
+    for (auto &e : weight) e = P::store(0.5f * normal(rng));
+    for (auto &e : prev) e = P::store(normal(rng));
+    std::vector<Tst> out(B * T * C + 16, P::store(NAN)), next(B * C * (W - 1) + 16, P::store(NAN));
+    GdnConvParams p = {x.data(), weight.data(), with_prev ? prev.data() : nullptr, out.data(),
+                       next.data(), {batch, row}, T, C};
+    emu::launch({(unsigned)((C + GDN_CONV_THREADS - 1) / GDN_CONV_THREADS),
+                 (unsigned)((T + GDN_CONV_TOKENS - 1) / GDN_CONV_TOKENS), (unsigned)B},
+                GDN_CONV_THREADS, [&] { kernel(p); });
+    auto input = [&](int b, long long tau, int c) -> double {
+        if (tau >= 0) return P::load(x[b * batch + tau * row + c]);
+        return with_prev ? P::load(prev[(b * C + c) * (W - 1) + W - 1 + tau]) : 0.0;
+    };
+    double worst = 0, scale = 0, worst_state = 0;
+    for (int b = 0; b < B; ++b)
+        for (int c = 0; c < C; ++c) {
+            for (int t = 0; t < T; ++t) {
+                double acc = 0;
+                for (int i = 0; i < W; ++i) acc += P::load(weight[c * W + i]) * input(b, t - (W - 1) + i, c);
+                acc = P::load(P::store((float)acc));
+                const double want = acc / (1.0 + std::exp(-acc));
+                const double got = P::load(out[(b * T + t) * C + c]);
+                worst = std::max(worst, std::isnan(got) ? INFINITY : std::fabs(got - want));
+                scale = std::max(scale, std::fabs(want));
+            }
+            for (int j = 0; j < W - 1; ++j) {
+                const double got = P::load(next[(b * C + c) * (W - 1) + j]);
+                const double want = input(b, T - (W - 1) + j, c);
+                worst_state = std::max(worst_state, std::isnan(got) ? INFINITY : std::fabs(got - want));
+            }
+        }
+    bool untouched = true;
+    for (int i = 0; i < 16; ++i) {
+        untouched &= std::isnan(P::load(out[B * T * C + i])) && std::isnan(P::load(next[B * C * (W - 1) + i]));
+    }
+    const double e = worst / std::max(scale, 1e-30);
+    const bool ok = untouched && e <= tolerance && worst_state == 0.0;
+    std::printf("%s %s: output %.2e, next conv state %.2e%s\n", ok ? "ok" : "FAILED", name, e,
+                worst_state, untouched ? "" : ", wrote past the end");
+    return ok;
+}
+
 int main() {
     // a thread that skips a barrier its block meets hangs the others: a deadline reports it
     std::thread([] {
@@ -266,5 +320,14 @@ int main() {
     ok &= run_case<Bf16>({"chunked bf16: one whole chunk, g and beta bf16", 1, 64, 1, 2, 128, 32,
                           true, true, false, false, false, false},
                          nullptr, 1e-2, &chunked_bf16);
+    // the causal convolution: several token tiles and channel blocks, a conv state, fewer tokens
+    // than the state holds (decoding), bf16
+    ok &= run_conv_case<F32>("conv f32: 3 token tiles, 2 channel blocks, conv state", 2, 40, 150,
+                             true, gdn_causal_conv_f32, 1e-6);
+    ok &= run_conv_case<F32>("conv f32: one token from the state, no state", 1, 1, 20, false,
+                             gdn_causal_conv_f32, 1e-6);
+    ok &= run_conv_case<F32>("conv f32: two tokens from the state", 2, 2, 33, true,
+                             gdn_causal_conv_f32, 1e-6);
+    ok &= run_conv_case<Bf16>("conv bf16: 17 tokens", 1, 17, 64, true, gdn_causal_conv_bf16, 1e-2);
     return ok ? 0 : 1;
 }
