@@ -232,14 +232,21 @@ impl<'a> TargetDecoder<'a> {
         let dev = self.target.device;
         let ids_buf = ids.to_device(dev).to_kind(Kind::Int64).copy();
         let start_buf = Tensor::full([1], start, (Kind::Int64, dev));
-        let (target, taps) = (self.target, &self.taps);
-        let cache = &mut self.cache;
-        let mut body = || {
+        let (target, taps, graphs) = (self.target, &self.taps, &mut self.graphs);
+        let run = |cache: &mut SlotCache| {
             let batch = SlotBatch::uniform(cache, &start_buf, q);
             target.forward_slots(&ids_buf, &batch, cache, taps, SlotLogits::All)
         };
-        let Some((graph, out)) = self.graphs.capture(dev, &mut body) else {
-            let out = body()?;
+        // The warm-up runs (and a capture that failed after them) must leave a hybrid target's
+        // states where this step starts: the replay, or the eager run, takes the step.
+        let captured = match graphs.library {
+            Some(_) => self
+                .cache
+                .keeping_states(|cache| graphs.capture(dev, || run(cache)))?,
+            None => None,
+        };
+        let Some((graph, out)) = captured else {
+            let out = run(&mut self.cache)?;
             return Ok((out.logits.context("no logits")?, out.features));
         };
         let out = out?;

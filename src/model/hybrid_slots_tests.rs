@@ -139,3 +139,51 @@ fn the_engine_rolls_hybrid_states_back_only_within_the_latest_step() {
         );
     });
 }
+
+/// A CUDA graph capture runs a step eagerly twice (warm-ups) and the replay runs it once more:
+/// run under `SlotCache::keeping_states`, the warm-up runs leave the Gated DeltaNet states where
+/// the step starts, so the run after them gives the eager step's logits and states exactly.
+/// Without it each run advances the states again.
+#[test]
+fn warm_up_runs_kept_off_the_states_leave_the_step_to_the_next_run() {
+    let m = hybrid();
+    let prompt: Vec<i64> = (0..10).map(|i| (i * 7 + 3) % 128).collect();
+    let block = ids(&[9, 40, 2, 77]);
+    tch::no_grad(|| {
+        let prefilled = || {
+            let mut cache = m.slot_cache(1, 32).unwrap();
+            let batch = SlotBatch::uniform(&cache, &Tensor::from_slice(&[0i64]), 10);
+            m.forward_slots(&ids(&prompt), &batch, &mut cache, &[], SlotLogits::Last)
+                .unwrap();
+            cache.states_mut().unwrap().keep_steps(4).unwrap();
+            cache
+        };
+        let step = |cache: &mut SlotCache| {
+            let batch = SlotBatch::uniform(cache, &Tensor::from_slice(&[10i64]), 4);
+            let out = m.forward_slots(&block, &batch, cache, &[], SlotLogits::All);
+            out.unwrap().logits.unwrap()
+        };
+        let mut eager = prefilled();
+        let want = step(&mut eager);
+
+        let mut kept = prefilled();
+        kept.keeping_states(|cache| {
+            for _ in 0..2 {
+                let _ = step(cache);
+            }
+        })
+        .unwrap();
+        assert_eq!(max_diff(&step(&mut kept), &want), 0.0);
+        assert_eq!(states_diff(&kept, &eager, 0), 0.0);
+
+        let mut unkept = prefilled();
+        for _ in 0..2 {
+            let _ = step(&mut unkept);
+        }
+        let off = max_diff(&step(&mut unkept), &want);
+        assert!(
+            off > 1e-2,
+            "the warm-up runs did not move the states: {off}"
+        );
+    });
+}

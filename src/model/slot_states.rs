@@ -27,6 +27,14 @@ pub struct SlotStates {
     slots: i64,
 }
 
+/// A copy of [`SlotStates`]' conv and recurrent states (not the per-token ones), to put back
+/// with [`SlotStates::restore`].
+#[derive(Debug)]
+pub(crate) struct SavedStates {
+    conv: Tensor,
+    recurrent: Tensor,
+}
+
 /// [layers, slots, block, ...]: the states after tokens 1..=block of a step, per slot.
 #[derive(Debug)]
 struct StepStates {
@@ -193,6 +201,26 @@ impl SlotStates {
         commit(&self.conv, &steps.conv);
         commit(&self.recurrent, &steps.recurrent);
         Ok(())
+    }
+
+    /// A copy of every slot's states. The per-token states are left out: only the latest step
+    /// is read from them, and it rewrites them.
+    pub(crate) fn save(&self) -> Result<SavedStates> {
+        let copy = |t: &Tensor| -> Result<Tensor> {
+            let mut c = t.f_empty_like()?;
+            c.f_copy_(t)?;
+            Ok(c)
+        };
+        Ok(SavedStates {
+            conv: copy(&self.conv)?,
+            recurrent: copy(&self.recurrent)?,
+        })
+    }
+
+    /// Puts back the states `saved` from these states.
+    pub(crate) fn restore(&self, saved: &SavedStates) {
+        self.conv.shallow_clone().copy_(&saved.conv);
+        self.recurrent.shallow_clone().copy_(&saved.recurrent);
     }
 
     /// Layer `layer`'s states of slot `slot` (a copy; tests and checks).

@@ -143,6 +143,20 @@ impl SlotCache {
         self.states.as_mut()
     }
 
+    /// Runs `work` on this cache, then puts a hybrid target's Gated DeltaNet states back as
+    /// they were before it (other caches: just runs it). For a CUDA graph capture of a step:
+    /// each eager warm-up run before it advances the states by the step's tokens once more
+    /// (keys and values are only rewritten in place), and the replay must start where the
+    /// step does.
+    pub(crate) fn keeping_states<T>(&mut self, work: impl FnOnce(&mut Self) -> T) -> Result<T> {
+        let saved = self.states.as_ref().map(SlotStates::save).transpose()?;
+        let out = work(self);
+        if let (Some(saved), Some(states)) = (&saved, &self.states) {
+            states.restore(saved);
+        }
+        Ok(out)
+    }
+
     /// Gives layer i the sliding window `windows[i]` (`None`: none): the new tokens of such a
     /// layer see, causally, only the keys of the last w positions up to their own (p - w < k
     /// <= p), whatever `causal` their forward asks for. A DFlash drafter's sliding layers.
