@@ -438,7 +438,7 @@ impl<'a> ContinuousGenerator<'a> {
         let ids_buf = ids.copy();
         let start_buf = start.copy();
         let live_buf = live.copy();
-        let mut body = || -> Result<Tensor> {
+        let body = |cache: &mut SlotCache| -> Result<Tensor> {
             let batch = SlotBatch::uniform(cache, &start_buf, 1).with_live(&live_buf);
             model
                 .forward_slots(&ids_buf, &batch, cache, &[], SlotLogits::All)?
@@ -446,9 +446,13 @@ impl<'a> ContinuousGenerator<'a> {
                 .context("the decoding step returned no logits")
         };
         let Some(library) = self.graphs else {
-            return body();
+            return body(cache);
         };
-        match CudaGraph::capture(library, model.device, 2, &mut body) {
+        // the capture's warm-up runs would advance a hybrid target's recurrent states: they are
+        // put back, so that the replay below (or the eager run after a failed capture) steps once
+        let captured = cache
+            .keeping_states(|cache| CudaGraph::capture(library, model.device, 2, || body(cache)))?;
+        match captured {
             Ok((graph, logits)) => {
                 let logits = logits?;
                 graph.replay()?;
@@ -466,7 +470,7 @@ impl<'a> ContinuousGenerator<'a> {
             Err(e) => {
                 log::warn!("regenerate: CUDA graph capture failed, decoding eagerly: {e:#}");
                 self.graphs = None;
-                body()
+                body(cache)
             }
         }
     }
