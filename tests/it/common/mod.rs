@@ -4,7 +4,7 @@
 mod lines;
 pub mod proposers;
 
-pub use lines::Lines;
+pub use lines::{spawn_dflash, Lines};
 
 use std::path::{Path, PathBuf};
 
