@@ -3,38 +3,11 @@
 
 use crate::common;
 
-use common::tiny_target_dir;
+use common::{models_of, tiny_models};
 use dflash_tui::eval::speculative::{dflash, evaluate, greedy, EvalOptions};
-use dflash_tui::model::{Drafter, DrafterConfig, DrafterShape, FrozenHead, TargetModel};
-use tch::{Device, Kind};
+use dflash_tui::model::TargetModel;
 
 mod reports;
-
-fn models(block: i64) -> (tempfile::TempDir, TargetModel, Drafter, FrozenHead) {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tiny_target_dir(&tmp.path().join("t"), "qwen3", false, None, 21);
-    let (target, drafter, head) = models_of(&dir, block);
-    (tmp, target, drafter, head)
-}
-
-/// The target in `dir` (f32) and a freshly initialised drafter for it.
-fn models_of(dir: &std::path::Path, block: i64) -> (TargetModel, Drafter, FrozenHead) {
-    let target = TargetModel::load(dir, Device::Cpu, Kind::Float).unwrap();
-    let config = DrafterConfig::for_target(
-        &target.config,
-        &DrafterShape {
-            layers: 1,
-            block_size: block,
-            mask_token_id: 1,
-            target_layer_ids: None,
-            num_taps: 2,
-        },
-    )
-    .unwrap();
-    let drafter = Drafter::init(config, Device::Cpu, Kind::Float, 3).unwrap();
-    let head = FrozenHead::from_target(&target, Device::Cpu, Kind::Float);
-    (target, drafter, head)
-}
 
 /// The tiny Qwen3.5 hybrid checkpoint transformers wrote (Gated DeltaNet and gated attention
 /// layers; tests/fixtures/make_qwen35_targets.py).
@@ -45,7 +18,7 @@ fn hybrid_dir() -> std::path::PathBuf {
 
 #[test]
 fn dflash_output_equals_greedy_decoding() {
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
     for p in &prompts {
         let plain = tch::no_grad(|| greedy(&target, p, 30, &[])).unwrap();
@@ -92,7 +65,7 @@ fn dflash_output_equals_greedy_decoding() {
 
 #[test]
 fn eval_command_prints_json_with_tau_speedup_and_outputs() {
-    let (tmp, target, drafter, _head) = models(4);
+    let (tmp, target, drafter, _head) = tiny_models(4);
     let _ = target;
     let target_dir = tmp.path().join("t");
     let drafter_dir = drafter.save(&tmp.path().join("d")).unwrap();
@@ -163,7 +136,7 @@ fn eval_trace_writes_a_profiler_trace_of_one_more_decoding() {
     // The Chrome trace JSON of libtorch's profiler: on the CPU, the operators of one decoding
     // of the first prompt (greedy, then DFlash), with their input shapes; the measured pass
     // is unchanged (two prompts in the report).
-    let (tmp, _target, drafter, _head) = models(4);
+    let (tmp, _target, drafter, _head) = tiny_models(4);
     let drafter_dir = drafter.save(&tmp.path().join("d")).unwrap();
     let prompts = tmp.path().join("prompts.jsonl");
     std::fs::write(
@@ -210,7 +183,7 @@ use tch::Tensor;
 
 #[test]
 fn a_drafter_that_is_always_wrong_gives_tau_one_and_greedy_output() {
-    let (_tmp, target, drafter, _head) = models(4);
+    let (_tmp, target, drafter, _head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
     let plain: Vec<Vec<u32>> = prompts
@@ -241,7 +214,7 @@ fn a_drafter_that_is_always_wrong_gives_tau_one_and_greedy_output() {
 
 #[test]
 fn a_drafter_given_the_targets_answer_reaches_tau_equal_to_block_size() {
-    let (_tmp, target, drafter, _head) = models(4);
+    let (_tmp, target, drafter, _head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     for block in [4usize, 6] {
         for p in [vec![5u32, 9, 13], vec![2, 4, 8, 16, 32, 11, 7]] {
@@ -272,7 +245,7 @@ fn rejected_drafts_roll_both_caches_back() {
     // The oracle errs at a random slot in most steps: each step must accept exactly the slots
     // before the error (the target's cache rolled back past the rejected tokens, so the next
     // verify sees the right history), and the output stays the greedy answer.
-    let (_tmp, target, drafter, _head) = models(4);
+    let (_tmp, target, drafter, _head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     let block = 5usize;
     let p = vec![3u32, 1, 4, 1, 5, 9, 2, 6];
@@ -393,7 +366,7 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
     // After any number of rolled-back steps, the drafter's proposal equals one computed from
     // scratch: a fresh target forward over prompt + accepted tokens for the context features,
     // and a fresh drafter cache.
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     let p = vec![7u32, 3, 12, 30, 8];
     let capacity = dflash_tui::eval::speculative::capacity_for(p.len(), 40, 4);
@@ -473,7 +446,7 @@ fn eval_cli(
 
 #[test]
 fn eval_rejects_drafters_that_do_not_fit_and_bad_prompt_sets() {
-    let (tmp, _target, drafter, _head) = models(4);
+    let (tmp, _target, drafter, _head) = tiny_models(4);
     let target_dir = tmp.path().join("t");
     let good = drafter.save(&tmp.path().join("d")).unwrap();
     let prompts = tmp.path().join("prompts.jsonl");

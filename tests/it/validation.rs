@@ -6,36 +6,14 @@ use crate::common;
 use std::sync::atomic::AtomicBool;
 
 use common::proposers::{AlwaysProposes, Oracle};
-use common::tiny_target_dir;
+use common::tiny_models;
 use dflash_tui::data::store::Sample;
 use dflash_tui::eval::speculative::{dflash, greedy, speculative_decode, BlockDrafter};
-use dflash_tui::model::{
-    AnchorBatch, Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, TargetModel,
-};
+use dflash_tui::model::{AnchorBatch, Drafter, ForwardRequest, FrozenHead, TargetModel};
 use dflash_tui::train::loss::{block_targets, loss_and_backward, AnchorPlan, LossOptions};
 use dflash_tui::train::optim::{AdamW, AdamWConfig};
 use dflash_tui::train::validation::{validate, walk, Validation, ValidationOptions};
-use tch::{Device, Kind, Tensor};
-
-fn models(block: i64) -> (tempfile::TempDir, TargetModel, Drafter, FrozenHead) {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tiny_target_dir(&tmp.path().join("t"), "qwen3", false, None, 21);
-    let target = TargetModel::load(&dir, Device::Cpu, Kind::Float).unwrap();
-    let config = DrafterConfig::for_target(
-        &target.config,
-        &DrafterShape {
-            layers: 1,
-            block_size: block,
-            mask_token_id: 1,
-            target_layer_ids: None,
-            num_taps: 2,
-        },
-    )
-    .unwrap();
-    let drafter = Drafter::init(config, Device::Cpu, Kind::Float, 3).unwrap();
-    let head = FrozenHead::from_target(&target, Device::Cpu, Kind::Float);
-    (tmp, target, drafter, head)
-}
+use tch::{Device, Tensor};
 
 /// The acceptance length at each position of `answer` of a drafter whose block at position i
 /// is `draft(i)`: its leading slots k >= 1 equal to `answer[i + k]`.
@@ -74,7 +52,7 @@ fn tau(steps: &[usize]) -> f64 {
 
 #[test]
 fn the_walk_gives_the_steps_of_real_decoding_for_a_drafter_always_right_or_always_wrong() {
-    let (_tmp, target, drafter, _head) = models(4);
+    let (_tmp, target, drafter, _head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     for block in [4usize, 6] {
         for prompt in [vec![5u32, 9, 13], vec![2, 4, 8, 16, 32, 11, 7]] {
@@ -252,7 +230,7 @@ fn on_the_targets_own_answers_the_pass_walks_as_the_real_drafter_decodes() {
     // exactly what decoding sees, so its walk takes decoding's steps (the last one capped at
     // the budget, see above). The drafter first learns those answers in part, so that its
     // steps vary.
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let max_new = 30;
     let prompts = [vec![5u32, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
     let sequences: Vec<(Vec<u32>, Vec<u8>)> = prompts
@@ -344,7 +322,7 @@ fn run_pass(
 
 #[test]
 fn a_set_cancel_flag_stops_the_pass_before_its_first_sequence() {
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let rows = rows();
     let samples: Vec<Sample<'_>> = rows
         .iter()
@@ -375,7 +353,7 @@ fn a_set_cancel_flag_stops_the_pass_before_its_first_sequence() {
 
 #[test]
 fn the_pass_is_finite_deterministic_and_in_range() {
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let rows = rows();
     let opts = options(16, &[2], 7);
     let a = run_pass(&target, &drafter, &head, &rows, &opts);
@@ -406,7 +384,7 @@ fn the_pass_is_finite_deterministic_and_in_range() {
 fn loss_accuracy_and_acceptance_are_trainings_over_every_anchor() {
     // Training's loss sums over every candidate anchor (p <= len - block, loss-masked) equal
     // the pass's numbers.
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let block = 4usize;
     let rows = rows();
     let (ids, mask) = &rows[5];

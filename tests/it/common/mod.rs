@@ -2,9 +2,11 @@
 #![allow(dead_code)]
 
 mod lines;
+mod models;
 pub mod proposers;
 
 pub use lines::{spawn_dflash, Lines};
+pub use models::{models_of, tiny_models};
 
 use std::path::{Path, PathBuf};
 
