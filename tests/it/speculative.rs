@@ -4,8 +4,8 @@
 use crate::common;
 
 use common::{models_of, tiny_models};
-use dflash_tui::eval::speculative::{dflash, evaluate, greedy, EvalOptions};
-use dflash_tui::model::TargetModel;
+use dflash_tui::eval::speculative::{dflash, evaluate, greedy, Decoded, EvalOptions, EvalReport};
+use dflash_tui::model::{Drafter, FrozenHead, TargetModel};
 
 mod reports;
 
@@ -16,15 +16,42 @@ fn hybrid_dir() -> std::path::PathBuf {
         .join("tests/fixtures/qwen35_targets/conditional")
 }
 
+/// Three prompts, one of a single token.
+fn short_prompts() -> Vec<Vec<u32>> {
+    vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]]
+}
+
+/// Decodes each of `prompts` greedily and with DFlash (30 new tokens), asserting the same
+/// tokens, then `evaluate`s them (20 new tokens), asserting no mismatch: the DFlash decodings
+/// and the report.
+fn assert_dflash_equals_greedy(
+    target: &TargetModel,
+    drafter: &Drafter,
+    head: &FrozenHead,
+    prompts: &[Vec<u32>],
+) -> (Vec<Decoded>, EvalReport) {
+    let decoded = prompts
+        .iter()
+        .map(|p| {
+            let plain = tch::no_grad(|| greedy(target, p, 30, &[])).unwrap();
+            let fast = tch::no_grad(|| dflash(target, drafter, head, p, 30, &[])).unwrap();
+            assert_eq!(fast.output_ids, plain.output_ids, "prompt {p:?}");
+            fast
+        })
+        .collect();
+    let options = EvalOptions::default();
+    let report = evaluate(target, drafter, head, prompts, 20, &[], &options).unwrap();
+    assert_eq!(report.mismatches, 0);
+    (decoded, report)
+}
+
 #[test]
 fn dflash_output_equals_greedy_decoding() {
     let (_tmp, target, drafter, head) = tiny_models(4);
-    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
-    for p in &prompts {
-        let plain = tch::no_grad(|| greedy(&target, p, 30, &[])).unwrap();
-        let fast = tch::no_grad(|| dflash(&target, &drafter, &head, p, 30, &[])).unwrap();
-        assert_eq!(plain.output_ids.len(), 30);
-        assert_eq!(fast.output_ids, plain.output_ids, "prompt {p:?}");
+    let prompts = short_prompts();
+    let (decoded, report) = assert_dflash_equals_greedy(&target, &drafter, &head, &prompts);
+    for fast in decoded {
+        assert_eq!(fast.output_ids.len(), 30);
         // each step emits a + 1 tokens after the prefill's first one
         let emitted: usize = fast.accept_lengths.iter().sum();
         assert!(
@@ -43,17 +70,6 @@ fn dflash_output_equals_greedy_decoding() {
     assert_eq!(fast.output_ids, with_eos.output_ids);
     assert_eq!(fast.output_ids.last(), Some(&eos));
 
-    let report = evaluate(
-        &target,
-        &drafter,
-        &head,
-        &prompts,
-        20,
-        &[],
-        &EvalOptions::default(),
-    )
-    .unwrap();
-    assert_eq!(report.mismatches, 0);
     assert!(report.tau >= 1.0 && report.tau <= 4.0);
     let steps: usize = report.prompts.iter().map(|p| p.accept_lengths.len()).sum();
     assert_eq!(report.accepted_by_slot[0], steps as u64);
@@ -185,7 +201,7 @@ use tch::Tensor;
 fn a_drafter_that_is_always_wrong_gives_tau_one_and_greedy_output() {
     let (_tmp, target, drafter, _head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
-    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
+    let prompts = short_prompts();
     let plain: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
@@ -249,12 +265,8 @@ fn rejected_drafts_roll_both_caches_back() {
     let taps = drafter.config.target_layer_ids().to_vec();
     let block = 5usize;
     let p = vec![3u32, 1, 4, 1, 5, 9, 2, 6];
-    let max_new = 60;
-    let answer = tch::no_grad(|| greedy(&target, &p, max_new + block, &[]))
-        .unwrap()
-        .output_ids;
     let mut state = 0x2545F4914F6CDD1Du64;
-    let wrong: Vec<Option<usize>> = (0..max_new)
+    let wrong: Vec<Option<usize>> = (0..60)
         .map(|_| {
             state ^= state << 13;
             state ^= state >> 7;
@@ -263,7 +275,7 @@ fn rejected_drafts_roll_both_caches_back() {
             (k > 0).then_some(k) // 0: no error this step
         })
         .collect();
-    let expected = decode_with_oracle(&target, &taps, &p, &answer, &wrong, block, max_new);
+    let expected = decode_with_oracle(&target, &taps, &p, &wrong, block);
     assert!(expected.iter().any(|&a| a < block) && expected.contains(&block));
 }
 
@@ -275,53 +287,36 @@ fn rejected_drafts_roll_both_caches_back() {
 #[test]
 fn dflash_on_a_hybrid_target_equals_greedy_decoding() {
     let (target, drafter, head) = models_of(&hybrid_dir(), 4);
-    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
-    for p in &prompts {
-        let plain = tch::no_grad(|| greedy(&target, p, 30, &[])).unwrap();
-        let fast = tch::no_grad(|| dflash(&target, &drafter, &head, p, 30, &[])).unwrap();
-        assert_eq!(fast.output_ids, plain.output_ids, "prompt {p:?}");
-    }
-    let report = evaluate(
-        &target,
-        &drafter,
-        &head,
-        &prompts,
-        20,
-        &[],
-        &EvalOptions::default(),
-    )
-    .unwrap();
-    assert_eq!(report.mismatches, 0);
+    assert_dflash_equals_greedy(&target, &drafter, &head, &short_prompts());
 
     let taps = drafter.config.target_layer_ids().to_vec();
     let block = 5usize;
     let p = vec![3u32, 1, 4, 1, 5, 9, 2, 6];
-    let max_new = 40;
-    let answer = tch::no_grad(|| greedy(&target, &p, max_new + block, &[]))
-        .unwrap()
-        .output_ids;
-    let wrong: Vec<Option<usize>> = (0..max_new)
+    let wrong: Vec<Option<usize>> = (0..40)
         .map(|i| [Some(1), Some(3), None, Some(2), Some(4)][i % 5])
         .collect();
-    decode_with_oracle(&target, &taps, &p, &answer, &wrong, block, max_new);
+    decode_with_oracle(&target, &taps, &p, &wrong, block);
 }
 
-/// DFlash decoding of `p` with an oracle that drafts `answer` (greedy's tokens) in blocks of
-/// `block` and errs at `wrong[step]`: the output is the answer, and each step accepts up to its
-/// error (a whole block without one). Returns those acceptance lengths.
+/// DFlash decoding of `p` (one new token per entry of `wrong`) with an oracle that drafts
+/// greedy's answer in blocks of `block` and errs at `wrong[step]`: the output is the answer, and
+/// each step accepts up to its error (a whole block without one). Returns those acceptance
+/// lengths.
 fn decode_with_oracle(
     target: &TargetModel,
     taps: &[usize],
     p: &[u32],
-    answer: &[u32],
     wrong: &[Option<usize>],
     block: usize,
-    max_new: usize,
 ) -> Vec<usize> {
+    let max_new = wrong.len();
+    let answer = tch::no_grad(|| greedy(target, p, max_new + block, &[]))
+        .unwrap()
+        .output_ids;
     let mut oracle = Oracle {
         block,
         prompt_len: p.len() as i64,
-        answer: answer.to_vec(),
+        answer: answer.clone(),
         wrong: wrong.to_vec(),
         step: 0,
         context_len: 0,

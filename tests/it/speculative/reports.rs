@@ -3,7 +3,6 @@
 
 use super::*;
 
-use dflash_tui::model::Drafter;
 use tch::{Device, Kind};
 
 #[test]
