@@ -79,8 +79,10 @@ fn a_resumed_run_continues_its_clock_and_history() {
         let target = format!("model.target={}", i.target.display());
         let data = format!("data.path={}", i.data.display());
         let total = format!("train.total_steps={steps}");
-        let sets = ["--set", &target, "--set", &data, "--set", &total];
-        common::dflash_ok(["train", "--no-tui"].iter().chain(extra).chain(&sets));
+        let mut args = vec!["train", "--no-tui"];
+        args.extend(extra);
+        args.extend(["--set", &target, "--set", &data, "--set", &total]);
+        common::dflash_ok(&args);
     };
     let cfg = config.display().to_string();
     let dir = run_dir.display().to_string();
@@ -213,7 +215,7 @@ fn event_files(run_dir: &std::path::Path) -> Vec<String> {
 fn tensorboard_reads_the_runs_scalars_as_metrics_jsonl_records_them() {
     let i = common::tiny_run(32, 5);
     let run_dir = i.tmp.path().join("run");
-    common::dflash_ok(common::tiny_train_args(
+    common::dflash_ok(&common::tiny_train_args(
         &i,
         &run_dir,
         &[

@@ -635,9 +635,7 @@ pub fn split_rows(split: &Path) -> Vec<(String, Vec<u32>, Vec<u8>)> {
 }
 
 /// Runs the binary (its log at warn); (success, stdout, stderr).
-pub fn dflash<S: AsRef<std::ffi::OsStr>>(
-    args: impl IntoIterator<Item = S>,
-) -> (bool, String, String) {
+pub fn dflash<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> (bool, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
         .args(args)
         .env("DFLASH_LOG", "warn")
@@ -653,7 +651,7 @@ pub fn dflash<S: AsRef<std::ffi::OsStr>>(
 /// Runs the binary (its log at warn) and fails the test with its stderr unless it succeeds;
 /// its stdout.
 #[track_caller]
-pub fn dflash_ok<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> String {
+pub fn dflash_ok<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
     let (ok, stdout, stderr) = dflash(args);
     assert!(ok, "{stderr}");
     stdout
