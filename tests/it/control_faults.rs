@@ -103,30 +103,31 @@ fn watch_idle(idle: Vec<UnixStream>, opened: Instant) -> std::thread::JoinHandle
 
 type Inputs = common::TinyRun;
 
+/// `train` headless on the tiny inputs, to run until stopped: no step limit, no periodic
+/// checkpoint or profile; `extra` settings after those.
 fn train_args(i: &Inputs, run_dir: &Path, extra: &[&str]) -> Vec<String> {
-    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
-    let mut args: Vec<String> = vec![
-        "train".into(),
-        "--no-tui".into(),
-        "--config".into(),
-        config.display().to_string(),
-        "--set".into(),
-        format!("model.target={}", i.target.display()),
-        "--set".into(),
-        format!("data.path={}", i.data.display()),
-        "--set".into(),
-        "train.total_steps=1000000".into(),
-        "--set".into(),
-        "checkpoint.save_every_steps=0".into(),
-        "--set".into(),
-        "telemetry.profile_interval_s=0".into(),
-        "--run-dir".into(),
-        run_dir.display().to_string(),
+    let mut set = vec![
+        "train.total_steps=1000000",
+        "checkpoint.save_every_steps=0",
+        "telemetry.profile_interval_s=0",
     ];
-    for e in extra {
-        args.extend(["--set".to_string(), e.to_string()]);
-    }
-    args
+    set.extend(extra);
+    common::tiny_train_args(i, run_dir, &set)
+}
+
+/// `train` run to its end: (exit code, stdout, stderr).
+fn train_to_end(args: &[String]) -> (Option<i32>, String, String) {
+    let out = Command::new(bin())
+        .args(args)
+        .env("DFLASH_LOG", "info")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 /// A `train --no-tui` child whose log lines (stderr) arrive line by line.
@@ -504,15 +505,9 @@ fn a_run_dir_over_the_socket_path_limit_is_refused_before_the_model_loads() {
     }
     let len = run_dir.join(control::SOCKET_NAME).as_os_str().len();
     let t = Instant::now();
-    let out = Command::new(bin())
-        .args(train_args(&i, &run_dir, &[]))
-        .env("DFLASH_LOG", "info")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let (code, _, stderr) = train_to_end(&train_args(&i, &run_dir, &[]));
     let took = t.elapsed();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(code, Some(1), "{stderr}");
     let expected = format!(
         "the control socket's path is {len} bytes, over the 107 bytes a Unix socket path may \
          have (108 with its terminating NUL); use a shorter --run-dir (at most 94 bytes)"
@@ -538,14 +533,8 @@ fn a_control_socket_that_cannot_be_made_fails_the_run_in_its_records() {
     let run_dir = i.tmp.path().join("run");
     let in_the_way = run_dir.join(control::SOCKET_NAME);
     std::fs::create_dir_all(in_the_way.join("kept")).unwrap();
-    let out = Command::new(bin())
-        .args(train_args(&i, &run_dir, &[]))
-        .env("DFLASH_LOG", "info")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let (code, _, stderr) = train_to_end(&train_args(&i, &run_dir, &[]));
+    assert_eq!(code, Some(1), "{stderr}");
     let path = in_the_way.display().to_string();
     assert!(
         stderr.contains(

@@ -3,10 +3,10 @@
 //! signal ends the process within seconds during a long validation pass or while a stage
 //! cannot stop.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::{bin, train_args, Inputs, Trainer};
+use super::{train_args, train_to_end, Inputs, Trainer};
 
 /// Starts runs until `sig` lands during start-up (sent as soon as the handlers exist; its log
 /// line tells whether the models were still loading); returns that run, the line and the trials
@@ -29,21 +29,6 @@ fn signalled_during_start_up(i: &Inputs, name: &str, sig: i32) -> (Trainer, Stri
         let _ = run.wait(Duration::from_secs(10));
     }
     panic!("{sig_name} never arrived during start-up in 5 trials");
-}
-
-/// `train` run to its end: (exit code, stdout, stderr).
-fn train_to_end(args: &[String]) -> (Option<i32>, String, String) {
-    let out = Command::new(bin())
-        .args(args)
-        .env("DFLASH_LOG", "info")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 #[test]
