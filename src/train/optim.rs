@@ -333,17 +333,22 @@ pub(crate) fn all_finite(t: &Tensor) -> Result<bool> {
 mod tests {
     use super::*;
 
+    /// PyTorch's default betas and eps, with `weight_decay`.
+    fn pytorch_defaults(weight_decay: f64) -> AdamWConfig {
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay,
+        }
+    }
+
     #[test]
     fn a_non_finite_optimizer_state_is_refused_naming_the_tensor_and_changes_nothing() {
         let good = Tensor::from_slice(&[1.0f32, 2.0]);
         let bad = Tensor::from_slice(&[1.0f32, f32::INFINITY]);
         let norm = Tensor::from_slice(&[1.0f32]);
-        let cfg = AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        };
+        let cfg = pytorch_defaults(0.0);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("opt.safetensors");
         let saved = [("w".to_string(), &bad), ("n".to_string(), &norm)];
@@ -383,12 +388,7 @@ mod tests {
     fn adamw_matches_the_formula_and_round_trips() {
         let p = Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true);
         let params = vec![("w".to_string(), &p)];
-        let cfg = AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
+        let cfg = pytorch_defaults(0.1);
         let mut opt = AdamW::new(&params, Device::Cpu, cfg);
         let g = Tensor::from_slice(&[0.5f32, 0.25]);
         opt.update(&g, 0.01).unwrap();
@@ -588,12 +588,7 @@ mod tests {
     fn update_clipped_returns_the_norm_before_clipping() {
         let p = Tensor::from_slice(&[0.0f32; 4]);
         let params = vec![("w".to_string(), &p)];
-        let cfg = AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        };
+        let cfg = pytorch_defaults(0.0);
         let mut opt = AdamW::new(&params, Device::Cpu, cfg);
         // norm 13, clipped to 1: the gradient is left scaled to a norm of about 1
         let mut grad = Tensor::from_slice(&[3.0f32, 4.0, 12.0, 0.0]);
@@ -616,12 +611,7 @@ mod tests {
     fn mismatched_tensors_are_errors() {
         let p = Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
         let params = vec![("w".to_string(), &p)];
-        let cfg = AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        };
+        let cfg = pytorch_defaults(0.0);
         let mut opt = AdamW::new(&params, Device::Cpu, cfg);
         let short = Tensor::from_slice(&[1.0f32, 2.0]);
         let err = opt.update(&short, 0.1).unwrap_err().to_string();

@@ -10,7 +10,7 @@ mod stand_in;
 
 use common::ctl;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -103,73 +103,55 @@ fn watch_idle(idle: Vec<UnixStream>, opened: Instant) -> std::thread::JoinHandle
 
 type Inputs = common::TinyRun;
 
+/// `train` headless on the tiny inputs, to run until stopped: no step limit, no periodic
+/// checkpoint or profile; `extra` settings after those.
 fn train_args(i: &Inputs, run_dir: &Path, extra: &[&str]) -> Vec<String> {
-    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
-    let mut args: Vec<String> = vec![
-        "train".into(),
-        "--no-tui".into(),
-        "--config".into(),
-        config.display().to_string(),
-        "--set".into(),
-        format!("model.target={}", i.target.display()),
-        "--set".into(),
-        format!("data.path={}", i.data.display()),
-        "--set".into(),
-        "train.total_steps=1000000".into(),
-        "--set".into(),
-        "checkpoint.save_every_steps=0".into(),
-        "--set".into(),
-        "telemetry.profile_interval_s=0".into(),
-        "--run-dir".into(),
-        run_dir.display().to_string(),
+    let mut set = vec![
+        "train.total_steps=1000000",
+        "checkpoint.save_every_steps=0",
+        "telemetry.profile_interval_s=0",
     ];
-    for e in extra {
-        args.extend(["--set".to_string(), e.to_string()]);
-    }
-    args
+    set.extend(extra);
+    common::tiny_train_args(i, run_dir, &set)
 }
 
-/// A `train --no-tui` child whose log lines (stderr) arrive on a channel.
+/// `train` run to its end: (exit code, stdout, stderr).
+fn train_to_end(args: &[String]) -> (Option<i32>, String, String) {
+    let out = Command::new(bin())
+        .args(args)
+        .env("DFLASH_LOG", "info")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A `train --no-tui` child whose log lines (stderr) arrive line by line.
 struct Trainer {
     /// None once `wait` took it; dropped with the test otherwise (killed, so that a failing
     /// test leaves no run behind).
     child: Option<Child>,
     pid: i32,
     run_dir: PathBuf,
-    lines: Receiver<String>,
-    stdout: Option<std::thread::JoinHandle<String>>,
+    lines: common::Lines,
+    stdout: common::Lines,
 }
 
 impl Trainer {
     fn start(i: &Inputs, run_dir: &Path, extra: &[&str]) -> Trainer {
-        let mut child = Command::new(bin())
-            .args(train_args(i, run_dir, extra))
-            .env("DFLASH_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (tx, lines) = crossbeam_channel::unbounded();
-        let stderr = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { return };
-                let _ = tx.send(line);
-            }
-        });
-        let mut out = child.stdout.take().unwrap();
-        let stdout = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = out.read_to_string(&mut s);
-            s
-        });
+        let mut child = common::spawn_dflash(&train_args(i, run_dir, extra), Stdio::null());
+        let lines = common::Lines::read(child.stderr.take().unwrap());
+        let stdout = common::Lines::read(child.stdout.take().unwrap());
         Trainer {
             pid: child.id() as i32,
             child: Some(child),
             run_dir: run_dir.to_path_buf(),
             lines,
-            stdout: Some(stdout),
+            stdout,
         }
     }
 
@@ -183,27 +165,16 @@ impl Trainer {
     }
 
     /// Waits for a log line containing `pattern`.
-    fn line_with(&self, pattern: &str, limit: Duration) -> String {
+    fn line_with(&mut self, pattern: &str, limit: Duration) -> String {
         self.lines_until(pattern, limit).pop().unwrap()
     }
 
     /// The log lines up to and including the first that contains `pattern`.
-    fn lines_until(&self, pattern: &str, limit: Duration) -> Vec<String> {
-        let deadline = Instant::now() + limit;
-        let mut lines = Vec::new();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    let found = line.contains(pattern);
-                    lines.push(line);
-                    if found {
-                        return lines;
-                    }
-                }
-                Err(_) => panic!("no log line with {pattern:?} within {limit:?}"),
-            }
-        }
+    fn lines_until(&mut self, pattern: &str, limit: Duration) -> Vec<String> {
+        let from = self.lines.seen.len();
+        self.lines
+            .next_with(&format!("{pattern:?}"), limit, |l| l.contains(pattern));
+        self.lines.seen[from..].to_vec()
     }
 
     /// The share of a core the child uses over `window` (a measurement, so a sleep).
@@ -214,7 +185,13 @@ impl Trainer {
     }
 
     /// Waits for the exit; returns the exit code (None: killed by a signal) and stdout.
-    fn wait(mut self, limit: Duration) -> (Option<i32>, String) {
+    fn wait(self, limit: Duration) -> (Option<i32>, String) {
+        let (code, stdout, _) = self.wait_with_log(limit);
+        (code, stdout)
+    }
+
+    /// [`Trainer::wait`], and the log lines that no `line_with` or `lines_until` read.
+    fn wait_with_log(mut self, limit: Duration) -> (Option<i32>, String, Vec<String>) {
         let pid = self.pid();
         let mut child = self.child.take().expect("waited once");
         let (tx, rx) = crossbeam_channel::bounded(1);
@@ -226,8 +203,10 @@ impl Trainer {
             unsafe { libc::kill(pid, libc::SIGKILL) };
             panic!("the run did not end within {limit:?}");
         });
-        let stdout = self.stdout.take().expect("waited once");
-        (code, stdout.join().unwrap())
+        let unread = self.lines.seen.len();
+        self.lines.all(limit);
+        let log = self.lines.seen.split_off(unread);
+        (code, self.stdout.all(limit), log)
     }
 
     fn socket(&self) -> PathBuf {
@@ -328,7 +307,7 @@ fn storm(
 #[test]
 fn a_training_run_survives_idle_connections_a_command_storm_and_failing_accepts() {
     let i = common::tiny_run(32, 3);
-    let run = Trainer::start(&i, &i.tmp.path().join("run"), &[]);
+    let mut run = Trainer::start(&i, &i.tmp.path().join("run"), &[]);
     run.line_with("step 5/", Duration::from_secs(60));
     let base_fds = run.open_fds();
 
@@ -435,7 +414,7 @@ fn a_training_run_survives_idle_connections_a_command_storm_and_failing_accepts(
         end.last_s
     );
 
-    emfile_backs_off(&run);
+    emfile_backs_off(&mut run);
 
     let (ok, reply) = ctl(&run.run_dir, &["stop"]);
     assert!(ok && reply.contains("stopping"), "{reply}");
@@ -446,7 +425,7 @@ fn a_training_run_survives_idle_connections_a_command_storm_and_failing_accepts(
 
 /// With no file descriptor left, accepting fails (EMFILE): the accept loop pauses instead of
 /// spinning, warns once, and serves the waiting clients once descriptors are back.
-fn emfile_backs_off(run: &Trainer) {
+fn emfile_backs_off(run: &mut Trainer) {
     assert!(run.send("pause").ok);
     let mut old = libc::rlimit {
         rlim_cur: 0,
@@ -455,14 +434,14 @@ fn emfile_backs_off(run: &Trainer) {
     // SAFETY: reads the child's limit.
     let got = unsafe { libc::prlimit(run.pid(), libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) };
     assert_eq!(got, 0);
+    let pid = run.pid();
     let set_soft = |soft: libc::rlim_t| {
         let new = libc::rlimit {
             rlim_cur: soft,
             rlim_max: old.rlim_max,
         };
         // SAFETY: sets our own child's limit.
-        let set =
-            unsafe { libc::prlimit(run.pid(), libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()) };
+        let set = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()) };
         assert_eq!(set, 0);
     };
     let paused_share = run.cpu_share_over(Duration::from_secs(1));
@@ -526,15 +505,9 @@ fn a_run_dir_over_the_socket_path_limit_is_refused_before_the_model_loads() {
     }
     let len = run_dir.join(control::SOCKET_NAME).as_os_str().len();
     let t = Instant::now();
-    let out = Command::new(bin())
-        .args(train_args(&i, &run_dir, &[]))
-        .env("DFLASH_LOG", "info")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let (code, _, stderr) = train_to_end(&train_args(&i, &run_dir, &[]));
     let took = t.elapsed();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(code, Some(1), "{stderr}");
     let expected = format!(
         "the control socket's path is {len} bytes, over the 107 bytes a Unix socket path may \
          have (108 with its terminating NUL); use a shorter --run-dir (at most 94 bytes)"
@@ -560,14 +533,8 @@ fn a_control_socket_that_cannot_be_made_fails_the_run_in_its_records() {
     let run_dir = i.tmp.path().join("run");
     let in_the_way = run_dir.join(control::SOCKET_NAME);
     std::fs::create_dir_all(in_the_way.join("kept")).unwrap();
-    let out = Command::new(bin())
-        .args(train_args(&i, &run_dir, &[]))
-        .env("DFLASH_LOG", "info")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let (code, _, stderr) = train_to_end(&train_args(&i, &run_dir, &[]));
+    assert_eq!(code, Some(1), "{stderr}");
     let path = in_the_way.display().to_string();
     assert!(
         stderr.contains(

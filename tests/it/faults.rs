@@ -9,10 +9,8 @@ use crate::common;
 
 mod damaged_checkpoints;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use dflash_tui::telemetry::records::{read_metrics, EventKind, MetricsRecord};
@@ -20,10 +18,6 @@ use dflash_tui::train::checkpoint::{
     latest_checkpoint, list_checkpoints, newest_checkpoint, read_state,
 };
 use dflash_tui::train::manifest::ManifestCheck;
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_dflash-tui")
-}
 
 /// `train` on the tiny inputs in `run_dir`, with `--set` overrides.
 fn train_args(i: &common::TinyRun, run_dir: &Path, set: &[&str]) -> Vec<String> {
@@ -42,70 +36,30 @@ fn resume_args(run_dir: &Path) -> Vec<String> {
 /// A trainer process whose stderr (the log) and stdout arrive line by line.
 struct Run {
     child: Child,
-    lines: Receiver<String>,
-    seen: Vec<String>,
+    lines: common::Lines,
 }
 
 impl Run {
     fn start(args: &[String]) -> Run {
-        let mut child = Command::new(bin())
-            .args(args)
-            .env("DFLASH_LOG", "info")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        let err = child.stderr.take().unwrap();
-        for stream in [
-            Box::new(out) as Box<dyn std::io::Read + Send>,
-            Box::new(err) as Box<dyn std::io::Read + Send>,
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines().map_while(Result::ok) {
-                    if tx.send(line).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-        Run {
-            child,
-            lines: rx,
-            seen: Vec::new(),
-        }
+        let mut child = common::spawn_dflash(args, Stdio::piped());
+        let lines = common::Lines::merged(&mut child);
+        Run { child, lines }
     }
 
     /// Reads output until a line contains `pattern` (the `count`-th such line); panics after
     /// `limit`.
     fn wait_for(&mut self, pattern: &str, count: usize, limit: Duration) -> String {
-        let deadline = Instant::now() + limit;
-        let mut found = self.seen.iter().filter(|l| l.contains(pattern)).count();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    self.seen.push(line.clone());
-                    if line.contains(pattern) {
-                        found += 1;
-                        if found >= count {
-                            return line;
-                        }
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => panic!(
-                    "no {pattern:?} within {limit:?}; output so far:\n{}",
-                    self.seen.join("\n")
-                ),
-                Err(RecvTimeoutError::Disconnected) => panic!(
-                    "the run ended before {pattern:?}; output:\n{}",
-                    self.seen.join("\n")
-                ),
-            }
-        }
+        let mut found = self
+            .lines
+            .seen
+            .iter()
+            .filter(|l| l.contains(pattern))
+            .count();
+        self.lines
+            .next_with(&format!("{pattern:?}"), limit, |line| {
+                found += usize::from(line.contains(pattern));
+                line.contains(pattern) && found >= count
+            })
     }
 
     fn kill9(mut self) {
@@ -118,27 +72,10 @@ impl Run {
 
     /// Waits for the process to end (within `limit`); its exit code and all its output.
     fn finish(mut self, limit: Duration) -> (i32, String) {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                // the readers end with the streams
-                while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
-                    self.seen.push(line);
-                }
-                return (status.code().unwrap_or(-1), self.seen.join("\n"));
-            }
-            match self.lines.recv_timeout(Duration::from_millis(200)) {
-                Ok(line) => self.seen.push(line),
-                Err(_) if Instant::now() > deadline => {
-                    let _ = self.child.kill();
-                    panic!(
-                        "the run did not end within {limit:?}; output:\n{}",
-                        self.seen.join("\n")
-                    );
-                }
-                Err(_) => {}
-            }
-        }
+        // the output ends when the process does
+        let out = self.lines.all(limit);
+        let code = self.child.wait().unwrap().code().unwrap_or(-1);
+        (code, out)
     }
 
     fn stop(mut self, limit: Duration) -> (i32, String) {

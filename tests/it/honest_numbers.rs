@@ -76,22 +76,13 @@ fn a_resumed_run_continues_its_clock_and_history() {
     let run_dir = i.tmp.path().join("run");
     let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
     let train = |extra: &[&str], steps: u64| {
-        let out = Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
-            .arg("train")
-            .arg("--no-tui")
-            .args(extra)
-            .args(["--set", &format!("model.target={}", i.target.display())])
-            .args(["--set", &format!("data.path={}", i.data.display())])
-            .args(["--set", &format!("train.total_steps={steps}")])
-            .env("DFLASH_LOG", "warn")
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let target = format!("model.target={}", i.target.display());
+        let data = format!("data.path={}", i.data.display());
+        let total = format!("train.total_steps={steps}");
+        let mut args = vec!["train", "--no-tui"];
+        args.extend(extra);
+        args.extend(["--set", &target, "--set", &data, "--set", &total]);
+        common::dflash_ok(&args);
     };
     let cfg = config.display().to_string();
     let dir = run_dir.display().to_string();
@@ -224,33 +215,19 @@ fn event_files(run_dir: &std::path::Path) -> Vec<String> {
 fn tensorboard_reads_the_runs_scalars_as_metrics_jsonl_records_them() {
     let i = common::tiny_run(32, 5);
     let run_dir = i.tmp.path().join("run");
-    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
-        .args(["train", "--no-tui", "--config"])
-        .arg(&config)
-        .args(["--set", &format!("model.target={}", i.target.display())])
-        .args(["--set", &format!("data.path={}", i.data.display())])
-        .args(["--set", "train.total_steps=12"])
-        .args(["--set", "eval.every_steps=6", "--set", "eval.prompts=2"])
-        .args(["--set", "eval.max_new_tokens=8"])
-        .args([
-            "--set",
+    common::dflash_ok(&common::tiny_train_args(
+        &i,
+        &run_dir,
+        &[
+            "train.total_steps=12",
+            "eval.every_steps=6",
+            "eval.prompts=2",
+            "eval.max_new_tokens=8",
             "validation.every_steps=4",
-            "--set",
             "validation.sequences=4",
-        ])
-        .args(["--set", "validation.max_new_tokens=8"])
-        .arg("--run-dir")
-        .arg(&run_dir)
-        .env("DFLASH_LOG", "warn")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+            "validation.max_new_tokens=8",
+        ],
+    ));
     let live = event_files(&run_dir);
     assert_eq!(live.len(), 1, "{live:?}");
     assert!(live[0].starts_with("events.out.tfevents."), "{live:?}");

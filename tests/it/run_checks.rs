@@ -7,15 +7,9 @@
 use crate::common;
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::Receiver;
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant, SystemTime};
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_dflash-tui")
-}
 
 fn tiny_config() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml")
@@ -44,8 +38,8 @@ fn train_args(target: &Path, data: &Path, run_dir: &Path, set: &[&str]) -> Vec<S
 /// A process of the binary; killed when dropped, so that a failing test leaves none behind.
 struct Proc {
     child: Child,
-    /// stdout and stderr, each whole once its stream ends (the process exited).
-    streams: Receiver<(bool, String)>,
+    stdout: common::Lines,
+    stderr: common::Lines,
 }
 
 struct Ended {
@@ -57,47 +51,21 @@ struct Ended {
 
 impl Proc {
     fn start(args: &[String]) -> Proc {
-        let mut child = Command::new(bin())
-            .args(args)
-            .env("DFLASH_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        let err = child.stderr.take().unwrap();
-        for (is_err, mut stream) in [
-            (false, Box::new(out) as Box<dyn Read + Send>),
-            (true, Box::new(err) as Box<dyn Read + Send>),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                let mut text = String::new();
-                let _ = stream.read_to_string(&mut text);
-                let _ = tx.send((is_err, text));
-            });
+        let mut child = common::spawn_dflash(args, Stdio::null());
+        let stdout = common::Lines::read(child.stdout.take().unwrap());
+        let stderr = common::Lines::read(child.stderr.take().unwrap());
+        Proc {
+            child,
+            stdout,
+            stderr,
         }
-        Proc { child, streams: rx }
     }
 
     /// Waits (up to `limit`) for both streams to end, then for the exit status.
     fn finish(mut self, limit: Duration) -> Ended {
         let t = Instant::now();
-        let (mut stdout, mut stderr) = (String::new(), String::new());
-        for _ in 0..2 {
-            let left = limit.saturating_sub(t.elapsed());
-            let (is_err, text) = self
-                .streams
-                .recv_timeout(left)
-                .unwrap_or_else(|_| panic!("{} did not end within {limit:?}", bin()));
-            if is_err {
-                stderr = text;
-            } else {
-                stdout = text;
-            }
-        }
+        let stdout = self.stdout.all(limit);
+        let stderr = self.stderr.all(limit.saturating_sub(t.elapsed()));
         let code = self.child.wait().unwrap().code();
         Ended {
             code,

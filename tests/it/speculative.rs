@@ -3,38 +3,11 @@
 
 use crate::common;
 
-use common::tiny_target_dir;
-use dflash_tui::eval::speculative::{dflash, evaluate, greedy, EvalOptions};
-use dflash_tui::model::{Drafter, DrafterConfig, DrafterShape, FrozenHead, TargetModel};
-use tch::{Device, Kind};
+use common::{models_of, tiny_models};
+use dflash_tui::eval::speculative::{dflash, evaluate, greedy, Decoded, EvalOptions, EvalReport};
+use dflash_tui::model::{Drafter, FrozenHead, TargetModel};
 
 mod reports;
-
-fn models(block: i64) -> (tempfile::TempDir, TargetModel, Drafter, FrozenHead) {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tiny_target_dir(&tmp.path().join("t"), "qwen3", false, None, 21);
-    let (target, drafter, head) = models_of(&dir, block);
-    (tmp, target, drafter, head)
-}
-
-/// The target in `dir` (f32) and a freshly initialised drafter for it.
-fn models_of(dir: &std::path::Path, block: i64) -> (TargetModel, Drafter, FrozenHead) {
-    let target = TargetModel::load(dir, Device::Cpu, Kind::Float).unwrap();
-    let config = DrafterConfig::for_target(
-        &target.config,
-        &DrafterShape {
-            layers: 1,
-            block_size: block,
-            mask_token_id: 1,
-            target_layer_ids: None,
-            num_taps: 2,
-        },
-    )
-    .unwrap();
-    let drafter = Drafter::init(config, Device::Cpu, Kind::Float, 3).unwrap();
-    let head = FrozenHead::from_target(&target, Device::Cpu, Kind::Float);
-    (target, drafter, head)
-}
 
 /// The tiny Qwen3.5 hybrid checkpoint transformers wrote (Gated DeltaNet and gated attention
 /// layers; tests/fixtures/make_qwen35_targets.py).
@@ -43,15 +16,42 @@ fn hybrid_dir() -> std::path::PathBuf {
         .join("tests/fixtures/qwen35_targets/conditional")
 }
 
+/// Three prompts, one of a single token.
+fn short_prompts() -> Vec<Vec<u32>> {
+    vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]]
+}
+
+/// Decodes each of `prompts` greedily and with DFlash (30 new tokens), asserting the same
+/// tokens, then `evaluate`s them (20 new tokens), asserting no mismatch: the DFlash decodings
+/// and the report.
+fn assert_dflash_equals_greedy(
+    target: &TargetModel,
+    drafter: &Drafter,
+    head: &FrozenHead,
+    prompts: &[Vec<u32>],
+) -> (Vec<Decoded>, EvalReport) {
+    let decoded = prompts
+        .iter()
+        .map(|p| {
+            let plain = tch::no_grad(|| greedy(target, p, 30, &[])).unwrap();
+            let fast = tch::no_grad(|| dflash(target, drafter, head, p, 30, &[])).unwrap();
+            assert_eq!(fast.output_ids, plain.output_ids, "prompt {p:?}");
+            fast
+        })
+        .collect();
+    let options = EvalOptions::default();
+    let report = evaluate(target, drafter, head, prompts, 20, &[], &options).unwrap();
+    assert_eq!(report.mismatches, 0);
+    (decoded, report)
+}
+
 #[test]
 fn dflash_output_equals_greedy_decoding() {
-    let (_tmp, target, drafter, head) = models(4);
-    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
-    for p in &prompts {
-        let plain = tch::no_grad(|| greedy(&target, p, 30, &[])).unwrap();
-        let fast = tch::no_grad(|| dflash(&target, &drafter, &head, p, 30, &[])).unwrap();
-        assert_eq!(plain.output_ids.len(), 30);
-        assert_eq!(fast.output_ids, plain.output_ids, "prompt {p:?}");
+    let (_tmp, target, drafter, head) = tiny_models(4);
+    let prompts = short_prompts();
+    let (decoded, report) = assert_dflash_equals_greedy(&target, &drafter, &head, &prompts);
+    for fast in decoded {
+        assert_eq!(fast.output_ids.len(), 30);
         // each step emits a + 1 tokens after the prefill's first one
         let emitted: usize = fast.accept_lengths.iter().sum();
         assert!(
@@ -70,17 +70,6 @@ fn dflash_output_equals_greedy_decoding() {
     assert_eq!(fast.output_ids, with_eos.output_ids);
     assert_eq!(fast.output_ids.last(), Some(&eos));
 
-    let report = evaluate(
-        &target,
-        &drafter,
-        &head,
-        &prompts,
-        20,
-        &[],
-        &EvalOptions::default(),
-    )
-    .unwrap();
-    assert_eq!(report.mismatches, 0);
     assert!(report.tau >= 1.0 && report.tau <= 4.0);
     let steps: usize = report.prompts.iter().map(|p| p.accept_lengths.len()).sum();
     assert_eq!(report.accepted_by_slot[0], steps as u64);
@@ -92,7 +81,7 @@ fn dflash_output_equals_greedy_decoding() {
 
 #[test]
 fn eval_command_prints_json_with_tau_speedup_and_outputs() {
-    let (tmp, target, drafter, _head) = models(4);
+    let (tmp, target, drafter, _head) = tiny_models(4);
     let _ = target;
     let target_dir = tmp.path().join("t");
     let drafter_dir = drafter.save(&tmp.path().join("d")).unwrap();
@@ -163,7 +152,7 @@ fn eval_trace_writes_a_profiler_trace_of_one_more_decoding() {
     // The Chrome trace JSON of libtorch's profiler: on the CPU, the operators of one decoding
     // of the first prompt (greedy, then DFlash), with their input shapes; the measured pass
     // is unchanged (two prompts in the report).
-    let (tmp, _target, drafter, _head) = models(4);
+    let (tmp, _target, drafter, _head) = tiny_models(4);
     let drafter_dir = drafter.save(&tmp.path().join("d")).unwrap();
     let prompts = tmp.path().join("prompts.jsonl");
     std::fs::write(
@@ -210,9 +199,9 @@ use tch::Tensor;
 
 #[test]
 fn a_drafter_that_is_always_wrong_gives_tau_one_and_greedy_output() {
-    let (_tmp, target, drafter, _head) = models(4);
+    let (_tmp, target, drafter, _head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
-    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
+    let prompts = short_prompts();
     let plain: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
@@ -241,7 +230,7 @@ fn a_drafter_that_is_always_wrong_gives_tau_one_and_greedy_output() {
 
 #[test]
 fn a_drafter_given_the_targets_answer_reaches_tau_equal_to_block_size() {
-    let (_tmp, target, drafter, _head) = models(4);
+    let (_tmp, target, drafter, _head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     for block in [4usize, 6] {
         for p in [vec![5u32, 9, 13], vec![2, 4, 8, 16, 32, 11, 7]] {
@@ -272,16 +261,12 @@ fn rejected_drafts_roll_both_caches_back() {
     // The oracle errs at a random slot in most steps: each step must accept exactly the slots
     // before the error (the target's cache rolled back past the rejected tokens, so the next
     // verify sees the right history), and the output stays the greedy answer.
-    let (_tmp, target, drafter, _head) = models(4);
+    let (_tmp, target, drafter, _head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     let block = 5usize;
     let p = vec![3u32, 1, 4, 1, 5, 9, 2, 6];
-    let max_new = 60;
-    let answer = tch::no_grad(|| greedy(&target, &p, max_new + block, &[]))
-        .unwrap()
-        .output_ids;
     let mut state = 0x2545F4914F6CDD1Du64;
-    let wrong: Vec<Option<usize>> = (0..max_new)
+    let wrong: Vec<Option<usize>> = (0..60)
         .map(|_| {
             state ^= state << 13;
             state ^= state >> 7;
@@ -290,7 +275,7 @@ fn rejected_drafts_roll_both_caches_back() {
             (k > 0).then_some(k) // 0: no error this step
         })
         .collect();
-    let expected = decode_with_oracle(&target, &taps, &p, &answer, &wrong, block, max_new);
+    let expected = decode_with_oracle(&target, &taps, &p, &wrong, block);
     assert!(expected.iter().any(|&a| a < block) && expected.contains(&block));
 }
 
@@ -302,53 +287,36 @@ fn rejected_drafts_roll_both_caches_back() {
 #[test]
 fn dflash_on_a_hybrid_target_equals_greedy_decoding() {
     let (target, drafter, head) = models_of(&hybrid_dir(), 4);
-    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
-    for p in &prompts {
-        let plain = tch::no_grad(|| greedy(&target, p, 30, &[])).unwrap();
-        let fast = tch::no_grad(|| dflash(&target, &drafter, &head, p, 30, &[])).unwrap();
-        assert_eq!(fast.output_ids, plain.output_ids, "prompt {p:?}");
-    }
-    let report = evaluate(
-        &target,
-        &drafter,
-        &head,
-        &prompts,
-        20,
-        &[],
-        &EvalOptions::default(),
-    )
-    .unwrap();
-    assert_eq!(report.mismatches, 0);
+    assert_dflash_equals_greedy(&target, &drafter, &head, &short_prompts());
 
     let taps = drafter.config.target_layer_ids().to_vec();
     let block = 5usize;
     let p = vec![3u32, 1, 4, 1, 5, 9, 2, 6];
-    let max_new = 40;
-    let answer = tch::no_grad(|| greedy(&target, &p, max_new + block, &[]))
-        .unwrap()
-        .output_ids;
-    let wrong: Vec<Option<usize>> = (0..max_new)
+    let wrong: Vec<Option<usize>> = (0..40)
         .map(|i| [Some(1), Some(3), None, Some(2), Some(4)][i % 5])
         .collect();
-    decode_with_oracle(&target, &taps, &p, &answer, &wrong, block, max_new);
+    decode_with_oracle(&target, &taps, &p, &wrong, block);
 }
 
-/// DFlash decoding of `p` with an oracle that drafts `answer` (greedy's tokens) in blocks of
-/// `block` and errs at `wrong[step]`: the output is the answer, and each step accepts up to its
-/// error (a whole block without one). Returns those acceptance lengths.
+/// DFlash decoding of `p` (one new token per entry of `wrong`) with an oracle that drafts
+/// greedy's answer in blocks of `block` and errs at `wrong[step]`: the output is the answer, and
+/// each step accepts up to its error (a whole block without one). Returns those acceptance
+/// lengths.
 fn decode_with_oracle(
     target: &TargetModel,
     taps: &[usize],
     p: &[u32],
-    answer: &[u32],
     wrong: &[Option<usize>],
     block: usize,
-    max_new: usize,
 ) -> Vec<usize> {
+    let max_new = wrong.len();
+    let answer = tch::no_grad(|| greedy(target, p, max_new + block, &[]))
+        .unwrap()
+        .output_ids;
     let mut oracle = Oracle {
         block,
         prompt_len: p.len() as i64,
-        answer: answer.to_vec(),
+        answer: answer.clone(),
         wrong: wrong.to_vec(),
         step: 0,
         context_len: 0,
@@ -393,7 +361,7 @@ fn each_draft_equals_a_fresh_forward_over_the_accepted_tokens() {
     // After any number of rolled-back steps, the drafter's proposal equals one computed from
     // scratch: a fresh target forward over prompt + accepted tokens for the context features,
     // and a fresh drafter cache.
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     let p = vec![7u32, 3, 12, 30, 8];
     let capacity = dflash_tui::eval::speculative::capacity_for(p.len(), 40, 4);
@@ -473,7 +441,7 @@ fn eval_cli(
 
 #[test]
 fn eval_rejects_drafters_that_do_not_fit_and_bad_prompt_sets() {
-    let (tmp, _target, drafter, _head) = models(4);
+    let (tmp, _target, drafter, _head) = tiny_models(4);
     let target_dir = tmp.path().join("t");
     let good = drafter.save(&tmp.path().join("d")).unwrap();
     let prompts = tmp.path().join("prompts.jsonl");

@@ -6,36 +6,16 @@ use crate::common;
 use std::sync::atomic::AtomicBool;
 
 use common::proposers::{AlwaysProposes, Oracle};
-use common::tiny_target_dir;
+use common::tiny_models;
 use dflash_tui::data::store::Sample;
 use dflash_tui::eval::speculative::{dflash, greedy, speculative_decode, BlockDrafter};
-use dflash_tui::model::{
-    AnchorBatch, Drafter, DrafterConfig, DrafterShape, ForwardRequest, FrozenHead, TargetModel,
+use dflash_tui::model::{AnchorBatch, Drafter, ForwardRequest, FrozenHead, TargetModel};
+use dflash_tui::train::loss::{
+    block_targets, loss_and_backward, AnchorPlan, BlockTargets, LossOptions,
 };
-use dflash_tui::train::loss::{block_targets, loss_and_backward, AnchorPlan, LossOptions};
 use dflash_tui::train::optim::{AdamW, AdamWConfig};
 use dflash_tui::train::validation::{validate, walk, Validation, ValidationOptions};
-use tch::{Device, Kind, Tensor};
-
-fn models(block: i64) -> (tempfile::TempDir, TargetModel, Drafter, FrozenHead) {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tiny_target_dir(&tmp.path().join("t"), "qwen3", false, None, 21);
-    let target = TargetModel::load(&dir, Device::Cpu, Kind::Float).unwrap();
-    let config = DrafterConfig::for_target(
-        &target.config,
-        &DrafterShape {
-            layers: 1,
-            block_size: block,
-            mask_token_id: 1,
-            target_layer_ids: None,
-            num_taps: 2,
-        },
-    )
-    .unwrap();
-    let drafter = Drafter::init(config, Device::Cpu, Kind::Float, 3).unwrap();
-    let head = FrozenHead::from_target(&target, Device::Cpu, Kind::Float);
-    (tmp, target, drafter, head)
-}
+use tch::{Device, Tensor};
 
 /// The acceptance length at each position of `answer` of a drafter whose block at position i
 /// is `draft(i)`: its leading slots k >= 1 equal to `answer[i + k]`.
@@ -74,7 +54,7 @@ fn tau(steps: &[usize]) -> f64 {
 
 #[test]
 fn the_walk_gives_the_steps_of_real_decoding_for_a_drafter_always_right_or_always_wrong() {
-    let (_tmp, target, drafter, _head) = models(4);
+    let (_tmp, target, drafter, _head) = tiny_models(4);
     let taps = drafter.config.target_layer_ids().to_vec();
     for block in [4usize, 6] {
         for prompt in [vec![5u32, 9, 13], vec![2, 4, 8, 16, 32, 11, 7]] {
@@ -163,6 +143,56 @@ fn options(max_new: usize, eos: &[u32], anchors_per_forward: usize) -> Validatio
     }
 }
 
+/// Training's inputs for one sequence with every candidate anchor (p <= len - block,
+/// loss-masked) in one row.
+struct EveryAnchor {
+    input: Tensor,
+    plan: AnchorPlan,
+    targets: BlockTargets,
+    /// The target's hidden states at the drafter's taps.
+    features: Tensor,
+}
+
+impl EveryAnchor {
+    fn new(target: &TargetModel, drafter: &Drafter, ids: &[u32], mask: &[u8]) -> EveryAnchor {
+        let block = drafter.config.block_size as usize;
+        let len = ids.len();
+        let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let mask: Vec<i64> = mask.iter().map(|&m| m as i64).collect();
+        let anchors: Vec<i64> = (0..=(len - block) as i64)
+            .filter(|&p| mask[p as usize] == 1)
+            .collect();
+        let plan = AnchorPlan {
+            rows: 1,
+            per_row: anchors.len(),
+            valid: vec![true; anchors.len()],
+            anchors,
+        };
+        let targets = block_targets(&ids, &mask, &[len], len, &plan, block, 7.0);
+        let input = Tensor::from_slice(&ids).view([1, -1]);
+        let req = ForwardRequest {
+            tap_layers: drafter.config.target_layer_ids().to_vec(),
+            final_hidden: false,
+            logits: false,
+        };
+        let features = target.run(&input, None, &req).features.unwrap();
+        EveryAnchor {
+            input,
+            plan,
+            targets,
+            features,
+        }
+    }
+
+    fn batch(&self) -> AnchorBatch {
+        AnchorBatch {
+            input_ids: self.input.shallow_clone(),
+            anchors: Tensor::from_slice(&self.plan.anchors).view([1, -1]),
+            valid: Tensor::from_slice(&self.plan.valid).view([1, -1]),
+        }
+    }
+}
+
 /// Trains `drafter` on `sequences` (every anchor, full batch, AdamW) until it knows them in
 /// part: a drafter whose acceptance varies along the answers.
 fn memorise(
@@ -172,7 +202,6 @@ fn memorise(
     sequences: &[(Vec<u32>, Vec<u8>)],
     steps: usize,
 ) {
-    let block = drafter.config.block_size as usize;
     let params = drafter.named_parameters();
     let mut optimizer = AdamW::new(
         &params,
@@ -184,11 +213,6 @@ fn memorise(
             weight_decay: 0.0,
         },
     );
-    let req = ForwardRequest {
-        tap_layers: drafter.config.target_layer_ids().to_vec(),
-        final_hidden: false,
-        logits: false,
-    };
     let opts = LossOptions {
         kl_weight: 0.0,
         kl_temperature: 1.0,
@@ -199,39 +223,17 @@ fn memorise(
     };
     let prepared: Vec<_> = sequences
         .iter()
-        .map(|(ids, mask)| {
-            let len = ids.len();
-            let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
-            let mask: Vec<i64> = mask.iter().map(|&m| m as i64).collect();
-            let anchors: Vec<i64> = (0..=(len - block) as i64)
-                .filter(|&p| mask[p as usize] == 1)
-                .collect();
-            let plan = AnchorPlan {
-                rows: 1,
-                per_row: anchors.len(),
-                valid: vec![true; anchors.len()],
-                anchors,
-            };
-            let targets = block_targets(&ids, &mask, &[len], len, &plan, block, 7.0);
-            let input = Tensor::from_slice(&ids).view([1, -1]);
-            let features = target.run(&input, None, &req).features.unwrap();
-            (input, plan, targets, features)
-        })
+        .map(|(ids, mask)| EveryAnchor::new(target, drafter, ids, mask))
         .collect();
     for _ in 0..steps {
-        for (input, plan, targets, features) in &prepared {
-            let batch = AnchorBatch {
-                input_ids: input.shallow_clone(),
-                anchors: Tensor::from_slice(&plan.anchors).view([1, -1]),
-                valid: Tensor::from_slice(&plan.valid).view([1, -1]),
-            };
-            let hidden = drafter.forward_train(head, features, &batch);
+        for x in &prepared {
+            let hidden = drafter.forward_train(head, &x.features, &x.batch());
             let scale = 1.0 / sequences.len() as f64;
             let (_, pending) = loss_and_backward(
                 &hidden,
                 &head.lm_head,
-                targets,
-                &plan.valid,
+                &x.targets,
+                &x.plan.valid,
                 None,
                 &opts,
                 scale,
@@ -252,7 +254,7 @@ fn on_the_targets_own_answers_the_pass_walks_as_the_real_drafter_decodes() {
     // exactly what decoding sees, so its walk takes decoding's steps (the last one capped at
     // the budget, see above). The drafter first learns those answers in part, so that its
     // steps vary.
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let max_new = 30;
     let prompts = [vec![5u32, 9, 13], vec![2, 4, 8, 16, 32, 11, 7], vec![40]];
     let sequences: Vec<(Vec<u32>, Vec<u8>)> = prompts
@@ -344,7 +346,7 @@ fn run_pass(
 
 #[test]
 fn a_set_cancel_flag_stops_the_pass_before_its_first_sequence() {
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let rows = rows();
     let samples: Vec<Sample<'_>> = rows
         .iter()
@@ -375,7 +377,7 @@ fn a_set_cancel_flag_stops_the_pass_before_its_first_sequence() {
 
 #[test]
 fn the_pass_is_finite_deterministic_and_in_range() {
-    let (_tmp, target, drafter, head) = models(4);
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let rows = rows();
     let opts = options(16, &[2], 7);
     let a = run_pass(&target, &drafter, &head, &rows, &opts);
@@ -406,8 +408,7 @@ fn the_pass_is_finite_deterministic_and_in_range() {
 fn loss_accuracy_and_acceptance_are_trainings_over_every_anchor() {
     // Training's loss sums over every candidate anchor (p <= len - block, loss-masked) equal
     // the pass's numbers.
-    let (_tmp, target, drafter, head) = models(4);
-    let block = 4usize;
+    let (_tmp, target, drafter, head) = tiny_models(4);
     let rows = rows();
     let (ids, mask) = &rows[5];
     let v = run_pass(
@@ -417,38 +418,8 @@ fn loss_accuracy_and_acceptance_are_trainings_over_every_anchor() {
         &rows[5..],
         &options(16, &[], 1000),
     );
-    let len = ids.len();
-    let ids: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
-    let mask: Vec<i64> = mask.iter().map(|&m| m as i64).collect();
-    let anchors: Vec<i64> = (0..=(len - block) as i64)
-        .filter(|&p| mask[p as usize] == 1)
-        .collect();
-    let plan = AnchorPlan {
-        rows: 1,
-        per_row: anchors.len(),
-        valid: vec![true; anchors.len()],
-        anchors: anchors.clone(),
-    };
-    let targets = block_targets(&ids, &mask, &[len], len, &plan, block, 7.0);
-    let input = Tensor::from_slice(&ids).view([1, -1]);
-    let features = target
-        .run(
-            &input,
-            None,
-            &ForwardRequest {
-                tap_layers: drafter.config.target_layer_ids().to_vec(),
-                final_hidden: false,
-                logits: false,
-            },
-        )
-        .features
-        .unwrap();
-    let batch = AnchorBatch {
-        input_ids: input,
-        anchors: Tensor::from_slice(&anchors).view([1, -1]),
-        valid: Tensor::from_slice(&plan.valid).view([1, -1]),
-    };
-    let hidden = drafter.forward_train(&head, &features, &batch);
+    let x = EveryAnchor::new(&target, &drafter, ids, mask);
+    let hidden = drafter.forward_train(&head, &x.features, &x.batch());
     let opts = LossOptions {
         kl_weight: 0.0,
         kl_temperature: 1.0,
@@ -460,13 +431,13 @@ fn loss_accuracy_and_acceptance_are_trainings_over_every_anchor() {
     let (sums, _) = loss_and_backward(
         &hidden,
         &head.lm_head,
-        &targets,
-        &plan.valid,
+        &x.targets,
+        &x.plan.valid,
         None,
         &opts,
         1.0,
     );
-    assert_eq!(v.blocks, anchors.len() as u64);
+    assert_eq!(v.blocks, x.plan.anchors.len() as u64);
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs().max(1.0);
     assert!(close(v.loss, sums.loss()), "{} vs {}", v.loss, sums.loss());
     assert!(

@@ -2,9 +2,11 @@
 #![allow(dead_code)]
 
 mod lines;
+mod models;
 pub mod proposers;
 
-pub use lines::Lines;
+pub use lines::{spawn_dflash, Lines};
+pub use models::{models_of, tiny_models};
 
 use std::path::{Path, PathBuf};
 
@@ -632,9 +634,8 @@ pub fn split_rows(split: &Path) -> Vec<(String, Vec<u32>, Vec<u8>)> {
         .collect()
 }
 
-/// Runs the binary; (success, stdout, stderr).
-#[allow(dead_code)]
-pub fn dflash(args: &[&str]) -> (bool, String, String) {
+/// Runs the binary (its log at warn); (success, stdout, stderr).
+pub fn dflash<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> (bool, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
         .args(args)
         .env("DFLASH_LOG", "warn")
@@ -645,6 +646,15 @@ pub fn dflash(args: &[&str]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Runs the binary (its log at warn) and fails the test with its stderr unless it succeeds;
+/// its stdout.
+#[track_caller]
+pub fn dflash_ok<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
+    let (ok, stdout, stderr) = dflash(args);
+    assert!(ok, "{stderr}");
+    stdout
 }
 
 /// `dflash-tui ctl RUN_DIR WORDS...`: (success, stdout and stderr).

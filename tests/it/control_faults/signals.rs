@@ -3,10 +3,10 @@
 //! signal ends the process within seconds during a long validation pass or while a stage
 //! cannot stop.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::{bin, train_args, Inputs, Trainer};
+use super::{train_args, train_to_end, Inputs, Trainer};
 
 /// Starts runs until `sig` lands during start-up (sent as soon as the handlers exist; its log
 /// line tells whether the models were still loading); returns that run, the line and the trials
@@ -18,7 +18,7 @@ fn signalled_during_start_up(i: &Inputs, name: &str, sig: i32) -> (Trainer, Stri
         _ => "SIGTERM",
     };
     for trial in 1..=5 {
-        let run = Trainer::start(i, &i.tmp.path().join(format!("{name}-{trial}")), &[]);
+        let mut run = Trainer::start(i, &i.tmp.path().join(format!("{name}-{trial}")), &[]);
         run.line_with("SIGUSR1 = checkpoint", Duration::from_secs(30));
         run.signal(sig);
         let line = run.line_with(sig_name, Duration::from_secs(10));
@@ -31,27 +31,12 @@ fn signalled_during_start_up(i: &Inputs, name: &str, sig: i32) -> (Trainer, Stri
     panic!("{sig_name} never arrived during start-up in 5 trials");
 }
 
-/// `train` run to its end: (exit code, stdout, stderr).
-fn train_to_end(args: &[String]) -> (Option<i32>, String, String) {
-    let out = Command::new(bin())
-        .args(args)
-        .env("DFLASH_LOG", "info")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[test]
 fn signals_during_start_up_are_remembered_or_end_the_start() {
     let i = crate::common::tiny_run(32, 3);
 
     // SIGUSR1 while the models load: a checkpoint after the first step.
-    let (run, _, trials) = signalled_during_start_up(&i, "usr1", libc::SIGUSR1);
+    let (mut run, _, trials) = signalled_during_start_up(&i, "usr1", libc::SIGUSR1);
     let t = Instant::now();
     let checkpoint = run.line_with("checkpoint (command) at step", Duration::from_secs(60));
     run.signal(libc::SIGTERM);
@@ -197,7 +182,7 @@ fn a_second_sigterm_during_a_validation_pass_stops_within_seconds() {
     // 2,000 held-out sequences: a pass of many seconds on the tiny model.
     let sequences = 2000;
     let i = crate::common::tiny_run(sequences, 3);
-    let run = Trainer::start(
+    let mut run = Trainer::start(
         &i,
         &i.tmp.path().join("run"),
         &[
@@ -217,12 +202,10 @@ fn a_second_sigterm_during_a_validation_pass_stops_within_seconds() {
     );
     let t = Instant::now();
     run.signal(libc::SIGTERM);
-    let lines = run.lines.clone();
     let run_dir = run.run_dir.clone();
-    let (code, stdout) = run.wait(Duration::from_secs(60));
+    let (code, stdout, log) = run.wait_with_log(Duration::from_secs(60));
     let stop_s = t.elapsed().as_secs_f64();
     let in_pass_s = pass_started.elapsed().as_secs_f64();
-    let log: Vec<String> = lines.iter().collect();
     assert_eq!(code, Some(0), "{stdout}\n{log:#?}");
     assert!(
         stop_s < 5.0,
@@ -259,7 +242,7 @@ fn a_second_sigterm_during_a_validation_pass_stops_within_seconds() {
 fn a_second_sigterm_exits_within_seconds_when_a_stage_cannot_stop() {
     // The stop's checkpoint writer hangs for good: the second SIGTERM cannot be waited for.
     let i = crate::common::tiny_run(32, 3);
-    let run = Trainer::start(
+    let mut run = Trainer::start(
         &i,
         &i.tmp.path().join("run"),
         &[
@@ -273,10 +256,8 @@ fn a_second_sigterm_exits_within_seconds_when_a_stage_cannot_stop() {
     run.line_with("waiting to be killed", Duration::from_secs(30));
     let t = Instant::now();
     run.signal(libc::SIGTERM);
-    let lines = run.lines.clone();
-    let (code, stdout) = run.wait(Duration::from_secs(30));
+    let (code, stdout, log) = run.wait_with_log(Duration::from_secs(30));
     let exit_s = t.elapsed().as_secs_f64();
-    let log: Vec<String> = lines.iter().collect();
     assert_eq!(code, Some(1), "{stdout}\n{log:#?}");
     assert!((5.0..8.0).contains(&exit_s), "{exit_s:.2} s");
     let line = seen_line(

@@ -41,7 +41,7 @@ fn tensor_bytes(file: &[u8], name: &str) -> std::ops::Range<usize> {
 fn resume_until_held(run_dir: &Path, hold_at: u64) -> String {
     let mut run = Run::start(&resume_holding(run_dir, Some(("hold-drafter", hold_at))));
     run.wait_for("held", 1, LIMIT);
-    let out = run.seen.join("\n");
+    let out = run.lines.seen.join("\n");
     run.kill9();
     out
 }

@@ -3,9 +3,11 @@
 
 use super::*;
 
+use tch::{Device, Kind};
+
 #[test]
 fn acceptance_reads_an_eval_report_and_reproduces_its_picks_in_f32() {
-    let (tmp, _target, drafter, _head) = models(4);
+    let (tmp, _target, drafter, _head) = tiny_models(4);
     let target_dir = tmp.path().join("t");
     let prompts = tmp.path().join("prompts.jsonl");
     std::fs::write(&prompts, THREE_PROMPTS).unwrap();
@@ -81,7 +83,7 @@ fn acceptance_reads_an_eval_report_and_reproduces_its_picks_in_f32() {
 
 #[test]
 fn eval_compare_pairs_two_reports_by_prompt() {
-    let (tmp, _target, drafter, _head) = models(4);
+    let (tmp, _target, drafter, _head) = tiny_models(4);
     let other = Drafter::init(drafter.config.clone(), Device::Cpu, Kind::Float, 11).unwrap();
     let prompts = tmp.path().join("prompts.jsonl");
     std::fs::write(&prompts, THREE_PROMPTS).unwrap();

@@ -10,7 +10,7 @@ use dflash_tui::pipeline::distributed::group::free_port;
 use dflash_tui::telemetry::records::{read_metrics, MetricsRecord, StepRecord};
 
 use super::{base_args, bin, inputs, Inputs};
-use crate::common::wait_until;
+use crate::common::{self, wait_until};
 
 /// Starts `world` ranks of one run (rank 0 first in the list), each with `extra` settings.
 fn start_ranks(i: &Inputs, run: &Path, world: usize, extra: &[String]) -> Vec<Child> {
@@ -204,17 +204,7 @@ fn a_killed_rank_stops_the_other_with_one_line_and_a_resumable_checkpoint() {
         "--set".into(),
         format!("train.total_steps={}", saved + 2),
     ]);
-    let out = Command::new(bin())
-        .args(&resume)
-        .env("DFLASH_LOG", "warn")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::dflash_ok(&resume);
     let numbers: Vec<u64> = steps(&run.join("metrics.jsonl"))
         .iter()
         .map(|r| r.step)
