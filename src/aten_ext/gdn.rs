@@ -10,9 +10,10 @@
 //! S = S + k_t u^T; o_t = S^T q_t`. The recurrent kernel keeps each head's state in registers,
 //! 8 threads per value column, and walks the tokens (see the .cu file for the layout and the
 //! cost): decoding steps, draft verification with the state after every token. A long prefill
-//! takes the chunked form instead (chunks of 64 tokens; all chunks prepared at once, then one
-//! pass over them per 32 value columns). It is a forward pass only (the target model it serves
-//! is frozen: no gradient).
+//! can take the chunked form instead (gdn_chunked.rs: chunks of 64 tokens, all prepared at
+//! once, then one pass over them per 32 value columns; not yet the default). The layer's causal
+//! convolution before the rule has its kernel too (gdn_conv.rs). It is a forward pass only (the
+//! target model it serves is frozen: no gradient).
 
 use std::ffi::c_void;
 use std::path::Path;
@@ -35,48 +36,6 @@ pub const KEY_DIMS: [i64; 4] = [32, 64, 128, 256];
 /// Value columns per block and threads per block (`GDN_COLUMNS`, `GDN_THREADS` in the source).
 const COLUMNS: i64 = 16;
 const THREADS: u32 = 128;
-
-/// The chunked form's sizes, as the source's `GDN_CHUNK`, `GDN_CHUNK_K`, `GDN_SCAN_COLUMNS`,
-/// `GDN_CHUNK_THREADS`.
-const CHUNK: i64 = 64;
-pub const CHUNKED_KEY_DIM: i64 = 128;
-const SCAN_COLUMNS: i64 = 32;
-const CHUNK_THREADS: u32 = 256;
-
-/// The calls from which [`GdnKernels::forward`] takes the chunked form: from this many tokens
-/// (one chunk), with key heads of [`CHUNKED_KEY_DIM`], once it is the default.
-pub const CHUNKED_FROM_STEPS: i64 = CHUNK;
-
-/// Whether [`GdnKernels::forward`] takes the chunked form for long calls. Not yet: on an H200
-/// its first version was slower than the recurrent kernel (2.38 against 1.98 ms at the 27B
-/// layer shape), and the present one is checked on the CPU's emulation but not yet timed
-/// (`bench-gdn` prints both forms).
-pub const CHUNKED_BY_DEFAULT: bool = false;
-
-/// Dynamic shared memory of the two chunked kernels, bytes: the source's `GDN_PREP_FLOATS`
-/// (two staged key tiles, A, gamma, beta, exp(gamma)) and `GDN_SCAN_FLOATS` ([W; Q]^T, then the
-/// keys and P^T in its place; the state's columns, u, Q S0, gamma and the keys' decays).
-const PREP_SHARED_BYTES: usize = {
-    let (c, row, arow) = (
-        CHUNK as usize,
-        CHUNKED_KEY_DIM as usize + 4,
-        CHUNK as usize + 4,
-    );
-    4 * (2 * c * row + c * arow + 3 * c)
-};
-const SCAN_SHARED_BYTES: usize = {
-    let (c, k) = (CHUNK as usize, CHUNKED_KEY_DIM as usize);
-    let (row, arow, xrow, srow) = (k + 4, c + 4, 2 * c + 4, SCAN_COLUMNS as usize + 4);
-    let stage = if k * xrow > c * row + c * arow {
-        k * xrow
-    } else {
-        c * row + c * arow
-    };
-    4 * (stage + k * srow + 2 * c * srow + 2 * c)
-};
-// Both fit twice in a multiprocessor of an H100 / H200 (227 KB).
-const _: () = assert!(PREP_SHARED_BYTES > 48 * 1024 && 2 * PREP_SHARED_BYTES <= 227 * 1024);
-const _: () = assert!(SCAN_SHARED_BYTES > 48 * 1024 && 2 * SCAN_SHARED_BYTES <= 227 * 1024);
 
 /// The tensors of one call of the rule: q, k [B, T, Hk, K], v [B, T, Hv, V], g (log decay,
 /// <= 0) and beta [B, T, Hv], and the state before the first token [B, Hv, K, V] float32
@@ -228,25 +187,6 @@ impl GdnShape {
     }
 }
 
-/// The causal convolution's width, tokens per thread and threads per block
-/// (`GDN_CONV_WIDTH`, `GDN_CONV_TOKENS`, `GDN_CONV_THREADS` in the source).
-pub const CONV_WIDTH: i64 = 4;
-const CONV_TOKENS: i64 = 16;
-const CONV_THREADS: u32 = 128;
-
-/// The causal convolution kernel's argument: the kernel's `GdnConvParams`.
-#[repr(C)]
-struct GdnConvParams {
-    x: *const c_void,
-    weight: *const c_void,
-    prev: *const c_void,
-    out: *mut c_void,
-    next_state: *mut c_void,
-    x_stride: [i64; 2],
-    steps: i64,
-    channels: i64,
-}
-
 /// The launch's arguments: the kernel's `GdnParams`, field for field (every field 8 bytes, so
 /// there is no padding to disagree on; a test checks the size against the compiled PTX).
 #[repr(C)]
@@ -270,22 +210,6 @@ struct GdnParams {
     g_is_f32: i64,
     beta_is_f32: i64,
     l2norm: i64,
-}
-
-/// The chunked kernels' argument: the kernel's `GdnChunkParams` (the rule's arguments, then
-/// the work buffers, float32 and dense, and the chunk count).
-#[repr(C)]
-struct GdnChunkParams {
-    rule: GdnParams,
-    /// [B, Hv, N, C, V]
-    u: *mut c_void,
-    /// [B, Hv, N, K, C]
-    w: *mut c_void,
-    /// [B, Hv, N, C, C]
-    p: *mut c_void,
-    /// [B, Hv, N, C]
-    gamma: *mut c_void,
-    chunks: i64,
 }
 
 /// The batch, token and head strides of a [B, T, H, D] tensor whose last dimension is dense,
@@ -441,176 +365,6 @@ impl GdnKernels {
         }
         let out = self.launch(&shape, x, l2norm, Some(&final_state), None)?;
         Ok((out, final_state))
-    }
-
-    /// [`GdnKernels::forward`] through the chunked form, whatever the length (key heads of
-    /// [`CHUNKED_KEY_DIM`] only).
-    pub fn forward_chunked(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
-        let shape = self.checked_shape(x)?;
-        ensure!(
-            self.chunked,
-            "gated delta rule: cuda:{} does not grant the chunked kernels {SCAN_SHARED_BYTES} \
-             bytes of shared memory per block",
-            self.module.index()
-        );
-        ensure!(
-            shape.key_dim == CHUNKED_KEY_DIM,
-            "gated delta rule: the chunked form takes key heads of {CHUNKED_KEY_DIM}, not {}",
-            shape.key_dim
-        );
-        let device = self.device();
-        let final_state = Tensor::empty(shape.state_size(), (Kind::Float, device));
-        let out = Tensor::empty(
-            [shape.batch, shape.steps, shape.value_heads, shape.value_dim],
-            (x.v.kind(), device),
-        );
-        if shape.steps == 0 || shape.batch == 0 {
-            let mut copy = final_state.shallow_clone();
-            match x.initial_state {
-                Some(s) => copy.copy_(s),
-                None => {
-                    let _ = copy.zero_();
-                }
-            }
-            return Ok((out, final_state));
-        }
-        let (b, hv, k, v) = (
-            shape.batch,
-            shape.value_heads,
-            shape.key_dim,
-            shape.value_dim,
-        );
-        let chunks = (shape.steps + CHUNK - 1) / CHUNK;
-        let work = |size: &[i64]| Tensor::empty(size, (Kind::Float, device));
-        let u = work(&[b, hv, chunks, CHUNK, v]);
-        let w = work(&[b, hv, chunks, k, CHUNK]);
-        let p = work(&[b, hv, chunks, CHUNK, CHUNK]);
-        let gamma = work(&[b, hv, chunks, CHUNK]);
-        let (rule, which, _inputs) =
-            self.params(&shape, x, l2norm, &out, Some(&final_state), None)?;
-        let mut params = GdnChunkParams {
-            rule,
-            u: u.data_ptr(),
-            w: w.data_ptr(),
-            p: p.data_ptr(),
-            gamma: gamma.data_ptr(),
-            chunks,
-        };
-        ensure!(
-            chunks <= u32::MAX as i64,
-            "gated delta rule: {} tokens are more chunks than one launch takes",
-            shape.steps
-        );
-        let rows = (b * hv) as u32;
-        self.module.launch_with_shared(
-            self.chunk_prep[which],
-            (chunks as u32, rows, 1),
-            CHUNK_THREADS,
-            PREP_SHARED_BYTES as u32,
-            &mut [arg(&mut params)],
-        )?;
-        self.module.launch_with_shared(
-            self.chunk_scan[which],
-            (((v + SCAN_COLUMNS - 1) / SCAN_COLUMNS) as u32, rows, 1),
-            CHUNK_THREADS,
-            SCAN_SHARED_BYTES as u32,
-            &mut [arg(&mut params)],
-        )?;
-        Ok((out, final_state))
-    }
-
-    /// A Gated DeltaNet layer's causal convolution of width [`CONV_WIDTH`] and SiLU over `x`
-    /// [B, T, C] (the projection's q, k, v columns where they lie: channels dense, other strides
-    /// free) with `weight` [C, 1, W] and the conv state `prev` [B, C, W - 1] (the inputs before
-    /// token 0; zeros when `None`), all of one storage type. Returns SiLU(conv) [B, T, C] dense
-    /// and the next conv state [B, C, W - 1] (the last W - 1 inputs). What libtorch's conv1d
-    /// over the concatenated history, then silu, computes, in one pass without the transposed
-    /// copies.
-    pub fn causal_conv_silu(
-        &self,
-        x: &Tensor,
-        weight: &Tensor,
-        prev: Option<&Tensor>,
-    ) -> Result<(Tensor, Tensor)> {
-        let (Ok((b, t, c)), kind) = (x.size3(), x.kind()) else {
-            bail!(
-                "causal conv: x {:?} is not [batch, tokens, channels]",
-                x.size()
-            );
-        };
-        let window = CONV_WIDTH - 1;
-        ensure!(
-            weight.size() == [c, 1, CONV_WIDTH],
-            "causal conv: the weight is {:?}, not [{c}, 1, {CONV_WIDTH}]",
-            weight.size()
-        );
-        if let Some(s) = prev {
-            ensure!(
-                s.size() == [b, c, window],
-                "causal conv: the conv state is {:?}, not [{b}, {c}, {window}]",
-                s.size()
-            );
-        }
-        let Some(which) = kind_index(kind) else {
-            bail!("causal conv: no kernel for {kind:?}");
-        };
-        let device = self.device();
-        for (what, t) in [
-            ("x", Some(x)),
-            ("the weight", Some(weight)),
-            ("the conv state", prev),
-        ] {
-            if let Some(t) = t {
-                ensure!(
-                    t.kind() == kind && t.device() == device,
-                    "causal conv: {what} is {:?} on {:?}, expected {kind:?} on {device:?}",
-                    t.kind(),
-                    t.device()
-                );
-            }
-        }
-        let out = Tensor::empty([b, t, c], (kind, device));
-        let next_state = Tensor::empty([b, c, window], (kind, device));
-        if b == 0 || c == 0 {
-            return Ok((out, next_state));
-        }
-        let x = if x.stride()[2] == 1 {
-            x.shallow_clone()
-        } else {
-            x.contiguous()
-        };
-        let (weight, prev) = (weight.contiguous(), prev.map(Tensor::contiguous));
-        let mut params = GdnConvParams {
-            x: x.data_ptr().cast_const(),
-            weight: weight.data_ptr().cast_const(),
-            prev: prev
-                .as_ref()
-                .map_or(std::ptr::null_mut(), Tensor::data_ptr)
-                .cast_const(),
-            out: out.data_ptr(),
-            next_state: next_state.data_ptr(),
-            x_stride: [x.stride()[0], x.stride()[1]],
-            steps: t,
-            channels: c,
-        };
-        // no tokens: the next state is the last inputs, all from the old state (one tile)
-        let tiles = ((t + CONV_TOKENS - 1) / CONV_TOKENS).max(1);
-        ensure!(
-            b <= 65_535 && tiles <= 65_535,
-            "causal conv: {b} batch rows of {t} tokens are more than one launch takes"
-        );
-        let grid = (
-            ((c + CONV_THREADS as i64 - 1) / CONV_THREADS as i64) as u32,
-            tiles as u32,
-            b as u32,
-        );
-        self.module.launch_3d(
-            self.conv[which],
-            grid,
-            CONV_THREADS,
-            &mut [arg(&mut params)],
-        )?;
-        Ok((out, next_state))
     }
 
     /// [`GdnKernels::forward`] that writes the state after every token into `states_out`
@@ -831,6 +585,14 @@ fn reference_steps(
     Ok((out.to_kind(kind), state, states))
 }
 
+#[path = "gdn_chunked.rs"]
+mod chunked;
+#[path = "gdn_conv.rs"]
+mod conv;
 #[cfg(test)]
 #[path = "gdn_tests.rs"]
 mod tests;
+
+pub use chunked::{CHUNKED_BY_DEFAULT, CHUNKED_FROM_STEPS, CHUNKED_KEY_DIM};
+use chunked::{PREP_SHARED_BYTES, SCAN_SHARED_BYTES};
+pub use conv::CONV_WIDTH;

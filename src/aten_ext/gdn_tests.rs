@@ -3,6 +3,8 @@
 //! reference on a GPU:
 //!   cargo test --release --locked --lib aten_ext::gdn -- --include-ignored
 
+use super::chunked::GdnChunkParams;
+use super::conv::GdnConvParams;
 use super::*;
 use crate::aten_ext::graph::CudaGraph;
 use crate::aten_ext::nvrtc::nvrtc_for_tests;

@@ -1,0 +1,146 @@
+//! The chunked (WY) form of the gated delta rule on the GPU: its sizes, the shared memory its
+//! two kernels take (`gdn_chunk_prep`, `gdn_chunk_scan` in gdn_kernels.cu) and their launch.
+
+use std::ffi::c_void;
+
+use anyhow::{ensure, Result};
+use tch::{Kind, Tensor};
+
+use super::super::nvrtc::arg;
+use super::{GdnInputs, GdnKernels, GdnParams};
+
+/// The chunked form's sizes, as the source's `GDN_CHUNK`, `GDN_CHUNK_K`, `GDN_SCAN_COLUMNS`,
+/// `GDN_CHUNK_THREADS`.
+const CHUNK: i64 = 64;
+pub const CHUNKED_KEY_DIM: i64 = 128;
+const SCAN_COLUMNS: i64 = 32;
+const CHUNK_THREADS: u32 = 256;
+
+/// The calls from which [`GdnKernels::forward`] takes the chunked form: from this many tokens
+/// (one chunk), with key heads of [`CHUNKED_KEY_DIM`], once it is the default.
+pub const CHUNKED_FROM_STEPS: i64 = CHUNK;
+
+/// Whether [`GdnKernels::forward`] takes the chunked form for long calls. Not yet: on an H200
+/// its first version was slower than the recurrent kernel (2.38 against 1.98 ms at the 27B
+/// layer shape), and the present one is checked on the CPU's emulation but not yet timed
+/// (`bench-gdn` prints both forms).
+pub const CHUNKED_BY_DEFAULT: bool = false;
+
+/// Dynamic shared memory of the two chunked kernels, bytes: the source's `GDN_PREP_FLOATS`
+/// (two staged key tiles, A, gamma, beta, exp(gamma)) and `GDN_SCAN_FLOATS` ([W; Q]^T, then the
+/// keys and P^T in its place; the state's columns, u, Q S0, gamma and the keys' decays).
+pub(super) const PREP_SHARED_BYTES: usize = {
+    let (c, row, arow) = (
+        CHUNK as usize,
+        CHUNKED_KEY_DIM as usize + 4,
+        CHUNK as usize + 4,
+    );
+    4 * (2 * c * row + c * arow + 3 * c)
+};
+pub(super) const SCAN_SHARED_BYTES: usize = {
+    let (c, k) = (CHUNK as usize, CHUNKED_KEY_DIM as usize);
+    let (row, arow, xrow, srow) = (k + 4, c + 4, 2 * c + 4, SCAN_COLUMNS as usize + 4);
+    let stage = if k * xrow > c * row + c * arow {
+        k * xrow
+    } else {
+        c * row + c * arow
+    };
+    4 * (stage + k * srow + 2 * c * srow + 2 * c)
+};
+// Both fit twice in a multiprocessor of an H100 / H200 (227 KB).
+const _: () = assert!(PREP_SHARED_BYTES > 48 * 1024 && 2 * PREP_SHARED_BYTES <= 227 * 1024);
+const _: () = assert!(SCAN_SHARED_BYTES > 48 * 1024 && 2 * SCAN_SHARED_BYTES <= 227 * 1024);
+
+/// The chunked kernels' argument: the kernel's `GdnChunkParams` (the rule's arguments, then
+/// the work buffers, float32 and dense, and the chunk count).
+#[repr(C)]
+pub(super) struct GdnChunkParams {
+    rule: GdnParams,
+    /// [B, Hv, N, C, V]
+    u: *mut c_void,
+    /// [B, Hv, N, K, C]
+    w: *mut c_void,
+    /// [B, Hv, N, C, C]
+    p: *mut c_void,
+    /// [B, Hv, N, C]
+    gamma: *mut c_void,
+    chunks: i64,
+}
+
+impl GdnKernels {
+    /// [`GdnKernels::forward`] through the chunked form, whatever the length (key heads of
+    /// [`CHUNKED_KEY_DIM`] only).
+    pub fn forward_chunked(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
+        let shape = self.checked_shape(x)?;
+        ensure!(
+            self.chunked,
+            "gated delta rule: cuda:{} does not grant the chunked kernels {SCAN_SHARED_BYTES} \
+             bytes of shared memory per block",
+            self.module.index()
+        );
+        ensure!(
+            shape.key_dim == CHUNKED_KEY_DIM,
+            "gated delta rule: the chunked form takes key heads of {CHUNKED_KEY_DIM}, not {}",
+            shape.key_dim
+        );
+        let device = self.device();
+        let final_state = Tensor::empty(shape.state_size(), (Kind::Float, device));
+        let out = Tensor::empty(
+            [shape.batch, shape.steps, shape.value_heads, shape.value_dim],
+            (x.v.kind(), device),
+        );
+        if shape.steps == 0 || shape.batch == 0 {
+            let mut copy = final_state.shallow_clone();
+            match x.initial_state {
+                Some(s) => copy.copy_(s),
+                None => {
+                    let _ = copy.zero_();
+                }
+            }
+            return Ok((out, final_state));
+        }
+        let (b, hv, k, v) = (
+            shape.batch,
+            shape.value_heads,
+            shape.key_dim,
+            shape.value_dim,
+        );
+        let chunks = (shape.steps + CHUNK - 1) / CHUNK;
+        let work = |size: &[i64]| Tensor::empty(size, (Kind::Float, device));
+        let u = work(&[b, hv, chunks, CHUNK, v]);
+        let w = work(&[b, hv, chunks, k, CHUNK]);
+        let p = work(&[b, hv, chunks, CHUNK, CHUNK]);
+        let gamma = work(&[b, hv, chunks, CHUNK]);
+        let (rule, which, _inputs) =
+            self.params(&shape, x, l2norm, &out, Some(&final_state), None)?;
+        let mut params = GdnChunkParams {
+            rule,
+            u: u.data_ptr(),
+            w: w.data_ptr(),
+            p: p.data_ptr(),
+            gamma: gamma.data_ptr(),
+            chunks,
+        };
+        ensure!(
+            chunks <= u32::MAX as i64,
+            "gated delta rule: {} tokens are more chunks than one launch takes",
+            shape.steps
+        );
+        let rows = (b * hv) as u32;
+        self.module.launch_with_shared(
+            self.chunk_prep[which],
+            (chunks as u32, rows, 1),
+            CHUNK_THREADS,
+            PREP_SHARED_BYTES as u32,
+            &mut [arg(&mut params)],
+        )?;
+        self.module.launch_with_shared(
+            self.chunk_scan[which],
+            (((v + SCAN_COLUMNS - 1) / SCAN_COLUMNS) as u32, rows, 1),
+            CHUNK_THREADS,
+            SCAN_SHARED_BYTES as u32,
+            &mut [arg(&mut params)],
+        )?;
+        Ok((out, final_state))
+    }
+}
