@@ -127,6 +127,8 @@ gdn)
   # the gated delta rule kernels: tests, then both forms at the 27B and 35B-A3B layer shapes
   t gdn-kernel-tests
   timeout 150 "$W/tests/lib" --ignored aten_ext::gdn:: --test-threads 1 2>&1 | tail -16
+  t hybrid-decode-tests
+  timeout 150 "$W/tests/it" --ignored gpu_decode::gpu_hybrid --test-threads 1 2>&1 | tail -8
   run_json gdn-27b 90 $B bench-gdn --key-heads 16 --reference
   run_json gdn-35b-a3b 60 $B bench-gdn --key-heads 16 --value-heads 32
   ;;
