@@ -240,9 +240,24 @@ impl<'a> TargetDecoder<'a> {
         // The warm-up runs (and a capture that failed after them) must leave a hybrid target's
         // states where this step starts: the replay, or the eager run, takes the step.
         let captured = match graphs.library {
-            Some(_) => self
-                .cache
-                .keeping_states(|cache| graphs.capture(dev, || run(cache)))?,
+            Some(_) => {
+                match self
+                    .cache
+                    .keeping_states(|cache| graphs.capture(dev, || run(cache)))
+                {
+                    Ok(captured) => captured,
+                    // no memory for the copy (nothing ran yet): decode eagerly from here on
+                    Err(e) => {
+                        log::warn!(
+                            "{}: cannot set the recurrent states aside for a CUDA graph \
+                             capture, decoding eagerly: {e:#}",
+                            graphs.what
+                        );
+                        graphs.library = None;
+                        None
+                    }
+                }
+            }
             None => None,
         };
         let Some((graph, out)) = captured else {

@@ -451,7 +451,9 @@ impl<'a> ContinuousGenerator<'a> {
         // the capture's warm-up runs would advance a hybrid target's recurrent states: they are
         // put back, so that the replay below (or the eager run after a failed capture) steps once
         let captured = cache
-            .keeping_states(|cache| CudaGraph::capture(library, model.device, 2, || body(cache)))?;
+            .keeping_states(|cache| CudaGraph::capture(library, model.device, 2, || body(cache)))
+            // no memory for the copy of the states (nothing ran yet): as a failed capture
+            .and_then(|captured| captured);
         match captured {
             Ok((graph, logits)) => {
                 let logits = logits?;
