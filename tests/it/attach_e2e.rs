@@ -6,7 +6,7 @@
 
 use crate::common;
 
-use common::{ctl, wait_until};
+use common::{ctl, wait_until, Tmux};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -50,70 +50,6 @@ fn recorded_step(run_dir: &Path) -> u64 {
 fn alive(pid: i32) -> bool {
     // SAFETY: signal 0 only checks that the process exists.
     unsafe { libc::kill(pid, 0) == 0 }
-}
-
-/// A tmux session (120x40) running `cmd`; killed with the test.
-struct Tmux {
-    session: String,
-}
-
-impl Tmux {
-    fn start(name: &str, cmd: &str) -> Tmux {
-        let t = Tmux {
-            session: format!("dflash-{name}-{}", std::process::id()),
-        };
-        let ok = Command::new("tmux")
-            .args([
-                "new-session",
-                "-d",
-                "-s",
-                &t.session,
-                "-x",
-                "120",
-                "-y",
-                "40",
-                cmd,
-            ])
-            .status()
-            .expect("tmux is installed (make setup installs it)");
-        assert!(ok.success());
-        t
-    }
-
-    fn screen(&self) -> String {
-        let out = Command::new("tmux")
-            .args(["capture-pane", "-p", "-t", &self.session])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn keys(&self, keys: &[&str]) {
-        let mut args = vec!["send-keys", "-t", &self.session];
-        args.extend(keys);
-        Command::new("tmux").args(&args).output().unwrap();
-    }
-
-    /// The step number in the header ("step N / M").
-    fn step(&self) -> Option<u64> {
-        let screen = self.screen();
-        let at = screen.find("step ")?;
-        screen[at + 5..].split_whitespace().next()?.parse().ok()
-    }
-
-    /// Closes the window as a dropped SSH connection does: its processes get SIGHUP.
-    fn kill(&self) {
-        Command::new("tmux")
-            .args(["kill-session", "-t", &self.session])
-            .output()
-            .unwrap();
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }
 
 /// The trainer of a run dir (its PID from the lock file); killed with the test.

@@ -4,7 +4,7 @@
 
 use crate::common;
 
-use common::{ctl, wait_until};
+use common::{ctl, wait_until, Tmux};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -56,65 +56,6 @@ impl Drop for Running {
     }
 }
 
-struct Tmux {
-    session: String,
-    /// The run the trainer in the session holds: a trainer outlives its terminal by design,
-    /// so a test that fails half-way must stop it itself.
-    run_dir: PathBuf,
-}
-
-impl Tmux {
-    fn tmux(&self, args: &[&str]) -> String {
-        let out = Command::new("tmux")
-            .args(args)
-            .output()
-            .expect("tmux runs (make setup installs it)");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-    fn screen(&self) -> String {
-        self.tmux(&["capture-pane", "-p", "-t", &self.session])
-    }
-    /// Polls the screen every 100 ms until `f` finds what it looks for; a timeout shows the
-    /// screen it last saw.
-    fn wait_for<T>(&self, what: &str, limit: Duration, mut f: impl FnMut(&str) -> Option<T>) -> T {
-        let started = std::time::Instant::now();
-        loop {
-            let screen = self.screen();
-            if let Some(v) = f(&screen) {
-                return v;
-            }
-            assert!(
-                started.elapsed() < limit,
-                "timed out after {limit:?} waiting for {what}; the screen:\n{screen}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-    fn keys(&self, keys: &[&str]) {
-        let mut args = vec!["send-keys", "-t", &self.session];
-        args.extend(keys);
-        self.tmux(&args);
-    }
-    /// The step number in the header ("step N / M").
-    fn step(&self) -> Option<u64> {
-        let screen = self.screen();
-        let at = screen.find("step ")?;
-        screen[at + 5..].split_whitespace().next()?.parse().ok()
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = Command::new("tmux")
-            .args(["kill-session", "-t", &self.session])
-            .output();
-        // the trainer still holding the run, if any
-        if let Some(pid) = dflash_tui::train::run_lock::RunLock::holder(&self.run_dir) {
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        }
-    }
-}
-
 #[test]
 fn keys_drive_the_control_room_in_tmux() {
     let i = inputs();
@@ -126,25 +67,7 @@ fn keys_drive_the_control_room_in_tmux() {
         train_args(&i, &run_dir).join(" "),
         exit_file.display()
     );
-    let t = Tmux {
-        session: format!("dflash-e2e-{}", std::process::id()),
-        run_dir: run_dir.clone(),
-    };
-    let out = Command::new("tmux")
-        .args([
-            "new-session",
-            "-d",
-            "-s",
-            &t.session,
-            "-x",
-            "120",
-            "-y",
-            "40",
-            &cmd,
-        ])
-        .status()
-        .expect("tmux is installed (make setup installs it)");
-    assert!(out.success());
+    let t = Tmux::start("e2e", &cmd).holding(run_dir.clone());
 
     // steps advance on the screen
     let first = wait_until("a first step", Duration::from_secs(60), || {

@@ -4,9 +4,11 @@
 mod lines;
 mod models;
 pub mod proposers;
+mod tmux;
 
 pub use lines::{spawn_dflash, Lines};
 pub use models::{models_of, tiny_models};
+pub use tmux::Tmux;
 
 use std::path::{Path, PathBuf};
 
