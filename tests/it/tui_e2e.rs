@@ -6,7 +6,7 @@ use crate::common;
 
 use common::{ctl, wait_until, Tmux};
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -20,23 +20,10 @@ fn inputs() -> Inputs {
     common::tiny_run(32, 3)
 }
 
+/// The tiny run training on (no end in sight, no periodic checkpoints), with the screen.
 fn train_args(i: &Inputs, run_dir: &Path) -> Vec<String> {
-    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
-    vec![
-        "train".into(),
-        "--config".into(),
-        config.display().to_string(),
-        "--set".into(),
-        format!("model.target={}", i.target.display()),
-        "--set".into(),
-        format!("data.path={}", i.data.display()),
-        "--set".into(),
-        "train.total_steps=1000000".into(),
-        "--set".into(),
-        "checkpoint.save_every_steps=0".into(),
-        "--run-dir".into(),
-        run_dir.display().to_string(),
-    ]
+    let endless = ["train.total_steps=1000000", "checkpoint.save_every_steps=0"];
+    common::tiny_screen_train_args(i, run_dir, &endless)
 }
 
 fn checkpoints(run_dir: &Path) -> usize {

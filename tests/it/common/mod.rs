@@ -551,6 +551,13 @@ pub struct TinyRun {
 /// `train --config configs/tiny.toml` on `i` into `run_dir`, without the screen, with `--set`
 /// overrides.
 pub fn tiny_train_args(i: &TinyRun, run_dir: &Path, set: &[&str]) -> Vec<String> {
+    let mut args = tiny_screen_train_args(i, run_dir, set);
+    args.push("--no-tui".into());
+    args
+}
+
+/// [`tiny_train_args`] with the control room on the terminal.
+pub fn tiny_screen_train_args(i: &TinyRun, run_dir: &Path, set: &[&str]) -> Vec<String> {
     let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/tiny.toml");
     let mut args: Vec<String> = vec![
         "train".into(),
@@ -562,7 +569,6 @@ pub fn tiny_train_args(i: &TinyRun, run_dir: &Path, set: &[&str]) -> Vec<String>
         format!("data.path={}", i.data.display()),
         "--run-dir".into(),
         run_dir.display().to_string(),
-        "--no-tui".into(),
     ];
     for s in set {
         args.push("--set".into());
