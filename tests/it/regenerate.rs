@@ -230,6 +230,20 @@ fn batched_greedy_generation_equals_unbatched_greedy_decoding() {
 /// A source row: alternating (mask, tokens) segments.
 type Segments = Vec<(u8, Vec<u32>)>;
 
+/// Writes split `name` into `dir`: the rows' ids with their token ids and loss masks `flat`.
+fn write_rows(dir: &Path, name: &str, rows: &[(String, Segments)], flat: &[(Vec<u32>, Vec<u8>)]) {
+    let token_rows: Vec<TokenRow<'_>> = rows
+        .iter()
+        .zip(flat)
+        .map(|((id, _), (ids, mask))| TokenRow {
+            id,
+            input_ids: ids,
+            loss_mask: mask,
+        })
+        .collect();
+    write_split(dir, name, &token_rows, 4).unwrap();
+}
+
 fn row_of(segs: &Segments) -> (Vec<u32>, Vec<u8>) {
     let mut ids = Vec::new();
     let mut mask = Vec::new();
@@ -341,18 +355,9 @@ fn fixture() -> Fixture {
             .map(|(i, s)| (format!("{name}-conv-{i}"), s))
             .collect();
         let flat: Vec<(Vec<u32>, Vec<u8>)> = named.iter().map(|(_, s)| row_of(s)).collect();
-        let token_rows: Vec<TokenRow<'_>> = named
-            .iter()
-            .zip(&flat)
-            .map(|((id, _), (ids, mask))| TokenRow {
-                id,
-                input_ids: ids,
-                loss_mask: mask,
-            })
-            .collect();
         let dir = input.join(name);
         std::fs::create_dir(&dir).unwrap();
-        write_split(&dir, name, &token_rows, 4).unwrap();
+        write_rows(&dir, name, &named, &flat);
         splits.push((name.to_string(), named));
     }
     std::fs::write(

@@ -109,16 +109,7 @@ fn retokenise_train(f: &Fixture) {
     flat[0].0[0] = if flat[0].0[0] == 7 { 8 } else { 7 };
     let last = flat[1].1.len() - 1;
     flat[1].1[last] = 0;
-    let token_rows: Vec<TokenRow<'_>> = rows
-        .iter()
-        .zip(&flat)
-        .map(|((id, _), (ids, mask))| TokenRow {
-            id,
-            input_ids: ids,
-            loss_mask: mask,
-        })
-        .collect();
-    write_split(&f.input.join("train"), "train", &token_rows, 4).unwrap();
+    write_rows(&f.input.join("train"), "train", rows, &flat);
 }
 
 #[test]
