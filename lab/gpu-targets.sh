@@ -136,7 +136,7 @@ probe)
   # where the target forwards' time goes, with the gated delta rule's prefill in each form: one
   # traced call each, totalled by kernel
   for shape in ${SHAPES:-qwen3.5-27b qwen3.5-35b-a3b}; do
-    for form in ${FORMS:-recurrent chunked}; do
+    for form in ${FORMS:-recurrent chunked chunked-float32}; do
       run_json "forward-$shape-$form" 150 $B bench-forward --target "configs/shapes/$shape" \
         --random-weights --iters 2 --gdn-prefill "$form" --trace "/tmp/forward-$shape-$form.trace.json"
       python3 tools/trace_summary.py "/tmp/forward-$shape-$form.trace.json" \

@@ -11,7 +11,8 @@
 //! 8 threads per value column, and walks the tokens (see the .cu file for the layout and the
 //! cost): decoding steps, draft verification with the state after every token. A long prefill
 //! can take the chunked form instead (gdn_chunked.rs: chunks of 64 tokens, all prepared at
-//! once, then one pass over them per 32 value columns; not yet the default). The layer's causal
+//! once, then one pass over them per block of value columns; in float32, or for bf16 / f16 on
+//! tensor cores, gdn_chunked_tc.cuh; not yet the default). The layer's causal
 //! convolution before the rule has its kernel too (gdn_conv.rs). It is a forward pass only (the
 //! target model it serves is frozen: no gradient).
 
@@ -235,9 +236,18 @@ pub struct GdnKernels {
     chunk_scan: [cu::CUfunction; 3],
     /// The causal convolution and SiLU before the rule, [storage type]
     conv: [cu::CUfunction; 3],
+    /// The chunked form on tensor cores (gdn_chunked_tc.cuh), [bf16, f16]
+    tc_prep: [cu::CUfunction; 2],
+    tc_scan: [cu::CUfunction; 2],
     /// Whether the device grants the chunked kernels their shared memory (about 103 KB per
     /// block: not every GPU has that).
     chunked: bool,
+    /// Whether the device runs the tensor-core form (TF32 mma.sync: compute capability 8.0 or
+    /// later) and grants its shared memory (157 KB per scan block).
+    tensor_cores: bool,
+    /// Whether the chunked form of bf16 / f16 calls takes the tensor cores where it can (see
+    /// [`GdnKernels::with_tensor_cores`]).
+    prefer_tensor_cores: bool,
     /// Whether [`GdnKernels::forward`] takes the chunked form for long calls
     /// ([`CHUNKED_BY_DEFAULT`] unless [`GdnKernels::with_chunked_prefill`] says otherwise).
     prefer_chunked: bool,
@@ -268,47 +278,69 @@ impl GdnKernels {
         let Device::Cuda(index) = device else {
             bail!("the gated delta rule kernels need a CUDA device, not {device:?}");
         };
-        type Functions = (
-            [[cu::CUfunction; 4]; 3],
-            [cu::CUfunction; 3],
-            [cu::CUfunction; 3],
-            [cu::CUfunction; 3],
-            bool,
-        );
-        let (module, (recurrent, chunk_prep, chunk_scan, conv, chunked)) = KernelModule::load(
+        struct Functions {
+            recurrent: [[cu::CUfunction; 4]; 3],
+            prep: [cu::CUfunction; 3],
+            scan: [cu::CUfunction; 3],
+            conv: [cu::CUfunction; 3],
+            tc_prep: [cu::CUfunction; 2],
+            tc_scan: [cu::CUfunction; 2],
+            chunked: bool,
+            tc_granted: bool,
+        }
+        let (module, f) = KernelModule::load(
             graphs,
             libtorch_dir,
             index,
             (SOURCE, "gdn_kernels.cu"),
             |module| -> Result<Functions> {
                 let null = std::ptr::null_mut();
-                let (mut recurrent, mut prep, mut scan) = ([[null; 4]; 3], [null; 3], [null; 3]);
-                let mut conv = [null; 3];
-                let mut chunked = true;
+                let mut f = Functions {
+                    recurrent: [[null; 4]; 3],
+                    prep: [null; 3],
+                    scan: [null; 3],
+                    conv: [null; 3],
+                    tc_prep: [null; 2],
+                    tc_scan: [null; 2],
+                    chunked: true,
+                    tc_granted: true,
+                };
                 for (i, kind) in ["bf16", "f16", "f32"].into_iter().enumerate() {
-                    for (f, dim) in recurrent[i].iter_mut().zip(KEY_DIMS) {
+                    for (fun, dim) in f.recurrent[i].iter_mut().zip(KEY_DIMS) {
                         // SAFETY: the module was just loaded in the current context.
-                        *f = unsafe { function(module, &kernel_name(kind, dim))? };
+                        *fun = unsafe { function(module, &kernel_name(kind, dim))? };
                     }
                     // SAFETY: as above; the attributes are set in the same context.
                     unsafe {
-                        conv[i] = function(module, &format!("gdn_causal_conv_{kind}"))?;
-                        prep[i] = function(module, &format!("gdn_chunk_prep_{kind}"))?;
-                        scan[i] = function(module, &format!("gdn_chunk_scan_{kind}"))?;
-                        chunked &= allow_dynamic_shared(prep[i], PREP_SHARED_BYTES).is_ok()
-                            && allow_dynamic_shared(scan[i], SCAN_SHARED_BYTES).is_ok();
+                        f.conv[i] = function(module, &format!("gdn_causal_conv_{kind}"))?;
+                        f.prep[i] = function(module, &format!("gdn_chunk_prep_{kind}"))?;
+                        f.scan[i] = function(module, &format!("gdn_chunk_scan_{kind}"))?;
+                        f.chunked &= allow_dynamic_shared(f.prep[i], PREP_SHARED_BYTES).is_ok()
+                            && allow_dynamic_shared(f.scan[i], SCAN_SHARED_BYTES).is_ok();
+                        if i < 2 {
+                            f.tc_prep[i] = function(module, &format!("gdn_tc_prep_{kind}"))?;
+                            f.tc_scan[i] = function(module, &format!("gdn_tc_scan_{kind}"))?;
+                            f.tc_granted &=
+                                allow_dynamic_shared(f.tc_prep[i], TC_PREP_SHARED_BYTES).is_ok()
+                                    && allow_dynamic_shared(f.tc_scan[i], TC_SCAN_SHARED_BYTES)
+                                        .is_ok();
+                        }
                     }
                 }
-                Ok((recurrent, prep, scan, conv, chunked))
+                Ok(f)
             },
         )?;
         Ok(GdnKernels {
             module,
-            recurrent,
-            chunk_prep,
-            chunk_scan,
-            conv,
-            chunked,
+            recurrent: f.recurrent,
+            chunk_prep: f.prep,
+            chunk_scan: f.scan,
+            conv: f.conv,
+            tc_prep: f.tc_prep,
+            tc_scan: f.tc_scan,
+            chunked: f.chunked,
+            tensor_cores: f.tc_granted && module.compute_capability() >= TENSOR_CORE_ARCH,
+            prefer_tensor_cores: true,
             prefer_chunked: CHUNKED_BY_DEFAULT,
         })
     }
@@ -594,5 +626,8 @@ mod conv;
 mod tests;
 
 pub use chunked::{CHUNKED_BY_DEFAULT, CHUNKED_FROM_STEPS, CHUNKED_KEY_DIM};
-use chunked::{PREP_SHARED_BYTES, SCAN_SHARED_BYTES};
+use chunked::{
+    PREP_SHARED_BYTES, SCAN_SHARED_BYTES, TC_PREP_SHARED_BYTES, TC_SCAN_SHARED_BYTES,
+    TENSOR_CORE_ARCH,
+};
 pub use conv::CONV_WIDTH;

@@ -1,5 +1,7 @@
 //! The chunked (WY) form of the gated delta rule on the GPU: its sizes, the shared memory its
-//! two kernels take (`gdn_chunk_prep`, `gdn_chunk_scan` in gdn_kernels.cu) and their launch.
+//! two kernels take (`gdn_chunk_prep`, `gdn_chunk_scan` in gdn_kernels.cu, float32; for bf16 and
+//! f16 storage `gdn_tc_prep`, `gdn_tc_scan` in gdn_chunked_tc.cuh, on tensor cores) and their
+//! launch.
 
 use std::ffi::c_void;
 
@@ -21,9 +23,9 @@ const CHUNK_THREADS: u32 = 256;
 pub const CHUNKED_FROM_STEPS: i64 = CHUNK;
 
 /// Whether [`GdnKernels::forward`] takes the chunked form for long calls. Not yet: on an H200
-/// its first version was slower than the recurrent kernel (2.38 against 1.98 ms at the 27B
-/// layer shape), and the present one is checked on the CPU's emulation but not yet timed
-/// (`bench-gdn` prints both forms).
+/// its first float32 version was slower than the recurrent kernel (2.38 against 1.98 ms at the
+/// 27B layer shape); the present one and the tensor-core form are checked on the CPU's
+/// emulation but not yet timed (`bench-gdn` prints every form).
 pub const CHUNKED_BY_DEFAULT: bool = false;
 
 /// Dynamic shared memory of the two chunked kernels, bytes: the source's `GDN_PREP_FLOATS`
@@ -51,6 +53,36 @@ pub(super) const SCAN_SHARED_BYTES: usize = {
 const _: () = assert!(PREP_SHARED_BYTES > 48 * 1024 && 2 * PREP_SHARED_BYTES <= 227 * 1024);
 const _: () = assert!(SCAN_SHARED_BYTES > 48 * 1024 && 2 * SCAN_SHARED_BYTES <= 227 * 1024);
 
+/// The tensor-core form's sizes, as gdn_chunked_tc.cuh's `GDN_TC_COLUMNS`,
+/// `GDN_TC_PREP_THREADS`, `GDN_TC_SCAN_THREADS`, `GDN_TC_MAX_V`, and the compute capability its
+/// mma.sync TF32 needs.
+const TC_COLUMNS: i64 = 64;
+const TC_PREP_THREADS: u32 = 256;
+const TC_SCAN_THREADS: u32 = 512;
+const TC_MAX_VALUE_DIM: i64 = 128;
+pub(super) const TENSOR_CORE_ARCH: i32 = 80;
+
+/// Dynamic shared memory of the tensor-core kernels, bytes: `GDN_TC_PREP_BYTES` (raw k, q, v
+/// rows of 136 halves; A, then T's scaled copies, rows of 68 floats; four per-token scalars) and
+/// `GDN_TC_SCAN_BYTES` (W, P; the state's columns and u twice as B operands, rows of 72
+/// floats; three rows of scales; raw q and k).
+pub(super) const TC_PREP_SHARED_BYTES: usize = {
+    let c = CHUNK as usize;
+    4 * c * (c + 4) * 4 + 4 * c * 4
+};
+pub(super) const TC_SCAN_SHARED_BYTES: usize = {
+    let (c, k, cols) = (
+        CHUNK as usize,
+        CHUNKED_KEY_DIM as usize,
+        TC_COLUMNS as usize,
+    );
+    4 * (c * (k + 4) + c * (c + 4) + k * (cols + 8) + 2 * c * (cols + 8) + 3 * c)
+        + 2 * 2 * c * (k + 8)
+};
+// Raw rows of q, k, v (halves) take the place of float rows of A / T: the same bytes.
+const _: () = assert!(2 * (CHUNKED_KEY_DIM + 8) == 4 * (CHUNK + 4));
+const _: () = assert!(TC_SCAN_SHARED_BYTES <= 227 * 1024 && 3 * TC_PREP_SHARED_BYTES <= 227 * 1024);
+
 /// The chunked kernels' argument: the kernel's `GdnChunkParams` (the rule's arguments, then
 /// the work buffers, float32 and dense, and the chunk count).
 #[repr(C)]
@@ -67,9 +99,41 @@ pub(super) struct GdnChunkParams {
     chunks: i64,
 }
 
+/// Whether cp.async can copy the rows of a [B, T, H, D] input of 2-byte values in 16-byte
+/// pieces: its data and its batch, token and head strides 16-byte aligned (an input whose last
+/// dimension is not dense is copied densely first, which is).
+fn rows_copy_in_pieces(t: &Tensor) -> bool {
+    let stride = t.stride();
+    if stride.len() != 4 || (stride[3] != 1 && t.size()[3] != 1) {
+        return true;
+    }
+    (t.data_ptr() as usize).is_multiple_of(16) && stride[..3].iter().all(|s| (2 * s) % 16 == 0)
+}
+
 impl GdnKernels {
+    /// The same kernels with the chunked form of bf16 / f16 calls on tensor cores (`true`, the
+    /// default, where the GPU has them and the call fits: value heads of 64 or 128, rows
+    /// 16-byte aligned) or in float32 (`false`), as `bench-gdn` compares them.
+    pub fn with_tensor_cores(mut self, tensor_cores: bool) -> Self {
+        self.prefer_tensor_cores = tensor_cores;
+        self
+    }
+
+    /// Whether [`GdnKernels::forward_chunked`] runs this call on tensor cores.
+    pub fn chunked_on_tensor_cores(&self, x: &GdnInputs<'_>) -> Result<bool> {
+        let shape = self.checked_shape(x)?;
+        Ok(self.prefer_tensor_cores
+            && self.tensor_cores
+            && matches!(x.v.kind(), Kind::BFloat16 | Kind::Half)
+            && shape.key_dim == CHUNKED_KEY_DIM
+            && shape.value_dim % TC_COLUMNS == 0
+            && shape.value_dim <= TC_MAX_VALUE_DIM
+            && [x.q, x.k, x.v].into_iter().all(rows_copy_in_pieces))
+    }
+
     /// [`GdnKernels::forward`] through the chunked form, whatever the length (key heads of
-    /// [`CHUNKED_KEY_DIM`] only).
+    /// [`CHUNKED_KEY_DIM`] only): on tensor cores where [`GdnKernels::with_tensor_cores`] and
+    /// the call allow, else in float32.
     pub fn forward_chunked(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
         let shape = self.checked_shape(x)?;
         ensure!(
@@ -106,13 +170,16 @@ impl GdnKernels {
             shape.value_dim,
         );
         let chunks = (shape.steps + CHUNK - 1) / CHUNK;
+        let (rule, which, _inputs) =
+            self.params(&shape, x, l2norm, &out, Some(&final_state), None)?;
+        let tensor_cores = self.chunked_on_tensor_cores(x)?;
         let work = |size: &[i64]| Tensor::empty(size, (Kind::Float, device));
+        // U' [C, V]; W [K, C] (float32 form) or [C, K] (tensor cores); P; gamma [C] or the
+        // tensor-core form's three rows of scales [3, C]
         let u = work(&[b, hv, chunks, CHUNK, v]);
         let w = work(&[b, hv, chunks, k, CHUNK]);
         let p = work(&[b, hv, chunks, CHUNK, CHUNK]);
-        let gamma = work(&[b, hv, chunks, CHUNK]);
-        let (rule, which, _inputs) =
-            self.params(&shape, x, l2norm, &out, Some(&final_state), None)?;
+        let gamma = work(&[b, hv, chunks, if tensor_cores { 3 } else { 1 }, CHUNK]);
         let mut params = GdnChunkParams {
             rule,
             u: u.data_ptr(),
@@ -127,6 +194,23 @@ impl GdnKernels {
             shape.steps
         );
         let rows = (b * hv) as u32;
+        if tensor_cores {
+            self.module.launch_with_shared(
+                self.tc_prep[which],
+                (chunks as u32, rows, 1),
+                TC_PREP_THREADS,
+                TC_PREP_SHARED_BYTES as u32,
+                &mut [arg(&mut params)],
+            )?;
+            self.module.launch_with_shared(
+                self.tc_scan[which],
+                ((v / TC_COLUMNS) as u32, rows, 1),
+                TC_SCAN_THREADS,
+                TC_SCAN_SHARED_BYTES as u32,
+                &mut [arg(&mut params)],
+            )?;
+            return Ok((out, final_state));
+        }
         self.module.launch_with_shared(
             self.chunk_prep[which],
             (chunks as u32, rows, 1),

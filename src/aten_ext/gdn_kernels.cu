@@ -770,6 +770,9 @@ DFLASH_GDN_CHUNK_KERNELS(bf16, Bf16)
 DFLASH_GDN_CHUNK_KERNELS(f16, F16)
 DFLASH_GDN_CHUNK_KERNELS(f32, F32)
 
+// The same form on tensor cores, for bf16 and f16 storage.
+#include "gdn_chunked_tc.cuh"
+
 // ---- The causal convolution before the rule ----
 //
 // Gated DeltaNet layers run q, k and v (one projection's first conv_dim columns) through a

@@ -29,7 +29,16 @@ fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
         let recurrent = KEY_DIMS.map(|dim| (kernel_name(kind, dim), size));
         let chunked = ["prep", "scan"].map(|part| (format!("gdn_chunk_{part}_{kind}"), chunk_size));
         let conv = (format!("gdn_causal_conv_{kind}"), conv_size);
-        for (name, size) in recurrent.into_iter().chain(chunked).chain([conv]) {
+        let tensor_cores = ["prep", "scan"]
+            .map(|part| (format!("gdn_tc_{part}_{kind}"), chunk_size))
+            .into_iter()
+            .filter(|_| kind != "f32");
+        for (name, size) in recurrent
+            .into_iter()
+            .chain(chunked)
+            .chain([conv])
+            .chain(tensor_cores)
+        {
             let entry = format!(".entry {name}(");
             let at = text
                 .find(&entry)
@@ -85,7 +94,7 @@ fn the_kernel_source_run_on_the_cpu_matches_the_rule() {
     );
     assert_eq!(
         report.lines().filter(|l| l.starts_with("ok ")).count(),
-        13,
+        15,
         "{report}"
     );
 }
@@ -447,8 +456,10 @@ fn gpu_half_types_match_the_reference() {
 
 /// The chunked form (long calls with key heads of 128): float32 within 1e-4 of the reference
 /// (whole and partial chunks, grouped heads, partial column blocks, with and without the
-/// normalisation and an initial state); bf16 output within its rounding of the reference and of
-/// the recurrent kernel, its final state within 1e-4.
+/// normalisation and an initial state). bf16 and f16 on tensor cores (value heads of 128 and
+/// 64, q, k, v as views of one projection as the model splits it, and dense) and bf16 in
+/// float32: the output within its rounding of the reference and of the recurrent kernel; the
+/// final state within 1e-4 in float32, 2e-3 on tensor cores (TF32 products).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_chunked_form_matches_the_reference() {
@@ -463,29 +474,77 @@ fn gpu_chunked_form_matches_the_reference() {
     assert_f32_cases(&cases, 20, device, |x, l2norm| {
         kernels.forward_chunked(&x.inputs(), l2norm).unwrap()
     });
-    let case = Case {
-        batch: 2,
-        steps: 200,
-        key_heads: 2,
-        value_heads: 4,
-        key_dim: CHUNKED_KEY_DIM,
-        value_dim: 128,
-        initial: true,
-        l2norm: true,
-    };
-    let x = case.make(30, device, Kind::BFloat16);
-    let (out, state) = kernels.forward_chunked(&x.inputs(), true).unwrap();
-    let (want_out, want_state) = x.reference(true);
-    let (recurrent_out, _) = kernels.forward_recurrent(&x.inputs(), true).unwrap();
-    assert_eq!(out.kind(), Kind::BFloat16);
-    assert_close(&out, &want_out, 1e-2, "bf16 output");
-    assert_close(
-        &out,
-        &recurrent_out,
-        1e-2,
-        "bf16 output against the recurrent kernel",
-    );
-    assert_close(&state, &want_state, 1e-4, "bf16 final state");
+    let float32_form = kernels.with_tensor_cores(false);
+    let forms = [
+        (Kind::BFloat16, 128, true, kernels, 2e-3),
+        (Kind::BFloat16, 128, false, kernels, 2e-3),
+        (Kind::Half, 64, true, kernels, 2e-3),
+        (Kind::BFloat16, 128, true, float32_form, 1e-4),
+    ];
+    for (seed, (kind, value_dim, projection, kernels, state_tolerance)) in (30..).zip(forms) {
+        let case = Case {
+            batch: 2,
+            steps: 200,
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: CHUNKED_KEY_DIM,
+            value_dim,
+            initial: true,
+            l2norm: true,
+        };
+        let x = case.make(seed, device, kind);
+        // q | k | v side by side in one [B, T, 2 Hk K + Hv V] tensor, split into views
+        let joined = Tensor::cat(
+            &[x.q.flatten(2, 3), x.k.flatten(2, 3), x.v.flatten(2, 3)],
+            2,
+        );
+        let split = joined.split_with_sizes([2 * k, 2 * k, 4 * value_dim], 2);
+        let viewed = [
+            split[0].view([2, 200, 2, k]),
+            split[1].view([2, 200, 2, k]),
+            split[2].view([2, 200, 4, value_dim]),
+        ];
+        let inputs = if projection {
+            rule(
+                [&viewed[0], &viewed[1], &viewed[2], &x.g, &x.beta],
+                x.initial.as_ref(),
+            )
+        } else {
+            x.inputs()
+        };
+        let tensor_cores = state_tolerance > 1e-4;
+        let what = format!(
+            "{kind:?} V {value_dim}, {}, {}",
+            if projection { "views" } else { "dense" },
+            if tensor_cores {
+                "tensor cores"
+            } else {
+                "float32"
+            }
+        );
+        assert_eq!(
+            kernels.chunked_on_tensor_cores(&inputs).unwrap(),
+            tensor_cores,
+            "{what}: not the form asked for"
+        );
+        let (out, state) = kernels.forward_chunked(&inputs, true).unwrap();
+        let (want_out, want_state) = x.reference(true);
+        let (recurrent_out, _) = kernels.forward_recurrent(&inputs, true).unwrap();
+        assert_eq!(out.kind(), kind);
+        assert_close(&out, &want_out, 1e-2, &format!("{what}: output"));
+        assert_close(
+            &out,
+            &recurrent_out,
+            1e-2,
+            &format!("{what}: output against the recurrent kernel"),
+        );
+        assert_close(
+            &state,
+            &want_state,
+            state_tolerance,
+            &format!("{what}: final state"),
+        );
+    }
 }
 
 /// The causal convolution kernel gives what libtorch's conv1d over the conv state and the new

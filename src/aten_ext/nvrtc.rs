@@ -16,9 +16,13 @@ use tch::{Device, Kind};
 use super::graph::GraphLibrary;
 use crate::runtime::library_symbol;
 
-/// The header every kernel source may include by name: the storage types (bf16, f16, f32) the
-/// kernels load and store, one copy for all of them.
-const HEADERS: [(&str, &str); 1] = [("storage_types.cuh", include_str!("storage_types.cuh"))];
+/// The headers a kernel source may include by name: the storage types (bf16, f16, f32) the
+/// kernels load and store, one copy for all of them; the tensor-core form of the gated delta
+/// rule, which gdn_kernels.cu includes (a file of its own for its size).
+const HEADERS: [(&str, &str); 2] = [
+    ("storage_types.cuh", include_str!("storage_types.cuh")),
+    ("gdn_chunked_tc.cuh", include_str!("gdn_chunked_tc.cuh")),
+];
 
 /// Environment variable naming the libnvrtc file to load (tried before anything else).
 pub(crate) const NVRTC_ENV: &str = "DFLASH_NVRTC_LIBRARY";
@@ -233,6 +237,8 @@ pub(super) fn kind_index(kind: Kind) -> Option<usize> {
 #[derive(Clone, Copy)]
 pub(super) struct KernelModule {
     device: usize,
+    /// The device's compute capability, major * 10 + minor (what the source was compiled for).
+    arch: i32,
     context: cu::CUcontext,
     graphs: GraphLibrary,
 }
@@ -286,6 +292,7 @@ impl KernelModule {
             cu::cuCtxPopCurrent_v2(&mut popped);
             let module = KernelModule {
                 device: index,
+                arch,
                 context,
                 graphs,
             };
@@ -301,6 +308,11 @@ impl KernelModule {
     /// The CUDA device's index.
     pub(super) fn index(&self) -> usize {
         self.device
+    }
+
+    /// The device's compute capability, major * 10 + minor (90 for an H100 / H200).
+    pub(super) fn compute_capability(&self) -> i32 {
+        self.arch
     }
 
     /// One launch of `function` (of this module) on libtorch's current stream of the device,

@@ -46,7 +46,8 @@ pub struct ForwardBenchArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// How a hybrid target's gated delta rule runs the prefill on the GPU: "auto" (the
-    /// default form), "recurrent" or "chunked".
+    /// default form), "recurrent", "chunked" (on tensor cores where the GPU and the model
+    /// allow) or "chunked-float32".
     #[arg(long, value_enum, default_value_t = GdnPrefill::Auto)]
     pub gdn_prefill: GdnPrefill,
     /// After the timed calls, record one more forward with libtorch's profiler and write the
@@ -62,6 +63,8 @@ pub enum GdnPrefill {
     Auto,
     Recurrent,
     Chunked,
+    #[serde(rename = "chunked-float32")]
+    ChunkedFloat32,
 }
 
 /// The benchmark's result.
@@ -127,8 +130,9 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &ForwardBenchArgs) -> Result<For
     };
     match args.gdn_prefill {
         GdnPrefill::Auto => {}
-        GdnPrefill::Recurrent => model.set_gdn_chunked_prefill(false),
-        GdnPrefill::Chunked => model.set_gdn_chunked_prefill(true),
+        GdnPrefill::Recurrent => model.set_gdn_prefill_form(false, true),
+        GdnPrefill::Chunked => model.set_gdn_prefill_form(true, true),
+        GdnPrefill::ChunkedFloat32 => model.set_gdn_prefill_form(true, false),
     }
     let layers = model.num_layers();
     let req = ForwardRequest {

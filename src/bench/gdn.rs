@@ -163,7 +163,18 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
                 .forward_chunked(&prefill.rule(false), true)
                 .map(drop)
         })?;
-        println!("{}", line("prefill_chunked", args.tokens, ms));
+        let mut record = line("prefill_chunked", args.tokens, ms);
+        record["tensor_cores"] = json!(kernels.chunked_on_tensor_cores(&prefill.rule(false))?);
+        println!("{record}");
+        if kernels.chunked_on_tensor_cores(&prefill.rule(false))? {
+            let float32 = kernels.with_tensor_cores(false);
+            let ms = time_ms(index, args.iters, || {
+                float32
+                    .forward_chunked(&prefill.rule(false), true)
+                    .map(drop)
+            })?;
+            println!("{}", line("prefill_chunked_float32", args.tokens, ms));
+        }
     }
     let step = inputs(args, 1, device);
     let ms = time_ms(index, args.iters, || {
@@ -204,6 +215,13 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
         if let Some((out, state)) = &chunked {
             record["chunked_max_abs_diff_out"] = json!(diff(out, &want_out));
             record["chunked_max_abs_diff_state"] = json!(diff(state, &want_state));
+        }
+        if chunked.is_some() && kernels.chunked_on_tensor_cores(&p.rule(false))? {
+            let (out, state) = kernels
+                .with_tensor_cores(false)
+                .forward_chunked(&p.rule(false), true)?;
+            record["chunked_float32_max_abs_diff_out"] = json!(diff(&out, &want_out));
+            record["chunked_float32_max_abs_diff_state"] = json!(diff(&state, &want_state));
         }
         record["max_abs_state"] = json!(want_state.abs().max().double_value(&[]));
         println!("{record}");

@@ -97,17 +97,21 @@ pub struct TargetModel {
 
 impl TargetModel {
     /// Whether a hybrid target's long gated delta rule calls (prefills, training forwards) take
-    /// the chunked form of the CUDA kernels (`true`) or their recurrent kernel (`false`); the
-    /// default is [`crate::aten_ext::gdn::CHUNKED_BY_DEFAULT`]. Nothing changes without the
-    /// kernels (off CUDA, or other models).
-    pub fn set_gdn_chunked_prefill(&mut self, chunked: bool) {
+    /// the chunked form of the CUDA kernels (`chunked`) or their recurrent kernel; the default
+    /// is [`crate::aten_ext::gdn::CHUNKED_BY_DEFAULT`]. With `tensor_cores` false the chunked
+    /// form of bf16 / f16 calls computes in float32 instead of on tensor cores (the default).
+    /// Nothing changes without the kernels (off CUDA, or other models).
+    pub fn set_gdn_prefill_form(&mut self, chunked: bool, tensor_cores: bool) {
         for layer in &mut self.layers {
             if let TargetLayer::Hybrid(HybridLayer {
                 mixer: Mixer::DeltaNet(net),
                 ..
             }) = layer
             {
-                let kernels = net.kernels().map(|k| k.with_chunked_prefill(chunked));
+                let kernels = net.kernels().map(|k| {
+                    k.with_chunked_prefill(chunked)
+                        .with_tensor_cores(tensor_cores)
+                });
                 net.set_kernels(kernels);
             }
         }

@@ -4,7 +4,10 @@
 // kernel's indexing, tiling and reductions where there is no GPU; not for speed. A thread that
 // skips a barrier its block meets hangs the run (the caller's time limit reports it).
 // Dynamic shared memory is emu::dynamic_shared, which the caller sizes before a launch.
-// Inline assembly is dropped: kernels that need it (f16 conversions) compute garbage here.
+// Inline assembly is dropped: kernels that need it (f16 conversions) compute garbage here; the
+// few helpers that are inline assembly on the GPU and that the kernels' sources leave to the
+// emulation where DFLASH_EMULATED_ASM is defined (TF32 rounding, mma.sync m16n8k8 TF32, cp.async)
+// are defined below with the same meaning.
 #pragma once
 
 #include <algorithm>
@@ -40,6 +43,11 @@ inline std::unique_ptr<std::barrier<>> block_barrier;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<float> warp_values;   // one slot per thread
 inline std::vector<float4> dynamic_shared;   // a launch's dynamic shared memory (sized by its caller)
+struct MmaOperands {
+    unsigned a[4], b[2];
+    float c[4];
+};
+inline std::vector<MmaOperands> mma_operands;   // one slot per thread
 
 // Runs `kernel` over the grid, blocks in turn, each with its own threads.
 template <class F>
@@ -52,6 +60,7 @@ void launch(uint3 grid, unsigned threads, F kernel) {
         warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
     }
     warp_values.assign(threads, 0.0f);
+    mma_operands.assign(threads, MmaOperands{});
     for (unsigned z = 0; z < grid.z; ++z) {
         for (unsigned y = 0; y < grid.y; ++y) {
             for (unsigned x = 0; x < grid.x; ++x) {
@@ -116,3 +125,66 @@ inline float __frcp_rn(float x) { return 1.0f / x; }
 #include <math.h>  // expf, fmaf
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 using std::fmaxf;
+
+#define DFLASH_EMULATED_ASM
+
+// cvt.rna.tf32.f32: to nearest, ties away from zero (the low 13 bits of the mantissa cleared).
+inline unsigned tf32_bits(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7f800000u) != 0x7f800000u) {
+        u += 0x1000u;
+    }
+    return u & 0xffffe000u;
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, d += a b, over the warp: every lane puts
+// its fragments down, each computes its four results from the whole tiles (fragment layouts of
+// the PTX ISA; the tensor cores read only the TF32 bits of an operand), then all move on.
+inline void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    const unsigned t = threadIdx.x, lane = t % 32, base = t - lane;
+    auto &barrier = *emu::warp_barriers[t / 32];
+    emu::MmaOperands &mine = emu::mma_operands[t];
+    for (int i = 0; i < 4; ++i) {
+        mine.a[i] = a[i];
+        mine.c[i] = d[i];
+    }
+    mine.b[0] = b0;
+    mine.b[1] = b1;
+    barrier.arrive_and_wait();
+    const auto operand = [](unsigned x) { return (double)__uint_as_float(x & 0xffffe000u); };
+    double A[16][8], B[8][8];
+    for (unsigned l = 0; l < 32; ++l) {
+        const emu::MmaOperands &o = emu::mma_operands[base + l];
+        const unsigned g = l >> 2, t4 = l & 3;
+        A[g][t4] = operand(o.a[0]);
+        A[g + 8][t4] = operand(o.a[1]);
+        A[g][t4 + 4] = operand(o.a[2]);
+        A[g + 8][t4 + 4] = operand(o.a[3]);
+        B[t4][g] = operand(o.b[0]);
+        B[t4 + 4][g] = operand(o.b[1]);
+    }
+    const unsigned g = lane >> 2, t4 = lane & 3;
+    float result[4];
+    for (int r = 0; r < 4; ++r) {
+        const unsigned row = g + 8 * (r >> 1), col = 2 * t4 + (r & 1);
+        double acc = mine.c[r];
+        for (int k = 0; k < 8; ++k) {
+            acc += A[row][k] * B[k][col];
+        }
+        result[r] = (float)acc;
+    }
+    barrier.arrive_and_wait();   // every lane has read the others' fragments
+    for (int r = 0; r < 4; ++r) {
+        d[r] = result[r];
+    }
+}
+
+// cp.async of 16 bytes (zeros where !valid), done at once; waiting for it is then nothing.
+inline void copy16_async(void *shared, const void *global, bool valid) {
+    if (valid) {
+        std::memcpy(shared, global, 16);
+    } else {
+        std::memset(shared, 0, 16);
+    }
+}
+inline void wait_async_copies() {}

@@ -45,10 +45,16 @@ static double relative_error(const std::vector<float> &got, const std::vector<do
     return worst / std::max(max_abs(want), 1e-30);
 }
 
-// The chunked form's two kernels (prep, then scan), in place of the recurrent one.
+// The chunked form's two kernels (prep, then scan), in place of the recurrent one, with their
+// launch: threads, dynamic shared memory, value columns per scan block, floats per token of the
+// `gamma` buffer (1; the tensor-core form's three rows of scales) and its state tolerance.
 struct Chunked {
     void (*prep)(const GdnChunkParams);
     void (*scan)(const GdnChunkParams);
+    unsigned prep_threads, scan_threads;
+    size_t prep_bytes, scan_bytes;
+    long long scan_columns, scale_rows;
+    double state_tolerance;
 };
 
 // Runs the recurrent kernel (`kernel`), or the chunked form (`chunked`: no states after every
@@ -183,14 +189,15 @@ static bool run_case(const Case &c, void (*kernel)(const GdnParams), double out_
     if (chunked) {
         const long long N = (L + GDN_CHUNK - 1) / GDN_CHUNK, C = GDN_CHUNK;
         std::vector<float> u(B * Hv * N * C * V + 64, NAN), w(B * Hv * N * K * C + 64, NAN),
-            pm(B * Hv * N * C * C + 64, NAN), gamma(B * Hv * N * C + 64, NAN);
+            pm(B * Hv * N * C * C + 64, NAN), gamma(B * Hv * N * chunked->scale_rows * C + 64, NAN);
         GdnChunkParams cp = {p, u.data(), w.data(), pm.data(), gamma.data(), N};
-        emu::dynamic_shared.assign((GDN_PREP_FLOATS + 3) / 4, float4{NAN, NAN, NAN, NAN});
-        emu::launch({(unsigned)N, (unsigned)(B * Hv), 1}, GDN_CHUNK_THREADS,
+        emu::dynamic_shared.assign((chunked->prep_bytes + 15) / 16, float4{NAN, NAN, NAN, NAN});
+        emu::launch({(unsigned)N, (unsigned)(B * Hv), 1}, chunked->prep_threads,
                     [&] { chunked->prep(cp); });
-        emu::dynamic_shared.assign((GDN_SCAN_FLOATS + 3) / 4, float4{NAN, NAN, NAN, NAN});
-        emu::launch({(unsigned)((V + GDN_SCAN_COLUMNS - 1) / GDN_SCAN_COLUMNS), (unsigned)(B * Hv), 1},
-                    GDN_CHUNK_THREADS, [&] { chunked->scan(cp); });
+        emu::dynamic_shared.assign((chunked->scan_bytes + 15) / 16, float4{NAN, NAN, NAN, NAN});
+        const long long column_blocks = (V + chunked->scan_columns - 1) / chunked->scan_columns;
+        emu::launch({(unsigned)column_blocks, (unsigned)(B * Hv), 1}, chunked->scan_threads,
+                    [&] { chunked->scan(cp); });
         for (auto *buffer : {&u, &w, &pm, &gamma}) {   // nothing written past the buffers
             for (int i = 0; i < 64; ++i) {
                 if (!std::isnan((*buffer)[buffer->size() - 1 - i])) {
@@ -217,7 +224,7 @@ static bool run_case(const Case &c, void (*kernel)(const GdnParams), double out_
     const double e_out = relative_error(got_out, want_out);
     const double e_states = relative_error(states, want_states);
     const double e_final = relative_error(final_state, want_final);
-    const double state_tolerance = chunked ? 1e-4 : 2e-5;
+    const double state_tolerance = chunked ? chunked->state_tolerance : 2e-5;
     const bool ok = untouched && e_out <= out_tolerance && e_states <= state_tolerance &&
                     e_final <= state_tolerance;
     std::printf("%s %s: output %.2e, states %.2e, final state %.2e%s\n", ok ? "ok" : "FAILED",
@@ -308,8 +315,17 @@ int main() {
                         gdn_recurrent_f32_k32, 2e-5);
     // the chunked form: partial last chunks and column blocks, grouped heads, strided views,
     // decays strong enough to underflow (and one of zero), bf16
-    const Chunked chunked_f32 = {gdn_chunk_prep_f32, gdn_chunk_scan_f32};
-    const Chunked chunked_bf16 = {gdn_chunk_prep_bf16, gdn_chunk_scan_bf16};
+    const size_t prep_bytes = 4 * GDN_PREP_FLOATS, scan_bytes = 4 * GDN_SCAN_FLOATS;
+    const Chunked chunked_f32 = {gdn_chunk_prep_f32, gdn_chunk_scan_f32, GDN_CHUNK_THREADS,
+                                 GDN_CHUNK_THREADS, prep_bytes, scan_bytes, GDN_SCAN_COLUMNS,
+                                 1, 1e-4};
+    const Chunked chunked_bf16 = {gdn_chunk_prep_bf16, gdn_chunk_scan_bf16, GDN_CHUNK_THREADS,
+                                  GDN_CHUNK_THREADS, prep_bytes, scan_bytes, GDN_SCAN_COLUMNS,
+                                  1, 1e-4};
+    // the tensor-core form (TF32 products: a looser state tolerance)
+    const Chunked tensor_cores_bf16 = {gdn_tc_prep_bf16, gdn_tc_scan_bf16, GDN_TC_PREP_THREADS,
+                                       GDN_TC_SCAN_THREADS, GDN_TC_PREP_BYTES, GDN_TC_SCAN_BYTES,
+                                       GDN_TC_COLUMNS, 3, 2e-3};
     ok &= run_case<F32>({"chunked f32: 3 chunks (the last partial), 2 column blocks, strided, "
                          "strong and zero decays",
                          1, 150, 1, 2, 128, 40, true, true, true, true, true, true},
@@ -320,6 +336,14 @@ int main() {
     ok &= run_case<Bf16>({"chunked bf16: one whole chunk, g and beta bf16", 1, 64, 1, 2, 128, 32,
                           true, true, false, false, false, false},
                          nullptr, 1e-2, &chunked_bf16);
+    ok &= run_case<Bf16>({"tensor cores bf16: 3 chunks (the last partial), 2 column blocks, "
+                          "grouped, strided, strong and zero decays",
+                          1, 150, 1, 2, 128, 128, true, true, true, true, true, true},
+                         nullptr, 1e-2, &tensor_cores_bf16);
+    ok &= run_case<Bf16>({"tensor cores bf16: V 64, 2 batch rows, grouped, no norm, no initial "
+                          "state, g and beta bf16",
+                          2, 70, 2, 4, 128, 64, false, false, false, false, false, false},
+                         nullptr, 1e-2, &tensor_cores_bf16);
     // the causal convolution: several token tiles and channel blocks, a conv state, fewer tokens
     // than the state holds (decoding), bf16
     ok &= run_conv_case<F32>("conv f32: 3 token tiles, 2 channel blocks, conv state", 2, 40, 150,
