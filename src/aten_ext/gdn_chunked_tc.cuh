@@ -253,23 +253,27 @@ static __device__ void gdn_tc_prep(const GdnChunkParams &cp) {
     }
     __syncthreads();
 
-    // T = (I + A)^-1, column `tid` per thread: x_i = [i = c] - sum_{j < i} A_ij x_j
+    // T = (I + A)^-1, column `tid` per thread: x_i = [i = c] - sum_{j < i} A_ij x_j, the sum
+    // in four independent partial sums (a chain of i / 4 dependent FMAs per row, not i)
     float x[C];
     if (tid < C) {
 #pragma unroll
         for (int i = 0; i < C; ++i) {
-            float r = i == tid ? 1.0f : 0.0f;
+            float r[4] = {i == tid ? 1.0f : 0.0f, 0.0f, 0.0f, 0.0f};
             const float *arow = am + i * GDN_FROW;
 #pragma unroll
             for (int j = 0; j < (i & ~3); j += 4) {
                 const float4 a4 = *(const float4 *)(arow + j);
-                r -= a4.x * x[j] + a4.y * x[j + 1] + a4.z * x[j + 2] + a4.w * x[j + 3];
+                r[0] = fmaf(-a4.x, x[j], r[0]);
+                r[1] = fmaf(-a4.y, x[j + 1], r[1]);
+                r[2] = fmaf(-a4.z, x[j + 2], r[2]);
+                r[3] = fmaf(-a4.w, x[j + 3], r[3]);
             }
 #pragma unroll
             for (int j = i & ~3; j < i; ++j) {
-                r -= arow[j] * x[j];
+                r[j & 3] = fmaf(-arow[j], x[j], r[j & 3]);
             }
-            x[i] = r;
+            x[i] = (r[0] + r[1]) + (r[2] + r[3]);
         }
     }
     __syncthreads();   // A and q are read: T's two scaled copies take their places
