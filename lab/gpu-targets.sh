@@ -124,9 +124,10 @@ PY
   python3 tools/eval_summary.py "$OUT"/eval-mtbench-graphs.json "$OUT"/eval-mtbench-f32.json 2>&1 | tail -8
   ;;
 gdn)
-  # the gated delta rule kernels: tests, then both forms at the 27B and 35B-A3B layer shapes
+  # the gated delta rule kernels (the chunked form on tensor cores and in float32, the causal
+  # convolution) and the fused kernels: tests, then every form at the 27B and 35B-A3B layer shapes
   t gdn-kernel-tests
-  timeout 150 "$W/tests/lib" --ignored aten_ext::gdn:: --test-threads 1 2>&1 | tail -16
+  timeout 200 "$W/tests/lib" --ignored aten_ext::gdn:: aten_ext::fused --test-threads 1 2>&1 | tail -24
   t hybrid-decode-tests
   timeout 150 "$W/tests/it" --ignored gpu_decode::gpu_hybrid --test-threads 1 2>&1 | tail -8
   run_json gdn-27b 90 $B bench-gdn --key-heads 16 --reference
