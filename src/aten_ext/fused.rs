@@ -290,10 +290,17 @@ impl FusedKernels {
             arg(&mut rows),
             arg(&mut w),
         ];
-        let threads = 256u32;
-        let blocks = ((n * width + 255) / 256).clamp(1, 65_535) as u32;
+        // rows by the grid's y (a stride past 65,535), 256 threads a block over a row's columns
+        // (16-byte vectors of them where the width allows)
+        let vec = if width % (16 / kind.elt_size_in_bytes() as i64) == 0 {
+            16 / kind.elt_size_in_bytes() as i64
+        } else {
+            1
+        };
+        let blocks = (width / vec + 255) / 256;
+        let grid = (blocks.min(65_535) as u32, n.min(65_535) as u32);
         self.module
-            .launch(self.silu_mul[which], (blocks, 1), threads, &mut params)?;
+            .launch(self.silu_mul[which], grid, 256, &mut params)?;
         Ok(out)
     }
 

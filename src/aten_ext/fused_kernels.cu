@@ -114,47 +114,7 @@ static __device__ void rotate_write(const typename P::T *__restrict__ y, int lay
     dst[i + half] = out1;
 }
 
-// `both` [n, 2 * width] ([gate | up] per row) -> `out` [n, width] = silu(gate) * up, silu
-// rounded to the storage type first (as libtorch's two kernels).
-template <class P>
-static __device__ void silu_mul(const typename P::T *__restrict__ both,
-                                typename P::T *__restrict__ out, long long n, long long width) {
-    const long long total = n * width;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long r = idx / width, col = idx % width;
-        const float g = P::load(both[r * 2 * width + col]);
-        const float u = P::load(both[r * 2 * width + width + col]);
-        const float act = P::load(P::store(g / (1.0f + expf(-g))));
-        out[idx] = P::store(act * u);
-    }
-}
-
-// The rows of the norms: a tensor [outer, inner, width] of contiguous rows, row r at
-// (r / inner) * outer_stride + (r % inner) * inner_stride (strided views of a projection need
-// no copy). A warp per row (row_threads 32: the block's warps take consecutive rows) or the
-// whole block per row (row_threads = blockDim.x), each thread `lane` of the row's `row_threads`.
-// Rows are read VEC = 16 / sizeof(T) elements at a time where every row pointer is 16-byte
-// aligned and the width divisible by VEC, else one element at a time.
-struct RowLayout {
-    long long outer_stride, inner_stride, inner;
-};
-
-static __device__ __forceinline__ long long row_offset(const RowLayout &l, long long r) {
-    return (r / l.inner) * l.outer_stride + (r % l.inner) * l.inner_stride;
-}
-
-// The sum of `v` over the row's threads, returned to each of them.
-static __device__ __forceinline__ float row_sum(float v, int row_threads) {
-    if (row_threads > 32) {
-        return block_sum(v);
-    }
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
-    }
-    return v;
-}
-
+// Whether `p` can be read as 16-byte vectors.
 static __device__ __forceinline__ bool aligned16(const void *p) {
     return (reinterpret_cast<unsigned long long>(p) & 15ULL) == 0;
 }
@@ -188,6 +148,67 @@ static __device__ __forceinline__ void store_n(typename P::T *p, const float *v)
         e[t] = P::store(v[t]);
     }
     *reinterpret_cast<uint4 *>(p) = u;
+}
+
+// `both` [n, 2 * width] ([gate | up] per row) -> `out` [n, width] = silu(gate) * up, silu
+// rounded to the storage type first (as libtorch's two kernels). Rows by blockIdx.y (a stride of
+// gridDim.y), columns by the threads of blockIdx.x (16-byte vectors where the width and the
+// pointers allow, else one element each): no division per element.
+template <class P, int N>
+static __device__ __forceinline__ void silu_mul_row(const typename P::T *gate,
+                                                    const typename P::T *up, typename P::T *out,
+                                                    long long width) {
+    const long long step = (long long)gridDim.x * blockDim.x * N;
+    for (long long j = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * N; j < width;
+         j += step) {
+        float g[N], u[N];
+        load_n<P, N>(gate + j, g);
+        load_n<P, N>(up + j, u);
+        for (int t = 0; t < N; ++t) {
+            g[t] = P::load(P::store(g[t] / (1.0f + expf(-g[t])))) * u[t];
+        }
+        store_n<P, N>(out + j, g);
+    }
+}
+
+template <class P>
+static __device__ void silu_mul(const typename P::T *__restrict__ both,
+                                typename P::T *__restrict__ out, long long n, long long width) {
+    const int VEC = 16 / sizeof(typename P::T);
+    const bool vectors = width % VEC == 0 && aligned16(both) && aligned16(out);
+    for (long long r = blockIdx.y; r < n; r += gridDim.y) {
+        const typename P::T *gate = both + r * 2 * width;
+        if (vectors) {
+            silu_mul_row<P, VEC>(gate, gate + width, out + r * width, width);
+        } else {
+            silu_mul_row<P, 1>(gate, gate + width, out + r * width, width);
+        }
+    }
+}
+
+// The rows of the norms: a tensor [outer, inner, width] of contiguous rows, row r at
+// (r / inner) * outer_stride + (r % inner) * inner_stride (strided views of a projection need
+// no copy). A warp per row (row_threads 32: the block's warps take consecutive rows) or the
+// whole block per row (row_threads = blockDim.x), each thread `lane` of the row's `row_threads`.
+// Rows are read VEC = 16 / sizeof(T) elements at a time where every row pointer is 16-byte
+// aligned and the width divisible by VEC, else one element at a time.
+struct RowLayout {
+    long long outer_stride, inner_stride, inner;
+};
+
+static __device__ __forceinline__ long long row_offset(const RowLayout &l, long long r) {
+    return (r / l.inner) * l.outer_stride + (r % l.inner) * l.inner_stride;
+}
+
+// The sum of `v` over the row's threads, returned to each of them.
+static __device__ __forceinline__ float row_sum(float v, int row_threads) {
+    if (row_threads > 32) {
+        return block_sum(v);
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
 }
 
 // This thread's part of the sum of squares of a row, N elements at a time.

@@ -372,7 +372,7 @@ mod tests {
         );
         assert_eq!(
             report.lines().filter(|l| l.starts_with("ok ")).count(),
-            12,
+            13,
             "{report}"
         );
     }

@@ -186,8 +186,10 @@ static bool run_silu_mul(const char *name,
     std::vector<T> both(rows * 2 * width);
     for (T &e : both) e = P::store(2.0f * normal(rng));
     std::vector<T> out(rows * width + 64, P::store(NAN));
-    const unsigned blocks = (unsigned)std::clamp((rows * width + 255) / 256, 1LL, 65535LL);
-    emu::launch({blocks, 1, 1}, 256, [&] { kernel(both.data(), out.data(), rows, width); });
+    const long long vec = width % (16 / sizeof(T)) == 0 ? 16 / sizeof(T) : 1;
+    const unsigned blocks = (unsigned)std::min((width / vec + 255) / 256, 65535LL);
+    emu::launch({blocks, (unsigned)std::min(rows, 65535LL), 1}, 256,
+                [&] { kernel(both.data(), out.data(), rows, width); });
     std::vector<double> want(rows * width);
     for (long long i = 0; i < rows; ++i) {
         for (long long j = 0; j < width; ++j) {
@@ -239,7 +241,11 @@ int main() {
     ok &= run_gated<Bf16>("gated bf16: 3 rows of 5120 (a block per row)", gated_rms_norm_bf16,
                           rows_of(3, 3, 5120, 3 * 5120), rows_of(3, 3, 5128, 3 * 5128), 3, 5120,
                           bf16_rel, bf16_exact);
+    // SwiGLU's product: rows of 300 (one element at a time), of 2,056 (vectors, two blocks a
+    // row, the second partial), of 64
     ok &= run_silu_mul<Bf16>("silu_mul bf16: 5 rows of 300", silu_mul_bf16, 5, 300, bf16_rel,
+                             bf16_exact);
+    ok &= run_silu_mul<Bf16>("silu_mul bf16: 3 rows of 2056", silu_mul_bf16, 3, 2056, bf16_rel,
                              bf16_exact);
     ok &= run_silu_mul<F32>("silu_mul f32: 3 rows of 64", silu_mul_f32, 3, 64, f32_rel, 0.0);
     return ok ? 0 : 1;

@@ -9,7 +9,8 @@ use dflash_tui::model::ForwardRequest;
 /// of libtorch operations they replace (`ZeroCentredNorm::forward`, `GatedDeltaNet::output`):
 /// rows of 5,120 (a block per row) dense and as an offset 2-D slice, heads of 256 and of 128
 /// read in place from a projection (a warp per row), the gate a view of a projection whose rows
-/// are 16-byte aligned and one whose rows are not; float32 to 1e-6, bf16 up to a rounding.
+/// are 16-byte aligned and one whose rows are not; SwiGLU's product (its launch by rows and
+/// column blocks); float32 to 1e-6, bf16 up to a rounding.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_fused_norms_equal_the_libtorch_operations() {
@@ -73,6 +74,20 @@ fn gpu_fused_norms_equal_the_libtorch_operations() {
                 * &w;
             let want = (normed.to_kind(Kind::Float) * z.to_kind(Kind::Float).silu()).to_kind(kind);
             assert_close(&what, &got, &want, rel, exact);
+        }
+        // SwiGLU's product over rows it reads one element at a time (300) and as vectors, two
+        // blocks a row (2,056)
+        for width in [300i64, 2056] {
+            let both = rand(&[3, 2 * width], 2.0);
+            let got = kernels.silu_mul(&both).unwrap();
+            let want = both.narrow(-1, 0, width).silu() * both.narrow(-1, width, width);
+            assert_close(
+                &format!("{kind:?} silu(gate) * up, rows of {width}"),
+                &got,
+                &want,
+                rel,
+                exact,
+            );
         }
         // argument checks: a scale of another width, a gate of another shape
         let x = rand(&[4, 64], 1.0);
