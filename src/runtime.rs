@@ -276,6 +276,28 @@ pub(crate) fn gdn_kernels_or_warn(device: tch::Device, key_dim: i64) -> Option<G
     }
 }
 
+/// The fused kernels for `device` (a GPU), compiled and loaded, for the target's forward (its
+/// norms and SwiGLU's product); `None` on the CPU, and, with one warning saying why, where they
+/// cannot load (libtorch's operations then do the same work).
+pub(crate) fn fused_kernels_or_warn(device: tch::Device) -> Option<FusedKernels> {
+    if !device.is_cuda() {
+        return None;
+    }
+    let loaded = GraphLibrary::load().and_then(|graphs| {
+        let dir = loaded_library_dir("libtorch_cpu.so");
+        FusedKernels::load(graphs, dir.as_deref(), device)
+    });
+    match loaded {
+        Ok(kernels) => Some(kernels),
+        Err(e) => {
+            log::warn!(
+                "fused kernels unavailable on {device:?}, libtorch's operations instead: {e:#}"
+            );
+            None
+        }
+    }
+}
+
 fn loaded_library_dir(name: &str) -> Option<PathBuf> {
     loaded_library(|f| f == name).and_then(|p| p.parent().map(Path::to_path_buf))
 }

@@ -1,7 +1,7 @@
 //! Fused kernels (`fused_kernels.cu`): for the drafter's decoding steps the q/k norm, rotary
 //! embedding and cache writes of one attention layer as one kernel, and SwiGLU's `silu(gate) *
 //! up` as one; for training, the LM head's cross-entropy and its gradient over a chunk of
-//! logits as one. A drafter step is ~110 kernels of 1-4 us and costs their number; the loss
+//! logits as one; for the target's forward its norms ([`norms`]) and SwiGLU's product. A drafter step is ~110 kernels of 1-4 us and costs their number; the loss
 //! over a chunk of logits costs the passes over them. libtorch has no
 //! fused forms of these, and tch binds no way to add one, so they are compiled at run time with
 //! NVRTC (the compiler libtorch's own jiterator uses, which PyTorch's wheels bring) and launched
@@ -63,6 +63,8 @@ pub struct FusedKernels {
     rotate_write: [cu::CUfunction; 3],
     silu_mul: [cu::CUfunction; 3],
     cross_entropy_grad: [cu::CUfunction; 3],
+    scaled_rms_norm: [cu::CUfunction; 3],
+    gated_rms_norm: [cu::CUfunction; 3],
 }
 
 // SAFETY: the functions of a module loaded in a CUDA context are process-wide driver objects,
@@ -85,34 +87,39 @@ impl FusedKernels {
             bail!("fused kernels need a CUDA device, not {device:?}");
         };
         type Functions = [cu::CUfunction; 3];
-        let (module, (rotate_write, silu_mul, cross_entropy_grad)) = KernelModule::load(
-            graphs,
-            libtorch_dir,
-            index,
-            (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<(Functions, Functions, Functions)> {
-                let set = |stem: &str| -> Result<Functions> {
-                    // SAFETY: the module was just loaded in the current context.
-                    unsafe {
-                        Ok([
-                            function(module, &format!("{stem}_bf16"))?,
-                            function(module, &format!("{stem}_f16"))?,
-                            function(module, &format!("{stem}_f32"))?,
-                        ])
-                    }
-                };
-                Ok((
-                    set("rotate_write")?,
-                    set("silu_mul")?,
-                    set("cross_entropy_grad")?,
-                ))
-            },
-        )?;
+        let (module, [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm]) =
+            KernelModule::load(
+                graphs,
+                libtorch_dir,
+                index,
+                (SOURCE, "fused_kernels.cu"),
+                |module| -> Result<[Functions; 5]> {
+                    let set = |stem: &str| -> Result<Functions> {
+                        // SAFETY: the module was just loaded in the current context.
+                        unsafe {
+                            Ok([
+                                function(module, &format!("{stem}_bf16"))?,
+                                function(module, &format!("{stem}_f16"))?,
+                                function(module, &format!("{stem}_f32"))?,
+                            ])
+                        }
+                    };
+                    Ok([
+                        set("rotate_write")?,
+                        set("silu_mul")?,
+                        set("cross_entropy_grad")?,
+                        set("scaled_rms_norm")?,
+                        set("gated_rms_norm")?,
+                    ])
+                },
+            )?;
         Ok(FusedKernels {
             module,
             rotate_write,
             silu_mul,
             cross_entropy_grad,
+            scaled_rms_norm,
+            gated_rms_norm,
         })
     }
 
@@ -283,10 +290,17 @@ impl FusedKernels {
             arg(&mut rows),
             arg(&mut w),
         ];
-        let threads = 256u32;
-        let blocks = ((n * width + 255) / 256).clamp(1, 65_535) as u32;
+        // rows by the grid's y (a stride past 65,535), 256 threads a block over a row's columns
+        // (16-byte vectors of them where the width allows)
+        let vec = if width % (16 / kind.elt_size_in_bytes() as i64) == 0 {
+            16 / kind.elt_size_in_bytes() as i64
+        } else {
+            1
+        };
+        let blocks = (width / vec + 255) / 256;
+        let grid = (blocks.min(65_535) as u32, n.min(65_535) as u32);
         self.module
-            .launch(self.silu_mul[which], (blocks, 1), threads, &mut params)?;
+            .launch(self.silu_mul[which], grid, 256, &mut params)?;
         Ok(out)
     }
 
@@ -397,6 +411,9 @@ impl RotateWriteArgs {
     }
 }
 
+#[path = "fused_norms.rs"]
+mod norms;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -411,7 +428,13 @@ mod tests {
         };
         let ptx = nvrtc.compile_named(SOURCE, "fused_kernels.cu", 90).unwrap();
         let text = ptx.to_str().unwrap();
-        for stem in ["rotate_write", "silu_mul", "cross_entropy_grad"] {
+        for stem in [
+            "rotate_write",
+            "silu_mul",
+            "cross_entropy_grad",
+            "scaled_rms_norm",
+            "gated_rms_norm",
+        ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
                 assert!(text.contains(&entry), "no {entry} in the PTX");

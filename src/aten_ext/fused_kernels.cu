@@ -1,5 +1,6 @@
-// Fused kernels for the drafter's decoding steps and its training loss, compiled at run time by NVRTC
-// (src/aten_ext/fused_kernels.cpp; the Rust side is src/aten_ext/fused.rs). A drafter step of a
+// Fused kernels for the drafter's decoding steps and its training loss, and the target's norms,
+// compiled at run time by NVRTC (src/aten_ext/nvrtc.rs; the Rust side is src/aten_ext/fused.rs
+// and fused_norms.rs). A drafter step of a
 // small model is ~110 kernels of 1-4 us each: its cost is their number. The fusions:
 //
 // rotate_write: after the fused q/k/v projection, the per-head q/k RMS norm (normalised, then
@@ -9,6 +10,16 @@
 // silu_mul: SwiGLU's silu(gate) * up over the fused [gate | up] product: one kernel for two.
 // cross_entropy_grad (training): the LM head's cross-entropy, argmax check and gradient of a
 //   chunk of logits in one kernel, in place, where libtorch runs about seven over the chunk.
+//
+// For the target's forward (the Qwen3.5 hybrids; a prefill or training forward of thousands of
+// tokens, where the cost is the passes over memory):
+// scaled_rms_norm: the zero-centred RMSNorm, x.float().rms_norm(scale).to(dtype) with a float32
+//   scale (1 + w): one kernel for three (two of them float32 copies of the input). Sum of
+//   squares, rstd = rsqrt(mean + eps) and y = x * rstd * scale in float32, one rounding.
+// gated_rms_norm: the Gated DeltaNet's output norm gated by z (transformers'
+//   Qwen3_5RMSNormGated): one kernel for about ten. Three roundings, where libtorch's operations
+//   round: t1 = round(x * rstd) (rstd over the row in float32, no weight), t2 = round(t1 * w)
+//   (the product of two storage-type tensors), out = round(t2 * silu(z)) (t2 and z in float32).
 //
 // Each rounds where the libtorch operations it replaces round (every intermediate in the storage
 // type), so that a fused step computes what the unfused one does up to the order of the float
@@ -103,19 +114,214 @@ static __device__ void rotate_write(const typename P::T *__restrict__ y, int lay
     dst[i + half] = out1;
 }
 
+// Whether `p` can be read as 16-byte vectors.
+static __device__ __forceinline__ bool aligned16(const void *p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ULL) == 0;
+}
+
+// N elements (1, or a 16-byte vector of them) at `p`, to float32.
+template <class P, int N>
+static __device__ __forceinline__ void load_n(const typename P::T *p, float *v) {
+    typedef typename P::T T;
+    if (N == 1) {
+        v[0] = P::load(*p);
+        return;
+    }
+    uint4 u = *reinterpret_cast<const uint4 *>(p);
+    const T *e = reinterpret_cast<const T *>(&u);
+    for (int t = 0; t < N; ++t) {
+        v[t] = P::load(e[t]);
+    }
+}
+
+// N floats rounded to the storage type, stored at `p` (1, or a 16-byte vector of them).
+template <class P, int N>
+static __device__ __forceinline__ void store_n(typename P::T *p, const float *v) {
+    typedef typename P::T T;
+    if (N == 1) {
+        *p = P::store(v[0]);
+        return;
+    }
+    uint4 u;
+    T *e = reinterpret_cast<T *>(&u);
+    for (int t = 0; t < N; ++t) {
+        e[t] = P::store(v[t]);
+    }
+    *reinterpret_cast<uint4 *>(p) = u;
+}
+
 // `both` [n, 2 * width] ([gate | up] per row) -> `out` [n, width] = silu(gate) * up, silu
-// rounded to the storage type first (as libtorch's two kernels).
+// rounded to the storage type first (as libtorch's two kernels). Rows by blockIdx.y (a stride of
+// gridDim.y), columns by the threads of blockIdx.x (16-byte vectors where the width and the
+// pointers allow, else one element each): no division per element.
+template <class P, int N>
+static __device__ __forceinline__ void silu_mul_row(const typename P::T *gate,
+                                                    const typename P::T *up, typename P::T *out,
+                                                    long long width) {
+    const long long step = (long long)gridDim.x * blockDim.x * N;
+    for (long long j = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * N; j < width;
+         j += step) {
+        float g[N], u[N];
+        load_n<P, N>(gate + j, g);
+        load_n<P, N>(up + j, u);
+        for (int t = 0; t < N; ++t) {
+            g[t] = P::load(P::store(g[t] / (1.0f + expf(-g[t])))) * u[t];
+        }
+        store_n<P, N>(out + j, g);
+    }
+}
+
 template <class P>
 static __device__ void silu_mul(const typename P::T *__restrict__ both,
                                 typename P::T *__restrict__ out, long long n, long long width) {
-    const long long total = n * width;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long r = idx / width, col = idx % width;
-        const float g = P::load(both[r * 2 * width + col]);
-        const float u = P::load(both[r * 2 * width + width + col]);
-        const float act = P::load(P::store(g / (1.0f + expf(-g))));
-        out[idx] = P::store(act * u);
+    const int VEC = 16 / sizeof(typename P::T);
+    const bool vectors = width % VEC == 0 && aligned16(both) && aligned16(out);
+    for (long long r = blockIdx.y; r < n; r += gridDim.y) {
+        const typename P::T *gate = both + r * 2 * width;
+        if (vectors) {
+            silu_mul_row<P, VEC>(gate, gate + width, out + r * width, width);
+        } else {
+            silu_mul_row<P, 1>(gate, gate + width, out + r * width, width);
+        }
+    }
+}
+
+// The rows of the norms: a tensor [outer, inner, width] of contiguous rows, row r at
+// (r / inner) * outer_stride + (r % inner) * inner_stride (strided views of a projection need
+// no copy). A warp per row (row_threads 32: the block's warps take consecutive rows) or the
+// whole block per row (row_threads = blockDim.x), each thread `lane` of the row's `row_threads`.
+// Rows are read VEC = 16 / sizeof(T) elements at a time where every row pointer is 16-byte
+// aligned and the width divisible by VEC, else one element at a time.
+struct RowLayout {
+    long long outer_stride, inner_stride, inner;
+};
+
+static __device__ __forceinline__ long long row_offset(const RowLayout &l, long long r) {
+    return (r / l.inner) * l.outer_stride + (r % l.inner) * l.inner_stride;
+}
+
+// The sum of `v` over the row's threads, returned to each of them.
+static __device__ __forceinline__ float row_sum(float v, int row_threads) {
+    if (row_threads > 32) {
+        return block_sum(v);
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+// This thread's part of the sum of squares of a row, N elements at a time.
+template <class P, int N>
+static __device__ __forceinline__ float row_squares(const typename P::T *x, int width, int lane,
+                                                    int row_threads) {
+    float s = 0.0f;
+    for (int j = lane * N; j < width; j += row_threads * N) {
+        float v[N];
+        load_n<P, N>(x + j, v);
+        for (int t = 0; t < N; ++t) {
+            s += v[t] * v[t];
+        }
+    }
+    return s;
+}
+
+// rsqrt(mean(x^2) + eps) of the row at `x`, in float32, to each of the row's threads.
+template <class P>
+static __device__ __forceinline__ float row_rstd(const typename P::T *x, bool vectors, int width,
+                                                 float eps, int lane, int row_threads) {
+    const int VEC = 16 / sizeof(typename P::T);
+    const float s = vectors ? row_squares<P, VEC>(x, width, lane, row_threads)
+                            : row_squares<P, 1>(x, width, lane, row_threads);
+    return rsqrtf(row_sum(s, row_threads) / (float)width + eps);
+}
+
+template <class P, int N>
+static __device__ __forceinline__ void scaled_rms_norm_row(const typename P::T *x,
+                                                           const float *__restrict__ scale,
+                                                           typename P::T *y, int width,
+                                                           float rstd, int lane, int row_threads) {
+    for (int j = lane * N; j < width; j += row_threads * N) {
+        float v[N];
+        load_n<P, N>(x + j, v);
+        for (int t = 0; t < N; ++t) {
+            v[t] = v[t] * rstd * scale[j + t];
+        }
+        store_n<P, N>(y + j, v);
+    }
+}
+
+// The zero-centred RMSNorm: `x` rows (layout `xl`) of `width` -> dense `y` [rows, width],
+// y = x * rsqrt(mean(x^2) + eps) * scale in float32, rounded once (`scale` float32 [width]).
+template <class P>
+static __device__ void scaled_rms_norm(const typename P::T *__restrict__ x, RowLayout xl,
+                                       const float *__restrict__ scale,
+                                       typename P::T *__restrict__ y, long long rows, int width,
+                                       float eps, int row_threads) {
+    typedef typename P::T T;
+    const int VEC = 16 / sizeof(T);
+    const long long row = (long long)blockIdx.x * (blockDim.x / row_threads) +
+                          threadIdx.x / row_threads;
+    const int lane = threadIdx.x % row_threads;
+    if (row >= rows) {
+        return;   // a whole warp (a block per row has no row past the end)
+    }
+    const T *xr = x + row_offset(xl, row);
+    T *yr = y + row * width;
+    const bool vectors = width % VEC == 0 && aligned16(xr) && aligned16(yr);
+    const float rstd = row_rstd<P>(xr, vectors, width, eps, lane, row_threads);
+    if (vectors) {
+        scaled_rms_norm_row<P, VEC>(xr, scale, yr, width, rstd, lane, row_threads);
+    } else {
+        scaled_rms_norm_row<P, 1>(xr, scale, yr, width, rstd, lane, row_threads);
+    }
+}
+
+template <class P, int N>
+static __device__ __forceinline__ void gated_rms_norm_row(const typename P::T *x,
+                                                          const typename P::T *z,
+                                                          const typename P::T *__restrict__ w,
+                                                          typename P::T *out, int width,
+                                                          float rstd, int lane, int row_threads) {
+    for (int j = lane * N; j < width; j += row_threads * N) {
+        float v[N], g[N];
+        load_n<P, N>(x + j, v);
+        load_n<P, N>(z + j, g);
+        for (int t = 0; t < N; ++t) {
+            const float normed = P::load(P::store(v[t] * rstd));
+            const float weighted = P::load(P::store(normed * P::load(w[j + t])));
+            v[t] = weighted * (g[t] / (1.0f + expf(-g[t])));
+        }
+        store_n<P, N>(out + j, v);
+    }
+}
+
+// The Gated DeltaNet's gated output norm: `x` rows (layout `xl`) and `z` rows (layout `zl`,
+// the same rows) of `width` -> dense `out` [rows, width] = round(round(round(x * rstd) * w) *
+// silu(z)), rstd = rsqrt(mean(x^2) + eps) in float32, `w` [width] in the storage type.
+template <class P>
+static __device__ void gated_rms_norm(const typename P::T *__restrict__ x, RowLayout xl,
+                                      const typename P::T *__restrict__ z, RowLayout zl,
+                                      const typename P::T *__restrict__ w,
+                                      typename P::T *__restrict__ out, long long rows, int width,
+                                      float eps, int row_threads) {
+    typedef typename P::T T;
+    const int VEC = 16 / sizeof(T);
+    const long long row = (long long)blockIdx.x * (blockDim.x / row_threads) +
+                          threadIdx.x / row_threads;
+    const int lane = threadIdx.x % row_threads;
+    if (row >= rows) {
+        return;
+    }
+    const T *xr = x + row_offset(xl, row);
+    const T *zr = z + row_offset(zl, row);
+    T *outr = out + row * width;
+    const bool vectors = width % VEC == 0 && aligned16(xr) && aligned16(zr) && aligned16(outr);
+    const float rstd = row_rstd<P>(xr, vectors, width, eps, lane, row_threads);
+    if (vectors) {
+        gated_rms_norm_row<P, VEC>(xr, zr, w, outr, width, rstd, lane, row_threads);
+    } else {
+        gated_rms_norm_row<P, 1>(xr, zr, w, outr, width, rstd, lane, row_threads);
     }
 }
 
@@ -286,6 +492,16 @@ static __device__ void cross_entropy_grad(typename P::T *__restrict__ logits, lo
     extern "C" __global__ void silu_mul_##SUFFIX(const P::T *both, P::T *out, long long n,  \
                                                  long long width) {                          \
         silu_mul<P>(both, out, n, width);                                                    \
+    }                                                                                        \
+    extern "C" __global__ void scaled_rms_norm_##SUFFIX(                                     \
+        const P::T *x, RowLayout xl, const float *scale, P::T *y, long long rows, int width,  \
+        float eps, int row_threads) {                                                        \
+        scaled_rms_norm<P>(x, xl, scale, y, rows, width, eps, row_threads);                  \
+    }                                                                                        \
+    extern "C" __global__ void gated_rms_norm_##SUFFIX(                                      \
+        const P::T *x, RowLayout xl, const P::T *z, RowLayout zl, const P::T *w, P::T *out,  \
+        long long rows, int width, float eps, int row_threads) {                             \
+        gated_rms_norm<P>(x, xl, z, zl, w, out, rows, width, eps, row_threads);              \
     }                                                                                        \
     extern "C" __global__ void cross_entropy_grad_##SUFFIX(                                  \
         P::T *logits, long long vocab, const long long *labels, const float *scale,          \

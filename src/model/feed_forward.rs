@@ -81,6 +81,26 @@ impl FeedForward {
     }
 }
 
+impl FeedForward {
+    /// `residual += mlp(x)` in place, a dense MLP's `silu(gate) * up` by the fused kernel where
+    /// `kernels` are given (for `x`'s device); libtorch's operations where the kernel refuses
+    /// the call (nothing is added before it runs).
+    pub(crate) fn add_forward_with(
+        &self,
+        residual: &mut Tensor,
+        x: &Tensor,
+        kernels: Option<&FusedKernels>,
+    ) {
+        let Some(k) = kernels else {
+            return self.add_forward(residual, x);
+        };
+        if let Err(e) = self.add_forward_fused(residual, x, k) {
+            log::warn!("fused SwiGLU refused a call, libtorch instead: {e:#}");
+            self.add_forward(residual, x);
+        }
+    }
+}
+
 impl AddFeedForward for FeedForward {
     /// `residual += mlp(x)` in place (inference).
     fn add_forward(&self, residual: &mut Tensor, x: &Tensor) {

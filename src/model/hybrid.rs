@@ -11,9 +11,15 @@ use super::config::TargetConfig;
 use super::feed_forward::FeedForward;
 use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 use super::hybrid_config::{GdnLayout, GdnShape};
-use super::layers::{add_product, AddFeedForward, Rope};
+use super::layers::{add_product, Rope};
 use super::weights::WeightSource;
+use crate::aten_ext::fused::FusedKernels;
 use crate::aten_ext::gdn::{GdnInputs, GdnKernels, CONV_WIDTH};
+
+/// The fused kernels where they take `x` (on their device, of a type they exist for).
+fn serving<'a>(kernels: Option<&'a FusedKernels>, x: &Tensor) -> Option<&'a FusedKernels> {
+    kernels.filter(|k| k.serve(x))
+}
 
 /// RMSNorm with a zero-centred weight: `norm(x) * (1 + w)`, the norm and the product in
 /// float32 and one rounding to the input's dtype (transformers' `Qwen3_5RMSNorm`).
@@ -43,7 +49,15 @@ impl ZeroCentredNorm {
         self.scale.numel()
     }
 
-    pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
+    /// The norm of `x` [..., dim]: by the fused kernel where `kernels` take `x`, else by
+    /// libtorch's operations (the same values up to the order of the float sum).
+    pub(crate) fn forward(&self, x: &Tensor, kernels: Option<&FusedKernels>) -> Tensor {
+        if let Some(k) = serving(kernels, x) {
+            match k.scaled_rms_norm(x, &self.scale, self.eps) {
+                Ok(y) => return y,
+                Err(e) => log::warn!("fused norm refused a call, libtorch instead: {e:#}"),
+            }
+        }
         let dim = self.scale.size()[0];
         x.to_kind(Kind::Float)
             .rms_norm([dim], Some(&self.scale), self.eps)
@@ -67,16 +81,23 @@ pub(crate) struct GatedAttention {
 
 impl GatedAttention {
     /// Rotated queries [B, heads, L, d], keys and values [B, kv_heads, L, d], and the gate
-    /// [B, L, heads * d] of the normed input `x` [B, L, H] at angles `cos`, `sin` [L, rotary].
-    pub(crate) fn project(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> [Tensor; 4] {
+    /// [B, L, heads * d] of the normed input `x` [B, L, H] at angles `cos`, `sin` [L, rotary];
+    /// the q/k norms by the fused kernels where `kernels` take them.
+    pub(crate) fn project(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        kernels: Option<&FusedKernels>,
+    ) -> [Tensor; 4] {
         let (b, l) = (x.size()[0], x.size()[1]);
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         let y = x.linear::<&Tensor>(&self.qkv, None);
         let qg = y.narrow(-1, 0, 2 * h * d).view([b, l, h, 2 * d]);
-        let q = self.q_norm.forward(&qg.narrow(-1, 0, d));
+        let q = self.q_norm.forward(&qg.narrow(-1, 0, d), kernels);
         let gate = qg.narrow(-1, d, d).reshape([b, l, h * d]);
         let k = y.narrow(-1, 2 * h * d, kvh * d).view([b, l, kvh, d]);
-        let k = self.k_norm.forward(&k);
+        let k = self.k_norm.forward(&k, kernels);
         let v = y
             .narrow(-1, 2 * h * d + kvh * d, kvh * d)
             .view([b, l, kvh, d]);
@@ -128,6 +149,8 @@ pub(crate) struct GatedDeltaNet {
     eps: f64,
     /// The rule's CUDA kernels for the weights' device (None: libtorch's operations).
     kernels: Option<GdnKernels>,
+    /// The fused kernels for the output norm (None: libtorch's operations).
+    fused: Option<FusedKernels>,
 }
 
 /// The projections of one Gated DeltaNet input, [B, T, ...] each.
@@ -226,6 +249,12 @@ impl GatedDeltaNet {
     /// Runs the rule on `kernels` (CUDA tensors on their device; None: libtorch's operations).
     pub(crate) fn set_kernels(&mut self, kernels: Option<GdnKernels>) {
         self.kernels = kernels;
+    }
+
+    /// Runs the gated output norm on `kernels` (tensors on their device; None: libtorch's
+    /// operations).
+    pub(crate) fn set_fused_kernels(&mut self, kernels: Option<FusedKernels>) {
+        self.fused = kernels;
     }
 
     /// The gated delta rule kernels the layer runs on, if any.
@@ -338,6 +367,22 @@ impl GatedDeltaNet {
 
     /// The gated norm of the rule's output [B, T, Hv, dv] with `z`, then `out_proj`: [B, T, H].
     fn output(&self, core: &Tensor, z: &Tensor) -> Tensor {
+        let (b, t) = (core.size()[0], core.size()[1]);
+        self.gated_norm(core, z)
+            .reshape([b, t, -1])
+            .linear::<&Tensor>(&self.out_proj, None)
+    }
+
+    /// `norm(core) * w * silu(z)`, rounded to the storage type where transformers'
+    /// `Qwen3_5RMSNormGated` rounds: after the norm, after the weight's product, at the end. One
+    /// fused kernel where the layer holds them for `core`'s device.
+    fn gated_norm(&self, core: &Tensor, z: &Tensor) -> Tensor {
+        if let Some(k) = serving(self.fused.as_ref(), core) {
+            match k.gated_rms_norm(core, z, &self.norm, self.eps) {
+                Ok(out) => return out,
+                Err(e) => log::warn!("fused gated norm refused a call, libtorch instead: {e:#}"),
+            }
+        }
         let kind = core.kind();
         let dv = self.shape.value_dim;
         let normed = core
@@ -345,11 +390,7 @@ impl GatedDeltaNet {
             .rms_norm([dv], None::<&Tensor>, self.eps)
             .to_kind(kind)
             * &self.norm;
-        let gated = (normed.to_kind(Kind::Float) * z.to_kind(Kind::Float).silu()).to_kind(kind);
-        let (b, t) = (core.size()[0], core.size()[1]);
-        gated
-            .reshape([b, t, -1])
-            .linear::<&Tensor>(&self.out_proj, None)
+        (normed.to_kind(Kind::Float) * z.to_kind(Kind::Float).silu()).to_kind(kind)
     }
 
     fn tensors(&self) -> Vec<&Tensor> {
@@ -383,10 +424,12 @@ pub(crate) struct HybridLayer {
 }
 
 impl HybridLayer {
-    /// `x += mlp(post_norm(x))` in place.
-    pub(crate) fn add_mlp(&self, x: &mut Tensor) {
-        let normed = self.post_norm.forward(x);
-        self.mlp.add_forward(x, &normed);
+    /// `x += mlp(post_norm(x))` in place, the norm and SwiGLU's product by the fused kernels
+    /// where `kernels` take `x`.
+    pub(crate) fn add_mlp(&self, x: &mut Tensor, kernels: Option<&FusedKernels>) {
+        let kernels = serving(kernels, x);
+        let normed = self.post_norm.forward(x, kernels);
+        self.mlp.add_forward_with(x, &normed, kernels);
     }
 
     pub(crate) fn tensors(&self) -> Vec<&Tensor> {
@@ -500,6 +543,7 @@ fn load_delta_net(
         shape: s,
         eps: config.rms_norm_eps,
         kernels: None,
+        fused: None,
     })
 }
 

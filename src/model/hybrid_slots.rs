@@ -1,5 +1,6 @@
 //! A hybrid target's layers over a [`SlotCache`]: gated attention through the cache's keys and
-//! values (libtorch's projections and norms; the fused slot kernels assume the plain layout),
+//! values (libtorch's projections and rotation, the cache's fused slot kernels assuming the
+//! plain layout; the norms by the model's own fused kernels on a GPU),
 //! Gated DeltaNet layers through the cache's per-slot states ([`SlotStates`]). Uniform batches
 //! (decoding steps) are device operations only, so that a CUDA graph can capture them; packed
 //! batches (prefills) run the chunked rule per sequence.
@@ -11,6 +12,7 @@ use super::gated_delta::GdnState;
 use super::hybrid::{GatedDeltaNet, HybridLayer, Mixer};
 use super::slot_states::SlotStates;
 use super::slots::{SlotBatch, SlotCache};
+use crate::aten_ext::fused::FusedKernels;
 
 /// Where a hybrid layer's token mixing keeps its cache: which key/value layer of the cache (an
 /// attention layer) or which state layer (a Gated DeltaNet one). Counted in layer order.
@@ -22,7 +24,8 @@ pub(crate) struct MixerOrdinals {
 
 impl HybridLayer {
     /// The layer over the new tokens of `batch`: `x` [1, n, H] in place, at the rotary angles
-    /// `rope` (cos, signed sin, [n, rotary]); its keys and values or states go to `cache`.
+    /// `rope` (cos, signed sin, [n, rotary]); its keys and values or states go to `cache`. The
+    /// norms and SwiGLU's product by the model's fused `kernels`, as in its other forwards.
     pub(crate) fn forward_slots(
         &self,
         x: &mut Tensor,
@@ -30,11 +33,12 @@ impl HybridLayer {
         (cos, sin): (&Tensor, &Tensor),
         batch: &SlotBatch,
         cache: &mut SlotCache,
+        kernels: Option<&FusedKernels>,
     ) -> Result<()> {
-        let h = self.input_norm.forward(x);
+        let h = self.input_norm.forward(x, kernels);
         match &self.mixer {
             Mixer::Attention(attn) => {
-                let [q, k, v, gate] = attn.project(&h, cos, sin);
+                let [q, k, v, gate] = attn.project(&h, cos, sin, kernels);
                 let a = cache.attend(ordinals.attention, &q, &k, &v, batch, true)?;
                 attn.add_output(x, &a, &gate);
                 ordinals.attention += 1;
@@ -47,7 +51,7 @@ impl HybridLayer {
                 ordinals.delta_net += 1;
             }
         }
-        self.add_mlp(x);
+        self.add_mlp(x, kernels);
         Ok(())
     }
 }

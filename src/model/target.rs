@@ -16,10 +16,11 @@ use super::hybrid::{GatedDeltaNet, HybridLayer, Mixer, ZeroCentredNorm};
 use super::hybrid_slots::MixerOrdinals;
 pub use super::kv_cache::KvCache;
 use super::layers::{
-    attention, rms_norm, rows, AddFeedForward, AttentionShape, AttentionWeights, DecoderLayer, Rope,
+    attention, rms_norm, rows, AttentionShape, AttentionWeights, DecoderLayer, Rope,
 };
 use super::slots::{SlotBatch, SlotCache};
 use super::weights::{RandomWeights, WeightFiles, WeightSource};
+use crate::aten_ext::fused::FusedKernels;
 
 mod slot_decoding;
 pub use slot_decoding::SlotLogits;
@@ -38,10 +39,10 @@ enum FinalNorm {
 }
 
 impl FinalNorm {
-    fn forward(&self, x: &Tensor, eps: f64) -> Tensor {
+    fn forward(&self, x: &Tensor, eps: f64, kernels: Option<&FusedKernels>) -> Tensor {
         match self {
             FinalNorm::Plain(w) => rms_norm(x, w, eps),
-            FinalNorm::ZeroCentred(n) => n.forward(x),
+            FinalNorm::ZeroCentred(n) => n.forward(x, kernels),
         }
     }
 
@@ -93,6 +94,10 @@ pub struct TargetModel {
     /// would make greedy picks depend on the kernel.
     lm_head_f32: std::sync::OnceLock<Tensor>,
     rope: Rope,
+    /// The fused kernels for the model's GPU (None: libtorch's operations): a hybrid's norms,
+    /// and SwiGLU's product of dense MLPs in [`TargetModel::run`] and a hybrid's slot forwards
+    /// (a dense target's slot forwards take the cache's, [`SlotCache::kernels`]).
+    fused: Option<FusedKernels>,
 }
 
 impl TargetModel {
@@ -115,6 +120,28 @@ impl TargetModel {
                 net.set_kernels(kernels);
             }
         }
+    }
+
+    /// Runs the norms and SwiGLU's products on `kernels` (loaded for the model's device; the
+    /// model loads them itself on a GPU), or on libtorch's operations with `None`: the same
+    /// values up to the order of the norms' float sums.
+    pub fn set_fused_kernels(&mut self, kernels: Option<FusedKernels>) {
+        let kernels = kernels.filter(|k| k.device() == self.device);
+        self.fused = kernels;
+        for layer in &mut self.layers {
+            if let TargetLayer::Hybrid(HybridLayer {
+                mixer: Mixer::DeltaNet(net),
+                ..
+            }) = layer
+            {
+                net.set_fused_kernels(kernels);
+            }
+        }
+    }
+
+    /// The fused kernels the forwards run their norms and SwiGLU's products on, if any.
+    pub fn fused_kernels(&self) -> Option<FusedKernels> {
+        self.fused
     }
 }
 
@@ -260,7 +287,7 @@ impl TargetModel {
             None => FinalNorm::Plain(load("model.norm.weight", &[h])?),
         };
         let rope = Rope::new(&config, device)?;
-        Ok(TargetModel {
+        let mut model = TargetModel {
             config,
             family,
             device,
@@ -271,7 +298,10 @@ impl TargetModel {
             lm_head_f32: std::sync::OnceLock::new(),
             lm_head,
             rope,
-        })
+            fused: None,
+        };
+        model.set_fused_kernels(crate::runtime::fused_kernels_or_warn(device));
+        Ok(model)
     }
 
     pub fn num_layers(&self) -> usize {
@@ -472,7 +502,7 @@ impl TargetModel {
             }
             let features = concat_taps(taps, &x);
             let (final_hidden, logits) = if req.final_hidden || req.logits {
-                let hidden = self.norm.forward(&x, eps);
+                let hidden = self.norm.forward(&x, eps, self.fused.as_ref());
                 let logits = req.logits.then(|| self.logits(&hidden));
                 (req.final_hidden.then_some(hidden), logits)
             } else {
@@ -554,6 +584,7 @@ impl TargetModel {
         let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
         let eps = cfg.rms_norm_eps;
         let (cos, sin) = rope;
+        let kernels = self.fused.as_ref();
         let mut tapped: Vec<Option<Tensor>> = taps.iter().map(|_| None).collect();
         for (idx, layer) in self.layers.iter().enumerate().take(last_layer) {
             match layer {
@@ -565,13 +596,13 @@ impl TargetModel {
                     let a = mixing.attend(idx, &q, k, v);
                     layer.attn.add_output(&mut x, &a);
                     let normed = rms_norm(&x, &layer.post_norm, eps);
-                    layer.mlp.add_forward(&mut x, &normed);
+                    layer.mlp.add_forward_with(&mut x, &normed, kernels);
                 }
                 TargetLayer::Hybrid(layer) => {
-                    let h = layer.input_norm.forward(&x);
+                    let h = layer.input_norm.forward(&x, kernels);
                     match &layer.mixer {
                         Mixer::Attention(attn) => {
-                            let [q, k, v, gate] = attn.project(&h, cos, sin);
+                            let [q, k, v, gate] = attn.project(&h, cos, sin, kernels);
                             let a = mixing.attend(idx, &q, k, v);
                             attn.add_output(&mut x, &a, &gate);
                         }
@@ -579,7 +610,7 @@ impl TargetModel {
                             x += mixing.delta_net(idx, net, &h);
                         }
                     }
-                    layer.add_mlp(&mut x);
+                    layer.add_mlp(&mut x, kernels);
                 }
             }
             record_taps(&mut tapped, taps, idx, &x);

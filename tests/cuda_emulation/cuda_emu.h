@@ -35,6 +35,9 @@ struct alignas(16) float4 {
 struct alignas(8) float2 {
     float x, y;
 };
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
 
 namespace emu {
 inline uint3 block_idx, block_dim, grid_dim;
@@ -42,6 +45,7 @@ inline thread_local uint3 thread_idx;
 inline std::unique_ptr<std::barrier<>> block_barrier;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<float> warp_values;   // one slot per thread
+inline std::vector<long long> warp_values64;   // one slot per thread (64-bit shuffles)
 inline std::vector<float4> dynamic_shared;   // a launch's dynamic shared memory (sized by its caller)
 struct MmaOperands {
     unsigned a[4], b[2];
@@ -60,6 +64,7 @@ void launch(uint3 grid, unsigned threads, F kernel) {
         warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
     }
     warp_values.assign(threads, 0.0f);
+    warp_values64.assign(threads, 0);
     mma_operands.assign(threads, MmaOperands{});
     for (unsigned z = 0; z < grid.z; ++z) {
         for (unsigned y = 0; y < grid.y; ++y) {
@@ -99,6 +104,16 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
     return other;
 }
 
+inline long long __shfl_xor_sync(unsigned, long long v, int offset) {
+    const unsigned t = threadIdx.x, lane = t % 32, base = t - lane;
+    auto &barrier = *emu::warp_barriers[t / 32];
+    emu::warp_values64[t] = v;
+    barrier.arrive_and_wait();
+    const long long other = emu::warp_values64[base + (lane ^ offset)];
+    barrier.arrive_and_wait();
+    return other;
+}
+
 // The value of lane - offset (a lane's own below `offset`).
 inline float __shfl_up_sync(unsigned, float v, int offset) {
     const unsigned t = threadIdx.x, lane = t % 32;
@@ -113,6 +128,11 @@ inline float __shfl_up_sync(unsigned, float v, int offset) {
 inline float __uint_as_float(unsigned u) {
     float f;
     std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
     return f;
 }
 inline unsigned __float_as_uint(float f) {

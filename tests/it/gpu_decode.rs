@@ -7,6 +7,7 @@
 use crate::common;
 
 mod fused;
+mod fused_norms;
 
 use common::tiny_target_dir;
 use dflash_tui::eval::speculative::{

@@ -114,7 +114,15 @@ impl TargetModel {
                         layer.forward_slots(&mut x, idx, shape, (&cos, &sin), batch, cache, true)?
                     }
                     TargetLayer::Hybrid(layer) => {
-                        layer.forward_slots(&mut x, &mut ordinals, (&cos, &sin), batch, cache)?
+                        let kernels = self.fused.as_ref();
+                        layer.forward_slots(
+                            &mut x,
+                            &mut ordinals,
+                            (&cos, &sin),
+                            batch,
+                            cache,
+                            kernels,
+                        )?
                     }
                 }
                 record_taps(&mut taps, tap_layers, idx, &x);
@@ -122,12 +130,13 @@ impl TargetModel {
             let features = concat_taps(taps, &x).map(|f| f.squeeze_dim(0));
             let x = x.squeeze_dim(0);
             let eps = self.config.rms_norm_eps;
+            let kernels = self.fused.as_ref();
             let logits = match logits {
                 SlotLogits::None => None,
-                SlotLogits::All => Some(self.logits(&self.norm.forward(&x, eps))),
+                SlotLogits::All => Some(self.logits(&self.norm.forward(&x, eps, kernels))),
                 SlotLogits::Last => {
                     let last = x.index_select(0, &batch.last);
-                    Some(self.logits(&self.norm.forward(&last, eps)))
+                    Some(self.logits(&self.norm.forward(&last, eps, kernels)))
                 }
             };
             Ok(TargetOutput {

@@ -7,7 +7,7 @@ use super::*;
 /// (relative, plus a tiny absolute floor), and at least `exact` of them bit for bit. The fused
 /// kernels round where libtorch's operations round; only the order of a norm's float sum
 /// differs, which moves a rounding now and then.
-fn assert_close(what: &str, got: &Tensor, want: &Tensor, rel: f64, exact: f64) {
+pub(super) fn assert_close(what: &str, got: &Tensor, want: &Tensor, rel: f64, exact: f64) {
     assert_eq!(got.size(), want.size(), "{what}: shapes");
     let (g, w) = (got.to_kind(Kind::Float), want.to_kind(Kind::Float));
     let diff = (&g - &w).abs();

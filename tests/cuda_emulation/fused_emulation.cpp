@@ -1,0 +1,252 @@
+// Runs the target's norm kernels of src/aten_ext/fused_kernels.cu (scaled_rms_norm,
+// gated_rms_norm) and SwiGLU's silu_mul on the CPU (cuda_emu.h) against double-precision loops
+// that round to the storage type where the kernels must (where libtorch's operations round):
+// rows of 5120 (a block per row) and of 128 / 256 (a warp per row, a partial last block),
+// strided row layouts (a projection's views), rows the kernels read 16 bytes at a time and rows
+// they read one element at a time (misaligned by an odd stride), bf16 and f32 storage (f16
+// converts by inline assembly, which the emulation drops). The launch configurations are the
+// Rust side's (src/aten_ext/fused_norms.rs). Prints one line per case; exit status 1 when any
+// is off. Built and run by src/aten_ext/fused_norms.rs's tests:
+//   c++ -std=c++20 -O1 -pthread -w -Isrc/aten_ext tests/cuda_emulation/fused_emulation.cpp
+#include "cuda_emu.h"
+
+#include "fused_kernels.cu"
+
+#include <chrono>
+#include <cstdio>
+#include <random>
+
+// The launch of a norm over rows of `width` elements of `bytes` each, as fused_norms.rs picks
+// it: a warp per row, 8 rows a block, up to 1024; else a block per row of a warp per four
+// 16-byte vectors (64 to 1024 threads).
+struct Launch {
+    unsigned blocks, threads;
+    int row_threads;
+};
+
+static Launch launch_for(long long rows, int width, int bytes) {
+    if (width <= 1024) {
+        return {(unsigned)((rows + 7) / 8), 256, 32};
+    }
+    const int vec = 16 / bytes;
+    int threads = (width + 4 * vec - 1) / (4 * vec);
+    threads = std::clamp((threads + 31) / 32 * 32, 64, 1024);
+    return {(unsigned)rows, (unsigned)threads, threads};
+}
+
+// `rows` rows in the layout `l` ([outer, inner] rows, `inner_stride` and `outer_stride`
+// elements apart) in a buffer of `size` elements; the elements between rows hold NaN (a read of
+// them shows).
+struct Rows {
+    RowLayout l;
+    long long size;
+    // row i's first element, computed here rather than by the kernels' own function
+    long long at(long long i) const {
+        const long long outer = i / l.inner, inner = i - outer * l.inner;
+        return outer * l.outer_stride + inner * l.inner_stride;
+    }
+};
+
+static Rows rows_of(long long rows, long long inner, long long inner_stride,
+                    long long outer_stride) {
+    const long long outer = rows / inner;
+    return {{outer_stride, inner_stride, inner}, (outer - 1) * outer_stride + inner * inner_stride};
+}
+
+template <class P>
+static std::vector<typename P::T> random_rows(const Rows &r, long long rows, int width,
+                                              std::mt19937 &rng, float spread) {
+    std::normal_distribution<float> normal;
+    std::vector<typename P::T> x(r.size + 64, P::store(NAN));
+    for (long long i = 0; i < rows; ++i) {
+        for (int j = 0; j < width; ++j) {
+            x[r.at(i) + j] = P::store(spread * normal(rng));
+        }
+    }
+    return x;
+}
+
+template <class P>
+static double round_to(double v) {
+    return P::load(P::store((float)v));
+}
+
+// Compares the kernel's dense output `got` (`n` elements, then 64 guards that must stay NaN)
+// with `want` (already rounded where the kernel rounds): each element within `rel` of it (and a
+// small floor), at least `exact` of them bit for bit.
+template <class P>
+static bool compare(const char *name, const std::vector<typename P::T> &got,
+                    const std::vector<double> &want, double rel, double exact) {
+    const size_t n = want.size();
+    double worst = 0;
+    size_t same = 0;
+    for (size_t i = 0; i < n; ++i) {
+        const double g = P::load(got[i]);
+        const double d = std::fabs(g - want[i]);
+        const double off = std::isnan(d) ? INFINITY : d / (std::fabs(want[i]) + 1e-6);
+        worst = std::max(worst, off);
+        same += g == want[i];
+    }
+    bool untouched = true;
+    for (size_t i = n; i < got.size(); ++i) {
+        untouched &= std::isnan(P::load(got[i]));
+    }
+    const double share = (double)same / (double)n;
+    const bool ok = untouched && worst <= rel && share >= exact;
+    std::printf("%s %s: worst %.2e relative, %.4f exact%s\n", ok ? "ok" : "FAILED", name, worst,
+                share, untouched ? "" : ", wrote past the end");
+    return ok;
+}
+
+template <class P>
+static double row_rstd_reference(const typename P::T *x, int width, double eps) {
+    double s = 0;
+    for (int j = 0; j < width; ++j) {
+        const double v = P::load(x[j]);
+        s += v * v;
+    }
+    return 1.0 / std::sqrt(s / width + eps);
+}
+
+// scaled_rms_norm over `rows` rows of `width` laid out as `r`.
+template <class P>
+static bool run_scaled(const char *name, void (*kernel)(const typename P::T *, RowLayout,
+                                                         const float *, typename P::T *,
+                                                         long long, int, float, int),
+                       const Rows &r, long long rows, int width, double rel, double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(7 + rows + width);
+    std::normal_distribution<float> normal;
+    const std::vector<T> x = random_rows<P>(r, rows, width, rng, 3.0f);
+    std::vector<float> scale(width);
+    for (float &s : scale) s = 1.0f + 0.2f * normal(rng);
+    const float eps = 1e-6f;
+    std::vector<T> y(rows * width + 64, P::store(NAN));
+    const Launch l = launch_for(rows, width, sizeof(T));
+    emu::launch({l.blocks, 1, 1}, l.threads, [&] {
+        kernel(x.data(), r.l, scale.data(), y.data(), rows, width, eps, l.row_threads);
+    });
+    std::vector<double> want(rows * width);
+    for (long long i = 0; i < rows; ++i) {
+        const T *xr = x.data() + r.at(i);
+        const double rstd = row_rstd_reference<P>(xr, width, eps);
+        for (int j = 0; j < width; ++j) {
+            want[i * width + j] = round_to<P>(P::load(xr[j]) * rstd * scale[j]);
+        }
+    }
+    return compare<P>(name, y, want, rel, exact);
+}
+
+// gated_rms_norm over `rows` rows of `width`, x laid out as `xr`, z as `zr`.
+template <class P>
+static bool run_gated(const char *name,
+                      void (*kernel)(const typename P::T *, RowLayout, const typename P::T *,
+                                     RowLayout, const typename P::T *, typename P::T *, long long,
+                                     int, float, int),
+                      const Rows &xr, const Rows &zr, long long rows, int width, double rel,
+                      double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(11 + rows + width);
+    std::normal_distribution<float> normal;
+    const std::vector<T> x = random_rows<P>(xr, rows, width, rng, 0.5f);
+    const std::vector<T> z = random_rows<P>(zr, rows, width, rng, 2.0f);
+    std::vector<T> w(width);
+    for (T &e : w) e = P::store(1.0f + 0.3f * normal(rng));
+    const float eps = 1e-6f;
+    std::vector<T> out(rows * width + 64, P::store(NAN));
+    const Launch l = launch_for(rows, width, sizeof(T));
+    emu::launch({l.blocks, 1, 1}, l.threads, [&] {
+        kernel(x.data(), xr.l, z.data(), zr.l, w.data(), out.data(), rows, width, eps,
+               l.row_threads);
+    });
+    std::vector<double> want(rows * width);
+    for (long long i = 0; i < rows; ++i) {
+        const T *xi = x.data() + xr.at(i);
+        const T *zi = z.data() + zr.at(i);
+        const double rstd = row_rstd_reference<P>(xi, width, eps);
+        for (int j = 0; j < width; ++j) {
+            const double t1 = round_to<P>(P::load(xi[j]) * rstd);
+            const double t2 = round_to<P>(t1 * P::load(w[j]));
+            const double g = P::load(zi[j]);
+            want[i * width + j] = round_to<P>(t2 * (g / (1.0 + std::exp(-g))));
+        }
+    }
+    return compare<P>(name, out, want, rel, exact);
+}
+
+// silu_mul over `rows` rows of [gate | up] of `width` each, launched as fused.rs does.
+template <class P>
+static bool run_silu_mul(const char *name,
+                         void (*kernel)(const typename P::T *, typename P::T *, long long,
+                                        long long),
+                         long long rows, long long width, double rel, double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(5 + rows + width);
+    std::normal_distribution<float> normal;
+    std::vector<T> both(rows * 2 * width);
+    for (T &e : both) e = P::store(2.0f * normal(rng));
+    std::vector<T> out(rows * width + 64, P::store(NAN));
+    const long long vec = width % (16 / sizeof(T)) == 0 ? 16 / sizeof(T) : 1;
+    const unsigned blocks = (unsigned)std::min((width / vec + 255) / 256, 65535LL);
+    emu::launch({blocks, (unsigned)std::min(rows, 65535LL), 1}, 256,
+                [&] { kernel(both.data(), out.data(), rows, width); });
+    std::vector<double> want(rows * width);
+    for (long long i = 0; i < rows; ++i) {
+        for (long long j = 0; j < width; ++j) {
+            const double g = P::load(both[i * 2 * width + j]);
+            const double u = P::load(both[i * 2 * width + width + j]);
+            want[i * width + j] = round_to<P>(round_to<P>(g / (1.0 + std::exp(-g))) * u);
+        }
+    }
+    return compare<P>(name, out, want, rel, exact);
+}
+
+int main() {
+    // a thread that skips a barrier its block meets hangs the others: a deadline reports it
+    std::thread([] {
+        std::this_thread::sleep_for(std::chrono::seconds(120));
+        std::fprintf(stderr, "no result after 120 s: a barrier that not every thread meets?\n");
+        std::_Exit(2);
+    }).detach();
+    bool ok = true;
+    const double bf16_rel = 1e-2, bf16_exact = 0.995, f32_rel = 1e-5;
+    // the residual stream [2, 3, 5120], dense: a block per row, 16-byte vectors
+    ok &= run_scaled<Bf16>("scaled bf16: 6 dense rows of 5120", scaled_rms_norm_bf16,
+                           rows_of(6, 3, 5120, 3 * 5120), 6, 5120, bf16_rel, bf16_exact);
+    ok &= run_scaled<F32>("scaled f32: 6 dense rows of 5120", scaled_rms_norm_f32,
+                          rows_of(6, 3, 5120, 3 * 5120), 6, 5120, f32_rel, 0.0);
+    // rows 5123 apart: every other row misaligned, read element by element
+    ok &= run_scaled<Bf16>("scaled bf16: 4 rows of 5120, 5123 apart", scaled_rms_norm_bf16,
+                           rows_of(4, 4, 5123, 4 * 5123), 4, 5120, bf16_rel, bf16_exact);
+    // q_norm of gated attention: per token [q | gate] of 4 heads of 256, q read in place
+    // (heads 512 apart, tokens 4 * 512 + 2 * 256 apart): 3 tokens, a warp per row
+    ok &= run_scaled<Bf16>("scaled bf16: q heads of 256 in a projection", scaled_rms_norm_bf16,
+                           rows_of(12, 4, 512, 4 * 512 + 512), 12, 256, bf16_rel, bf16_exact);
+    ok &= run_scaled<F32>("scaled f32: 11 rows of 128, a partial block", scaled_rms_norm_f32,
+                          rows_of(11, 11, 128, 11 * 128), 11, 128, f32_rel, 0.0);
+    ok &= run_scaled<F32>("scaled f32: 9 rows of 100, some misaligned", scaled_rms_norm_f32,
+                          rows_of(9, 3, 100, 301), 9, 100, f32_rel, 0.0);
+    // the Gated DeltaNet's output [B 2, T 3, Hv 3, dv 128] dense; z a view of the projection
+    // (heads dv apart, tokens a projection's width apart: 1000 aligns its rows, 1001 only every
+    // other one's)
+    ok &= run_gated<Bf16>("gated bf16: 18 rows of 128, z in a projection of 1000",
+                          gated_rms_norm_bf16, rows_of(18, 3, 128, 3 * 128),
+                          rows_of(18, 3, 128, 1000), 18, 128, bf16_rel, bf16_exact);
+    ok &= run_gated<Bf16>("gated bf16: 18 rows of 128, z in a projection of 1001",
+                          gated_rms_norm_bf16, rows_of(18, 3, 128, 3 * 128),
+                          rows_of(18, 3, 128, 1001), 18, 128, bf16_rel, bf16_exact);
+    ok &= run_gated<F32>("gated f32: 10 rows of 256, x and z strided", gated_rms_norm_f32,
+                         rows_of(10, 2, 260, 600), rows_of(10, 2, 256, 1500), 10, 256, f32_rel,
+                         0.0);
+    ok &= run_gated<Bf16>("gated bf16: 3 rows of 5120 (a block per row)", gated_rms_norm_bf16,
+                          rows_of(3, 3, 5120, 3 * 5120), rows_of(3, 3, 5128, 3 * 5128), 3, 5120,
+                          bf16_rel, bf16_exact);
+    // SwiGLU's product: rows of 300 (one element at a time), of 2,056 (vectors, two blocks a
+    // row, the second partial), of 64
+    ok &= run_silu_mul<Bf16>("silu_mul bf16: 5 rows of 300", silu_mul_bf16, 5, 300, bf16_rel,
+                             bf16_exact);
+    ok &= run_silu_mul<Bf16>("silu_mul bf16: 3 rows of 2056", silu_mul_bf16, 3, 2056, bf16_rel,
+                             bf16_exact);
+    ok &= run_silu_mul<F32>("silu_mul f32: 3 rows of 64", silu_mul_f32, 3, 64, f32_rel, 0.0);
+    return ok ? 0 : 1;
+}

@@ -1,0 +1,176 @@
+//! The target's fused norms on a GPU against the libtorch operations they replace, and target
+//! forwards with and without the fused kernels (ignored here: they need a CUDA device).
+
+use super::fused::assert_close;
+use super::*;
+use dflash_tui::model::ForwardRequest;
+
+/// The zero-centred RMSNorm and the gated output norm of the fused kernels against the chains
+/// of libtorch operations they replace (`ZeroCentredNorm::forward`, `GatedDeltaNet::output`):
+/// rows of 5,120 (a block per row) dense and as an offset 2-D slice, heads of 256 and of 128
+/// read in place from a projection (a warp per row), the gate a view of a projection whose rows
+/// are 16-byte aligned and one whose rows are not; SwiGLU's product (its launch by rows and
+/// column blocks); float32 to 1e-6, bf16 up to a rounding.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_fused_norms_equal_the_libtorch_operations() {
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    let eps = 1e-6;
+    for kind in [Kind::BFloat16, Kind::Float] {
+        let (rel, exact) = if kind == Kind::Float {
+            (1e-6, 0.0)
+        } else {
+            (1e-2, 0.99)
+        };
+        let rand = |shape: &[i64], spread: f64| {
+            (Tensor::randn(shape, (Kind::Float, dev)) * spread).to_kind(kind)
+        };
+        // ZeroCentredNorm::forward with scale = 1 + w in float32
+        let residual = rand(&[2, 7, 5120], 3.0);
+        let q_proj = rand(&[1, 9, 4 * 512 + 2 * 256], 1.0);
+        let k_proj = rand(&[3, 5, 2 * 128 + 40], 1.0);
+        let inputs = [
+            ("the residual stream", residual.shallow_clone()),
+            (
+                "rows of an offset slice",
+                residual.view([14, 5120]).narrow(0, 3, 5),
+            ),
+            (
+                "q heads of 256 in a projection",
+                q_proj
+                    .narrow(-1, 0, 4 * 512)
+                    .view([1, 9, 4, 512])
+                    .narrow(-1, 0, 256),
+            ),
+            (
+                "k heads of 128 in a projection",
+                k_proj.narrow(-1, 0, 256).view([3, 5, 2, 128]),
+            ),
+        ];
+        for (what, x) in inputs {
+            let width = x.size()[x.dim() - 1];
+            let scale = Tensor::randn([width], (Kind::Float, dev)) * 0.1 + 1.0;
+            let got = kernels.scaled_rms_norm(&x, &scale, eps).unwrap();
+            let want = x
+                .to_kind(Kind::Float)
+                .rms_norm([width], Some(&scale), eps)
+                .to_kind(kind);
+            assert!(got.is_contiguous(), "{kind:?} {what}: not dense");
+            assert_close(&format!("{kind:?} {what}"), &got, &want, rel, exact);
+        }
+        // GatedDeltaNet::output's norm: core [B, T, Hv, dv], z a view of the projection
+        let core = rand(&[2, 9, 3, 128], 0.5);
+        let w = (Tensor::randn([128], (Kind::Float, dev)) * 0.1 + 1.0).to_kind(kind);
+        for pad in [8i64, 7] {
+            let what = format!("{kind:?} gated norm, projection rows of {}", 6 * 128 + pad);
+            let y = rand(&[2, 9, 6 * 128 + pad], 2.0);
+            let z = y.narrow(-1, 3 * 128, 3 * 128).view([2, 9, 3, 128]);
+            let got = kernels.gated_rms_norm(&core, &z, &w, eps).unwrap();
+            let normed = core
+                .to_kind(Kind::Float)
+                .rms_norm([128], None::<&Tensor>, eps)
+                .to_kind(kind)
+                * &w;
+            let want = (normed.to_kind(Kind::Float) * z.to_kind(Kind::Float).silu()).to_kind(kind);
+            assert_close(&what, &got, &want, rel, exact);
+        }
+        // SwiGLU's product over rows it reads one element at a time (300) and as vectors, two
+        // blocks a row (2,056)
+        for width in [300i64, 2056] {
+            let both = rand(&[3, 2 * width], 2.0);
+            let got = kernels.silu_mul(&both).unwrap();
+            let want = both.narrow(-1, 0, width).silu() * both.narrow(-1, width, width);
+            assert_close(
+                &format!("{kind:?} silu(gate) * up, rows of {width}"),
+                &got,
+                &want,
+                rel,
+                exact,
+            );
+        }
+        // argument checks: a scale of another width, a gate of another shape
+        let x = rand(&[4, 64], 1.0);
+        let short = Tensor::ones([32], (Kind::Float, dev));
+        assert!(kernels.scaled_rms_norm(&x, &short, eps).is_err());
+        let w64 = Tensor::ones([64], (kind, dev));
+        assert!(kernels
+            .gated_rms_norm(&x, &x.narrow(0, 0, 2), &w64, eps)
+            .is_err());
+    }
+}
+
+/// Targets' forwards with the fused kernels (a hybrid's norms, gated output norms and SwiGLU
+/// products; a dense target's SwiGLU products in `run`) equal those with libtorch's
+/// operations up to rounding: the transformers hybrid fixture (rows of 32, a warp per row), a
+/// random hybrid of its layers with rows of 1,536 (a block per row) and value heads of 128, a
+/// dense Qwen3; f32 and bf16; through `run` (logits and tapped features) and the slot engine's
+/// prefill and steps.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_target_forwards_with_fused_kernels_equal_the_plain_ones() {
+    let (_rt, dev, _turn) = gpu();
+    let tmp = tempfile::tempdir().unwrap();
+    let conditional = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/qwen35_targets/conditional");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(conditional.join("config.json")).unwrap())
+            .unwrap();
+    let text = &mut config["text_config"];
+    text["hidden_size"] = 1536.into();
+    text["intermediate_size"] = 512.into();
+    text["linear_key_head_dim"] = 32.into();
+    text["linear_value_head_dim"] = 128.into();
+    let wide = tmp.path().join("wide");
+    std::fs::create_dir_all(&wide).unwrap();
+    std::fs::write(wide.join("config.json"), config.to_string()).unwrap();
+    let dense = tiny_target_dir(&tmp.path().join("qwen3"), "qwen3", false, None, 5);
+    let ids = Tensor::from_slice(&[5i64, 9, 13, 2, 7, 11, 3, 40, 1, 17]).unsqueeze(0);
+    let req = ForwardRequest {
+        tap_layers: vec![0, 1],
+        final_hidden: false,
+        logits: true,
+    };
+    for kind in [Kind::Float, Kind::BFloat16] {
+        let tol = if kind == Kind::Float { 1e-4 } else { 0.05 };
+        for family in ["fixture", "wide", "qwen3"] {
+            let mut target = match family {
+                "fixture" => TargetModel::load(&conditional, dev, kind),
+                "wide" => TargetModel::random(&wide, dev, kind, 3),
+                _ => TargetModel::load(&dense, dev, kind),
+            }
+            .unwrap();
+            assert!(
+                target.fused_kernels().is_some(),
+                "{family}: the target did not load the fused kernels"
+            );
+            let outputs = |target: &TargetModel| -> Vec<Tensor> {
+                let out = target.run(&ids.to_device(dev), None, &req);
+                let mut all = vec![out.logits.unwrap(), out.features.unwrap()];
+                tch::no_grad(|| {
+                    let mut engine = TargetDecoder::new(target, 64, &[0, 1], None, None).unwrap();
+                    let (logits, features) = engine.prefill(&[5, 9, 13, 2, 7]).unwrap();
+                    all.extend([logits, features.unwrap()]);
+                    for (q, start) in [(1i64, 5i64), (4, 6)] {
+                        let step = Tensor::arange_start(20, 20 + q, (Kind::Int64, dev));
+                        let (logits, features) = engine.step(&step, start).unwrap();
+                        all.extend([logits, features.unwrap()]);
+                    }
+                });
+                all
+            };
+            let fused = outputs(&target);
+            target.set_fused_kernels(None);
+            assert!(target.fused_kernels().is_none());
+            let plain = outputs(&target);
+            for (i, (a, b)) in plain.iter().zip(&fused).enumerate() {
+                let scale = a.abs().max().double_value(&[]);
+                let diff = max_diff(a, b);
+                assert!(
+                    diff <= tol * scale,
+                    "{family} {kind:?} output {i}: {diff} off a scale of {scale}"
+                );
+            }
+        }
+    }
+}
