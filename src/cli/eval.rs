@@ -52,9 +52,9 @@ pub struct EvalArgs {
     /// Decode eagerly (no CUDA graphs), e.g. to compare.
     #[arg(long)]
     pub no_cuda_graphs: bool,
-    /// Run the drafter with libtorch's operations only, without the fused kernels compiled at
-    /// run time for its norms, rotation, cache writes and SwiGLU (GPU, bf16/f16), e.g. to
-    /// compare.
+    /// Run the drafter and the target with libtorch's operations only, without the fused
+    /// kernels compiled at run time for their norms, rotation, cache writes and SwiGLU (GPU),
+    /// e.g. to compare.
     #[arg(long)]
     pub no_fused_kernels: bool,
     /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with
@@ -80,7 +80,10 @@ fn run_shard(
     trace: Option<PathBuf>,
 ) -> Result<EvalReport> {
     let kind = args.dtype.kind(device);
-    let target = TargetModel::load(&args.target, device, kind)?;
+    let mut target = TargetModel::load(&args.target, device, kind)?;
+    if args.no_fused_kernels {
+        target.set_fused_kernels(None);
+    }
     let drafter = Drafter::load_for_target(&args.drafter, &target.config, device, kind)?;
     let head = FrozenHead::from_target(&target, device, kind);
     let opts = EvalOptions {

@@ -69,7 +69,7 @@ pub struct RegenerateArgs {
     #[arg(long)]
     pub no_cuda_graphs: bool,
     /// Run the target with libtorch's operations only, without the fused kernels compiled at
-    /// run time for its rotation, cache writes and SwiGLU (GPU, bf16/f16), e.g. to compare.
+    /// run time for its norms, rotation, cache writes and SwiGLU (GPU), e.g. to compare.
     #[arg(long)]
     pub no_fused_kernels: bool,
     /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with

@@ -395,7 +395,11 @@ fn run_workers(devices: &[Device], work: &Work<'_>) -> Result<usize> {
 fn run_device(work: &Work<'_>, device: Device, first: bool) -> Result<()> {
     let (target, kind, opts, splits) = (work.target, work.kind, work.opts, work.splits);
     let t = Instant::now();
-    let model = TargetModel::load(target, device, kind)?;
+    let mut model = TargetModel::load(target, device, kind)?;
+    if opts.kernels.is_none() {
+        // --no-fused-kernels: the target's own norms and SwiGLU products on libtorch too
+        model.set_fused_kernels(None);
+    }
     log::info!(
         "regenerate: loaded {} on {device:?} as {kind:?} in {:.1} s",
         target.display(),
