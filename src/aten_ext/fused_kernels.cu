@@ -21,6 +21,13 @@
 //   round: t1 = round(x * rstd) (rstd over the row in float32, no weight), t2 = round(t1 * w)
 //   (the product of two storage-type tensors), out = round(t2 * silu(z)) (t2 and z in float32).
 //
+// For a mixture of experts' block (Qwen3-MoE, Qwen3.5-MoE; src/model/moe.rs):
+// moe_combine: the routed products, sorted by expert, back to their tokens: out[t] = sum over
+//   the token's k choices j of round(y[pos[t k + j]] * w[t k + j]), summed in float32 and
+//   rounded once; where libtorch scales the products (rounding each), scatters them back to
+//   token order (index_copy) and sums the k of each token: three kernels and two passes over
+//   the [T k, H] products for one.
+//
 // Each rounds where the libtorch operations it replaces round (every intermediate in the storage
 // type), so that a fused step computes what the unfused one does up to the order of the float
 // sums inside a norm. No system headers: storage types are converted by hand (bf16, f16,
@@ -480,6 +487,56 @@ static __device__ void cross_entropy_grad(typename P::T *__restrict__ logits, lo
     }
 }
 
+#define MOE_MAX_TOP_K 32   // choices per token moe_combine takes (Qwen3 / Qwen3.5 MoE: 8 or 10)
+
+// One block per token: the k product rows it reads, then `hidden` columns, 16 bytes per thread
+// and step where `vectors` (hidden a multiple of the vector, rows 16-byte aligned), else one.
+template <class P>
+static __device__ void moe_combine(const typename P::T *y, const long long *pos,
+                                   const typename P::T *w, typename P::T *out, long long hidden,
+                                   int k, int vectors) {
+    typedef typename P::T T;
+    __shared__ long long rows[MOE_MAX_TOP_K];
+    __shared__ float weights[MOE_MAX_TOP_K];
+    const long long t = blockIdx.x;
+    if (threadIdx.x < k) {
+        rows[threadIdx.x] = pos[t * k + threadIdx.x];
+        weights[threadIdx.x] = P::load(w[t * k + threadIdx.x]);
+    }
+    __syncthreads();
+    T *dst = out + t * hidden;
+    if (vectors) {
+        const int VEC = 16 / sizeof(T);
+        for (long long c = threadIdx.x; c < hidden / VEC; c += blockDim.x) {
+            float acc[16 / sizeof(T)];
+            for (int e = 0; e < VEC; ++e) {
+                acc[e] = 0.0f;
+            }
+            for (int j = 0; j < k; ++j) {
+                uint4 u = reinterpret_cast<const uint4 *>(y + rows[j] * hidden)[c];
+                const T *v = reinterpret_cast<const T *>(&u);
+                for (int e = 0; e < VEC; ++e) {
+                    acc[e] += P::load(P::store(P::load(v[e]) * weights[j]));
+                }
+            }
+            uint4 r;
+            T *o = reinterpret_cast<T *>(&r);
+            for (int e = 0; e < VEC; ++e) {
+                o[e] = P::store(acc[e]);
+            }
+            reinterpret_cast<uint4 *>(dst)[c] = r;
+        }
+    } else {
+        for (long long h = threadIdx.x; h < hidden; h += blockDim.x) {
+            float acc = 0.0f;
+            for (int j = 0; j < k; ++j) {
+                acc += P::load(P::store(P::load(y[rows[j] * hidden + h]) * weights[j]));
+            }
+            dst[h] = P::store(acc);
+        }
+    }
+}
+
 #define DFLASH_FUSED_KERNELS(SUFFIX, P)                                                      \
     extern "C" __global__ void rotate_write_##SUFFIX(                                        \
         const P::T *y, int layers, int heads, int kv, int d, const P::T *q_norm,             \
@@ -502,6 +559,11 @@ static __device__ void cross_entropy_grad(typename P::T *__restrict__ logits, lo
         const P::T *x, RowLayout xl, const P::T *z, RowLayout zl, const P::T *w, P::T *out,  \
         long long rows, int width, float eps, int row_threads) {                             \
         gated_rms_norm<P>(x, xl, z, zl, w, out, rows, width, eps, row_threads);              \
+    }                                                                                        \
+    extern "C" __global__ void moe_combine_##SUFFIX(const P::T *y, const long long *pos,    \
+                                                    const P::T *w, P::T *out,                \
+                                                    long long hidden, int k, int vectors) {  \
+        moe_combine<P>(y, pos, w, out, hidden, k, vectors);                                  \
     }                                                                                        \
     extern "C" __global__ void cross_entropy_grad_##SUFFIX(                                  \
         P::T *logits, long long vocab, const long long *labels, const float *scale,          \

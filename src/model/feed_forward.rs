@@ -110,7 +110,8 @@ impl AddFeedForward for FeedForward {
         }
     }
 
-    /// [`FeedForward::add_forward`] with a dense MLP's `silu(gate) * up` as one fused kernel.
+    /// [`FeedForward::add_forward`] with the SwiGLU products (and a sparse block's combination
+    /// of its experts' products) on the fused kernels.
     fn add_forward_fused(
         &self,
         residual: &mut Tensor,
@@ -119,10 +120,7 @@ impl AddFeedForward for FeedForward {
     ) -> Result<()> {
         match self {
             FeedForward::Dense(mlp) => mlp.add_forward_fused(residual, x, kernels),
-            FeedForward::Sparse(moe) => {
-                moe.add_forward(residual, x);
-                Ok(())
-            }
+            FeedForward::Sparse(moe) => moe.add_forward_fused(residual, x, kernels),
         }
     }
 }

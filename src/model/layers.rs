@@ -448,6 +448,16 @@ impl Mlp {
         self.gated(x).linear::<&Tensor>(&self.down_proj, None)
     }
 
+    /// [`Mlp::forward`] with `silu(gate) * up` as one fused kernel (fused weights only; else as
+    /// `forward`).
+    pub(crate) fn forward_fused(&self, x: &Tensor, kernels: &FusedKernels) -> Result<Tensor> {
+        let Some(w) = &self.fused else {
+            return Ok(self.forward(x));
+        };
+        let gated = kernels.silu_mul(&x.linear::<&Tensor>(w, None))?;
+        Ok(gated.linear::<&Tensor>(&self.down_proj, None))
+    }
+
     /// `silu(gate(x)) * up(x)`.
     fn gated(&self, x: &Tensor) -> Tensor {
         match &self.fused {

@@ -14,7 +14,10 @@
 //! rows found by a binary search of the sorted ids, and every expert's rows go through one
 //! grouped matrix product for gate+up and one for down ([`ExpertGemm`]); the products go back
 //! to their pairs by one scatter and are summed over the `k` choices. No step reads a value
-//! back to the host on a GPU with the grouped kernel (bf16 on Hopper or Blackwell).
+//! back to the host on a GPU with the grouped kernel (bf16 on Hopper or Blackwell). With the
+//! fused kernels (a GPU), SwiGLU's `silu(gate) * up` is one kernel, and the scaling, scatter and
+//! sum of the products another (`moe_combine`: one pass over the products instead of three
+//! kernels and two passes), with the same roundings ([`SparseMoe::add_forward_fused`]).
 //!
 //! Ties in the router: `torch.topk` leaves the order of equal values unspecified. On the CPU it
 //! selects with the C++ library's nth_element / partial_sort (libtorch 2.11: eight equal
@@ -29,6 +32,7 @@ use serde_json::{Map, Value};
 use tch::{Device, Kind, Tensor};
 
 use super::layers::Mlp;
+use crate::aten_ext::fused::FusedKernels;
 
 /// The MoE fields of a text config (`qwen3_moe`, `qwen3_5_moe` text settings).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -438,6 +442,33 @@ impl SparseMoe {
         *residual += self.forward(x);
     }
 
+    /// [`SparseMoe::add_forward`] with the SwiGLU products (the experts' and the shared
+    /// expert's) and the experts' combination on the fused kernels; an error (a call a kernel
+    /// refuses) leaves `residual` as it was.
+    pub(crate) fn add_forward_fused(
+        &self,
+        residual: &mut Tensor,
+        x: &Tensor,
+        kernels: &FusedKernels,
+    ) -> Result<()> {
+        let gemm = ExpertGemm::for_shape(
+            self.gate_up.kind(),
+            self.router.size()[1],
+            self.intermediate(),
+        );
+        let size = x.size();
+        let h = size.last().copied().unwrap_or(0);
+        let flat = x.reshape([-1, h]);
+        let routing = self.route(&flat);
+        let mut out = self.experts_fused(&flat, &routing, gemm, kernels)?;
+        if let Some(shared) = &self.shared {
+            let gate = flat.linear::<&Tensor>(&shared.gate, None).sigmoid();
+            out += gate * shared.mlp.forward_fused(&flat, kernels)?;
+        }
+        *residual += out.view(size.as_slice());
+        Ok(())
+    }
+
     /// [`SparseMoe::forward`] on a chosen path.
     pub(crate) fn forward_with(&self, x: &Tensor, gemm: ExpertGemm) -> Tensor {
         let size = x.size();
@@ -463,9 +494,7 @@ impl SparseMoe {
         if t == 0 {
             return x.zeros_like();
         }
-        let (sorted, order) = routing.experts.reshape([-1]).sort_stable(true, 0, false);
-        let ends = group_ends(&sorted, self.num_experts());
-        let rows = x.index_select(0, &order.floor_divide_scalar(k));
+        let (order, ends, rows) = self.sorted_pairs(x, routing);
         let both = grouped_linear(&rows, &self.gate_up, &ends, gemm);
         let i = self.intermediate();
         let gated = both.narrow(1, 0, i).silu() * both.narrow(1, i, i);
@@ -478,6 +507,43 @@ impl SparseMoe {
         pairs
             .view([t, k, h])
             .sum_dim_intlist(1, false, None::<Kind>)
+    }
+
+    /// [`SparseMoe::experts`] with SwiGLU's `silu(gate) * up` and the scaling, scatter and sum
+    /// of the products as one fused kernel each (the same roundings).
+    fn experts_fused(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        gemm: ExpertGemm,
+        kernels: &FusedKernels,
+    ) -> Result<Tensor> {
+        if x.size()[0] == 0 {
+            return Ok(x.zeros_like());
+        }
+        let (order, ends, rows) = self.sorted_pairs(x, routing);
+        let both = grouped_linear(&rows, &self.gate_up, &ends, gemm);
+        let y = grouped_linear(&kernels.silu_mul(&both)?, &self.down, &ends, gemm);
+        // where each pair's product lies: the inverse of the sorting permutation
+        let pairs = order.size()[0];
+        let mut positions = order.empty_like();
+        let _ = positions.index_copy_(
+            0,
+            &order,
+            &Tensor::arange(pairs, (Kind::Int64, order.device())),
+        );
+        let weights = routing.weights.reshape([-1]).contiguous();
+        kernels.moe_combine(&y, &positions, &weights, self.top_k)
+    }
+
+    /// The (token, choice) pairs sorted by expert (stable: each expert's rows in token order):
+    /// the sorting permutation of the pairs, each expert's end among them ([`group_ends`]) and
+    /// the pairs' rows of `x`.
+    fn sorted_pairs(&self, x: &Tensor, routing: &Routing) -> (Tensor, Tensor, Tensor) {
+        let (sorted, order) = routing.experts.reshape([-1]).sort_stable(true, 0, false);
+        let ends = group_ends(&sorted, self.num_experts());
+        let rows = x.index_select(0, &order.floor_divide_scalar(self.top_k));
+        (order, ends, rows)
     }
 }
 

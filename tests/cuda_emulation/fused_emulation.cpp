@@ -1,5 +1,5 @@
 // Runs the target's norm kernels of src/aten_ext/fused_kernels.cu (scaled_rms_norm,
-// gated_rms_norm) and SwiGLU's silu_mul on the CPU (cuda_emu.h) against double-precision loops
+// gated_rms_norm), SwiGLU's silu_mul and a mixture of experts' moe_combine on the CPU (cuda_emu.h) against double-precision loops
 // that round to the storage type where the kernels must (where libtorch's operations round):
 // rows of 5120 (a block per row) and of 128 / 256 (a warp per row, a partial last block),
 // strided row layouts (a projection's views), rows the kernels read 16 bytes at a time and rows
@@ -201,6 +201,46 @@ static bool run_silu_mul(const char *name,
     return compare<P>(name, out, want, rel, exact);
 }
 
+// moe_combine over `tokens` tokens of `k` choices and rows of `hidden`, launched as fused.rs
+// does: the products y in a shuffled order (as sorted by expert), pos their inverse, the
+// reference summing round(y * w) over the choices in double precision, rounded once.
+template <class P>
+static bool run_moe_combine(const char *name,
+                            void (*kernel)(const typename P::T *, const long long *,
+                                           const typename P::T *, typename P::T *, long long,
+                                           int, int),
+                            long long tokens, int k, long long hidden, double rel,
+                            double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(9 + tokens + k + hidden);
+    std::normal_distribution<float> normal;
+    const long long pairs = tokens * k;
+    std::vector<long long> order(pairs);
+    for (long long p = 0; p < pairs; ++p) order[p] = p;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<long long> pos(pairs);
+    for (long long p = 0; p < pairs; ++p) pos[order[p]] = p;
+    std::vector<T> y(pairs * hidden), w(pairs);
+    for (T &e : y) e = P::store(normal(rng));
+    for (T &e : w) e = P::store(std::fabs(normal(rng)) / k);
+    std::vector<T> out(tokens * hidden + 64, P::store(NAN));
+    const int vectors = hidden % (16 / sizeof(T)) == 0;
+    emu::launch({(unsigned)tokens, 1, 1}, 256,
+                [&] { kernel(y.data(), pos.data(), w.data(), out.data(), hidden, k, vectors); });
+    std::vector<double> want(tokens * hidden);
+    for (long long t = 0; t < tokens; ++t) {
+        for (long long h = 0; h < hidden; ++h) {
+            double acc = 0;
+            for (int j = 0; j < k; ++j) {
+                const long long p = t * k + j;
+                acc += round_to<P>((double)P::load(y[pos[p] * hidden + h]) * P::load(w[p]));
+            }
+            want[t * hidden + h] = round_to<P>(acc);
+        }
+    }
+    return compare<P>(name, out, want, rel, exact);
+}
+
 int main() {
     // a thread that skips a barrier its block meets hangs the others: a deadline reports it
     std::thread([] {
@@ -248,5 +288,15 @@ int main() {
     ok &= run_silu_mul<Bf16>("silu_mul bf16: 3 rows of 2056", silu_mul_bf16, 3, 2056, bf16_rel,
                              bf16_exact);
     ok &= run_silu_mul<F32>("silu_mul f32: 3 rows of 64", silu_mul_f32, 3, 64, f32_rel, 0.0);
+    // a mixture of experts' combination: 8 choices of 2,048 (16-byte vectors), 3 of 100 (one
+    // element at a time), 8 of 1,028 (vectors of 4 floats). The float32 sums of terms of either
+    // sign cancel in places (1e-3 off relative to a small sum; a wrong row or weight is O(1))
+    const double sum_rel = 1e-3;
+    ok &= run_moe_combine<Bf16>("moe_combine bf16: 5 tokens x 8 choices of 2048", moe_combine_bf16,
+                                5, 8, 2048, bf16_rel, bf16_exact);
+    ok &= run_moe_combine<F32>("moe_combine f32: 4 tokens x 3 choices of 100", moe_combine_f32, 4,
+                               3, 100, sum_rel, 0.0);
+    ok &= run_moe_combine<F32>("moe_combine f32: 3 tokens x 8 choices of 1028", moe_combine_f32,
+                               3, 8, 1028, sum_rel, 0.0);
     return ok ? 0 : 1;
 }

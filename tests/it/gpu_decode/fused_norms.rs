@@ -104,15 +104,16 @@ fn gpu_fused_norms_equal_the_libtorch_operations() {
 /// products; a dense target's SwiGLU products in `run`) equal those with libtorch's
 /// operations up to rounding: the transformers hybrid fixture (rows of 32, a warp per row), a
 /// random hybrid of its layers with rows of 1,536 (a block per row) and value heads of 128, a
-/// dense Qwen3; f32 and bf16; through `run` (logits and tapped features) and the slot engine's
-/// prefill and steps.
+/// dense Qwen3, and the Qwen3.5-MoE (shared expert) and Qwen3-MoE fixtures (the experts'
+/// SwiGLU and `moe_combine`); f32 and bf16; through `run` (logits and tapped features) and the
+/// slot engine's prefill and steps.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_target_forwards_with_fused_kernels_equal_the_plain_ones() {
     let (_rt, dev, _turn) = gpu();
     let tmp = tempfile::tempdir().unwrap();
-    let conditional = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/qwen35_targets/conditional");
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let conditional = fixtures.join("qwen35_targets/conditional");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(conditional.join("config.json")).unwrap())
             .unwrap();
@@ -133,11 +134,12 @@ fn gpu_target_forwards_with_fused_kernels_equal_the_plain_ones() {
     };
     for kind in [Kind::Float, Kind::BFloat16] {
         let tol = if kind == Kind::Float { 1e-4 } else { 0.05 };
-        for family in ["fixture", "wide", "qwen3"] {
+        for family in ["fixture", "wide", "qwen3", "qwen3_5_moe", "qwen3_moe_norm"] {
             let mut target = match family {
                 "fixture" => TargetModel::load(&conditional, dev, kind),
                 "wide" => TargetModel::random(&wide, dev, kind, 3),
-                _ => TargetModel::load(&dense, dev, kind),
+                "qwen3" => TargetModel::load(&dense, dev, kind),
+                moe => TargetModel::load(&fixtures.join("moe_targets").join(moe), dev, kind),
             }
             .unwrap();
             assert!(
