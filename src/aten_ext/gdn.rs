@@ -12,7 +12,7 @@
 //! cost): decoding steps, draft verification with the state after every token. A long prefill
 //! can take the chunked form instead (gdn_chunked.rs: chunks of 64 tokens, all prepared at
 //! once, then one pass over them per block of value columns; in float32, or for bf16 / f16 on
-//! tensor cores, gdn_chunked_tc.cuh; not yet the default). The layer's causal
+//! tensor cores, gdn_chunked_tc.cuh, the default where it runs). The layer's causal
 //! convolution before the rule has its kernel too (gdn_conv.rs). It is a forward pass only (the
 //! target model it serves is frozen: no gradient).
 
@@ -248,9 +248,11 @@ pub struct GdnKernels {
     /// Whether the chunked form of bf16 / f16 calls takes the tensor cores where it can (see
     /// [`GdnKernels::with_tensor_cores`]).
     prefer_tensor_cores: bool,
-    /// Whether [`GdnKernels::forward`] takes the chunked form for long calls
-    /// ([`CHUNKED_BY_DEFAULT`] unless [`GdnKernels::with_chunked_prefill`] says otherwise).
-    prefer_chunked: bool,
+    /// Whether [`GdnKernels::forward`] takes the chunked form for long calls, as
+    /// [`GdnKernels::with_chunked_prefill`] says; `None`: the defaults
+    /// ([`TENSOR_CORE_CHUNKED_BY_DEFAULT`] for calls the tensor-core form takes,
+    /// [`CHUNKED_BY_DEFAULT`] for others).
+    prefer_chunked: Option<bool>,
 }
 
 // SAFETY: as for `FusedKernels`: the functions of a module loaded in a CUDA context are
@@ -341,7 +343,7 @@ impl GdnKernels {
             chunked: f.chunked,
             tensor_cores: f.tc_granted && module.compute_capability() >= TENSOR_CORE_ARCH,
             prefer_tensor_cores: true,
-            prefer_chunked: CHUNKED_BY_DEFAULT,
+            prefer_chunked: None,
         })
     }
 
@@ -360,25 +362,34 @@ impl GdnKernels {
     /// the chunked form preferred and granted its memory) the chunked form runs, otherwise
     /// the recurrent kernel.
     pub fn forward(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
-        let shape = self.checked_shape(x)?;
-        if self.takes_chunked(&shape) {
+        if self.takes_chunked(x)? {
             return self.forward_chunked(x, l2norm);
         }
         self.forward_recurrent(x, l2norm)
     }
 
-    /// Whether [`GdnKernels::forward`] takes the chunked form for a call of `shape`.
-    pub fn takes_chunked(&self, shape: &GdnShape) -> bool {
-        self.prefer_chunked
-            && self.chunked
-            && shape.key_dim == CHUNKED_KEY_DIM
-            && shape.steps >= CHUNKED_FROM_STEPS
+    /// Whether [`GdnKernels::forward`] takes the chunked form for the call `x`: one of
+    /// [`CHUNKED_FROM_STEPS`] tokens or more with key heads of [`CHUNKED_KEY_DIM`], on a GPU
+    /// that grants the form its memory, where [`GdnKernels::with_chunked_prefill`] asks for it
+    /// or, by default, where it runs on tensor cores
+    /// ([`GdnKernels::chunked_on_tensor_cores`], [`TENSOR_CORE_CHUNKED_BY_DEFAULT`]).
+    pub fn takes_chunked(&self, x: &GdnInputs<'_>) -> Result<bool> {
+        let shape = self.checked_shape(x)?;
+        if !(self.chunked && shape.key_dim == CHUNKED_KEY_DIM && shape.steps >= CHUNKED_FROM_STEPS)
+        {
+            return Ok(false);
+        }
+        Ok(match self.prefer_chunked {
+            Some(chunked) => chunked,
+            None if self.chunked_on_tensor_cores(x)? => TENSOR_CORE_CHUNKED_BY_DEFAULT,
+            None => CHUNKED_BY_DEFAULT,
+        })
     }
 
     /// The same kernels with long calls of [`GdnKernels::forward`] taking the chunked form
-    /// (`true`) or the recurrent kernel (`false`), whatever [`CHUNKED_BY_DEFAULT`] says.
+    /// (`true`) or the recurrent kernel (`false`), whatever the defaults say.
     pub fn with_chunked_prefill(mut self, chunked: bool) -> Self {
-        self.prefer_chunked = chunked;
+        self.prefer_chunked = Some(chunked);
         self
     }
 
@@ -625,7 +636,9 @@ mod conv;
 #[path = "gdn_tests.rs"]
 mod tests;
 
-pub use chunked::{CHUNKED_BY_DEFAULT, CHUNKED_FROM_STEPS, CHUNKED_KEY_DIM};
+pub use chunked::{
+    CHUNKED_BY_DEFAULT, CHUNKED_FROM_STEPS, CHUNKED_KEY_DIM, TENSOR_CORE_CHUNKED_BY_DEFAULT,
+};
 use chunked::{
     PREP_SHARED_BYTES, SCAN_SHARED_BYTES, TC_PREP_SHARED_BYTES, TC_SCAN_SHARED_BYTES,
     TENSOR_CORE_ARCH,

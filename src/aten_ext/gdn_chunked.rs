@@ -19,14 +19,22 @@ const SCAN_COLUMNS: i64 = 32;
 const CHUNK_THREADS: u32 = 256;
 
 /// The calls from which [`GdnKernels::forward`] takes the chunked form: from this many tokens
-/// (one chunk), with key heads of [`CHUNKED_KEY_DIM`], once it is the default.
+/// (one chunk), with key heads of [`CHUNKED_KEY_DIM`], where it is the default.
 pub const CHUNKED_FROM_STEPS: i64 = CHUNK;
 
-/// Whether [`GdnKernels::forward`] takes the chunked form for long calls. Not yet: on an H200
-/// its first float32 version was slower than the recurrent kernel (2.38 against 1.98 ms at the
-/// 27B layer shape); the present one and the tensor-core form are checked on the CPU's
-/// emulation but not yet timed (`bench-gdn` prints every form).
+/// Whether [`GdnKernels::forward`] takes the float32 chunked form for long calls. No: on an
+/// H200 its first version was slower than the recurrent kernel (2.38 against 1.98 ms at the
+/// 27B layer shape); the present one is checked on the CPU's emulation but not yet timed.
 pub const CHUNKED_BY_DEFAULT: bool = false;
+
+/// Whether [`GdnKernels::forward`] takes the chunked form for long calls that run on tensor
+/// cores (bf16 / f16 on sm_80 and later: the training forwards and prefills of published
+/// models). Yes, ahead of a timing: per chunk and block it issues 896 tensor-core instructions
+/// where the float32 form issues ~1.8 M FMAs, and the recurrent kernel is a chain of 3072
+/// dependent steps at the 27B shape. It is checked by the CPU emulation, not yet on a GPU;
+/// `bench-gdn` and `bench-forward --gdn-prefill` time every form, and this is false again if
+/// the measurement says so.
+pub const TENSOR_CORE_CHUNKED_BY_DEFAULT: bool = true;
 
 /// Dynamic shared memory of the two chunked kernels, bytes: the source's `GDN_PREP_FLOATS`
 /// (two staged key tiles, A, gamma, beta, exp(gamma)) and `GDN_SCAN_FLOATS` ([W; Q]^T, then the

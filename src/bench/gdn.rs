@@ -12,7 +12,7 @@ use anyhow::{bail, Result};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
-use crate::aten_ext::gdn::{reference, GdnInputs, GdnKernels, GdnShape, CHUNKED_KEY_DIM};
+use crate::aten_ext::gdn::{reference, GdnInputs, GdnKernels, CHUNKED_KEY_DIM};
 use crate::runtime::TorchRuntime;
 
 /// The storage type of q, k, v and the output.
@@ -143,13 +143,11 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
         forward(&kernels, &prefill, false).map(drop)
     })?;
     let mut record = line("prefill", args.tokens, ms);
-    record["form"] = json!(
-        if kernels.takes_chunked(&GdnShape::of(&prefill.rule(false))?) {
-            "chunked"
-        } else {
-            "recurrent"
-        }
-    );
+    record["form"] = json!(if kernels.takes_chunked(&prefill.rule(false))? {
+        "chunked"
+    } else {
+        "recurrent"
+    });
     println!("{record}");
     let ms = time_ms(index, args.iters, || {
         kernels

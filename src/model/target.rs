@@ -102,8 +102,9 @@ pub struct TargetModel {
 
 impl TargetModel {
     /// Whether a hybrid target's long gated delta rule calls (prefills, training forwards) take
-    /// the chunked form of the CUDA kernels (`chunked`) or their recurrent kernel; the default
-    /// is [`crate::aten_ext::gdn::CHUNKED_BY_DEFAULT`]. With `tensor_cores` false the chunked
+    /// the chunked form of the CUDA kernels (`chunked`) or their recurrent kernel; by default
+    /// the chunked form where it runs on tensor cores ([`crate::aten_ext::gdn::GdnKernels::takes_chunked`]). With
+    /// `tensor_cores` false the chunked
     /// form of bf16 / f16 calls computes in float32 instead of on tensor cores (the default).
     /// Nothing changes without the kernels (off CUDA, or other models).
     pub fn set_gdn_prefill_form(&mut self, chunked: bool, tensor_cores: bool) {
