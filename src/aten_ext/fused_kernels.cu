@@ -258,6 +258,12 @@ static __device__ __forceinline__ void scaled_rms_norm_row(const typename P::T *
     }
 }
 
+// The row of this thread in a norm launch of `row_threads` threads per row (a warp, or the
+// whole block).
+static __device__ __forceinline__ long long norm_row(int row_threads) {
+    return (long long)blockIdx.x * (blockDim.x / row_threads) + threadIdx.x / row_threads;
+}
+
 // The zero-centred RMSNorm: `x` rows (layout `xl`) of `width` -> dense `y` [rows, width],
 // y = x * rsqrt(mean(x^2) + eps) * scale in float32, rounded once (`scale` float32 [width]).
 template <class P>
@@ -267,8 +273,7 @@ static __device__ void scaled_rms_norm(const typename P::T *__restrict__ x, RowL
                                        float eps, int row_threads) {
     typedef typename P::T T;
     const int VEC = 16 / sizeof(T);
-    const long long row = (long long)blockIdx.x * (blockDim.x / row_threads) +
-                          threadIdx.x / row_threads;
+    const long long row = norm_row(row_threads);
     const int lane = threadIdx.x % row_threads;
     if (row >= rows) {
         return;   // a whole warp (a block per row has no row past the end)
@@ -314,8 +319,7 @@ static __device__ void gated_rms_norm(const typename P::T *__restrict__ x, RowLa
                                       float eps, int row_threads) {
     typedef typename P::T T;
     const int VEC = 16 / sizeof(T);
-    const long long row = (long long)blockIdx.x * (blockDim.x / row_threads) +
-                          threadIdx.x / row_threads;
+    const long long row = norm_row(row_threads);
     const int lane = threadIdx.x % row_threads;
     if (row >= rows) {
         return;

@@ -223,7 +223,6 @@ impl FusedKernels {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use std::path::Path;
 
     /// Rows of dense tensors, of a projection's head views (q of gated attention: heads 2 d
     /// apart; z: heads d apart, tokens a projection's width apart) and of views that are
@@ -339,41 +338,6 @@ pub(super) mod tests {
     /// rows, bf16 and f32. Needs a C++20 compiler (`$CXX`, else `c++`).
     #[test]
     fn the_norm_kernels_run_on_the_cpu_match_the_libtorch_roundings() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let dir = tempfile::tempdir().unwrap();
-        let exe = dir.path().join("fused_emulation");
-        let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-        let built = std::process::Command::new(&compiler)
-            .args(["-std=c++20", "-O1", "-pthread", "-w"])
-            .arg(format!("-I{}", root.join("src/aten_ext").display()))
-            .arg(root.join("tests/cuda_emulation/fused_emulation.cpp"))
-            .arg("-o")
-            .arg(&exe)
-            .output();
-        let built = match built {
-            Ok(out) => out,
-            Err(e) => {
-                assert!(std::env::var_os("CI").is_none(), "{compiler}: {e}");
-                eprintln!("not run: no C++ compiler ({compiler}: {e})");
-                return;
-            }
-        };
-        assert!(
-            built.status.success(),
-            "{compiler} failed: {}",
-            String::from_utf8_lossy(&built.stderr)
-        );
-        let ran = std::process::Command::new(&exe).output().unwrap();
-        let report = String::from_utf8_lossy(&ran.stdout);
-        assert!(
-            ran.status.success(),
-            "{report}{}",
-            String::from_utf8_lossy(&ran.stderr)
-        );
-        assert_eq!(
-            report.lines().filter(|l| l.starts_with("ok ")).count(),
-            16,
-            "{report}"
-        );
+        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 16);
     }
 }

@@ -138,6 +138,43 @@ static __device__ __forceinline__ void store_pair(typename P::T *dst, float x, f
     *(unsigned *)dst = (unsigned)P::store(x) | ((unsigned)P::store(y) << 16);
 }
 
+// Zeroes N accumulator fragments.
+template <int N>
+static __device__ __forceinline__ void zero_tiles(float (&x)[N][4]) {
+#pragma unroll
+    for (int c = 0; c < N; ++c) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            x[c][r] = 0.0f;
+        }
+    }
+}
+
+// acc[c] = rows 16 m .. 16 m + 15 of the lower-triangular `t` [C][GDN_FROW] (TF32) times
+// column tile n0 + c (8 columns) of the raw rows `b` [C][GDN_HROW], for c < tiles (at most 8);
+// the k-steps right of the row tile, where t is zero, are skipped.
+template <class P>
+static __device__ __forceinline__ void lower_times_raw(const float *t, const typename P::T *b,
+                                                       int m, int n0, int tiles, int g, int t4,
+                                                       float (&acc)[8][4]) {
+    zero_tiles(acc);
+#pragma unroll
+    for (int s = 0; s < GDN_CHUNK / 8; ++s) {
+        if (8 * s <= 16 * m + 15) {
+            unsigned a[4];
+            a_fragment(t, GDN_FROW, 16 * m, 8 * s, g, t4, a);
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                if (c < tiles) {
+                    const int col = 8 * (n0 + c) + g;
+                    mma_tf32(acc[c], a, raw_bits<P>(b[(8 * s + t4) * GDN_HROW + col]),
+                             raw_bits<P>(b[(8 * s + t4 + 4) * GDN_HROW + col]));
+                }
+            }
+        }
+    }
+}
+
 // One block per (chunk, batch row x value head): W, U', P and the scales of the chunk.
 template <class P>
 static __device__ void gdn_tc_prep(const GdnChunkParams &cp) {
@@ -211,14 +248,8 @@ static __device__ void gdn_tc_prep(const GdnChunkParams &cp) {
     {
         const int m = warp & 3, nb = 4 * (warp >> 2);
         float kk[4][4], qk[4][4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                kk[c][r] = 0.0f;
-                qk[c][r] = 0.0f;
-            }
-        }
+        zero_tiles(kk);
+        zero_tiles(qk);
 #pragma unroll 4
         for (int s = 0; s < K / 8; ++s) {
             unsigned ak[4], aq[4];
@@ -288,32 +319,12 @@ static __device__ void gdn_tc_prep(const GdnChunkParams &cp) {
     __syncthreads();
 
     // W = T diag(beta e^gamma rk) K and U' = T diag(beta) V: warp (m, half) takes row tile m
-    // and half of the column tiles; T is lower triangular, so k-steps right of the row tile
-    // are skipped
+    // and half of the column tiles
     {
         const int m = warp & 3, half = warp >> 2;
         float acc[8][4];
+        lower_times_raw<P>(am, kh, m, 8 * half, 8, g, t4, acc);
         float *wg = cp.w + chunk * C * K;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                acc[c][r] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int s = 0; s < C / 8; ++s) {
-            if (8 * s <= 16 * m + 15) {
-                unsigned a[4];
-                a_fragment(am, GDN_FROW, 16 * m, 8 * s, g, t4, a);
-#pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    const int col = 8 * (8 * half + c) + g;
-                    mma_tf32(acc[c], a, raw_bits<P>(kh[(8 * s + t4) * GDN_HROW + col]),
-                             raw_bits<P>(kh[(8 * s + t4 + 4) * GDN_HROW + col]));
-                }
-            }
-        }
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
             const int i = 16 * m + g, j = 8 * (8 * half + c) + 2 * t4;
@@ -321,31 +332,9 @@ static __device__ void gdn_tc_prep(const GdnChunkParams &cp) {
             *(float2 *)(wg + (i + 8) * K + j) =
                 float2{tf32_round(acc[c][2]), tf32_round(acc[c][3])};
         }
-
         const int tiles = (int)vd / 16;   // column tiles per half: 8 (V = 128) or 4 (V = 64)
+        lower_times_raw<P>(tu, vh, m, tiles * half, tiles, g, t4, acc);
         float *ug = cp.u + chunk * C * vd;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                acc[c][r] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int s = 0; s < C / 8; ++s) {
-            if (8 * s <= 16 * m + 15) {
-                unsigned a[4];
-                a_fragment(tu, GDN_FROW, 16 * m, 8 * s, g, t4, a);
-#pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    if (c < tiles) {
-                        const int col = 8 * (tiles * half + c) + g;
-                        mma_tf32(acc[c], a, raw_bits<P>(vh[(8 * s + t4) * GDN_HROW + col]),
-                                 raw_bits<P>(vh[(8 * s + t4 + 4) * GDN_HROW + col]));
-                    }
-                }
-            }
-        }
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
             if (c < tiles) {
@@ -411,6 +400,25 @@ static __device__ __forceinline__ void load_u_prime(const GdnChunkParams &cp, lo
     }
 }
 
+// Calls f(element, k, col) for each of a scan warp's state elements st[mi][c][r] (`element` =
+// &st[mi][c][r]): key row k = 16 (a + 4 mi) + g (+ 8), column col = 8 (nb + c) + 2 t4 (+ 1) of
+// the block's 64.
+template <class F>
+static __device__ __forceinline__ void for_state_elements(float (&st)[2][2][4], int a, int nb,
+                                                          int g, int t4, F f) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                f(st[mi][c][r], 16 * (a + 4 * mi) + g + 8 * (r >> 1),
+                  8 * (nb + c) + 2 * t4 + (r & 1));
+            }
+        }
+    }
+}
+
 // One block per 64 value columns of (batch row, value head), through its chunks in order.
 template <class P>
 static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
@@ -439,20 +447,10 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
     const long long head = b * hv + h;
 
     float st[2][2][4];   // the state: [row tile a, a + 4][column tile nb, nb + 1][fragment]
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int k = 16 * (a + 4 * mi) + g + 8 * (r >> 1);
-                const int col = 8 * (nb + c) + 2 * t4 + (r & 1);
-                st[mi][c][r] =
-                    p.initial != nullptr ? p.initial[(head * K + k) * vd + j0 + col] : 0.0f;
-                ss[k * GDN_BROW + col] = tf32_round(st[mi][c][r]);
-            }
-        }
-    }
+    for_state_elements(st, a, nb, g, t4, [&](float &e, int k, int col) {
+        e = p.initial != nullptr ? p.initial[(head * K + k) * vd + j0 + col] : 0.0f;
+        ss[k * GDN_BROW + col] = tf32_round(e);
+    });
     stage_scan_wq<P>(cp, head, b, hk, 0, ws, qh, tid);
     stage_scan_kp<P>(cp, head, b, hk, 0, ps, scales, kh, tid);
     float up[2][4];
@@ -464,14 +462,8 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
 
         // X = [W; Q] S0 for this warp's tiles
         float xw[2][4], xq[2][4];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                xw[c][r] = 0.0f;
-                xq[c][r] = 0.0f;
-            }
-        }
+        zero_tiles(xw);
+        zero_tiles(xq);
 #pragma unroll 4
         for (int s = 0; s < K / 8; ++s) {
             unsigned aw[4], aq[4];
@@ -535,16 +527,7 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
 
         // S = e^gamma_C S0 + K^T diag(kscale) u
         const float decay = scales[2 * C];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    st[mi][c][r] *= decay;
-                }
-            }
-        }
+        for_state_elements(st, a, nb, g, t4, [&](float &e, int, int) { e *= decay; });
 #pragma unroll 2
         for (int s = 0; s < C / 8; ++s) {
             unsigned bu[2][2];
@@ -567,34 +550,17 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
             }
         }
         __syncthreads();   // P, k, u, the scales and the state's columns are read
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int k = 16 * (a + 4 * mi) + g + 8 * (r >> 1);
-                    ss[k * GDN_BROW + 8 * (nb + c) + 2 * t4 + (r & 1)] = tf32_round(st[mi][c][r]);
-                }
-            }
-        }
+        for_state_elements(st, a, nb, g, t4, [&](float &e, int k, int col) {
+            ss[k * GDN_BROW + col] = tf32_round(e);
+        });
         if (n + 1 < cp.chunks) {
             stage_scan_kp<P>(cp, head, b, hk, n + 1, ps, scales, kh, tid);
         }
     }
     if (p.final_state != nullptr) {
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int k = 16 * (a + 4 * mi) + g + 8 * (r >> 1);
-                    const int col = 8 * (nb + c) + 2 * t4 + (r & 1);
-                    p.final_state[(head * K + k) * vd + j0 + col] = st[mi][c][r];
-                }
-            }
-        }
+        for_state_elements(st, a, nb, g, t4, [&](float &e, int k, int col) {
+            p.final_state[(head * K + k) * vd + j0 + col] = e;
+        });
     }
 }
 

@@ -440,3 +440,49 @@ pub(super) fn nvrtc_for_tests() -> Option<Nvrtc> {
         }
     }
 }
+
+/// Builds `tests/cuda_emulation/{program}.cpp` (kernels' sources run on the CPU, see its
+/// cuda_emu.h) with the C++20 compiler `$CXX` (else `c++`, as the build's C++ shims), runs it
+/// and returns its report after checking that it exited successfully and printed `cases`
+/// lines starting "ok "; `None` (with the reason printed) where there is no compiler, except
+/// under CI.
+#[cfg(test)]
+pub(super) fn run_cuda_emulation(program: &str, cases: usize) -> Option<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let exe = dir.path().join(program);
+    let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
+    let built = std::process::Command::new(&compiler)
+        .args(["-std=c++20", "-O1", "-pthread", "-w"])
+        .arg(format!("-I{}", root.join("src/aten_ext").display()))
+        .arg(root.join(format!("tests/cuda_emulation/{program}.cpp")))
+        .arg("-o")
+        .arg(&exe)
+        .output();
+    let built = match built {
+        Ok(out) => out,
+        Err(e) => {
+            assert!(std::env::var_os("CI").is_none(), "{compiler}: {e}");
+            eprintln!("not run: no C++ compiler ({compiler}: {e})");
+            return None;
+        }
+    };
+    assert!(
+        built.status.success(),
+        "{compiler} failed: {}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let ran = std::process::Command::new(&exe).output().unwrap();
+    let report = String::from_utf8_lossy(&ran.stdout).into_owned();
+    assert!(
+        ran.status.success(),
+        "{report}{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    assert_eq!(
+        report.lines().filter(|l| l.starts_with("ok ")).count(),
+        cases,
+        "{report}"
+    );
+    Some(report)
+}

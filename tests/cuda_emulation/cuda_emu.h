@@ -12,6 +12,9 @@
 
 #include <algorithm>
 #include <barrier>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -83,6 +86,17 @@ void launch(uint3 grid, unsigned threads, F kernel) {
             }
         }
     }
+}
+
+// Ends the process with status 2 if it still runs after `seconds`: a thread that skips a barrier
+// its block meets hangs the others, and a test's time limit should not be what reports it.
+inline void deadline(int seconds) {
+    std::thread([seconds] {
+        std::this_thread::sleep_for(std::chrono::seconds(seconds));
+        std::fprintf(stderr, "no result after %d s: a barrier that not every thread meets?\n",
+                     seconds);
+        std::_Exit(2);
+    }).detach();
 }
 }  // namespace emu
 
