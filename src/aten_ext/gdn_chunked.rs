@@ -127,6 +127,37 @@ impl GdnKernels {
         self
     }
 
+    /// What the kernels do with a long call (a prefill or training forward) on this GPU, in
+    /// words, for `doctor`.
+    pub fn prefill_forms(&self) -> String {
+        let chunked = match (self.chunked, self.tensor_cores) {
+            (true, true) => {
+                "the chunked form on tensor cores for bf16 / f16 (TF32), in float32 \
+                             otherwise"
+            }
+            (true, false) => {
+                "the chunked form in float32 (no tensor-core form: compute \
+                              capability below 8.0, or less shared memory than it takes)"
+            }
+            (false, _) => "no chunked form (less shared memory than it takes)",
+        };
+        let default = match (
+            TENSOR_CORE_CHUNKED_BY_DEFAULT && self.tensor_cores,
+            CHUNKED_BY_DEFAULT,
+        ) {
+            (_, true) => "the chunked form",
+            (true, false) => {
+                "the chunked form where it runs on tensor cores, else the recurrent \
+                              kernel"
+            }
+            (false, false) => "the recurrent kernel",
+        };
+        format!(
+            "{chunked}; prefills of {CHUNKED_FROM_STEPS}+ tokens (key heads of \
+             {CHUNKED_KEY_DIM}) take {default}"
+        )
+    }
+
     /// Whether [`GdnKernels::forward_chunked`] runs this call on tensor cores.
     pub fn chunked_on_tensor_cores(&self, x: &GdnInputs<'_>) -> Result<bool> {
         let shape = self.checked_shape(x)?;

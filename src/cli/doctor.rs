@@ -63,11 +63,29 @@ pub(super) fn run(runtime: &TorchRuntime, args: &DoctorArgs) -> Result<()> {
                 let started = std::time::Instant::now();
                 match runtime.load_fused_kernels(tch::Device::Cuda(0)) {
                     Ok(_) => println!(
-                        "  fused decoding kernels: available (compiled for cuda:0 in {:.0} ms)",
+                        "  fused kernels: available (compiled for cuda:0 in {:.0} ms)",
                         started.elapsed().as_secs_f64() * 1e3
                     ),
                     Err(why) => println!(
-                        "  fused decoding kernels: not available ({why:#}); decoding runs libtorch's operations"
+                        "  fused kernels: not available ({why:#}); decoding and the targets' \
+                         norms, SwiGLU and experts run libtorch's operations"
+                    ),
+                }
+                let started = std::time::Instant::now();
+                let gdn = runtime
+                    .fused_kernel_loader(true)
+                    .ok_or_else(|| anyhow::anyhow!("no CUDA graph library"))
+                    .and_then(|loader| loader.load_gdn(tch::Device::Cuda(0)));
+                match gdn {
+                    Ok(kernels) => println!(
+                        "  gated delta rule kernels (Qwen3.5 / Qwen3-Next): available (compiled \
+                         for cuda:0 in {:.0} ms): {}",
+                        started.elapsed().as_secs_f64() * 1e3,
+                        kernels.prefill_forms()
+                    ),
+                    Err(why) => println!(
+                        "  gated delta rule kernels: not available ({why:#}); hybrid targets run \
+                         libtorch's operations"
                     ),
                 }
             }
