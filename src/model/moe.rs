@@ -540,7 +540,9 @@ impl SparseMoe {
     /// the sorting permutation of the pairs, each expert's end among them ([`group_ends`]) and
     /// the pairs' rows of `x`.
     fn sorted_pairs(&self, x: &Tensor, routing: &Routing) -> (Tensor, Tensor, Tensor) {
-        let (sorted, order) = routing.experts.reshape([-1]).sort_stable(true, 0, false);
+        // 32-bit ids: a GPU's radix sort then makes half the passes of 64-bit ones
+        let ids = routing.experts.reshape([-1]).to_kind(Kind::Int);
+        let (sorted, order) = ids.sort_stable(true, 0, false);
         let ends = group_ends(&sorted, self.num_experts());
         let rows = x.index_select(0, &order.floor_divide_scalar(self.top_k));
         (order, ends, rows)
@@ -578,7 +580,7 @@ fn stack_experts(
 /// number of ids <= e, by binary search. Gives `_grouped_mm`'s offsets in one kernel and
 /// without a host read (CUDA's bincount reads the largest id back to size its output).
 fn group_ends(sorted: &Tensor, num_experts: i64) -> Tensor {
-    let experts = Tensor::arange(num_experts, (Kind::Int64, sorted.device()));
+    let experts = Tensor::arange(num_experts, (sorted.kind(), sorted.device()));
     experts.searchsorted(sorted, true, true, "right", None::<Tensor>)
 }
 
