@@ -1,5 +1,5 @@
 //! The chunked (WY) form of the gated delta rule on the GPU: its sizes, the shared memory its
-//! two kernels take (`gdn_chunk_prep`, `gdn_chunk_scan` in gdn_kernels.cu, float32; for bf16 and
+//! two kernels take (`gdn_chunk_prep`, `gdn_chunk_scan` in gdn_chunked.cuh, float32; for bf16 and
 //! f16 storage `gdn_tc_prep`, `gdn_tc_scan` in gdn_chunked_tc.cuh, on tensor cores) and their
 //! launch.
 

@@ -1,6 +1,6 @@
 // The chunked form of the gated delta rule on tensor cores, for bf16 and f16 storage (included
-// by gdn_kernels.cu after the float32 chunked kernels, whose sizes, parameters and helpers it
-// shares; launched by src/aten_ext/gdn_chunked.rs).
+// by gdn_kernels.cu after the float32 chunked kernels of gdn_chunked.cuh, whose sizes,
+// parameters and helpers it shares; launched by src/aten_ext/gdn_chunked.rs).
 //
 // The same two steps as gdn_chunk_prep / gdn_chunk_scan, with every matrix product a warp-level
 // TF32 mma.sync (m16n8k8, float32 accumulation; sm_80 and later). bf16 and f16 values are exact

@@ -1,5 +1,5 @@
 //! The causal convolution and SiLU of a Gated DeltaNet layer as one CUDA kernel
-//! (`gdn_causal_conv` in gdn_kernels.cu): its sizes, argument and launch.
+//! (`gdn_causal_conv` in gdn_conv.cuh): its sizes, argument and launch.
 
 use std::ffi::c_void;
 

@@ -17,11 +17,13 @@ use super::graph::GraphLibrary;
 use crate::runtime::library_symbol;
 
 /// The headers a kernel source may include by name: the storage types (bf16, f16, f32) the
-/// kernels load and store, one copy for all of them; the tensor-core form of the gated delta
-/// rule, which gdn_kernels.cu includes (a file of its own for its size).
-const HEADERS: [(&str, &str); 2] = [
+/// kernels load and store, one copy for all of them; the gated delta rule's chunked forms and
+/// causal convolution, which gdn_kernels.cu includes (files of their own for their size).
+const HEADERS: [(&str, &str); 4] = [
     ("storage_types.cuh", include_str!("storage_types.cuh")),
+    ("gdn_chunked.cuh", include_str!("gdn_chunked.cuh")),
     ("gdn_chunked_tc.cuh", include_str!("gdn_chunked_tc.cuh")),
+    ("gdn_conv.cuh", include_str!("gdn_conv.cuh")),
 ];
 
 /// Environment variable naming the libnvrtc file to load (tried before anything else).
