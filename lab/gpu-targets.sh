@@ -129,7 +129,7 @@ gdn)
   t gdn-kernel-tests
   timeout 200 "$W/tests/lib" --ignored aten_ext::gdn:: aten_ext::fused --test-threads 1 2>&1 | tail -24
   t hybrid-decode-tests
-  timeout 150 "$W/tests/it" --ignored gpu_decode::gpu_hybrid --test-threads 1 2>&1 | tail -8
+  timeout 150 "$W/tests/it" --ignored gpu_decode::gpu_hybrid gpu_decode::fused_norms --test-threads 1 2>&1 | tail -12
   run_json gdn-27b 90 $B bench-gdn --key-heads 16 --reference
   run_json gdn-35b-a3b 60 $B bench-gdn --key-heads 16 --value-heads 32
   ;;

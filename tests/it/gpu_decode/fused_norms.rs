@@ -100,6 +100,64 @@ fn gpu_fused_norms_equal_the_libtorch_operations() {
     }
 }
 
+/// A mixture of experts' combination of its routed products (`moe_combine`) against the
+/// libtorch operations it replaces (`SparseMoe::experts`: the products scaled by their weights,
+/// scattered back to token order and summed over each token's choices): 3,072 tokens x 8
+/// choices of 2,048 (16-byte vectors) and 5 x 3 of 100 (one element at a time), float32 to
+/// 1e-5, bf16 up to a rounding; and its argument checks.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_moe_combine_equals_the_libtorch_operations() {
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    for kind in [Kind::BFloat16, Kind::Float] {
+        let (rel, exact) = if kind == Kind::Float {
+            (1e-5, 0.0)
+        } else {
+            (1e-2, 0.99)
+        };
+        for (tokens, k, hidden) in [(3072i64, 8i64, 2048i64), (5, 3, 100)] {
+            let pairs = tokens * k;
+            let opts = (Kind::Float, dev);
+            // the products in the order of a sort by expert: a random permutation of the pairs
+            let order = Tensor::randperm(pairs, (Kind::Int64, dev));
+            let y = Tensor::randn([pairs, hidden], opts).to_kind(kind);
+            let weights = (Tensor::rand([pairs], opts) / k as f64).to_kind(kind);
+            let sorted_weights = weights.index_select(0, &order);
+            let scaled = &y * sorted_weights.unsqueeze(-1);
+            let mut scattered = scaled.empty_like();
+            let _ = scattered.index_copy_(0, &order, &scaled);
+            let want = scattered
+                .view([tokens, k, hidden])
+                .sum_dim_intlist(1, false, None::<Kind>);
+            let mut positions = order.empty_like();
+            let _ = positions.index_copy_(0, &order, &Tensor::arange(pairs, (Kind::Int64, dev)));
+            let got = kernels.moe_combine(&y, &positions, &weights, k).unwrap();
+            assert_close(
+                &format!("{kind:?} moe_combine {tokens} x {k} of {hidden}"),
+                &got,
+                &want,
+                rel,
+                exact,
+            );
+        }
+        let y = Tensor::zeros([12, 64], (kind, dev));
+        let pos = Tensor::arange(12, (Kind::Int64, dev));
+        let w = Tensor::ones([12], (kind, dev));
+        assert!(
+            kernels.moe_combine(&y, &pos, &w, 5).is_err(),
+            "12 pairs as 5 choices"
+        );
+        assert!(
+            kernels.moe_combine(&y, &pos, &w, 33).is_err(),
+            "more choices than it takes"
+        );
+        assert!(kernels
+            .moe_combine(&y, &pos.narrow(0, 0, 6), &w, 4)
+            .is_err());
+    }
+}
+
 /// Targets' forwards with the fused kernels (a hybrid's norms, gated output norms and SwiGLU
 /// products; a dense target's SwiGLU products in `run`) equal those with libtorch's
 /// operations up to rounding: the transformers hybrid fixture (rows of 32, a warp per row), a
