@@ -363,7 +363,13 @@ impl GdnKernels {
     /// the recurrent kernel.
     pub fn forward(&self, x: &GdnInputs<'_>, l2norm: bool) -> Result<(Tensor, Tensor)> {
         if self.takes_chunked(x)? {
-            return self.forward_chunked(x, l2norm);
+            match self.forward_chunked(x, l2norm) {
+                Ok(done) => return Ok(done),
+                // e.g. a launch the GPU refuses: the recurrent kernel computes the same
+                Err(e) => log::warn!(
+                    "chunked gated delta rule failed, the recurrent kernel instead: {e:#}"
+                ),
+            }
         }
         self.forward_recurrent(x, l2norm)
     }
