@@ -10,14 +10,36 @@ use super::*;
 use crate::aten_ext::nvrtc::nvrtc_for_tests;
 
 /// The source compiles for a Hopper GPU; every kernel the loader looks up is in the PTX, each
-/// taking one parameter of the size of the Rust `GdnParams` (the layout both sides share).
+/// taking one parameter of the size of the Rust `GdnParams` (the layout both sides share). It
+/// also compiles for a Turing GPU (compute capability 7.5), where the tensor-core form's
+/// entries are empty: the module loads there too.
 #[test]
 fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
     let Some(nvrtc) = nvrtc_for_tests() else {
         return;
     };
+    let turing = nvrtc.compile_named(SOURCE, "gdn_kernels.cu", 75).unwrap();
+    let turing = turing.to_str().unwrap();
+    for entry in [
+        "gdn_tc_prep_bf16",
+        "gdn_tc_scan_f16",
+        "gdn_recurrent_bf16_k128",
+    ] {
+        assert!(
+            turing.contains(&format!(".entry {entry}(")),
+            "compute_75: no {entry}"
+        );
+    }
+    assert!(!turing.contains("mma.sync"), "compute_75 PTX with mma.sync");
     let ptx = nvrtc.compile_named(SOURCE, "gdn_kernels.cu", 90).unwrap();
     let text = ptx.to_str().unwrap();
+    for instruction in [
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+        "cvt.rna.tf32.f32",
+        "cp.async.cg.shared.global",
+    ] {
+        assert!(text.contains(instruction), "compute_90: no {instruction}");
+    }
     let size = std::mem::size_of::<GdnParams>();
     assert_eq!(size, 200);
     let chunk_size = std::mem::size_of::<GdnChunkParams>();
