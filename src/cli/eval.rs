@@ -88,7 +88,10 @@ fn run_shard(
     let head = FrozenHead::from_target(&target, device, kind);
     let opts = EvalOptions {
         graphs: runtime.graphs(!args.no_cuda_graphs),
-        kernels: runtime.fused_kernels(!args.no_fused_kernels, device),
+        // the target's own (already compiled for the device), else compiled here
+        kernels: target
+            .fused_kernels()
+            .or_else(|| runtime.fused_kernels(!args.no_fused_kernels, device)),
         warmup_prompts: args.warmup,
         progress: Some(bar.clone()),
         trace,

@@ -418,7 +418,10 @@ fn run_device(work: &Work<'_>, device: Device, first: bool) -> Result<()> {
                 opts,
                 work.progress,
                 opts.graphs,
-                opts.kernels.as_ref().and_then(|k| k.load_or_warn(device)),
+                // the target's own (already compiled for the device), else compiled here
+                model
+                    .fused_kernels()
+                    .or_else(|| opts.kernels.as_ref().and_then(|k| k.load_or_warn(device))),
                 opts.trace.clone().filter(|_| first),
             )?;
             log::info!(

@@ -159,8 +159,13 @@ pub(crate) fn prepare(
     let heads = drafter_devices
         .iter()
         .map(|&d| {
-            FrozenHead::from_target(&targets[0], d, drafter_kind)
-                .with_loss_kernels(runtime.fused_kernels(config.train.fused_loss, d))
+            // a target on the same device already compiled the fused kernels: no second copy
+            let on_target = targets.iter().find(|t| t.device == d);
+            let kernels = match on_target.and_then(|t| t.fused_kernels()) {
+                Some(k) if config.train.fused_loss => Some(k),
+                _ => runtime.fused_kernels(config.train.fused_loss, d),
+            };
+            FrozenHead::from_target(&targets[0], d, drafter_kind).with_loss_kernels(kernels)
         })
         .collect();
     let dev = drafter_devices[0];
