@@ -238,16 +238,19 @@ pub struct GdnKernels {
     conv: [cu::CUfunction; 3],
     /// The chunked form on tensor cores (gdn_chunked_tc.cuh), [bf16, f16]
     tc_prep: [cu::CUfunction; 2],
-    tc_scan: [cu::CUfunction; 2],
+    /// [64 value columns per block, 32][bf16, f16]
+    tc_scan: [[cu::CUfunction; 2]; 2],
     /// Whether the device grants the chunked kernels their shared memory (about 103 KB per
     /// block: not every GPU has that).
     chunked: bool,
     /// Whether the device runs the tensor-core form (TF32 mma.sync: compute capability 8.0 or
-    /// later) and grants its shared memory (157 KB per scan block).
+    /// later) and grants its shared memory (157 KB per wide scan block, 125 KB per narrow one).
     tensor_cores: bool,
     /// Whether the chunked form of bf16 / f16 calls takes the tensor cores where it can (see
     /// [`GdnKernels::with_tensor_cores`]).
     prefer_tensor_cores: bool,
+    /// The value columns per block of the tensor-core scan (see [`ScanColumns`]).
+    scan_columns: ScanColumns,
     /// Whether [`GdnKernels::forward`] takes the chunked form for long calls, as
     /// [`GdnKernels::with_chunked_prefill`] says; `None`: the defaults
     /// ([`TENSOR_CORE_CHUNKED_BY_DEFAULT`] for calls the tensor-core form takes,
@@ -286,7 +289,7 @@ impl GdnKernels {
             scan: [cu::CUfunction; 3],
             conv: [cu::CUfunction; 3],
             tc_prep: [cu::CUfunction; 2],
-            tc_scan: [cu::CUfunction; 2],
+            tc_scan: [[cu::CUfunction; 2]; 2],
             chunked: bool,
             tc_granted: bool,
         }
@@ -303,7 +306,7 @@ impl GdnKernels {
                     scan: [null; 3],
                     conv: [null; 3],
                     tc_prep: [null; 2],
-                    tc_scan: [null; 2],
+                    tc_scan: [[null; 2]; 2],
                     chunked: true,
                     tc_granted: true,
                 };
@@ -321,11 +324,18 @@ impl GdnKernels {
                             && allow_dynamic_shared(f.scan[i], SCAN_SHARED_BYTES).is_ok();
                         if i < 2 {
                             f.tc_prep[i] = function(module, &format!("gdn_tc_prep_{kind}"))?;
-                            f.tc_scan[i] = function(module, &format!("gdn_tc_scan_{kind}"))?;
+                            f.tc_scan[0][i] = function(module, &format!("gdn_tc_scan_{kind}"))?;
+                            f.tc_scan[1][i] =
+                                function(module, &format!("gdn_tc_scan_narrow_{kind}"))?;
                             f.tc_granted &=
                                 allow_dynamic_shared(f.tc_prep[i], TC_PREP_SHARED_BYTES).is_ok()
-                                    && allow_dynamic_shared(f.tc_scan[i], TC_SCAN_SHARED_BYTES)
-                                        .is_ok();
+                                    && allow_dynamic_shared(f.tc_scan[0][i], TC_SCAN_SHARED_BYTES)
+                                        .is_ok()
+                                    && allow_dynamic_shared(
+                                        f.tc_scan[1][i],
+                                        TC_NARROW_SCAN_SHARED_BYTES,
+                                    )
+                                    .is_ok();
                         }
                     }
                 }
@@ -343,6 +353,7 @@ impl GdnKernels {
             chunked: f.chunked,
             tensor_cores: f.tc_granted && module.compute_capability() >= TENSOR_CORE_ARCH,
             prefer_tensor_cores: true,
+            scan_columns: ScanColumns::Auto,
             prefer_chunked: None,
         })
     }
@@ -643,10 +654,11 @@ mod conv;
 mod tests;
 
 pub use chunked::{
-    CHUNKED_BY_DEFAULT, CHUNKED_FROM_STEPS, CHUNKED_KEY_DIM, TENSOR_CORE_CHUNKED_BY_DEFAULT,
+    ScanColumns, CHUNKED_BY_DEFAULT, CHUNKED_FROM_STEPS, CHUNKED_KEY_DIM,
+    TENSOR_CORE_CHUNKED_BY_DEFAULT,
 };
 use chunked::{
-    PREP_SHARED_BYTES, SCAN_SHARED_BYTES, TC_PREP_SHARED_BYTES, TC_SCAN_SHARED_BYTES,
-    TENSOR_CORE_ARCH,
+    PREP_SHARED_BYTES, SCAN_SHARED_BYTES, TC_NARROW_SCAN_SHARED_BYTES, TC_PREP_SHARED_BYTES,
+    TC_SCAN_SHARED_BYTES, TENSOR_CORE_ARCH,
 };
 pub use conv::CONV_WIDTH;

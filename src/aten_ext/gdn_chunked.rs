@@ -65,6 +65,8 @@ const _: () = assert!(SCAN_SHARED_BYTES > 48 * 1024 && 2 * SCAN_SHARED_BYTES <= 
 /// `GDN_TC_PREP_THREADS`, `GDN_TC_SCAN_THREADS`, `GDN_TC_MAX_V`, and the compute capability its
 /// mma.sync TF32 needs.
 const TC_COLUMNS: i64 = 64;
+/// `GDN_TC_NARROW_COLUMNS`: value columns per block of the narrow scan.
+const TC_NARROW_COLUMNS: i64 = 32;
 const TC_PREP_THREADS: u32 = 256;
 const TC_SCAN_THREADS: u32 = 512;
 const TC_MAX_VALUE_DIM: i64 = 128;
@@ -78,18 +80,34 @@ pub(super) const TC_PREP_SHARED_BYTES: usize = {
     let c = CHUNK as usize;
     4 * c * (c + 4) * 4 + 4 * c * 4
 };
-pub(super) const TC_SCAN_SHARED_BYTES: usize = {
-    let (c, k, cols) = (
-        CHUNK as usize,
-        CHUNKED_KEY_DIM as usize,
-        TC_COLUMNS as usize,
-    );
+pub(super) const TC_SCAN_SHARED_BYTES: usize = tc_scan_shared_bytes(TC_COLUMNS as usize);
+/// `GDN_TC_NARROW_SCAN_BYTES`: the same for 32 value columns per block.
+pub(super) const TC_NARROW_SCAN_SHARED_BYTES: usize =
+    tc_scan_shared_bytes(TC_NARROW_COLUMNS as usize);
+
+const fn tc_scan_shared_bytes(cols: usize) -> usize {
+    let (c, k) = (CHUNK as usize, CHUNKED_KEY_DIM as usize);
     4 * (c * (k + 4) + c * (c + 4) + k * (cols + 8) + 2 * c * (cols + 8) + 3 * c)
         + 2 * 2 * c * (k + 8)
-};
+}
 // Raw rows of q, k, v (halves) take the place of float rows of A / T: the same bytes.
 const _: () = assert!(2 * (CHUNKED_KEY_DIM + 8) == 4 * (CHUNK + 4));
 const _: () = assert!(TC_SCAN_SHARED_BYTES <= 227 * 1024 && 3 * TC_PREP_SHARED_BYTES <= 227 * 1024);
+
+/// How many value columns one block of the tensor-core scan carries through a head's chunks.
+/// The scan's blocks run one per multiprocessor, each through all its chunks in turn: a call
+/// with few (batch row, value head) pairs (one sequence of the 35B-A3B shape: 32 heads of 128,
+/// 64 blocks of 64 columns) leaves half of an H100 / H200's 132 multiprocessors idle, and 32
+/// columns per block runs it on twice the blocks, each with half the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScanColumns {
+    /// 32 where the blocks of 32 all run at once on the GPU, 64 otherwise.
+    Auto,
+    /// 64 value columns per block.
+    Wide,
+    /// 32 value columns per block.
+    Narrow,
+}
 
 /// The chunked kernels' argument: the kernel's `GdnChunkParams` (the rule's arguments, then
 /// the work buffers, float32 and dense, and the chunk count).
@@ -125,6 +143,38 @@ impl GdnKernels {
     pub fn with_tensor_cores(mut self, tensor_cores: bool) -> Self {
         self.prefer_tensor_cores = tensor_cores;
         self
+    }
+
+    /// The same kernels with the tensor-core scan's blocks as wide as `columns` says.
+    pub fn with_scan_columns(mut self, columns: ScanColumns) -> Self {
+        self.scan_columns = columns;
+        self
+    }
+
+    /// The value columns per block the tensor-core scan takes for a call of `blocks_of_64`
+    /// blocks of 64 columns.
+    fn tc_scan_columns(&self, blocks_of_64: i64) -> i64 {
+        let narrow = match self.scan_columns {
+            ScanColumns::Wide => false,
+            ScanColumns::Narrow => true,
+            ScanColumns::Auto => 2 * blocks_of_64 <= i64::from(self.module.multiprocessors()),
+        };
+        if narrow {
+            TC_NARROW_COLUMNS
+        } else {
+            TC_COLUMNS
+        }
+    }
+
+    /// The value columns per block of the tensor-core scan for this call (32 or 64), or `None`
+    /// where the call does not run on tensor cores.
+    pub fn tensor_core_scan_columns(&self, x: &GdnInputs<'_>) -> Result<Option<i64>> {
+        if !self.chunked_on_tensor_cores(x)? {
+            return Ok(None);
+        }
+        let shape = self.checked_shape(x)?;
+        let blocks = shape.batch * shape.value_heads * (shape.value_dim / TC_COLUMNS);
+        Ok(Some(self.tc_scan_columns(blocks)))
     }
 
     /// What the kernels do with a long call (a prefill or training forward) on this GPU, in
@@ -241,11 +291,17 @@ impl GdnKernels {
                 TC_PREP_SHARED_BYTES as u32,
                 &mut [arg(&mut params)],
             )?;
+            let columns = self.tc_scan_columns(b * hv * (v / TC_COLUMNS));
+            let (scan, bytes) = if columns == TC_NARROW_COLUMNS {
+                (self.tc_scan[1][which], TC_NARROW_SCAN_SHARED_BYTES)
+            } else {
+                (self.tc_scan[0][which], TC_SCAN_SHARED_BYTES)
+            };
             self.module.launch_with_shared(
-                self.tc_scan[which],
-                ((v / TC_COLUMNS) as u32, rows, 1),
+                scan,
+                ((v / columns) as u32, rows, 1),
                 TC_SCAN_THREADS,
-                TC_SCAN_SHARED_BYTES as u32,
+                bytes as u32,
                 &mut [arg(&mut params)],
             )?;
             return Ok((out, final_state));

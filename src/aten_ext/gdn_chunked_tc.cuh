@@ -16,7 +16,8 @@
 // above the diagonal) and three rows of per-token scales: e^gamma_i rq_i (the outputs' first
 // term; rq includes 1 / sqrt(K)), e^(gamma_C - gamma_i) rk_i (the state's update), e^gamma_C.
 //
-// gdn_tc_scan (16 warps per 64 value columns of a head, through its chunks): per chunk
+// gdn_tc_scan (16 warps per 64 value columns of a head, through its chunks; gdn_tc_scan_narrow
+// the same over 32 columns, for calls with too few heads to fill the GPU): per chunk
 // X = [W; Q] S0 with the state's columns in shared memory as TF32; u = U' - W S0; then
 // O = diag(e^gamma rq) Q S0 + P u and S = e^gamma_C S0 + K^T diag(kscale) u, each warp holding
 // its tiles of S in registers. The next chunk's W and q are copied into shared memory while this
@@ -35,19 +36,23 @@
 
 #define GDN_TC_PREP_THREADS 256
 #define GDN_TC_SCAN_THREADS 512
-#define GDN_TC_COLUMNS 64                   // value columns per scan block
+#define GDN_TC_COLUMNS 64                   // value columns per scan block (the wide scan)
+#define GDN_TC_NARROW_COLUMNS 32            // value columns per block of the narrow scan
 #define GDN_TC_MAX_V 128                    // the largest value head the prep stages
 #define GDN_HROW (GDN_CHUNK_K + 8)          // halves: a staged raw row of q, k or v
 #define GDN_FROW (GDN_CHUNK + 4)            // floats: a row of A, T or P
 #define GDN_WROW (GDN_CHUNK_K + 4)          // floats: a row of W
-#define GDN_BROW (GDN_TC_COLUMNS + 8)       // floats: a row of the state or of u (B operands)
+// floats: a row of the state or of u (B operands) in a scan block of COLS value columns
+#define GDN_BROW(COLS) ((COLS) + 8)
 
 // bytes of the two kernels' dynamic shared memory (gdn_chunked.rs computes the same)
 #define GDN_TC_PREP_BYTES (4 * GDN_CHUNK * GDN_FROW * 4 + 4 * GDN_CHUNK * 4)
-#define GDN_TC_SCAN_BYTES                                                                      \
-    (4 * (GDN_CHUNK * GDN_WROW + GDN_CHUNK * GDN_FROW + GDN_CHUNK_K * GDN_BROW +               \
-          2 * GDN_CHUNK * GDN_BROW + 3 * GDN_CHUNK) +                                          \
+#define GDN_TC_SCAN_BYTES_FOR(COLS)                                                            \
+    (4 * (GDN_CHUNK * GDN_WROW + GDN_CHUNK * GDN_FROW + GDN_CHUNK_K * GDN_BROW(COLS) +         \
+          2 * GDN_CHUNK * GDN_BROW(COLS) + 3 * GDN_CHUNK) +                                    \
      2 * 2 * GDN_CHUNK * GDN_HROW)
+#define GDN_TC_SCAN_BYTES GDN_TC_SCAN_BYTES_FOR(GDN_TC_COLUMNS)
+#define GDN_TC_NARROW_SCAN_BYTES GDN_TC_SCAN_BYTES_FOR(GDN_TC_NARROW_COLUMNS)
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
@@ -382,14 +387,15 @@ static __device__ __forceinline__ void stage_scan_kp(const GdnChunkParams &cp, l
 }
 
 // U' of chunk n at this warp's tiles of u (rows 16 a + g (+ 8), columns 8 nt + 2 t4 (+ 1) for
-// the column tiles nt = nb, nb + 1 of the block's 64).
+// the TPW column tiles nt = nb, nb + 1, ... of the block's).
+template <int TPW>
 static __device__ __forceinline__ void load_u_prime(const GdnChunkParams &cp, long long head,
                                                     long long n, long long j0, int a, int nb,
-                                                    int g, int t4, float (&up)[2][4]) {
+                                                    int g, int t4, float (&up)[TPW][4]) {
     const long long vd = cp.rule.value_dim;
     const float *u = cp.u + (head * cp.chunks + n) * GDN_CHUNK * vd + j0;
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < TPW; ++c) {
         const int i = 16 * a + g, j = 8 * (nb + c) + 2 * t4;
         const float2 lo = *(const float2 *)(u + i * vd + j);
         const float2 hi = *(const float2 *)(u + (i + 8) * vd + j);
@@ -402,14 +408,14 @@ static __device__ __forceinline__ void load_u_prime(const GdnChunkParams &cp, lo
 
 // Calls f(element, k, col) for each of a scan warp's state elements st[mi][c][r] (`element` =
 // &st[mi][c][r]): key row k = 16 (a + 4 mi) + g (+ 8), column col = 8 (nb + c) + 2 t4 (+ 1) of
-// the block's 64.
-template <class F>
-static __device__ __forceinline__ void for_state_elements(float (&st)[2][2][4], int a, int nb,
+// the block's.
+template <int TPW, class F>
+static __device__ __forceinline__ void for_state_elements(float (&st)[2][TPW][4], int a, int nb,
                                                           int g, int t4, F f) {
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
+        for (int c = 0; c < TPW; ++c) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 f(st[mi][c][r], 16 * (a + 4 * mi) + g + 8 * (r >> 1),
@@ -419,41 +425,44 @@ static __device__ __forceinline__ void for_state_elements(float (&st)[2][2][4], 
     }
 }
 
-// One block per 64 value columns of (batch row, value head), through its chunks in order.
-template <class P>
+// One block per COLS = 32 TPW value columns of (batch row, value head), through its chunks in
+// order: the wide scan (TPW = 2, 64 columns) or the narrow one (TPW = 1, 32 columns: twice the
+// blocks, for calls whose wide blocks would leave half the multiprocessors idle).
+template <class P, int TPW>
 static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
     typedef typename P::T T;
     const int C = GDN_CHUNK, K = GDN_CHUNK_K;
+    const int COLS = 32 * TPW, BROW = GDN_BROW(COLS);
     const GdnParams &p = cp.rule;
     GDN_DYNAMIC_SHARED(shared);
     float *ws = (float *)shared;             // [C][GDN_WROW]: W
     float *ps = ws + C * GDN_WROW;           // [C][GDN_FROW]: P
-    float *ss = ps + C * GDN_FROW;           // [K][GDN_BROW]: the state's columns, TF32
-    float *uo = ss + K * GDN_BROW;           // [C][GDN_BROW]: u, TF32
-    float *uk = uo + C * GDN_BROW;           // [C][GDN_BROW]: diag(kscale) u, TF32
-    float *scales = uk + C * GDN_BROW;       // [3][C]: output scales, update scales, e^gamma_C
+    float *ss = ps + C * GDN_FROW;           // [K][BROW]: the state's columns, TF32
+    float *uo = ss + K * BROW;               // [C][BROW]: u, TF32
+    float *uk = uo + C * BROW;               // [C][BROW]: diag(kscale) u, TF32
+    float *scales = uk + C * BROW;           // [3][C]: output scales, update scales, e^gamma_C
     T *qh = (T *)(scales + 3 * C);           // [C][GDN_HROW]: raw queries
     T *kh = qh + C * GDN_HROW;               // [C][GDN_HROW]: raw keys
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     // warp (a, nb): u's and the outputs' row tile a (16 tokens) and the state's row tiles a and
-    // a + 4 (16 key rows each), column tiles nb and nb + 1 (8 value columns each)
-    const int a = warp & 3, nb = 2 * (warp >> 2);
+    // a + 4 (16 key rows each), the TPW column tiles from nb (8 value columns each)
+    const int a = warp & 3, nb = TPW * (warp >> 2);
     const long long hv = p.value_heads, vd = p.value_dim;
     const long long h = blockIdx.y % hv, b = blockIdx.y / hv;
     const long long hk = h / (hv / p.key_heads);
-    const long long j0 = (long long)blockIdx.x * GDN_TC_COLUMNS;
+    const long long j0 = (long long)blockIdx.x * COLS;
     const long long head = b * hv + h;
 
-    float st[2][2][4];   // the state: [row tile a, a + 4][column tile nb, nb + 1][fragment]
+    float st[2][TPW][4];   // the state: [row tile a, a + 4][column tile nb + c][fragment]
     for_state_elements(st, a, nb, g, t4, [&](float &e, int k, int col) {
         e = p.initial != nullptr ? p.initial[(head * K + k) * vd + j0 + col] : 0.0f;
-        ss[k * GDN_BROW + col] = tf32_round(e);
+        ss[k * BROW + col] = tf32_round(e);
     });
     stage_scan_wq<P>(cp, head, b, hk, 0, ws, qh, tid);
     stage_scan_kp<P>(cp, head, b, hk, 0, ps, scales, kh, tid);
-    float up[2][4];
+    float up[TPW][4];
     load_u_prime(cp, head, 0, j0, a, nb, g, t4, up);
 
     for (long long n = 0; n < cp.chunks; ++n) {
@@ -461,7 +470,7 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
         __syncthreads();   // the chunk's operands and the state's columns are in place
 
         // X = [W; Q] S0 for this warp's tiles
-        float xw[2][4], xq[2][4];
+        float xw[TPW][4], xq[TPW][4];
         zero_tiles(xw);
         zero_tiles(xq);
 #pragma unroll 4
@@ -470,24 +479,24 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
             a_fragment(ws, GDN_WROW, 16 * a, 8 * s, g, t4, aw);
             a_fragment_raw<P>(qh, 16 * a, 8 * s, g, t4, aq);
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
+            for (int c = 0; c < TPW; ++c) {
                 const int col = 8 * (nb + c) + g;
-                const unsigned b0 = __float_as_uint(ss[(8 * s + t4) * GDN_BROW + col]);
-                const unsigned b1 = __float_as_uint(ss[(8 * s + t4 + 4) * GDN_BROW + col]);
+                const unsigned b0 = __float_as_uint(ss[(8 * s + t4) * BROW + col]);
+                const unsigned b1 = __float_as_uint(ss[(8 * s + t4 + 4) * BROW + col]);
                 mma_tf32(xw[c], aw, b0, b1);
                 mma_tf32(xq[c], aq, b0, b1);
             }
         }
         // u = U' - W S0, as the two products below take it; the outputs' first term
-        float o[2][4];
+        float o[TPW][4];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
+        for (int c = 0; c < TPW; ++c) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int i = 16 * a + g + 8 * (r >> 1), col = 8 * (nb + c) + 2 * t4 + (r & 1);
                 const float u = up[c][r] - xw[c][r];
-                uo[i * GDN_BROW + col] = tf32_round(u);
-                uk[i * GDN_BROW + col] = tf32_round(u * scales[C + i]);
+                uo[i * BROW + col] = tf32_round(u);
+                uk[i * BROW + col] = tf32_round(u * scales[C + i]);
                 o[c][r] = xq[c][r] * scales[i];
             }
         }
@@ -504,16 +513,16 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
                 unsigned ap[4];
                 a_fragment(ps, GDN_FROW, 16 * a, 8 * s, g, t4, ap);
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
+                for (int c = 0; c < TPW; ++c) {
                     const int col = 8 * (nb + c) + g;
-                    mma_tf32(o[c], ap, __float_as_uint(uo[(8 * s + t4) * GDN_BROW + col]),
-                             __float_as_uint(uo[(8 * s + t4 + 4) * GDN_BROW + col]));
+                    mma_tf32(o[c], ap, __float_as_uint(uo[(8 * s + t4) * BROW + col]),
+                             __float_as_uint(uo[(8 * s + t4 + 4) * BROW + col]));
                 }
             }
         }
         const long long t0 = n * C;
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
+        for (int c = 0; c < TPW; ++c) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const long long t = t0 + 16 * a + g + 8 * half;
@@ -530,12 +539,12 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
         for_state_elements(st, a, nb, g, t4, [&](float &e, int, int) { e *= decay; });
 #pragma unroll 2
         for (int s = 0; s < C / 8; ++s) {
-            unsigned bu[2][2];
+            unsigned bu[TPW][2];
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
+            for (int c = 0; c < TPW; ++c) {
                 const int col = 8 * (nb + c) + g;
-                bu[c][0] = __float_as_uint(uk[(8 * s + t4) * GDN_BROW + col]);
-                bu[c][1] = __float_as_uint(uk[(8 * s + t4 + 4) * GDN_BROW + col]);
+                bu[c][0] = __float_as_uint(uk[(8 * s + t4) * BROW + col]);
+                bu[c][1] = __float_as_uint(uk[(8 * s + t4 + 4) * BROW + col]);
             }
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
@@ -544,14 +553,14 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
                 const unsigned ak[4] = {raw_bits<P>(lo[k0]), raw_bits<P>(lo[k0 + 8]),
                                         raw_bits<P>(hi[k0]), raw_bits<P>(hi[k0 + 8])};
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
+                for (int c = 0; c < TPW; ++c) {
                     mma_tf32(st[mi][c], ak, bu[c][0], bu[c][1]);
                 }
             }
         }
         __syncthreads();   // P, k, u, the scales and the state's columns are read
         for_state_elements(st, a, nb, g, t4, [&](float &e, int k, int col) {
-            ss[k * GDN_BROW + col] = tf32_round(e);
+            ss[k * BROW + col] = tf32_round(e);
         });
         if (n + 1 < cp.chunks) {
             stage_scan_kp<P>(cp, head, b, hk, n + 1, ps, scales, kh, tid);
@@ -571,14 +580,19 @@ static __device__ void gdn_tc_scan(const GdnChunkParams &cp) {
     }                                                                                      \
     extern "C" __global__ void __launch_bounds__(GDN_TC_SCAN_THREADS)                      \
         gdn_tc_scan_##SUFFIX(const GdnChunkParams p) {                                     \
-        gdn_tc_scan<P>(p);                                                                 \
+        gdn_tc_scan<P, GDN_TC_COLUMNS / 32>(p);                                            \
+    }                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GDN_TC_SCAN_THREADS)                      \
+        gdn_tc_scan_narrow_##SUFFIX(const GdnChunkParams p) {                              \
+        gdn_tc_scan<P, GDN_TC_NARROW_COLUMNS / 32>(p);                                     \
     }
 
 #else   // older GPUs: the entries exist (the module looks them up) but are never launched
 
 #define DFLASH_GDN_TC_KERNELS(SUFFIX, P)                                                   \
     extern "C" __global__ void gdn_tc_prep_##SUFFIX(const GdnChunkParams p) {}             \
-    extern "C" __global__ void gdn_tc_scan_##SUFFIX(const GdnChunkParams p) {}
+    extern "C" __global__ void gdn_tc_scan_##SUFFIX(const GdnChunkParams p) {}             \
+    extern "C" __global__ void gdn_tc_scan_narrow_##SUFFIX(const GdnChunkParams p) {}
 
 #endif
 

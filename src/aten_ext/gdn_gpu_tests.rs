@@ -138,10 +138,14 @@ fn gpu_chunked_form_matches_the_reference() {
         kernels.forward_chunked(&x.inputs(), l2norm).unwrap()
     });
     let float32_form = kernels.with_tensor_cores(false);
+    let wide = kernels.with_scan_columns(ScanColumns::Wide);
+    let narrow = kernels.with_scan_columns(ScanColumns::Narrow);
     let forms = [
+        (Kind::BFloat16, 128, true, wide, 2e-3),
+        (Kind::BFloat16, 128, false, narrow, 2e-3),
+        (Kind::Half, 64, true, wide, 2e-3),
+        (Kind::Half, 64, false, narrow, 2e-3),
         (Kind::BFloat16, 128, true, kernels, 2e-3),
-        (Kind::BFloat16, 128, false, kernels, 2e-3),
-        (Kind::Half, 64, true, kernels, 2e-3),
         (Kind::BFloat16, 128, true, float32_form, 1e-4),
     ];
     for (seed, (kind, value_dim, projection, kernels, state_tolerance)) in (30..).zip(forms) {
@@ -179,10 +183,9 @@ fn gpu_chunked_form_matches_the_reference() {
         let what = format!(
             "{kind:?} V {value_dim}, {}, {}",
             if projection { "views" } else { "dense" },
-            if tensor_cores {
-                "tensor cores"
-            } else {
-                "float32"
+            match kernels.tensor_core_scan_columns(&inputs).unwrap() {
+                Some(columns) => format!("tensor cores, scan blocks of {columns} columns"),
+                None => "float32".to_string(),
             }
         );
         assert_eq!(

@@ -23,6 +23,7 @@ fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
     for entry in [
         "gdn_tc_prep_bf16",
         "gdn_tc_scan_f16",
+        "gdn_tc_scan_narrow_bf16",
         "gdn_recurrent_bf16_k128",
     ] {
         assert!(
@@ -50,7 +51,7 @@ fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
         let recurrent = KEY_DIMS.map(|dim| (kernel_name(kind, dim), size));
         let chunked = ["prep", "scan"].map(|part| (format!("gdn_chunk_{part}_{kind}"), chunk_size));
         let conv = (format!("gdn_causal_conv_{kind}"), conv_size);
-        let tensor_cores = ["prep", "scan"]
+        let tensor_cores = ["prep", "scan", "scan_narrow"]
             .map(|part| (format!("gdn_tc_{part}_{kind}"), chunk_size))
             .into_iter()
             .filter(|_| kind != "f32");
@@ -82,7 +83,7 @@ fn the_gdn_source_compiles_with_a_kernel_per_type_and_key_size() {
 /// `c++`), as the build does for its C++ shims.
 #[test]
 fn the_kernel_source_run_on_the_cpu_matches_the_rule() {
-    crate::aten_ext::nvrtc::run_cuda_emulation("gdn_emulation", 15);
+    crate::aten_ext::nvrtc::run_cuda_emulation("gdn_emulation", 17);
 }
 
 /// A tensor of the fixture: {"shape": [...], "values": [...]}.

@@ -241,6 +241,9 @@ pub(super) struct KernelModule {
     device: usize,
     /// The device's compute capability, major * 10 + minor (what the source was compiled for).
     arch: i32,
+    /// The device's streaming multiprocessors (how many blocks of one per multiprocessor run
+    /// at once).
+    multiprocessors: i32,
     context: cu::CUcontext,
     graphs: GraphLibrary,
 }
@@ -275,6 +278,7 @@ impl KernelModule {
             use cu::CUdevice_attribute::*;
             let arch = attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? * 10
                 + attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let multiprocessors = attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             let ptx = nvrtc.compile_named(source, file, arch)?;
             let mut context: cu::CUcontext = std::ptr::null_mut();
             driver(
@@ -295,6 +299,7 @@ impl KernelModule {
             let module = KernelModule {
                 device: index,
                 arch,
+                multiprocessors,
                 context,
                 graphs,
             };
@@ -315,6 +320,11 @@ impl KernelModule {
     /// The device's compute capability, major * 10 + minor (90 for an H100 / H200).
     pub(super) fn compute_capability(&self) -> i32 {
         self.arch
+    }
+
+    /// The device's streaming multiprocessors (132 on an H100 / H200 SXM).
+    pub(super) fn multiprocessors(&self) -> i32 {
+        self.multiprocessors
     }
 
     /// One launch of `function` (of this module) on libtorch's current stream of the device,

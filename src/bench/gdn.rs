@@ -12,7 +12,7 @@ use anyhow::{bail, Result};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
-use crate::aten_ext::gdn::{reference, GdnInputs, GdnKernels, CHUNKED_KEY_DIM};
+use crate::aten_ext::gdn::{reference, GdnInputs, GdnKernels, ScanColumns, CHUNKED_KEY_DIM};
 use crate::runtime::TorchRuntime;
 
 /// The storage type of q, k, v and the output.
@@ -163,7 +163,24 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
         })?;
         let mut record = line("prefill_chunked", args.tokens, ms);
         record["tensor_cores"] = json!(kernels.chunked_on_tensor_cores(&prefill.rule(false))?);
+        let columns = kernels.tensor_core_scan_columns(&prefill.rule(false))?;
+        record["scan_columns"] = json!(columns);
         println!("{record}");
+        if let Some(columns) = columns {
+            // the other width of the scan's blocks, for comparison
+            let (other, width) = if columns == 64 {
+                (ScanColumns::Narrow, 32)
+            } else {
+                (ScanColumns::Wide, 64)
+            };
+            let other = kernels.with_scan_columns(other);
+            let ms = time_ms(index, args.iters, || {
+                other.forward_chunked(&prefill.rule(false), true).map(drop)
+            })?;
+            let mut record = line("prefill_chunked_other_scan_width", args.tokens, ms);
+            record["scan_columns"] = json!(width);
+            println!("{record}");
+        }
         if kernels.chunked_on_tensor_cores(&prefill.rule(false))? {
             let float32 = kernels.with_tensor_cores(false);
             let ms = time_ms(index, args.iters, || {
@@ -220,6 +237,15 @@ pub(crate) fn run(runtime: &TorchRuntime, args: &GdnBenchArgs) -> Result<()> {
                 .forward_chunked(&p.rule(false), true)?;
             record["chunked_float32_max_abs_diff_out"] = json!(diff(&out, &want_out));
             record["chunked_float32_max_abs_diff_state"] = json!(diff(&state, &want_state));
+            for (name, width) in [("wide", ScanColumns::Wide), ("narrow", ScanColumns::Narrow)] {
+                let (out, state) = kernels
+                    .with_scan_columns(width)
+                    .forward_chunked(&p.rule(false), true)?;
+                record[format!("chunked_{name}_scan_max_abs_diff_out")] =
+                    json!(diff(&out, &want_out));
+                record[format!("chunked_{name}_scan_max_abs_diff_state")] =
+                    json!(diff(&state, &want_state));
+            }
         }
         record["max_abs_state"] = json!(want_state.abs().max().double_value(&[]));
         println!("{record}");

@@ -321,6 +321,9 @@ int main() {
     const Chunked tensor_cores_bf16 = {gdn_tc_prep_bf16, gdn_tc_scan_bf16, GDN_TC_PREP_THREADS,
                                        GDN_TC_SCAN_THREADS, GDN_TC_PREP_BYTES, GDN_TC_SCAN_BYTES,
                                        GDN_TC_COLUMNS, 3, 2e-3};
+    const Chunked tensor_cores_narrow_bf16 = {
+        gdn_tc_prep_bf16,      gdn_tc_scan_narrow_bf16,  GDN_TC_PREP_THREADS, GDN_TC_SCAN_THREADS,
+        GDN_TC_PREP_BYTES,     GDN_TC_NARROW_SCAN_BYTES, GDN_TC_NARROW_COLUMNS, 3, 2e-3};
     ok &= run_case<F32>({"chunked f32: 3 chunks (the last partial), 2 column blocks, strided, "
                          "strong and zero decays",
                          1, 150, 1, 2, 128, 40, true, true, true, true, true, true},
@@ -339,6 +342,14 @@ int main() {
                           "state, g and beta bf16",
                           2, 70, 2, 4, 128, 64, false, false, false, false, false, false},
                          nullptr, 1e-2, &tensor_cores_bf16);
+    ok &= run_case<Bf16>({"tensor cores bf16, narrow scan: 3 chunks (the last partial), 4 column "
+                          "blocks, grouped, strided, strong and zero decays",
+                          1, 150, 1, 2, 128, 128, true, true, true, true, true, true},
+                         nullptr, 1e-2, &tensor_cores_narrow_bf16);
+    ok &= run_case<Bf16>({"tensor cores bf16, narrow scan: V 64, 2 batch rows, grouped, no norm, "
+                          "no initial state",
+                          2, 70, 2, 4, 128, 64, false, false, false, false, false, false},
+                         nullptr, 1e-2, &tensor_cores_narrow_bf16);
     // the causal convolution: several token tiles and channel blocks, a conv state, fewer tokens
     // than the state holds (decoding), bf16
     ok &= run_conv_case<F32>("conv f32: 3 token tiles, 2 channel blocks, conv state", 2, 40, 150,
