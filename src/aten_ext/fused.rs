@@ -58,7 +58,7 @@ impl FusedKernelLoader {
 
 /// The most choices per token [`FusedKernels::moe_combine`] takes (the source's
 /// `MOE_MAX_TOP_K`).
-const MOE_MAX_TOP_K: i64 = 32;
+pub const MOE_MAX_TOP_K: i64 = 32;
 
 /// The fused kernels, loaded for one CUDA device.
 #[derive(Clone, Copy)]
@@ -70,6 +70,12 @@ pub struct FusedKernels {
     scaled_rms_norm: [cu::CUfunction; 3],
     gated_rms_norm: [cu::CUfunction; 3],
     moe_combine: [cu::CUfunction; 3],
+    moe_combine_add: [cu::CUfunction; 3],
+    /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
+    moe_topk: [cu::CUfunction; 2],
+    moe_group_count: cu::CUfunction,
+    moe_group_offsets: cu::CUfunction,
+    moe_group_place: cu::CUfunction,
 }
 
 // SAFETY: the functions of a module loaded in a CUDA context are process-wide driver objects,
@@ -94,31 +100,43 @@ impl FusedKernels {
         type Functions = [cu::CUfunction; 3];
         let (
             module,
-            [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, moe_combine],
+            (
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, moe_combine, moe_combine_add],
+                [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
+            ),
         ) = KernelModule::load(
             graphs,
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<[Functions; 6]> {
+            |module| -> Result<([Functions; 7], [cu::CUfunction; 5])> {
+                // SAFETY (both): the module was just loaded in the current context.
+                let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
-                    // SAFETY: the module was just loaded in the current context.
-                    unsafe {
-                        Ok([
-                            function(module, &format!("{stem}_bf16"))?,
-                            function(module, &format!("{stem}_f16"))?,
-                            function(module, &format!("{stem}_f32"))?,
-                        ])
-                    }
+                    Ok([
+                        one(&format!("{stem}_bf16"))?,
+                        one(&format!("{stem}_f16"))?,
+                        one(&format!("{stem}_f32"))?,
+                    ])
                 };
-                Ok([
-                    set("rotate_write")?,
-                    set("silu_mul")?,
-                    set("cross_entropy_grad")?,
-                    set("scaled_rms_norm")?,
-                    set("gated_rms_norm")?,
-                    set("moe_combine")?,
-                ])
+                Ok((
+                    [
+                        set("rotate_write")?,
+                        set("silu_mul")?,
+                        set("cross_entropy_grad")?,
+                        set("scaled_rms_norm")?,
+                        set("gated_rms_norm")?,
+                        set("moe_combine")?,
+                        set("moe_combine_add")?,
+                    ],
+                    [
+                        one("moe_topk_256")?,
+                        one("moe_topk_1024")?,
+                        one("moe_group_count")?,
+                        one("moe_group_offsets")?,
+                        one("moe_group_place")?,
+                    ],
+                ))
             },
         )?;
         Ok(FusedKernels {
@@ -129,6 +147,11 @@ impl FusedKernels {
             scaled_rms_norm,
             gated_rms_norm,
             moe_combine,
+            moe_combine_add,
+            moe_topk: [moe_topk_256, moe_topk_1024],
+            moe_group_count,
+            moe_group_offsets,
+            moe_group_place,
         })
     }
 
@@ -495,6 +518,10 @@ impl RotateWriteArgs {
 #[path = "fused_norms.rs"]
 mod norms;
 
+#[path = "fused_moe.rs"]
+mod moe;
+pub use moe::{MoeGroups, MOE_MAX_EXPERTS};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -516,6 +543,7 @@ mod tests {
             "scaled_rms_norm",
             "gated_rms_norm",
             "moe_combine",
+            "moe_combine_add",
         ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
@@ -531,6 +559,31 @@ mod tests {
                 [ptr, ptr, ptr, ptr, 8, 4, 4]
             );
         }
+        for entry in [
+            "moe_topk_256",
+            "moe_topk_1024",
+            "moe_group_count",
+            "moe_group_offsets",
+            "moe_group_place",
+        ] {
+            assert!(
+                text.contains(&format!(".entry {entry}(")),
+                "no {entry} in the PTX"
+            );
+        }
+        // what their launches pass (fused_moe.rs)
+        for kind in ["bf16", "f16", "f32"] {
+            assert_eq!(
+                super::norms::tests::param_sizes(text, &format!("moe_combine_add_{kind}")),
+                [ptr, ptr, ptr, ptr, ptr, ptr, 8, 4, 4]
+            );
+        }
+        let sizes = |name: &str| super::norms::tests::param_sizes(text, name);
+        assert_eq!(sizes("moe_topk_256"), [ptr, 8, 4, 4, ptr, ptr]);
+        assert_eq!(sizes("moe_topk_1024"), [ptr, 8, 4, 4, ptr, ptr]);
+        assert_eq!(sizes("moe_group_count"), [ptr, 8, 4, 4, ptr]);
+        assert_eq!(sizes("moe_group_offsets"), [ptr, 8, 4, ptr]);
+        assert_eq!(sizes("moe_group_place"), [ptr, 8, 4, 4, ptr, ptr, ptr]);
         let err = nvrtc
             .compile_named(
                 "extern \"C\" __global__ void broken(int x) { y = x; }",

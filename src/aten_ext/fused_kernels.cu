@@ -26,7 +26,13 @@
 //   the token's k choices j of round(y[pos[t k + j]] * w[t k + j]), summed in float32 and
 //   rounded once; where libtorch scales the products (rounding each), scatters them back to
 //   token order (index_copy) and sums the k of each token: three kernels and two passes over
-//   the [T k, H] products for one.
+//   the [T k, H] products for one. moe_combine_add adds Qwen3.5-MoE's gated shared expert and
+//   the residual in the same pass (four kernels and passes fewer).
+// moe_topk: the router's top k of its softmax, chosen and ordered as libtorch's topk does
+//   (ties included), one warp per token instead of a block's radix selection and a sort.
+// moe_group_count / _offsets / _place: the pairs grouped by expert (a stable counting sort over
+//   chunks of 64 tokens): the grouped GEMMs' ends, each pair's row and each row's token, where
+//   libtorch needs a radix sort of the ids, a binary search and three index kernels.
 //
 // Each rounds where the libtorch operations it replaces round (every intermediate in the storage
 // type), so that a fused step computes what the unfused one does up to the order of the float
@@ -495,20 +501,42 @@ static __device__ void cross_entropy_grad(typename P::T *__restrict__ logits, lo
 
 // One block per token: the k product rows it reads, then `hidden` columns, 16 bytes per thread
 // and step where `vectors` (hidden a multiple of the vector, rows 16-byte aligned), else one.
+// With `shared` (a shared expert's output [tokens, hidden]) and `gate` (its gate's logit per
+// token [tokens]): the sum, rounded, plus round(round(sigmoid(gate)) * shared), rounded, as
+// Qwen3.5-MoE adds its shared expert. With `accumulate`, `out` (the residual stream) gets
+// round(out + that) instead of it.
 template <class P>
 static __device__ void moe_combine(const typename P::T *y, const long long *pos,
-                                   const typename P::T *w, typename P::T *out, long long hidden,
-                                   int k, int vectors) {
+                                   const typename P::T *w, const typename P::T *shared,
+                                   const typename P::T *gate, typename P::T *out,
+                                   long long hidden, int k, int vectors, int accumulate) {
     typedef typename P::T T;
     __shared__ long long rows[MOE_MAX_TOP_K];
     __shared__ float weights[MOE_MAX_TOP_K];
+    __shared__ float shared_scale;
     const long long t = blockIdx.x;
     if (threadIdx.x < k) {
         rows[threadIdx.x] = pos[t * k + threadIdx.x];
         weights[threadIdx.x] = P::load(w[t * k + threadIdx.x]);
     }
+    if (threadIdx.x == 0 && shared) {
+        // libtorch's sigmoid, 1 / (1 + exp(-x)) in float32, rounded to the type
+        shared_scale = P::load(P::store(1.0f / (1.0f + expf(-P::load(gate[t])))));
+    }
     __syncthreads();
     T *dst = out + t * hidden;
+    const T *sh = shared ? shared + t * hidden : nullptr;
+    // the block's result for one element from the rounded sum of the routed products
+    const auto finish = [&](float sum, long long h) -> T {
+        float v = P::load(P::store(sum));
+        if (sh) {
+            v = P::load(P::store(v + P::load(P::store(shared_scale * P::load(sh[h])))));
+        }
+        if (accumulate) {
+            v = P::load(dst[h]) + v;
+        }
+        return P::store(v);
+    };
     if (vectors) {
         const int VEC = 16 / sizeof(T);
         for (long long c = threadIdx.x; c < hidden / VEC; c += blockDim.x) {
@@ -526,7 +554,7 @@ static __device__ void moe_combine(const typename P::T *y, const long long *pos,
             uint4 r;
             T *o = reinterpret_cast<T *>(&r);
             for (int e = 0; e < VEC; ++e) {
-                o[e] = P::store(acc[e]);
+                o[e] = finish(acc[e], c * VEC + e);
             }
             reinterpret_cast<uint4 *>(dst)[c] = r;
         }
@@ -536,8 +564,263 @@ static __device__ void moe_combine(const typename P::T *y, const long long *pos,
             for (int j = 0; j < k; ++j) {
                 acc += P::load(P::store(P::load(y[rows[j] * hidden + h]) * weights[j]));
             }
-            dst[h] = P::store(acc);
+            dst[h] = finish(acc, h);
         }
+    }
+}
+
+// The router's choices (moe_topk) and the grouping of the (token, choice) pairs by expert
+// (moe_group_count, moe_group_offsets, moe_group_place): what libtorch's topk (a radix selection
+// and a bitonic sort, one block per token) and a stable radix sort of the pairs' expert ids, a
+// binary search and three index kernels compute, in four small kernels.
+
+#define MOE_MAX_EXPERTS 1024    // experts the routing kernels take
+#define MOE_TOPK_MAX_ITEMS 32   // router probabilities per lane (32 x 32 = MOE_MAX_EXPERTS)
+#define MOE_TOPK_WARPS 8        // tokens per block of moe_topk (a warp each)
+#define MOE_SORT_SLOTS 32       // the bitonic network's width (libtorch's small sort)
+#define MOE_GROUP_TOKENS 64     // tokens per block of the grouping kernels (a 64-bit mask)
+
+// The order libtorch's radix selection compares floats in: the bits as an unsigned integer,
+// flipped so that the integer order is the float order (NaNs above infinity, -0 below +0).
+static __device__ __forceinline__ unsigned radix_key(float v) {
+    const unsigned x = __float_as_uint(v);
+    return x ^ ((x & 0x80000000u) ? 0xffffffffu : 0x80000000u);
+}
+
+// The small sort's "greater" for a descending sort: a NaN before any number, then `>`.
+static __device__ __forceinline__ bool greater_nan_first(float a, float b) {
+    return (a != a && b == b) || a > b;
+}
+
+// `probs` [tokens, experts] float32 (the router's softmax): per token the `k` largest, as
+// torch.topk(probs, k, largest=True, sorted=True) on a GPU chooses and orders them, with its
+// ties. Its selection keeps every value above the k-th largest and, of those equal to it, the
+// first ones by index, written out as [those above, by index; those equal, by index]; its sort
+// (k <= 32) is a bitonic network over 32 slots (the k valid ones first), which can swap equal
+// values. Both are reproduced: k rounds of a warp's argmax (the largest key, the lowest index
+// among equal ones) give the same set, which is laid out in that order and put through the
+// same network. One warp per token; `values` [tokens, k] and `indices` [tokens, k] (int64).
+template <int ITEMS>
+static __device__ void moe_topk(const float *__restrict__ probs, long long tokens, int experts,
+                                int k, float *__restrict__ values,
+                                long long *__restrict__ indices) {
+    __shared__ float slot_value[MOE_TOPK_WARPS][MOE_SORT_SLOTS];
+    __shared__ int slot_index[MOE_TOPK_WARPS][MOE_SORT_SLOTS];
+    __shared__ int slot_valid[MOE_TOPK_WARPS][MOE_SORT_SLOTS];
+    __shared__ unsigned pick_key[MOE_TOPK_WARPS][MOE_SORT_SLOTS];
+    __shared__ int pick_index[MOE_TOPK_WARPS][MOE_SORT_SLOTS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long t = (long long)blockIdx.x * MOE_TOPK_WARPS + warp;
+    if (t >= tokens) {
+        return;   // the whole warp: no block-wide barrier below
+    }
+    const float *row = probs + t * experts;
+    unsigned key[ITEMS];
+    unsigned taken = 0;   // bit i: this lane's item i (expert lane + 32 i) is chosen
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int e = lane + 32 * i;
+        key[i] = e < experts ? radix_key(row[e]) : 0u;
+    }
+    // this lane's best remaining item: the largest key, the lowest index among equal ones
+    // (0x7fffffff: none left)
+    unsigned mine = 0u;
+    int mine_index = 0x7fffffff;
+    const auto rescan = [&]() {
+        mine = 0u;
+        mine_index = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const int e = lane + 32 * i;
+            if (e < experts && !((taken >> i) & 1u) &&
+                (key[i] > mine || (key[i] == mine && e < mine_index))) {
+                mine = key[i];
+                mine_index = e;
+            }
+        }
+    };
+    rescan();
+    for (int r = 0; r < k; ++r) {
+        // the warp's best of the lanes' bests; only its lane has to look again
+        unsigned best = mine;
+        int best_index = mine_index;
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const unsigned other = __shfl_xor_sync(0xffffffffu, best, offset);
+            const int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
+            if (other > best || (other == best && other_index < best_index)) {
+                best = other;
+                best_index = other_index;
+            }
+        }
+        if (best_index == mine_index) {
+            taken |= 1u << (best_index >> 5);
+            rescan();
+        }
+        if (lane == 0) {
+            pick_key[warp][r] = best;
+            pick_index[warp][r] = best_index;
+        }
+    }
+    __syncwarp();
+    // the selection's output order: those above the k-th key by index, then those equal by index
+    if (lane < k) {
+        const unsigned kth = pick_key[warp][k - 1];
+        const int mine = pick_index[warp][lane];
+        const int group = pick_key[warp][lane] > kth ? 0 : 1;
+        int at = 0;
+        for (int j = 0; j < k; ++j) {
+            const int other = pick_index[warp][j];
+            const int other_group = pick_key[warp][j] > kth ? 0 : 1;
+            at += other_group < group || (other_group == group && other < mine);
+        }
+        slot_value[warp][at] = row[mine];
+        slot_index[warp][at] = mine;
+        slot_valid[warp][at] = 1;
+    } else {
+        slot_value[warp][lane] = 0.0f;
+        slot_index[warp][lane] = 0;
+        slot_valid[warp][lane] = 0;
+    }
+    // the bitonic network over 32 slots, 16 lanes a step (each a pair of slots); a swap where
+    // `(a > b && a valid) || !b valid` equals the step's direction: invalid slots sink to the
+    // end, equal values may change places
+    float *sv = slot_value[warp];
+    int *si = slot_index[warp];
+    int *sok = slot_valid[warp];
+    const auto step = [&](int stride, bool dir) {
+        __syncwarp();
+        if (lane < MOE_SORT_SLOTS / 2) {
+            const int a = 2 * lane - (lane & (stride - 1)), b = a + stride;
+            const bool swap = (greater_nan_first(sv[a], sv[b]) && sok[a]) || !sok[b];
+            if (swap == dir) {
+                const float v = sv[a];
+                sv[a] = sv[b];
+                sv[b] = v;
+                const int i = si[a];
+                si[a] = si[b];
+                si[b] = i;
+                const int ok = sok[a];
+                sok[a] = sok[b];
+                sok[b] = ok;
+            }
+        }
+    };
+    for (int size = 2; size < MOE_SORT_SLOTS; size *= 2) {
+        const bool flag = (lane & (size / 2)) != 0;
+        for (int stride = size / 2; stride > 0; stride /= 2) {
+            step(stride, flag);
+        }
+    }
+    for (int stride = MOE_SORT_SLOTS / 2; stride > 0; stride /= 2) {
+        step(stride, false);
+    }
+    __syncwarp();
+    if (lane < k) {
+        values[t * k + lane] = sv[lane];
+        indices[t * k + lane] = si[lane];
+    }
+}
+
+// Up to 256 experts (8 a lane), and up to MOE_MAX_EXPERTS.
+extern "C" __global__ void __launch_bounds__(32 * MOE_TOPK_WARPS)
+    moe_topk_256(const float *__restrict__ probs, long long tokens, int experts, int k,
+                 float *__restrict__ values, long long *__restrict__ indices) {
+    moe_topk<8>(probs, tokens, experts, k, values, indices);
+}
+extern "C" __global__ void __launch_bounds__(32 * MOE_TOPK_WARPS)
+    moe_topk_1024(const float *__restrict__ probs, long long tokens, int experts, int k,
+                  float *__restrict__ values, long long *__restrict__ indices) {
+    moe_topk<MOE_TOPK_MAX_ITEMS>(probs, tokens, experts, k, values, indices);
+}
+
+// The experts chosen by the tokens of this block's chunk (MOE_GROUP_TOKENS tokens), as one
+// 64-bit mask per expert in `mask` [experts] (bit i: the chunk's token i chose it); ids outside
+// [0, experts) are left out.
+static __device__ void moe_chunk_masks(const long long *experts_of, long long tokens, int k,
+                                       int experts, unsigned long long *mask) {
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        mask[e] = 0ull;
+    }
+    __syncthreads();
+    const long long first = (long long)blockIdx.x * MOE_GROUP_TOKENS;
+    const int n = (int)min((long long)MOE_GROUP_TOKENS, tokens - first);
+    for (int p = threadIdx.x; p < n * k; p += blockDim.x) {
+        const long long e = experts_of[first * k + p];
+        if (e >= 0 && e < experts) {
+            atomicOr(&mask[e], 1ull << (p / k));
+        }
+    }
+    __syncthreads();
+}
+
+// `experts_of` [tokens, k] int64 (the router's choices): per chunk of MOE_GROUP_TOKENS tokens
+// the number of its pairs that chose each expert, `counts` [chunks, experts] int32.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_group_count(const long long *__restrict__ experts_of, long long tokens, int k,
+                    int experts, int *__restrict__ counts) {
+    __shared__ unsigned long long group_mask[MOE_MAX_EXPERTS];
+    moe_chunk_masks(experts_of, tokens, k, experts, group_mask);
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        counts[(long long)blockIdx.x * experts + e] = __popcll(group_mask[e]);
+    }
+}
+
+// One block of 1024 threads: `counts` [chunks, experts] becomes, in place, where each chunk's
+// rows of each expert start among the pairs sorted by expert (expert by expert, chunk by chunk
+// within one), and `ends` [experts] int32 the end of each expert's rows.
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_group_offsets(int *__restrict__ counts, long long chunks, int experts,
+                      int *__restrict__ ends) {
+    __shared__ int scan[1024];
+    const int e = threadIdx.x;
+    int total = 0;
+    if (e < experts) {
+        for (long long c = 0; c < chunks; ++c) {
+            const int n = counts[c * experts + e];
+            counts[c * experts + e] = total;
+            total += n;
+        }
+    }
+    // inclusive scan of the experts' totals (Hillis-Steele over the block)
+    scan[e] = total;
+    __syncthreads();
+    for (int offset = 1; offset < 1024; offset <<= 1) {
+        const int add = e >= offset ? scan[e - offset] : 0;
+        __syncthreads();
+        scan[e] += add;
+        __syncthreads();
+    }
+    if (e < experts) {
+        const int start = scan[e] - total;
+        ends[e] = scan[e];
+        for (long long c = 0; c < chunks; ++c) {
+            counts[c * experts + e] += start;
+        }
+    }
+}
+
+// Each pair's place among the pairs sorted by expert (stable: token order within an expert):
+// its chunk's start for the expert (`offsets`, from moe_group_offsets) plus the number of the
+// chunk's earlier tokens that chose it. Writes `positions` [tokens * k] (where pair t k + j's
+// row lies) and `row_tokens` [tokens * k] (the token of each sorted row), both int64.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_group_place(const long long *__restrict__ experts_of, long long tokens, int k,
+                    int experts, const int *__restrict__ offsets,
+                    long long *__restrict__ positions, long long *__restrict__ row_tokens) {
+    __shared__ unsigned long long group_mask[MOE_MAX_EXPERTS];
+    moe_chunk_masks(experts_of, tokens, k, experts, group_mask);
+    const long long first = (long long)blockIdx.x * MOE_GROUP_TOKENS;
+    const int n = (int)min((long long)MOE_GROUP_TOKENS, tokens - first);
+    for (int p = threadIdx.x; p < n * k; p += blockDim.x) {
+        const long long e = experts_of[first * k + p];
+        if (e < 0 || e >= experts) {
+            continue;
+        }
+        const int i = p / k;
+        const int rank = __popcll(group_mask[e] & ((1ull << i) - 1ull));
+        const long long dest = offsets[(long long)blockIdx.x * experts + e] + rank;
+        positions[first * k + p] = dest;
+        row_tokens[dest] = first + i;
     }
 }
 
@@ -567,7 +850,12 @@ static __device__ void moe_combine(const typename P::T *y, const long long *pos,
     extern "C" __global__ void moe_combine_##SUFFIX(const P::T *y, const long long *pos,    \
                                                     const P::T *w, P::T *out,                \
                                                     long long hidden, int k, int vectors) {  \
-        moe_combine<P>(y, pos, w, out, hidden, k, vectors);                                  \
+        moe_combine<P>(y, pos, w, nullptr, nullptr, out, hidden, k, vectors, 0);             \
+    }                                                                                        \
+    extern "C" __global__ void moe_combine_add_##SUFFIX(                                     \
+        const P::T *y, const long long *pos, const P::T *w, const P::T *shared,             \
+        const P::T *gate, P::T *residual, long long hidden, int k, int vectors) {            \
+        moe_combine<P>(y, pos, w, shared, gate, residual, hidden, k, vectors, 1);            \
     }                                                                                        \
     extern "C" __global__ void cross_entropy_grad_##SUFFIX(                                  \
         P::T *logits, long long vocab, const long long *labels, const float *scale,          \

@@ -331,13 +331,15 @@ pub(super) mod tests {
         assert_eq!(norm_launch(5, 65536, 4), (5, 1024, 1024));
     }
 
-    /// The norm kernels (and SwiGLU's product) run on the CPU (tests/cuda_emulation/
-    /// fused_emulation.cpp with cuda_emu.h: one host thread per CUDA thread, barriers for
-    /// __syncthreads and the warp shuffles) compute what double-precision loops rounding where
-    /// libtorch's operations round compute: rows of 5,120 and of heads, strided and misaligned
-    /// rows, bf16 and f32. Needs a C++20 compiler (`$CXX`, else `c++`).
+    /// The norm kernels (and SwiGLU's product, a mixture of experts' combination) run on the
+    /// CPU (tests/cuda_emulation/fused_emulation.cpp with cuda_emu.h: one host thread per CUDA
+    /// thread, barriers for __syncthreads and the warp shuffles) compute what double-precision
+    /// loops rounding where libtorch's operations round compute: rows of 5,120 and of heads,
+    /// strided and misaligned rows, bf16 and f32. The router's top k equals the host's reading
+    /// of libtorch's GPU selection and sort, ties included, and the grouping a stable sort.
+    /// Needs a C++20 compiler (`$CXX`, else `c++`).
     #[test]
     fn the_norm_kernels_run_on_the_cpu_match_the_libtorch_roundings() {
-        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 16);
+        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 28);
     }
 }

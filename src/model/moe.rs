@@ -15,9 +15,12 @@
 //! grouped matrix product for gate+up and one for down ([`ExpertGemm`]); the products go back
 //! to their pairs by one scatter and are summed over the `k` choices. No step reads a value
 //! back to the host on a GPU with the grouped kernel (bf16 on Hopper or Blackwell). With the
-//! fused kernels (a GPU), SwiGLU's `silu(gate) * up` is one kernel, and the scaling, scatter and
-//! sum of the products another (`moe_combine`: one pass over the products instead of three
-//! kernels and two passes), with the same roundings ([`SparseMoe::add_forward_fused`]).
+//! fused kernels (a GPU; [`SparseMoe::add_forward_fused`]), with the same choices and roundings:
+//! the router's top k is one kernel that selects and orders as libtorch's GPU topk; the pairs
+//! are grouped by expert by a counting sort (three small kernels: the grouped products' ends,
+//! each pair's row and each row's token); SwiGLU's `silu(gate) * up` is one kernel; and the
+//! scaling, scatter and sum of the products, the gated shared expert's addition and the
+//! residual's are one pass (`moe_combine_add`), where libtorch runs some fifteen kernels.
 //!
 //! Ties in the router: `torch.topk` leaves the order of equal values unspecified. On the CPU it
 //! selects with the C++ library's nth_element / partial_sort (libtorch 2.11: eight equal
@@ -32,7 +35,7 @@ use serde_json::{Map, Value};
 use tch::{Device, Kind, Tensor};
 
 use super::layers::Mlp;
-use crate::aten_ext::fused::FusedKernels;
+use crate::aten_ext::fused::{FusedKernels, MOE_MAX_EXPERTS, MOE_MAX_TOP_K};
 
 /// The MoE fields of a text config (`qwen3_moe`, `qwen3_5_moe` text settings).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -414,7 +417,22 @@ impl SparseMoe {
         // torch.topk(probs, k, dim=-1) as transformers calls it (largest, sorted): the same
         // selection on the same float32 probabilities breaks ties as it does on one device,
         // where a sort or an argmax loop could pick other experts among equal probabilities
-        let (mut top, experts) = probs.topk(self.top_k, -1, true, true);
+        let (top, experts) = probs.topk(self.top_k, -1, true, true);
+        self.routing(logits, top, experts)
+    }
+
+    /// [`SparseMoe::route`] with the top k on the fused kernel (which chooses and orders as
+    /// libtorch's GPU topk does, ties included).
+    fn route_fused(&self, x: &Tensor, kernels: &FusedKernels) -> Result<Routing> {
+        let logits = x.linear::<&Tensor>(&self.router, None);
+        let probs = logits.softmax(-1, Kind::Float);
+        let (top, experts) = kernels.moe_topk(&probs, self.top_k)?;
+        Ok(self.routing(logits, top, experts))
+    }
+
+    /// The routing from the router's logits and the top k of their softmax: the weights
+    /// normalised to sum 1 where `norm_topk_prob`, cast to the logits' type.
+    fn routing(&self, logits: Tensor, mut top: Tensor, experts: Tensor) -> Routing {
         if self.norm_topk_prob {
             top = &top / top.sum_dim_intlist(-1, true, Kind::Float);
         }
@@ -456,17 +474,39 @@ impl SparseMoe {
             self.router.size()[1],
             self.intermediate(),
         );
-        let size = x.size();
-        let h = size.last().copied().unwrap_or(0);
-        let flat = x.reshape([-1, h]);
-        let routing = self.route(&flat);
-        let mut out = self.experts_fused(&flat, &routing, gemm, kernels)?;
-        if let Some(shared) = &self.shared {
-            let gate = flat.linear::<&Tensor>(&shared.gate, None).sigmoid();
-            out += gate * shared.mlp.forward_fused(&flat, kernels)?;
+        if self.num_experts() > MOE_MAX_EXPERTS || self.top_k > MOE_MAX_TOP_K {
+            // wider than the routing kernels take: libtorch's routing, the same result
+            self.add_forward(residual, x);
+            return Ok(());
         }
-        *residual += out.view(size.as_slice());
-        Ok(())
+        let h = x.size().last().copied().unwrap_or(0);
+        let flat = x.reshape([-1, h]);
+        if flat.size()[0] == 0 {
+            return Ok(());
+        }
+        let routing = self.route_fused(&flat, kernels)?;
+        let groups = kernels.moe_groups(&routing.experts, self.num_experts())?;
+        let rows = flat.index_select(0, &groups.row_tokens);
+        let both = grouped_linear(&rows, &self.gate_up, &groups.ends, gemm);
+        let y = grouped_linear(&kernels.silu_mul(&both)?, &self.down, &groups.ends, gemm);
+        let shared = match &self.shared {
+            Some(shared) => Some((
+                shared.mlp.forward_fused(&flat, kernels)?,
+                flat.linear::<&Tensor>(&shared.gate, None),
+            )),
+            None => None,
+        };
+        let weights = routing.weights.reshape([-1]).contiguous();
+        // the residual's rows, in place (a dense residual: the kernel refuses any other)
+        let mut rows_of_residual = residual.f_view([-1, h])?;
+        kernels.moe_combine_add(
+            &y,
+            &groups.positions,
+            &weights,
+            self.top_k,
+            shared.as_ref().map(|(out, gate)| (out, gate)),
+            &mut rows_of_residual,
+        )
     }
 
     /// [`SparseMoe::forward`] on a chosen path.
@@ -507,33 +547,6 @@ impl SparseMoe {
         pairs
             .view([t, k, h])
             .sum_dim_intlist(1, false, None::<Kind>)
-    }
-
-    /// [`SparseMoe::experts`] with SwiGLU's `silu(gate) * up` and the scaling, scatter and sum
-    /// of the products as one fused kernel each (the same roundings).
-    fn experts_fused(
-        &self,
-        x: &Tensor,
-        routing: &Routing,
-        gemm: ExpertGemm,
-        kernels: &FusedKernels,
-    ) -> Result<Tensor> {
-        if x.size()[0] == 0 {
-            return Ok(x.zeros_like());
-        }
-        let (order, ends, rows) = self.sorted_pairs(x, routing);
-        let both = grouped_linear(&rows, &self.gate_up, &ends, gemm);
-        let y = grouped_linear(&kernels.silu_mul(&both)?, &self.down, &ends, gemm);
-        // where each pair's product lies: the inverse of the sorting permutation
-        let pairs = order.size()[0];
-        let mut positions = order.empty_like();
-        let _ = positions.index_copy_(
-            0,
-            &order,
-            &Tensor::arange(pairs, (Kind::Int64, order.device())),
-        );
-        let weights = routing.weights.reshape([-1]).contiguous();
-        kernels.moe_combine(&y, &positions, &weights, self.top_k)
     }
 
     /// The (token, choice) pairs sorted by expert (stable: each expert's rows in token order):

@@ -536,3 +536,101 @@ fn cuda_blocks_run_without_host_reads_and_match_transformers() {
         }
     }
 }
+
+/// On a GPU, the fused routing against libtorch's: `moe_topk` returns what `topk` does (values
+/// bit for bit, the same experts in the same order) on softmaxes of logits drawn from a few
+/// levels (so that most tokens have equal probabilities among and around their top k), for
+/// 256, 128, 6 and 1000 experts; `moe_groups` what the stable sort of the pairs, the binary
+/// search and the inverse permutation give; and the whole fused block (`add_forward_fused`,
+/// bf16, in a CUDA graph: no host reads) what libtorch's operations add to the residual.
+/// `cargo test --release --lib -- --ignored moe` on an sm90 / sm100 GPU.
+#[test]
+#[ignore = "needs a CUDA device (sm90 or sm100 for the grouped bf16 kernel)"]
+fn cuda_fused_routing_equals_libtorchs() {
+    use crate::aten_ext::graph::CudaGraph;
+    let runtime = crate::runtime::TorchRuntime::init();
+    assert!(runtime.cuda_devices() >= 1, "this test needs a CUDA device");
+    let library = runtime.graphs.clone().expect("the CUDA graph library");
+    let device = Device::Cuda(0);
+    let kernels = crate::runtime::fused_kernels_or_warn(device).expect("the fused kernels");
+    tch::manual_seed(7);
+    for (tokens, experts, k, levels) in [
+        (3072, 256, 8, 12),
+        (3001, 128, 8, 40),
+        (77, 6, 2, 2),
+        (500, 1000, 10, 16),
+    ] {
+        let levels_of = Tensor::randint(levels, [tokens, experts], (Kind::Int64, device));
+        let logits = (levels_of.to_kind(Kind::Float) * 0.25).to_kind(Kind::BFloat16);
+        let probs = logits.softmax(-1, Kind::Float);
+        let (want_v, want_i) = probs.topk(k, -1, true, true);
+        let (got_v, got_i) = kernels.moe_topk(&probs, k).expect("moe_topk");
+        let what = format!("{tokens} tokens, top {k} of {experts}");
+        assert!(got_i.equal(&want_i), "{what}: experts differ from topk's");
+        assert!(got_v.equal(&want_v), "{what}: values differ from topk's");
+        // the ties the comparison covered: tokens with equal values among their choices
+        let tied = want_v
+            .narrow(1, 1, k - 1)
+            .eq_tensor(&want_v.narrow(1, 0, k - 1))
+            .any_dim(1, false)
+            .sum(Kind::Int64)
+            .int64_value(&[]);
+        assert!(tied > 0, "{what}: no ties");
+        // grouping the chosen pairs
+        let groups = kernels.moe_groups(&want_i, experts).expect("moe_groups");
+        let ids = want_i.reshape([-1]).to_kind(Kind::Int);
+        let (sorted, order) = ids.sort_stable(true, 0, false);
+        let ends = group_ends(&sorted, experts);
+        assert!(groups.ends.equal(&ends), "{what}: group ends");
+        let pairs = tokens * k;
+        let mut inverse = order.empty_like();
+        let _ = inverse.index_copy_(0, &order, &Tensor::arange(pairs, (Kind::Int64, device)));
+        assert!(groups.positions.equal(&inverse), "{what}: positions");
+        assert!(
+            groups.row_tokens.equal(&order.floor_divide_scalar(k)),
+            "{what}: row tokens"
+        );
+    }
+    // the fused block against libtorch's operations, and inside a CUDA graph
+    for name in ["qwen3_moe_norm", "qwen3_5_moe"] {
+        let dir = fixtures().join(name);
+        let (family, c, layers) = text_config(&dir);
+        let settings = MoeSettings::from_text_config(family, &c, layers).expect("settings");
+        let hidden = c["hidden_size"].as_i64().expect("hidden_size");
+        let refs = read(&dir.join("blocks.safetensors"));
+        for l in (0..layers).filter(|&l| settings.is_sparse(l)) {
+            let block = load_block(&dir, &settings, hidden, l, (Kind::BFloat16, device));
+            let x = refs[&format!("l{l}.x_bf16")].to_device(device);
+            let residual = x.flip([-1]).contiguous();
+            let mut want = residual.copy();
+            block.add_forward(&mut want, &x);
+            let mut got = residual.copy();
+            block
+                .add_forward_fused(&mut got, &x, &kernels)
+                .unwrap_or_else(|e| panic!("{name} layer {l}: {e:#}"));
+            // one rounding of float32 sums taken in another order may differ by one bf16 step
+            let diff = max_diff(&got, &want);
+            let same = got
+                .eq_tensor(&want)
+                .to_kind(Kind::Double)
+                .mean(Kind::Double);
+            let same = same.double_value(&[]);
+            assert!(
+                diff < 0.02 && same > 0.999,
+                "{name} layer {l}: fused vs libtorch {diff}, {same} equal"
+            );
+            let (graph, out) = CudaGraph::capture(library, device, 2, || {
+                let mut r = residual.copy();
+                block.add_forward_fused(&mut r, &x, &kernels).map(|()| r)
+            })
+            .unwrap_or_else(|e| panic!("{name} layer {l}: capture: {e:#}"));
+            graph.replay().expect("replay");
+            tch::Cuda::synchronize(0);
+            let out = out.unwrap_or_else(|e| panic!("{name} layer {l}: in the graph: {e:#}"));
+            assert!(
+                out.equal(&got),
+                "{name} layer {l}: the replay equals the eager run"
+            );
+        }
+    }
+}

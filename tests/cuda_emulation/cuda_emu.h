@@ -128,6 +128,31 @@ inline long long __shfl_xor_sync(unsigned, long long v, int offset) {
     return other;
 }
 
+template <class T>
+inline T shfl_xor_any(T v, int offset) {
+    static_assert(sizeof(T) <= 8);
+    long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    bits = __shfl_xor_sync(0xffffffffu, bits, offset);
+    T out;
+    std::memcpy(&out, &bits, sizeof(T));
+    return out;
+}
+inline int __shfl_xor_sync(unsigned, int v, int offset) { return shfl_xor_any(v, offset); }
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int offset) {
+    return shfl_xor_any(v, offset);
+}
+
+// A barrier of the warp's lanes (all of them take part, as the kernels here use it).
+inline void __syncwarp(unsigned = 0xffffffffu) {
+    emu::warp_barriers[threadIdx.x / 32]->arrive_and_wait();
+}
+
+inline unsigned long long atomicOr(unsigned long long *a, unsigned long long v) {
+    return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST);
+}
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
+
 // The value of lane - offset (a lane's own below `offset`).
 inline float __shfl_up_sync(unsigned, float v, int offset) {
     const unsigned t = threadIdx.x, lane = t % 32;

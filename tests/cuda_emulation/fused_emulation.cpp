@@ -241,6 +241,211 @@ static bool run_moe_combine(const char *name,
     return compare<P>(name, out, want, rel, exact);
 }
 
+
+// moe_combine_add: the routed products as run_moe_combine's, plus (with `shared`) a shared
+// expert's output and its gate's logit per token, added into a residual stream; the reference
+// rounds where transformers' operations round: the routed sum, sigmoid(gate), its product with
+// the shared output, their sum, the residual's sum.
+template <class P>
+static bool run_moe_combine_add(const char *name,
+                                void (*kernel)(const typename P::T *, const long long *,
+                                               const typename P::T *, const typename P::T *,
+                                               const typename P::T *, typename P::T *, long long,
+                                               int, int),
+                                long long tokens, int k, long long hidden, bool shared,
+                                double rel, double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(19 + tokens + k + hidden);
+    std::normal_distribution<float> normal;
+    const long long pairs = tokens * k;
+    std::vector<long long> order(pairs);
+    for (long long p = 0; p < pairs; ++p) order[p] = p;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<long long> pos(pairs);
+    for (long long p = 0; p < pairs; ++p) pos[order[p]] = p;
+    std::vector<T> y(pairs * hidden), w(pairs), sh(tokens * hidden), gate(tokens);
+    for (T &e : y) e = P::store(normal(rng));
+    for (T &e : w) e = P::store(std::fabs(normal(rng)) / k);
+    for (T &e : sh) e = P::store(normal(rng));
+    for (T &e : gate) e = P::store(2.0f * normal(rng));
+    std::vector<T> res(tokens * hidden + 64, P::store(NAN));
+    for (long long i = 0; i < tokens * hidden; ++i) res[i] = P::store(4.0f * normal(rng));
+    const std::vector<T> before = res;
+    const int vectors = hidden % (16 / sizeof(T)) == 0;
+    emu::launch({(unsigned)tokens, 1, 1}, 256, [&] {
+        kernel(y.data(), pos.data(), w.data(), shared ? sh.data() : nullptr,
+               shared ? gate.data() : nullptr, res.data(), hidden, k, vectors);
+    });
+    std::vector<double> want(tokens * hidden);
+    for (long long t = 0; t < tokens; ++t) {
+        const double g = P::load(gate[t]);
+        const double scale = round_to<P>(1.0 / (1.0 + std::exp(-g)));
+        for (long long h = 0; h < hidden; ++h) {
+            double acc = 0;
+            for (int j = 0; j < k; ++j) {
+                const long long p = t * k + j;
+                acc += round_to<P>((double)P::load(y[pos[p] * hidden + h]) * P::load(w[p]));
+            }
+            double v = round_to<P>(acc);
+            if (shared) {
+                v = round_to<P>(v + round_to<P>(scale * P::load(sh[t * hidden + h])));
+            }
+            want[t * hidden + h] = round_to<P>(P::load(before[t * hidden + h]) + v);
+        }
+    }
+    return compare<P>(name, res, want, rel, exact);
+}
+
+// The host's reading of libtorch's topk on a GPU (largest, sorted, k <= 32): the k largest by
+// the radix order, the lowest indices among those equal to the k-th; laid out as [above the
+// k-th, by index; equal to it, by index]; then its bitonic network over 32 slots, step by step.
+static unsigned host_radix_key(float v) {
+    unsigned x;
+    std::memcpy(&x, &v, 4);
+    return x ^ ((x & 0x80000000u) ? 0xffffffffu : 0x80000000u);
+}
+
+static void host_topk(const float *row, int experts, int k, float *values, long long *indices) {
+    std::vector<int> idx(experts);
+    for (int e = 0; e < experts; ++e) idx[e] = e;
+    std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) {
+        return host_radix_key(row[a]) > host_radix_key(row[b]);
+    });
+    const unsigned kth = host_radix_key(row[idx[k - 1]]);
+    std::vector<int> chosen(idx.begin(), idx.begin() + k);
+    std::sort(chosen.begin(), chosen.end(), [&](int a, int b) {
+        const int ga = host_radix_key(row[a]) > kth ? 0 : 1;
+        const int gb = host_radix_key(row[b]) > kth ? 0 : 1;
+        return ga != gb ? ga < gb : a < b;
+    });
+    float v[32];
+    int ix[32];
+    bool ok[32];
+    for (int i = 0; i < 32; ++i) {
+        ok[i] = i < k;
+        v[i] = ok[i] ? row[chosen[i]] : 0.0f;
+        ix[i] = ok[i] ? chosen[i] : 0;
+    }
+    const auto swap_step = [&](int stride, bool dir, int lane) {
+        const int a = 2 * lane - (lane & (stride - 1)), b = a + stride;
+        const bool greater = (std::isnan(v[a]) && !std::isnan(v[b])) || v[a] > v[b];
+        const bool swap = (greater && ok[a]) || !ok[b];
+        if (swap == dir) {
+            std::swap(v[a], v[b]);
+            std::swap(ix[a], ix[b]);
+            std::swap(ok[a], ok[b]);
+        }
+    };
+    for (int size = 2; size < 32; size *= 2) {
+        for (int stride = size / 2; stride > 0; stride /= 2) {
+            for (int lane = 0; lane < 16; ++lane) swap_step(stride, (lane & (size / 2)) != 0, lane);
+        }
+    }
+    for (int stride = 16; stride > 0; stride /= 2) {
+        for (int lane = 0; lane < 16; ++lane) swap_step(stride, false, lane);
+    }
+    for (int i = 0; i < k; ++i) {
+        values[i] = v[i];
+        indices[i] = ix[i];
+    }
+}
+
+// moe_topk over `tokens` rows of softmax probabilities of logits drawn from `levels` values (so
+// that many are tied), launched as fused.rs does (a warp per token, 8 a block); the kernel's
+// values and indices must equal the host's bit for bit, and be a top k: non-increasing, with
+// nothing left out larger than the last.
+static bool run_moe_topk(const char *name, long long tokens, int experts, int k, int levels) {
+    std::mt19937 rng(23 + tokens + experts + k);
+    std::uniform_int_distribution<int> level(0, levels - 1);
+    std::vector<float> probs(tokens * experts);
+    for (long long t = 0; t < tokens; ++t) {
+        float *row = probs.data() + t * experts;
+        float m = -INFINITY, sum = 0;
+        for (int e = 0; e < experts; ++e) {
+            row[e] = 0.25f * level(rng);
+            m = std::max(m, row[e]);
+        }
+        for (int e = 0; e < experts; ++e) sum += row[e] = std::exp(row[e] - m);
+        for (int e = 0; e < experts; ++e) row[e] /= sum;
+    }
+    std::vector<float> values(tokens * k, NAN);
+    std::vector<long long> indices(tokens * k, -1);
+    emu::launch({(unsigned)((tokens + 7) / 8), 1, 1}, 256, [&] {
+        if (experts <= 256) {
+            moe_topk_256(probs.data(), tokens, experts, k, values.data(), indices.data());
+        } else {
+            moe_topk_1024(probs.data(), tokens, experts, k, values.data(), indices.data());
+        }
+    });
+    long long wrong = 0, reordered_ties = 0;
+    for (long long t = 0; t < tokens; ++t) {
+        float v[32];
+        long long ix[32];
+        host_topk(probs.data() + t * experts, experts, k, v, ix);
+        bool by_index = true;
+        for (int j = 0; j < k; ++j) {
+            wrong += values[t * k + j] != v[j] || indices[t * k + j] != ix[j];
+            if (j > 0) {
+                wrong += values[t * k + j] > values[t * k + j - 1];
+                by_index &= !(v[j] == v[j - 1] && ix[j] < ix[j - 1]);
+            }
+        }
+        for (int e = 0; e < experts; ++e) {
+            bool chosen = false;
+            for (int j = 0; j < k; ++j) chosen |= indices[t * k + j] == e;
+            wrong += !chosen && probs[t * experts + e] > values[t * k + k - 1];
+        }
+        reordered_ties += !by_index;
+    }
+    // the ties must show: some tokens whose equal values the network left out of index order
+    const bool ok = wrong == 0 && (k < 4 || reordered_ties > 0);
+    std::printf("%s %s: %lld off, %lld tokens with equal values out of index order\n",
+                ok ? "ok" : "FAILED", name, wrong, reordered_ties);
+    return ok;
+}
+
+// The grouping kernels as fused.rs launches them (count and place a block of 256 per 64
+// tokens, offsets one block of 1024) against a stable sort of the pairs by expert: each pair's
+// row, each row's token and the experts' ends.
+static bool run_moe_group(const char *name, long long tokens, int experts, int k) {
+    std::mt19937 rng(29 + tokens + experts + k);
+    std::vector<long long> ids(tokens * k);
+    std::vector<int> all(experts);
+    for (int e = 0; e < experts; ++e) all[e] = e;
+    for (long long t = 0; t < tokens; ++t) {
+        // distinct experts per token, skewed towards the low ids (some experts get no rows)
+        std::shuffle(all.begin(), all.begin() + std::min(experts, 3 * k), rng);
+        for (int j = 0; j < k; ++j) ids[t * k + j] = all[j];
+    }
+    const long long chunks = (tokens + 63) / 64, pairs = tokens * k;
+    std::vector<int> counts(chunks * experts, -1), ends(experts, -1);
+    std::vector<long long> positions(pairs, -1), row_tokens(pairs, -1);
+    emu::launch({(unsigned)chunks, 1, 1}, 256,
+                [&] { moe_group_count(ids.data(), tokens, k, experts, counts.data()); });
+    emu::launch({1, 1, 1}, 1024,
+                [&] { moe_group_offsets(counts.data(), chunks, experts, ends.data()); });
+    emu::launch({(unsigned)chunks, 1, 1}, 256, [&] {
+        moe_group_place(ids.data(), tokens, k, experts, counts.data(), positions.data(),
+                        row_tokens.data());
+    });
+    std::vector<long long> order(pairs);
+    for (long long p = 0; p < pairs; ++p) order[p] = p;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](long long a, long long b) { return ids[a] < ids[b]; });
+    long long wrong = 0;
+    for (long long r = 0; r < pairs; ++r) {
+        wrong += positions[order[r]] != r;
+        wrong += row_tokens[r] != order[r] / k;
+    }
+    for (int e = 0; e < experts; ++e) {
+        long long n = 0;
+        for (long long p = 0; p < pairs; ++p) n += ids[p] <= e;
+        wrong += ends[e] != n;
+    }
+    std::printf("%s %s: %lld off\n", wrong == 0 ? "ok" : "FAILED", name, wrong);
+    return wrong == 0;
+}
+
 int main() {
     emu::deadline(120);
     bool ok = true;
@@ -293,5 +498,23 @@ int main() {
                                3, 100, sum_rel, 0.0);
     ok &= run_moe_combine<F32>("moe_combine f32: 3 tokens x 8 choices of 1028", moe_combine_f32,
                                3, 8, 1028, sum_rel, 0.0);
+    ok &= run_moe_combine_add<Bf16>("moe_combine_add bf16: 5 tokens x 8 of 2048, shared expert",
+                                    moe_combine_add_bf16, 5, 8, 2048, true, bf16_rel, bf16_exact);
+    ok &= run_moe_combine_add<Bf16>("moe_combine_add bf16: 3 tokens x 3 of 100, no shared expert",
+                                    moe_combine_add_bf16, 3, 3, 100, false, bf16_rel, bf16_exact);
+    ok &= run_moe_combine_add<F32>("moe_combine_add f32: 4 tokens x 8 of 1028, shared expert",
+                                   moe_combine_add_f32, 4, 8, 1028, true, sum_rel, 0.0);
+    // the router: 256 and 128 experts of 8 choices, 6 experts of 2 (a partial warp), 1000 of
+    // 10, 300 of 32 (every slot of the sort), 40 of 31; tokens not a multiple of a block's 8
+    ok &= run_moe_topk("moe_topk: 19 tokens, 256 experts, top 8, 6 levels", 19, 256, 8, 6);
+    ok &= run_moe_topk("moe_topk: 13 tokens, 128 experts, top 8, 40 levels", 13, 128, 8, 40);
+    ok &= run_moe_topk("moe_topk: 9 tokens, 6 experts, top 2, 2 levels", 9, 6, 2, 2);
+    ok &= run_moe_topk("moe_topk: 5 tokens, 1000 experts, top 10, 12 levels", 5, 1000, 10, 12);
+    ok &= run_moe_topk("moe_topk: 6 tokens, 300 experts, top 32, 3 levels", 6, 300, 32, 3);
+    ok &= run_moe_topk("moe_topk: 4 tokens, 40 experts, top 31", 4, 40, 31, 2);
+    // grouping: three chunks (the last partial), 256 experts of 8; one chunk of 64, 128 of 8
+    ok &= run_moe_group("moe_group: 150 tokens, 256 experts, 8 choices", 150, 256, 8);
+    ok &= run_moe_group("moe_group: 64 tokens, 128 experts, 8 choices", 64, 128, 8);
+    ok &= run_moe_group("moe_group: 70 tokens, 1000 experts, 3 choices", 70, 1000, 3);
     return ok ? 0 : 1;
 }

@@ -1,0 +1,266 @@
+//! A mixture of experts' routing and grouping as fused kernels (`moe_topk`, `moe_group_*` and
+//! `moe_combine_add` in fused_kernels.cu). Per MoE layer of a 1 x 3072-token forward libtorch
+//! runs a radix selection and a bitonic sort for the router's top k (one block per token), a
+//! radix sort of the 24,576 pairs' expert ids, a binary search and three index kernels for the
+//! grouping, and four element-wise passes to add the shared expert and the residual: some
+//! fifteen launches of a few to fifty microseconds, forty layers over. Here: one kernel for the
+//! top k, three for the grouping, and the combination takes the shared expert and the residual.
+
+use std::ffi::c_int;
+
+use anyhow::{bail, ensure, Result};
+use tch::{Kind, Tensor};
+
+use super::super::nvrtc::{arg, kind_index};
+use super::{FusedKernels, MOE_MAX_TOP_K};
+
+/// The most experts the routing kernels take (the source's `MOE_MAX_EXPERTS`).
+pub const MOE_MAX_EXPERTS: i64 = 1024;
+/// Tokens per block of the grouping kernels (the source's `MOE_GROUP_TOKENS`).
+const GROUP_TOKENS: i64 = 64;
+/// Tokens per block of `moe_topk` (a warp each; the source's `MOE_TOPK_WARPS`).
+const TOPK_WARPS: i64 = 8;
+
+/// The (token, choice) pairs grouped by expert, as [`FusedKernels::moe_groups`] returns them.
+#[derive(Debug)]
+pub struct MoeGroups {
+    /// [E] int32: the end (exclusive) of each expert's rows among the sorted pairs (the grouped
+    /// products' offsets).
+    pub ends: Tensor,
+    /// [T k] int64: where pair `t k + j`'s row lies among the sorted pairs.
+    pub positions: Tensor,
+    /// [T k] int64: the token of each sorted row.
+    pub row_tokens: Tensor,
+}
+
+impl FusedKernels {
+    /// The `k` largest of each row of `probs` [tokens, experts] (float32, dense; at most
+    /// [`MOE_MAX_EXPERTS`] experts, `k` at most 32): values [tokens, k] and indices [tokens, k]
+    /// (int64), the same as libtorch's `topk(k, -1, largest, sorted)` on a GPU returns them,
+    /// equal values included (which of them it keeps and the order it leaves them in).
+    pub fn moe_topk(&self, probs: &Tensor, k: i64) -> Result<(Tensor, Tensor)> {
+        self.check("the router's probabilities", probs, Kind::Float)?;
+        let (tokens, experts) = match probs.size()[..] {
+            [tokens, experts] => (tokens, experts),
+            _ => bail!(
+                "fused kernels: router probabilities of shape {:?}",
+                probs.size()
+            ),
+        };
+        ensure!(
+            (1..=MOE_MAX_EXPERTS).contains(&experts)
+                && (1..=MOE_MAX_TOP_K.min(experts)).contains(&k),
+            "fused kernels: the top {k} of {experts} experts (at most {MOE_MAX_TOP_K} of \
+             {MOE_MAX_EXPERTS})"
+        );
+        let device = probs.device();
+        let values = Tensor::empty([tokens, k], (Kind::Float, device));
+        let indices = Tensor::empty([tokens, k], (Kind::Int64, device));
+        if tokens == 0 {
+            return Ok((values, indices));
+        }
+        let blocks = (tokens + TOPK_WARPS - 1) / TOPK_WARPS;
+        ensure!(
+            blocks <= i64::from(i32::MAX),
+            "fused kernels: {tokens} tokens are more than one launch takes"
+        );
+        let (mut p, mut v, mut i) = (probs.data_ptr(), values.data_ptr(), indices.data_ptr());
+        let (mut n, mut e, mut top) = (tokens, experts as c_int, k as c_int);
+        let mut params = [
+            arg(&mut p),
+            arg(&mut n),
+            arg(&mut e),
+            arg(&mut top),
+            arg(&mut v),
+            arg(&mut i),
+        ];
+        // eight probabilities a lane up to 256 experts, else 32
+        let which = usize::from(experts > 256);
+        self.module.launch(
+            self.moe_topk[which],
+            (blocks as u32, 1),
+            (32 * TOPK_WARPS) as u32,
+            &mut params,
+        )?;
+        Ok((values, indices))
+    }
+
+    /// The pairs of `experts_of` [tokens, k] (int64, dense; each token's experts distinct, ids
+    /// in `0..num_experts`) grouped by expert, stably (token order within an expert): what a
+    /// stable sort of the flattened ids, a binary search for the ends and the inverse of the
+    /// sorting permutation give, in three kernels.
+    pub fn moe_groups(&self, experts_of: &Tensor, num_experts: i64) -> Result<MoeGroups> {
+        self.check("the router's choices", experts_of, Kind::Int64)?;
+        let (tokens, k) = match experts_of.size()[..] {
+            [tokens, k] => (tokens, k),
+            _ => bail!(
+                "fused kernels: router choices of shape {:?}",
+                experts_of.size()
+            ),
+        };
+        ensure!(
+            (1..=MOE_MAX_EXPERTS).contains(&num_experts) && (1..=MOE_MAX_TOP_K).contains(&k),
+            "fused kernels: {k} choices of {num_experts} experts (at most {MOE_MAX_TOP_K} of \
+             {MOE_MAX_EXPERTS})"
+        );
+        let device = experts_of.device();
+        let chunks = (tokens + GROUP_TOKENS - 1) / GROUP_TOKENS;
+        ensure!(
+            chunks <= i64::from(i32::MAX) && tokens * k <= i64::from(i32::MAX),
+            "fused kernels: {tokens} tokens are more than one launch takes"
+        );
+        // every end is written by moe_group_offsets (all zero with no tokens)
+        let mut ends = Tensor::empty([num_experts], (Kind::Int, device));
+        let positions = Tensor::empty([tokens * k], (Kind::Int64, device));
+        let row_tokens = Tensor::empty([tokens * k], (Kind::Int64, device));
+        if tokens == 0 {
+            return Ok(MoeGroups {
+                ends: ends.zero_(),
+                positions,
+                row_tokens,
+            });
+        }
+        let counts = Tensor::empty([chunks, num_experts], (Kind::Int, device));
+        let (mut ids, mut c, mut e_ptr) =
+            (experts_of.data_ptr(), counts.data_ptr(), ends.data_ptr());
+        let (mut pos, mut rows) = (positions.data_ptr(), row_tokens.data_ptr());
+        let (mut n, mut choices, mut experts, mut blocks) =
+            (tokens, k as c_int, num_experts as c_int, chunks);
+        let grid = (chunks as u32, 1);
+        self.module.launch(
+            self.moe_group_count,
+            grid,
+            256,
+            &mut [
+                arg(&mut ids),
+                arg(&mut n),
+                arg(&mut choices),
+                arg(&mut experts),
+                arg(&mut c),
+            ],
+        )?;
+        self.module.launch(
+            self.moe_group_offsets,
+            (1, 1),
+            1024,
+            &mut [
+                arg(&mut c),
+                arg(&mut blocks),
+                arg(&mut experts),
+                arg(&mut e_ptr),
+            ],
+        )?;
+        self.module.launch(
+            self.moe_group_place,
+            grid,
+            256,
+            &mut [
+                arg(&mut ids),
+                arg(&mut n),
+                arg(&mut choices),
+                arg(&mut experts),
+                arg(&mut c),
+                arg(&mut pos),
+                arg(&mut rows),
+            ],
+        )?;
+        Ok(MoeGroups {
+            ends,
+            positions,
+            row_tokens,
+        })
+    }
+
+    /// [`FusedKernels::moe_combine`] added into `residual` [tokens, hidden] (dense, y's type):
+    /// `residual[t] = round(residual[t] + round(routed[t]))`, and with `shared` = (its output
+    /// [tokens, hidden], its gate's logit [tokens] or [tokens, 1]) the routed sum plus
+    /// `round(round(sigmoid(gate[t])) * shared[t])`, rounded, before that: Qwen3.5-MoE's block
+    /// and the decoder layer's residual sum, rounded where transformers rounds.
+    pub fn moe_combine_add(
+        &self,
+        y: &Tensor,
+        pos: &Tensor,
+        weights: &Tensor,
+        k: i64,
+        shared: Option<(&Tensor, &Tensor)>,
+        residual: &mut Tensor,
+    ) -> Result<()> {
+        let kind = y.kind();
+        let Some(which) = kind_index(kind) else {
+            bail!("fused kernels: no kernel for {kind:?}");
+        };
+        self.check("the experts' products", y, kind)?;
+        self.check("the routing weights", weights, kind)?;
+        self.check("the products' positions", pos, Kind::Int64)?;
+        self.check("the residual stream", residual, kind)?;
+        let (pairs, hidden) = match y.size()[..] {
+            [pairs, hidden] => (pairs, hidden),
+            _ => bail!("fused kernels: experts' products of shape {:?}", y.size()),
+        };
+        ensure!(
+            (1..=MOE_MAX_TOP_K).contains(&k) && pairs % k == 0,
+            "fused kernels: {pairs} expert products are not tokens x {k} choices (1 to \
+             {MOE_MAX_TOP_K})"
+        );
+        let tokens = pairs / k;
+        ensure!(
+            pos.size() == [pairs]
+                && weights.size() == [pairs]
+                && residual.size() == [tokens, hidden],
+            "fused kernels: positions {:?}, weights {:?} and residual {:?} for {tokens} tokens \
+             x {k} products of {hidden}",
+            pos.size(),
+            weights.size(),
+            residual.size()
+        );
+        let (mut shared_ptr, mut gate_ptr) = (std::ptr::null_mut(), std::ptr::null_mut());
+        if let Some((out, gate)) = shared {
+            self.check("the shared expert's output", out, kind)?;
+            self.check("the shared expert's gate", gate, kind)?;
+            ensure!(
+                out.size() == [tokens, hidden] && gate.numel() == tokens as usize,
+                "fused kernels: shared expert output {:?} and gate {:?} for {tokens} tokens \
+                 of {hidden}",
+                out.size(),
+                gate.size()
+            );
+            (shared_ptr, gate_ptr) = (out.data_ptr(), gate.data_ptr());
+        }
+        if tokens == 0 || hidden == 0 {
+            return Ok(());
+        }
+        ensure!(
+            tokens <= i64::from(i32::MAX),
+            "fused kernels: {tokens} tokens are more than one launch takes"
+        );
+        let vector = 16 / kind.elt_size_in_bytes() as i64;
+        let aligned = |p: *mut std::ffi::c_void| (p as usize).is_multiple_of(16);
+        let mut vectors = c_int::from(
+            hidden % vector == 0 && aligned(y.data_ptr()) && aligned(residual.data_ptr()),
+        );
+        let (mut y_ptr, mut pos_ptr, mut w_ptr, mut out_ptr) = (
+            y.data_ptr(),
+            pos.data_ptr(),
+            weights.data_ptr(),
+            residual.data_ptr(),
+        );
+        let (mut width, mut choices) = (hidden, k as c_int);
+        let mut params = [
+            arg(&mut y_ptr),
+            arg(&mut pos_ptr),
+            arg(&mut w_ptr),
+            arg(&mut shared_ptr),
+            arg(&mut gate_ptr),
+            arg(&mut out_ptr),
+            arg(&mut width),
+            arg(&mut choices),
+            arg(&mut vectors),
+        ];
+        self.module.launch(
+            self.moe_combine_add[which],
+            (tokens as u32, 1),
+            256,
+            &mut params,
+        )
+    }
+}
