@@ -315,3 +315,50 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or("unknown error");
     msg.lines().next().unwrap_or(msg).to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use tch::{Kind, Tensor};
+
+    /// On a GPU: a thread that queues work on a pool stream of its own hands its result to
+    /// another thread through a [`super::StreamEvent`]; the other thread's stream, ordered after
+    /// the event, reads the finished values (a long chain of products, so that an unordered
+    /// read would find them unwritten), and the memory the other stream still reads is not
+    /// handed back to the producer's stream: results made after the consumer's work was queued
+    /// leave the consumer's result as it was computed.
+    /// `cargo test --release --lib -- --ignored stream_event` on a CUDA machine.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_stream_event_orders_a_consumer_after_a_producer_on_its_own_stream() {
+        let runtime = crate::runtime::TorchRuntime::init();
+        assert!(runtime.cuda_devices() > 0, "no CUDA device");
+        let library = runtime.graphs.clone().expect("the CUDA graph library");
+        let device = tch::Device::Cuda(0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let producer = std::thread::spawn(move || {
+            library.use_pool_stream(0).expect("a pool stream");
+            for round in 0..4 {
+                // x = 2 I, multiplied 200 times by I: still 2 I, after much queued work
+                let eye = Tensor::eye(2048, (Kind::Float, device));
+                let mut x = &eye * (2.0 + round as f64);
+                for _ in 0..200 {
+                    x = x.matmul(&eye);
+                }
+                let event = library.record_event(0).expect("an event");
+                tx.send((round, x, event)).expect("the consumer");
+            }
+        });
+        let mut sums = Vec::new();
+        for (round, x, event) in rx {
+            event.order_after(&[&x]).expect("ordered");
+            let total = x.sum(Kind::Double);
+            drop(x);
+            sums.push((round, total));
+        }
+        producer.join().expect("the producer");
+        for (round, total) in sums {
+            let want = (2.0 + round as f64) * 2048.0;
+            assert_eq!(total.double_value(&[]), want, "round {round}");
+        }
+    }
+}
