@@ -9,13 +9,11 @@
 // loaded.
 
 #include <ATen/cuda/CUDAGraph.h>
-#include <c10/core/Event.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "guard.h"
 
-#include <memory>
 #include <optional>
 
 using dflash_guard::copy_message;
@@ -103,61 +101,6 @@ char *dflash_graph_replay(DflashGraph *g) {
 char *dflash_current_stream(int device, void **stream) {
     return guarded([&]() -> char * {
         *stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-        return nullptr;
-    });
-}
-
-// Makes a stream of libtorch's pool this thread's current stream on CUDA device `device`, for
-// the rest of the thread's life: a target worker that shares its device with a drafter queues
-// its forwards there, so that the device runs either one's kernels while the other's host is
-// busy (src/pipeline/trainer/target_stage.rs).
-char *dflash_use_pool_stream(int device) {
-    return guarded([&]() -> char * {
-        c10::cuda::setCurrentCUDAStream(
-            c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device)));
-        return nullptr;
-    });
-}
-
-// A new event recorded on this thread's current stream of `device` (null with `*err` set on
-// failure); free with dflash_event_free.
-void *dflash_event_record(int device, char **err) {
-    c10::Event *event = nullptr;
-    *err = guarded([&]() -> char * {
-        auto made = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
-        made->record(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
-        event = made.release();
-        return nullptr;
-    });
-    return event;
-}
-
-// Makes this thread's current stream of `device` wait (on the device, not the host) for the
-// work queued before the event was recorded.
-char *dflash_event_block(void *event, int device) {
-    return guarded([&]() -> char * {
-        static_cast<c10::Event *>(event)->block(
-            at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
-        return nullptr;
-    });
-}
-
-void dflash_event_free(void *event) {
-    try {
-        delete static_cast<c10::Event *>(event);
-    } catch (...) {
-    }
-}
-
-// Tells libtorch's caching allocator that `tensor` (an at::Tensor, as tch holds it) is used on
-// this thread's current stream of `device`: its memory is not reused by the stream that made it
-// before the work queued here so far is done.
-char *dflash_record_stream(const void *tensor, int device) {
-    return guarded([&]() -> char * {
-        const at::Tensor &t = *static_cast<const at::Tensor *>(tensor);
-        if (t.defined() && t.is_cuda()) {
-            t.record_stream(at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
-        }
         return nullptr;
     });
 }

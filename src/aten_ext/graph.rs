@@ -19,10 +19,6 @@ type GraphCall = unsafe extern "C" fn(*mut c_void) -> *mut c_char;
 type GraphFree = unsafe extern "C" fn(*mut c_void);
 type ErrorFree = unsafe extern "C" fn(*mut c_char);
 type CurrentStream = unsafe extern "C" fn(c_int, *mut *mut c_void) -> *mut c_char;
-type DeviceCall = unsafe extern "C" fn(c_int) -> *mut c_char;
-type EventRecord = unsafe extern "C" fn(c_int, *mut *mut c_char) -> *mut c_void;
-type EventBlock = unsafe extern "C" fn(*mut c_void, c_int) -> *mut c_char;
-type RecordStream = unsafe extern "C" fn(*const c_void, c_int) -> *mut c_char;
 
 /// The loaded graph library's functions.
 #[derive(Clone, Copy)]
@@ -36,11 +32,6 @@ pub struct GraphLibrary {
     free: GraphFree,
     free_error: ErrorFree,
     current_stream: CurrentStream,
-    use_pool_stream: DeviceCall,
-    event_record: EventRecord,
-    event_block: EventBlock,
-    event_free: GraphFree,
-    record_stream: RecordStream,
 }
 
 impl std::fmt::Debug for GraphLibrary {
@@ -111,21 +102,6 @@ impl GraphLibrary {
                 current_stream: std::mem::transmute::<*mut c_void, CurrentStream>(get(
                     b"dflash_current_stream\0",
                 )?),
-                use_pool_stream: std::mem::transmute::<*mut c_void, DeviceCall>(get(
-                    b"dflash_use_pool_stream\0",
-                )?),
-                event_record: std::mem::transmute::<*mut c_void, EventRecord>(get(
-                    b"dflash_event_record\0",
-                )?),
-                event_block: std::mem::transmute::<*mut c_void, EventBlock>(get(
-                    b"dflash_event_block\0",
-                )?),
-                event_free: std::mem::transmute::<*mut c_void, GraphFree>(get(
-                    b"dflash_event_free\0",
-                )?),
-                record_stream: std::mem::transmute::<*mut c_void, RecordStream>(get(
-                    b"dflash_record_stream\0",
-                )?),
             };
             // Kept for the life of the process, like libtorch_cuda itself.
             std::mem::forget(lib);
@@ -144,28 +120,6 @@ impl GraphLibrary {
         Ok(stream)
     }
 
-    /// Makes a stream of libtorch's pool this thread's current stream on CUDA device `device`
-    /// for the rest of the thread's life: its libtorch work queues there from now on.
-    pub(crate) fn use_pool_stream(&self, device: usize) -> Result<()> {
-        // SAFETY: a C call that returns null or a message.
-        let err = unsafe { (self.use_pool_stream)(device as c_int) };
-        self.check(err, "pool stream")
-    }
-
-    /// An event recorded on this thread's current stream of `device`: marks the work queued
-    /// there so far (see [`StreamEvent`]).
-    pub(crate) fn record_event(&self, device: usize) -> Result<StreamEvent> {
-        let mut err = std::ptr::null_mut();
-        // SAFETY: a C call that returns a new event or sets `err`.
-        let handle = unsafe { (self.event_record)(device as c_int, &mut err) };
-        self.check(err, "event")?;
-        Ok(StreamEvent {
-            library: *self,
-            handle,
-            device,
-        })
-    }
-
     /// `Ok` for a null result, else the message (freed here).
     fn check(&self, err: *mut c_char, what: &str) -> Result<()> {
         if err.is_null() {
@@ -178,45 +132,6 @@ impl GraphLibrary {
             msg
         };
         Err(anyhow!("CUDA graph {what}: {msg}"))
-    }
-}
-
-/// The end of some work queued on one thread's stream ([`GraphLibrary::record_event`]), for
-/// another thread whose stream must run after it: a target worker's forward on its own stream,
-/// and the drafter worker that reads its features on the drafter's.
-pub(crate) struct StreamEvent {
-    library: GraphLibrary,
-    handle: *mut c_void,
-    device: usize,
-}
-
-// SAFETY: a CUDA event is a driver object usable from any thread; the handle is freed once, by
-// the owner's drop.
-unsafe impl Send for StreamEvent {}
-
-impl StreamEvent {
-    /// Makes this thread's current stream wait (on the device; the host goes on) for the marked
-    /// work, and tells libtorch's allocator that `tensors` (made by that work, on the other
-    /// stream) are used on this one: their memory is not handed back to the other stream before
-    /// the work queued here is done.
-    pub(crate) fn order_after(&self, tensors: &[&tch::Tensor]) -> Result<()> {
-        let device = self.device as c_int;
-        // SAFETY: a live event of this library.
-        let err = unsafe { (self.library.event_block)(self.handle, device) };
-        self.library.check(err, "event wait")?;
-        for t in tensors {
-            // SAFETY: `as_ptr` is the at::Tensor tch holds, alive for the call.
-            let err = unsafe { (self.library.record_stream)(t.as_ptr() as *const c_void, device) };
-            self.library.check(err, "record_stream")?;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for StreamEvent {
-    fn drop(&mut self) {
-        // SAFETY: the event this value owns, freed once.
-        unsafe { (self.library.event_free)(self.handle) }
     }
 }
 

@@ -9,7 +9,7 @@ use anyhow::{bail, Result};
 use crossbeam_channel::{Receiver, Sender};
 use tch::Tensor;
 
-use super::shared::{sync_device, Shared};
+use super::shared::Shared;
 use super::target_stage::FeatureItem;
 use crate::config::TrainConfig;
 use crate::data::packer::PackerState;
@@ -111,7 +111,6 @@ pub(crate) fn train_on_item(
         chunk_rows: LossOptions::chunk_rows_for_vocab(head.lm_head.size()[0]),
         kernels: head.loss_kernels,
     };
-    let wait_after = item.order_before_use();
     let b = &item.batch;
     let (plan, targets) = profile.time(ProfileEvent::DrafterAnchors, || {
         let plan = sample_anchors(
@@ -149,9 +148,6 @@ pub(crate) fn train_on_item(
     });
     if let Some(p) = pending {
         profile.time(ProfileEvent::DrafterBackward, || p.run());
-    }
-    if wait_after {
-        sync_device(dev);
     }
     sums
 }

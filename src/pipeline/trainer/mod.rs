@@ -23,7 +23,6 @@ use tch::Device;
 use super::collective::{ParamsMsg, ReplicaSync};
 use super::command::Command;
 use super::queue::{QueueName, ResizableQueue};
-use crate::aten_ext::graph::GraphLibrary;
 use crate::config::TrainConfig;
 use crate::data::packer::Packer;
 use crate::data::store::TokenStore;
@@ -251,7 +250,6 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         p.targets,
         &taps,
         &p.drafter_devices,
-        p.graphs,
     )?);
     // Drafter workers: 0 coordinates.
     let replicas = p.drafters.len();
@@ -331,7 +329,6 @@ fn spawn_targets(
     targets: Vec<Arc<SharedTarget>>,
     taps: &[usize],
     drafter_devices: &[Device],
-    graphs: Option<GraphLibrary>,
 ) -> Result<Vec<StageThread>> {
     let mut threads = Vec::new();
     let n_targets = targets.len();
@@ -341,17 +338,12 @@ fn spawn_targets(
         let cfg = config.clone();
         let taps = taps.to_vec();
         let done = finished_targets.clone();
-        // a target that shares its device with a drafter queues its forwards on a stream of
-        // its own (where the stream library is there), ordered before the drafter's use of
-        // each batch's features by an event; one that has its device to itself waits for
-        // each forward
-        let sharing = drafter_devices.contains(&target.device);
-        let own_stream = graphs.filter(|_| sharing && target.device.is_cuda());
+        let wait_for_device = !drafter_devices.contains(&target.device);
         threads.push(spawn(
             format!("target-{i}"),
             Box::new(move || {
                 run_stage(&shared, &format!("target worker {i}"), || {
-                    target_worker(&shared, &target, &taps, &cfg, !sharing, own_stream)
+                    target_worker(&shared, &target, &taps, &cfg, wait_for_device)
                 });
                 if done.fetch_add(1, Ordering::SeqCst) + 1 == n_targets as u32 {
                     shared.feature_q.close();

@@ -8,7 +8,6 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind};
 
-use crate::aten_ext::graph::GraphLibrary;
 use crate::config::{Dtype, TrainConfig};
 use crate::data::packer::{Packer, PackerConfig, PackerState};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
@@ -41,8 +40,6 @@ pub(crate) struct Prepared {
     pub(super) held_out: Option<HeldOut>,
     /// The checkpoint resumed from: the run's last checkpoint until it saves one.
     pub(super) resumed_from: Option<PathBuf>,
-    /// libtorch's streams and events (the CUDA graph library), where CUDA is loaded.
-    pub(super) graphs: Option<GraphLibrary>,
 }
 
 fn resolve_kind(dtype: Dtype, device: Device) -> Kind {
@@ -195,7 +192,6 @@ pub(crate) fn prepare(
         rewrite_damaged_servable(r, &drafters[0])?;
     }
     Ok(Prepared {
-        graphs: runtime.graphs.as_ref().ok().copied(),
         held_out,
         config: config.clone(),
         heads,
