@@ -70,7 +70,6 @@ pub struct FusedKernels {
     scaled_rms_norm: [cu::CUfunction; 3],
     gated_rms_norm: [cu::CUfunction; 3],
     moe_combine: [cu::CUfunction; 3],
-    moe_combine_add: [cu::CUfunction; 3],
     /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
     moe_topk: [cu::CUfunction; 2],
     moe_group_count: cu::CUfunction,
@@ -101,7 +100,7 @@ impl FusedKernels {
         let (
             module,
             (
-                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, moe_combine, moe_combine_add],
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, moe_combine],
                 [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
             ),
         ) = KernelModule::load(
@@ -109,7 +108,7 @@ impl FusedKernels {
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<([Functions; 7], [cu::CUfunction; 5])> {
+            |module| -> Result<([Functions; 6], [cu::CUfunction; 5])> {
                 // SAFETY (both): the module was just loaded in the current context.
                 let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
@@ -127,7 +126,6 @@ impl FusedKernels {
                         set("scaled_rms_norm")?,
                         set("gated_rms_norm")?,
                         set("moe_combine")?,
-                        set("moe_combine_add")?,
                     ],
                     [
                         one("moe_topk_256")?,
@@ -147,7 +145,6 @@ impl FusedKernels {
             scaled_rms_norm,
             gated_rms_norm,
             moe_combine,
-            moe_combine_add,
             moe_topk: [moe_topk_256, moe_topk_1024],
             moe_group_count,
             moe_group_offsets,
@@ -336,78 +333,6 @@ impl FusedKernels {
         Ok(out)
     }
 
-    /// A mixture of experts' output [tokens, hidden] from its routed products `y` [tokens * k,
-    /// hidden] (dense, rows sorted by expert): per token t the sum over its choices j of
-    /// `y[pos[t k + j]] * weights[t k + j]` (`pos` [tokens * k] int64, where the pair's product
-    /// lies; `weights` [tokens * k] in y's type, token order), each product rounded to the type,
-    /// the sum in float32 rounded once, as libtorch's scaling, `index_copy` and sum over the k
-    /// compute it (up to the order of the float sum).
-    pub fn moe_combine(
-        &self,
-        y: &Tensor,
-        pos: &Tensor,
-        weights: &Tensor,
-        k: i64,
-    ) -> Result<Tensor> {
-        let kind = y.kind();
-        let Some(which) = kind_index(kind) else {
-            bail!("fused kernels: no kernel for {kind:?}");
-        };
-        self.check("the experts' products", y, kind)?;
-        self.check("the routing weights", weights, kind)?;
-        self.check("the products' positions", pos, Kind::Int64)?;
-        let (pairs, hidden) = match y.size()[..] {
-            [pairs, hidden] => (pairs, hidden),
-            _ => bail!("fused kernels: experts' products of shape {:?}", y.size()),
-        };
-        ensure!(
-            (1..=MOE_MAX_TOP_K).contains(&k) && pairs % k == 0,
-            "fused kernels: {pairs} expert products are not tokens x {k} choices (1 to \
-             {MOE_MAX_TOP_K})"
-        );
-        ensure!(
-            pos.size() == [pairs] && weights.size() == [pairs],
-            "fused kernels: positions {:?} and weights {:?} for {pairs} products",
-            pos.size(),
-            weights.size()
-        );
-        let tokens = pairs / k;
-        let out = Tensor::empty([tokens, hidden], (kind, y.device()));
-        if tokens == 0 || hidden == 0 {
-            return Ok(out);
-        }
-        let vector = 16 / kind.elt_size_in_bytes() as i64;
-        let aligned = |t: &Tensor| (t.data_ptr() as usize).is_multiple_of(16);
-        let mut vectors = i32::from(hidden % vector == 0 && aligned(y) && aligned(&out));
-        let (mut y_ptr, mut pos_ptr, mut w_ptr, mut out_ptr) = (
-            y.data_ptr(),
-            pos.data_ptr(),
-            weights.data_ptr(),
-            out.data_ptr(),
-        );
-        let (mut width, mut choices) = (hidden, k as i32);
-        let mut params = [
-            arg(&mut y_ptr),
-            arg(&mut pos_ptr),
-            arg(&mut w_ptr),
-            arg(&mut out_ptr),
-            arg(&mut width),
-            arg(&mut choices),
-            arg(&mut vectors),
-        ];
-        ensure!(
-            tokens <= i64::from(i32::MAX),
-            "fused kernels: {tokens} tokens are more than one launch takes"
-        );
-        self.module.launch(
-            self.moe_combine[which],
-            (tokens as u32, 1),
-            256,
-            &mut params,
-        )?;
-        Ok(out)
-    }
-
     /// The LM head's training loss over one chunk of `logits` [rows, vocab] (dense): per row the
     /// cross-entropy against `labels` [rows] (int64; a label outside the vocabulary is ignored:
     /// loss and gradient 0), as float32 [rows], and whether the first argmax is the label (1.0
@@ -543,21 +468,11 @@ mod tests {
             "scaled_rms_norm",
             "gated_rms_norm",
             "moe_combine",
-            "moe_combine_add",
         ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
                 assert!(text.contains(&entry), "no {entry} in the PTX");
             }
-        }
-        // moe_combine takes what its launch passes: four pointers, the 64-bit width, k and
-        // whether to read 16-byte vectors (32-bit each)
-        let ptr = std::mem::size_of::<*mut std::ffi::c_void>();
-        for kind in ["bf16", "f16", "f32"] {
-            assert_eq!(
-                super::norms::tests::param_sizes(text, &format!("moe_combine_{kind}")),
-                [ptr, ptr, ptr, ptr, 8, 4, 4]
-            );
         }
         for entry in [
             "moe_topk_256",
@@ -571,11 +486,13 @@ mod tests {
                 "no {entry} in the PTX"
             );
         }
-        // what their launches pass (fused_moe.rs)
+        // what their launches pass (fused_moe.rs): moe_combine six pointers, the 64-bit width,
+        // k, whether to read 16-byte vectors and whether to add into the output (32-bit each)
+        let ptr = std::mem::size_of::<*mut std::ffi::c_void>();
         for kind in ["bf16", "f16", "f32"] {
             assert_eq!(
-                super::norms::tests::param_sizes(text, &format!("moe_combine_add_{kind}")),
-                [ptr, ptr, ptr, ptr, ptr, ptr, 8, 4, 4]
+                super::norms::tests::param_sizes(text, &format!("moe_combine_{kind}")),
+                [ptr, ptr, ptr, ptr, ptr, ptr, 8, 4, 4, 4]
             );
         }
         let sizes = |name: &str| super::norms::tests::param_sizes(text, name);

@@ -26,8 +26,8 @@
 //   the token's k choices j of round(y[pos[t k + j]] * w[t k + j]), summed in float32 and
 //   rounded once; where libtorch scales the products (rounding each), scatters them back to
 //   token order (index_copy) and sums the k of each token: three kernels and two passes over
-//   the [T k, H] products for one. moe_combine_add adds Qwen3.5-MoE's gated shared expert and
-//   the residual in the same pass (four kernels and passes fewer).
+//   the [T k, H] products for one; optionally with Qwen3.5-MoE's gated shared expert added and
+//   the result added into the residual in the same pass (four kernels and passes fewer).
 // moe_topk: the router's top k of its softmax, chosen and ordered as libtorch's topk does
 //   (ties included), one warp per token instead of a block's radix selection and a sort.
 // moe_group_count / _offsets / _place: the pairs grouped by expert (a stable counting sort over
@@ -847,15 +847,10 @@ extern "C" __global__ void __launch_bounds__(256)
         long long rows, int width, float eps, int row_threads) {                             \
         gated_rms_norm<P>(x, xl, z, zl, w, out, rows, width, eps, row_threads);              \
     }                                                                                        \
-    extern "C" __global__ void moe_combine_##SUFFIX(const P::T *y, const long long *pos,    \
-                                                    const P::T *w, P::T *out,                \
-                                                    long long hidden, int k, int vectors) {  \
-        moe_combine<P>(y, pos, w, nullptr, nullptr, out, hidden, k, vectors, 0);             \
-    }                                                                                        \
-    extern "C" __global__ void moe_combine_add_##SUFFIX(                                     \
+    extern "C" __global__ void moe_combine_##SUFFIX(                                         \
         const P::T *y, const long long *pos, const P::T *w, const P::T *shared,             \
-        const P::T *gate, P::T *residual, long long hidden, int k, int vectors) {            \
-        moe_combine<P>(y, pos, w, shared, gate, residual, hidden, k, vectors, 1);            \
+        const P::T *gate, P::T *out, long long hidden, int k, int vectors, int accumulate) { \
+        moe_combine<P>(y, pos, w, shared, gate, out, hidden, k, vectors, accumulate);        \
     }                                                                                        \
     extern "C" __global__ void cross_entropy_grad_##SUFFIX(                                  \
         P::T *logits, long long vocab, const long long *labels, const float *scale,          \

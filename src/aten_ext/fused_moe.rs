@@ -1,6 +1,6 @@
-//! A mixture of experts' routing and grouping as fused kernels (`moe_topk`, `moe_group_*` and
-//! `moe_combine_add` in fused_kernels.cu). Per MoE layer of a 1 x 3072-token forward libtorch
-//! runs a radix selection and a bitonic sort for the router's top k (one block per token), a
+//! A mixture of experts' routing, grouping and combination as fused kernels (`moe_topk_*`,
+//! `moe_group_*` and `moe_combine` in fused_kernels.cu). Per MoE layer of a 1 x 3072-token
+//! forward libtorch runs a radix selection and a bitonic sort for the router's top k (one block per token), a
 //! radix sort of the 24,576 pairs' expert ids, a binary search and three index kernels for the
 //! grouping, and four element-wise passes to add the shared expert and the residual: some
 //! fifteen launches of a few to fifty microseconds, forty layers over. Here: one kernel for the
@@ -171,11 +171,31 @@ impl FusedKernels {
         })
     }
 
+    /// A mixture of experts' output [tokens, hidden] from its routed products `y` [tokens * k,
+    /// hidden] (dense, rows sorted by expert): per token t the sum over its choices j of
+    /// `y[pos[t k + j]] * weights[t k + j]` (`pos` [tokens * k] int64, where the pair's product
+    /// lies; `weights` [tokens * k] in y's type, token order), each product rounded to the type,
+    /// the sum in float32 rounded once, as libtorch's scaling, `index_copy` and sum over the k
+    /// compute it (up to the order of the float sum).
+    pub fn moe_combine(
+        &self,
+        y: &Tensor,
+        pos: &Tensor,
+        weights: &Tensor,
+        k: i64,
+    ) -> Result<Tensor> {
+        let (tokens, hidden) = combination_shape(y, k)?;
+        let out = Tensor::empty([tokens, hidden], (y.kind(), y.device()));
+        self.launch_combine(y, pos, weights, k, None, &out, false)?;
+        Ok(out)
+    }
+
     /// [`FusedKernels::moe_combine`] added into `residual` [tokens, hidden] (dense, y's type):
     /// `residual[t] = round(residual[t] + round(routed[t]))`, and with `shared` = (its output
     /// [tokens, hidden], its gate's logit [tokens] or [tokens, 1]) the routed sum plus
     /// `round(round(sigmoid(gate[t])) * shared[t])`, rounded, before that: Qwen3.5-MoE's block
-    /// and the decoder layer's residual sum, rounded where transformers rounds.
+    /// and the decoder layer's residual sum, rounded where transformers rounds. An error leaves
+    /// `residual` as it was.
     pub fn moe_combine_add(
         &self,
         y: &Tensor,
@@ -185,6 +205,21 @@ impl FusedKernels {
         shared: Option<(&Tensor, &Tensor)>,
         residual: &mut Tensor,
     ) -> Result<()> {
+        self.launch_combine(y, pos, weights, k, shared, residual, true)
+    }
+
+    /// The checks and the launch of `moe_combine` into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_combine(
+        &self,
+        y: &Tensor,
+        pos: &Tensor,
+        weights: &Tensor,
+        k: i64,
+        shared: Option<(&Tensor, &Tensor)>,
+        out: &Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
         let kind = y.kind();
         let Some(which) = kind_index(kind) else {
             bail!("fused kernels: no kernel for {kind:?}");
@@ -192,39 +227,29 @@ impl FusedKernels {
         self.check("the experts' products", y, kind)?;
         self.check("the routing weights", weights, kind)?;
         self.check("the products' positions", pos, Kind::Int64)?;
-        self.check("the residual stream", residual, kind)?;
-        let (pairs, hidden) = match y.size()[..] {
-            [pairs, hidden] => (pairs, hidden),
-            _ => bail!("fused kernels: experts' products of shape {:?}", y.size()),
-        };
+        self.check("the combination's output", out, kind)?;
+        let (tokens, hidden) = combination_shape(y, k)?;
+        let pairs = tokens * k;
         ensure!(
-            (1..=MOE_MAX_TOP_K).contains(&k) && pairs % k == 0,
-            "fused kernels: {pairs} expert products are not tokens x {k} choices (1 to \
-             {MOE_MAX_TOP_K})"
-        );
-        let tokens = pairs / k;
-        ensure!(
-            pos.size() == [pairs]
-                && weights.size() == [pairs]
-                && residual.size() == [tokens, hidden],
-            "fused kernels: positions {:?}, weights {:?} and residual {:?} for {tokens} tokens \
-             x {k} products of {hidden}",
+            pos.size() == [pairs] && weights.size() == [pairs] && out.size() == [tokens, hidden],
+            "fused kernels: positions {:?}, weights {:?} and output {:?} for {tokens} tokens x \
+             {k} products of {hidden}",
             pos.size(),
             weights.size(),
-            residual.size()
+            out.size()
         );
         let (mut shared_ptr, mut gate_ptr) = (std::ptr::null_mut(), std::ptr::null_mut());
-        if let Some((out, gate)) = shared {
-            self.check("the shared expert's output", out, kind)?;
+        if let Some((shared_out, gate)) = shared {
+            self.check("the shared expert's output", shared_out, kind)?;
             self.check("the shared expert's gate", gate, kind)?;
             ensure!(
-                out.size() == [tokens, hidden] && gate.numel() == tokens as usize,
+                shared_out.size() == [tokens, hidden] && gate.numel() == tokens as usize,
                 "fused kernels: shared expert output {:?} and gate {:?} for {tokens} tokens \
                  of {hidden}",
-                out.size(),
+                shared_out.size(),
                 gate.size()
             );
-            (shared_ptr, gate_ptr) = (out.data_ptr(), gate.data_ptr());
+            (shared_ptr, gate_ptr) = (shared_out.data_ptr(), gate.data_ptr());
         }
         if tokens == 0 || hidden == 0 {
             return Ok(());
@@ -235,16 +260,15 @@ impl FusedKernels {
         );
         let vector = 16 / kind.elt_size_in_bytes() as i64;
         let aligned = |p: *mut std::ffi::c_void| (p as usize).is_multiple_of(16);
-        let mut vectors = c_int::from(
-            hidden % vector == 0 && aligned(y.data_ptr()) && aligned(residual.data_ptr()),
-        );
+        let mut vectors =
+            c_int::from(hidden % vector == 0 && aligned(y.data_ptr()) && aligned(out.data_ptr()));
         let (mut y_ptr, mut pos_ptr, mut w_ptr, mut out_ptr) = (
             y.data_ptr(),
             pos.data_ptr(),
             weights.data_ptr(),
-            residual.data_ptr(),
+            out.data_ptr(),
         );
-        let (mut width, mut choices) = (hidden, k as c_int);
+        let (mut width, mut choices, mut add) = (hidden, k as c_int, c_int::from(accumulate));
         let mut params = [
             arg(&mut y_ptr),
             arg(&mut pos_ptr),
@@ -255,12 +279,27 @@ impl FusedKernels {
             arg(&mut width),
             arg(&mut choices),
             arg(&mut vectors),
+            arg(&mut add),
         ];
         self.module.launch(
-            self.moe_combine_add[which],
+            self.moe_combine[which],
             (tokens as u32, 1),
             256,
             &mut params,
         )
     }
+}
+
+/// The tokens and width of the routed products `y` [tokens * k, hidden] of `k` choices each.
+fn combination_shape(y: &Tensor, k: i64) -> Result<(i64, i64)> {
+    let (pairs, hidden) = match y.size()[..] {
+        [pairs, hidden] => (pairs, hidden),
+        _ => bail!("fused kernels: experts' products of shape {:?}", y.size()),
+    };
+    ensure!(
+        (1..=MOE_MAX_TOP_K).contains(&k) && pairs % k == 0,
+        "fused kernels: {pairs} expert products are not tokens x {k} choices (1 to \
+         {MOE_MAX_TOP_K})"
+    );
+    Ok((pairs / k, hidden))
 }

@@ -471,6 +471,28 @@ fn a_block_without_experts_in_the_weights_is_refused_by_name() {
     );
 }
 
+/// A fixture's sparse layers with what the GPU tests load them with: (folder, settings, hidden
+/// size, the transformers references, the sparse layers' indices).
+type SparseFixture = (PathBuf, MoeSettings, i64, HashMap<String, Tensor>, Vec<i64>);
+
+fn sparse_fixture(name: &str) -> SparseFixture {
+    let dir = fixtures().join(name);
+    let (family, c, layers) = text_config(&dir);
+    let settings = MoeSettings::from_text_config(family, &c, layers).expect("settings");
+    let hidden = c["hidden_size"].as_i64().expect("hidden_size");
+    let refs = read(&dir.join("blocks.safetensors"));
+    let sparse = (0..layers).filter(|&l| settings.is_sparse(l)).collect();
+    (dir, settings, hidden, refs, sparse)
+}
+
+/// The CUDA graph library and the first GPU, for the GPU tests.
+fn cuda() -> (crate::aten_ext::graph::GraphLibrary, Device) {
+    let runtime = crate::runtime::TorchRuntime::init();
+    assert!(runtime.cuda_devices() >= 1, "this test needs a CUDA device");
+    let library = runtime.graphs.clone().expect("the CUDA graph library");
+    (library, Device::Cuda(0))
+}
+
 /// On a GPU: the bf16 block runs inside a CUDA graph (a host read would fail the capture) and
 /// its replay equals the eager run; the grouped kernel agrees with one product per expert
 /// within bf16 rounding; float32 blocks (libtorch's grouped fallback) match transformers within
@@ -482,17 +504,10 @@ fn a_block_without_experts_in_the_weights_is_refused_by_name() {
 #[ignore = "needs a CUDA device (sm90 or sm100 for the grouped bf16 kernel)"]
 fn cuda_blocks_run_without_host_reads_and_match_transformers() {
     use crate::aten_ext::graph::CudaGraph;
-    let runtime = crate::runtime::TorchRuntime::init();
-    assert!(runtime.cuda_devices() >= 1, "this test needs a CUDA device");
-    let library = runtime.graphs.clone().expect("the CUDA graph library");
-    let device = Device::Cuda(0);
+    let (library, device) = cuda();
     for name in ["qwen3_moe_norm", "qwen3_moe_step2", "qwen3_5_moe"] {
-        let dir = fixtures().join(name);
-        let (family, c, layers) = text_config(&dir);
-        let settings = MoeSettings::from_text_config(family, &c, layers).expect("settings");
-        let hidden = c["hidden_size"].as_i64().expect("hidden_size");
-        let refs = read(&dir.join("blocks.safetensors"));
-        for l in (0..layers).filter(|&l| settings.is_sparse(l)) {
+        let (dir, settings, hidden, refs, sparse) = sparse_fixture(name);
+        for l in sparse {
             let r = |k: &str| refs[&format!("l{l}.{k}")].to_device(device);
             let f32_block = load_block(&dir, &settings, hidden, l, (Kind::Float, device));
             let out = f32_block.forward(&r("x"));
@@ -548,10 +563,7 @@ fn cuda_blocks_run_without_host_reads_and_match_transformers() {
 #[ignore = "needs a CUDA device (sm90 or sm100 for the grouped bf16 kernel)"]
 fn cuda_fused_routing_equals_libtorchs() {
     use crate::aten_ext::graph::CudaGraph;
-    let runtime = crate::runtime::TorchRuntime::init();
-    assert!(runtime.cuda_devices() >= 1, "this test needs a CUDA device");
-    let library = runtime.graphs.clone().expect("the CUDA graph library");
-    let device = Device::Cuda(0);
+    let (library, device) = cuda();
     let kernels = crate::runtime::fused_kernels_or_warn(device).expect("the fused kernels");
     tch::manual_seed(7);
     for (tokens, experts, k, levels) in [
@@ -593,12 +605,8 @@ fn cuda_fused_routing_equals_libtorchs() {
     }
     // the fused block against libtorch's operations, and inside a CUDA graph
     for name in ["qwen3_moe_norm", "qwen3_5_moe"] {
-        let dir = fixtures().join(name);
-        let (family, c, layers) = text_config(&dir);
-        let settings = MoeSettings::from_text_config(family, &c, layers).expect("settings");
-        let hidden = c["hidden_size"].as_i64().expect("hidden_size");
-        let refs = read(&dir.join("blocks.safetensors"));
-        for l in (0..layers).filter(|&l| settings.is_sparse(l)) {
+        let (dir, settings, hidden, refs, sparse) = sparse_fixture(name);
+        for l in sparse {
             let block = load_block(&dir, &settings, hidden, l, (Kind::BFloat16, device));
             let x = refs[&format!("l{l}.x_bf16")].to_device(device);
             let residual = x.flip([-1]).contiguous();

@@ -202,60 +202,21 @@ static bool run_silu_mul(const char *name,
 }
 
 // moe_combine over `tokens` tokens of `k` choices and rows of `hidden`, launched as fused.rs
-// does: the products y in a shuffled order (as sorted by expert), pos their inverse, the
-// reference summing round(y * w) over the choices in double precision, rounded once.
+// does: the products y in a shuffled order (as sorted by expert), pos their inverse; with
+// `shared` a shared expert's output and its gate's logit per token, with `accumulate` the
+// result added into a residual stream. The reference rounds where transformers' operations
+// round: each round(y * w), their sum in double precision rounded once, sigmoid(gate), its
+// product with the shared output, their sum, the residual's sum.
 template <class P>
 static bool run_moe_combine(const char *name,
                             void (*kernel)(const typename P::T *, const long long *,
+                                           const typename P::T *, const typename P::T *,
                                            const typename P::T *, typename P::T *, long long,
-                                           int, int),
-                            long long tokens, int k, long long hidden, double rel,
-                            double exact) {
+                                           int, int, int),
+                            long long tokens, int k, long long hidden, bool shared,
+                            bool accumulate, double rel, double exact) {
     typedef typename P::T T;
-    std::mt19937 rng(9 + tokens + k + hidden);
-    std::normal_distribution<float> normal;
-    const long long pairs = tokens * k;
-    std::vector<long long> order(pairs);
-    for (long long p = 0; p < pairs; ++p) order[p] = p;
-    std::shuffle(order.begin(), order.end(), rng);
-    std::vector<long long> pos(pairs);
-    for (long long p = 0; p < pairs; ++p) pos[order[p]] = p;
-    std::vector<T> y(pairs * hidden), w(pairs);
-    for (T &e : y) e = P::store(normal(rng));
-    for (T &e : w) e = P::store(std::fabs(normal(rng)) / k);
-    std::vector<T> out(tokens * hidden + 64, P::store(NAN));
-    const int vectors = hidden % (16 / sizeof(T)) == 0;
-    emu::launch({(unsigned)tokens, 1, 1}, 256,
-                [&] { kernel(y.data(), pos.data(), w.data(), out.data(), hidden, k, vectors); });
-    std::vector<double> want(tokens * hidden);
-    for (long long t = 0; t < tokens; ++t) {
-        for (long long h = 0; h < hidden; ++h) {
-            double acc = 0;
-            for (int j = 0; j < k; ++j) {
-                const long long p = t * k + j;
-                acc += round_to<P>((double)P::load(y[pos[p] * hidden + h]) * P::load(w[p]));
-            }
-            want[t * hidden + h] = round_to<P>(acc);
-        }
-    }
-    return compare<P>(name, out, want, rel, exact);
-}
-
-
-// moe_combine_add: the routed products as run_moe_combine's, plus (with `shared`) a shared
-// expert's output and its gate's logit per token, added into a residual stream; the reference
-// rounds where transformers' operations round: the routed sum, sigmoid(gate), its product with
-// the shared output, their sum, the residual's sum.
-template <class P>
-static bool run_moe_combine_add(const char *name,
-                                void (*kernel)(const typename P::T *, const long long *,
-                                               const typename P::T *, const typename P::T *,
-                                               const typename P::T *, typename P::T *, long long,
-                                               int, int),
-                                long long tokens, int k, long long hidden, bool shared,
-                                double rel, double exact) {
-    typedef typename P::T T;
-    std::mt19937 rng(19 + tokens + k + hidden);
+    std::mt19937 rng(9 + tokens + k + hidden + shared + 2 * accumulate);
     std::normal_distribution<float> normal;
     const long long pairs = tokens * k;
     std::vector<long long> order(pairs);
@@ -268,13 +229,15 @@ static bool run_moe_combine_add(const char *name,
     for (T &e : w) e = P::store(std::fabs(normal(rng)) / k);
     for (T &e : sh) e = P::store(normal(rng));
     for (T &e : gate) e = P::store(2.0f * normal(rng));
-    std::vector<T> res(tokens * hidden + 64, P::store(NAN));
-    for (long long i = 0; i < tokens * hidden; ++i) res[i] = P::store(4.0f * normal(rng));
-    const std::vector<T> before = res;
+    std::vector<T> out(tokens * hidden + 64, P::store(NAN));
+    if (accumulate) {
+        for (long long i = 0; i < tokens * hidden; ++i) out[i] = P::store(4.0f * normal(rng));
+    }
+    const std::vector<T> before = out;
     const int vectors = hidden % (16 / sizeof(T)) == 0;
     emu::launch({(unsigned)tokens, 1, 1}, 256, [&] {
         kernel(y.data(), pos.data(), w.data(), shared ? sh.data() : nullptr,
-               shared ? gate.data() : nullptr, res.data(), hidden, k, vectors);
+               shared ? gate.data() : nullptr, out.data(), hidden, k, vectors, accumulate);
     });
     std::vector<double> want(tokens * hidden);
     for (long long t = 0; t < tokens; ++t) {
@@ -290,10 +253,13 @@ static bool run_moe_combine_add(const char *name,
             if (shared) {
                 v = round_to<P>(v + round_to<P>(scale * P::load(sh[t * hidden + h])));
             }
-            want[t * hidden + h] = round_to<P>(P::load(before[t * hidden + h]) + v);
+            if (accumulate) {
+                v = round_to<P>(P::load(before[t * hidden + h]) + v);
+            }
+            want[t * hidden + h] = v;
         }
     }
-    return compare<P>(name, res, want, rel, exact);
+    return compare<P>(name, out, want, rel, exact);
 }
 
 // The host's reading of libtorch's topk on a GPU (largest, sorted, k <= 32): the k largest by
@@ -493,17 +459,18 @@ int main() {
     // sign cancel in places (1e-3 off relative to a small sum; a wrong row or weight is O(1))
     const double sum_rel = 1e-3;
     ok &= run_moe_combine<Bf16>("moe_combine bf16: 5 tokens x 8 choices of 2048", moe_combine_bf16,
-                                5, 8, 2048, bf16_rel, bf16_exact);
+                                5, 8, 2048, false, false, bf16_rel, bf16_exact);
     ok &= run_moe_combine<F32>("moe_combine f32: 4 tokens x 3 choices of 100", moe_combine_f32, 4,
-                               3, 100, sum_rel, 0.0);
+                               3, 100, false, false, sum_rel, 0.0);
     ok &= run_moe_combine<F32>("moe_combine f32: 3 tokens x 8 choices of 1028", moe_combine_f32,
-                               3, 8, 1028, sum_rel, 0.0);
-    ok &= run_moe_combine_add<Bf16>("moe_combine_add bf16: 5 tokens x 8 of 2048, shared expert",
-                                    moe_combine_add_bf16, 5, 8, 2048, true, bf16_rel, bf16_exact);
-    ok &= run_moe_combine_add<Bf16>("moe_combine_add bf16: 3 tokens x 3 of 100, no shared expert",
-                                    moe_combine_add_bf16, 3, 3, 100, false, bf16_rel, bf16_exact);
-    ok &= run_moe_combine_add<F32>("moe_combine_add f32: 4 tokens x 8 of 1028, shared expert",
-                                   moe_combine_add_f32, 4, 8, 1028, true, sum_rel, 0.0);
+                               3, 8, 1028, false, false, sum_rel, 0.0);
+    // ... with a shared expert and into a residual; into a residual only
+    ok &= run_moe_combine<Bf16>("moe_combine bf16: 5 x 8 of 2048, shared expert, residual",
+                                moe_combine_bf16, 5, 8, 2048, true, true, bf16_rel, bf16_exact);
+    ok &= run_moe_combine<Bf16>("moe_combine bf16: 3 x 3 of 100, residual", moe_combine_bf16, 3,
+                                3, 100, false, true, bf16_rel, bf16_exact);
+    ok &= run_moe_combine<F32>("moe_combine f32: 4 x 8 of 1028, shared expert, residual",
+                               moe_combine_f32, 4, 8, 1028, true, true, sum_rel, 0.0);
     // the router: 256 and 128 experts of 8 choices, 6 experts of 2 (a partial warp), 1000 of
     // 10, 300 of 32 (every slot of the sort), 40 of 31; tokens not a multiple of a block's 8
     ok &= run_moe_topk("moe_topk: 19 tokens, 256 experts, top 8, 6 levels", 19, 256, 8, 6);
