@@ -34,19 +34,21 @@ pub struct MoeGroups {
 }
 
 impl FusedKernels {
+    /// The rows and columns of `t`, a dense matrix of `kind` on this device.
+    fn matrix(&self, what: &str, t: &Tensor, kind: Kind) -> Result<(i64, i64)> {
+        self.check(what, t, kind)?;
+        match t.size()[..] {
+            [rows, columns] => Ok((rows, columns)),
+            _ => bail!("fused kernels: {what} of shape {:?}", t.size()),
+        }
+    }
+
     /// The `k` largest of each row of `probs` [tokens, experts] (float32, dense; at most
     /// [`MOE_MAX_EXPERTS`] experts, `k` at most 32): values [tokens, k] and indices [tokens, k]
     /// (int64), the same as libtorch's `topk(k, -1, largest, sorted)` on a GPU returns them,
     /// equal values included (which of them it keeps and the order it leaves them in).
     pub fn moe_topk(&self, probs: &Tensor, k: i64) -> Result<(Tensor, Tensor)> {
-        self.check("the router's probabilities", probs, Kind::Float)?;
-        let (tokens, experts) = match probs.size()[..] {
-            [tokens, experts] => (tokens, experts),
-            _ => bail!(
-                "fused kernels: router probabilities of shape {:?}",
-                probs.size()
-            ),
-        };
+        let (tokens, experts) = self.matrix("the router's probabilities", probs, Kind::Float)?;
         ensure!(
             (1..=MOE_MAX_EXPERTS).contains(&experts)
                 && (1..=MOE_MAX_TOP_K.min(experts)).contains(&k),
@@ -90,14 +92,7 @@ impl FusedKernels {
     /// stable sort of the flattened ids, a binary search for the ends and the inverse of the
     /// sorting permutation give, in three kernels.
     pub fn moe_groups(&self, experts_of: &Tensor, num_experts: i64) -> Result<MoeGroups> {
-        self.check("the router's choices", experts_of, Kind::Int64)?;
-        let (tokens, k) = match experts_of.size()[..] {
-            [tokens, k] => (tokens, k),
-            _ => bail!(
-                "fused kernels: router choices of shape {:?}",
-                experts_of.size()
-            ),
-        };
+        let (tokens, k) = self.matrix("the router's choices", experts_of, Kind::Int64)?;
         ensure!(
             (1..=MOE_MAX_EXPERTS).contains(&num_experts) && (1..=MOE_MAX_TOP_K).contains(&k),
             "fused kernels: {k} choices of {num_experts} experts (at most {MOE_MAX_TOP_K} of \
