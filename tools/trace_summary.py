@@ -12,10 +12,14 @@ to the innermost range around the launch that queued it (matched by the launch's
 id, which also holds for the kernels of a replayed CUDA graph; a launch from a thread without a
 range around it, as the autograd engine's thread running a backward pass on a GPU, counts in
 the innermost range of any thread around it). --json prints it all as one object (for a
-before/after comparison). Standard library only, so that it runs where the trace was made and
-only its summary has to travel.
+before/after comparison). --gaps adds where the device sat idle (a trace of several host
+threads, as `bench --trace-pipeline FILE` writes): each gap of at least --gap-us between device
+work, whether the work that ended it was launched before the gap began or only during it (the
+device waited for that thread's launch), and what every host thread was doing in the CUDA
+runtime meanwhile (synchronisations, allocations, launches). Standard library only, so that it
+runs where the trace was made and only its summary has to travel.
 
-  python3 tools/trace_summary.py TRACE.json [--top 25] [--json]
+  python3 tools/trace_summary.py TRACE.json [--top 25] [--json] [--gaps [--gap-us 20]]
 """
 import argparse
 import collections
@@ -155,6 +159,96 @@ def range_totals(events, ranges):
     return totals
 
 
+RUNTIME = ("cuda_runtime", "cuda_driver")
+
+
+def thread_names(events):
+    """{(pid, tid): name} from the trace's thread_name metadata."""
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            names[(e.get("pid"), e.get("tid"))] = (e.get("args") or {}).get("name", "")
+    return names
+
+
+def device_gaps(events, min_us):
+    """The device's idle gaps of at least `min_us`: [(start, end, first event after)]."""
+    spans = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), i)
+        for i, e in enumerate(events)
+        if e.get("cat") in DEVICE and e.get("ph") == "X"
+    )
+    gaps, end = [], None
+    for s, f, i in spans:
+        if end is not None and s - end >= min_us:
+            gaps.append((end, s, events[i]))
+        end = f if end is None else max(end, f)
+    return gaps
+
+
+def gap_report(events, min_us):
+    """Where the device's idle time goes: {"gaps", "idle_ms", "by_size", "ended_by",
+    "runtime_during"} (see the module's docstring)."""
+    names = thread_names(events)
+
+    def thread(e):
+        key = (e.get("pid"), e.get("tid"))
+        return f"{names.get(key) or 'thread'} {key[1]}"
+
+    launches = {}
+    calls = collections.defaultdict(list)  # thread -> [(start, end, name)]
+    for e in events:
+        if e.get("cat") in RUNTIME and e.get("ph") == "X":
+            ts = float(e["ts"])
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launches[corr] = (ts, thread(e))
+            calls[thread(e)].append((ts, ts + float(e.get("dur", 0)), e.get("name", "?")))
+    gaps = device_gaps(events, min_us)
+    by_size = collections.Counter()
+    ended_by = collections.defaultdict(lambda: [0, 0.0])
+    during = collections.defaultdict(lambda: [0, 0.0])
+    for g0, g1, nxt in gaps:
+        us = g1 - g0
+        bucket = next(b for b in (50, 200, 1000, 5000, float("inf")) if us < b)
+        by_size[f"< {bucket:g} us" if bucket != float("inf") else ">= 5000 us"] += 1
+        launch = launches.get((nxt.get("args") or {}).get("correlation"))
+        if launch is None:
+            key = "no launch recorded"
+        elif launch[0] > g0:
+            key = f"launched during the gap by {launch[1]}"
+        else:
+            key = f"launched before the gap by {launch[1]}"
+        ended_by[key][0] += 1
+        ended_by[key][1] += us
+        for th, cs in calls.items():
+            for c0, c1, name in cs:
+                overlap = min(c1, g1) - max(c0, g0)
+                if overlap > 0:
+                    t = during[f"{th}: {name}"]
+                    t[0] += 1
+                    t[1] += overlap
+    return {
+        "gaps": len(gaps),
+        "idle_ms": sum(g1 - g0 for g0, g1, _ in gaps) / 1e3,
+        "by_size": dict(by_size),
+        "ended_by": {k: {"gaps": n, "ms": us / 1e3} for k, (n, us) in ended_by.items()},
+        "runtime_during": top(during, 40),
+    }
+
+
+def print_gaps(report, min_us, n):
+    print(f"device idle gaps of at least {min_us:g} us: {report['gaps']}, {report['idle_ms']:.3f} ms in all")
+    print("  by length: " + ", ".join(f"{k}: {v}" for k, v in sorted(report["by_size"].items())))
+    print("  the work that ended each gap:")
+    for k, v in sorted(report["ended_by"].items(), key=lambda kv: -kv[1]["ms"]):
+        print(f"  {v['gaps']:8d} {v['ms']:10.3f} ms  {k}")
+    print("  CUDA runtime calls of each thread during the gaps (time inside the gaps):")
+    for r in report["runtime_during"][:n]:
+        print(f"  {r['count']:8d} {r['ms']:10.3f} ms  {r['name']}")
+    print()
+
+
 def top(totals, n):
     rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
     return [{"name": k, "count": c, "ms": us / 1e3} for k, (c, us) in rows]
@@ -192,12 +286,19 @@ def main():
     p.add_argument("trace", help="a Chrome trace JSON file")
     p.add_argument("--top", type=int, default=25, help="rows per table")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
+    p.add_argument("--gaps", action="store_true", help="also where the device sat idle")
+    p.add_argument("--gap-us", type=float, default=20.0, help="shortest gap counted (us)")
     args = p.parse_args()
     with open(args.trace) as f:
         events = json.load(f).get("traceEvents", [])
     if args.json:
-        print(json.dumps(summary(events, args.top), indent=1))
+        out = summary(events, args.top)
+        if args.gaps:
+            out["gaps"] = gap_report(events, args.gap_us)
+        print(json.dumps(out, indent=1))
         return
+    if args.gaps:
+        print_gaps(gap_report(events, args.gap_us), args.gap_us, args.top)
     ranges = Ranges(events)
     totals, busy, span = device_totals(events)
     if totals:

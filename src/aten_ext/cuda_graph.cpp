@@ -9,6 +9,7 @@
 // loaded.
 
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -101,6 +102,26 @@ char *dflash_graph_replay(DflashGraph *g) {
 char *dflash_current_stream(int device, void **stream) {
     return guarded([&]() -> char * {
         *stream = at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+        return nullptr;
+    });
+}
+
+// Counters of libtorch's CUDA caching allocator on device `device`, into `out[7]`: retries
+// after a failed device allocation (each frees the cache and synchronises the device), syncs
+// of all streams, device allocations, device frees, out-of-memory errors, and the peaks of the
+// allocated and the reserved bytes since the start.
+char *dflash_allocator_stats(int device, int64_t *out) {
+    return guarded([&]() -> char * {
+        const auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(
+            static_cast<c10::DeviceIndex>(device));
+        const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+        out[0] = s.num_alloc_retries;
+        out[1] = s.num_sync_all_streams;
+        out[2] = s.num_device_alloc;
+        out[3] = s.num_device_free;
+        out[4] = s.num_ooms;
+        out[5] = s.allocated_bytes[all].peak;
+        out[6] = s.reserved_bytes[all].peak;
         return nullptr;
     });
 }

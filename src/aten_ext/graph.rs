@@ -19,6 +19,42 @@ type GraphCall = unsafe extern "C" fn(*mut c_void) -> *mut c_char;
 type GraphFree = unsafe extern "C" fn(*mut c_void);
 type ErrorFree = unsafe extern "C" fn(*mut c_char);
 type CurrentStream = unsafe extern "C" fn(c_int, *mut *mut c_void) -> *mut c_char;
+type AllocatorStatsFn = unsafe extern "C" fn(c_int, *mut i64) -> *mut c_char;
+
+/// Counters of libtorch's CUDA caching allocator on one device (what `torch.cuda.memory_stats`
+/// reports), since the process started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AllocatorStats {
+    /// Device allocations that failed and were retried after freeing the cache: each one
+    /// synchronises the device.
+    pub alloc_retries: i64,
+    /// Synchronisations of every stream to free cached blocks.
+    pub syncs_all_streams: i64,
+    /// Device memory allocations (cudaMalloc, or mapped pages with expandable segments).
+    pub device_allocs: i64,
+    /// Device memory frees (cudaFree or unmapped pages).
+    pub device_frees: i64,
+    /// Allocations that failed even after freeing the cache.
+    pub ooms: i64,
+    /// Peak bytes handed out to tensors.
+    pub peak_allocated_bytes: i64,
+    /// Peak bytes held from the device (tensors and the cache).
+    pub peak_reserved_bytes: i64,
+}
+
+impl AllocatorStats {
+    /// The counts of `self` since `before` (the peaks are kept as they are).
+    pub fn since(&self, before: &AllocatorStats) -> AllocatorStats {
+        AllocatorStats {
+            alloc_retries: self.alloc_retries - before.alloc_retries,
+            syncs_all_streams: self.syncs_all_streams - before.syncs_all_streams,
+            device_allocs: self.device_allocs - before.device_allocs,
+            device_frees: self.device_frees - before.device_frees,
+            ooms: self.ooms - before.ooms,
+            ..*self
+        }
+    }
+}
 
 /// The loaded graph library's functions.
 #[derive(Clone, Copy)]
@@ -32,6 +68,7 @@ pub struct GraphLibrary {
     free: GraphFree,
     free_error: ErrorFree,
     current_stream: CurrentStream,
+    allocator_stats: AllocatorStatsFn,
 }
 
 impl std::fmt::Debug for GraphLibrary {
@@ -102,6 +139,9 @@ impl GraphLibrary {
                 current_stream: std::mem::transmute::<*mut c_void, CurrentStream>(get(
                     b"dflash_current_stream\0",
                 )?),
+                allocator_stats: std::mem::transmute::<*mut c_void, AllocatorStatsFn>(get(
+                    b"dflash_allocator_stats\0",
+                )?),
             };
             // Kept for the life of the process, like libtorch_cuda itself.
             std::mem::forget(lib);
@@ -118,6 +158,23 @@ impl GraphLibrary {
         let err = unsafe { (self.current_stream)(device as c_int, &mut stream) };
         self.check(err, "current stream")?;
         Ok(stream)
+    }
+
+    /// The caching allocator's counters of CUDA device `device`.
+    pub fn allocator_stats(&self, device: usize) -> Result<AllocatorStats> {
+        let mut out = [0i64; 7];
+        // SAFETY: a C call that writes 7 values into `out` or returns a message.
+        let err = unsafe { (self.allocator_stats)(device as c_int, out.as_mut_ptr()) };
+        self.check(err, "allocator statistics")?;
+        Ok(AllocatorStats {
+            alloc_retries: out[0],
+            syncs_all_streams: out[1],
+            device_allocs: out[2],
+            device_frees: out[3],
+            ooms: out[4],
+            peak_allocated_bytes: out[5],
+            peak_reserved_bytes: out[6],
+        })
     }
 
     /// `Ok` for a null result, else the message (freed here).

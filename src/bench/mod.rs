@@ -12,6 +12,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
+use crate::aten_ext::graph::AllocatorStats;
+use crate::aten_ext::ProfilerTrace;
 use crate::config::{self, TrainConfig};
 use crate::pipeline::command::Command;
 use crate::pipeline::trainer::{self, TrainerHandle};
@@ -74,9 +76,16 @@ pub struct BenchOptions {
     /// after the timed stages, to this file. See tools/trace_summary.py.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// Training steps the --trace records (at most the measured window's batches).
+    /// Training steps --trace records (at most the measured window's batches), and
+    /// --trace-pipeline.
     #[arg(long, default_value_t = 2, value_name = "N")]
     pub trace_steps: usize,
+    /// Write a profiler trace of the whole pipeline at work to this file: --trace-steps steps
+    /// right after the measured window, every thread's CUDA kernels, copies and runtime calls
+    /// (launches, synchronisations, allocations), so that the device's idle gaps can be put
+    /// down to what the host threads were doing (tools/trace_summary.py --gaps).
+    #[arg(long, value_name = "FILE")]
+    pub trace_pipeline: Option<PathBuf>,
 }
 
 /// The benchmark's result (benchmarks spec fields, plus what they were computed from).
@@ -113,6 +122,10 @@ pub(crate) struct BenchReport {
     pub profile_ms: BTreeMap<String, (f64, u64)>,
     /// Peak NVML memory per GPU over the run, GB (1e9 bytes).
     pub peak_mem_gb: BTreeMap<String, f64>,
+    /// Per GPU of the pipeline, libtorch's caching allocator over the measured window: its
+    /// counts there (retries and syncs of all streams each stall the device) and its peaks
+    /// since the start (empty without CUDA).
+    pub allocator: BTreeMap<String, AllocatorStats>,
     /// Parameters the FLOP count uses: target layers actually run (up to the last tapped
     /// layer, no embedding), drafter trainable parameters.
     pub target_params_used: f64,
@@ -257,6 +270,7 @@ struct PipelineWindow {
     p0: ProfileReport,
     p1: ProfileReport,
     snap: Snapshot,
+    allocator: BTreeMap<String, AllocatorStats>,
     /// The run's temporary directory, removed when the benchmark is done.
     _run_dir: tempfile::TempDir,
 }
@@ -290,14 +304,28 @@ fn run_pipeline(
         .prefix("dflash-bench-")
         .tempdir()
         .context("cannot create a temporary run directory")?;
+    let gpus = pipeline_gpus(runtime, cfg);
     let handle = trainer::start(runtime, cfg, run_dir.path(), false)?;
     let waited = wait_for_step(&handle, opts.warmup_steps.max(1));
+    let a0 = allocator_stats(runtime, &gpus);
     let p0 = handle.profile_report();
     sampler.set_in_window(true);
-    let waited = waited.and_then(|_| wait_for_step(&handle, opts.warmup_steps + opts.steps));
+    let end = opts.warmup_steps + opts.steps;
+    let waited = waited.and_then(|_| wait_for_step(&handle, end));
     sampler.set_in_window(false);
     let p1 = handle.profile_report();
     let snap = handle.snapshot();
+    let allocator = allocator_stats(runtime, &gpus)
+        .into_iter()
+        .map(|(gpu, after)| {
+            let before = a0.get(&gpu).copied().unwrap_or_default();
+            (gpu, after.since(&before))
+        })
+        .collect();
+    let traced = match (&opts.trace_pipeline, &waited) {
+        (Some(path), Ok(())) => trace_pipeline(&handle, path, end + opts.trace_steps as u64),
+        _ => Ok(()),
+    };
     // A benchmark's weights are thrown away: stop without the final checkpoint (for an 8B
     // target's drafter that is 20 GB of training state written to disk).
     let _ = handle.command(&Command::Stop { checkpoint: false });
@@ -307,12 +335,62 @@ fn run_pipeline(
     if outcome.phase == Phase::Failed {
         bail!("the pipeline failed: {}", outcome.error.unwrap_or_default());
     }
+    traced?;
     Ok(PipelineWindow {
         p0,
         p1,
         snap,
+        allocator,
         _run_dir: run_dir,
     })
+}
+
+/// The CUDA devices the pipeline's stages run on, by index.
+fn pipeline_gpus(runtime: &TorchRuntime, cfg: &TrainConfig) -> Vec<usize> {
+    let specs: Vec<DeviceSpec> = cfg
+        .devices
+        .target_devices
+        .iter()
+        .chain(&cfg.devices.drafter_devices)
+        .copied()
+        .collect();
+    let mut gpus: Vec<usize> = runtime
+        .device_list(&specs)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|d| match d {
+            tch::Device::Cuda(i) => Some(i),
+            _ => None,
+        })
+        .collect();
+    gpus.sort_unstable();
+    gpus.dedup();
+    gpus
+}
+
+/// The caching allocator's counters of each of `gpus` ("gpuN"); none where the CUDA library
+/// is not there.
+fn allocator_stats(runtime: &TorchRuntime, gpus: &[usize]) -> BTreeMap<String, AllocatorStats> {
+    let Ok(graphs) = &runtime.graphs else {
+        return BTreeMap::new();
+    };
+    gpus.iter()
+        .filter_map(|&i| match graphs.allocator_stats(i) {
+            Ok(s) => Some((format!("gpu{i}"), s)),
+            Err(e) => {
+                log::warn!("bench: no allocator statistics of cuda:{i}: {e:#}");
+                None
+            }
+        })
+        .collect()
+}
+
+/// Records the running pipeline until it has done `until` steps, into `path`.
+fn trace_pipeline(handle: &TrainerHandle, path: &Path, until: u64) -> Result<()> {
+    let trace = ProfilerTrace::start(true)?;
+    let waited = wait_for_step(handle, until);
+    trace.save(path)?;
+    waited
 }
 
 /// Each stage alone on the same batches as the measured window (the packer's order after
@@ -485,7 +563,13 @@ pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchRe
             bail!("--trace-steps must be at least 1");
         }
         // refused before anything runs, not after the pipeline's window
-        crate::aten_ext::ProfilerTrace::check_path(trace)?;
+        ProfilerTrace::check_path(trace)?;
+    }
+    if let Some(trace) = &opts.trace_pipeline {
+        if opts.trace_steps == 0 {
+            bail!("--trace-steps must be at least 1");
+        }
+        ProfilerTrace::check_path(trace)?;
     }
     let path = profile_path(&opts.profile);
     if !path.is_file() {
@@ -503,6 +587,7 @@ pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchRe
         p0,
         p1,
         snap,
+        allocator,
         _run_dir,
     } = run_pipeline(runtime, &cfg, opts, &mut sampler)?;
     let alone = stages_alone(runtime, &cfg, opts)?;
@@ -537,6 +622,7 @@ pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchRe
         slowest_stage: slowest,
         profile_ms,
         peak_mem_gb,
+        allocator,
         target_params_used: model.target_params,
         target_rule_flops_per_token: model.target_rule_flops,
         drafter_params: model.drafter_params,

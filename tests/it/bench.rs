@@ -30,6 +30,7 @@ fn cpu_tiny_bench_reports_every_field_consistently() {
     // (with a profiler trace: one run checks both)
     let tmp = tempfile::tempdir().unwrap();
     let trace = tmp.path().join("trace.json");
+    let pipeline_trace = tmp.path().join("pipeline.json");
     let out = bench(&[
         "--profile",
         "cpu-tiny",
@@ -39,6 +40,8 @@ fn cpu_tiny_bench_reports_every_field_consistently() {
         "4",
         "--trace",
         trace.to_str().unwrap(),
+        "--trace-pipeline",
+        pipeline_trace.to_str().unwrap(),
     ]);
     assert!(
         out.status.success(),
@@ -109,8 +112,13 @@ fn cpu_tiny_bench_reports_every_field_consistently() {
             .unwrap(),
         slowest
     );
-    // on the CPU there is no peak FLOP rate and no NVML reading
+    // on the CPU there is no peak FLOP rate, no NVML reading and no CUDA allocator
     assert!(r["mfu"].is_null());
+    assert_eq!(r["allocator"], serde_json::json!({}));
+    // the pipeline's trace was taken after the window (2 more steps) and written whole
+    let written: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&pipeline_trace).unwrap()).unwrap();
+    assert!(written["traceEvents"].is_array(), "{written}");
     assert!(f("model_flops_per_s") > 0.0);
     drafter_parts_add_up(&r);
     trace_holds_the_traced_steps(&trace);
@@ -199,6 +207,79 @@ fn trace_holds_the_traced_steps(trace: &std::path::Path) {
     assert!(parts <= host("training step") * 1.001, "{stages}");
 }
 
+/// `trace_summary.py --gaps` on a trace of two threads: a kernel, 200 us of idle device while
+/// one thread waits in a synchronisation and the other launches the next kernel late, then a
+/// gap the next kernel was queued for before it began.
+#[test]
+fn trace_summary_puts_the_device_gaps_down_to_the_threads() {
+    let kernel = |ts: f64, dur: f64, corr: i64| {
+        serde_json::json!({"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7,
+            "ts": ts, "dur": dur, "args": {"correlation": corr}})
+    };
+    let call = |tid: i64, name: &str, ts: f64, dur: f64, corr: i64| {
+        serde_json::json!({"ph": "X", "cat": "cuda_runtime", "name": name, "pid": 1, "tid": tid,
+            "ts": ts, "dur": dur, "args": {"correlation": corr}})
+    };
+    let name = |tid: i64, n: &str| {
+        serde_json::json!({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
+            "args": {"name": n}})
+    };
+    let events = serde_json::json!({"traceEvents": [
+        name(11, "drafter"), name(12, "coordinator"),
+        call(11, "cudaLaunchKernel", 0.0, 5.0, 1), kernel(10.0, 90.0, 1),
+        call(12, "cudaEventSynchronize", 90.0, 170.0, 50),
+        call(11, "cudaLaunchKernel", 250.0, 6.0, 2), kernel(300.0, 100.0, 2),
+        call(11, "cudaLaunchKernel", 260.0, 6.0, 3), kernel(430.0, 10.0, 3),
+        call(11, "cudaLaunchKernel", 270.0, 6.0, 4), kernel(440.0, 10.0, 4),
+    ]});
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("two-threads.json");
+    std::fs::write(&path, events.to_string()).unwrap();
+    let out = Command::new("python3")
+        .arg(root().join("tools/trace_summary.py"))
+        .arg(&path)
+        .args(["--json", "--gaps", "--gap-us", "20"])
+        .output()
+        .expect("python3 (make setup needs it too)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let g = &s["gaps"];
+    // 100..300 and 400..430; 440 follows 430..440 without a gap
+    assert_eq!(g["gaps"], 2, "{g}");
+    assert!((g["idle_ms"].as_f64().unwrap() - 0.230).abs() < 1e-9, "{g}");
+    let ended = &g["ended_by"];
+    let late = &ended["launched during the gap by drafter 11"];
+    assert_eq!(late["gaps"], 1, "{g}");
+    assert!((late["ms"].as_f64().unwrap() - 0.2).abs() < 1e-9, "{g}");
+    assert_eq!(
+        ended["launched before the gap by drafter 11"]["gaps"], 1,
+        "{g}"
+    );
+    let during: Vec<(String, f64)> = g["runtime_during"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["name"].as_str().unwrap().to_owned(),
+                r["ms"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    // the synchronisation covers 100..260 of the first gap; the launches 250..256 and
+    // 260..266, 270..276 (the last two in the first gap only up to 300)
+    let ms = |n: &str| during.iter().find(|(k, _)| k == n).map(|(_, v)| *v);
+    assert!((ms("coordinator 12: cudaEventSynchronize").unwrap() - 0.160).abs() < 1e-9);
+    assert!(
+        (ms("drafter 11: cudaLaunchKernel").unwrap() - 0.018).abs() < 1e-9,
+        "{during:?}"
+    );
+}
+
 #[test]
 fn bench_rejects_unknown_profiles_and_zero_steps() {
     let out = bench(&["--profile", "nonesuch"]);
@@ -220,6 +301,9 @@ fn bench_rejects_unknown_profiles_and_zero_steps() {
     let out = bench(&["--trace", "t.json", "--trace-steps", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--trace-steps"));
+    let out = bench(&["--trace-pipeline", "no/such/p.json"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no/such/p.json"));
 }
 
 #[test]
