@@ -204,6 +204,19 @@ def gap_report(events, min_us):
             if corr is not None:
                 launches[corr] = (ts, thread(e))
             calls[thread(e)].append((ts, ts + float(e.get("dur", 0)), e.get("name", "?")))
+    # device time by the thread that launched the work, and how often the device switched
+    # from one launching thread's work to another's
+    by_thread = collections.defaultdict(float)
+    switches, last = 0, None
+    for e in sorted(
+        (e for e in events if e.get("cat") in DEVICE and e.get("ph") == "X"),
+        key=lambda e: float(e["ts"]),
+    ):
+        launch = launches.get((e.get("args") or {}).get("correlation"))
+        who = launch[1] if launch else "no launch recorded"
+        by_thread[who] += float(e.get("dur", 0))
+        switches += last is not None and who != last
+        last = who
     gaps = device_gaps(events, min_us)
     by_size = collections.Counter()
     ended_by = collections.defaultdict(lambda: [0, 0.0])
@@ -234,6 +247,8 @@ def gap_report(events, min_us):
         "by_size": dict(by_size),
         "ended_by": {k: {"gaps": n, "ms": us / 1e3} for k, (n, us) in ended_by.items()},
         "runtime_during": top(during, 40),
+        "device_ms_by_thread": {k: us / 1e3 for k, us in by_thread.items()},
+        "thread_switches": switches,
     }
 
 
@@ -243,6 +258,9 @@ def print_gaps(report, min_us, n):
     print("  the work that ended each gap:")
     for k, v in sorted(report["ended_by"].items(), key=lambda kv: -kv[1]["ms"]):
         print(f"  {v['gaps']:8d} {v['ms']:10.3f} ms  {k}")
+    print(f"  device time by the thread that launched it ({report['thread_switches']} switches between threads):")
+    for k, ms in sorted(report["device_ms_by_thread"].items(), key=lambda kv: -kv[1]):
+        print(f"  {ms:10.3f} ms  {k}")
     print("  CUDA runtime calls of each thread during the gaps (time inside the gaps):")
     for r in report["runtime_during"][:n]:
         print(f"  {r['count']:8d} {r['ms']:10.3f} ms  {r['name']}")

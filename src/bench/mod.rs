@@ -347,19 +347,14 @@ fn run_pipeline(
 
 /// The CUDA devices the pipeline's stages run on, by index.
 fn pipeline_gpus(runtime: &TorchRuntime, cfg: &TrainConfig) -> Vec<usize> {
-    let specs: Vec<DeviceSpec> = cfg
+    // (target and drafter may share a device: each spec on its own, then each GPU once)
+    let mut gpus: Vec<usize> = cfg
         .devices
         .target_devices
         .iter()
         .chain(&cfg.devices.drafter_devices)
-        .copied()
-        .collect();
-    let mut gpus: Vec<usize> = runtime
-        .device_list(&specs)
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|d| match d {
-            tch::Device::Cuda(i) => Some(i),
+        .filter_map(|&spec| match runtime.resolve(spec) {
+            Ok(tch::Device::Cuda(i)) => Some(i),
             _ => None,
         })
         .collect();

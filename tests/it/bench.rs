@@ -209,7 +209,7 @@ fn trace_holds_the_traced_steps(trace: &std::path::Path) {
 
 /// `trace_summary.py --gaps` on a trace of two threads: a kernel, 200 us of idle device while
 /// one thread waits in a synchronisation and the other launches the next kernel late, then a
-/// gap the next kernel was queued for before it began.
+/// gap the next kernel (the other thread's) was queued for before it began.
 #[test]
 fn trace_summary_puts_the_device_gaps_down_to_the_threads() {
     let kernel = |ts: f64, dur: f64, corr: i64| {
@@ -229,7 +229,7 @@ fn trace_summary_puts_the_device_gaps_down_to_the_threads() {
         call(11, "cudaLaunchKernel", 0.0, 5.0, 1), kernel(10.0, 90.0, 1),
         call(12, "cudaEventSynchronize", 90.0, 170.0, 50),
         call(11, "cudaLaunchKernel", 250.0, 6.0, 2), kernel(300.0, 100.0, 2),
-        call(11, "cudaLaunchKernel", 260.0, 6.0, 3), kernel(430.0, 10.0, 3),
+        call(12, "cudaLaunchKernel", 260.0, 6.0, 3), kernel(430.0, 10.0, 3),
         call(11, "cudaLaunchKernel", 270.0, 6.0, 4), kernel(440.0, 10.0, 4),
     ]});
     let tmp = tempfile::tempdir().unwrap();
@@ -255,10 +255,8 @@ fn trace_summary_puts_the_device_gaps_down_to_the_threads() {
     let late = &ended["launched during the gap by drafter 11"];
     assert_eq!(late["gaps"], 1, "{g}");
     assert!((late["ms"].as_f64().unwrap() - 0.2).abs() < 1e-9, "{g}");
-    assert_eq!(
-        ended["launched before the gap by drafter 11"]["gaps"], 1,
-        "{g}"
-    );
+    let early = &ended["launched before the gap by coordinator 12"];
+    assert_eq!(early["gaps"], 1, "{g}");
     let during: Vec<(String, f64)> = g["runtime_during"]
         .as_array()
         .unwrap()
@@ -270,14 +268,20 @@ fn trace_summary_puts_the_device_gaps_down_to_the_threads() {
             )
         })
         .collect();
-    // the synchronisation covers 100..260 of the first gap; the launches 250..256 and
-    // 260..266, 270..276 (the last two in the first gap only up to 300)
     let ms = |n: &str| during.iter().find(|(k, _)| k == n).map(|(_, v)| *v);
+    // the synchronisation covers 100..260 of the first gap; the launches 250..256, 270..276
+    // (drafter) and 260..266 (coordinator)
     assert!((ms("coordinator 12: cudaEventSynchronize").unwrap() - 0.160).abs() < 1e-9);
+    assert!((ms("drafter 11: cudaLaunchKernel").unwrap() - 0.012).abs() < 1e-9);
+    assert!((ms("coordinator 12: cudaLaunchKernel").unwrap() - 0.006).abs() < 1e-9);
+    // the third kernel is the coordinator's: two switches between threads
+    let by_thread = &g["device_ms_by_thread"];
     assert!(
-        (ms("drafter 11: cudaLaunchKernel").unwrap() - 0.018).abs() < 1e-9,
-        "{during:?}"
+        (by_thread["drafter 11"].as_f64().unwrap() - 0.2).abs() < 1e-9,
+        "{g}"
     );
+    assert!((by_thread["coordinator 12"].as_f64().unwrap() - 0.01).abs() < 1e-9);
+    assert_eq!(g["thread_switches"], 2, "{g}");
 }
 
 #[test]
