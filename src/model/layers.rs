@@ -197,6 +197,61 @@ impl AttentionWeights {
         )
     }
 
+    /// [`AttentionWeights::project_qkv_rotated`] with the q/k norms and the rotation in one
+    /// fused kernel (`rotate_write`, as the decoding engines run it) over every token of the
+    /// batch: `cos`, `sin` [L, d] are the angles of the rows' shared positions. `None` where
+    /// the weights are not fused or the kernel refuses the call (libtorch's operations then).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn project_qkv_rotated_fused(
+        &self,
+        x: &Tensor,
+        heads: i64,
+        kv_heads: i64,
+        d: i64,
+        eps: f64,
+        cos: &Tensor,
+        sin: &Tensor,
+        kernels: &FusedKernels,
+    ) -> Option<(Tensor, Tensor, Tensor)> {
+        let (w, b) = self.fused.as_ref()?;
+        if self.q_norm.is_some() != self.k_norm.is_some() {
+            return None;
+        }
+        let (batch, len) = (x.size()[0], x.size()[1]);
+        let n = batch * len;
+        let y = x.linear(w, b.as_ref());
+        let (cos, sin) = match batch {
+            1 => (cos.shallow_clone(), sin.shallow_clone()),
+            _ => (cos.repeat([batch, 1]), sin.repeat([batch, 1])),
+        };
+        let opts = (y.kind(), y.device());
+        let rows = Tensor::arange(n, (Kind::Int64, y.device()));
+        let keys = Tensor::empty([n, kv_heads, d], opts);
+        let values = Tensor::empty([n, kv_heads, d], opts);
+        let queries = kernels
+            .rotate_write(
+                &y,
+                1,
+                heads,
+                self.q_norm.as_ref(),
+                self.k_norm.as_ref(),
+                eps,
+                &cos,
+                &sin,
+                &rows,
+                &keys,
+                &values,
+            )
+            .map_err(|e| log::warn!("fused q/k rotation refused a call, libtorch instead: {e:#}"))
+            .ok()??;
+        let by_head = |t: Tensor, h: i64| t.view([batch, len, h, d]).transpose(1, 2);
+        Some((
+            by_head(queries, heads),
+            by_head(keys, kv_heads),
+            by_head(values, kv_heads),
+        ))
+    }
+
     /// `x` [B, L, H] -> [B, heads, L, head_dim], with the per-head norm when present.
     fn project(
         x: &Tensor,

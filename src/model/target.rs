@@ -591,9 +591,18 @@ impl TargetModel {
             match layer {
                 TargetLayer::Decoder(layer) => {
                     let h = rms_norm(&x, &layer.input_norm, eps);
-                    let (q, k, v) = layer
-                        .attn
-                        .project_qkv_rotated(&h, heads, kv_heads, d, eps, cos, sin);
+                    // (the fused kernel writes fresh keys and values: a forward that fills a
+                    // cache appends them there as before)
+                    let fused = kernels.and_then(|k| {
+                        layer
+                            .attn
+                            .project_qkv_rotated_fused(&h, heads, kv_heads, d, eps, cos, sin, k)
+                    });
+                    let (q, k, v) = fused.unwrap_or_else(|| {
+                        layer
+                            .attn
+                            .project_qkv_rotated(&h, heads, kv_heads, d, eps, cos, sin)
+                    });
                     let a = mixing.attend(idx, &q, k, v);
                     layer.attn.add_output(&mut x, &a);
                     let normed = rms_norm(&x, &layer.post_norm, eps);

@@ -159,7 +159,8 @@ fn gpu_moe_combine_equals_the_libtorch_operations() {
 }
 
 /// Targets' forwards with the fused kernels (a hybrid's norms, gated output norms and SwiGLU
-/// products; a dense target's SwiGLU products in `run`) equal those with libtorch's
+/// products; a dense target's SwiGLU products and q/k norms and rotation in `run`, of one row
+/// and of two) equal those with libtorch's
 /// operations up to rounding: the transformers hybrid fixture (rows of 32, a warp per row), a
 /// random hybrid of its layers with rows of 1,536 (a block per row) and value heads of 128, a
 /// dense Qwen3, and the Qwen3.5-MoE (shared expert) and Qwen3-MoE fixtures (the experts'
@@ -207,6 +208,10 @@ fn gpu_target_forwards_with_fused_kernels_equal_the_plain_ones() {
             let outputs = |target: &TargetModel| -> Vec<Tensor> {
                 let out = target.run(&ids.to_device(dev), None, &req);
                 let mut all = vec![out.logits.unwrap(), out.features.unwrap()];
+                // two rows at once (the rows share the rotary angles of their positions)
+                let two = Tensor::cat(&[&ids, &ids.flip([1])], 0).to_device(dev);
+                let out = target.run(&two, None, &req);
+                all.extend([out.logits.unwrap(), out.features.unwrap()]);
                 tch::no_grad(|| {
                     let mut engine = TargetDecoder::new(target, 64, &[0, 1], None, None).unwrap();
                     let (logits, features) = engine.prefill(&[5, 9, 13, 2, 7]).unwrap();
