@@ -69,6 +69,7 @@ pub struct FusedKernels {
     cross_entropy_grad: [cu::CUfunction; 3],
     scaled_rms_norm: [cu::CUfunction; 3],
     gated_rms_norm: [cu::CUfunction; 3],
+    gdn_gates: [cu::CUfunction; 3],
     moe_combine: [cu::CUfunction; 3],
     /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
     moe_topk: [cu::CUfunction; 2],
@@ -100,7 +101,7 @@ impl FusedKernels {
         let (
             module,
             (
-                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, moe_combine],
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine],
                 [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
             ),
         ) = KernelModule::load(
@@ -108,7 +109,7 @@ impl FusedKernels {
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<([Functions; 6], [cu::CUfunction; 5])> {
+            |module| -> Result<([Functions; 7], [cu::CUfunction; 5])> {
                 // SAFETY (both): the module was just loaded in the current context.
                 let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
@@ -125,6 +126,7 @@ impl FusedKernels {
                         set("cross_entropy_grad")?,
                         set("scaled_rms_norm")?,
                         set("gated_rms_norm")?,
+                        set("gdn_gates")?,
                         set("moe_combine")?,
                     ],
                     [
@@ -144,6 +146,7 @@ impl FusedKernels {
             cross_entropy_grad,
             scaled_rms_norm,
             gated_rms_norm,
+            gdn_gates,
             moe_combine,
             moe_topk: [moe_topk_256, moe_topk_1024],
             moe_group_count,
@@ -467,6 +470,7 @@ mod tests {
             "cross_entropy_grad",
             "scaled_rms_norm",
             "gated_rms_norm",
+            "gdn_gates",
             "moe_combine",
         ] {
             for kind in ["bf16", "f16", "f32"] {
@@ -496,6 +500,14 @@ mod tests {
             );
         }
         let sizes = |name: &str| super::norms::tests::param_sizes(text, name);
+        // gdn_gates (fused_norms.rs): a, b, the 64-bit row stride, heads, the 64-bit rows, then
+        // dt_bias, neg_a, g and beta
+        for kind in ["bf16", "f16", "f32"] {
+            assert_eq!(
+                sizes(&format!("gdn_gates_{kind}")),
+                [ptr, ptr, 8, 4, 8, ptr, ptr, ptr, ptr]
+            );
+        }
         assert_eq!(sizes("moe_topk_256"), [ptr, 8, 4, 4, ptr, ptr]);
         assert_eq!(sizes("moe_topk_1024"), [ptr, 8, 4, 4, ptr, ptr]);
         assert_eq!(sizes("moe_group_count"), [ptr, 8, 4, 4, ptr]);

@@ -16,6 +16,10 @@
 // scaled_rms_norm: the zero-centred RMSNorm, x.float().rms_norm(scale).to(dtype) with a float32
 //   scale (1 + w): one kernel for three (two of them float32 copies of the input). Sum of
 //   squares, rstd = rsqrt(mean + eps) and y = x * rstd * scale in float32, one rounding.
+// gdn_gates: the Gated DeltaNet's decay and write strength per token and value head from the
+//   projection's columns a and b: g = softplus(float(a) + dt_bias) * neg_a in float32 and
+//   beta = sigmoid(b) in the storage type, one kernel for five (a float32 copy, the sum, the
+//   softplus, the product, the sigmoid), each rounded where those round.
 // gated_rms_norm: the Gated DeltaNet's output norm gated by z (transformers'
 //   Qwen3_5RMSNormGated): one kernel for about ten. Three roundings, where libtorch's operations
 //   round: t1 = round(x * rstd) (rstd over the row in float32, no weight), t2 = round(t1 * w)
@@ -125,6 +129,30 @@ static __device__ void rotate_write(const typename P::T *__restrict__ y, int lay
     }
     dst[i] = out0;
     dst[i + half] = out1;
+}
+
+// The gates of `rows` tokens of `heads` value heads: a and b [rows, heads] with rows
+// `row_stride` elements apart (columns of the projection), dt_bias [heads] in the storage
+// type, neg_a [heads] float32; g [rows, heads] float32 and beta [rows, heads] dense. As
+// libtorch computes them: softplus (beta 1, threshold 20) of the float32 sum
+// log1p(exp(x)) unless x > 20, times neg_a; sigmoid 1 / (1 + exp(-b)) in float32, rounded once.
+template <class P>
+static __device__ void gdn_gates(const typename P::T *__restrict__ a,
+                                 const typename P::T *__restrict__ b, long long row_stride,
+                                 int heads, long long rows,
+                                 const typename P::T *__restrict__ dt_bias,
+                                 const float *__restrict__ neg_a, float *__restrict__ g,
+                                 typename P::T *__restrict__ beta) {
+    const long long n = rows * heads;
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+        const long long r = i / heads;
+        const int h = (int)(i - r * heads);
+        const float x = P::load(a[r * row_stride + h]) + P::load(dt_bias[h]);
+        const float soft = x > 20.0f ? x : log1pf(expf(x));
+        g[i] = soft * neg_a[h];
+        beta[i] = P::store(1.0f / (1.0f + expf(-P::load(b[r * row_stride + h]))));
+    }
 }
 
 // Whether `p` can be read as 16-byte vectors.
@@ -846,6 +874,11 @@ extern "C" __global__ void __launch_bounds__(256)
         const P::T *x, RowLayout xl, const P::T *z, RowLayout zl, const P::T *w, P::T *out,  \
         long long rows, int width, float eps, int row_threads) {                             \
         gated_rms_norm<P>(x, xl, z, zl, w, out, rows, width, eps, row_threads);              \
+    }                                                                                        \
+    extern "C" __global__ void gdn_gates_##SUFFIX(                                           \
+        const P::T *a, const P::T *b, long long row_stride, int heads, long long rows,       \
+        const P::T *dt_bias, const float *neg_a, float *g, P::T *beta) {                     \
+        gdn_gates<P>(a, b, row_stride, heads, rows, dt_bias, neg_a, g, beta);                \
     }                                                                                        \
     extern "C" __global__ void moe_combine_##SUFFIX(                                         \
         const P::T *y, const long long *pos, const P::T *w, const P::T *shared,             \

@@ -1,6 +1,7 @@
 //! The target's norms as fused kernels (`scaled_rms_norm`, `gated_rms_norm` in
 //! fused_kernels.cu): the zero-centred RMSNorm of the Qwen3.5 hybrids, three libtorch kernels
-//! with float32 copies of the input, and the Gated DeltaNet's gated output norm, about ten.
+//! with float32 copies of the input, and the Gated DeltaNet's gated output norm, about ten;
+//! and the Gated DeltaNet's gates (`gdn_gates`), five.
 //! A 1 x 3072-token forward of the 27B shape runs them some 260 times over [3072, 5120] or its
 //! heads: their cost is the passes over memory, one here.
 
@@ -218,6 +219,92 @@ impl FusedKernels {
         )?;
         Ok(out)
     }
+
+    /// The Gated DeltaNet's gates of every token: `a`, `b` [..., heads] (bf16, f16 or f32;
+    /// dense rows of `heads`, or columns of the projection: every row one stride apart),
+    /// `dt_bias` [heads] of their type, `neg_a` [heads] float32. Returns `g` =
+    /// `softplus(a.to_kind(Float) + dt_bias) * neg_a` (float32) and `beta` = `sigmoid(b)`
+    /// (their type), both dense [..., heads]: what libtorch's five kernels compute, in one.
+    pub fn gdn_gates(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        dt_bias: &Tensor,
+        neg_a: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (which, rows, heads) = self.norm_rows("the gates' a", a)?;
+        let kind = a.kind();
+        let row_stride = |t: &Tensor| -> Option<i64> {
+            let (size, stride) = (t.size(), t.stride());
+            let n = size.len();
+            // rows of `heads` dense, and the dimensions before them collapsing into one stride
+            if n < 1 || (size[n - 1] > 1 && stride[n - 1] != 1) {
+                return None;
+            }
+            let mut row = None;
+            let mut expected = None;
+            for d in (0..n - 1).rev().filter(|&d| size[d] != 1) {
+                match expected {
+                    Some(e) if e != stride[d] => return None,
+                    _ => {}
+                }
+                row.get_or_insert(stride[d]);
+                expected = Some(stride[d] * size[d]);
+            }
+            Some(row.unwrap_or(heads))
+        };
+        ensure!(
+            b.size() == a.size() && b.kind() == kind && b.device() == a.device(),
+            "fused kernels: the gates' b {:?} {:?}, a {:?} {kind:?}",
+            b.size(),
+            b.kind(),
+            a.size()
+        );
+        let (Some(stride_a), Some(stride_b)) = (row_stride(a), row_stride(b)) else {
+            bail!("fused kernels: the gates' a and b must have rows one stride apart");
+        };
+        ensure!(
+            stride_a == stride_b,
+            "fused kernels: the gates' a and b have rows {stride_a} and {stride_b} apart"
+        );
+        self.check("dt_bias", dt_bias, kind)?;
+        self.check("neg_a", neg_a, Kind::Float)?;
+        ensure!(
+            dt_bias.numel() as i64 == heads && neg_a.numel() as i64 == heads,
+            "fused kernels: dt_bias and neg_a must hold {heads} values"
+        );
+        let g = Tensor::empty(a.size().as_slice(), (Kind::Float, a.device()));
+        let beta = Tensor::empty(a.size().as_slice(), (kind, a.device()));
+        let n = rows * heads;
+        if n == 0 {
+            return Ok((g, beta));
+        }
+        let (mut pa, mut pb, mut pd, mut pn, mut pg, mut pbeta) = (
+            a.data_ptr(),
+            b.data_ptr(),
+            dt_bias.data_ptr(),
+            neg_a.data_ptr(),
+            g.data_ptr(),
+            beta.data_ptr(),
+        );
+        let (mut stride, mut h, mut r) = (stride_a, heads as c_int, rows);
+        let mut params = [
+            arg(&mut pa),
+            arg(&mut pb),
+            arg(&mut stride),
+            arg(&mut h),
+            arg(&mut r),
+            arg(&mut pd),
+            arg(&mut pn),
+            arg(&mut pg),
+            arg(&mut pbeta),
+        ];
+        // a thread per value, grid-stride past 65,535 blocks
+        let blocks = ((n + 255) / 256).min(65_535) as u32;
+        self.module
+            .launch(self.gdn_gates[which], (blocks, 1), 256, &mut params)?;
+        Ok((g, beta))
+    }
 }
 
 #[cfg(test)]
@@ -340,6 +427,6 @@ pub(super) mod tests {
     /// Needs a C++20 compiler (`$CXX`, else `c++`).
     #[test]
     fn the_norm_kernels_run_on_the_cpu_match_the_libtorch_roundings() {
-        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 28);
+        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 32);
     }
 }

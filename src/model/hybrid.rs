@@ -354,8 +354,7 @@ impl GatedDeltaNet {
         let q = heads(0, s.key_heads, s.key_dim);
         let k = heads(key_width, s.key_heads, s.key_dim);
         let v = heads(2 * key_width, s.value_heads, s.value_dim);
-        let mut beta = p.b.sigmoid();
-        let mut g = (p.a.to_kind(Kind::Float) + &self.dt_bias).softplus() * &self.neg_a;
+        let (mut g, mut beta) = self.gates(&p.a, &p.b);
         if let Some(m) = real {
             let m = m.unsqueeze(-1);
             g *= m.to_kind(Kind::Float);
@@ -363,6 +362,20 @@ impl GatedDeltaNet {
             beta *= m.to_kind(kind);
         }
         (q, k, v, g, beta)
+    }
+
+    /// The rule's decay `g` = softplus(a + dt_bias) * -exp(A) (float32) and write strength
+    /// `beta` = sigmoid(b) of the projection's columns `a`, `b` [B, T, Hv]: one fused kernel
+    /// where the layer holds them for the device, else libtorch's operations.
+    fn gates(&self, a: &Tensor, b: &Tensor) -> (Tensor, Tensor) {
+        if let Some(k) = serving(self.fused.as_ref(), a) {
+            match k.gdn_gates(a, b, &self.dt_bias, &self.neg_a) {
+                Ok(gates) => return gates,
+                Err(e) => log::warn!("fused gates refused a call, libtorch instead: {e:#}"),
+            }
+        }
+        let g = (a.to_kind(Kind::Float) + &self.dt_bias).softplus() * &self.neg_a;
+        (g, b.sigmoid())
     }
 
     /// The gated norm of the rule's output [B, T, Hv, dv] with `z`, then `out_proj`: [B, T, H].

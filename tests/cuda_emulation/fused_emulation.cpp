@@ -1,5 +1,6 @@
 // Runs the target's norm kernels of src/aten_ext/fused_kernels.cu (scaled_rms_norm,
-// gated_rms_norm), SwiGLU's silu_mul and a mixture of experts' moe_combine on the CPU (cuda_emu.h) against double-precision loops
+// gated_rms_norm), the Gated DeltaNet's gdn_gates, SwiGLU's silu_mul and a mixture of experts'
+// moe_combine on the CPU (cuda_emu.h) against double-precision loops
 // that round to the storage type where the kernels must (where libtorch's operations round):
 // rows of 5120 (a block per row) and of 128 / 256 (a warp per row, a partial last block),
 // strided row layouts (a projection's views), rows the kernels read 16 bytes at a time and rows
@@ -199,6 +200,55 @@ static bool run_silu_mul(const char *name,
         }
     }
     return compare<P>(name, out, want, rel, exact);
+}
+
+// gdn_gates over `rows` tokens of `heads` value heads, a and b columns of a projection whose
+// rows are `row_stride` apart (a at column 0, b after it), launched as fused_norms.rs does (a
+// thread per value, 256 a block). The reference: the float32 sum a + dt_bias (as libtorch adds
+// two float32 tensors), softplus in double (the sum itself above 20), times neg_a; sigmoid(b)
+// in double, rounded to the storage type. Values of a span the threshold.
+template <class P>
+static bool run_gdn_gates(const char *name,
+                          void (*kernel)(const typename P::T *, const typename P::T *, long long,
+                                         int, long long, const typename P::T *, const float *,
+                                         float *, typename P::T *),
+                          long long rows, int heads, long long row_stride, double rel,
+                          double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(11 + rows + heads);
+    std::normal_distribution<float> normal;
+    std::vector<T> proj(rows * row_stride, P::store(NAN));
+    for (long long r = 0; r < rows; ++r) {
+        for (int h = 0; h < 2 * heads; ++h) {
+            proj[r * row_stride + h] = P::store(h < heads ? 12.0f * normal(rng) : 3.0f * normal(rng));
+        }
+    }
+    std::vector<T> dt(heads);
+    std::vector<float> neg_a(heads);
+    for (int h = 0; h < heads; ++h) {
+        dt[h] = P::store(normal(rng));
+        neg_a[h] = -std::exp(normal(rng));
+    }
+    std::vector<float> g(rows * heads + 64, NAN);
+    std::vector<T> beta(rows * heads + 64, P::store(NAN));
+    const long long n = rows * heads;
+    emu::launch({(unsigned)std::min((n + 255) / 256, 65535LL), 1, 1}, 256, [&] {
+        kernel(proj.data(), proj.data() + heads, row_stride, heads, rows, dt.data(),
+               neg_a.data(), g.data(), beta.data());
+    });
+    std::vector<double> want_g(n), want_beta(n);
+    for (long long r = 0; r < rows; ++r) {
+        for (int h = 0; h < heads; ++h) {
+            const float x = P::load(proj[r * row_stride + h]) + P::load(dt[h]);
+            const double soft = x > 20.0f ? (double)x : std::log1p(std::exp((double)x));
+            want_g[r * heads + h] = soft * neg_a[h];
+            const double b = P::load(proj[r * row_stride + heads + h]);
+            want_beta[r * heads + h] = round_to<P>(1.0 / (1.0 + std::exp(-b)));
+        }
+    }
+    std::string gname = std::string(name) + ", g", bname = std::string(name) + ", beta";
+    return compare<F32>(gname.c_str(), g, want_g, 1e-6, 0.0) &
+           compare<P>(bname.c_str(), beta, want_beta, rel, exact);
 }
 
 // moe_combine over `tokens` tokens of `k` choices and rows of `hidden`, launched as fused.rs
@@ -454,6 +504,13 @@ int main() {
     ok &= run_silu_mul<Bf16>("silu_mul bf16: 3 rows of 2056", silu_mul_bf16, 3, 2056, bf16_rel,
                              bf16_exact);
     ok &= run_silu_mul<F32>("silu_mul f32: 3 rows of 64", silu_mul_f32, 3, 64, f32_rel, 0.0);
+    // the Gated DeltaNet's gates: 32 value heads of 300 tokens in a projection of 12,352
+    // columns (the 35B-A3B shape's a and b), 48 heads of 7 tokens dense (rows of a and b
+    // back to back), f32
+    ok &= run_gdn_gates<Bf16>("gdn_gates bf16: 300 tokens x 32 heads", gdn_gates_bf16, 300, 32,
+                              12352, bf16_rel, bf16_exact);
+    ok &= run_gdn_gates<F32>("gdn_gates f32: 7 tokens x 48 heads", gdn_gates_f32, 7, 48, 96,
+                             f32_rel, 0.0);
     // a mixture of experts' combination: 8 choices of 2,048 (16-byte vectors), 3 of 100 (one
     // element at a time), 8 of 1,028 (vectors of 4 floats). The float32 sums of terms of either
     // sign cancel in places (1e-3 off relative to a small sum; a wrong row or weight is O(1))
