@@ -197,22 +197,19 @@ impl AttentionWeights {
         )
     }
 
-    /// [`AttentionWeights::project_qkv_rotated`] with the q/k norms and the rotation in one
-    /// fused kernel (`rotate_write`, as the decoding engines run it) over every token of the
-    /// batch: `cos`, `sin` [L, d] are the angles of the rows' shared positions. `None` where
-    /// the weights are not fused or the kernel refuses the call (libtorch's operations then).
-    #[allow(clippy::too_many_arguments)]
+    /// [`AttentionWeights::project_qkv_rotated`]'s work with the q/k norms and the rotation in
+    /// one fused kernel (`rotate_write`, as the decoding engines run it) over every token of the
+    /// batch: `rope` (cos, sin [L, d]) are the angles of the rows' shared positions. `None`
+    /// where the weights are not fused or the kernel refuses the call.
     pub(crate) fn project_qkv_rotated_fused(
         &self,
         x: &Tensor,
-        heads: i64,
-        kv_heads: i64,
-        d: i64,
-        eps: f64,
-        cos: &Tensor,
-        sin: &Tensor,
+        shape: AttentionShape,
+        rope: (&Tensor, &Tensor),
         kernels: &FusedKernels,
     ) -> Option<(Tensor, Tensor, Tensor)> {
+        let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
+        let (cos, sin) = rope;
         let (w, b) = self.fused.as_ref()?;
         if self.q_norm.is_some() != self.k_norm.is_some() {
             return None;
@@ -235,7 +232,7 @@ impl AttentionWeights {
                 heads,
                 self.q_norm.as_ref(),
                 self.k_norm.as_ref(),
-                eps,
+                shape.eps,
                 &cos,
                 &sin,
                 &rows,

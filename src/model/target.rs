@@ -593,10 +593,16 @@ impl TargetModel {
                     let h = rms_norm(&x, &layer.input_norm, eps);
                     // (the fused kernel writes fresh keys and values: a forward that fills a
                     // cache appends them there as before)
+                    let shape = AttentionShape {
+                        heads,
+                        kv_heads,
+                        head_dim: d,
+                        eps,
+                    };
                     let fused = kernels.and_then(|k| {
                         layer
                             .attn
-                            .project_qkv_rotated_fused(&h, heads, kv_heads, d, eps, cos, sin, k)
+                            .project_qkv_rotated_fused(&h, shape, (cos, sin), k)
                     });
                     let (q, k, v) = fused.unwrap_or_else(|| {
                         layer

@@ -155,6 +155,23 @@ fn drafter_parts_add_up(r: &serde_json::Value) {
     );
 }
 
+/// `tools/trace_summary.py TRACE --json ARGS`'s object.
+fn trace_summary(trace: &std::path::Path, args: &[&str]) -> serde_json::Value {
+    let out = Command::new("python3")
+        .arg(root().join("tools/trace_summary.py"))
+        .arg(trace)
+        .arg("--json")
+        .args(args)
+        .output()
+        .expect("python3 (make setup needs it too)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// The trace: the two steps (the default --trace-steps) and their parts as named ranges, the
 /// operators inside them, and tools/trace_summary.py's totals per range.
 fn trace_holds_the_traced_steps(trace: &std::path::Path) {
@@ -171,18 +188,7 @@ fn trace_holds_the_traced_steps(trace: &std::path::Path) {
     }
     let ops = common::trace_events(trace, "cpu_op");
     assert!(ops.iter().filter(|e| e["name"] == "aten::mm").count() > 10);
-    let out = Command::new("python3")
-        .arg(root().join("tools/trace_summary.py"))
-        .arg(trace)
-        .arg("--json")
-        .output()
-        .expect("python3 (make setup needs it too)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let s = trace_summary(trace, &[]);
     let stages = &s["stages"];
     let host = |k: &str| stages[k]["host_ms"].as_f64().unwrap();
     for part in ["drafter.forward", "drafter.loss", "drafter.backward"] {
@@ -235,18 +241,7 @@ fn trace_summary_puts_the_device_gaps_down_to_the_threads() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("two-threads.json");
     std::fs::write(&path, events.to_string()).unwrap();
-    let out = Command::new("python3")
-        .arg(root().join("tools/trace_summary.py"))
-        .arg(&path)
-        .args(["--json", "--gaps", "--gap-us", "20"])
-        .output()
-        .expect("python3 (make setup needs it too)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let s = trace_summary(&path, &["--gaps", "--gap-us", "20"]);
     let g = &s["gaps"];
     // 100..300 and 400..430; 440 follows 430..440 without a gap
     assert_eq!(g["gaps"], 2, "{g}");
