@@ -408,11 +408,6 @@ pub struct PipelineSection {
     pub batch_queue_depth: usize,
     /// Target features waiting for the drafter, 1..=1024. Default 2.
     pub feature_queue_depth: usize,
-    /// Where a target worker and a drafter share a GPU, each queues a whole part of its work at
-    /// a time (a target forward; a drafter forward, loss, backward or optimiser step), so that
-    /// the GPU runs stretches of one stage's kernels instead of alternating between the two
-    /// kernel by kernel. Default true.
-    pub take_turns: bool,
 }
 
 impl Default for PipelineSection {
@@ -420,7 +415,6 @@ impl Default for PipelineSection {
         PipelineSection {
             batch_queue_depth: 4,
             feature_queue_depth: 2,
-            take_turns: true,
         }
     }
 }

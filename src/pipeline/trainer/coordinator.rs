@@ -271,7 +271,6 @@ impl Coordinator {
             cfg.train.lr,
             cfg.train.min_lr_ratio,
         );
-        let turn = self.shared.device_turn(self.drafter.device);
         let grad_norm = self.shared.profile.time(ProfileEvent::OptimStep, || {
             apply_update(
                 &mut self.optimizer,
@@ -281,7 +280,6 @@ impl Coordinator {
                 lr,
             )
         })?;
-        drop(turn);
         self.sync.hand_back(&params, &buffers, &self.param_txs)?;
         self.step += 1;
         if newest.is_some() {

@@ -89,24 +89,6 @@ impl StageTimer for ProfileStats {
     }
 }
 
-/// The pipeline's clock for a drafter whose GPU a target worker shares: each part that queues
-/// device work waits for the device's turn first (`pipeline.take_turns`), outside its time.
-struct TakingTurns<'a> {
-    profile: &'a ProfileStats,
-    turn: Option<&'a std::sync::Mutex<()>>,
-}
-
-impl StageTimer for TakingTurns<'_> {
-    fn time<R>(&self, event: ProfileEvent, f: impl FnOnce() -> R) -> R {
-        let _turn = match (event, self.turn) {
-            // the anchors are drawn on the host
-            (ProfileEvent::DrafterAnchors, _) | (_, None) => None,
-            (_, Some(m)) => Some(m.lock().unwrap_or_else(|e| e.into_inner())),
-        };
-        self.profile.time(event, f)
-    }
-}
-
 /// The drafter's work on one batch of target features: anchors, forward, loss, backward
 /// (gradients accumulate into the parameters, scaled by `scale`). The loss sums stay on the
 /// device: reading them is the step's one synchronisation, after the backward is queued.
@@ -217,12 +199,8 @@ pub(super) fn accumulate(
             .profile
             .record(ProfileEvent::FeatureQWait, t.elapsed() + waited_before);
         let b = &item.batch;
-        let timer = TakingTurns {
-            profile: &shared.profile,
-            turn: shared.turn_lock(drafter.device),
-        };
         let sums = train_on_item(
-            &timer,
+            &shared.profile,
             cfg,
             drafter,
             head,

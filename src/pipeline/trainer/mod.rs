@@ -205,14 +205,6 @@ pub fn start_with(
         total_steps: prepared.total_steps,
         dist: dist.clone(),
         share,
-        turns: shared_gpus(
-            &prepared.target_devices,
-            &prepared.drafter_devices,
-            config.pipeline.take_turns,
-        )
-        .into_iter()
-        .map(|d| (d, Mutex::new(())))
-        .collect(),
     });
     shared.event(
         EventKind::Start,
@@ -227,21 +219,6 @@ pub fn start_with(
         ),
     );
     spawn_stages(shared, prepared)
-}
-
-/// The GPUs that a target worker and a drafter share, where they take turns (`take_turns`).
-fn shared_gpus(targets: &[Device], drafters: &[Device], take_turns: bool) -> Vec<Device> {
-    let mut gpus: Vec<Device> = targets
-        .iter()
-        .filter(|d| take_turns && d.is_cuda() && drafters.contains(d))
-        .copied()
-        .collect();
-    gpus.sort_by_key(|d| match d {
-        Device::Cuda(i) => *i,
-        _ => usize::MAX,
-    });
-    gpus.dedup();
-    gpus
 }
 
 /// Where rank `rank` (> 0) of a multi-process run keeps its own records.
@@ -673,21 +650,5 @@ impl TrainerHandle {
             final_step: last,
             stop_reason: st.stop_reason.clone(),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stages_take_turns_only_on_the_gpus_they_share() {
-        let (c0, c1, c2) = (Device::Cuda(0), Device::Cuda(1), Device::Cuda(2));
-        // target on 0 and 2, drafters on 2, 1 and 0: 0 and 2 are shared, once each
-        assert_eq!(shared_gpus(&[c2, c0], &[c2, c1, c0], true), vec![c0, c2]);
-        assert_eq!(shared_gpus(&[c0], &[c1], true), vec![]);
-        assert_eq!(shared_gpus(&[c0], &[c0], false), vec![], "turns off");
-        // the CPU runs both stages' work as it is queued: nothing to take turns on
-        assert_eq!(shared_gpus(&[Device::Cpu], &[Device::Cpu], true), vec![]);
     }
 }

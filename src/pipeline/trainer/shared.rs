@@ -122,28 +122,9 @@ pub struct Shared {
     pub(super) dist: Option<Arc<Distributed>>,
     /// The batches of each global step this process trains.
     pub(super) share: StepShare,
-    /// Per GPU that a target worker and a drafter share (with `pipeline.take_turns`): held by
-    /// the one queueing a part of its work there ([`Shared::device_turn`]).
-    pub(super) turns: Vec<(Device, Mutex<()>)>,
 }
 
 impl Shared {
-    /// The turn-taking lock of `device`, where a target worker and a drafter share it (see
-    /// `pipeline.take_turns`): the stage holding it queues a whole part of its work there.
-    pub(super) fn turn_lock(&self, device: Device) -> Option<&Mutex<()>> {
-        self.turns
-            .iter()
-            .find(|(d, _)| *d == device)
-            .map(|(_, m)| m)
-    }
-
-    /// Waits for the turn on `device` and holds it until the guard drops (`None`: the device
-    /// is not shared, or turns are off).
-    pub(super) fn device_turn(&self, device: Device) -> Option<std::sync::MutexGuard<'_, ()>> {
-        self.turn_lock(device)
-            .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-
     /// Whether this process decides for the run: rank 0, or the only process.
     pub(super) fn is_leader(&self) -> bool {
         self.dist.as_ref().is_none_or(|d| d.is_leader())

@@ -52,9 +52,6 @@ pub(super) fn target_worker(
         let ids = shared.profile.time(ProfileEvent::TargetH2d, || {
             upload(&batch.input_ids, target.device)
         });
-        // (a drafter sharing the device waits meanwhile: the forward's kernels are queued
-        // as one stretch)
-        let turn = shared.device_turn(target.device);
         let out = shared.profile.time(ProfileEvent::TargetForward, || {
             let out = target.run(&ids, None, &req);
             if wait_for_device {
@@ -62,7 +59,6 @@ pub(super) fn target_worker(
             }
             out
         });
-        drop(turn);
         count += 1;
         if cfg.debug.fail_stage == FailStage::Target
             && cfg.debug.fail_at_step > 0
