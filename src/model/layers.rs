@@ -197,11 +197,32 @@ impl AttentionWeights {
         )
     }
 
-    /// [`AttentionWeights::project_qkv_rotated`]'s work with the q/k norms and the rotation in
-    /// one fused kernel (`rotate_write`, as the decoding engines run it) over every token of the
-    /// batch: `rope` (cos, sin [L, d]) are the angles of the rows' shared positions. `None`
-    /// where the weights are not fused or the kernel refuses the call.
-    pub(crate) fn project_qkv_rotated_fused(
+    /// [`AttentionWeights::project_qkv_rotated`] of a batch whose rows share the positions of
+    /// `rope` (cos, sin [L, d]), with the q/k norms and the rotation in one fused kernel where
+    /// `kernels` take the call (keys and values come back fresh, not views of the projection).
+    pub(crate) fn project_qkv_rotated_with(
+        &self,
+        x: &Tensor,
+        shape: AttentionShape,
+        rope: (&Tensor, &Tensor),
+        kernels: Option<&FusedKernels>,
+    ) -> (Tensor, Tensor, Tensor) {
+        if let Some(out) = kernels.and_then(|k| self.rotated_by_kernel(x, shape, rope, k)) {
+            return out;
+        }
+        let AttentionShape {
+            heads,
+            kv_heads,
+            head_dim,
+            eps,
+        } = shape;
+        self.project_qkv_rotated(x, heads, kv_heads, head_dim, eps, rope.0, rope.1)
+    }
+
+    /// [`AttentionWeights::project_qkv_rotated_with`] on `rotate_write` (as the decoding engines
+    /// run it) over every token of the batch; `None` where the weights are not fused or the
+    /// kernel refuses the call.
+    fn rotated_by_kernel(
         &self,
         x: &Tensor,
         shape: AttentionShape,

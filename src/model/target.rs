@@ -582,8 +582,13 @@ impl TargetModel {
         mixing: &mut Mixing,
     ) -> (Tensor, Vec<Option<Tensor>>) {
         let cfg = &self.config;
-        let (heads, kv_heads, d) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
         let eps = cfg.rms_norm_eps;
+        let shape = AttentionShape {
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.kv_heads(),
+            head_dim: cfg.head_dim(),
+            eps,
+        };
         let (cos, sin) = rope;
         let kernels = self.fused.as_ref();
         let mut tapped: Vec<Option<Tensor>> = taps.iter().map(|_| None).collect();
@@ -591,24 +596,9 @@ impl TargetModel {
             match layer {
                 TargetLayer::Decoder(layer) => {
                     let h = rms_norm(&x, &layer.input_norm, eps);
-                    // (the fused kernel writes fresh keys and values: a forward that fills a
-                    // cache appends them there as before)
-                    let shape = AttentionShape {
-                        heads,
-                        kv_heads,
-                        head_dim: d,
-                        eps,
-                    };
-                    let fused = kernels.and_then(|k| {
-                        layer
-                            .attn
-                            .project_qkv_rotated_fused(&h, shape, (cos, sin), k)
-                    });
-                    let (q, k, v) = fused.unwrap_or_else(|| {
-                        layer
-                            .attn
-                            .project_qkv_rotated(&h, heads, kv_heads, d, eps, cos, sin)
-                    });
+                    let (q, k, v) = layer
+                        .attn
+                        .project_qkv_rotated_with(&h, shape, rope, kernels);
                     let a = mixing.attend(idx, &q, k, v);
                     layer.attn.add_output(&mut x, &a);
                     let normed = rms_norm(&x, &layer.post_norm, eps);
