@@ -508,8 +508,9 @@ mod tests {
                 [ptr, ptr, 8, 4, 8, ptr, ptr, ptr, ptr]
             );
         }
-        assert_eq!(sizes("moe_topk_256"), [ptr, 8, 4, 4, ptr, ptr]);
-        assert_eq!(sizes("moe_topk_1024"), [ptr, 8, 4, 4, ptr, ptr]);
+        // moe_topk: then whether to normalise, the weights' kind (32-bit each) and the weights
+        assert_eq!(sizes("moe_topk_256"), [ptr, 8, 4, 4, ptr, ptr, 4, 4, ptr]);
+        assert_eq!(sizes("moe_topk_1024"), [ptr, 8, 4, 4, ptr, ptr, 4, 4, ptr]);
         assert_eq!(sizes("moe_group_count"), [ptr, 8, 4, 4, ptr]);
         assert_eq!(sizes("moe_group_offsets"), [ptr, 8, 4, ptr]);
         assert_eq!(sizes("moe_group_place"), [ptr, 8, 4, 4, ptr, ptr, ptr]);

@@ -33,7 +33,9 @@
 //   the [T k, H] products for one; optionally with Qwen3.5-MoE's gated shared expert added and
 //   the result added into the residual in the same pass (four kernels and passes fewer).
 // moe_topk: the router's top k of its softmax, chosen and ordered as libtorch's topk does
-//   (ties included), one warp per token instead of a block's radix selection and a sort.
+//   (ties included), one warp per token instead of a block's radix selection and a sort;
+//   optionally also the routing weights (normalised to sum 1 as libtorch sums, cast to the
+//   hidden type), where libtorch runs a sum, a division and a cast.
 // moe_group_count / _offsets / _place: the pairs grouped by expert (a stable counting sort over
 //   chunks of 64 tokens): the grouped GEMMs' ends, each pair's row and each row's token, where
 //   libtorch needs a radix sort of the ids, a binary search and three index kernels.
@@ -627,11 +629,13 @@ static __device__ __forceinline__ bool greater_nan_first(float a, float b) {
 // (k <= 32) is a bitonic network over 32 slots (the k valid ones first), which can swap equal
 // values. Both are reproduced: k rounds of a warp's argmax (the largest key, the lowest index
 // among equal ones) give the same set, which is laid out in that order and put through the
-// same network. One warp per token; `values` [tokens, k] and `indices` [tokens, k] (int64).
+// same network. One warp per token; `values` [tokens, k] and `indices` [tokens, k] (int64), and
+// where `weights` is not null the routing weights [tokens, k] (see the end).
 template <int ITEMS>
 static __device__ void moe_topk(const float *__restrict__ probs, long long tokens, int experts,
                                 int k, float *__restrict__ values,
-                                long long *__restrict__ indices) {
+                                long long *__restrict__ indices, int normalize,
+                                int weight_kind, void *__restrict__ weights) {
     __shared__ float slot_value[MOE_TOPK_WARPS][MOE_SORT_SLOTS];
     __shared__ int slot_index[MOE_TOPK_WARPS][MOE_SORT_SLOTS];
     __shared__ int slot_valid[MOE_TOPK_WARPS][MOE_SORT_SLOTS];
@@ -747,18 +751,57 @@ static __device__ void moe_topk(const float *__restrict__ probs, long long token
         values[t * k + lane] = sv[lane];
         indices[t * k + lane] = si[lane];
     }
+    if (weights == nullptr) {
+        return;
+    }
+    // the routing weights: the values over their sum where `normalize`, in float32, stored
+    // as `weight_kind` (0 bf16, 1 f16, 2 f32). libtorch's sum over the k values (a block row of
+    // w = the largest power of two up to k lanes) adds value i + w to value i, then halves the
+    // lanes, adding lane i + offset to lane i for offset = w / 2, ..., 1: the same order here.
+    __shared__ float weight_total[MOE_TOPK_WARPS];
+    if (normalize && lane == 0) {
+        int width = 1;
+        while (2 * width <= k) {
+            width *= 2;
+        }
+        float part[MOE_SORT_SLOTS];
+        for (int i = 0; i < width; ++i) {
+            part[i] = i + width < k ? sv[i] + sv[i + width] : sv[i];
+        }
+        for (int offset = width / 2; offset > 0; offset /= 2) {
+            for (int i = 0; i < offset; ++i) {
+                part[i] = part[i] + part[i + offset];
+            }
+        }
+        weight_total[warp] = part[0];
+    }
+    __syncwarp();
+    if (lane < k) {
+        const float w = normalize ? sv[lane] / weight_total[warp] : sv[lane];
+        const long long at = t * k + lane;
+        if (weight_kind == 0) {
+            static_cast<Bf16::T *>(weights)[at] = Bf16::store(w);
+        } else if (weight_kind == 1) {
+            static_cast<F16::T *>(weights)[at] = F16::store(w);
+        } else {
+            static_cast<float *>(weights)[at] = w;
+        }
+    }
 }
 
 // Up to 256 experts (8 a lane), and up to MOE_MAX_EXPERTS.
 extern "C" __global__ void __launch_bounds__(32 * MOE_TOPK_WARPS)
     moe_topk_256(const float *__restrict__ probs, long long tokens, int experts, int k,
-                 float *__restrict__ values, long long *__restrict__ indices) {
-    moe_topk<8>(probs, tokens, experts, k, values, indices);
+                 float *__restrict__ values, long long *__restrict__ indices, int normalize,
+                 int weight_kind, void *__restrict__ weights) {
+    moe_topk<8>(probs, tokens, experts, k, values, indices, normalize, weight_kind, weights);
 }
 extern "C" __global__ void __launch_bounds__(32 * MOE_TOPK_WARPS)
     moe_topk_1024(const float *__restrict__ probs, long long tokens, int experts, int k,
-                  float *__restrict__ values, long long *__restrict__ indices) {
-    moe_topk<MOE_TOPK_MAX_ITEMS>(probs, tokens, experts, k, values, indices);
+                  float *__restrict__ values, long long *__restrict__ indices, int normalize,
+                  int weight_kind, void *__restrict__ weights) {
+    moe_topk<MOE_TOPK_MAX_ITEMS>(probs, tokens, experts, k, values, indices, normalize,
+                                 weight_kind, weights);
 }
 
 // The experts chosen by the tokens of this block's chunk (MOE_GROUP_TOKENS tokens), as one

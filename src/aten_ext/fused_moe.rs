@@ -48,6 +48,34 @@ impl FusedKernels {
     /// (int64), the same as libtorch's `topk(k, -1, largest, sorted)` on a GPU returns them,
     /// equal values included (which of them it keeps and the order it leaves them in).
     pub fn moe_topk(&self, probs: &Tensor, k: i64) -> Result<(Tensor, Tensor)> {
+        let (values, indices, _) = self.topk_launch(probs, k, None)?;
+        Ok((values, indices))
+    }
+
+    /// [`FusedKernels::moe_topk`]'s choices with their routing weights [tokens, k] of
+    /// `weight_kind` (bf16, f16 or f32) in the same kernel: the values divided by their sum
+    /// where `normalize`, cast. Bit for bit what `(top / top.sum(-1, keepdim)).to(kind)` gives
+    /// on a GPU (the kernel sums in libtorch's order), where libtorch runs three kernels.
+    pub fn moe_route(
+        &self,
+        probs: &Tensor,
+        k: i64,
+        normalize: bool,
+        weight_kind: Kind,
+    ) -> Result<(Tensor, Tensor)> {
+        let (_, indices, weights) = self.topk_launch(probs, k, Some((normalize, weight_kind)))?;
+        let weights = weights.ok_or_else(|| anyhow::anyhow!("moe_topk wrote no weights"))?;
+        Ok((weights, indices))
+    }
+
+    /// The launch of `moe_topk`: values, indices and, with `weights` = (normalize, kind), the
+    /// routing weights.
+    fn topk_launch(
+        &self,
+        probs: &Tensor,
+        k: i64,
+        weights: Option<(bool, Kind)>,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
         let (tokens, experts) = self.matrix("the router's probabilities", probs, Kind::Float)?;
         ensure!(
             (1..=MOE_MAX_EXPERTS).contains(&experts)
@@ -58,8 +86,17 @@ impl FusedKernels {
         let device = probs.device();
         let values = Tensor::empty([tokens, k], (Kind::Float, device));
         let indices = Tensor::empty([tokens, k], (Kind::Int64, device));
+        let (mut normalize, mut weight_kind, out) = match weights {
+            Some((normalize, kind)) => {
+                let index = kind_index(kind)
+                    .ok_or_else(|| anyhow::anyhow!("fused kernels: routing weights of {kind:?}"))?;
+                let out = Tensor::empty([tokens, k], (kind, device));
+                (c_int::from(normalize), index as c_int, Some(out))
+            }
+            None => (0, 0, None),
+        };
         if tokens == 0 {
-            return Ok((values, indices));
+            return Ok((values, indices, out));
         }
         let blocks = (tokens + TOPK_WARPS - 1) / TOPK_WARPS;
         ensure!(
@@ -67,6 +104,7 @@ impl FusedKernels {
             "fused kernels: {tokens} tokens are more than one launch takes"
         );
         let (mut p, mut v, mut i) = (probs.data_ptr(), values.data_ptr(), indices.data_ptr());
+        let mut w = out.as_ref().map_or(std::ptr::null_mut(), |t| t.data_ptr());
         let (mut n, mut e, mut top) = (tokens, experts as c_int, k as c_int);
         let mut params = [
             arg(&mut p),
@@ -75,6 +113,9 @@ impl FusedKernels {
             arg(&mut top),
             arg(&mut v),
             arg(&mut i),
+            arg(&mut normalize),
+            arg(&mut weight_kind),
+            arg(&mut w),
         ];
         // eight probabilities a lane up to 256 experts, else 32
         let which = usize::from(experts > 256);
@@ -84,7 +125,7 @@ impl FusedKernels {
             (32 * TOPK_WARPS) as u32,
             &mut params,
         )?;
-        Ok((values, indices))
+        Ok((values, indices, out))
     }
 
     /// The pairs of `experts_of` [tokens, k] (int64, dense; each token's experts distinct, ids

@@ -421,13 +421,19 @@ impl SparseMoe {
         self.routing(logits, top, experts)
     }
 
-    /// [`SparseMoe::route`] with the top k on the fused kernel (which chooses and orders as
-    /// libtorch's GPU topk does, ties included).
+    /// [`SparseMoe::route`] with the top k and the weights on the fused kernel (which chooses
+    /// and orders as libtorch's GPU topk does, ties included, and normalises and rounds as
+    /// [`SparseMoe::routing`] does on a GPU).
     fn route_fused(&self, x: &Tensor, kernels: &FusedKernels) -> Result<Routing> {
         let logits = x.linear::<&Tensor>(&self.router, None);
         let probs = logits.softmax(-1, Kind::Float);
-        let (top, experts) = kernels.moe_topk(&probs, self.top_k)?;
-        Ok(self.routing(logits, top, experts))
+        let (weights, experts) =
+            kernels.moe_route(&probs, self.top_k, self.norm_topk_prob, logits.kind())?;
+        Ok(Routing {
+            weights,
+            logits,
+            experts,
+        })
     }
 
     /// The routing from the router's logits and the top k of their softmax: the weights

@@ -552,6 +552,38 @@ fn cuda_blocks_run_without_host_reads_and_match_transformers() {
     }
 }
 
+/// `moe_route`'s weights against `SparseMoe::routing`'s libtorch operations on a GPU (topk,
+/// a float32 sum, a division and a cast), bit for bit, normalised or not, for each kind.
+fn route_weights_equal_libtorchs(kernels: &FusedKernels, probs: &Tensor, k: i64, what: &str) {
+    let (top, want_i) = probs.topk(k, -1, true, true);
+    for (normalize, kind) in [
+        (true, Kind::BFloat16),
+        (true, Kind::Half),
+        (true, Kind::Float),
+        (false, Kind::BFloat16),
+    ] {
+        let want = if normalize {
+            &top / top.sum_dim_intlist(-1, true, Kind::Float)
+        } else {
+            top.shallow_clone()
+        }
+        .to_kind(kind);
+        let (got, got_i) = kernels
+            .moe_route(probs, k, normalize, kind)
+            .expect("moe_route");
+        let off = got
+            .to_kind(Kind::Float)
+            .ne_tensor(&want.to_kind(Kind::Float))
+            .sum(Kind::Int64)
+            .int64_value(&[]);
+        assert!(got_i.equal(&want_i), "{what}: moe_route's experts");
+        assert_eq!(
+            off, 0,
+            "{what}, normalise {normalize}, {kind:?}: weights off libtorch's"
+        );
+    }
+}
+
 /// On a GPU, the fused routing against libtorch's: `moe_topk` returns what `topk` does (values
 /// bit for bit, the same experts in the same order) on softmaxes of logits drawn from a few
 /// levels (so that most tokens have equal probabilities among and around their top k), for
@@ -588,6 +620,7 @@ fn cuda_fused_routing_equals_libtorchs() {
             .sum(Kind::Int64)
             .int64_value(&[]);
         assert!(tied > 0, "{what}: no ties");
+        route_weights_equal_libtorchs(&kernels, &probs, k, &what);
         // grouping the chosen pairs
         let groups = kernels.moe_groups(&want_i, experts).expect("moe_groups");
         let ids = want_i.reshape([-1]).to_kind(Kind::Int);
@@ -603,6 +636,11 @@ fn cuda_fused_routing_equals_libtorchs() {
             "{what}: row tokens"
         );
     }
+    // routing weights of probabilities without ties, where the order of the sum shows
+    let logits = Tensor::randn([3072, 256], (Kind::Float, device)) * 3.0;
+    route_weights_equal_libtorchs(&kernels, &logits.softmax(-1, Kind::Float), 8, "randn 256");
+    let logits = Tensor::randn([999, 1000], (Kind::Float, device)) * 3.0;
+    route_weights_equal_libtorchs(&kernels, &logits.softmax(-1, Kind::Float), 13, "randn 1000");
     // the fused block against libtorch's operations, and inside a CUDA graph
     for name in ["qwen3_moe_norm", "qwen3_5_moe"] {
         let (dir, settings, hidden, refs, sparse) = sparse_fixture(name);

@@ -366,11 +366,29 @@ static void host_topk(const float *row, int experts, int k, float *values, long 
     }
 }
 
+// libtorch's float32 sum of the k values of a row on a GPU (Reduce.cuh, a reduction over the
+// fastest dimension of k elements): w = the largest power of two up to k lanes, lane i holding
+// v[i] + v[i + w]; then lane i adds lane i + offset for offset = w / 2, ..., 1 (shfl_down).
+static float libtorch_row_sum(const float *v, int k) {
+    int w = 1;
+    while (2 * w <= k) w *= 2;
+    std::vector<float> lane(w);
+    for (int i = 0; i < w; ++i) lane[i] = i + w < k ? v[i] + v[i + w] : v[i];
+    for (int offset = w / 2; offset > 0; offset /= 2) {
+        std::vector<float> next = lane;
+        for (int i = 0; i + offset < w; ++i) next[i] = lane[i] + lane[i + offset];
+        lane = next;
+    }
+    return lane[0];
+}
+
 // moe_topk over `tokens` rows of softmax probabilities of logits drawn from `levels` values (so
 // that many are tied), launched as fused.rs does (a warp per token, 8 a block); the kernel's
 // values and indices must equal the host's bit for bit, and be a top k: non-increasing, with
-// nothing left out larger than the last.
-static bool run_moe_topk(const char *name, long long tokens, int experts, int k, int levels) {
+// nothing left out larger than the last. With `weight_kind` 0 (bf16) or 2 (f32) the routing
+// weights too: the values over libtorch's sum of them where `normalize`, rounded, bit for bit.
+static bool run_moe_topk(const char *name, long long tokens, int experts, int k, int levels,
+                         int normalize = 0, int weight_kind = -1) {
     std::mt19937 rng(23 + tokens + experts + k);
     std::uniform_int_distribution<int> level(0, levels - 1);
     std::vector<float> probs(tokens * experts);
@@ -386,11 +404,18 @@ static bool run_moe_topk(const char *name, long long tokens, int experts, int k,
     }
     std::vector<float> values(tokens * k, NAN);
     std::vector<long long> indices(tokens * k, -1);
+    std::vector<float> weights32(tokens * k, NAN);
+    std::vector<u16> weights16(tokens * k, 0xffff);
+    void *weights = weight_kind < 0    ? nullptr
+                    : weight_kind == 2 ? (void *)weights32.data()
+                                       : (void *)weights16.data();
     emu::launch({(unsigned)((tokens + 7) / 8), 1, 1}, 256, [&] {
         if (experts <= 256) {
-            moe_topk_256(probs.data(), tokens, experts, k, values.data(), indices.data());
+            moe_topk_256(probs.data(), tokens, experts, k, values.data(), indices.data(),
+                         normalize, weight_kind, weights);
         } else {
-            moe_topk_1024(probs.data(), tokens, experts, k, values.data(), indices.data());
+            moe_topk_1024(probs.data(), tokens, experts, k, values.data(), indices.data(),
+                          normalize, weight_kind, weights);
         }
     });
     long long wrong = 0, reordered_ties = 0;
@@ -398,6 +423,14 @@ static bool run_moe_topk(const char *name, long long tokens, int experts, int k,
         float v[32];
         long long ix[32];
         host_topk(probs.data() + t * experts, experts, k, v, ix);
+        if (weight_kind >= 0) {
+            const float total = libtorch_row_sum(v, k);
+            for (int j = 0; j < k; ++j) {
+                const float w = normalize ? v[j] / total : v[j];
+                wrong += weight_kind == 2 ? weights32[t * k + j] != w
+                                          : weights16[t * k + j] != Bf16::store(w);
+            }
+        }
         bool by_index = true;
         for (int j = 0; j < k; ++j) {
             wrong += values[t * k + j] != v[j] || indices[t * k + j] != ix[j];
@@ -536,6 +569,13 @@ int main() {
     ok &= run_moe_topk("moe_topk: 5 tokens, 1000 experts, top 10, 12 levels", 5, 1000, 10, 12);
     ok &= run_moe_topk("moe_topk: 6 tokens, 300 experts, top 32, 3 levels", 6, 300, 32, 3);
     ok &= run_moe_topk("moe_topk: 4 tokens, 40 experts, top 31", 4, 40, 31, 2);
+    // ... with the routing weights: normalised bf16 (8 of 256), normalised f32 (10 of 1000:
+    // two values a lane in the sum), as they are in bf16 (2 of 6)
+    ok &= run_moe_topk("moe_topk weights: 19 tokens, 256 experts, top 8, normalised, bf16", 19,
+                       256, 8, 6, 1, 0);
+    ok &= run_moe_topk("moe_topk weights: 5 tokens, 1000 experts, top 10, normalised, f32", 5,
+                       1000, 10, 12, 1, 2);
+    ok &= run_moe_topk("moe_topk weights: 9 tokens, 6 experts, top 2, bf16", 9, 6, 2, 2, 0, 0);
     // grouping: three chunks (the last partial), 256 experts of 8; one chunk of 64, 128 of 8
     ok &= run_moe_group("moe_group: 150 tokens, 256 experts, 8 choices", 150, 256, 8);
     ok &= run_moe_group("moe_group: 64 tokens, 128 experts, 8 choices", 64, 128, 8);
