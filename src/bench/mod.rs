@@ -5,8 +5,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -18,11 +16,11 @@ use crate::config::{self, TrainConfig};
 use crate::pipeline::command::Command;
 use crate::pipeline::trainer::{self, TrainerHandle};
 use crate::runtime::{DeviceSpec, TorchRuntime};
-use crate::telemetry::gpu::GpuMonitor;
 use crate::telemetry::profile::{stage_busy, ProfileEvent, ProfileReport, StageWorkers};
 use crate::telemetry::records::{Phase, Snapshot, StepRecord};
 use drafter_steps::DrafterStepMs;
 use flops::ModelFlops;
+use gpu_sampler::{GpuSampler, PhaseClocks, PhaseMark, SampledPhase};
 use stages_alone::{measure_stages_alone, StageAloneRates, TraceRequest};
 
 // Each stage alone on the pipeline's code: only the bench uses it.
@@ -31,6 +29,8 @@ mod stages_alone;
 mod drafter_steps;
 // The target's forward alone (`bench-forward`).
 pub(crate) mod forward;
+// NVML sampling: utilisation, peak memory, clocks per phase.
+mod gpu_sampler;
 // The model FLOPs behind `mfu`.
 pub(crate) mod flops;
 // The gated delta rule kernels alone (`bench-gdn`).
@@ -106,6 +106,10 @@ pub(crate) struct BenchReport {
     pub stage_busy: BTreeMap<String, f64>,
     /// Mean NVML utilisation per GPU over the window (empty without NVML).
     pub gpu_util: BTreeMap<String, f64>,
+    /// Per GPU (NVML, every 100 ms): mean SM clock, power and the fraction of samples with the
+    /// clocks held back by the power limit or a slowdown, over the pipeline's window
+    /// (`pipeline`) and each stage alone (`target_alone`, `drafter_alone`); empty without NVML.
+    pub gpu_clocks: BTreeMap<String, BTreeMap<String, PhaseClocks>>,
     pub mfu: Option<f64>,
     pub pipeline_efficiency: f64,
     /// tokens/s of each stage run alone on the same batches. Stages that share a device are
@@ -193,77 +197,6 @@ fn bench_config(path: &Path, opts: &BenchOptions) -> Result<TrainConfig> {
     Ok(cfg)
 }
 
-/// Per GPU: utilisation sum and samples over the window, peak memory bytes over the run.
-type GpuStats = BTreeMap<String, (f64, u64, f64)>;
-
-/// GPU sampling (NVML, every 200 ms) for the whole pipeline run; utilisation is summed only
-/// while `in_window` is set. Without NVML it samples nothing.
-struct GpuSampler {
-    in_window: Arc<AtomicBool>,
-    done: Arc<AtomicBool>,
-    stats: Arc<Mutex<GpuStats>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl GpuSampler {
-    fn start() -> GpuSampler {
-        let monitor = GpuMonitor::open().ok();
-        let in_window = Arc::new(AtomicBool::new(false));
-        let done = Arc::new(AtomicBool::new(false));
-        let stats: Arc<Mutex<GpuStats>> = Arc::default();
-        let thread = monitor.map(|m| {
-            let (in_window, done, stats) = (in_window.clone(), done.clone(), stats.clone());
-            std::thread::spawn(move || {
-                while !done.load(Ordering::Relaxed) {
-                    if let Ok(readings) = m.sample() {
-                        let mut st = stats.lock().unwrap_or_else(|e| e.into_inner());
-                        for g in readings {
-                            let e = st.entry(format!("gpu{}", g.index)).or_default();
-                            if in_window.load(Ordering::Relaxed) {
-                                e.0 += g.utilization_pct.unwrap_or(0) as f64;
-                                e.1 += 1;
-                            }
-                            e.2 = e.2.max(g.memory_used_bytes.unwrap_or(0) as f64);
-                        }
-                    }
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-            })
-        });
-        GpuSampler {
-            in_window,
-            done,
-            stats,
-            thread,
-        }
-    }
-
-    fn set_in_window(&self, on: bool) {
-        self.in_window.store(on, Ordering::Relaxed);
-    }
-
-    /// Stops sampling and waits for the sampling thread.
-    fn stop(&mut self) {
-        self.done.store(true, Ordering::Relaxed);
-        if let Some(s) = self.thread.take() {
-            let _ = s.join();
-        }
-    }
-
-    /// Mean utilisation (0..1) over the window of each GPU sampled in it, and peak memory in
-    /// GB of each GPU.
-    fn summary(&self) -> (BTreeMap<String, f64>, BTreeMap<String, f64>) {
-        let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
-        let gpu_util = stats
-            .iter()
-            .filter(|(_, s)| s.1 > 0)
-            .map(|(k, s)| (k.clone(), s.0 / s.1 as f64 / 100.0))
-            .collect();
-        let peak_mem_gb = stats.iter().map(|(k, s)| (k.clone(), s.2 / 1e9)).collect();
-        (gpu_util, peak_mem_gb)
-    }
-}
-
 /// What the pipeline run leaves to measure: the profile at the window's start and end, and
 /// the run's snapshot at its end.
 struct PipelineWindow {
@@ -293,7 +226,7 @@ fn wait_for_step(handle: &TrainerHandle, step: u64) -> Result<()> {
 }
 
 /// Runs the real pipeline through the warm-up and the measured window (GPU utilisation is
-/// sampled over the window), then stops it without a checkpoint and stops the sampler.
+/// sampled over the window), then stops it without a checkpoint.
 fn run_pipeline(
     runtime: &TorchRuntime,
     cfg: &TrainConfig,
@@ -305,14 +238,15 @@ fn run_pipeline(
         .tempdir()
         .context("cannot create a temporary run directory")?;
     let gpus = pipeline_gpus(runtime, cfg);
+    sampler.set(SampledPhase::Warmup);
     let handle = trainer::start(runtime, cfg, run_dir.path(), false)?;
     let waited = wait_for_step(&handle, opts.warmup_steps.max(1));
     let a0 = allocator_stats(runtime, &gpus);
     let p0 = handle.profile_report();
-    sampler.set_in_window(true);
+    sampler.set(SampledPhase::Window);
     let end = opts.warmup_steps + opts.steps;
     let waited = waited.and_then(|_| wait_for_step(&handle, end));
-    sampler.set_in_window(false);
+    sampler.set(SampledPhase::Warmup);
     let p1 = handle.profile_report();
     let snap = handle.snapshot();
     let allocator = allocator_stats(runtime, &gpus)
@@ -330,7 +264,7 @@ fn run_pipeline(
     // target's drafter that is 20 GB of training state written to disk).
     let _ = handle.command(&Command::Stop { checkpoint: false });
     let outcome = handle.join();
-    sampler.stop();
+    sampler.set(SampledPhase::Idle);
     waited?;
     if outcome.phase == Phase::Failed {
         bail!("the pipeline failed: {}", outcome.error.unwrap_or_default());
@@ -395,6 +329,7 @@ fn stages_alone(
     runtime: &TorchRuntime,
     cfg: &TrainConfig,
     opts: &BenchOptions,
+    mark: &PhaseMark,
 ) -> Result<StageAloneRates> {
     let per_step = cfg.step_batches();
     let skip = (opts.warmup_steps.max(1) as usize) * per_step;
@@ -411,7 +346,8 @@ fn stages_alone(
         path: path.clone(),
         steps: opts.trace_steps,
     });
-    let alone: StageAloneRates = measure_stages_alone(runtime, cfg, skip, batches, trace.as_ref())?;
+    let alone: StageAloneRates =
+        measure_stages_alone(runtime, cfg, skip, batches, trace.as_ref(), mark)?;
     log::info!(
         "alone: loader {:.0}, target {:.0}, drafter {:.0} tokens/s",
         alone.loader_tokens_per_s,
@@ -585,7 +521,8 @@ pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchRe
         allocator,
         _run_dir,
     } = run_pipeline(runtime, &cfg, opts, &mut sampler)?;
-    let alone = stages_alone(runtime, &cfg, opts)?;
+    let alone = stages_alone(runtime, &cfg, opts, &sampler.mark())?;
+    sampler.stop();
 
     let w = WindowCounts::of(&snap.history, opts, model.block)?;
     let tokens_per_s = w.tokens as f64 / w.window_s;
@@ -594,7 +531,7 @@ pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchRe
     let profile_ms = profile_means(&p0, &p1);
     let flops = model.flops(w.tokens, w.positions);
     let mfu = model_flops_utilisation(runtime, &cfg, flops, w.window_s);
-    let (gpu_util, peak_mem_gb) = sampler.summary();
+    let gpus = sampler.summary();
 
     Ok(BenchReport {
         profile: opts.profile.clone(),
@@ -609,14 +546,15 @@ pub(crate) fn run(runtime: &TorchRuntime, opts: &BenchOptions) -> Result<BenchRe
         draft_positions_per_s: w.positions / w.window_s,
         step_ms: w.window_s * 1e3 / w.steps.max(1) as f64,
         stage_busy,
-        gpu_util,
+        gpu_util: gpus.util,
+        gpu_clocks: gpus.clocks,
         mfu,
         pipeline_efficiency: tokens_per_s / slowest_rate.max(1e-9),
         stage_alone_tokens_per_s: alone_rates,
         drafter_step_ms: alone.drafter_step_ms.clone(),
         slowest_stage: slowest,
         profile_ms,
-        peak_mem_gb,
+        peak_mem_gb: gpus.peak_mem_gb,
         allocator,
         target_params_used: model.target_params,
         target_rule_flops_per_token: model.target_rule_flops,

@@ -7,6 +7,7 @@ use anyhow::{anyhow, Result};
 use tch::Device;
 
 use super::drafter_steps::{step_range, DrafterStepMs, StageClock};
+use super::gpu_sampler::{PhaseMark, SampledPhase};
 use crate::aten_ext::ProfilerTrace;
 use crate::config::TrainConfig;
 use crate::model::layers::upload;
@@ -52,6 +53,7 @@ pub(crate) fn measure_stages_alone(
     skip: usize,
     batches: usize,
     trace: Option<&TraceRequest>,
+    mark: &PhaseMark,
 ) -> Result<StageAloneRates> {
     let mut p = prepare(runtime, config, None, true)?;
     let packer = &mut p.packer;
@@ -95,6 +97,7 @@ pub(crate) fn measure_stages_alone(
         if i == warmup {
             sync_device(target.device);
             target_clock = Some(Instant::now());
+            mark.set(SampledPhase::TargetAlone);
         }
         let out = target.run(&upload(&batch.input_ids, target.device), None, &req);
         features.push(FeatureItem {
@@ -107,6 +110,7 @@ pub(crate) fn measure_stages_alone(
     }
     sync_device(target.device);
     let target_s = target_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    mark.set(SampledPhase::Idle);
 
     let drafter = &p.drafters[0];
     let head = &p.heads[0];
@@ -147,12 +151,14 @@ pub(crate) fn measure_stages_alone(
     }
     sync_device(drafter.device);
     let clock = StageClock::new(drafter.device);
+    mark.set(SampledPhase::DrafterAlone);
     let drafter_clock = Instant::now();
     for (i, item) in features.iter().enumerate().skip(warmup) {
         step(&clock, i, item)?;
     }
     sync_device(drafter.device);
     let drafter_s = drafter_clock.elapsed().as_secs_f64();
+    mark.set(SampledPhase::Idle);
     let drafter_step_ms = clock.per_step(features.len() - warmup);
     if let Some(trace) = trace {
         // The first measured batches again (the scratch drafter trains on), traced: after the

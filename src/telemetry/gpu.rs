@@ -1,8 +1,22 @@
 //! GPU readings through NVML. On a machine without an NVIDIA driver NVML is unavailable and
 //! every caller shows that instead of GPU rows.
 
-use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
+use nvml_wrapper::bitmasks::device::ThrottleReasons;
+use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
 use nvml_wrapper::Nvml;
+
+/// What holds a GPU's clocks: its SM clock and power draw, and whether the driver is holding
+/// the clocks back for power or for heat (benchmarks read it to compare runs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct GpuClocks {
+    pub index: u32,
+    pub sm_mhz: Option<u32>,
+    pub power_watts: Option<f64>,
+    /// The software power cap (the board's power limit) is lowering the clocks.
+    pub power_capped: Option<bool>,
+    /// A thermal or hardware slowdown is lowering the clocks.
+    pub slowed_down: Option<bool>,
+}
 
 /// One GPU as NVML reports it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -69,6 +83,33 @@ impl GpuMonitor {
                     .ok()
                     .map(|mw| mw as f64 / 1000.0),
                 temperature_c: device.temperature(TemperatureSensor::Gpu).ok(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+impl GpuMonitor {
+    /// The clocks of every GPU now; a reading NVML cannot give is left empty.
+    pub(crate) fn clocks(&self) -> Result<Vec<GpuClocks>, String> {
+        let count = self.nvml.device_count().map_err(|e| e.to_string())?;
+        let mut out = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let device = self
+                .nvml
+                .device_by_index(index)
+                .map_err(|e| e.to_string())?;
+            let reasons = device.current_throttle_reasons().ok();
+            let slow = ThrottleReasons::HW_SLOWDOWN
+                | ThrottleReasons::SW_THERMAL_SLOWDOWN
+                | ThrottleReasons::HW_THERMAL_SLOWDOWN
+                | ThrottleReasons::HW_POWER_BRAKE_SLOWDOWN;
+            out.push(GpuClocks {
+                index,
+                sm_mhz: device.clock_info(Clock::SM).ok(),
+                power_watts: device.power_usage().ok().map(|mw| mw as f64 / 1000.0),
+                power_capped: reasons.map(|r| r.contains(ThrottleReasons::SW_POWER_CAP)),
+                slowed_down: reasons.map(|r| r.intersects(slow)),
             });
         }
         Ok(out)

@@ -56,6 +56,7 @@ fn cpu_tiny_bench_reports_every_field_consistently() {
         "step_ms",
         "stage_busy",
         "gpu_util",
+        "gpu_clocks",
         "mfu",
         "pipeline_efficiency",
         "peak_mem_gb",
@@ -115,6 +116,7 @@ fn cpu_tiny_bench_reports_every_field_consistently() {
     // on the CPU there is no peak FLOP rate, no NVML reading and no CUDA allocator
     assert!(r["mfu"].is_null());
     assert_eq!(r["allocator"], serde_json::json!({}));
+    assert_eq!(r["gpu_clocks"], serde_json::json!({}));
     // the pipeline's trace was taken after the window (2 more steps) and written whole
     let written: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&pipeline_trace).unwrap()).unwrap();
