@@ -72,8 +72,9 @@ pub struct BenchOptions {
     pub stage_batches: usize,
     /// Write a profiler trace (Chrome trace JSON, as torch.profiler exports it: operators with
     /// their shapes, on a GPU the CUDA kernels, and a named range per step and per part of it)
-    /// of --trace-steps drafter training steps on the measured window's first batches, run
-    /// after the timed stages, to this file. See tools/trace_summary.py.
+    /// of --trace-steps drafter training steps alone, run after the timed stages, to this file.
+    /// They train on the batches right after the measured window's, the ones --trace-pipeline
+    /// records, so that the two traces compare kernel by kernel. See tools/trace_summary.py.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
     /// Training steps --trace records (at most the measured window's batches), and

@@ -26,8 +26,9 @@ use crate::train::optim::{lr_at, AdamW};
 /// measured window sees exactly these when `skip` is its warm-up's batch count); up to two
 /// batches before them run first, untimed, as the stages' own warm-up. The drafter stage
 /// trains a scratch copy (one optimizer step per batch), each part of its steps timed on the
-/// device ([`DrafterStepMs`]); with `trace`, it then trains on the first measured batches again
-/// with libtorch's profiler recording (see [`TraceRequest`]). Several target or drafter devices
+/// device ([`DrafterStepMs`]); with `trace`, it then trains on the batches right after the
+/// measured ones (those the pipeline's trace records) with libtorch's profiler recording (see
+/// [`TraceRequest`]). Several target or drafter devices
 /// are counted as that many times one device's rate.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub(crate) struct StageAloneRates {
@@ -80,6 +81,16 @@ pub(crate) fn measure_stages_alone(
         items.push(item);
     }
     let tokens: u64 = items[warmup..].iter().map(tokens_of).sum();
+    // the traced steps' batches: those right after the measured ones, which the pipeline's
+    // trace (--trace-pipeline) covers, so that the two traces can be compared (as many as the
+    // data still holds)
+    let traced = trace.map_or(0, |t| t.steps * config.step_batches());
+    for seq in total..total + traced {
+        let Some(batch) = packer.next() else {
+            break;
+        };
+        items.push(batch_item(&p.store, &batch, seq as u64, packer.state()));
+    }
 
     let target = &p.targets[0];
     let req = ForwardRequest {
@@ -91,13 +102,20 @@ pub(crate) fn measure_stages_alone(
     // device at the end (as in the pipeline, the host queues the next batch's work while the
     // device still runs the last one); the warm-up batches are waited for before the clock
     // starts.
-    let mut features = Vec::with_capacity(total);
+    let mut features = Vec::with_capacity(items.len());
     let mut target_clock = None;
+    let mut target_s = 0.0;
     for (i, batch) in items.into_iter().enumerate() {
         if i == warmup {
             sync_device(target.device);
             target_clock = Some(Instant::now());
             mark.set(SampledPhase::TargetAlone);
+        }
+        if i == total {
+            // the traced steps' features, untimed
+            sync_device(target.device);
+            target_s = target_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
+            mark.set(SampledPhase::Idle);
         }
         let out = target.run(&upload(&batch.input_ids, target.device), None, &req);
         features.push(FeatureItem {
@@ -109,7 +127,9 @@ pub(crate) fn measure_stages_alone(
         });
     }
     sync_device(target.device);
-    let target_s = target_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    if features.len() <= total {
+        target_s = target_clock.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    }
     mark.set(SampledPhase::Idle);
 
     let drafter = &p.drafters[0];
@@ -153,26 +173,33 @@ pub(crate) fn measure_stages_alone(
     let clock = StageClock::new(drafter.device);
     mark.set(SampledPhase::DrafterAlone);
     let drafter_clock = Instant::now();
-    for (i, item) in features.iter().enumerate().skip(warmup) {
+    for (i, item) in features.iter().enumerate().take(total).skip(warmup) {
         step(&clock, i, item)?;
     }
     sync_device(drafter.device);
     let drafter_s = drafter_clock.elapsed().as_secs_f64();
     mark.set(SampledPhase::Idle);
-    let drafter_step_ms = clock.per_step(features.len() - warmup);
+    let drafter_step_ms = clock.per_step(total - warmup);
     if let Some(trace) = trace {
-        // The first measured batches again (the scratch drafter trains on), traced: after the
-        // timing, so that the profiler's overhead is not in it.
+        // The batches after the measured ones (the scratch drafter trains on), traced: after
+        // the timing, so that the profiler's overhead is not in it. Where the data ended
+        // there, the first measured batches again.
+        let first = if features.len() > total {
+            total
+        } else {
+            warmup
+        };
         let recording = ProfilerTrace::start(drafter.device.is_cuda())?;
         let traced = StageClock::new(drafter.device);
-        for (i, item) in features.iter().enumerate().skip(warmup).take(trace.steps) {
+        let mut steps = 0;
+        for (i, item) in features.iter().enumerate().skip(first).take(trace.steps) {
             step(&traced, i, item)?;
+            steps += 1;
         }
         sync_device(drafter.device);
         recording.save(&trace.path)?;
         log::info!(
-            "bench: profiler trace of {} drafter training steps written to {}",
-            trace.steps.min(features.len() - warmup),
+            "bench: profiler trace of {steps} drafter training steps written to {}",
             trace.path.display()
         );
     }
