@@ -71,6 +71,7 @@ pub struct FusedKernels {
     gated_rms_norm: [cu::CUfunction; 3],
     gdn_gates: [cu::CUfunction; 3],
     moe_combine: [cu::CUfunction; 3],
+    rotary: [cu::CUfunction; 3],
     /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
     moe_topk: [cu::CUfunction; 2],
     moe_group_count: cu::CUfunction,
@@ -101,7 +102,7 @@ impl FusedKernels {
         let (
             module,
             (
-                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine],
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary],
                 [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
             ),
         ) = KernelModule::load(
@@ -109,7 +110,7 @@ impl FusedKernels {
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<([Functions; 7], [cu::CUfunction; 5])> {
+            |module| -> Result<([Functions; 8], [cu::CUfunction; 5])> {
                 // SAFETY (both): the module was just loaded in the current context.
                 let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
@@ -128,6 +129,7 @@ impl FusedKernels {
                         set("gated_rms_norm")?,
                         set("gdn_gates")?,
                         set("moe_combine")?,
+                        set("rotary")?,
                     ],
                     [
                         one("moe_topk_256")?,
@@ -148,6 +150,7 @@ impl FusedKernels {
             gated_rms_norm,
             gdn_gates,
             moe_combine,
+            rotary,
             moe_topk: [moe_topk_256, moe_topk_1024],
             moe_group_count,
             moe_group_offsets,
@@ -448,7 +451,11 @@ mod norms;
 
 #[path = "fused_moe.rs"]
 mod moe;
+
+#[path = "fused_rotary.rs"]
+mod rotary;
 pub use moe::{MoeGroups, MOE_MAX_EXPERTS};
+pub use rotary::rotary_autograd;
 
 #[cfg(test)]
 mod tests {
@@ -472,6 +479,7 @@ mod tests {
             "gated_rms_norm",
             "gdn_gates",
             "moe_combine",
+            "rotary",
         ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
@@ -506,6 +514,13 @@ mod tests {
             assert_eq!(
                 sizes(&format!("gdn_gates_{kind}")),
                 [ptr, ptr, 8, 4, 8, ptr, ptr, ptr, ptr]
+            );
+        }
+        // rotary (fused_rotary.rs): x, cos, sin, out, the 64-bit rows, heads, d, inverse
+        for kind in ["bf16", "f16", "f32"] {
+            assert_eq!(
+                sizes(&format!("rotary_{kind}")),
+                [ptr, ptr, ptr, ptr, 8, 4, 4, 4]
             );
         }
         // moe_topk: then whether to normalise, the weights' kind (32-bit each) and the weights

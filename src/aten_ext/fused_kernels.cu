@@ -8,6 +8,7 @@
 //   keys, and the writes of keys and values to their cache rows: one kernel where libtorch runs
 //   seven (norm, weight product, cos product, roll, addcmul, two index_copy).
 // silu_mul: SwiGLU's silu(gate) * up over the fused [gate | up] product: one kernel for two.
+// rotary (training): the rotary embedding's forward and backward passes, one kernel each.
 // cross_entropy_grad (training): the LM head's cross-entropy, argmax check and gradient of a
 //   chunk of logits in one kernel, in place, where libtorch runs about seven over the chunk.
 //
@@ -895,6 +896,33 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// rotary (training): the rotary embedding as an autograd node's two passes
+// (src/aten_ext/fused_rotary.rs). `x` and `out` are rows of `d` elements, `heads` consecutive
+// rows a position; `cos` and `sin` [positions, d] (the sin's first half negated, as
+// Rope::cos_sin gives it). out = x * cos + roll(x, d / 2) * sin (the forward pass), or with
+// `inverse` x * cos - roll(x, d / 2) * sin, the transposed rotation (the backward pass of the
+// first, for sin's halves of opposite signs). One rounding; a block holds blockDim / d rows.
+// Where libtorch runs three kernels forward (a product, the roll, addcmul) and four backward.
+template <class P>
+static __device__ void rotary(const typename P::T *__restrict__ x,
+                              const typename P::T *__restrict__ cos,
+                              const typename P::T *__restrict__ sin,
+                              typename P::T *__restrict__ out, long long rows, int heads, int d,
+                              int inverse) {
+    const int per_block = blockDim.x / d;
+    const long long row = (long long)blockIdx.x * per_block + threadIdx.x / d;
+    const int j = threadIdx.x % d;
+    if (threadIdx.x >= per_block * d || row >= rows) {
+        return;
+    }
+    const int half = d / 2;
+    const long long at = row * d;
+    const long long pos = (row / heads) * d;
+    const float a = P::load(x[at + j]), b = P::load(x[at + (j < half ? j + half : j - half)]);
+    const float s = P::load(sin[pos + j]);
+    out[at + j] = P::store(a * P::load(cos[pos + j]) + b * (inverse ? -s : s));
+}
+
 #define DFLASH_FUSED_KERNELS(SUFFIX, P)                                                      \
     extern "C" __global__ void rotate_write_##SUFFIX(                                        \
         const P::T *y, int layers, int heads, int kv, int d, const P::T *q_norm,             \
@@ -932,6 +960,11 @@ extern "C" __global__ void __launch_bounds__(256)
         P::T *logits, long long vocab, const long long *labels, const float *scale,          \
         float *loss, float *correct) {                                                       \
         cross_entropy_grad<P>(logits, vocab, labels, scale, loss, correct);                  \
+    }                                                                                        \
+    extern "C" __global__ void rotary_##SUFFIX(const P::T *x, const P::T *cos,              \
+                                               const P::T *sin, P::T *out, long long rows,   \
+                                               int heads, int d, int inverse) {              \
+        rotary<P>(x, cos, sin, out, rows, heads, d, inverse);                                \
     }
 
 DFLASH_FUSED_KERNELS(bf16, Bf16)

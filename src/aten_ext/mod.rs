@@ -63,6 +63,26 @@ pub(crate) mod ffi {
         pub(crate) fn dflash_profiler_range_begin(name: *const c_char) -> *mut c_void;
         pub(crate) fn dflash_profiler_range_end(range: *mut c_void);
         pub(crate) fn dflash_free_error(err: *mut c_char);
+        // autograd.cpp: the rotary embedding as an autograd node whose passes call `rotate`
+        // (fused_rotary.rs) with a copy of `state`'s bytes
+        pub(crate) fn dflash_rotary_autograd(
+            x: *const c_void,
+            cos: *const c_void,
+            sin: *const c_void,
+            rotate: unsafe extern "C" fn(
+                *const c_void,
+                *const c_void,
+                *const c_void,
+                *const c_void,
+                i32,
+                *mut *mut c_void,
+                *mut c_char,
+                usize,
+            ) -> i32,
+            state: *const c_void,
+            state_len: usize,
+            out: *mut *mut c_void,
+        ) -> *mut c_char;
     }
 }
 

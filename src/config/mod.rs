@@ -278,9 +278,10 @@ pub struct TrainSection {
     /// "dense" (every block against all block keys, the straightforward reference). Default
     /// "chunked".
     pub attention: crate::model::drafter::TrainAttention,
-    /// The LM head's training loss (cross-entropy, argmax check and gradient of each chunk of
-    /// logits) in one kernel compiled at run time, on a GPU where it loads; false: libtorch's
-    /// operations (the same numbers up to the order of float sums). Default true.
+    /// The drafter's training kernels compiled at run time, on a GPU where they load: the LM
+    /// head's loss (cross-entropy, argmax check and gradient of each chunk of logits) in one
+    /// kernel, and the rotary embedding's forward and backward passes in one each; false:
+    /// libtorch's operations (the same numbers up to the rounding of float sums). Default true.
     pub fused_loss: bool,
 }
 

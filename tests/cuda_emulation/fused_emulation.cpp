@@ -202,6 +202,58 @@ static bool run_silu_mul(const char *name,
     return compare<P>(name, out, want, rel, exact);
 }
 
+// rotary over `positions` x `heads` rows of `d`, launched as fused_rotary.rs does (256 threads
+// of 256 / d rows where d divides 256, else d threads of one row), forward or inverse, with
+// tables of sin's first half negated as Rope::cos_sin makes them. The reference in double:
+// x[j] cos[j] +- x[j +- d/2] sin[j], rounded once; allowed off by the storage type's rounding
+// of the two products' magnitudes (the sum may cancel).
+template <class P>
+static bool run_rotary(const char *name,
+                       void (*kernel)(const typename P::T *, const typename P::T *,
+                                      const typename P::T *, typename P::T *, long long, int,
+                                      int, int),
+                       long long positions, int heads, int d, int inverse, double ulp) {
+    typedef typename P::T T;
+    std::mt19937 rng(11 + positions + heads + d + inverse);
+    std::normal_distribution<float> normal;
+    std::uniform_real_distribution<float> angle(0.0f, 100.0f);
+    const long long rows = positions * heads;
+    std::vector<T> x(rows * d), cos(positions * d), sin(positions * d);
+    for (T &e : x) e = P::store(normal(rng));
+    for (long long p = 0; p < positions; ++p) {
+        for (int i = 0; i < d / 2; ++i) {
+            const float a = angle(rng) / (1.0f + i);
+            cos[p * d + i] = cos[p * d + i + d / 2] = P::store(std::cos(a));
+            sin[p * d + i] = P::store(-std::sin(a));
+            sin[p * d + i + d / 2] = P::store(std::sin(a));
+        }
+    }
+    std::vector<T> out(rows * d + 64, P::store(NAN));
+    const int threads = 256 % d == 0 ? 256 : d;
+    const long long per_block = threads / d;
+    emu::launch({(unsigned)((rows + per_block - 1) / per_block), 1, 1}, threads, [&] {
+        kernel(x.data(), cos.data(), sin.data(), out.data(), rows, heads, d, inverse);
+    });
+    long long off = 0;
+    bool untouched = true;
+    for (size_t i = rows * d; i < out.size(); ++i) untouched &= std::isnan(P::load(out[i]));
+    for (long long r = 0; r < rows; ++r) {
+        const long long p = r / heads;
+        for (int j = 0; j < d; ++j) {
+            const int partner = j < d / 2 ? j + d / 2 : j - d / 2;
+            const double a = (double)P::load(x[r * d + j]) * P::load(cos[p * d + j]);
+            const double b = (double)P::load(x[r * d + partner]) * P::load(sin[p * d + j]) *
+                             (inverse ? -1.0 : 1.0);
+            const double got = P::load(out[r * d + j]);
+            off += std::fabs(got - (a + b)) > ulp * (std::fabs(a) + std::fabs(b)) + 1e-30;
+        }
+    }
+    const bool ok = off == 0 && untouched;
+    std::printf("%s %s: %lld off%s\n", ok ? "ok" : "FAILED", name, off,
+                untouched ? "" : ", wrote past the end");
+    return ok;
+}
+
 // gdn_gates over `rows` tokens of `heads` value heads, a and b columns of a projection whose
 // rows are `row_stride` apart (a at column 0, b after it), launched as fused_norms.rs does (a
 // thread per value, 256 a block). The reference: the float32 sum a + dt_bias (as libtorch adds
@@ -576,6 +628,13 @@ int main() {
     ok &= run_moe_topk("moe_topk weights: 5 tokens, 1000 experts, top 10, normalised, f32", 5,
                        1000, 10, 12, 1, 2);
     ok &= run_moe_topk("moe_topk weights: 9 tokens, 6 experts, top 2, bf16", 9, 6, 2, 2, 0, 0);
+    // the rotary embedding: head_dim 128 (two rows a block) forward and inverse, bf16 and f32;
+    // 96 (a block of one row: 256 % 96 != 0)
+    ok &= run_rotary<Bf16>("rotary bf16: 7 positions x 3 heads of 128", rotary_bf16, 7, 3, 128,
+                           0, 1.0 / 256);
+    ok &= run_rotary<Bf16>("rotary bf16 inverse: 5 x 4 of 128", rotary_bf16, 5, 4, 128, 1,
+                           1.0 / 256);
+    ok &= run_rotary<F32>("rotary f32 inverse: 3 x 2 of 96", rotary_f32, 3, 2, 96, 1, 1e-6);
     // grouping: three chunks (the last partial), 256 experts of 8; one chunk of 64, 128 of 8
     ok &= run_moe_group("moe_group: 150 tokens, 256 experts, 8 choices", 150, 256, 8);
     ok &= run_moe_group("moe_group: 64 tokens, 128 experts, 8 choices", 64, 128, 8);

@@ -86,7 +86,7 @@ impl Drafter {
                 return Ok(());
             }
             for (idx, layer) in self.layers.iter().enumerate() {
-                let (k, v) = self.context_kv(layer, &ctx, &cos, &sin);
+                let (k, v) = self.context_kv(layer, &ctx, &cos, &sin, None);
                 cache.write(idx, &k, &v, &batch.rows);
             }
             Ok(())

@@ -21,7 +21,7 @@ use super::drafter_config::DrafterConfig;
 use super::layers::{attention, rms_norm, upload, AttentionWeights, DecoderLayer, Mlp, Rope};
 use super::target::TargetModel;
 use super::weights::WeightFiles;
-use crate::aten_ext::fused::FusedKernels;
+use crate::aten_ext::fused::{rotary_autograd, FusedKernels};
 use crate::fsutil::StagedDir;
 
 /// The target's frozen input embedding and LM head, on the drafter's device.
@@ -29,8 +29,8 @@ use crate::fsutil::StagedDir;
 pub struct FrozenHead {
     pub embed_tokens: Tensor,
     pub lm_head: Tensor,
-    /// The fused kernels of that device, for the training loss through the LM head (`None`:
-    /// libtorch's operations).
+    /// The fused kernels of that device, for the training loss through the LM head and the
+    /// rotary embedding of the training forward (`None`: libtorch's operations).
     pub loss_kernels: Option<FusedKernels>,
 }
 
@@ -50,6 +50,19 @@ impl FrozenHead {
     pub fn with_loss_kernels(mut self, kernels: Option<FusedKernels>) -> Self {
         self.loss_kernels = kernels;
         self
+    }
+}
+
+/// The rotary embedding of a training forward's queries or keys `x` [B, heads, L, d]: one
+/// autograd node on the fused kernels where they are on x's device ([`rotary_autograd`]: one
+/// kernel a pass), else libtorch's operations ([`Rope::apply`]).
+fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, kernels: Option<&FusedKernels>) -> Tensor {
+    match kernels.filter(|k| k.device() == x.device() && x.dim() == 4) {
+        Some(k) => rotary_autograd(x, cos, sin, Some(k)).unwrap_or_else(|e| {
+            log::warn!("the fused rotary embedding failed ({e:#}); libtorch's operations");
+            Rope::apply(x, cos, sin)
+        }),
+        None => Rope::apply(x, cos, sin),
     }
 }
 
@@ -364,6 +377,7 @@ impl Drafter {
         ctx_kv: (&Tensor, &Tensor),
         block_rope: (&Tensor, &Tensor),
         attn: BlockAttention<'_>,
+        kernels: Option<&FusedKernels>,
     ) -> Tensor {
         let c = &self.config;
         let (heads, kv_heads, d, eps) = (
@@ -375,8 +389,8 @@ impl Drafter {
         let x = rms_norm(h, &layer.input_norm, eps);
         // Queries and the block's keys share the block positions.
         let (cos, sin) = block_rope;
-        let q = Rope::apply(&layer.attn.queries(&x, heads, d, eps), cos, sin);
-        let k_block = Rope::apply(&layer.attn.keys(&x, kv_heads, d, eps), cos, sin);
+        let q = rotate(&layer.attn.queries(&x, heads, d, eps), cos, sin, kernels);
+        let k_block = rotate(&layer.attn.keys(&x, kv_heads, d, eps), cos, sin, kernels);
         let v_block = layer.attn.values(&x, kv_heads, d);
         let a = match attn {
             BlockAttention::Full(mask) => {
@@ -401,12 +415,13 @@ impl Drafter {
         ctx: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
+        kernels: Option<&FusedKernels>,
     ) -> (Tensor, Tensor) {
         let c = &self.config;
         let (kv_heads, d) = (c.num_key_value_heads, c.head_dim);
         let k = layer.attn.keys(ctx, kv_heads, d, c.rms_norm_eps);
         (
-            Rope::apply(&k, cos, sin),
+            rotate(&k, cos, sin, kernels),
             layer.attn.values(ctx, kv_heads, d),
         )
     }
@@ -526,13 +541,14 @@ impl Drafter {
         } else {
             ctx
         };
+        let kernels = head.loss_kernels.as_ref();
         for (layer, window) in self.layers.iter().zip(&windows) {
-            let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin);
+            let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin, kernels);
             let attn = match window {
                 Some(_) => sliding_attn,
                 None => full_attn,
             };
-            h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn);
+            h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn, kernels);
         }
         rms_norm(&h, &self.norm, self.config.rms_norm_eps).view([b, n, bs, -1])
     }

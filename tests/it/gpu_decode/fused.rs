@@ -362,3 +362,53 @@ fn gpu_fused_loss_equals_the_libtorch_operations() {
         }
     }
 }
+
+/// The drafter's training forward and backward with the fused rotary embedding (one autograd
+/// node, a kernel a pass) equal the ones with libtorch's operations: the hidden states and every
+/// parameter's gradient, in float32 within float32 rounding and in bf16 within bf16 rounding.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_drafter_training_with_the_fused_rotary_equals_the_plain_one() {
+    use dflash_tui::model::drafter::AnchorBatch;
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    let tmp = tempfile::tempdir().unwrap();
+    for (kind, tol) in [(Kind::Float, 1e-5), (Kind::BFloat16, 0.03)] {
+        let (target, drafter, _) = models(&tmp.path().join(format!("{kind:?}")), dev, kind, 8);
+        tch::manual_seed(9);
+        let (b, s) = (2i64, 40i64);
+        let batch = AnchorBatch {
+            input_ids: Tensor::randint(50, [b, s], (Kind::Int64, Device::Cpu)),
+            anchors: Tensor::from_slice(&[2i64, 7, 15, 22, 30, 1, 4, 9, 20, 28]).view([b, 5]),
+            valid: Tensor::ones([b, 5], (Kind::Bool, Device::Cpu)),
+        };
+        let features = Tensor::randn([b, s, 2 * 32], (Kind::Float, dev)).to_kind(kind);
+        let params: Vec<Tensor> = drafter
+            .named_parameters()
+            .into_iter()
+            .map(|(_, p)| p.shallow_clone())
+            .collect();
+        let g = Tensor::randn([b, 5, 8, 32], (Kind::Float, dev));
+        let run = |fused: bool| {
+            let head = FrozenHead::from_target(&target, dev, kind)
+                .with_loss_kernels(fused.then_some(kernels));
+            let hidden = drafter.forward_train(&head, &features, &batch);
+            let loss = (hidden.to_kind(Kind::Float) * &g).sum(Kind::Float);
+            let grads = Tensor::run_backward(&[loss], &params, false, false);
+            (hidden, grads)
+        };
+        let ((plain, plain_grads), (fused, fused_grads)) = (run(false), run(true));
+        let close = |what: &str, got: &Tensor, want: &Tensor| {
+            let scale = want.abs().max().double_value(&[]);
+            let diff = max_diff(got, want);
+            assert!(
+                diff <= tol * scale,
+                "{kind:?} {what}: {diff} off a scale of {scale}"
+            );
+        };
+        close("hidden states", &fused, &plain);
+        for (i, (got, want)) in fused_grads.iter().zip(&plain_grads).enumerate() {
+            close(&format!("gradient {i}"), got, want);
+        }
+    }
+}

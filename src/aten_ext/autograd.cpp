@@ -1,0 +1,83 @@
+// Autograd functions whose forward and backward passes are the program's own kernels (tch
+// cannot attach a backward pass to an operation from Rust): the C++ side is libtorch's
+// `torch::autograd::Function`, which records the node in the graph and saves what the backward
+// pass needs; the computation itself is a Rust function (src/aten_ext/rotary.rs) called with
+// the tensors, which launches a run-time compiled kernel or runs libtorch's operations.
+// Built by build.rs with the other shims. Tensors cross as `at::Tensor *` (tch's); a tensor
+// returned through `out` is a `new at::Tensor`, taken over here or by tch.
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "guard.h"
+
+#include <string>
+
+// The rotation of rotary position embeddings (rotary.rs's `rotate_callback`): `*out` =
+// x * cos + roll(x, half) * sin, or with `inverse` the transposed rotation (its backward
+// pass), x * cos - roll(x, half) * sin. `state` is opaque to this side. Returns 0, or else
+// writes a message of at most `msg_len` bytes (terminated) to `msg`.
+typedef int (*dflash_rotate_fn)(const void *state, const at::Tensor *x, const at::Tensor *cos,
+                                const at::Tensor *sin, int inverse, at::Tensor **out,
+                                char *msg, size_t msg_len);
+
+namespace {
+
+at::Tensor rotate(dflash_rotate_fn fn, const std::string &state, const at::Tensor &x,
+                  const at::Tensor &cos, const at::Tensor &sin, int inverse) {
+    char msg[512] = {0};
+    at::Tensor *out = nullptr;
+    const int status = fn(state.data(), &x, &cos, &sin, inverse, &out, msg, sizeof msg);
+    TORCH_CHECK(status == 0 && out != nullptr, "rotary embedding: ", msg);
+    at::Tensor result = std::move(*out);
+    delete out;
+    return result;
+}
+
+// y = rotate(x) with cos and sin constants: the backward pass is the inverse rotation of the
+// output's gradient, so nothing of x is saved.
+struct Rotary : public torch::autograd::Function<Rotary> {
+    static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &x,
+                              const at::Tensor &cos, const at::Tensor &sin, int64_t fn,
+                              const std::string &state) {
+        ctx->save_for_backward({cos, sin});
+        ctx->saved_data["fn"] = fn;
+        ctx->saved_data["state"] = state;
+        return rotate(reinterpret_cast<dflash_rotate_fn>(fn), state, x, cos, sin, 0);
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        at::Tensor grad_x;
+        if (grads[0].defined()) {
+            const auto fn = reinterpret_cast<dflash_rotate_fn>(ctx->saved_data["fn"].toInt());
+            grad_x = rotate(fn, ctx->saved_data["state"].toStringRef(), grads[0], saved[0],
+                            saved[1], 1);
+        }
+        return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+}  // namespace
+
+extern "C" {
+
+// The rotation of `x` as a node of the autograd graph (where grad mode is on and x needs a
+// gradient): `fn` computes it forward and backward with `state` (copied, `state_len` bytes,
+// kept with the node). The result goes to `*out`. Returns null on success, else a malloc'd
+// message that the caller frees with `dflash_free_error`.
+char *dflash_rotary_autograd(const at::Tensor *x, const at::Tensor *cos, const at::Tensor *sin,
+                             dflash_rotate_fn fn, const void *state, size_t state_len,
+                             at::Tensor **out) {
+    return dflash_guard::guarded([&]() -> char * {
+        if (x == nullptr || cos == nullptr || sin == nullptr || fn == nullptr || out == nullptr) {
+            return dflash_guard::copy_message("a null argument was passed");
+        }
+        const std::string bytes(static_cast<const char *>(state), state_len);
+        at::Tensor y = Rotary::apply(*x, *cos, *sin, reinterpret_cast<int64_t>(fn), bytes);
+        *out = new at::Tensor(std::move(y));
+        return nullptr;
+    });
+}
+
+}  // extern "C"

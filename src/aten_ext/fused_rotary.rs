@@ -1,0 +1,325 @@
+//! The rotary embedding of the drafter's training forward as one autograd node whose two
+//! passes are the `rotary_*` kernel (fused_kernels.cu): forward `x * cos + roll(x) * sin`,
+//! backward the transposed rotation of the gradient, so that nothing of `x` is saved. libtorch
+//! runs three kernels forward (a product, `roll`, `addcmul`) and four backward, each a pass
+//! over the queries or keys. The node is libtorch's (autograd.cpp, tch cannot attach a
+//! backward pass from Rust); its passes call [`rotate_callback`] here, which falls back to
+//! libtorch's operations where there are no kernels or they refuse the tensors.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use anyhow::{anyhow, bail, ensure, Result};
+use tch::Tensor;
+
+use super::super::nvrtc::{arg, kind_index};
+use super::super::{check, ffi};
+use super::FusedKernels;
+use crate::model::layers::Rope;
+
+/// Threads per block of `rotary` (rows of `d` elements, blockDim / d rows a block).
+const ROTARY_THREADS: i64 = 256;
+
+impl FusedKernels {
+    /// `x * cos + roll(x, d / 2) * sin` (with `inverse`, `x * cos - roll(x, d / 2) * sin`) of
+    /// `x` [rows, d], `heads` consecutive rows a position, with `cos` and `sin`
+    /// [rows / heads, d]: all dense and of one kind (bf16, f16, f32), on this device.
+    pub fn rotary(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        heads: i64,
+        inverse: bool,
+    ) -> Result<Tensor> {
+        let kind = x.kind();
+        let which = kind_index(kind).ok_or_else(|| anyhow!("fused kernels: rotary of {kind:?}"))?;
+        let (rows, d) = match x.size()[..] {
+            [rows, d] => (rows, d),
+            _ => bail!("fused kernels: rotary of shape {:?}", x.size()),
+        };
+        ensure!(
+            d % 2 == 0 && (2..=1024).contains(&d) && heads > 0 && rows % heads == 0,
+            "fused kernels: rotary of rows of {d} elements, {heads} a position, {rows} rows"
+        );
+        for (what, t) in [("x", x), ("cos", cos), ("sin", sin)] {
+            self.check(what, t, kind)?;
+            ensure!(
+                t.is_contiguous(),
+                "fused kernels: rotary's {what} is not dense"
+            );
+        }
+        for t in [cos, sin] {
+            ensure!(
+                t.size() == [rows / heads, d],
+                "fused kernels: rotary's tables {:?} for {rows} rows of {d}, {heads} a position",
+                t.size()
+            );
+        }
+        let out = x.empty_like();
+        if rows == 0 {
+            return Ok(out);
+        }
+        let threads = if ROTARY_THREADS % d == 0 {
+            ROTARY_THREADS
+        } else {
+            d
+        };
+        let per_block = threads / d;
+        let blocks = (rows + per_block - 1) / per_block;
+        ensure!(
+            blocks <= i64::from(i32::MAX),
+            "fused kernels: {rows} rows are more than one launch takes"
+        );
+        let (mut px, mut pc, mut ps, mut po) =
+            (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr());
+        let (mut n, mut h, mut width, mut inv) =
+            (rows, heads as c_int, d as c_int, c_int::from(inverse));
+        self.module.launch(
+            self.rotary[which],
+            (blocks as u32, 1),
+            threads as u32,
+            &mut [
+                arg(&mut px),
+                arg(&mut pc),
+                arg(&mut ps),
+                arg(&mut po),
+                arg(&mut n),
+                arg(&mut h),
+                arg(&mut width),
+                arg(&mut inv),
+            ],
+        )?;
+        Ok(out)
+    }
+}
+
+/// The rotary embedding of `x` [B, heads, L, d] with `cos`, `sin` broadcast against it
+/// ([B or 1, 1, L, d], from [`Rope::cos_sin`]) as one autograd node: what [`Rope::apply`]
+/// computes, with a backward pass that is one more rotation. On `kernels`' device their
+/// `rotary` kernel runs both passes; elsewhere (or where it refuses the tensors) libtorch's
+/// operations do.
+pub fn rotary_autograd(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    kernels: Option<&FusedKernels>,
+) -> Result<Tensor> {
+    let state: Option<FusedKernels> = kernels.copied();
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: live tensors; the shim copies `state`'s bytes (read back by `rotate_callback` as
+    // the same type) and writes a new tensor into `out` on success only.
+    unsafe {
+        check(ffi::dflash_rotary_autograd(
+            x.as_ptr().cast(),
+            cos.as_ptr().cast(),
+            sin.as_ptr().cast(),
+            rotate_callback,
+            (&state as *const Option<FusedKernels>).cast(),
+            std::mem::size_of::<Option<FusedKernels>>(),
+            &mut out,
+        ))?;
+        if out.is_null() {
+            bail!("the rotary embedding returned no tensor");
+        }
+        Ok(Tensor::from_ptr(out.cast()))
+    }
+}
+
+/// One pass of the node: the kernel where it takes the tensors, else libtorch's operations.
+fn rotate(
+    kernels: Option<&FusedKernels>,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    inverse: bool,
+) -> Tensor {
+    if let Some(k) = kernels.filter(|k| k.device() == x.device()) {
+        match rotate_on_kernel(k, x, cos, sin, inverse) {
+            Ok(out) => return out,
+            Err(e) => log::debug!("rotary kernel refused ({e:#}); libtorch's operations"),
+        }
+    }
+    if inverse {
+        Rope::apply(x, cos, &sin.neg())
+    } else {
+        Rope::apply(x, cos, sin)
+    }
+}
+
+/// [`FusedKernels::rotary`] of `x` [B, heads, L, d] in the layout the projections leave it in
+/// (a [B, L, heads, d] tensor transposed; other layouts are copied into it first).
+fn rotate_on_kernel(
+    k: &FusedKernels,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    inverse: bool,
+) -> Result<Tensor> {
+    let (b, heads, l, d) = x.size4()?;
+    let rows = x.transpose(1, 2);
+    let rows = if rows.is_contiguous() {
+        rows
+    } else {
+        rows.contiguous()
+    };
+    let table = |t: &Tensor| -> Result<Tensor> {
+        ensure!(
+            t.dim() == 4 && t.size()[1] == 1,
+            "rotary tables of shape {:?}",
+            t.size()
+        );
+        Ok(t.f_expand([b, 1, l, d], false)?
+            .squeeze_dim(1)
+            .contiguous()
+            .view([b * l, d]))
+    };
+    let (c, s) = (table(cos)?, table(sin)?);
+    let out = k.rotary(&rows.view([b * l * heads, d]), &c, &s, heads, inverse)?;
+    Ok(out.view([b, l, heads, d]).transpose(1, 2))
+}
+
+/// The node's passes (autograd.cpp's `dflash_rotate_fn`): `*out` = the rotation of `x`, or its
+/// inverse. Returns 0, or 1 with a message in `msg` (nothing unwinds into C++).
+unsafe extern "C" fn rotate_callback(
+    state: *const c_void,
+    x: *const c_void,
+    cos: *const c_void,
+    sin: *const c_void,
+    inverse: c_int,
+    out: *mut *mut c_void,
+    msg: *mut c_char,
+    msg_len: usize,
+) -> c_int {
+    let run = std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `state` holds the bytes of an Option<FusedKernels> (rotary_autograd); the
+        // tensors are live `at::Tensor`s, shallow-copied here.
+        let kernels: Option<FusedKernels> = std::ptr::read_unaligned(state.cast());
+        let x = Tensor::clone_from_ptr(x.cast_mut().cast());
+        let cos = Tensor::clone_from_ptr(cos.cast_mut().cast());
+        let sin = Tensor::clone_from_ptr(sin.cast_mut().cast());
+        rotate(kernels.as_ref(), &x, &cos, &sin, inverse != 0)
+    });
+    match std::panic::catch_unwind(run) {
+        Ok(mut t) => {
+            *out = t.as_mut_ptr().cast();
+            // the C++ side takes the tensor over (and deletes it)
+            std::mem::forget(t);
+            0
+        }
+        Err(panic) => {
+            let text = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic");
+            if msg_len > 0 {
+                let bytes = text.as_bytes();
+                let n = bytes.len().min(msg_len - 1);
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), msg.cast::<u8>(), n);
+                *msg.add(n) = 0;
+            }
+            1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    /// The rotation of a [B, heads, L, d] view of [B, L, heads, d] rows (as the projections
+    /// leave queries and keys), its tables from positions of each row.
+    fn inputs(kind: Kind, device: Device) -> (Tensor, Tensor, Tensor) {
+        let (b, heads, l, d) = (2, 3, 5, 8);
+        let x = Tensor::randn([b, l, heads, d], (kind, device)).transpose(1, 2);
+        let positions = Tensor::randint(100, [b, l], (Kind::Int64, device));
+        let inv_freq = Tensor::from_slice(&[1.0f32, 0.1, 0.01, 0.001]).to_device(device);
+        let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
+        let cos = Tensor::cat(&[freqs.cos(), freqs.cos()], -1)
+            .to_kind(kind)
+            .unsqueeze(1);
+        let sin = Tensor::cat(&[freqs.sin().neg(), freqs.sin()], -1)
+            .to_kind(kind)
+            .unsqueeze(1);
+        (x, cos, sin)
+    }
+
+    /// On the CPU (libtorch's operations in the node's passes): the values of Rope::apply
+    /// exactly, and the gradient autograd takes through it up to a float32 rounding, for a
+    /// gradient in another layout than x's.
+    #[test]
+    fn the_node_computes_rope_and_its_gradient() {
+        tch::manual_seed(3);
+        let (x, cos, sin) = inputs(Kind::Float, Device::Cpu);
+        let x = x.detach().set_requires_grad(true);
+        let want = Rope::apply(&x, &cos, &sin);
+        let got = rotary_autograd(&x, &cos, &sin, None).expect("the node");
+        assert!(got.equal(&want));
+        // a gradient that is not in x's layout
+        let g = Tensor::randn(want.size().as_slice(), (Kind::Float, Device::Cpu));
+        let grads = |y: &Tensor| {
+            let mut v = Tensor::run_backward(&[(y * &g).sum(Kind::Float)], &[&x], false, false);
+            v.pop().expect("a gradient")
+        };
+        let want_g = grads(&want);
+        let got_g = grads(&got);
+        // the same products; the node's inverse rotation adds them in one addcmul, where
+        // autograd adds a product and a rolled product: a float32 rounding apart
+        let diff = (&got_g - &want_g).abs().max().double_value(&[]);
+        let scale = want_g.abs().max().double_value(&[]);
+        assert!(diff <= 1e-6 * scale, "gradient off by {diff} of {scale}");
+        // without grad mode the node is a plain rotation
+        let plain = tch::no_grad(|| rotary_autograd(&x, &cos, &sin, None)).expect("no grad");
+        assert!(plain.equal(&want) && !plain.requires_grad());
+    }
+
+    /// On a GPU, the node on the `rotary` kernel against libtorch's operations: values and
+    /// gradients (the gradient in another layout than x's, tables of one row broadcast over
+    /// the batch) within a rounding of the storage type, in float32 and bf16.
+    /// `cargo test --release --lib -- --ignored rotary` on a CUDA device.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn cuda_rotary_node_equals_libtorchs_operations() {
+        let runtime = crate::runtime::TorchRuntime::init();
+        assert!(runtime.cuda_devices() >= 1, "this test needs a CUDA device");
+        let device = Device::Cuda(0);
+        let kernels = crate::runtime::fused_kernels_or_warn(device).expect("the fused kernels");
+        tch::manual_seed(5);
+        for (kind, tol) in [(Kind::Float, 1e-6), (Kind::BFloat16, 1.0 / 128.0)] {
+            // big enough for several blocks, queries of 128 wide
+            let x = Tensor::randn([2, 37, 4, 128], (kind, device)).transpose(1, 2);
+            let positions = Tensor::arange(37, (Kind::Int64, device)).unsqueeze(0);
+            let inv: Vec<f32> = (0..64).map(|i| 10000f32.powf(-(i as f32) / 64.0)).collect();
+            let freqs = positions.to_kind(Kind::Float).unsqueeze(-1)
+                * Tensor::from_slice(&inv).to_device(device);
+            let cos = Tensor::cat(&[freqs.cos(), freqs.cos()], -1)
+                .to_kind(kind)
+                .unsqueeze(1);
+            let sin = Tensor::cat(&[freqs.sin().neg(), freqs.sin()], -1)
+                .to_kind(kind)
+                .unsqueeze(1);
+            let x = x.detach().set_requires_grad(true);
+            let want = Rope::apply(&x, &cos, &sin);
+            let got = rotary_autograd(&x, &cos, &sin, Some(&kernels)).expect("the node");
+            let close = |a: &Tensor, b: &Tensor, what: &str| {
+                let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
+                let diff = (&a - &b).abs().max().double_value(&[]);
+                let scale = b.abs().max().double_value(&[]);
+                assert!(
+                    diff <= tol * scale,
+                    "{kind:?} {what}: off by {diff} of {scale}"
+                );
+            };
+            close(&got, &want, "values");
+            let g = Tensor::randn(want.size().as_slice(), (kind, device));
+            let grad = |y: &Tensor| {
+                let loss = (y.to_kind(Kind::Float) * g.to_kind(Kind::Float)).sum(Kind::Float);
+                Tensor::run_backward(&[loss], &[&x], false, false)
+                    .pop()
+                    .expect("a gradient")
+            };
+            close(&grad(&got), &grad(&want), "gradient");
+        }
+    }
+}
