@@ -1,7 +1,7 @@
 // Autograd functions whose forward and backward passes are the program's own kernels (tch
 // cannot attach a backward pass to an operation from Rust): the C++ side is libtorch's
 // `torch::autograd::Function`, which records the node in the graph and saves what the backward
-// pass needs; the computation itself is a Rust function (src/aten_ext/rotary.rs) called with
+// pass needs; the computation itself is a Rust function (src/aten_ext/fused_autograd.rs) called with
 // the tensors, which launches a run-time compiled kernel or runs libtorch's operations.
 // Built by build.rs with the other shims. Tensors cross as `at::Tensor *` (tch's); a tensor
 // returned through `out` is a `new at::Tensor`, taken over here or by tch.
@@ -12,7 +12,7 @@
 
 #include <string>
 
-// The rotation of rotary position embeddings (rotary.rs's `rotate_callback`): `*out` =
+// The rotation of rotary position embeddings (fused_autograd.rs's `rotate_callback`): `*out` =
 // x * cos + roll(x, half) * sin, or with `inverse` the transposed rotation (its backward
 // pass), x * cos - roll(x, half) * sin. `state` is opaque to this side. Returns 0, or else
 // writes a message of at most `msg_len` bytes (terminated) to `msg`.
@@ -20,7 +20,21 @@ typedef int (*dflash_rotate_fn)(const void *state, const at::Tensor *x, const at
                                 const at::Tensor *sin, int inverse, at::Tensor **out,
                                 char *msg, size_t msg_len);
 
+// SwiGLU's product (fused_autograd.rs's `swiglu_callback`): without `grad` (null),
+// `*out0` = silu(gate) * up; with it, the backward pass: `*out0` = the gradient of gate,
+// `*out1` = that of up. Returns 0, or else writes a message to `msg` as dflash_rotate_fn does.
+typedef int (*dflash_swiglu_fn)(const void *state, const at::Tensor *gate, const at::Tensor *up,
+                                const at::Tensor *grad, at::Tensor **out0, at::Tensor **out1,
+                                char *msg, size_t msg_len);
+
 namespace {
+
+// A tensor the Rust side returned through an out-pointer, taken over.
+at::Tensor take(at::Tensor *t) {
+    at::Tensor result = std::move(*t);
+    delete t;
+    return result;
+}
 
 at::Tensor rotate(dflash_rotate_fn fn, const std::string &state, const at::Tensor &x,
                   const at::Tensor &cos, const at::Tensor &sin, int inverse) {
@@ -28,10 +42,42 @@ at::Tensor rotate(dflash_rotate_fn fn, const std::string &state, const at::Tenso
     at::Tensor *out = nullptr;
     const int status = fn(state.data(), &x, &cos, &sin, inverse, &out, msg, sizeof msg);
     TORCH_CHECK(status == 0 && out != nullptr, "rotary embedding: ", msg);
-    at::Tensor result = std::move(*out);
-    delete out;
-    return result;
+    return take(out);
 }
+
+// out = silu(gate) * up; the backward pass needs gate and up (libtorch's operations also keep
+// silu(gate)).
+struct SwiGlu : public torch::autograd::Function<SwiGlu> {
+    static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &gate,
+                              const at::Tensor &up, int64_t fn, const std::string &state) {
+        ctx->save_for_backward({gate, up});
+        ctx->saved_data["fn"] = fn;
+        ctx->saved_data["state"] = state;
+        char msg[512] = {0};
+        at::Tensor *out = nullptr;
+        const int status = reinterpret_cast<dflash_swiglu_fn>(fn)(
+            state.data(), &gate, &up, nullptr, &out, nullptr, msg, sizeof msg);
+        TORCH_CHECK(status == 0 && out != nullptr, "SwiGLU: ", msg);
+        return take(out);
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        if (!grads[0].defined()) {
+            return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        }
+        const auto saved = ctx->get_saved_variables();
+        const auto fn = reinterpret_cast<dflash_swiglu_fn>(ctx->saved_data["fn"].toInt());
+        const std::string &state = ctx->saved_data["state"].toStringRef();
+        char msg[512] = {0};
+        at::Tensor *d_gate = nullptr, *d_up = nullptr;
+        const int status =
+            fn(state.data(), &saved[0], &saved[1], &grads[0], &d_gate, &d_up, msg, sizeof msg);
+        TORCH_CHECK(status == 0 && d_gate != nullptr && d_up != nullptr, "SwiGLU backward: ",
+                    msg);
+        return {take(d_gate), take(d_up), at::Tensor(), at::Tensor()};
+    }
+};
 
 // y = rotate(x) with cos and sin constants: the backward pass is the inverse rotation of the
 // output's gradient, so nothing of x is saved.
@@ -75,6 +121,21 @@ char *dflash_rotary_autograd(const at::Tensor *x, const at::Tensor *cos, const a
         }
         const std::string bytes(static_cast<const char *>(state), state_len);
         at::Tensor y = Rotary::apply(*x, *cos, *sin, reinterpret_cast<int64_t>(fn), bytes);
+        *out = new at::Tensor(std::move(y));
+        return nullptr;
+    });
+}
+
+// SwiGLU's product of `gate` and `up` as a node of the autograd graph, computed by `fn` with
+// `state` as dflash_rotary_autograd's. The result goes to `*out`.
+char *dflash_swiglu_autograd(const at::Tensor *gate, const at::Tensor *up, dflash_swiglu_fn fn,
+                             const void *state, size_t state_len, at::Tensor **out) {
+    return dflash_guard::guarded([&]() -> char * {
+        if (gate == nullptr || up == nullptr || fn == nullptr || out == nullptr) {
+            return dflash_guard::copy_message("a null argument was passed");
+        }
+        const std::string bytes(static_cast<const char *>(state), state_len);
+        at::Tensor y = SwiGlu::apply(*gate, *up, reinterpret_cast<int64_t>(fn), bytes);
         *out = new at::Tensor(std::move(y));
         return nullptr;
     });

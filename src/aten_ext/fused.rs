@@ -72,6 +72,7 @@ pub struct FusedKernels {
     gdn_gates: [cu::CUfunction; 3],
     moe_combine: [cu::CUfunction; 3],
     rotary: [cu::CUfunction; 3],
+    swiglu: [cu::CUfunction; 3],
     /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
     moe_topk: [cu::CUfunction; 2],
     moe_group_count: cu::CUfunction,
@@ -102,7 +103,7 @@ impl FusedKernels {
         let (
             module,
             (
-                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary],
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu],
                 [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
             ),
         ) = KernelModule::load(
@@ -110,7 +111,7 @@ impl FusedKernels {
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<([Functions; 8], [cu::CUfunction; 5])> {
+            |module| -> Result<([Functions; 9], [cu::CUfunction; 5])> {
                 // SAFETY (both): the module was just loaded in the current context.
                 let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
@@ -130,6 +131,7 @@ impl FusedKernels {
                         set("gdn_gates")?,
                         set("moe_combine")?,
                         set("rotary")?,
+                        set("swiglu")?,
                     ],
                     [
                         one("moe_topk_256")?,
@@ -151,6 +153,7 @@ impl FusedKernels {
             gdn_gates,
             moe_combine,
             rotary,
+            swiglu,
             moe_topk: [moe_topk_256, moe_topk_1024],
             moe_group_count,
             moe_group_offsets,
@@ -452,10 +455,10 @@ mod norms;
 #[path = "fused_moe.rs"]
 mod moe;
 
-#[path = "fused_rotary.rs"]
-mod rotary;
+#[path = "fused_autograd.rs"]
+mod autograd;
+pub use autograd::{rotary_autograd, swiglu_autograd};
 pub use moe::{MoeGroups, MOE_MAX_EXPERTS};
-pub use rotary::rotary_autograd;
 
 #[cfg(test)]
 mod tests {
@@ -480,6 +483,7 @@ mod tests {
             "gdn_gates",
             "moe_combine",
             "rotary",
+            "swiglu",
         ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
@@ -516,11 +520,18 @@ mod tests {
                 [ptr, ptr, 8, 4, 8, ptr, ptr, ptr, ptr]
             );
         }
-        // rotary (fused_rotary.rs): x, cos, sin, out, the 64-bit rows, heads, d, inverse
+        // rotary (fused_autograd.rs): x, cos, sin, out, the 64-bit rows, heads, d, inverse
         for kind in ["bf16", "f16", "f32"] {
             assert_eq!(
                 sizes(&format!("rotary_{kind}")),
                 [ptr, ptr, ptr, ptr, 8, 4, 4, 4]
+            );
+        }
+        // swiglu (fused_autograd.rs): gate, up, grad, out, d_up, the 64-bit count
+        for kind in ["bf16", "f16", "f32"] {
+            assert_eq!(
+                sizes(&format!("swiglu_{kind}")),
+                [ptr, ptr, ptr, ptr, ptr, 8]
             );
         }
         // moe_topk: then whether to normalise, the weights' kind (32-bit each) and the weights

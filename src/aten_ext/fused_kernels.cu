@@ -8,7 +8,8 @@
 //   keys, and the writes of keys and values to their cache rows: one kernel where libtorch runs
 //   seven (norm, weight product, cos product, roll, addcmul, two index_copy).
 // silu_mul: SwiGLU's silu(gate) * up over the fused [gate | up] product: one kernel for two.
-// rotary (training): the rotary embedding's forward and backward passes, one kernel each.
+// rotary, swiglu (training): the rotary embedding's and SwiGLU's forward and backward passes as
+//   autograd nodes, one kernel a pass.
 // cross_entropy_grad (training): the LM head's cross-entropy, argmax check and gradient of a
 //   chunk of logits in one kernel, in place, where libtorch runs about seven over the chunk.
 //
@@ -897,7 +898,7 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // rotary (training): the rotary embedding as an autograd node's two passes
-// (src/aten_ext/fused_rotary.rs). `x` and `out` are rows of `d` elements, `heads` consecutive
+// (src/aten_ext/fused_autograd.rs). `x` and `out` are rows of `d` elements, `heads` consecutive
 // rows a position; `cos` and `sin` [positions, d] (the sin's first half negated, as
 // Rope::cos_sin gives it). out = x * cos + roll(x, d / 2) * sin (the forward pass), or with
 // `inverse` x * cos - roll(x, d / 2) * sin, the transposed rotation (the backward pass of the
@@ -921,6 +922,35 @@ static __device__ void rotary(const typename P::T *__restrict__ x,
     const float a = P::load(x[at + j]), b = P::load(x[at + (j < half ? j + half : j - half)]);
     const float s = P::load(sin[pos + j]);
     out[at + j] = P::store(a * P::load(cos[pos + j]) + b * (inverse ? -s : s));
+}
+
+// swiglu (training): SwiGLU's product of separate gate and up tensors as an autograd node's
+// two passes (src/aten_ext/fused_autograd.rs), over `n` elements. Forward (`grad` null):
+// out = silu(gate) * up. Backward: d_up = grad * silu(gate) into `d_up`, and into `out`
+// d_gate = silu'(gate) applied to grad * up. Rounded where libtorch's silu, mul and
+// silu_backward round (silu(gate) and grad * up in the storage type), in one kernel a pass
+// where libtorch runs two forward and three backward.
+template <class P>
+static __device__ void swiglu(const typename P::T *__restrict__ gate,
+                              const typename P::T *__restrict__ up,
+                              const typename P::T *__restrict__ grad,
+                              typename P::T *__restrict__ out, typename P::T *__restrict__ d_up,
+                              long long n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
+        const float g = P::load(gate[e]);
+        const float silu = P::load(P::store(g / (1.0f + expf(-g))));
+        const float u = P::load(up[e]);
+        if (grad == nullptr) {
+            out[e] = P::store(silu * u);
+        } else {
+            const float dy = P::load(grad[e]);
+            d_up[e] = P::store(dy * silu);
+            const float ds = P::load(P::store(dy * u));
+            const float sig = 1.0f / (1.0f + expf(-g));
+            out[e] = P::store(ds * sig * (1.0f + g * (1.0f - sig)));
+        }
+    }
 }
 
 #define DFLASH_FUSED_KERNELS(SUFFIX, P)                                                      \
@@ -965,6 +995,11 @@ static __device__ void rotary(const typename P::T *__restrict__ x,
                                                const P::T *sin, P::T *out, long long rows,   \
                                                int heads, int d, int inverse) {              \
         rotary<P>(x, cos, sin, out, rows, heads, d, inverse);                                \
+    }                                                                                        \
+    extern "C" __global__ void swiglu_##SUFFIX(const P::T *gate, const P::T *up,            \
+                                               const P::T *grad, P::T *out, P::T *d_up,      \
+                                               long long n) {                                \
+        swiglu<P>(gate, up, grad, out, d_up, n);                                             \
     }
 
 DFLASH_FUSED_KERNELS(bf16, Bf16)

@@ -64,7 +64,7 @@ pub(crate) mod ffi {
         pub(crate) fn dflash_profiler_range_end(range: *mut c_void);
         pub(crate) fn dflash_free_error(err: *mut c_char);
         // autograd.cpp: the rotary embedding as an autograd node whose passes call `rotate`
-        // (fused_rotary.rs) with a copy of `state`'s bytes
+        // (fused_autograd.rs) with a copy of `state`'s bytes
         pub(crate) fn dflash_rotary_autograd(
             x: *const c_void,
             cos: *const c_void,
@@ -75,6 +75,24 @@ pub(crate) mod ffi {
                 *const c_void,
                 *const c_void,
                 i32,
+                *mut *mut c_void,
+                *mut c_char,
+                usize,
+            ) -> i32,
+            state: *const c_void,
+            state_len: usize,
+            out: *mut *mut c_void,
+        ) -> *mut c_char;
+        // autograd.cpp: SwiGLU's product as an autograd node whose passes call `swiglu`
+        pub(crate) fn dflash_swiglu_autograd(
+            gate: *const c_void,
+            up: *const c_void,
+            swiglu: unsafe extern "C" fn(
+                *const c_void,
+                *const c_void,
+                *const c_void,
+                *const c_void,
+                *mut *mut c_void,
                 *mut *mut c_void,
                 *mut c_char,
                 usize,

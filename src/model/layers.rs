@@ -6,7 +6,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
 use super::slots::{SlotBatch, SlotCache};
-use crate::aten_ext::fused::FusedKernels;
+use crate::aten_ext::fused::{swiglu_autograd, FusedKernels};
 
 /// `weight * x / sqrt(mean(x^2) + eps)` over the last dimension, through libtorch's
 /// `rms_norm`: on a GPU one fused kernel each way (forward and backward) that accumulates in
@@ -529,6 +529,22 @@ impl Mlp {
         };
         let gated = kernels.silu_mul(&x.linear::<&Tensor>(w, None))?;
         Ok(gated.linear::<&Tensor>(&self.down_proj, None))
+    }
+
+    /// [`Mlp::forward`] of a training forward: with `kernels` on x's device (and gate and up
+    /// separate weights, as a drafter's are), SwiGLU's product is one autograd node whose
+    /// passes are one kernel each ([`swiglu_autograd`]); else libtorch's operations.
+    pub(crate) fn forward_train(&self, x: &Tensor, kernels: Option<&FusedKernels>) -> Tensor {
+        let Some(k) = kernels.filter(|k| k.device() == x.device() && self.fused.is_none()) else {
+            return self.forward(x);
+        };
+        let gate = x.linear::<&Tensor>(&self.gate_proj, None);
+        let up = x.linear::<&Tensor>(&self.up_proj, None);
+        let gated = swiglu_autograd(&gate, &up, Some(k)).unwrap_or_else(|e| {
+            log::warn!("the fused SwiGLU failed ({e:#}); libtorch's operations");
+            gate.silu() * &up
+        });
+        gated.linear::<&Tensor>(&self.down_proj, None)
     }
 
     /// `silu(gate(x)) * up(x)`.

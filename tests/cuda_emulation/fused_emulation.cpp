@@ -202,7 +202,7 @@ static bool run_silu_mul(const char *name,
     return compare<P>(name, out, want, rel, exact);
 }
 
-// rotary over `positions` x `heads` rows of `d`, launched as fused_rotary.rs does (256 threads
+// rotary over `positions` x `heads` rows of `d`, launched as fused_autograd.rs does (256 threads
 // of 256 / d rows where d divides 256, else d threads of one row), forward or inverse, with
 // tables of sin's first half negated as Rope::cos_sin makes them. The reference in double:
 // x[j] cos[j] +- x[j +- d/2] sin[j], rounded once; allowed off by the storage type's rounding
@@ -251,6 +251,47 @@ static bool run_rotary(const char *name,
     const bool ok = off == 0 && untouched;
     std::printf("%s %s: %lld off%s\n", ok ? "ok" : "FAILED", name, off,
                 untouched ? "" : ", wrote past the end");
+    return ok;
+}
+
+// swiglu over `n` elements, forward and backward, launched as fused_autograd.rs does (256
+// threads, a grid-stride loop over fewer blocks than elements here): the reference in double,
+// rounded where libtorch's silu, mul and silu_backward round.
+template <class P>
+static bool run_swiglu(const char *name,
+                       void (*kernel)(const typename P::T *, const typename P::T *,
+                                      const typename P::T *, typename P::T *, typename P::T *,
+                                      long long),
+                       long long n, double rel, double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(17 + n);
+    std::normal_distribution<float> normal;
+    std::vector<T> gate(n), up(n), grad(n);
+    for (long long i = 0; i < n; ++i) {
+        gate[i] = P::store(3.0f * normal(rng));
+        up[i] = P::store(normal(rng));
+        grad[i] = P::store(normal(rng));
+    }
+    std::vector<T> out(n + 64, P::store(NAN)), d_gate(n + 64, P::store(NAN)),
+        d_up(n + 64, P::store(NAN));
+    emu::launch({3, 1, 1}, 256, [&] { kernel(gate.data(), up.data(), nullptr, out.data(), nullptr, n); });
+    emu::launch({3, 1, 1}, 256,
+                [&] { kernel(gate.data(), up.data(), grad.data(), d_gate.data(), d_up.data(), n); });
+    std::vector<double> want(n), want_dg(n), want_du(n);
+    for (long long i = 0; i < n; ++i) {
+        const double g = P::load(gate[i]), u = P::load(up[i]), dy = P::load(grad[i]);
+        const double sig = 1.0 / (1.0 + std::exp(-g));
+        const double silu = round_to<P>(g * sig);
+        want[i] = round_to<P>(silu * u);
+        want_du[i] = round_to<P>(dy * silu);
+        want_dg[i] = round_to<P>(round_to<P>(dy * u) * sig * (1.0 + g * (1.0 - sig)));
+    }
+    char label[200];
+    bool ok = compare<P>(name, out, want, rel, exact);
+    std::snprintf(label, sizeof label, "%s, gate's gradient", name);
+    ok &= compare<P>(label, d_gate, want_dg, rel, exact);
+    std::snprintf(label, sizeof label, "%s, up's gradient", name);
+    ok &= compare<P>(label, d_up, want_du, rel, exact);
     return ok;
 }
 
@@ -635,6 +676,10 @@ int main() {
     ok &= run_rotary<Bf16>("rotary bf16 inverse: 5 x 4 of 128", rotary_bf16, 5, 4, 128, 1,
                            1.0 / 256);
     ok &= run_rotary<F32>("rotary f32 inverse: 3 x 2 of 96", rotary_f32, 3, 2, 96, 1, 1e-6);
+    // SwiGLU's node: forward and backward, 3 blocks of 256 threads looping over 2000 elements
+    ok &= run_swiglu<Bf16>("swiglu bf16: 2000", swiglu_bf16, 2000, bf16_rel, bf16_exact);
+    // (silu's derivative 1 + g (1 - sigmoid(g)) cancels near g = -1.28: float32 keeps 1e-4)
+    ok &= run_swiglu<F32>("swiglu f32: 2000", swiglu_f32, 2000, 1e-4, 0.0);
     // grouping: three chunks (the last partial), 256 experts of 8; one chunk of 64, 128 of 8
     ok &= run_moe_group("moe_group: 150 tokens, 256 experts, 8 choices", 150, 256, 8);
     ok &= run_moe_group("moe_group: 64 tokens, 128 experts, 8 choices", 64, 128, 8);

@@ -30,7 +30,7 @@ pub struct FrozenHead {
     pub embed_tokens: Tensor,
     pub lm_head: Tensor,
     /// The fused kernels of that device, for the training loss through the LM head and the
-    /// rotary embedding of the training forward (`None`: libtorch's operations).
+    /// rotary embedding and SwiGLU of the training forward (`None`: libtorch's operations).
     pub loss_kernels: Option<FusedKernels>,
 }
 
@@ -404,7 +404,9 @@ impl Drafter {
             }
         };
         let h = h + a;
-        let m = layer.mlp.forward(&rms_norm(&h, &layer.post_norm, eps));
+        let m = layer
+            .mlp
+            .forward_train(&rms_norm(&h, &layer.post_norm, eps), kernels);
         h + m
     }
 

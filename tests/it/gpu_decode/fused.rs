@@ -363,12 +363,13 @@ fn gpu_fused_loss_equals_the_libtorch_operations() {
     }
 }
 
-/// The drafter's training forward and backward with the fused rotary embedding (one autograd
-/// node, a kernel a pass) equal the ones with libtorch's operations: the hidden states and every
-/// parameter's gradient, in float32 within float32 rounding and in bf16 within bf16 rounding.
+/// The drafter's training forward and backward with the fused rotary embedding and SwiGLU (an
+/// autograd node each, a kernel a pass) equal the ones with libtorch's operations: the hidden
+/// states and every parameter's gradient, in float32 within float32 rounding and in bf16
+/// within bf16 rounding.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn gpu_drafter_training_with_the_fused_rotary_equals_the_plain_one() {
+fn gpu_drafter_training_with_fused_kernels_equals_the_plain_one() {
     use dflash_tui::model::drafter::AnchorBatch;
     let (rt, dev, _turn) = gpu();
     let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");

@@ -1,10 +1,16 @@
-//! The rotary embedding of the drafter's training forward as one autograd node whose two
-//! passes are the `rotary_*` kernel (fused_kernels.cu): forward `x * cos + roll(x) * sin`,
-//! backward the transposed rotation of the gradient, so that nothing of `x` is saved. libtorch
-//! runs three kernels forward (a product, `roll`, `addcmul`) and four backward, each a pass
-//! over the queries or keys. The node is libtorch's (autograd.cpp, tch cannot attach a
-//! backward pass from Rust); its passes call [`rotate_callback`] here, which falls back to
-//! libtorch's operations where there are no kernels or they refuse the tensors.
+//! Operations of the drafter's training forward as autograd nodes whose passes are one kernel
+//! each (fused_kernels.cu), where libtorch runs several passes over the same activations:
+//! - the rotary embedding ([`rotary_autograd`], the `rotary_*` kernel): forward
+//!   `x * cos + roll(x) * sin`, backward the transposed rotation of the gradient, so that
+//!   nothing of `x` is saved; libtorch runs three kernels forward (a product, `roll`,
+//!   `addcmul`) and four backward;
+//! - SwiGLU's product ([`swiglu_autograd`], the `swiglu_*` kernel): `silu(gate) * up`, saving
+//!   gate and up only; libtorch runs two kernels forward and three backward, and keeps
+//!   `silu(gate)` as well.
+//!
+//! The nodes are libtorch's (autograd.cpp: tch cannot attach a backward pass from Rust); their
+//! passes call back into Rust here ([`rotate_callback`], [`swiglu_callback`]), which falls back
+//! to libtorch's operations where there are no kernels or they refuse the tensors.
 
 use std::ffi::{c_char, c_int, c_void};
 
@@ -190,37 +196,198 @@ unsafe extern "C" fn rotate_callback(
     msg: *mut c_char,
     msg_len: usize,
 ) -> c_int {
-    let run = std::panic::AssertUnwindSafe(|| {
+    guarded_pass(&[out], (msg, msg_len), || {
         // SAFETY: `state` holds the bytes of an Option<FusedKernels> (rotary_autograd); the
         // tensors are live `at::Tensor`s, shallow-copied here.
         let kernels: Option<FusedKernels> = std::ptr::read_unaligned(state.cast());
-        let x = Tensor::clone_from_ptr(x.cast_mut().cast());
-        let cos = Tensor::clone_from_ptr(cos.cast_mut().cast());
-        let sin = Tensor::clone_from_ptr(sin.cast_mut().cast());
-        rotate(kernels.as_ref(), &x, &cos, &sin, inverse != 0)
-    });
-    match std::panic::catch_unwind(run) {
-        Ok(mut t) => {
-            *out = t.as_mut_ptr().cast();
-            // the C++ side takes the tensor over (and deletes it)
-            std::mem::forget(t);
+        let (x, cos, sin) = (borrowed(x), borrowed(cos), borrowed(sin));
+        vec![rotate(kernels.as_ref(), &x, &cos, &sin, inverse != 0)]
+    })
+}
+
+/// A live `at::Tensor` of the C++ side as a tch tensor (a shallow copy).
+unsafe fn borrowed(t: *const c_void) -> Tensor {
+    Tensor::clone_from_ptr(t.cast_mut().cast())
+}
+
+/// Runs one pass of a node for the C++ side: the tensors `pass` returns go to `outs` (taken over
+/// by the C++ side); a panic becomes status 1 and its message in `msg` (at most `msg.1` bytes
+/// with the terminating zero), so that nothing unwinds into C++.
+unsafe fn guarded_pass(
+    outs: &[*mut *mut c_void],
+    msg: (*mut c_char, usize),
+    pass: impl FnOnce() -> Vec<Tensor>,
+) -> c_int {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(pass)) {
+        Ok(tensors) if tensors.len() == outs.len() => {
+            for (mut t, &out) in tensors.into_iter().zip(outs) {
+                *out = t.as_mut_ptr().cast();
+                // the C++ side takes the tensor over (and deletes it)
+                std::mem::forget(t);
+            }
             0
         }
+        Ok(_) => write_message(msg, "a pass returned the wrong number of tensors"),
         Err(panic) => {
             let text = panic
                 .downcast_ref::<String>()
                 .map(String::as_str)
                 .or_else(|| panic.downcast_ref::<&str>().copied())
                 .unwrap_or("a panic");
-            if msg_len > 0 {
-                let bytes = text.as_bytes();
-                let n = bytes.len().min(msg_len - 1);
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), msg.cast::<u8>(), n);
-                *msg.add(n) = 0;
-            }
-            1
+            write_message(msg, text)
         }
     }
+}
+
+/// `text` into the C++ side's message buffer; returns the failure status 1.
+unsafe fn write_message((msg, len): (*mut c_char, usize), text: &str) -> c_int {
+    if len > 0 && !msg.is_null() {
+        let n = text.len().min(len - 1);
+        std::ptr::copy_nonoverlapping(text.as_ptr(), msg.cast::<u8>(), n);
+        *msg.add(n) = 0;
+    }
+    1
+}
+
+impl FusedKernels {
+    /// SwiGLU's product of `gate` and `up` (dense, the same shape and kind: bf16, f16, f32, on
+    /// this device): without `grad`, `silu(gate) * up`; with the output's gradient `grad`
+    /// (dense, same shape), the gradients of gate and up.
+    pub fn swiglu(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        grad: Option<&Tensor>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let kind = gate.kind();
+        let which = kind_index(kind).ok_or_else(|| anyhow!("fused kernels: swiglu of {kind:?}"))?;
+        let mut dense = vec![("gate", gate), ("up", up)];
+        dense.extend(grad.map(|g| ("the gradient", g)));
+        for (what, t) in dense {
+            self.check(what, t, kind)?;
+            ensure!(
+                t.is_contiguous(),
+                "fused kernels: swiglu's {what} is not dense"
+            );
+            ensure!(
+                t.size() == gate.size(),
+                "fused kernels: swiglu's {what} {:?}, gate {:?}",
+                t.size(),
+                gate.size()
+            );
+        }
+        let n = gate.numel() as i64;
+        let out = gate.empty_like();
+        let d_up = grad.map(|_| gate.empty_like());
+        if n == 0 {
+            return Ok((out, d_up));
+        }
+        let threads: i64 = 256;
+        // a grid-stride loop: enough blocks to fill the device, at most one per 256 elements
+        let blocks = ((n + threads - 1) / threads).min(1 << 20);
+        let null = std::ptr::null_mut();
+        let (mut pg, mut pu, mut po) = (gate.data_ptr(), up.data_ptr(), out.data_ptr());
+        let mut pgrad = grad.map_or(null, |g| g.data_ptr());
+        let mut pdu = d_up.as_ref().map_or(null, |t| t.data_ptr());
+        let mut count = n;
+        self.module.launch(
+            self.swiglu[which],
+            (blocks as u32, 1),
+            threads as u32,
+            &mut [
+                arg(&mut pg),
+                arg(&mut pu),
+                arg(&mut pgrad),
+                arg(&mut po),
+                arg(&mut pdu),
+                arg(&mut count),
+            ],
+        )?;
+        Ok((out, d_up))
+    }
+}
+
+/// `silu(gate) * up` as one autograd node (gate, up: [..., I], the same shape): on `kernels`'
+/// device their `swiglu` kernel runs both passes; elsewhere (or where it refuses the tensors)
+/// libtorch's operations do.
+pub fn swiglu_autograd(
+    gate: &Tensor,
+    up: &Tensor,
+    kernels: Option<&FusedKernels>,
+) -> Result<Tensor> {
+    let state: Option<FusedKernels> = kernels.copied();
+    let mut out: *mut c_void = std::ptr::null_mut();
+    // SAFETY: as rotary_autograd's.
+    unsafe {
+        check(ffi::dflash_swiglu_autograd(
+            gate.as_ptr().cast(),
+            up.as_ptr().cast(),
+            swiglu_callback,
+            (&state as *const Option<FusedKernels>).cast(),
+            std::mem::size_of::<Option<FusedKernels>>(),
+            &mut out,
+        ))?;
+        if out.is_null() {
+            bail!("SwiGLU returned no tensor");
+        }
+        Ok(Tensor::from_ptr(out.cast()))
+    }
+}
+
+/// One pass of the SwiGLU node: forward `[silu(gate) * up]`, backward `[d_gate, d_up]`; the
+/// kernel where it takes the tensors, else libtorch's operations (silu, mul, silu_backward:
+/// what autograd runs through `gate.silu() * up`).
+fn swiglu_pass(
+    kernels: Option<&FusedKernels>,
+    gate: &Tensor,
+    up: &Tensor,
+    grad: Option<&Tensor>,
+) -> Vec<Tensor> {
+    if let Some(k) = kernels.filter(|k| k.device() == gate.device()) {
+        let dense = |t: &Tensor| {
+            if t.is_contiguous() {
+                t.shallow_clone()
+            } else {
+                t.contiguous()
+            }
+        };
+        let grad = grad.map(dense);
+        match k.swiglu(&dense(gate), &dense(up), grad.as_ref()) {
+            Ok((out, None)) => return vec![out],
+            Ok((d_gate, Some(d_up))) => return vec![d_gate, d_up],
+            Err(e) => log::debug!("swiglu kernel refused ({e:#}); libtorch's operations"),
+        }
+    }
+    let silu = gate.silu();
+    match grad {
+        None => vec![silu * up],
+        Some(g) => vec![gate.silu_backward(&(g * up)), g * silu],
+    }
+}
+
+/// The SwiGLU node's passes (autograd.cpp's `dflash_swiglu_fn`); `grad` null for the forward.
+unsafe extern "C" fn swiglu_callback(
+    state: *const c_void,
+    gate: *const c_void,
+    up: *const c_void,
+    grad: *const c_void,
+    out0: *mut *mut c_void,
+    out1: *mut *mut c_void,
+    msg: *mut c_char,
+    msg_len: usize,
+) -> c_int {
+    let outs: &[*mut *mut c_void] = if grad.is_null() {
+        &[out0]
+    } else {
+        &[out0, out1]
+    };
+    guarded_pass(outs, (msg, msg_len), || {
+        // SAFETY: as rotate_callback's.
+        let kernels: Option<FusedKernels> = std::ptr::read_unaligned(state.cast());
+        let (gate, up) = (borrowed(gate), borrowed(up));
+        let grad = (!grad.is_null()).then(|| borrowed(grad));
+        swiglu_pass(kernels.as_ref(), &gate, &up, grad.as_ref())
+    })
 }
 
 #[cfg(test)]
@@ -274,13 +441,34 @@ mod tests {
         assert!(plain.equal(&want) && !plain.requires_grad());
     }
 
-    /// On a GPU, the node on the `rotary` kernel against libtorch's operations: values and
-    /// gradients (the gradient in another layout than x's, tables of one row broadcast over
-    /// the batch) within a rounding of the storage type, in float32 and bf16.
-    /// `cargo test --release --lib -- --ignored rotary` on a CUDA device.
+    /// On the CPU (libtorch's operations in the node's passes): SwiGLU's values and the
+    /// gradients of gate and up as autograd takes them through `gate.silu() * up`, exactly.
+    #[test]
+    fn the_swiglu_node_computes_swiglu_and_its_gradients() {
+        tch::manual_seed(4);
+        let gate =
+            (Tensor::randn([3, 5, 16], (Kind::Float, Device::Cpu)) * 3.0).set_requires_grad(true);
+        let up = Tensor::randn([3, 5, 16], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let want = gate.silu() * &up;
+        let got = swiglu_autograd(&gate, &up, None).expect("the node");
+        assert!(got.equal(&want));
+        let g = Tensor::randn([3, 5, 16], (Kind::Float, Device::Cpu));
+        let grads = |y: &Tensor| {
+            Tensor::run_backward(&[(y * &g).sum(Kind::Float)], &[&gate, &up], false, false)
+        };
+        let (want_g, got_g) = (grads(&want), grads(&got));
+        assert!(got_g[0].equal(&want_g[0]), "the gate's gradient");
+        assert!(got_g[1].equal(&want_g[1]), "up's gradient");
+    }
+
+    /// On a GPU, the nodes on the `rotary` and `swiglu` kernels against libtorch's operations:
+    /// values and gradients (for the rotation a gradient in another layout than x's, tables of
+    /// one row broadcast over the batch) within a rounding of the storage type, in float32 and
+    /// bf16; SwiGLU's almost all bit for bit.
+    /// `cargo test --release --lib -- --ignored fused::autograd` on a CUDA device.
     #[test]
     #[ignore = "needs a CUDA device"]
-    fn cuda_rotary_node_equals_libtorchs_operations() {
+    fn cuda_nodes_equal_libtorchs_operations() {
         let runtime = crate::runtime::TorchRuntime::init();
         assert!(runtime.cuda_devices() >= 1, "this test needs a CUDA device");
         let device = Device::Cuda(0);
@@ -320,6 +508,39 @@ mod tests {
                     .expect("a gradient")
             };
             close(&grad(&got), &grad(&want), "gradient");
+        }
+        // SwiGLU: the kernel rounds where libtorch's silu, mul and silu_backward round
+        for (kind, tol) in [(Kind::Float, 1e-6), (Kind::BFloat16, 1.0 / 128.0)] {
+            let gate = (Tensor::randn([2, 37, 300], (Kind::Float, device)) * 3.0).to_kind(kind);
+            let gate = gate.set_requires_grad(true);
+            let up = Tensor::randn([2, 37, 300], (kind, device)).set_requires_grad(true);
+            let want = gate.silu() * &up;
+            let got = swiglu_autograd(&gate, &up, Some(&kernels)).expect("the node");
+            let g = Tensor::randn([2, 37, 300], (kind, device));
+            let grads = |y: &Tensor| {
+                let loss = (y.to_kind(Kind::Float) * g.to_kind(Kind::Float)).sum(Kind::Float);
+                Tensor::run_backward(&[loss], &[&gate, &up], false, false)
+            };
+            for (what, a, b) in [("values", got.shallow_clone(), want.shallow_clone())]
+                .into_iter()
+                .chain(
+                    ["gate's gradient", "up's gradient"]
+                        .into_iter()
+                        .zip(grads(&got).into_iter().zip(grads(&want)))
+                        .map(|(w, (a, b))| (w, a, b)),
+                )
+            {
+                let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
+                let diff = (&a - &b).abs();
+                let bound = b.abs() * tol + 1e-6;
+                let over = diff.gt_tensor(&bound).sum(Kind::Int64).int64_value(&[]);
+                let same = diff.eq(0.0).to_kind(Kind::Float).mean(Kind::Float);
+                let same = same.double_value(&[]);
+                assert!(
+                    over == 0 && same > 0.99,
+                    "SwiGLU {kind:?} {what}: {over} off, {same} equal"
+                );
+            }
         }
     }
 }
