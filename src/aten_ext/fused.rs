@@ -520,11 +520,11 @@ mod tests {
                 [ptr, ptr, 8, 4, 8, ptr, ptr, ptr, ptr]
             );
         }
-        // rotary (fused_autograd.rs): x, cos, sin, out, the 64-bit rows, heads, d, inverse
+        // rotary (fused_autograd.rs): x, cos, sin, out, the 64-bit rows, heads, d, inverse, vec
         for kind in ["bf16", "f16", "f32"] {
             assert_eq!(
                 sizes(&format!("rotary_{kind}")),
-                [ptr, ptr, ptr, ptr, 8, 4, 4, 4]
+                [ptr, ptr, ptr, ptr, 8, 4, 4, 4, 4]
             );
         }
         // swiglu (fused_autograd.rs): gate, up, grad, out, d_up, the 64-bit count

@@ -22,7 +22,7 @@ use super::super::{check, ffi};
 use super::FusedKernels;
 use crate::model::layers::Rope;
 
-/// Threads per block of `rotary` (rows of `d` elements, blockDim / d rows a block).
+/// Threads per block of `rotary` (rows of `d` elements, `d / vec` threads a row).
 const ROTARY_THREADS: i64 = 256;
 
 impl FusedKernels {
@@ -65,12 +65,23 @@ impl FusedKernels {
         if rows == 0 {
             return Ok(out);
         }
-        let threads = if ROTARY_THREADS % d == 0 {
+        // 16-byte vectors where half a row holds whole ones and every row starts aligned
+        let vector = 16 / x.kind().elt_size_in_bytes() as i64;
+        let aligned = [x, cos, sin, &out]
+            .iter()
+            .all(|t| (t.data_ptr() as usize).is_multiple_of(16));
+        let vec = if (d / 2) % vector == 0 && aligned {
+            vector
+        } else {
+            1
+        };
+        let per_row = d / vec;
+        let threads = if ROTARY_THREADS % per_row == 0 {
             ROTARY_THREADS
         } else {
-            d
+            per_row
         };
-        let per_block = threads / d;
+        let per_block = threads / per_row;
         let blocks = (rows + per_block - 1) / per_block;
         ensure!(
             blocks <= i64::from(i32::MAX),
@@ -78,8 +89,13 @@ impl FusedKernels {
         );
         let (mut px, mut pc, mut ps, mut po) =
             (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr());
-        let (mut n, mut h, mut width, mut inv) =
-            (rows, heads as c_int, d as c_int, c_int::from(inverse));
+        let (mut n, mut h, mut width, mut inv, mut v) = (
+            rows,
+            heads as c_int,
+            d as c_int,
+            c_int::from(inverse),
+            vec as c_int,
+        );
         self.module.launch(
             self.rotary[which],
             (blocks as u32, 1),
@@ -93,6 +109,7 @@ impl FusedKernels {
                 arg(&mut h),
                 arg(&mut width),
                 arg(&mut inv),
+                arg(&mut v),
             ],
         )?;
         Ok(out)

@@ -902,26 +902,50 @@ extern "C" __global__ void __launch_bounds__(256)
 // rows a position; `cos` and `sin` [positions, d] (the sin's first half negated, as
 // Rope::cos_sin gives it). out = x * cos + roll(x, d / 2) * sin (the forward pass), or with
 // `inverse` x * cos - roll(x, d / 2) * sin, the transposed rotation (the backward pass of the
-// first, for sin's halves of opposite signs). One rounding; a block holds blockDim / d rows.
-// Where libtorch runs three kernels forward (a product, the roll, addcmul) and four backward.
+// first, for sin's halves of opposite signs). One rounding. A thread takes `vec` consecutive
+// elements (a 16-byte vector, where the launch found half a row a whole number of them and the
+// pointers aligned, else 1); a block holds blockDim / (d / vec) rows. Where libtorch runs three
+// kernels forward (a product, the roll, addcmul) and four backward.
+
+// N consecutive elements j.. of a row (1, or a 16-byte vector of them, inside one half).
+template <class P, int N>
+static __device__ __forceinline__ void rotary_at(const typename P::T *x,
+                                                 const typename P::T *cos,
+                                                 const typename P::T *sin, typename P::T *out,
+                                                 int j, int half, bool inverse) {
+    float a[N], b[N], c[N], s[N];
+    load_n<P, N>(x + j, a);
+    load_n<P, N>(x + (j < half ? j + half : j - half), b);
+    load_n<P, N>(cos + j, c);
+    load_n<P, N>(sin + j, s);
+    for (int t = 0; t < N; ++t) {
+        a[t] = a[t] * c[t] + b[t] * (inverse ? -s[t] : s[t]);
+    }
+    store_n<P, N>(out + j, a);
+}
+
 template <class P>
 static __device__ void rotary(const typename P::T *__restrict__ x,
                               const typename P::T *__restrict__ cos,
                               const typename P::T *__restrict__ sin,
                               typename P::T *__restrict__ out, long long rows, int heads, int d,
-                              int inverse) {
-    const int per_block = blockDim.x / d;
-    const long long row = (long long)blockIdx.x * per_block + threadIdx.x / d;
-    const int j = threadIdx.x % d;
-    if (threadIdx.x >= per_block * d || row >= rows) {
+                              int inverse, int vec) {
+    const bool vectors = vec > 1;
+    const int n = vectors ? 16 / sizeof(typename P::T) : 1;
+    const int per_row = d / n;
+    const int per_block = blockDim.x / per_row;
+    const long long row = (long long)blockIdx.x * per_block + threadIdx.x / per_row;
+    const int j = (threadIdx.x % per_row) * n;
+    if (threadIdx.x >= per_block * per_row || row >= rows) {
         return;
     }
-    const int half = d / 2;
-    const long long at = row * d;
     const long long pos = (row / heads) * d;
-    const float a = P::load(x[at + j]), b = P::load(x[at + (j < half ? j + half : j - half)]);
-    const float s = P::load(sin[pos + j]);
-    out[at + j] = P::store(a * P::load(cos[pos + j]) + b * (inverse ? -s : s));
+    if (vectors) {
+        rotary_at<P, 16 / sizeof(typename P::T)>(x + row * d, cos + pos, sin + pos,
+                                                 out + row * d, j, d / 2, inverse);
+    } else {
+        rotary_at<P, 1>(x + row * d, cos + pos, sin + pos, out + row * d, j, d / 2, inverse);
+    }
 }
 
 // swiglu (training): SwiGLU's product of separate gate and up tensors as an autograd node's
@@ -930,25 +954,53 @@ static __device__ void rotary(const typename P::T *__restrict__ x,
 // d_gate = silu'(gate) applied to grad * up. Rounded where libtorch's silu, mul and
 // silu_backward round (silu(gate) and grad * up in the storage type), in one kernel a pass
 // where libtorch runs two forward and three backward.
+// N consecutive elements at e (1, or a 16-byte vector of them).
+template <class P, int N>
+static __device__ __forceinline__ void swiglu_at(const typename P::T *gate,
+                                                 const typename P::T *up,
+                                                 const typename P::T *grad, typename P::T *out,
+                                                 typename P::T *d_up, long long e) {
+    float g[N], u[N], r[N];
+    load_n<P, N>(gate + e, g);
+    load_n<P, N>(up + e, u);
+    if (grad == nullptr) {
+        for (int t = 0; t < N; ++t) {
+            r[t] = P::load(P::store(g[t] / (1.0f + expf(-g[t])))) * u[t];
+        }
+        store_n<P, N>(out + e, r);
+        return;
+    }
+    float dy[N], du[N];
+    load_n<P, N>(grad + e, dy);
+    for (int t = 0; t < N; ++t) {
+        const float x = g[t], ex = 1.0f + expf(-x);
+        du[t] = dy[t] * P::load(P::store(x / ex));
+        const float ds = P::load(P::store(dy[t] * u[t]));
+        const float sig = 1.0f / ex;
+        r[t] = ds * sig * (1.0f + x * (1.0f - sig));
+    }
+    store_n<P, N>(out + e, r);
+    store_n<P, N>(d_up + e, du);
+}
+
 template <class P>
 static __device__ void swiglu(const typename P::T *__restrict__ gate,
                               const typename P::T *__restrict__ up,
                               const typename P::T *__restrict__ grad,
                               typename P::T *__restrict__ out, typename P::T *__restrict__ d_up,
                               long long n) {
+    const int VEC = 16 / sizeof(typename P::T);
+    const bool vectors = n % VEC == 0 && aligned16(gate) && aligned16(up) && aligned16(out) &&
+                         (grad == nullptr || (aligned16(grad) && aligned16(d_up)));
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
-        const float g = P::load(gate[e]);
-        const float silu = P::load(P::store(g / (1.0f + expf(-g))));
-        const float u = P::load(up[e]);
-        if (grad == nullptr) {
-            out[e] = P::store(silu * u);
-        } else {
-            const float dy = P::load(grad[e]);
-            d_up[e] = P::store(dy * silu);
-            const float ds = P::load(P::store(dy * u));
-            const float sig = 1.0f / (1.0f + expf(-g));
-            out[e] = P::store(ds * sig * (1.0f + g * (1.0f - sig)));
+    if (vectors) {
+        for (long long e = first * VEC; e < n; e += stride * VEC) {
+            swiglu_at<P, 16 / sizeof(typename P::T)>(gate, up, grad, out, d_up, e);
+        }
+    } else {
+        for (long long e = first; e < n; e += stride) {
+            swiglu_at<P, 1>(gate, up, grad, out, d_up, e);
         }
     }
 }
@@ -993,8 +1045,8 @@ static __device__ void swiglu(const typename P::T *__restrict__ gate,
     }                                                                                        \
     extern "C" __global__ void rotary_##SUFFIX(const P::T *x, const P::T *cos,              \
                                                const P::T *sin, P::T *out, long long rows,   \
-                                               int heads, int d, int inverse) {              \
-        rotary<P>(x, cos, sin, out, rows, heads, d, inverse);                                \
+                                               int heads, int d, int inverse, int vec) {     \
+        rotary<P>(x, cos, sin, out, rows, heads, d, inverse, vec);                           \
     }                                                                                        \
     extern "C" __global__ void swiglu_##SUFFIX(const P::T *gate, const P::T *up,            \
                                                const P::T *grad, P::T *out, P::T *d_up,      \

@@ -202,8 +202,8 @@ static bool run_silu_mul(const char *name,
     return compare<P>(name, out, want, rel, exact);
 }
 
-// rotary over `positions` x `heads` rows of `d`, launched as fused_autograd.rs does (256 threads
-// of 256 / d rows where d divides 256, else d threads of one row), forward or inverse, with
+// rotary over `positions` x `heads` rows of `d`, launched as fused_autograd.rs does (`vec`
+// elements a thread, 256 threads where d / vec divides 256, else one row), forward or inverse, with
 // tables of sin's first half negated as Rope::cos_sin makes them. The reference in double:
 // x[j] cos[j] +- x[j +- d/2] sin[j], rounded once; allowed off by the storage type's rounding
 // of the two products' magnitudes (the sum may cancel).
@@ -211,8 +211,8 @@ template <class P>
 static bool run_rotary(const char *name,
                        void (*kernel)(const typename P::T *, const typename P::T *,
                                       const typename P::T *, typename P::T *, long long, int,
-                                      int, int),
-                       long long positions, int heads, int d, int inverse, double ulp) {
+                                      int, int, int),
+                       long long positions, int heads, int d, int inverse, int vec, double ulp) {
     typedef typename P::T T;
     std::mt19937 rng(11 + positions + heads + d + inverse);
     std::normal_distribution<float> normal;
@@ -229,10 +229,11 @@ static bool run_rotary(const char *name,
         }
     }
     std::vector<T> out(rows * d + 64, P::store(NAN));
-    const int threads = 256 % d == 0 ? 256 : d;
-    const long long per_block = threads / d;
+    const int per_row = d / vec;
+    const int threads = 256 % per_row == 0 ? 256 : per_row;
+    const long long per_block = threads / per_row;
     emu::launch({(unsigned)((rows + per_block - 1) / per_block), 1, 1}, threads, [&] {
-        kernel(x.data(), cos.data(), sin.data(), out.data(), rows, heads, d, inverse);
+        kernel(x.data(), cos.data(), sin.data(), out.data(), rows, heads, d, inverse, vec);
     });
     long long off = 0;
     bool untouched = true;
@@ -671,13 +672,20 @@ int main() {
     ok &= run_moe_topk("moe_topk weights: 9 tokens, 6 experts, top 2, bf16", 9, 6, 2, 2, 0, 0);
     // the rotary embedding: head_dim 128 (two rows a block) forward and inverse, bf16 and f32;
     // 96 (a block of one row: 256 % 96 != 0)
-    ok &= run_rotary<Bf16>("rotary bf16: 7 positions x 3 heads of 128", rotary_bf16, 7, 3, 128,
-                           0, 1.0 / 256);
-    ok &= run_rotary<Bf16>("rotary bf16 inverse: 5 x 4 of 128", rotary_bf16, 5, 4, 128, 1,
+    ok &= run_rotary<Bf16>("rotary bf16: 7 positions x 3 heads of 128, vectors", rotary_bf16, 7,
+                           3, 128, 0, 8, 1.0 / 256);
+    ok &= run_rotary<Bf16>("rotary bf16 inverse: 5 x 4 of 128, vectors", rotary_bf16, 5, 4,
+                           128, 1, 8, 1.0 / 256);
+    ok &= run_rotary<Bf16>("rotary bf16: 5 x 4 of 128, elements", rotary_bf16, 5, 4, 128, 0, 1,
                            1.0 / 256);
-    ok &= run_rotary<F32>("rotary f32 inverse: 3 x 2 of 96", rotary_f32, 3, 2, 96, 1, 1e-6);
+    ok &= run_rotary<F32>("rotary f32 inverse: 3 x 2 of 96, elements", rotary_f32, 3, 2, 96, 1,
+                          1, 1e-6);
+    ok &= run_rotary<F32>("rotary f32 inverse: 3 x 2 of 96, vectors", rotary_f32, 3, 2, 96, 1,
+                          4, 1e-6);
     // SwiGLU's node: forward and backward, 3 blocks of 256 threads looping over 2000 elements
-    ok &= run_swiglu<Bf16>("swiglu bf16: 2000", swiglu_bf16, 2000, bf16_rel, bf16_exact);
+    ok &= run_swiglu<Bf16>("swiglu bf16: 2000 (vectors)", swiglu_bf16, 2000, bf16_rel, bf16_exact);
+    ok &= run_swiglu<Bf16>("swiglu bf16: 1999 (elements)", swiglu_bf16, 1999, bf16_rel,
+                           bf16_exact);
     // (silu's derivative 1 + g (1 - sigmoid(g)) cancels near g = -1.28: float32 keeps 1e-4)
     ok &= run_swiglu<F32>("swiglu f32: 2000", swiglu_f32, 2000, 1e-4, 0.0);
     // grouping: three chunks (the last partial), 256 experts of 8; one chunk of 64, 128 of 8
