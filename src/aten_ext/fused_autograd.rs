@@ -127,22 +127,42 @@ pub fn rotary_autograd(
     sin: &Tensor,
     kernels: Option<&FusedKernels>,
 ) -> Result<Tensor> {
+    apply_node("the rotary embedding", kernels, |state, len, out| {
+        // SAFETY: live tensors (see apply_node)
+        unsafe {
+            ffi::dflash_rotary_autograd(
+                x.as_ptr().cast(),
+                cos.as_ptr().cast(),
+                sin.as_ptr().cast(),
+                rotate_callback,
+                state,
+                len,
+                out,
+            )
+        }
+    })
+}
+
+/// Records a node through the shim: `call` passes it the bytes of `kernels` (an
+/// `Option<FusedKernels>`, which the shim copies and hands back to the node's passes, read
+/// there as the same type) and the out-pointer it writes the node's output to on success.
+fn apply_node(
+    what: &str,
+    kernels: Option<&FusedKernels>,
+    call: impl FnOnce(*const c_void, usize, *mut *mut c_void) -> *mut c_char,
+) -> Result<Tensor> {
     let state: Option<FusedKernels> = kernels.copied();
     let mut out: *mut c_void = std::ptr::null_mut();
-    // SAFETY: live tensors; the shim copies `state`'s bytes (read back by `rotate_callback` as
-    // the same type) and writes a new tensor into `out` on success only.
+    let err = call(
+        (&state as *const Option<FusedKernels>).cast(),
+        std::mem::size_of::<Option<FusedKernels>>(),
+        &mut out,
+    );
+    // SAFETY: `err` is the shim's message or null; `out` a new tensor where it is not null.
     unsafe {
-        check(ffi::dflash_rotary_autograd(
-            x.as_ptr().cast(),
-            cos.as_ptr().cast(),
-            sin.as_ptr().cast(),
-            rotate_callback,
-            (&state as *const Option<FusedKernels>).cast(),
-            std::mem::size_of::<Option<FusedKernels>>(),
-            &mut out,
-        ))?;
+        check(err)?;
         if out.is_null() {
-            bail!("the rotary embedding returned no tensor");
+            bail!("{what} returned no tensor");
         }
         Ok(Tensor::from_ptr(out.cast()))
     }
@@ -336,23 +356,19 @@ pub fn swiglu_autograd(
     up: &Tensor,
     kernels: Option<&FusedKernels>,
 ) -> Result<Tensor> {
-    let state: Option<FusedKernels> = kernels.copied();
-    let mut out: *mut c_void = std::ptr::null_mut();
-    // SAFETY: as rotary_autograd's.
-    unsafe {
-        check(ffi::dflash_swiglu_autograd(
-            gate.as_ptr().cast(),
-            up.as_ptr().cast(),
-            swiglu_callback,
-            (&state as *const Option<FusedKernels>).cast(),
-            std::mem::size_of::<Option<FusedKernels>>(),
-            &mut out,
-        ))?;
-        if out.is_null() {
-            bail!("SwiGLU returned no tensor");
+    apply_node("SwiGLU", kernels, |state, len, out| {
+        // SAFETY: live tensors (see apply_node)
+        unsafe {
+            ffi::dflash_swiglu_autograd(
+                gate.as_ptr().cast(),
+                up.as_ptr().cast(),
+                swiglu_callback,
+                state,
+                len,
+                out,
+            )
         }
-        Ok(Tensor::from_ptr(out.cast()))
-    }
+    })
 }
 
 /// One pass of the SwiGLU node: forward `[silu(gate) * up]`, backward `[d_gate, d_up]`; the

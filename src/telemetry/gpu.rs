@@ -63,15 +63,9 @@ impl GpuMonitor {
 
     /// Reads every GPU; a reading NVML cannot give is left empty.
     pub(crate) fn sample(&self) -> Result<Vec<GpuReading>, String> {
-        let count = self.nvml.device_count().map_err(|e| e.to_string())?;
-        let mut out = Vec::with_capacity(count as usize);
-        for index in 0..count {
-            let device = self
-                .nvml
-                .device_by_index(index)
-                .map_err(|e| e.to_string())?;
+        self.each_gpu(|index, device| {
             let memory = device.memory_info().ok();
-            out.push(GpuReading {
+            GpuReading {
                 index,
                 name: device.name().unwrap_or_else(|_| "unknown GPU".into()),
                 utilization_pct: device.utilization_rates().ok().map(|u| u.gpu),
@@ -83,36 +77,43 @@ impl GpuMonitor {
                     .ok()
                     .map(|mw| mw as f64 / 1000.0),
                 temperature_c: device.temperature(TemperatureSensor::Gpu).ok(),
-            });
-        }
-        Ok(out)
+            }
+        })
     }
-}
 
-impl GpuMonitor {
     /// The clocks of every GPU now; a reading NVML cannot give is left empty.
     pub(crate) fn clocks(&self) -> Result<Vec<GpuClocks>, String> {
-        let count = self.nvml.device_count().map_err(|e| e.to_string())?;
-        let mut out = Vec::with_capacity(count as usize);
-        for index in 0..count {
-            let device = self
-                .nvml
-                .device_by_index(index)
-                .map_err(|e| e.to_string())?;
+        let slow = ThrottleReasons::HW_SLOWDOWN
+            | ThrottleReasons::SW_THERMAL_SLOWDOWN
+            | ThrottleReasons::HW_THERMAL_SLOWDOWN
+            | ThrottleReasons::HW_POWER_BRAKE_SLOWDOWN;
+        self.each_gpu(|index, device| {
             let reasons = device.current_throttle_reasons().ok();
-            let slow = ThrottleReasons::HW_SLOWDOWN
-                | ThrottleReasons::SW_THERMAL_SLOWDOWN
-                | ThrottleReasons::HW_THERMAL_SLOWDOWN
-                | ThrottleReasons::HW_POWER_BRAKE_SLOWDOWN;
-            out.push(GpuClocks {
+            GpuClocks {
                 index,
                 sm_mhz: device.clock_info(Clock::SM).ok(),
                 power_watts: device.power_usage().ok().map(|mw| mw as f64 / 1000.0),
                 power_capped: reasons.map(|r| r.contains(ThrottleReasons::SW_POWER_CAP)),
                 slowed_down: reasons.map(|r| r.intersects(slow)),
-            });
-        }
-        Ok(out)
+            }
+        })
+    }
+
+    /// `read` of every GPU NVML lists, in its order.
+    fn each_gpu<T>(
+        &self,
+        read: impl Fn(u32, &nvml_wrapper::Device<'_>) -> T,
+    ) -> Result<Vec<T>, String> {
+        let count = self.nvml.device_count().map_err(|e| e.to_string())?;
+        (0..count)
+            .map(|index| {
+                let device = self
+                    .nvml
+                    .device_by_index(index)
+                    .map_err(|e| e.to_string())?;
+                Ok(read(index, &device))
+            })
+            .collect()
     }
 }
 
