@@ -457,7 +457,7 @@ mod moe;
 
 #[path = "fused_autograd.rs"]
 mod autograd;
-pub use autograd::{rotary_autograd, swiglu_autograd};
+pub use autograd::{rotary_autograd, rotate_half, swiglu_autograd};
 pub use moe::{MoeGroups, MOE_MAX_EXPERTS};
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
 use super::slots::{SlotBatch, SlotCache};
-use crate::aten_ext::fused::{swiglu_autograd, FusedKernels};
+use crate::aten_ext::fused::{rotate_half, swiglu_autograd, FusedKernels};
 
 /// `weight * x / sqrt(mean(x^2) + eps)` over the last dimension, through libtorch's
 /// `rms_norm`: on a GPU one fused kernel each way (forward and backward) that accumulates in
@@ -62,14 +62,10 @@ impl Rope {
     }
 
     /// Applies the rotation with `cos`/`sin` from [`Rope::cos_sin`], broadcast against `x`
-    /// [..., L, head_dim]: `x * cos + rotate_half(x) * sin`, where rotate_half(x) = [-x2, x1].
-    /// Written as `x * cos + roll(x) * signed_sin` (roll by half a head: [x2, x1]), three
-    /// kernels instead of five (a narrow, a negation and a concatenation fewer).
+    /// [..., L, head_dim]: `x * cos + rotate_half(x) * sin`, where rotate_half(x) = [-x2, x1]
+    /// (in libtorch's operations: [`rotate_half`], which the fused kernel is checked against).
     pub fn apply(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
-        let half = x.size()[x.dim() - 1] / 2;
-        let mut out = x * cos;
-        let _ = out.addcmul_(&x.roll([half], [-1]), signed_sin);
-        out
+        rotate_half(x, cos, signed_sin)
     }
 }
 
