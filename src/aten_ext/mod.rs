@@ -20,6 +20,31 @@ use tch::{Device, Kind, Tensor};
 pub(crate) mod ffi {
     use std::ffi::{c_char, c_void};
 
+    /// autograd.cpp's `dflash_rotate_fn`: (state, x, cos, sin, inverse, out, msg, msg_len).
+    pub(crate) type RotatePass = unsafe extern "C" fn(
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        i32,
+        *mut *mut c_void,
+        *mut c_char,
+        usize,
+    ) -> i32;
+
+    /// autograd.cpp's `dflash_swiglu_fn`: (state, gate, up, grad or null, out0, out1, msg,
+    /// msg_len).
+    pub(crate) type SwiGluPass = unsafe extern "C" fn(
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *mut *mut c_void,
+        *mut *mut c_void,
+        *mut c_char,
+        usize,
+    ) -> i32;
+
     extern "C" {
         // The tensors are `at::Tensor *` (tch's `as_ptr`); `grad_scale` may be null. Each
         // returns null, or an error message to free with `dflash_free_error`.
@@ -69,16 +94,7 @@ pub(crate) mod ffi {
             x: *const c_void,
             cos: *const c_void,
             sin: *const c_void,
-            rotate: unsafe extern "C" fn(
-                *const c_void,
-                *const c_void,
-                *const c_void,
-                *const c_void,
-                i32,
-                *mut *mut c_void,
-                *mut c_char,
-                usize,
-            ) -> i32,
+            rotate: RotatePass,
             state: *const c_void,
             state_len: usize,
             out: *mut *mut c_void,
@@ -87,16 +103,7 @@ pub(crate) mod ffi {
         pub(crate) fn dflash_swiglu_autograd(
             gate: *const c_void,
             up: *const c_void,
-            swiglu: unsafe extern "C" fn(
-                *const c_void,
-                *const c_void,
-                *const c_void,
-                *const c_void,
-                *mut *mut c_void,
-                *mut *mut c_void,
-                *mut c_char,
-                usize,
-            ) -> i32,
+            swiglu: SwiGluPass,
             state: *const c_void,
             state_len: usize,
             out: *mut *mut c_void,
