@@ -1,6 +1,8 @@
 // CUDA graphs for the decoding engines (src/model/decode): libtorch's at::cuda::CUDAGraph behind
 // a C interface. A decoding step of a small model is hundreds of tiny kernels whose launch cost
-// (not their arithmetic) sets the step time; a captured graph launches them all at once.
+// (not their arithmetic) sets the step time; a captured graph launches them all at once. Also
+// the streams and events of src/aten_ext/streams.rs (a target's forwards beside a drafter's
+// training on one GPU) and the caching allocator's counters.
 //
 // Built by build.rs as a shared library against the libtorch headers and the CUDA runtime's
 // headers only: it is NOT linked against libtorch_cuda or libcudart (the build machine need not
@@ -122,6 +124,91 @@ char *dflash_allocator_stats(int device, int64_t *out) {
         out[4] = s.num_ooms;
         out[5] = s.allocated_bytes[all].peak;
         out[6] = s.reserved_bytes[all].peak;
+        return nullptr;
+    });
+}
+
+// A stream of libtorch's pool made the current stream of this thread on CUDA device `device`
+// until the returned guard is freed (`dflash_stream_guard_free`): the pipeline's target worker
+// queues its forwards there, beside a drafter's work on the default stream of the same device.
+// Pool streams do not wait for the default stream, nor it for them.
+c10::cuda::CUDAStreamGuard *dflash_stream_guard_new(int device, char **err) {
+    c10::cuda::CUDAStreamGuard *guard = nullptr;
+    *err = guarded([&]() -> char * {
+        guard = new c10::cuda::CUDAStreamGuard(
+            c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device)));
+        return nullptr;
+    });
+    return guard;
+}
+
+// Restores the stream that was current before (on the thread that made the guard).
+void dflash_stream_guard_free(c10::cuda::CUDAStreamGuard *guard) {
+    try {
+        delete guard;
+    } catch (...) {
+    }
+}
+
+// A CUDA event (timing off) recorded now on this thread's current stream of CUDA device
+// `device`. (The runtime's own calls: ATen's CUDAEvent header needs CUDA headers the build
+// machine lacks.)
+void *dflash_stream_event_record(int device, char **err) {
+    cudaEvent_t event = nullptr;
+    *err = guarded([&]() -> char * {
+        const auto index = static_cast<c10::DeviceIndex>(device);
+        c10::cuda::CUDAGuard on_device(index);
+        cudaError_t rc = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+        if (rc == cudaSuccess) {
+            rc = cudaEventRecord(event, at::cuda::getCurrentCUDAStream(index).stream());
+            if (rc != cudaSuccess) {
+                cudaEventDestroy(event);
+                event = nullptr;
+            }
+        }
+        if (rc != cudaSuccess) {
+            cudaGetLastError();
+            return copy_message(cudaGetErrorString(rc));
+        }
+        return nullptr;
+    });
+    return event;
+}
+
+// Makes this thread's current stream of `device` wait (on the device, the host goes on) for
+// the work queued before `event` was recorded.
+char *dflash_stream_event_block(void *event, int device) {
+    return guarded([&]() -> char * {
+        const auto index = static_cast<c10::DeviceIndex>(device);
+        c10::cuda::CUDAGuard on_device(index);
+        const cudaError_t rc = cudaStreamWaitEvent(
+            at::cuda::getCurrentCUDAStream(index).stream(), static_cast<cudaEvent_t>(event), 0);
+        if (rc != cudaSuccess) {
+            cudaGetLastError();
+            return copy_message(cudaGetErrorString(rc));
+        }
+        return nullptr;
+    });
+}
+
+void dflash_stream_event_free(void *event) {
+    if (event != nullptr) {
+        cudaEventDestroy(static_cast<cudaEvent_t>(event));
+    }
+}
+
+// Tells the caching allocator that `tensor`'s memory is also used on this thread's current
+// stream of `device`: once freed, it is handed out again only after the work queued there so
+// far has run (`Tensor.record_stream` in PyTorch). Without it, memory made on another stream
+// and freed here could be reused there while this stream still reads it.
+char *dflash_record_stream(const at::Tensor *tensor, int device) {
+    return guarded([&]() -> char * {
+        if (tensor == nullptr || !tensor->defined() || !tensor->is_cuda()) {
+            return nullptr;
+        }
+        c10::cuda::CUDACachingAllocator::recordStream(
+            tensor->storage().data_ptr(),
+            at::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
         return nullptr;
     });
 }

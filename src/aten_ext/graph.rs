@@ -20,6 +20,10 @@ type GraphFree = unsafe extern "C" fn(*mut c_void);
 type ErrorFree = unsafe extern "C" fn(*mut c_char);
 type CurrentStream = unsafe extern "C" fn(c_int, *mut *mut c_void) -> *mut c_char;
 type AllocatorStatsFn = unsafe extern "C" fn(c_int, *mut i64) -> *mut c_char;
+pub(super) type HandleNew = unsafe extern "C" fn(c_int, *mut *mut c_char) -> *mut c_void;
+pub(super) type HandleFree = unsafe extern "C" fn(*mut c_void);
+pub(super) type EventBlock = unsafe extern "C" fn(*mut c_void, c_int) -> *mut c_char;
+pub(super) type RecordStream = unsafe extern "C" fn(*const c_void, c_int) -> *mut c_char;
 
 /// Counters of libtorch's CUDA caching allocator on one device (what `torch.cuda.memory_stats`
 /// reports), since the process started.
@@ -69,6 +73,13 @@ pub struct GraphLibrary {
     free_error: ErrorFree,
     current_stream: CurrentStream,
     allocator_stats: AllocatorStatsFn,
+    // the streams and events of `super::streams`
+    pub(super) stream_guard_new: HandleNew,
+    pub(super) stream_guard_free: HandleFree,
+    pub(super) event_record: HandleNew,
+    pub(super) event_block: EventBlock,
+    pub(super) event_free: HandleFree,
+    pub(super) record_stream: RecordStream,
 }
 
 impl std::fmt::Debug for GraphLibrary {
@@ -142,6 +153,24 @@ impl GraphLibrary {
                 allocator_stats: std::mem::transmute::<*mut c_void, AllocatorStatsFn>(get(
                     b"dflash_allocator_stats\0",
                 )?),
+                stream_guard_new: std::mem::transmute::<*mut c_void, HandleNew>(get(
+                    b"dflash_stream_guard_new\0",
+                )?),
+                stream_guard_free: std::mem::transmute::<*mut c_void, HandleFree>(get(
+                    b"dflash_stream_guard_free\0",
+                )?),
+                event_record: std::mem::transmute::<*mut c_void, HandleNew>(get(
+                    b"dflash_stream_event_record\0",
+                )?),
+                event_block: std::mem::transmute::<*mut c_void, EventBlock>(get(
+                    b"dflash_stream_event_block\0",
+                )?),
+                event_free: std::mem::transmute::<*mut c_void, HandleFree>(get(
+                    b"dflash_stream_event_free\0",
+                )?),
+                record_stream: std::mem::transmute::<*mut c_void, RecordStream>(get(
+                    b"dflash_record_stream\0",
+                )?),
             };
             // Kept for the life of the process, like libtorch_cuda itself.
             std::mem::forget(lib);
@@ -178,7 +207,7 @@ impl GraphLibrary {
     }
 
     /// `Ok` for a null result, else the message (freed here).
-    fn check(&self, err: *mut c_char, what: &str) -> Result<()> {
+    pub(super) fn check(&self, err: *mut c_char, what: &str) -> Result<()> {
         if err.is_null() {
             return Ok(());
         }

@@ -11,6 +11,7 @@ pub mod fused;
 pub mod gdn;
 pub(crate) mod graph;
 mod nvrtc;
+pub(crate) mod streams;
 
 use std::ffi::{c_char, c_void};
 

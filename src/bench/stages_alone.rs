@@ -124,6 +124,7 @@ pub(crate) fn measure_stages_alone(
                 .ok_or_else(|| anyhow!("the target returned no features"))?,
             teacher_hidden: out.final_hidden,
             batch,
+            ready: None,
         });
     }
     sync_device(target.device);

@@ -348,6 +348,10 @@ pub struct DevicesSection {
     /// some GPUs also run target forwards (target on cuda:0, drafters on cuda:0 and cuda:1:
     /// [1, 2]). The step's gradient is the mean over all its batches. Default [].
     pub drafter_batches: Vec<u32>,
+    /// Where a target device also trains a drafter: true = the target's forwards run on a CUDA
+    /// stream of their own, beside the drafter's work, so that the GPU runs both at once;
+    /// false = queued on the drafter's stream, one after the other. Default true.
+    pub concurrent_target: bool,
 }
 
 impl Default for DevicesSection {
@@ -357,6 +361,7 @@ impl Default for DevicesSection {
             drafter_devices: vec![DeviceSpec::Auto],
             grad_sync: GradSync::Auto,
             drafter_batches: Vec::new(),
+            concurrent_target: true,
         }
     }
 }

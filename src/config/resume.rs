@@ -48,6 +48,7 @@ const FREE_FIELDS: &[&str] = &[
     "train.fused_loss",
     "devices.target_devices",
     "devices.grad_sync",
+    "devices.concurrent_target",
 ];
 
 /// Each field (dotted name) whose value differs between the run's `stored` configuration and

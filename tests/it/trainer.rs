@@ -7,6 +7,7 @@ use crate::common;
 mod evaluation;
 mod failures;
 mod replicas;
+mod streams;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;

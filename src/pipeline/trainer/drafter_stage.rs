@@ -190,6 +190,7 @@ pub(super) fn accumulate(
             Err(QueueClosed::Stopped) => return Ok(None),
             Err(QueueClosed::Drained) => bail!("the target workers ended before training did"),
         };
+        item.hand_over()?;
         let waited_before = if micro == 0 {
             first_wait
         } else {

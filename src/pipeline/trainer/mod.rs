@@ -23,6 +23,7 @@ use tch::Device;
 use super::collective::{ParamsMsg, ReplicaSync};
 use super::command::Command;
 use super::queue::{QueueName, ResizableQueue};
+use crate::aten_ext::graph::GraphLibrary;
 use crate::config::TrainConfig;
 use crate::data::packer::Packer;
 use crate::data::store::TokenStore;
@@ -41,7 +42,7 @@ use drafter_stage::{replica, GradMsg};
 use loader::loader;
 use prepare::Prepared;
 use shared::{Status, StopRequest, StopState, EVAL_HISTORY, HISTORY};
-use target_stage::target_worker;
+use target_stage::{target_worker, TargetPlacement};
 
 pub use shared::Shared;
 
@@ -250,6 +251,7 @@ fn spawn_stages(shared: Arc<Shared>, p: Prepared) -> Result<TrainerHandle> {
         p.targets,
         &taps,
         &p.drafter_devices,
+        p.side_streams,
     )?);
     // Drafter workers: 0 coordinates.
     let replicas = p.drafters.len();
@@ -329,6 +331,7 @@ fn spawn_targets(
     targets: Vec<Arc<SharedTarget>>,
     taps: &[usize],
     drafter_devices: &[Device],
+    side_streams: Option<GraphLibrary>,
 ) -> Result<Vec<StageThread>> {
     let mut threads = Vec::new();
     let n_targets = targets.len();
@@ -338,12 +341,19 @@ fn spawn_targets(
         let cfg = config.clone();
         let taps = taps.to_vec();
         let done = finished_targets.clone();
-        let wait_for_device = !drafter_devices.contains(&target.device);
+        let shares_device = drafter_devices.contains(&target.device);
+        let placement = match side_streams {
+            Some(library) if shares_device && target.device.is_cuda() => {
+                TargetPlacement::SideStream(library)
+            }
+            _ if shares_device => TargetPlacement::DrafterStream,
+            _ => TargetPlacement::OwnDevice,
+        };
         threads.push(spawn(
             format!("target-{i}"),
             Box::new(move || {
                 run_stage(&shared, &format!("target worker {i}"), || {
-                    target_worker(&shared, &target, &taps, &cfg, wait_for_device)
+                    target_worker(&shared, &target, &taps, &cfg, placement)
                 });
                 if done.fetch_add(1, Ordering::SeqCst) + 1 == n_targets as u32 {
                     shared.feature_q.close();

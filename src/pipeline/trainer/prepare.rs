@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind};
 
+use crate::aten_ext::graph::GraphLibrary;
 use crate::config::{Dtype, TrainConfig};
 use crate::data::packer::{Packer, PackerConfig, PackerState};
 use crate::data::store::{DataColumns, StoreOptions, TokenStore};
@@ -40,6 +41,9 @@ pub(crate) struct Prepared {
     pub(super) held_out: Option<HeldOut>,
     /// The checkpoint resumed from: the run's last checkpoint until it saves one.
     pub(super) resumed_from: Option<PathBuf>,
+    /// The CUDA shim library, for the side streams of targets that share a device with a
+    /// drafter (`devices.concurrent_target`); `None` without CUDA or with the setting off.
+    pub(super) side_streams: Option<GraphLibrary>,
 }
 
 fn resolve_kind(dtype: Dtype, device: Device) -> Kind {
@@ -209,6 +213,11 @@ pub(crate) fn prepare(
         drafter_devices,
         grad_sync,
         resumed_from: resumed_from.cloned(),
+        side_streams: runtime
+            .graphs
+            .clone()
+            .ok()
+            .filter(|_| config.devices.concurrent_target),
     })
 }
 

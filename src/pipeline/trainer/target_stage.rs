@@ -3,11 +3,13 @@
 
 use std::time::Instant;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context, Result};
 use tch::Tensor;
 
 use super::loader::BatchItem;
 use super::shared::{injected_failure, sync_device, Shared};
+use crate::aten_ext::graph::GraphLibrary;
+use crate::aten_ext::streams::{SideStream, StreamEvent};
 use crate::config::{FailStage, TrainConfig};
 use crate::model::layers::upload;
 use crate::model::{ForwardRequest, TargetModel};
@@ -18,19 +20,56 @@ pub(crate) struct FeatureItem {
     pub(crate) batch: BatchItem,
     pub(crate) features: Tensor,
     pub(crate) teacher_hidden: Option<Tensor>,
+    /// Recorded after the forward on the target's side stream (see [`TargetPlacement`]): the
+    /// drafter's stream waits for it before reading the features ([`FeatureItem::hand_over`]).
+    pub(crate) ready: Option<StreamEvent>,
 }
 
-/// `wait_for_device`: wait for each forward to finish on the device, so that `target.forward`
-/// times the device's work. Off where a drafter shares the device: the wait would be for the
-/// drafter's queued work too, and one stream orders the drafter after the forward anyway
-/// (there `target.forward` is the time to queue the forward).
+impl FeatureItem {
+    /// Orders the drafter's stream (this thread's) after the forward that made the features,
+    /// where it ran on a side stream; nothing to do where it ran on the same stream, or on
+    /// another device (the copy to the drafter's device waits for it).
+    pub(crate) fn hand_over(&self) -> Result<()> {
+        let Some(ready) = &self.ready else {
+            return Ok(());
+        };
+        let mut tensors = vec![&self.features];
+        tensors.extend(self.teacher_hidden.as_ref());
+        ready.hand_over(&tensors)
+    }
+}
+
+/// Where a target worker's forwards run.
+#[derive(Clone, Copy)]
+pub(super) enum TargetPlacement {
+    /// On a device no drafter trains on: each forward is waited for, so that `target.forward`
+    /// times the device's work.
+    OwnDevice,
+    /// On a drafter's device, queued on the same stream: one stream orders the drafter after
+    /// the forward, and `target.forward` is the time to queue it (a wait would be for the
+    /// drafter's queued work too).
+    DrafterStream,
+    /// On a drafter's device, on a stream of libtorch's pool (`devices.concurrent_target`): the
+    /// GPU runs the forward beside the drafter's work; an event recorded after it hands the
+    /// features over.
+    SideStream(GraphLibrary),
+}
+
 pub(super) fn target_worker(
     shared: &Shared,
     target: &TargetModel,
     taps: &[usize],
     cfg: &TrainConfig,
-    wait_for_device: bool,
+    placement: TargetPlacement,
 ) -> Result<()> {
+    let side = match placement {
+        TargetPlacement::SideStream(library) => Some((
+            library,
+            SideStream::enter(library, target.device).context("the target's side stream")?,
+        )),
+        _ => None,
+    };
+    let wait_for_device = matches!(placement, TargetPlacement::OwnDevice);
     let soft = cfg.train.kl_weight > 0.0;
     let req = ForwardRequest {
         tap_layers: taps.to_vec(),
@@ -69,10 +108,16 @@ pub(super) fn target_worker(
         let features = out
             .features
             .ok_or_else(|| anyhow!("the target returned no features"))?;
+        let ready = side
+            .as_ref()
+            .map(|(library, _)| StreamEvent::record(*library, target.device))
+            .transpose()
+            .context("the event after the target's forward")?;
         let item = FeatureItem {
             batch,
             features,
             teacher_hidden: out.final_hidden,
+            ready,
         };
         let t = Instant::now();
         let pushed = shared.feature_q.push(item);
