@@ -18,6 +18,11 @@
 // scaled_rms_norm: the zero-centred RMSNorm, x.float().rms_norm(scale).to(dtype) with a float32
 //   scale (1 + w): one kernel for three (two of them float32 copies of the input). Sum of
 //   squares, rstd = rsqrt(mean + eps) and y = x * rstd * scale in float32, one rounding.
+// gated_attention_prep: a gated attention layer's q/k norms and partial rotary embedding from
+//   the fused projection, dense queries and keys out: one kernel for about a dozen.
+// sigmoid_gate_mul: its output gate, attn * sigmoid(gate) with the gate read in place.
+// adamw_square_sums, adamw_update (training): the drafter's optimizer step reading the
+//   gradients where the backward pass left them and writing the new weights back (fused_adamw.rs).
 // gdn_gates: the Gated DeltaNet's decay and write strength per token and value head from the
 //   projection's columns a and b: g = softplus(float(a) + dt_bias) * neg_a in float32 and
 //   beta = sigmoid(b) in the storage type, one kernel for five (a float32 copy, the sum, the
@@ -1005,6 +1010,227 @@ static __device__ void swiglu(const typename P::T *__restrict__ gate,
     }
 }
 
+// gated_attention_prep: after a Qwen3.5 gated attention layer's fused q/k/v projection `y`
+// (per token, `row_stride` elements apart: per query head its query and its gate of d each,
+// then kv keys and kv values of d each), the zero-centred q/k norms (scaled_rms_norm's
+// arithmetic: rstd over the head in float32, x * rstd * scale rounded once) and the rotary
+// embedding of the first `rot` of each head (x * cos + rotate_half(x) * sin with the sin's
+// first half negated, rounded where libtorch's product and addcmul round; the rest passed
+// through), written to dense `q_out` [n, heads, d] and `k_out` [n, kv, d]: one kernel for the
+// norms, the gate's copy, the rotation's products, rolls and concatenations (about a dozen).
+// A warp per (token, head), the heads of 8 tokens' rows a block (blockIdx.x * 8 + warp over
+// n * (heads + kv)); `cos`, `sin` [m, rot] with token t at row t % m. The normed head is staged
+// in shared memory (the rotation pairs element i with i + rot / 2, another lane's).
+#define GATED_PREP_WARPS 8
+#define GATED_PREP_MAX_D 512
+
+template <class P>
+static __device__ void gated_attention_prep(const typename P::T *__restrict__ y,
+                                            long long row_stride, long long n, int heads, int kv,
+                                            int d, int rot, const float *__restrict__ q_scale,
+                                            const float *__restrict__ k_scale, float eps,
+                                            const typename P::T *__restrict__ cos,
+                                            const typename P::T *__restrict__ sin, long long m,
+                                            typename P::T *__restrict__ q_out,
+                                            typename P::T *__restrict__ k_out) {
+    typedef typename P::T T;
+    __shared__ float staged[GATED_PREP_WARPS][GATED_PREP_MAX_D];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long item = (long long)blockIdx.x * GATED_PREP_WARPS + warp;
+    const int groups = heads + kv;
+    if (item >= n * groups) {
+        return;   // a whole warp
+    }
+    const long long token = item / groups;
+    const int head = (int)(item % groups);
+    const bool query = head < heads;
+    const T *src = y + token * row_stride +
+                   (query ? (long long)head * 2 * d : (long long)heads * 2 * d +
+                                                          (long long)(head - heads) * d);
+    const float *scale = query ? q_scale : k_scale;
+    const int VEC = 16 / sizeof(T);
+    const bool vectors = d % VEC == 0 && aligned16(src);
+    const float rstd = row_rstd<P>(src, vectors, d, eps, lane, 32);
+    float *row = staged[warp];
+    for (int j = lane; j < d; j += 32) {
+        row[j] = P::load(P::store(P::load(src[j]) * rstd * scale[j]));
+    }
+    __syncwarp();
+    const T *c = cos + (token % m) * rot, *s = sin + (token % m) * rot;
+    const int half = rot / 2;
+    T *dst = query ? q_out + (token * heads + head) * (long long)d
+                   : k_out + (token * kv + (head - heads)) * (long long)d;
+    for (int j = lane; j < d; j += 32) {
+        const float a = row[j];
+        if (j < rot) {
+            const float partner = row[j < half ? j + half : j - half];
+            dst[j] = P::store(fmaf(partner, P::load(s[j]), P::load(P::store(a * P::load(c[j])))));
+        } else {
+            dst[j] = P::store(a);
+        }
+    }
+}
+
+// sigmoid_gate_mul: the gated attention's output gate, out[t, h * d + e] = round(attn[t, h, e] *
+// round(sigmoid(gate[t, h, e]))) (libtorch's sigmoid and product, each rounded), with `attn`
+// dense [n, heads, d] and the gate read in place from the projection `y` (head h's gate at
+// t * row_stride + (2 h + 1) * d): one kernel for the gate's copy, the sigmoid and the product.
+// A thread per N elements (16-byte vectors where d and the pointers allow), grid-stride.
+template <class P, int N>
+static __device__ __forceinline__ void sigmoid_gate_mul_at(const typename P::T *attn,
+                                                           const typename P::T *gate,
+                                                           typename P::T *out, long long e) {
+    float a[N], g[N];
+    load_n<P, N>(attn + e, a);
+    load_n<P, N>(gate, g);
+    for (int t = 0; t < N; ++t) {
+        a[t] = a[t] * P::load(P::store(1.0f / (1.0f + expf(-g[t]))));
+    }
+    store_n<P, N>(out + e, a);
+}
+
+template <class P>
+static __device__ void sigmoid_gate_mul(const typename P::T *__restrict__ attn,
+                                        const typename P::T *__restrict__ y,
+                                        long long row_stride, long long n, int heads, int d,
+                                        typename P::T *__restrict__ out) {
+    const int VEC = 16 / sizeof(typename P::T);
+    const bool vectors = d % VEC == 0 && row_stride % VEC == 0 && aligned16(attn) &&
+                         aligned16(y) && aligned16(out);
+    const int step = vectors ? VEC : 1;
+    const long long total = n * heads * d;
+    const long long first = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * step;
+    const long long stride = (long long)gridDim.x * blockDim.x * step;
+    for (long long e = first; e < total; e += stride) {
+        const long long token = e / ((long long)heads * d);
+        const long long within = e - token * heads * d;
+        const long long h = within / d, col = within - h * d;
+        const typename P::T *gate = y + token * row_stride + (2 * h + 1) * d + col;
+        if (vectors) {
+            sigmoid_gate_mul_at<P, 16 / sizeof(typename P::T)>(attn, gate, out, e);
+        } else {
+            sigmoid_gate_mul_at<P, 1>(attn, gate, out, e);
+        }
+    }
+}
+
+// The optimizer's step without the flat gradient (src/aten_ext/fused_adamw.rs): the drafter's
+// parameters' gradients are read where the backward pass left them, in their storage type, and
+// the new weights written to the parameters in it, next to the float32 master weights and
+// moments kept as flat buffers. Work goes by chunks of at most ADAMW_CHUNK elements of one
+// tensor, `chunks` [n_chunks, 4] int64: the chunk's first element in the flat buffers, its first
+// element in its tensor, the tensor's index and its length. `grads`, `params`: the tensors' data
+// pointers (a null gradient counts as zeros). Blocks take chunks grid-stride.
+#define ADAMW_CHUNK 16384
+
+// adamw_square_sums: each chunk's sum of squares of its gradient in float32, into
+// `partial[chunk]` (summed by the caller in a fixed order: the global norm for clipping).
+template <class P>
+static __device__ void adamw_square_sums(const unsigned long long *__restrict__ grads,
+                                         const long long *__restrict__ chunks,
+                                         long long n_chunks, float *__restrict__ partial) {
+    typedef typename P::T T;
+    const int VEC = 16 / sizeof(T);
+    for (long long c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const long long start = chunks[4 * c + 1], len = chunks[4 * c + 3];
+        const T *g = reinterpret_cast<const T *>(grads[chunks[4 * c + 2]]);
+        float s = 0.0f;
+        if (g != nullptr) {
+            g += start;
+            if (len % VEC == 0 && aligned16(g)) {
+                for (long long e = threadIdx.x * VEC; e < len; e += blockDim.x * VEC) {
+                    float v[16 / sizeof(T)];
+                    load_n<P, 16 / sizeof(T)>(g + e, v);
+                    for (int t = 0; t < VEC; ++t) {
+                        s += v[t] * v[t];
+                    }
+                }
+            } else {
+                for (long long e = threadIdx.x; e < len; e += blockDim.x) {
+                    const float v = P::load(g[e]);
+                    s += v * v;
+                }
+            }
+        }
+        s = block_sum(s);
+        if (threadIdx.x == 0) {
+            partial[c] = s;
+        }
+        __syncthreads();   // block_sum's shared slots are reused by the next chunk
+    }
+}
+
+// adamw_update: AdamW on each element, as libtorch's fused kernel computes it in float32:
+// g = grad / grad_scale (when `grad_scale` is not null), master -= lr * weight_decay * master,
+// m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g^2,
+// master -= step_size * m / (sqrt(v) / bias2_sqrt + eps) with step_size = lr / (1 - beta1^t)
+// and bias2_sqrt = sqrt(1 - beta2^t) (the host's, in double, rounded to float32); then the
+// parameter = master rounded to its storage type.
+template <class P, int N>
+static __device__ __forceinline__ void adamw_at(const typename P::T *g, float *master, float *m,
+                                                float *v, typename P::T *param, float scale,
+                                                float decay, float beta1, float beta2,
+                                                float step_size, float bias2_sqrt, float eps) {
+    float gv[N];
+    if (g != nullptr) {
+        load_n<P, N>(g, gv);
+    } else {
+        for (int t = 0; t < N; ++t) gv[t] = 0.0f;
+    }
+    for (int t = 0; t < N; ++t) {
+        const float grad = gv[t] / scale;
+        float p = master[t];
+        p -= decay * p;
+        const float mt = beta1 * m[t] + (1.0f - beta1) * grad;
+        const float vt = beta2 * v[t] + (1.0f - beta2) * grad * grad;
+        p -= step_size * mt / (sqrtf(vt) / bias2_sqrt + eps);
+        master[t] = p;
+        m[t] = mt;
+        v[t] = vt;
+        gv[t] = p;
+    }
+    store_n<P, N>(param, gv);
+}
+
+template <class P>
+static __device__ void adamw_update(const unsigned long long *__restrict__ grads,
+                                    const unsigned long long *__restrict__ params,
+                                    const long long *__restrict__ chunks, long long n_chunks,
+                                    float *__restrict__ master, float *__restrict__ exp_avg,
+                                    float *__restrict__ exp_avg_sq,
+                                    const float *__restrict__ grad_scale, float decay,
+                                    float beta1, float beta2, float step_size, float bias2_sqrt,
+                                    float eps) {
+    typedef typename P::T T;
+    const int VEC = 16 / sizeof(T);
+    const float scale = grad_scale != nullptr ? grad_scale[0] : 1.0f;
+    for (long long c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const long long flat = chunks[4 * c], start = chunks[4 * c + 1];
+        const long long tensor = chunks[4 * c + 2], len = chunks[4 * c + 3];
+        const T *g = reinterpret_cast<const T *>(grads[tensor]);
+        if (g != nullptr) {
+            g += start;
+        }
+        T *param = reinterpret_cast<T *>(params[tensor]) + start;
+        float *p = master + flat, *m = exp_avg + flat, *v = exp_avg_sq + flat;
+        // the float32 buffers by 4 (16 bytes), the storage type by VEC: both in steps of VEC
+        const bool vectors = len % VEC == 0 && (g == nullptr || aligned16(g)) &&
+                             aligned16(param) && flat % VEC == 0;
+        if (vectors) {
+            for (long long e = threadIdx.x * VEC; e < len; e += blockDim.x * VEC) {
+                adamw_at<P, 16 / sizeof(T)>(g == nullptr ? nullptr : g + e, p + e, m + e, v + e,
+                                            param + e, scale, decay, beta1, beta2, step_size,
+                                            bias2_sqrt, eps);
+            }
+        } else {
+            for (long long e = threadIdx.x; e < len; e += blockDim.x) {
+                adamw_at<P, 1>(g == nullptr ? nullptr : g + e, p + e, m + e, v + e, param + e,
+                               scale, decay, beta1, beta2, step_size, bias2_sqrt, eps);
+            }
+        }
+    }
+}
+
 #define DFLASH_FUSED_KERNELS(SUFFIX, P)                                                      \
     extern "C" __global__ void rotate_write_##SUFFIX(                                        \
         const P::T *y, int layers, int heads, int kv, int d, const P::T *q_norm,             \
@@ -1052,6 +1278,33 @@ static __device__ void swiglu(const typename P::T *__restrict__ gate,
                                                const P::T *grad, P::T *out, P::T *d_up,      \
                                                long long n) {                                \
         swiglu<P>(gate, up, grad, out, d_up, n);                                             \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * GATED_PREP_WARPS)                      \
+        gated_attention_prep_##SUFFIX(const P::T *y, long long row_stride, long long n,      \
+                                      int heads, int kv, int d, int rot,                     \
+                                      const float *q_scale, const float *k_scale, float eps, \
+                                      const P::T *cos, const P::T *sin, long long m,         \
+                                      P::T *q_out, P::T *k_out) {                            \
+        gated_attention_prep<P>(y, row_stride, n, heads, kv, d, rot, q_scale, k_scale, eps,  \
+                                cos, sin, m, q_out, k_out);                                  \
+    }                                                                                        \
+    extern "C" __global__ void sigmoid_gate_mul_##SUFFIX(const P::T *attn, const P::T *y,   \
+                                                         long long row_stride, long long n,  \
+                                                         int heads, int d, P::T *out) {      \
+        sigmoid_gate_mul<P>(attn, y, row_stride, n, heads, d, out);                          \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256)                                       \
+        adamw_square_sums_##SUFFIX(const unsigned long long *grads, const long long *chunks, \
+                                   long long n_chunks, float *partial) {                     \
+        adamw_square_sums<P>(grads, chunks, n_chunks, partial);                              \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) adamw_update_##SUFFIX(                 \
+        const unsigned long long *grads, const unsigned long long *params,                   \
+        const long long *chunks, long long n_chunks, float *master, float *exp_avg,          \
+        float *exp_avg_sq, const float *grad_scale, float decay, float beta1, float beta2,   \
+        float step_size, float bias2_sqrt, float eps) {                                      \
+        adamw_update<P>(grads, params, chunks, n_chunks, master, exp_avg, exp_avg_sq,        \
+                        grad_scale, decay, beta1, beta2, step_size, bias2_sqrt, eps);        \
     }
 
 DFLASH_FUSED_KERNELS(bf16, Bf16)

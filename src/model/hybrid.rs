@@ -13,7 +13,7 @@ use super::gated_delta::{gated_delta_rule, gated_delta_rule_steps, GdnState};
 use super::hybrid_config::{GdnLayout, GdnShape};
 use super::layers::{add_product, Rope};
 use super::weights::WeightSource;
-use crate::aten_ext::fused::FusedKernels;
+use crate::aten_ext::fused::{FusedKernels, GatedHeads};
 use crate::aten_ext::gdn::{GdnInputs, GdnKernels, CONV_WIDTH};
 
 /// The fused kernels where they take `x` (on their device, of a type they exist for).
@@ -80,9 +80,10 @@ pub(crate) struct GatedAttention {
 }
 
 impl GatedAttention {
-    /// Rotated queries [B, heads, L, d], keys and values [B, kv_heads, L, d], and the gate
-    /// [B, L, heads * d] of the normed input `x` [B, L, H] at angles `cos`, `sin` [L, rotary];
-    /// the q/k norms by the fused kernels where `kernels` take them.
+    /// Rotated queries [B, heads, L, d], keys and values [B, kv_heads, L, d], and the projection
+    /// [B, L, row] (which holds each query head's gate, for [`GatedAttention::add_output`]) of
+    /// the normed input `x` [B, L, H] at angles `cos`, `sin` [L, rotary] (or one row per
+    /// token); the q/k norms and the rotation in one fused kernel where `kernels` take them.
     pub(crate) fn project(
         &self,
         x: &Tensor,
@@ -93,16 +94,52 @@ impl GatedAttention {
         let (b, l) = (x.size()[0], x.size()[1]);
         let (h, kvh, d) = (self.heads, self.kv_heads, self.head_dim);
         let y = x.linear::<&Tensor>(&self.qkv, None);
-        let qg = y.narrow(-1, 0, 2 * h * d).view([b, l, h, 2 * d]);
-        let q = self.q_norm.forward(&qg.narrow(-1, 0, d), kernels);
-        let gate = qg.narrow(-1, d, d).reshape([b, l, h * d]);
-        let k = y.narrow(-1, 2 * h * d, kvh * d).view([b, l, kvh, d]);
-        let k = self.k_norm.forward(&k, kernels);
         let v = y
             .narrow(-1, 2 * h * d + kvh * d, kvh * d)
-            .view([b, l, kvh, d]);
+            .view([b, l, kvh, d])
+            .transpose(1, 2);
+        // angles the kernel reads in place: dense rows of the projection's type, one per
+        // position (shared by the batch's rows) or one per token
+        let per_token = |t: &Tensor| {
+            let m = t.numel() as i64 / self.rotary_dim.max(1);
+            t.is_contiguous() && t.kind() == y.kind() && (m == l || m == b * l)
+        };
+        if let Some(k) = serving(kernels, &y).filter(|_| per_token(cos) && per_token(sin)) {
+            let fused = k.gated_attention_prep(
+                &y,
+                self.gated_heads(),
+                &self.q_norm.scale,
+                &self.k_norm.scale,
+                self.q_norm.eps,
+                cos,
+                sin,
+            );
+            match fused {
+                Ok((q, kk)) => {
+                    let q = q.view([b, l, h, d]).transpose(1, 2);
+                    let kk = kk.view([b, l, kvh, d]).transpose(1, 2);
+                    return [q, kk, v, y];
+                }
+                Err(e) => {
+                    log::warn!("fused gated attention refused a call, libtorch instead: {e:#}")
+                }
+            }
+        }
+        let qg = y.narrow(-1, 0, 2 * h * d).view([b, l, h, 2 * d]);
+        let q = self.q_norm.forward(&qg.narrow(-1, 0, d), kernels);
+        let k = y.narrow(-1, 2 * h * d, kvh * d).view([b, l, kvh, d]);
+        let k = self.k_norm.forward(&k, kernels);
         let rotate = |t: &Tensor| self.rotate(&t.transpose(1, 2), cos, sin);
-        [rotate(&q), rotate(&k), v.transpose(1, 2), gate]
+        [rotate(&q), rotate(&k), v, y]
+    }
+
+    fn gated_heads(&self) -> GatedHeads {
+        GatedHeads {
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            rotary_dim: self.rotary_dim,
+        }
     }
 
     /// The rotary embedding on the first `rotary_dim` of each head, the rest passed through.
@@ -115,10 +152,30 @@ impl GatedAttention {
         Tensor::cat(&[turned, x.narrow(-1, r, self.head_dim - r)], -1)
     }
 
-    /// `residual += o_proj(attn * sigmoid(gate))` for the attention output [B, heads, L, d].
-    pub(crate) fn add_output(&self, residual: &mut Tensor, attn: &Tensor, gate: &Tensor) {
+    /// `residual += o_proj(attn * sigmoid(gate))` for the attention output [B, heads, L, d] and
+    /// the projection `y` [B, L, row] [`GatedAttention::project`] returned (the gates are in
+    /// it); the gate in one fused kernel where `kernels` take it.
+    pub(crate) fn add_output(
+        &self,
+        residual: &mut Tensor,
+        attn: &Tensor,
+        y: &Tensor,
+        kernels: Option<&FusedKernels>,
+    ) {
         let (b, h, l, d) = attn.size4().unwrap_or((0, 0, 0, 0));
-        let merged = attn.transpose(1, 2).reshape([b, l, h * d]) * gate.sigmoid();
+        let tokens = attn.transpose(1, 2);
+        if let Some(k) = serving(kernels, y) {
+            match k.sigmoid_gate_mul(&tokens.contiguous(), y, self.gated_heads()) {
+                Ok(merged) => return add_product(residual, &merged, &self.o_proj),
+                Err(e) => log::warn!("fused output gate refused a call, libtorch instead: {e:#}"),
+            }
+        }
+        let gate = y
+            .narrow(-1, 0, 2 * h * d)
+            .view([b, l, h, 2 * d])
+            .narrow(-1, d, d)
+            .reshape([b, l, h * d]);
+        let merged = tokens.reshape([b, l, h * d]) * gate.sigmoid();
         add_product(residual, &merged.view([-1, h * d]), &self.o_proj);
     }
 

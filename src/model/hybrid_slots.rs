@@ -38,9 +38,9 @@ impl HybridLayer {
         let h = self.input_norm.forward(x, kernels);
         match &self.mixer {
             Mixer::Attention(attn) => {
-                let [q, k, v, gate] = attn.project(&h, cos, sin, kernels);
+                let [q, k, v, projected] = attn.project(&h, cos, sin, kernels);
                 let a = cache.attend(ordinals.attention, &q, &k, &v, batch, true)?;
-                attn.add_output(x, &a, &gate);
+                attn.add_output(x, &a, &projected, kernels);
                 ordinals.attention += 1;
             }
             Mixer::DeltaNet(net) => {

@@ -608,9 +608,9 @@ impl TargetModel {
                     let h = layer.input_norm.forward(&x, kernels);
                     match &layer.mixer {
                         Mixer::Attention(attn) => {
-                            let [q, k, v, gate] = attn.project(&h, cos, sin, kernels);
+                            let [q, k, v, projected] = attn.project(&h, cos, sin, kernels);
                             let a = mixing.attend(idx, &q, k, v);
-                            attn.add_output(&mut x, &a, &gate);
+                            attn.add_output(&mut x, &a, &projected, kernels);
                         }
                         Mixer::DeltaNet(net) => {
                             x += mixing.delta_net(idx, net, &h);

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <string>
 
 // The launch of a norm over rows of `width` elements of `bytes` each, as fused_norms.rs picks
 // it: a warp per row, 8 rows a block, up to 1024; else a block per row of a warp per four
@@ -589,6 +590,204 @@ static bool run_moe_group(const char *name, long long tokens, int experts, int k
     return wrong == 0;
 }
 
+// gated_attention_prep over `tokens` tokens of a projection of `heads` query heads (a query and
+// a gate each) and `kv` key/value heads of `d`, the first `rot` of each head rotated with `m`
+// rows of angles (token t at row t % m), launched as fused_attention.rs does (8 warps a block,
+// a warp per head). The reference in double, rounded where the kernel must: the normed head
+// (once), the product with cos, the addcmul.
+template <class P>
+static bool run_gated_prep(const char *name,
+                           void (*kernel)(const typename P::T *, long long, long long, int, int,
+                                          int, int, const float *, const float *, float,
+                                          const typename P::T *, const typename P::T *,
+                                          long long, typename P::T *, typename P::T *),
+                           long long tokens, int heads, int kv, int d, int rot, long long m,
+                           double rel, double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(13 + tokens + heads + d + rot);
+    std::normal_distribution<float> normal;
+    std::uniform_real_distribution<float> angle(0.0f, 100.0f);
+    const long long row = (2LL * heads + 2LL * kv) * d;
+    std::vector<T> y(tokens * row);
+    for (T &e : y) e = P::store(3.0f * normal(rng));
+    std::vector<float> q_scale(d), k_scale(d);
+    for (float &s : q_scale) s = 1.0f + 0.2f * normal(rng);
+    for (float &s : k_scale) s = 1.0f + 0.2f * normal(rng);
+    std::vector<T> cos(m * rot), sin(m * rot);
+    for (long long p = 0; p < m; ++p) {
+        for (int i = 0; i < rot / 2; ++i) {
+            const float a = angle(rng) / (1.0f + i);
+            cos[p * rot + i] = cos[p * rot + i + rot / 2] = P::store(std::cos(a));
+            sin[p * rot + i] = P::store(-std::sin(a));
+            sin[p * rot + i + rot / 2] = P::store(std::sin(a));
+        }
+    }
+    const float eps = 1e-6f;
+    std::vector<T> q(tokens * heads * d + 64, P::store(NAN)), k(tokens * kv * d + 64, P::store(NAN));
+    const long long items = tokens * (heads + kv);
+    emu::launch({(unsigned)((items + GATED_PREP_WARPS - 1) / GATED_PREP_WARPS), 1, 1},
+                32 * GATED_PREP_WARPS, [&] {
+                    kernel(y.data(), row, tokens, heads, kv, d, rot, q_scale.data(),
+                           k_scale.data(), eps, cos.data(), sin.data(), m, q.data(), k.data());
+                });
+    std::vector<double> want_q(tokens * heads * d), want_k(tokens * kv * d);
+    std::vector<double> normed(d);
+    for (long long t = 0; t < tokens; ++t) {
+        for (int h = 0; h < heads + kv; ++h) {
+            const bool query = h < heads;
+            const T *src = y.data() + t * row + (query ? 2LL * h * d : 2LL * heads * d + (long long)(h - heads) * d);
+            const float *scale = query ? q_scale.data() : k_scale.data();
+            const double rstd = row_rstd_reference<P>(src, d, eps);
+            for (int j = 0; j < d; ++j) normed[j] = round_to<P>(P::load(src[j]) * rstd * scale[j]);
+            double *dst = query ? &want_q[(t * heads + h) * d] : &want_k[(t * kv + h - heads) * d];
+            const T *c = cos.data() + (t % m) * rot, *sn = sin.data() + (t % m) * rot;
+            for (int j = 0; j < d; ++j) {
+                if (j < rot) {
+                    const int partner = j < rot / 2 ? j + rot / 2 : j - rot / 2;
+                    dst[j] = round_to<P>(round_to<P>(normed[j] * P::load(c[j])) +
+                                         normed[partner] * P::load(sn[j]));
+                } else {
+                    dst[j] = normed[j];
+                }
+            }
+        }
+    }
+    std::string qn = std::string(name) + ", queries", kn = std::string(name) + ", keys";
+    const bool ok_q = compare<P>(qn.c_str(), q, want_q, rel, exact);
+    const bool ok_k = compare<P>(kn.c_str(), k, want_k, rel, exact);
+    return ok_q && ok_k;
+}
+
+// sigmoid_gate_mul over `tokens` tokens of `heads` heads of `d` (gates in a projection with `kv`
+// key/value heads), `blocks` blocks of 256 threads looping over the elements.
+template <class P>
+static bool run_gate_mul(const char *name,
+                         void (*kernel)(const typename P::T *, const typename P::T *, long long,
+                                        long long, int, int, typename P::T *),
+                         long long tokens, int heads, int kv, int d, unsigned blocks, double rel,
+                         double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(17 + tokens + heads + d);
+    std::normal_distribution<float> normal;
+    const long long row = (2LL * heads + 2LL * kv) * d;
+    std::vector<T> y(tokens * row), attn(tokens * heads * d);
+    for (T &e : y) e = P::store(3.0f * normal(rng));
+    for (T &e : attn) e = P::store(normal(rng));
+    std::vector<T> out(tokens * heads * d + 64, P::store(NAN));
+    emu::launch({blocks, 1, 1}, 256, [&] {
+        kernel(attn.data(), y.data(), row, tokens, heads, d, out.data());
+    });
+    std::vector<double> want(tokens * heads * d);
+    for (long long t = 0; t < tokens; ++t) {
+        for (int h = 0; h < heads; ++h) {
+            for (int e = 0; e < d; ++e) {
+                const double g = P::load(y[t * row + (2LL * h + 1) * d + e]);
+                const double sig = round_to<P>(1.0 / (1.0 + std::exp(-g)));
+                want[(t * heads + h) * d + e] = round_to<P>(P::load(attn[(t * heads + h) * d + e]) * sig);
+            }
+        }
+    }
+    return compare<P>(name, out, want, rel, exact);
+}
+
+// adamw_square_sums and adamw_update over tensors of `sizes` (tensor 1 without a gradient) in
+// chunks as fused_adamw.rs lays them out, 3 blocks of 256 threads looping over the chunks, two
+// steps: each chunk's sum of squares against a double sum; the master weights and moments
+// against the update in double from the same float32 state; the parameters the master rounded.
+template <class P>
+static bool run_adamw(const char *name,
+                      void (*sums)(const unsigned long long *, const long long *, long long,
+                                   float *),
+                      void (*update)(const unsigned long long *, const unsigned long long *,
+                                     const long long *, long long, float *, float *, float *,
+                                     const float *, float, float, float, float, float, float),
+                      std::vector<long long> sizes) {
+    typedef typename P::T T;
+    std::mt19937 rng(23 + sizes.size());
+    std::normal_distribution<float> normal;
+    std::vector<long long> chunks;
+    long long flat = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        for (long long start = 0; start < sizes[i]; start += ADAMW_CHUNK) {
+            chunks.insert(chunks.end(), {flat + start, start, (long long)i,
+                                         std::min<long long>(ADAMW_CHUNK, sizes[i] - start)});
+        }
+        flat += sizes[i];
+    }
+    const long long n_chunks = chunks.size() / 4;
+    std::vector<std::vector<T>> grads(sizes.size()), params(sizes.size());
+    std::vector<float> master(flat), m(flat, 0.0f), v(flat, 0.0f);
+    for (float &x : master) x = normal(rng);
+    std::vector<unsigned long long> gp(sizes.size()), pp(sizes.size());
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        params[i].assign(sizes[i], P::store(NAN));
+        pp[i] = reinterpret_cast<unsigned long long>(params[i].data());
+        if (i != 1) {
+            grads[i].resize(sizes[i]);
+            gp[i] = reinterpret_cast<unsigned long long>(grads[i].data());
+        }
+    }
+    bool ok = true;
+    long long sums_off = 0, state_off = 0, params_off = 0;
+    const float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, lr = 1e-2f, wd = 0.1f;
+    for (int step = 1; step <= 2; ++step) {
+        for (size_t i = 0; i < sizes.size(); ++i) {
+            for (T &g : grads[i]) g = P::store(0.3f * normal(rng));
+        }
+        std::vector<float> partial(n_chunks, NAN);
+        emu::launch({3, 1, 1}, 256, [&] { sums(gp.data(), chunks.data(), n_chunks, partial.data()); });
+        for (long long c = 0; c < n_chunks; ++c) {
+            double want = 0;
+            const long long i = chunks[4 * c + 2];
+            if (i != 1) {
+                for (long long e = 0; e < chunks[4 * c + 3]; ++e) {
+                    const double g = P::load(grads[i][chunks[4 * c + 1] + e]);
+                    want += g * g;
+                }
+            }
+            sums_off += std::fabs(partial[c] - want) > 1e-5 * want + 1e-30;
+        }
+        const float scale = 1.5f;
+        const double step_size = lr / (1.0 - std::pow(0.9, step));
+        const double bias2_sqrt = std::sqrt(1.0 - std::pow(0.95, step));
+        // (m's sum cancels in places: its tolerance is relative to the terms)
+        std::vector<double> want_p(flat), want_m(flat), want_v(flat), m_terms(flat);
+        for (long long c = 0; c < n_chunks; ++c) {
+            const long long i = chunks[4 * c + 2];
+            for (long long e = 0; e < chunks[4 * c + 3]; ++e) {
+                const long long at = chunks[4 * c] + e;
+                const double g = i == 1 ? 0.0 : P::load(grads[i][chunks[4 * c + 1] + e]) / (double)scale;
+                double p = master[at];
+                p -= (double)(lr * wd) * p;
+                want_m[at] = beta1 * (double)m[at] + (1.0 - beta1) * g;
+                m_terms[at] = std::fabs(beta1 * (double)m[at]) + std::fabs((1.0 - beta1) * g);
+                want_v[at] = beta2 * (double)v[at] + (1.0 - beta2) * g * g;
+                want_p[at] = p - step_size * want_m[at] / (std::sqrt(want_v[at]) / bias2_sqrt + eps);
+            }
+        }
+        emu::launch({3, 1, 1}, 256, [&] {
+            update(gp.data(), pp.data(), chunks.data(), n_chunks, master.data(), m.data(), v.data(),
+                   &scale, lr * wd, beta1, beta2, (float)step_size, (float)bias2_sqrt, eps);
+        });
+        for (long long at = 0; at < flat; ++at) {
+            state_off += std::fabs(master[at] - want_p[at]) > 1e-5 * std::fabs(want_p[at]) + 1e-7;
+            state_off += std::fabs(m[at] - want_m[at]) > 1e-6 * m_terms[at] + 1e-12;
+            state_off += std::fabs(v[at] - want_v[at]) > 1e-5 * std::fabs(want_v[at]) + 1e-12;
+        }
+        flat = 0;
+        for (size_t i = 0; i < sizes.size(); ++i) {
+            for (long long e = 0; e < sizes[i]; ++e) {
+                params_off += P::load(params[i][e]) != P::load(P::store(master[flat + e]));
+            }
+            flat += sizes[i];
+        }
+    }
+    ok = sums_off == 0 && state_off == 0 && params_off == 0;
+    std::printf("%s %s: %lld sums, %lld state, %lld parameters off\n", ok ? "ok" : "FAILED", name,
+                sums_off, state_off, params_off);
+    return ok;
+}
+
 int main() {
     emu::deadline(120);
     bool ok = true;
@@ -692,5 +891,25 @@ int main() {
     ok &= run_moe_group("moe_group: 150 tokens, 256 experts, 8 choices", 150, 256, 8);
     ok &= run_moe_group("moe_group: 64 tokens, 128 experts, 8 choices", 64, 128, 8);
     ok &= run_moe_group("moe_group: 70 tokens, 1000 experts, 3 choices", 70, 1000, 3);
+    // a gated attention layer's queries and keys: the 35B-A3B shape's heads of 256 (a quarter
+    // rotated; 16-byte vectors for the norm), angles per position shared by 2 rows; f32 heads
+    // of 98 (read element by element) fully rotated, angles per token
+    ok &= run_gated_prep<Bf16>("gated_attention_prep bf16: 6 tokens, 4 + 2 heads of 256, rot 64",
+                               gated_attention_prep_bf16, 6, 4, 2, 256, 64, 3, bf16_rel, 0.98);
+    // (the rotation's sum cancels in places: 1e-3 relative to a small result; a wrong partner,
+    // sign or angle row is O(1) off)
+    ok &= run_gated_prep<F32>("gated_attention_prep f32: 5 tokens, 3 + 1 heads of 98, rot 98",
+                              gated_attention_prep_f32, 5, 3, 1, 98, 98, 5, 1e-3, 0.0);
+    // its output gate: vectors (bf16 heads of 256), elements (f32 heads of 98), 3 blocks
+    ok &= run_gate_mul<Bf16>("sigmoid_gate_mul bf16: 6 tokens x 4 heads of 256", sigmoid_gate_mul_bf16,
+                             6, 4, 2, 256, 3, bf16_rel, bf16_exact);
+    ok &= run_gate_mul<F32>("sigmoid_gate_mul f32: 5 tokens x 3 heads of 98", sigmoid_gate_mul_f32,
+                            5, 3, 1, 98, 3, 1e-5, 0.0);
+    // the optimizer's step: a chunk and a half, a tensor of 7 without a gradient, one of 19
+    // (read element by element), one of 64; bf16 (vectors) and f32
+    ok &= run_adamw<Bf16>("adamw bf16: 24581 + 7 + 19 + 64", adamw_square_sums_bf16,
+                          adamw_update_bf16, {ADAMW_CHUNK + 8197, 7, 19, 64});
+    ok &= run_adamw<F32>("adamw f32: 24581 + 7 + 19 + 64", adamw_square_sums_f32,
+                         adamw_update_f32, {ADAMW_CHUNK + 8197, 7, 19, 64});
     return ok ? 0 : 1;
 }

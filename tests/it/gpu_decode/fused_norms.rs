@@ -260,3 +260,77 @@ fn gpu_target_forwards_with_fused_kernels_equal_the_plain_ones() {
         }
     }
 }
+
+/// A Qwen3.5 gated attention layer's two kernels against the operations they replace
+/// (`GatedAttention::project` and `add_output` without them): the queries and keys of a
+/// projection of 4 query heads (each with its gate) and 2 key/value heads of 256, the first 64
+/// of each head rotated, angles per position shared by two rows and per token, are the fused
+/// norm's heads rotated by libtorch's product and addcmul (bf16 bit for bit: the same norm
+/// sum; float32 to 1e-6); the output gate is `attn * gate.sigmoid()` bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_gated_attention_kernels_equal_the_libtorch_operations() {
+    use dflash_tui::aten_ext::fused::{rotate_half, GatedHeads};
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    let shape = GatedHeads {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 256,
+        rotary_dim: 64,
+    };
+    let (h, kv, d, r) = (4, 2, 256, 64);
+    let (b, l, eps) = (2i64, 7i64, 1e-6);
+    for kind in [Kind::BFloat16, Kind::Float] {
+        let y =
+            (Tensor::randn([b, l, (2 * h + 2 * kv) * d], (Kind::Float, dev)) * 2.0).to_kind(kind);
+        let q_scale = Tensor::randn([d], (Kind::Float, dev)) * 0.1 + 1.0;
+        let k_scale = Tensor::randn([d], (Kind::Float, dev)) * 0.1 + 1.0;
+        let angles = Tensor::rand([b * l, r / 2], (Kind::Float, dev)) * 50.0;
+        let cos_all = Tensor::cat(&[angles.cos(), angles.cos()], -1).to_kind(kind);
+        let sin_all = Tensor::cat(&[angles.sin().neg(), angles.sin()], -1).to_kind(kind);
+        for per_token in [false, true] {
+            // [l, r] shared by the rows, or [b, l, r]
+            let (cos, sin) = if per_token {
+                (cos_all.view([b, l, r]), sin_all.view([b, l, r]))
+            } else {
+                (cos_all.narrow(0, 0, l), sin_all.narrow(0, 0, l))
+            };
+            let (q, k) = kernels
+                .gated_attention_prep(&y, shape, &q_scale, &k_scale, eps, &cos, &sin)
+                .unwrap();
+            let rows_cos = cos.view([-1, l, 1, r]);
+            let rows_sin = sin.view([-1, l, 1, r]);
+            let want = |heads: Tensor, scale: &Tensor| {
+                let normed = kernels.scaled_rms_norm(&heads, scale, eps).unwrap();
+                let turned = rotate_half(&normed.narrow(-1, 0, r), &rows_cos, &rows_sin);
+                Tensor::cat(&[turned, normed.narrow(-1, r, d - r)], -1)
+            };
+            let q_heads = y
+                .narrow(-1, 0, 2 * h * d)
+                .view([b, l, h, 2 * d])
+                .narrow(-1, 0, d);
+            let k_heads = y.narrow(-1, 2 * h * d, kv * d).view([b, l, kv, d]);
+            for (what, got, want) in [
+                ("queries", q.view([b, l, h, d]), want(q_heads, &q_scale)),
+                ("keys", k.view([b, l, kv, d]), want(k_heads, &k_scale)),
+            ] {
+                let diff = max_diff(&got, &want);
+                let bound = if kind == Kind::Float { 1e-6 } else { 0.0 };
+                assert!(
+                    diff <= bound * want.abs().max().double_value(&[]),
+                    "{kind:?} {what} (angles per token: {per_token}): {diff} off"
+                );
+            }
+        }
+        let attn = Tensor::randn([b * l, h, d], (Kind::Float, dev)).to_kind(kind);
+        let got = kernels.sigmoid_gate_mul(&attn, &y, shape).unwrap();
+        let gate = y
+            .narrow(-1, 0, 2 * h * d)
+            .view([b, l, h, 2 * d])
+            .narrow(-1, d, d)
+            .reshape([b * l, h * d]);
+        let want = attn.view([b * l, h * d]) * gate.sigmoid();
+        assert_eq!(max_diff(&got, &want), 0.0, "{kind:?} output gate");
+    }
+}
