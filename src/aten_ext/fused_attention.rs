@@ -206,19 +206,16 @@ impl FusedKernels {
 
 #[cfg(test)]
 mod tests {
-    use super::super::norms::tests::param_sizes;
+    use super::super::norms::tests::{fused_ptx, param_sizes};
     use std::ffi::c_int;
 
     /// The kernels take, in order, parameters of the sizes their launches pass.
     #[test]
     fn the_gated_attention_kernels_take_what_their_launches_pass() {
-        let Some(nvrtc) = super::super::super::nvrtc::nvrtc_for_tests() else {
+        let Some(text) = fused_ptx() else {
             return;
         };
-        let ptx = nvrtc
-            .compile_named(super::super::SOURCE, "fused_kernels.cu", 90)
-            .unwrap();
-        let text = ptx.to_str().unwrap();
+        let text = text.as_str();
         let ptr = std::mem::size_of::<*mut std::ffi::c_void>();
         let (long, int, float) = (8, std::mem::size_of::<c_int>(), std::mem::size_of::<f32>());
         for kind in ["bf16", "f16", "f32"] {

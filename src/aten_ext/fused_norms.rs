@@ -362,6 +362,16 @@ pub(super) mod tests {
         assert_eq!(layout(&dense.transpose(1, 2)), None);
     }
 
+    /// The fused kernels' source compiled for a Hopper GPU, as PTX text; `None` where NVRTC is
+    /// not there.
+    pub(in crate::aten_ext::fused) fn fused_ptx() -> Option<String> {
+        let nvrtc = super::super::super::nvrtc::nvrtc_for_tests()?;
+        let ptx = nvrtc
+            .compile_named(super::super::SOURCE, "fused_kernels.cu", 90)
+            .unwrap();
+        Some(ptx.to_str().unwrap().to_string())
+    }
+
     /// The sizes of the parameters of `entry` in the PTX `text`, in order.
     pub(in crate::aten_ext::fused) fn param_sizes(text: &str, entry: &str) -> Vec<usize> {
         let start = text
@@ -385,13 +395,10 @@ pub(super) mod tests {
     /// arguments out of step with the source would read garbage.
     #[test]
     fn the_norm_kernels_take_what_their_launches_pass() {
-        let Some(nvrtc) = super::super::super::nvrtc::nvrtc_for_tests() else {
+        let Some(text) = fused_ptx() else {
             return;
         };
-        let ptx = nvrtc
-            .compile_named(super::super::SOURCE, "fused_kernels.cu", 90)
-            .unwrap();
-        let text = ptx.to_str().unwrap();
+        let text = text.as_str();
         let ptr = std::mem::size_of::<*mut std::ffi::c_void>();
         let layout = std::mem::size_of::<RowLayout>();
         let (long, int, float) = (8, std::mem::size_of::<c_int>(), std::mem::size_of::<f32>());
