@@ -75,8 +75,6 @@ pub struct FusedKernels {
     swiglu: [cu::CUfunction; 3],
     gated_attention_prep: [cu::CUfunction; 3],
     sigmoid_gate_mul: [cu::CUfunction; 3],
-    adamw_square_sums: [cu::CUfunction; 3],
-    adamw_update: [cu::CUfunction; 3],
     /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
     moe_topk: [cu::CUfunction; 2],
     moe_group_count: cu::CUfunction,
@@ -107,7 +105,7 @@ impl FusedKernels {
         let (
             module,
             (
-                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul, adamw_square_sums, adamw_update],
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul],
                 [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
             ),
         ) = KernelModule::load(
@@ -115,7 +113,7 @@ impl FusedKernels {
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<([Functions; 13], [cu::CUfunction; 5])> {
+            |module| -> Result<([Functions; 11], [cu::CUfunction; 5])> {
                 // SAFETY (both): the module was just loaded in the current context.
                 let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
@@ -138,8 +136,6 @@ impl FusedKernels {
                         set("swiglu")?,
                         set("gated_attention_prep")?,
                         set("sigmoid_gate_mul")?,
-                        set("adamw_square_sums")?,
-                        set("adamw_update")?,
                     ],
                     [
                         one("moe_topk_256")?,
@@ -164,8 +160,6 @@ impl FusedKernels {
             swiglu,
             gated_attention_prep,
             sigmoid_gate_mul,
-            adamw_square_sums,
-            adamw_update,
             moe_topk: [moe_topk_256, moe_topk_1024],
             moe_group_count,
             moe_group_offsets,
@@ -470,12 +464,8 @@ mod moe;
 #[path = "fused_attention.rs"]
 mod attention;
 
-#[path = "fused_adamw.rs"]
-mod adamw;
-
 #[path = "fused_autograd.rs"]
 mod autograd;
-pub use adamw::{AdamWChunks, AdamWState, AdamWStepRates};
 pub use attention::GatedHeads;
 pub use autograd::{rotary_autograd, rotate_half, swiglu_autograd};
 pub use moe::{MoeGroups, MOE_MAX_EXPERTS};
@@ -506,8 +496,6 @@ mod tests {
             "swiglu",
             "gated_attention_prep",
             "sigmoid_gate_mul",
-            "adamw_square_sums",
-            "adamw_update",
         ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");

@@ -21,8 +21,6 @@
 // gated_attention_prep: a gated attention layer's q/k norms and partial rotary embedding from
 //   the fused projection, dense queries and keys out: one kernel for about a dozen.
 // sigmoid_gate_mul: its output gate, attn * sigmoid(gate) with the gate read in place.
-// adamw_square_sums, adamw_update (training): the drafter's optimizer step reading the
-//   gradients where the backward pass left them and writing the new weights back (fused_adamw.rs).
 // gdn_gates: the Gated DeltaNet's decay and write strength per token and value head from the
 //   projection's columns a and b: g = softplus(float(a) + dt_bias) * neg_a in float32 and
 //   beta = sigmoid(b) in the storage type, one kernel for five (a float32 copy, the sum, the
@@ -1114,123 +1112,6 @@ static __device__ void sigmoid_gate_mul(const typename P::T *__restrict__ attn,
     }
 }
 
-// The optimizer's step without the flat gradient (src/aten_ext/fused_adamw.rs): the drafter's
-// parameters' gradients are read where the backward pass left them, in their storage type, and
-// the new weights written to the parameters in it, next to the float32 master weights and
-// moments kept as flat buffers. Work goes by chunks of at most ADAMW_CHUNK elements of one
-// tensor, `chunks` [n_chunks, 4] int64: the chunk's first element in the flat buffers, its first
-// element in its tensor, the tensor's index and its length. `grads`, `params`: the tensors' data
-// pointers (a null gradient counts as zeros). Blocks take chunks grid-stride.
-#define ADAMW_CHUNK 16384
-
-// adamw_square_sums: each chunk's sum of squares of its gradient in float32, into
-// `partial[chunk]` (summed by the caller in a fixed order: the global norm for clipping).
-template <class P>
-static __device__ void adamw_square_sums(const unsigned long long *__restrict__ grads,
-                                         const long long *__restrict__ chunks,
-                                         long long n_chunks, float *__restrict__ partial) {
-    typedef typename P::T T;
-    const int VEC = 16 / sizeof(T);
-    for (long long c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        const long long start = chunks[4 * c + 1], len = chunks[4 * c + 3];
-        const T *g = reinterpret_cast<const T *>(grads[chunks[4 * c + 2]]);
-        float s = 0.0f;
-        if (g != nullptr) {
-            g += start;
-            if (len % VEC == 0 && aligned16(g)) {
-                for (long long e = threadIdx.x * VEC; e < len; e += blockDim.x * VEC) {
-                    float v[16 / sizeof(T)];
-                    load_n<P, 16 / sizeof(T)>(g + e, v);
-                    for (int t = 0; t < VEC; ++t) {
-                        s += v[t] * v[t];
-                    }
-                }
-            } else {
-                for (long long e = threadIdx.x; e < len; e += blockDim.x) {
-                    const float v = P::load(g[e]);
-                    s += v * v;
-                }
-            }
-        }
-        s = block_sum(s);
-        if (threadIdx.x == 0) {
-            partial[c] = s;
-        }
-        __syncthreads();   // block_sum's shared slots are reused by the next chunk
-    }
-}
-
-// adamw_update: AdamW on each element, as libtorch's fused kernel computes it in float32:
-// g = grad / grad_scale (when `grad_scale` is not null), master -= lr * weight_decay * master,
-// m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g^2,
-// master -= step_size * m / (sqrt(v) / bias2_sqrt + eps) with step_size = lr / (1 - beta1^t)
-// and bias2_sqrt = sqrt(1 - beta2^t) (the host's, in double, rounded to float32); then the
-// parameter = master rounded to its storage type.
-template <class P, int N>
-static __device__ __forceinline__ void adamw_at(const typename P::T *g, float *master, float *m,
-                                                float *v, typename P::T *param, float scale,
-                                                float decay, float beta1, float beta2,
-                                                float step_size, float bias2_sqrt, float eps) {
-    float gv[N];
-    if (g != nullptr) {
-        load_n<P, N>(g, gv);
-    } else {
-        for (int t = 0; t < N; ++t) gv[t] = 0.0f;
-    }
-    for (int t = 0; t < N; ++t) {
-        const float grad = gv[t] / scale;
-        float p = master[t];
-        p -= decay * p;
-        const float mt = beta1 * m[t] + (1.0f - beta1) * grad;
-        const float vt = beta2 * v[t] + (1.0f - beta2) * grad * grad;
-        p -= step_size * mt / (sqrtf(vt) / bias2_sqrt + eps);
-        master[t] = p;
-        m[t] = mt;
-        v[t] = vt;
-        gv[t] = p;
-    }
-    store_n<P, N>(param, gv);
-}
-
-template <class P>
-static __device__ void adamw_update(const unsigned long long *__restrict__ grads,
-                                    const unsigned long long *__restrict__ params,
-                                    const long long *__restrict__ chunks, long long n_chunks,
-                                    float *__restrict__ master, float *__restrict__ exp_avg,
-                                    float *__restrict__ exp_avg_sq,
-                                    const float *__restrict__ grad_scale, float decay,
-                                    float beta1, float beta2, float step_size, float bias2_sqrt,
-                                    float eps) {
-    typedef typename P::T T;
-    const int VEC = 16 / sizeof(T);
-    const float scale = grad_scale != nullptr ? grad_scale[0] : 1.0f;
-    for (long long c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        const long long flat = chunks[4 * c], start = chunks[4 * c + 1];
-        const long long tensor = chunks[4 * c + 2], len = chunks[4 * c + 3];
-        const T *g = reinterpret_cast<const T *>(grads[tensor]);
-        if (g != nullptr) {
-            g += start;
-        }
-        T *param = reinterpret_cast<T *>(params[tensor]) + start;
-        float *p = master + flat, *m = exp_avg + flat, *v = exp_avg_sq + flat;
-        // the float32 buffers by 4 (16 bytes), the storage type by VEC: both in steps of VEC
-        const bool vectors = len % VEC == 0 && (g == nullptr || aligned16(g)) &&
-                             aligned16(param) && flat % VEC == 0;
-        if (vectors) {
-            for (long long e = threadIdx.x * VEC; e < len; e += blockDim.x * VEC) {
-                adamw_at<P, 16 / sizeof(T)>(g == nullptr ? nullptr : g + e, p + e, m + e, v + e,
-                                            param + e, scale, decay, beta1, beta2, step_size,
-                                            bias2_sqrt, eps);
-            }
-        } else {
-            for (long long e = threadIdx.x; e < len; e += blockDim.x) {
-                adamw_at<P, 1>(g == nullptr ? nullptr : g + e, p + e, m + e, v + e, param + e,
-                               scale, decay, beta1, beta2, step_size, bias2_sqrt, eps);
-            }
-        }
-    }
-}
-
 #define DFLASH_FUSED_KERNELS(SUFFIX, P)                                                      \
     extern "C" __global__ void rotate_write_##SUFFIX(                                        \
         const P::T *y, int layers, int heads, int kv, int d, const P::T *q_norm,             \
@@ -1292,19 +1173,6 @@ static __device__ void adamw_update(const unsigned long long *__restrict__ grads
                                                          long long row_stride, long long n,  \
                                                          int heads, int d, P::T *out) {      \
         sigmoid_gate_mul<P>(attn, y, row_stride, n, heads, d, out);                          \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(256)                                       \
-        adamw_square_sums_##SUFFIX(const unsigned long long *grads, const long long *chunks, \
-                                   long long n_chunks, float *partial) {                     \
-        adamw_square_sums<P>(grads, chunks, n_chunks, partial);                              \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) adamw_update_##SUFFIX(                 \
-        const unsigned long long *grads, const unsigned long long *params,                   \
-        const long long *chunks, long long n_chunks, float *master, float *exp_avg,          \
-        float *exp_avg_sq, const float *grad_scale, float decay, float beta1, float beta2,   \
-        float step_size, float bias2_sqrt, float eps) {                                      \
-        adamw_update<P>(grads, params, chunks, n_chunks, master, exp_avg, exp_avg_sq,        \
-                        grad_scale, decay, beta1, beta2, step_size, bias2_sqrt, eps);        \
     }
 
 DFLASH_FUSED_KERNELS(bf16, Bf16)

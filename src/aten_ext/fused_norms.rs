@@ -434,6 +434,6 @@ pub(super) mod tests {
     /// Needs a C++20 compiler (`$CXX`, else `c++`).
     #[test]
     fn the_norm_kernels_run_on_the_cpu_match_the_libtorch_roundings() {
-        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 57);
+        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 55);
     }
 }

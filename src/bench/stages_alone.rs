@@ -14,8 +14,7 @@ use crate::model::layers::upload;
 use crate::model::ForwardRequest;
 use crate::pipeline::trainer::StageTimer;
 use crate::pipeline::trainer::{
-    apply_update, apply_update_in_place, batch_item, prepare, sync_device, train_on_item,
-    BatchItem, FeatureItem,
+    apply_update, batch_item, prepare, sync_device, train_on_item, BatchItem, FeatureItem,
 };
 use crate::runtime::TorchRuntime;
 use crate::telemetry::profile::ProfileEvent;
@@ -146,15 +145,7 @@ pub(crate) fn measure_stages_alone(
     let mut step = |clock: &StageClock, i: usize, item: &FeatureItem| -> Result<()> {
         let _range = step_range();
         train_on_item(clock, config, drafter, head, item, i as u64, 1.0);
-        // as the pipeline's coordinator with one replica: the gradients read in place where
-        // the fused kernels are there
-        let in_place = head
-            .loss_kernels
-            .filter(|_| optimizer.device == drafter.device);
-        let mut grad = match in_place {
-            Some(_) => None,
-            None => Some(clock.time(ProfileEvent::GradSync, || AdamW::flatten_grads(&params))),
-        };
+        let mut grad = clock.time(ProfileEvent::GradSync, || AdamW::flatten_grads(&params));
         let lr = lr_at(
             first_step + i as u64,
             total_steps,
@@ -162,10 +153,14 @@ pub(crate) fn measure_stages_alone(
             config.train.lr,
             config.train.min_lr_ratio,
         );
-        let clip = config.train.clip_grad_norm;
-        let _norm = clock.time(ProfileEvent::OptimStep, || match grad.as_mut() {
-            Some(grad) => apply_update(&mut optimizer, &params, grad, clip, lr),
-            None => apply_update_in_place(&mut optimizer, &params, in_place.as_ref(), clip, lr),
+        let _norm = clock.time(ProfileEvent::OptimStep, || {
+            apply_update(
+                &mut optimizer,
+                &params,
+                &mut grad,
+                config.train.clip_grad_norm,
+                lr,
+            )
         })?;
         Ok(())
     };

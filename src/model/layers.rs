@@ -592,8 +592,23 @@ pub fn attention_with_bias(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) ->
     Tensor::scaled_dot_product_attention(q, k, v, Some(bias), 0.0, false, None, gqa)
 }
 
-/// [`crate::aten_ext::upload`], where the model code has always found it.
-pub(crate) use crate::aten_ext::upload;
+/// Copies `t` to `device` without making the host wait for the device. A plain `to_device`
+/// from pageable host memory to a GPU waits until the stream has finished all queued work;
+/// going through pinned memory with a non-blocking copy does not (libtorch's pinned-memory
+/// cache keeps the staging buffer until the copy is done). Other moves are plain `to_device`.
+pub(crate) fn upload(t: &Tensor, device: Device) -> Tensor {
+    if t.device() == device {
+        t.shallow_clone()
+    } else if t.device() == Device::Cpu && device.is_cuda() {
+        // `_pin_memory`: what `pin_memory` runs, without its deprecation warning about the
+        // device argument (printed at every call)
+        t.f_internal_pin_memory(device)
+            .unwrap_or_else(|_| t.pin_memory(device))
+            .to_device_(device, t.kind(), true, false)
+    } else {
+        t.to_device(device)
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -10,7 +10,6 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use crate::aten_ext::fused::{AdamWChunks, AdamWState, AdamWStepRates, FusedKernels};
 use crate::aten_ext::{fused_adamw, AdamWRates, AdamWTensors};
 
 /// Hyper-parameters.
@@ -48,9 +47,6 @@ pub struct AdamW {
     /// Optimizer steps taken.
     pub step: u64,
     pub device: Device,
-    /// The flat buffers' chunks for the fused kernels' step ([`AdamW::update_from_grads`]),
-    /// made at its first use.
-    fused_chunks: Option<AdamWChunks>,
 }
 
 impl AdamW {
@@ -79,7 +75,6 @@ impl AdamW {
             master,
             step: 0,
             device,
-            fused_chunks: None,
         }
     }
 
@@ -203,82 +198,6 @@ impl AdamW {
         })?;
         self.step = step;
         Ok(())
-    }
-
-    /// [`AdamW::update_clipped`] and [`AdamW::write_params`] straight from the gradients of
-    /// `params` (on this optimizer's device, one storage type), with the fused kernels: each
-    /// gradient read where the backward pass left it (the global norm, then the update), the
-    /// new master weights rounded into `params` in the update's pass, and the gradients
-    /// dropped, as [`AdamW::flatten_grads`] drops them. The same arithmetic as the flat path up
-    /// to the order of the norm's float sum. Returns the norm before clipping, on the device.
-    /// On an error nothing has changed (the checks come before any kernel writes).
-    pub fn update_from_grads(
-        &mut self,
-        params: &[(String, &Tensor)],
-        kernels: &FusedKernels,
-        lr: f64,
-        max_norm: f64,
-    ) -> Result<Tensor> {
-        if params.len() != self.names.len() {
-            bail!(
-                "the optimizer holds {} tensors, the model has {}",
-                self.names.len(),
-                params.len()
-            );
-        }
-        let kind = params.first().map_or(Kind::Float, |(_, p)| p.kind());
-        for (i, (name, p)) in params.iter().enumerate() {
-            if name != &self.names[i] || p.device() != self.device || p.kind() != kind {
-                bail!(
-                    "parameter {i} is {name} of {:?} on {:?}; the optimizer expected {} of {kind:?} on {:?}",
-                    p.kind(),
-                    p.device(),
-                    self.names[i],
-                    self.device
-                );
-            }
-        }
-        tch::no_grad(|| {
-            let sizes: Vec<i64> = self.offsets.windows(2).map(|w| w[1] - w[0]).collect();
-            let device = self.device;
-            let chunks = self
-                .fused_chunks
-                .get_or_insert_with(|| AdamWChunks::new(&sizes, device));
-            let grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
-            let tensors: Vec<Tensor> = params.iter().map(|(_, p)| p.shallow_clone()).collect();
-            let partial = kernels.adamw_square_sums(&grads, chunks, kind)?;
-            let norm = partial.f_sum(Kind::Float)?.f_sqrt()?;
-            let scale = if max_norm > 0.0 {
-                let over = norm.f_gt(max_norm)?;
-                let s = (&norm + 1e-6).f_div_scalar(max_norm)?;
-                Some(s.f_where_self(&over, &s.ones_like())?.f_reshape([1])?)
-            } else {
-                None
-            };
-            let t = self.step + 1;
-            let c = &self.config;
-            let rates = AdamWStepRates {
-                decay: lr * c.weight_decay.max(0.0),
-                beta1: c.beta1,
-                beta2: c.beta2,
-                step_size: lr / (1.0 - c.beta1.powf(t as f64)),
-                bias2_sqrt: (1.0 - c.beta2.powf(t as f64)).sqrt(),
-                eps: c.eps,
-            };
-            let state = AdamWState {
-                master: &self.master,
-                exp_avg: &self.exp_avg,
-                exp_avg_sq: &self.exp_avg_sq,
-            };
-            kernels.adamw_update(&tensors, &grads, chunks, &state, scale.as_ref(), rates)?;
-            // as flatten_grads: the next backward pass stores its own (stream order keeps these
-            // alive for the kernels just queued)
-            for (_, p) in params {
-                crate::aten_ext::clear_grad(p);
-            }
-            self.step = t;
-            Ok(norm)
-        })
     }
 
     /// Copies the master weights into `params` (cast to their dtype, on their device).
@@ -727,116 +646,5 @@ mod tests {
             "{err}"
         );
         assert_eq!(host(&opt.master), vec![1.0, 2.0, 3.0]);
-    }
-    /// `cargo test --release --lib -- --ignored fused_optimizer` on a GPU: the fused kernels'
-    /// step from the gradients in place ([`AdamW::update_from_grads`]) against the flat path
-    /// (`flatten_grads`, `update_clipped`, `write_params`) over four steps of bf16 and f32
-    /// parameters of sizes across chunk boundaries and not multiples of a vector, one without a
-    /// gradient, clipping on and off, weight decay: the same norms to 1e-5 (the sum's order),
-    /// master weights and moments to float32 rounding, parameters equal but for a rounding
-    /// boundary; the gradients dropped.
-    #[test]
-    #[ignore = "needs a CUDA device"]
-    fn cuda_fused_optimizer_step_equals_the_flat_path() {
-        let runtime = crate::runtime::TorchRuntime::init();
-        assert!(runtime.cuda_devices() >= 1, "this test needs a CUDA device");
-        let dev = Device::Cuda(0);
-        let kernels = runtime
-            .fused_kernels(true, dev)
-            .expect("the fused kernels load");
-        let cfg = AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
-        for kind in [Kind::BFloat16, Kind::Float] {
-            tch::manual_seed(11);
-            let shapes: [&[i64]; 4] = [&[129, 257], &[7], &[16_384 * 2 + 5], &[64, 64]];
-            let make = || -> Vec<Tensor> {
-                tch::manual_seed(3);
-                shapes
-                    .iter()
-                    .map(|s| {
-                        (Tensor::randn(*s, (Kind::Float, dev)) * 0.5)
-                            .to_kind(kind)
-                            .set_requires_grad(true)
-                    })
-                    .collect()
-            };
-            let (fused_p, flat_p) = (make(), make());
-            let named = |ps: &[Tensor]| -> Vec<(String, Tensor)> {
-                ps.iter()
-                    .enumerate()
-                    .map(|(i, p)| (format!("p{i}"), p.shallow_clone()))
-                    .collect()
-            };
-            let (fused_named, flat_named) = (named(&fused_p), named(&flat_p));
-            fn refs(n: &[(String, Tensor)]) -> Vec<(String, &Tensor)> {
-                n.iter().map(|(s, t)| (s.clone(), t)).collect()
-            }
-            let (fused_refs, flat_refs) = (refs(&fused_named), refs(&flat_named));
-            let mut fused = AdamW::new(&fused_refs, dev, cfg);
-            let mut flat = AdamW::new(&flat_refs, dev, cfg);
-            for step in 0..4 {
-                let clip = if step % 2 == 0 { 1.0 } else { 0.0 };
-                let scale = [3.0, 0.01, 0.5, 2.0][step];
-                // the same gradients into both sets (parameter 1 gets none)
-                for ps in [&fused_p, &flat_p] {
-                    tch::manual_seed(100 + step as i64);
-                    let loss = ps
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| *i != 1)
-                        .map(|(_, p)| {
-                            (p * (Tensor::randn(p.size(), (Kind::Float, dev)) * scale)
-                                .to_kind(kind))
-                            .sum(Kind::Float)
-                        })
-                        .fold(Tensor::zeros([], (Kind::Float, dev)), |a, b| a + b);
-                    loss.backward();
-                }
-                let lr = 1e-2;
-                let fused_norm = fused
-                    .update_from_grads(&fused_refs, &kernels, lr, clip)
-                    .unwrap()
-                    .double_value(&[]);
-                assert!(
-                    fused_p.iter().all(|p| !p.grad().defined()),
-                    "gradients kept"
-                );
-                let mut g = AdamW::flatten_grads(&flat_refs);
-                let flat_norm = flat
-                    .update_clipped(&mut g, lr, clip)
-                    .unwrap()
-                    .double_value(&[]);
-                flat.write_params(&flat_refs).unwrap();
-                assert!(
-                    (fused_norm - flat_norm).abs() <= 1e-5 * flat_norm,
-                    "{kind:?} step {step}: norm {fused_norm} fused, {flat_norm} flat"
-                );
-                for (what, a, b) in [
-                    ("master", &fused.master, &flat.master),
-                    ("exp_avg", &fused.exp_avg, &flat.exp_avg),
-                    ("exp_avg_sq", &fused.exp_avg_sq, &flat.exp_avg_sq),
-                ] {
-                    let diff = (a - b).abs().max().double_value(&[]);
-                    let size = b.abs().max().double_value(&[]);
-                    assert!(
-                        diff <= 1e-5 * size,
-                        "{kind:?} step {step} {what}: {diff} off a scale of {size}"
-                    );
-                }
-                for (i, (a, b)) in fused_p.iter().zip(&flat_p).enumerate() {
-                    let differ = a.ne_tensor(b).sum(Kind::Int64).int64_value(&[]);
-                    assert!(
-                        differ * 1000 <= a.numel() as i64,
-                        "{kind:?} step {step}: parameter {i} differs in {differ} of {}",
-                        a.numel()
-                    );
-                }
-                assert_eq!(fused.step, flat.step);
-            }
-        }
     }
 }

@@ -690,104 +690,6 @@ static bool run_gate_mul(const char *name,
     return compare<P>(name, out, want, rel, exact);
 }
 
-// adamw_square_sums and adamw_update over tensors of `sizes` (tensor 1 without a gradient) in
-// chunks as fused_adamw.rs lays them out, 3 blocks of 256 threads looping over the chunks, two
-// steps: each chunk's sum of squares against a double sum; the master weights and moments
-// against the update in double from the same float32 state; the parameters the master rounded.
-template <class P>
-static bool run_adamw(const char *name,
-                      void (*sums)(const unsigned long long *, const long long *, long long,
-                                   float *),
-                      void (*update)(const unsigned long long *, const unsigned long long *,
-                                     const long long *, long long, float *, float *, float *,
-                                     const float *, float, float, float, float, float, float),
-                      std::vector<long long> sizes) {
-    typedef typename P::T T;
-    std::mt19937 rng(23 + sizes.size());
-    std::normal_distribution<float> normal;
-    std::vector<long long> chunks;
-    long long flat = 0;
-    for (size_t i = 0; i < sizes.size(); ++i) {
-        for (long long start = 0; start < sizes[i]; start += ADAMW_CHUNK) {
-            chunks.insert(chunks.end(), {flat + start, start, (long long)i,
-                                         std::min<long long>(ADAMW_CHUNK, sizes[i] - start)});
-        }
-        flat += sizes[i];
-    }
-    const long long n_chunks = chunks.size() / 4;
-    std::vector<std::vector<T>> grads(sizes.size()), params(sizes.size());
-    std::vector<float> master(flat), m(flat, 0.0f), v(flat, 0.0f);
-    for (float &x : master) x = normal(rng);
-    std::vector<unsigned long long> gp(sizes.size()), pp(sizes.size());
-    for (size_t i = 0; i < sizes.size(); ++i) {
-        params[i].assign(sizes[i], P::store(NAN));
-        pp[i] = reinterpret_cast<unsigned long long>(params[i].data());
-        if (i != 1) {
-            grads[i].resize(sizes[i]);
-            gp[i] = reinterpret_cast<unsigned long long>(grads[i].data());
-        }
-    }
-    bool ok = true;
-    long long sums_off = 0, state_off = 0, params_off = 0;
-    const float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, lr = 1e-2f, wd = 0.1f;
-    for (int step = 1; step <= 2; ++step) {
-        for (size_t i = 0; i < sizes.size(); ++i) {
-            for (T &g : grads[i]) g = P::store(0.3f * normal(rng));
-        }
-        std::vector<float> partial(n_chunks, NAN);
-        emu::launch({3, 1, 1}, 256, [&] { sums(gp.data(), chunks.data(), n_chunks, partial.data()); });
-        for (long long c = 0; c < n_chunks; ++c) {
-            double want = 0;
-            const long long i = chunks[4 * c + 2];
-            if (i != 1) {
-                for (long long e = 0; e < chunks[4 * c + 3]; ++e) {
-                    const double g = P::load(grads[i][chunks[4 * c + 1] + e]);
-                    want += g * g;
-                }
-            }
-            sums_off += std::fabs(partial[c] - want) > 1e-5 * want + 1e-30;
-        }
-        const float scale = 1.5f;
-        const double step_size = lr / (1.0 - std::pow(0.9, step));
-        const double bias2_sqrt = std::sqrt(1.0 - std::pow(0.95, step));
-        // (m's sum cancels in places: its tolerance is relative to the terms)
-        std::vector<double> want_p(flat), want_m(flat), want_v(flat), m_terms(flat);
-        for (long long c = 0; c < n_chunks; ++c) {
-            const long long i = chunks[4 * c + 2];
-            for (long long e = 0; e < chunks[4 * c + 3]; ++e) {
-                const long long at = chunks[4 * c] + e;
-                const double g = i == 1 ? 0.0 : P::load(grads[i][chunks[4 * c + 1] + e]) / (double)scale;
-                double p = master[at];
-                p -= (double)(lr * wd) * p;
-                want_m[at] = beta1 * (double)m[at] + (1.0 - beta1) * g;
-                m_terms[at] = std::fabs(beta1 * (double)m[at]) + std::fabs((1.0 - beta1) * g);
-                want_v[at] = beta2 * (double)v[at] + (1.0 - beta2) * g * g;
-                want_p[at] = p - step_size * want_m[at] / (std::sqrt(want_v[at]) / bias2_sqrt + eps);
-            }
-        }
-        emu::launch({3, 1, 1}, 256, [&] {
-            update(gp.data(), pp.data(), chunks.data(), n_chunks, master.data(), m.data(), v.data(),
-                   &scale, lr * wd, beta1, beta2, (float)step_size, (float)bias2_sqrt, eps);
-        });
-        for (long long at = 0; at < flat; ++at) {
-            state_off += std::fabs(master[at] - want_p[at]) > 1e-5 * std::fabs(want_p[at]) + 1e-7;
-            state_off += std::fabs(m[at] - want_m[at]) > 1e-6 * m_terms[at] + 1e-12;
-            state_off += std::fabs(v[at] - want_v[at]) > 1e-5 * std::fabs(want_v[at]) + 1e-12;
-        }
-        flat = 0;
-        for (size_t i = 0; i < sizes.size(); ++i) {
-            for (long long e = 0; e < sizes[i]; ++e) {
-                params_off += P::load(params[i][e]) != P::load(P::store(master[flat + e]));
-            }
-            flat += sizes[i];
-        }
-    }
-    ok = sums_off == 0 && state_off == 0 && params_off == 0;
-    std::printf("%s %s: %lld sums, %lld state, %lld parameters off\n", ok ? "ok" : "FAILED", name,
-                sums_off, state_off, params_off);
-    return ok;
-}
-
 int main() {
     emu::deadline(120);
     bool ok = true;
@@ -905,11 +807,5 @@ int main() {
                              6, 4, 2, 256, 3, bf16_rel, bf16_exact);
     ok &= run_gate_mul<F32>("sigmoid_gate_mul f32: 5 tokens x 3 heads of 98", sigmoid_gate_mul_f32,
                             5, 3, 1, 98, 3, 1e-5, 0.0);
-    // the optimizer's step: a chunk and a half, a tensor of 7 without a gradient, one of 19
-    // (read element by element), one of 64; bf16 (vectors) and f32
-    ok &= run_adamw<Bf16>("adamw bf16: 24581 + 7 + 19 + 64", adamw_square_sums_bf16,
-                          adamw_update_bf16, {ADAMW_CHUNK + 8197, 7, 19, 64});
-    ok &= run_adamw<F32>("adamw f32: 24581 + 7 + 19 + 64", adamw_square_sums_f32,
-                         adamw_update_f32, {ADAMW_CHUNK + 8197, 7, 19, 64});
     return ok ? 0 : 1;
 }

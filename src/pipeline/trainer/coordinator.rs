@@ -15,7 +15,6 @@ use tch::{Device, Tensor};
 
 use super::drafter_stage::{accumulate, warm_up_attention, GradMsg, MicroResult};
 use super::shared::{sync_device, Shared, HISTORY};
-use crate::aten_ext::fused::FusedKernels;
 use crate::config::TrainConfig;
 use crate::data::packer::PackerState;
 use crate::device_event::{DeviceEvent, DeviceEvents};
@@ -236,17 +235,7 @@ impl Coordinator {
         };
         let params = self.drafter.named_parameters();
         let t = Instant::now();
-        // One replica in one process: the optimizer reads the gradients where the backward pass
-        // left them (the fused kernels' step); else they are flattened to be summed.
-        let in_place = (self.param_txs.is_empty()
-            && self.shared.dist.is_none()
-            && self.optimizer.device == self.drafter.device)
-            .then_some(self.head.loss_kernels)
-            .flatten();
-        let mut grad = match in_place {
-            Some(_) => None,
-            None => Some(AdamW::flatten_grads(&params)),
-        };
+        let mut grad = AdamW::flatten_grads(&params);
         let Some(Gathered {
             sums,
             tokens,
@@ -260,19 +249,17 @@ impl Coordinator {
             return Ok(false);
         };
         // (each replica's gradient is already scaled to its share of the step's mean)
-        if let Some(grad) = grad.as_mut() {
-            self.sync.reduce(grad, &others)?;
-        }
+        self.sync.reduce(&mut grad, &others)?;
         drop(others);
         // then over the processes: one bucket, the same sum on every rank
-        let (sums, tokens, samples) = match (&self.shared.dist, grad.as_mut()) {
-            (Some(d), Some(grad)) => {
+        let (sums, tokens, samples) = match &self.shared.dist {
+            Some(d) => {
                 let (sums, tokens, samples) =
-                    sum_step(&d.group, grad, sums.tensor(), tokens, samples)
+                    sum_step(&d.group, &mut grad, sums.tensor(), tokens, samples)
                         .map_err(|e| super::failure::lost_rank(&self.shared, d, self.step, e))?;
                 (LossTensors::from_tensor(sums), tokens, samples)
             }
-            _ => (sums, tokens, samples),
+            None => (sums, tokens, samples),
         };
         self.shared
             .profile
@@ -285,13 +272,13 @@ impl Coordinator {
             cfg.train.min_lr_ratio,
         );
         let grad_norm = self.shared.profile.time(ProfileEvent::OptimStep, || {
-            let clip = cfg.train.clip_grad_norm;
-            match (grad.as_mut(), in_place.as_ref()) {
-                (Some(grad), _) => apply_update(&mut self.optimizer, &params, grad, clip, lr),
-                (None, kernels) => {
-                    apply_update_in_place(&mut self.optimizer, &params, kernels, clip, lr)
-                }
-            }
+            apply_update(
+                &mut self.optimizer,
+                &params,
+                &mut grad,
+                cfg.train.clip_grad_norm,
+                lr,
+            )
         })?;
         self.sync.hand_back(&params, &buffers, &self.param_txs)?;
         self.step += 1;
@@ -479,28 +466,6 @@ impl Coordinator {
         }
         Ok(())
     }
-}
-
-/// [`apply_update`] reading the gradients in place with the fused kernels' step
-/// ([`AdamW::update_from_grads`]); where the kernels refuse (or there are none) the gradients
-/// are flattened and [`apply_update`] runs, with a warning naming why.
-pub(crate) fn apply_update_in_place(
-    optimizer: &mut AdamW,
-    params: &[(String, &Tensor)],
-    kernels: Option<&FusedKernels>,
-    clip: f64,
-    lr: f64,
-) -> Result<Tensor> {
-    if let Some(kernels) = kernels {
-        match optimizer.update_from_grads(params, kernels, lr, clip) {
-            Ok(norm) => return Ok(norm),
-            Err(e) => {
-                log::warn!("the fused optimizer step refused this step, libtorch's instead: {e:#}")
-            }
-        }
-    }
-    let mut grad = AdamW::flatten_grads(params);
-    apply_update(optimizer, params, &mut grad, clip, lr)
 }
 
 /// Clip, AdamW on the fp32 master weights, and the new weights into the compute copy; returns

@@ -47,7 +47,7 @@ use target_stage::{target_worker, TargetPlacement};
 pub use shared::Shared;
 
 // The bench's stages-alone measurement (crate::bench) runs the stages' own code.
-pub(crate) use coordinator::{apply_update, apply_update_in_place};
+pub(crate) use coordinator::apply_update;
 pub(crate) use drafter_stage::{train_on_item, StageTimer};
 pub(crate) use loader::{batch_item, BatchItem};
 pub(crate) use prepare::prepare;
