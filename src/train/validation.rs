@@ -246,10 +246,12 @@ fn measure(
             anchors: anchors.to_vec(),
             valid: full.clone(),
         };
+        // every block is scored (the walk reads the acceptance of those reaching past the
+        // end too), so every block is computed: none is padding to the forward
         let batch = AnchorBatch {
             input_ids: input_ids.shallow_clone(),
             anchors: Tensor::from_slice(anchors).view([1, -1]),
-            valid: Tensor::from_slice(&full).view([1, -1]),
+            valid: Tensor::ones([1, anchors.len() as i64], (Kind::Bool, Device::Cpu)),
         };
         let hidden = drafter.forward_train(head, &features, &batch);
         let (chunk_sums, chunk_accept) =

@@ -22,22 +22,140 @@ pub(super) enum BlockAttention<'a> {
     Chunked { plan: &'a ChunkPlan, sliding: bool },
 }
 
+/// The blocks a chunked training forward computes: the valid ones, in row order (all of them
+/// where none is valid, so that the forward still builds its graph). Padding blocks have no
+/// loss weight; leaving them out saves their share of every layer's products.
+pub(super) struct KeptBlocks {
+    /// Per row, its kept blocks' anchors (ascending, as the batch holds them).
+    pub(super) anchors: Vec<Vec<i64>>,
+    /// Each kept block's index among the batch's B * N blocks, in order.
+    pub(super) index: Vec<i64>,
+    /// Whether every block of the batch is kept (the forward's output is then a view).
+    pub(super) all: bool,
+}
+
+impl KeptBlocks {
+    /// From the batch's host anchors and validity, [B * N] each, row-major.
+    pub(super) fn of(anchors: &[i64], valid: &[bool], b: i64, n: i64) -> KeptBlocks {
+        let total = (b * n).max(0) as usize;
+        let known = anchors.len() == total && valid.len() == total;
+        let any_valid = known && valid.iter().any(|&v| v);
+        let keep = |i: usize| !any_valid || valid[i];
+        let mut rows = vec![Vec::new(); b.max(0) as usize];
+        let mut index = Vec::with_capacity(total);
+        for (r, row) in rows.iter_mut().enumerate() {
+            for j in 0..n.max(0) as usize {
+                let i = r * n as usize + j;
+                if keep(i) {
+                    row.push(anchors.get(i).copied().unwrap_or(0));
+                    index.push(i as i64);
+                }
+            }
+        }
+        KeptBlocks {
+            all: index.len() == total,
+            anchors: rows,
+            index,
+        }
+    }
+
+    /// Number of kept blocks (M).
+    pub(super) fn len(&self) -> i64 {
+        self.index.len() as i64
+    }
+
+    /// The row of each kept block, and its anchor, in order.
+    pub(super) fn rows_and_anchors(&self) -> (Vec<i64>, Vec<i64>) {
+        self.anchors
+            .iter()
+            .enumerate()
+            .flat_map(|(r, a)| a.iter().map(move |&a| (r as i64, a)))
+            .unzip()
+    }
+}
+
 /// The layout shared by every layer of one chunked training forward.
 ///
-/// The chunks of the batch are ordered chunk-major (entry `k * B + r` is chunk k of sequence r)
-/// and go through fused calls of [`CHUNKS_PER_CALL`] entries each, so that a call holds the
-/// same chunk of several sequences: its queries see the context only up to their chunk's
-/// last anchor, and its keys stop there (bucketed), instead of running over the whole context.
-/// With anchors spread evenly over a sequence, the k-th of K chunks needs (k + 1) / K of it.
+/// Each row's kept blocks are cut into chunks of C consecutive blocks; the chunks of the batch
+/// are ordered chunk-major (chunk 0 of every row that has one, then chunk 1, ...) and go
+/// through fused calls of [`CHUNKS_PER_CALL`] entries each, so that a call holds the same
+/// chunk of several sequences: its queries see the context only up to their chunk's last
+/// anchor, and its keys stop there (bucketed), instead of running over the whole context. With
+/// anchors spread evenly over a sequence, the k-th of K chunks needs (k + 1) / K of it. The
+/// kept blocks' rows are scattered into the entries' rows once per layer (the slots of a last,
+/// partial chunk and the entries filling the last call stay zero) and gathered back after.
 pub(super) struct ChunkPlan {
-    /// Chunks per sequence (K).
-    pub(super) chunks: i64,
+    /// Fused-call entries (E, a multiple of [`CHUNKS_PER_CALL`]).
+    pub(super) entries: i64,
     /// Query rows per chunk (C * block).
     pub(super) rows: i64,
+    /// The row among the entries' E * rows of each kept query row [M * block] (int64, on the
+    /// device).
+    pub(super) entry_rows: Tensor,
     /// The fused calls, in entry order.
     pub(super) calls: Vec<ChunkCall>,
     /// Whether grouped-query heads must be expanded for a fused kernel to take the call.
     pub(super) expand_kv: std::cell::Cell<Option<bool>>,
+}
+
+/// Where the kept blocks of a chunked forward go (host values, see [`ChunkPlan`]).
+#[derive(Debug, PartialEq, Eq)]
+struct EntryLayout {
+    /// The row of each entry [E] (0 for the entries filling the last call).
+    seqs: Vec<i64>,
+    /// The anchor of each entry's block slots [E * C] (0 for empty slots: they see no
+    /// context, only their own all-zero block, so their rows stay finite).
+    slot_anchor: Vec<i64>,
+    /// Each kept block's slot among the E * C, in kept order.
+    block_slot: Vec<i64>,
+    /// The context positions each call reads: up to the last anchor of its chunks (a query at
+    /// anchor a sees positions p < a), bucketed by [`context_bucket`], at most `s`.
+    contexts: Vec<i64>,
+}
+
+/// The entry layout of `kept` (per row, its blocks' anchors) in chunks of `cpc` blocks, against
+/// `s` context positions.
+fn entry_layout(kept: &[Vec<i64>], cpc: i64, s: i64) -> EntryLayout {
+    let cpc = cpc.max(1) as usize;
+    let per_call = CHUNKS_PER_CALL as usize;
+    let chunks: Vec<usize> = kept.iter().map(|a| a.len().div_ceil(cpc)).collect();
+    let offsets: Vec<usize> = kept
+        .iter()
+        .scan(0, |o, a| {
+            let start = *o;
+            *o += a.len();
+            Some(start)
+        })
+        .collect();
+    let most = chunks.iter().copied().max().unwrap_or(0);
+    let real: Vec<(usize, usize)> = (0..most)
+        .flat_map(|k| (0..kept.len()).map(move |r| (r, k)))
+        .filter(|&(r, k)| k < chunks[r])
+        .collect();
+    let entries = real.len().div_ceil(per_call).max(1) * per_call;
+    let mut seqs = vec![0i64; entries];
+    let mut slot_anchor = vec![0i64; entries * cpc];
+    let mut block_slot = vec![0i64; offsets.last().map_or(0, |o| o + kept[kept.len() - 1].len())];
+    let mut last = vec![0i64; entries / per_call];
+    for (e, &(r, k)) in real.iter().enumerate() {
+        seqs[e] = r as i64;
+        for (jj, &a) in kept[r].iter().skip(k * cpc).take(cpc).enumerate() {
+            let slot = e * cpc + jj;
+            slot_anchor[slot] = a;
+            block_slot[offsets[r] + k * cpc + jj] = slot as i64;
+            last[e / per_call] = last[e / per_call].max(a);
+        }
+    }
+    let contexts = last
+        .into_iter()
+        .map(|a| context_bucket(a.max(1)).min(s))
+        .collect();
+    EntryLayout {
+        seqs,
+        slot_anchor,
+        block_slot,
+        contexts,
+    }
 }
 
 /// One fused call of the chunked training attention: [`CHUNKS_PER_CALL`] entries.
@@ -102,41 +220,44 @@ impl Drafter {
         warmed
     }
 
-    /// The chunk layout and the additive masks of a chunked training forward: `anchors` [B, N]
-    /// on the device and `host_anchors` the same on the host (they set how much context each
-    /// call reads; empty: all of it), `s` context positions, `per_chunk` blocks per chunk,
-    /// `window` the sliding layers' window where the drafter has any. The chunks per sequence
-    /// are rounded up so that the batch's chunks fill whole fused calls of [`CHUNKS_PER_CALL`].
+    /// The chunk layout and the additive masks of a chunked training forward over the `kept`
+    /// blocks: `s` context positions, `per_chunk` blocks per chunk, `window` the sliding
+    /// layers' window where the drafter has any. The entries are filled up to whole fused
+    /// calls of [`CHUNKS_PER_CALL`].
     pub(super) fn chunk_plan(
         &self,
-        anchors: &Tensor,
-        host_anchors: &[i64],
+        kept: &KeptBlocks,
         s: i64,
         per_chunk: i64,
         window: Option<i64>,
     ) -> ChunkPlan {
         let bs = self.config.block_size;
         let dev = self.device;
-        let (b, n) = anchors.size2().unwrap_or((0, 0));
         let cpc = per_chunk.max(1);
-        let multiple = CHUNKS_PER_CALL / gcd(b.max(1), CHUNKS_PER_CALL);
-        let chunks = ((n + cpc - 1) / cpc + multiple - 1) / multiple * multiple;
-        let pad = chunks * cpc - n;
         let rows = cpc * bs;
-        // Slots added to fill the last chunk get anchor 0: they see no context, only their own
-        // (all-zero) block, so their rows stay finite; their outputs are dropped.
-        let anchors = if pad > 0 {
-            anchors.constant_pad_nd([0, pad])
-        } else {
-            anchors.shallow_clone()
-        };
-        // [K * B, rows]: each entry's query anchors, chunk-major
-        let entry_anchor = anchors
-            .reshape([b, chunks, cpc])
-            .transpose(0, 1)
-            .reshape([chunks * b, cpc, 1])
-            .expand([chunks * b, cpc, bs], false)
-            .reshape([chunks * b, rows]);
+        let layout = entry_layout(&kept.anchors, cpc, s);
+        let entries = layout.seqs.len() as i64;
+        // each kept query row's row among the entries' rows
+        let entry_rows: Vec<i64> = layout
+            .block_slot
+            .iter()
+            .flat_map(|&slot| (0..bs).map(move |t| slot * bs + t))
+            .collect();
+        // one upload (the step's only host-to-device copy here), the parts views of it
+        let host: Vec<i64> = [&layout.seqs, &layout.slot_anchor, &entry_rows]
+            .into_iter()
+            .flatten()
+            .copied()
+            .collect();
+        let all = upload(&Tensor::from_slice(&host), dev);
+        let all_seqs = all.narrow(0, 0, entries);
+        let slot_anchor = all.narrow(0, entries, entries * cpc);
+        let entry_rows = all.narrow(0, entries * (1 + cpc), entry_rows.len() as i64);
+        // [E, rows]: each entry row's anchor
+        let entry_anchor = slot_anchor
+            .view([entries, cpc, 1])
+            .expand([entries, cpc, bs], false)
+            .reshape([entries, rows]);
         let block_of = Tensor::arange(rows, (Kind::Int64, dev)).divide_scalar_mode(bs, "floor");
         let sees_block = block_of
             .unsqueeze(1)
@@ -147,17 +268,13 @@ impl Drafter {
         let slot = Tensor::arange(rows, (Kind::Int64, dev))
             .remainder(bs)
             .view([1, rows, 1]);
-        let layout = call_layout(host_anchors, b, n, cpc, chunks, s);
-        // every call's entry sequences in one upload (the step's only host-to-device copy
-        // here), each call's a view of it
-        let all_seqs: Vec<i64> = layout.iter().flat_map(|(_, seqs)| seqs).copied().collect();
-        let all_seqs = upload(&Tensor::from_slice(&all_seqs), dev);
         let calls = layout
-            .into_iter()
+            .contexts
+            .iter()
             .enumerate()
-            .map(|(call, (context, _))| {
-                let query_anchor =
-                    entry_anchor.narrow(0, call as i64 * CHUNKS_PER_CALL, CHUNKS_PER_CALL);
+            .map(|(call, &context)| {
+                let first = call as i64 * CHUNKS_PER_CALL;
+                let query_anchor = entry_anchor.narrow(0, first, CHUNKS_PER_CALL);
                 let ctx_pos = Tensor::arange(context, (Kind::Int64, dev)).view([1, 1, context]);
                 let query_anchor = query_anchor.unsqueeze(-1); // [calls, rows, 1]
                 let sees_ctx = ctx_pos.lt_tensor(&query_anchor); // [calls, rows, context]
@@ -169,15 +286,16 @@ impl Drafter {
                 });
                 ChunkCall {
                     context,
-                    seqs: all_seqs.narrow(0, call as i64 * CHUNKS_PER_CALL, CHUNKS_PER_CALL),
+                    seqs: all_seqs.narrow(0, first, CHUNKS_PER_CALL),
                     bias,
                     sliding_bias,
                 }
             })
             .collect();
         ChunkPlan {
-            chunks,
+            entries,
             rows,
+            entry_rows,
             calls,
             expand_kv: std::cell::Cell::new(None),
         }
@@ -215,44 +333,6 @@ fn window_visibility(
     (ctx, behind.ge(0).logical_and(&behind.lt(window)))
 }
 
-/// Per fused call of a chunked forward (`b` sequences of `n` anchors, `cpc` blocks per chunk,
-/// `chunks` chunks per sequence, entries chunk-major): the context positions it reads and the
-/// sequence of each of its entries. A call reads the context up to the last anchor of its
-/// chunks (a query at anchor a sees positions p < a), bucketed by [`context_bucket`] and at
-/// most `s`; all of it when `host_anchors` does not hold the b * n anchors.
-fn call_layout(
-    host_anchors: &[i64],
-    b: i64,
-    n: i64,
-    cpc: i64,
-    chunks: i64,
-    s: i64,
-) -> Vec<(i64, Vec<i64>)> {
-    let known = host_anchors.len() as i64 == b * n;
-    (0..chunks * b / CHUNKS_PER_CALL)
-        .map(|call| {
-            let entries: Vec<(i64, i64)> = (call * CHUNKS_PER_CALL..(call + 1) * CHUNKS_PER_CALL)
-                .map(|e| (e / b, e % b))
-                .collect();
-            let last = entries
-                .iter()
-                .flat_map(|&(k, r)| {
-                    (k * cpc..((k + 1) * cpc).min(n))
-                        .filter_map(move |j| host_anchors.get((r * n + j) as usize))
-                })
-                .copied()
-                .max()
-                .unwrap_or(0);
-            let context = if known {
-                context_bucket(last.max(1)).min(s)
-            } else {
-                s
-            };
-            (context, entries.iter().map(|&(_, r)| r).collect())
-        })
-        .collect()
-}
-
 /// The dense training mask [B, 1, N*bs, S + N*bs] (true = visible): block j's queries see
 /// context positions p < a_j and their own block; with a sliding `window`, only the keys of
 /// [`window_visibility`] among them.
@@ -285,11 +365,11 @@ pub(super) fn dense_block_mask(anchors: &Tensor, s: i64, bs: i64, window: Option
     Tensor::cat(&[sees_ctx, sees_block], -1).unsqueeze(1)
 }
 
-/// Chunked block attention of one layer. `q` [B, heads, N*bs, d] (block queries, rotated),
-/// `ctx` keys/values [B, kv_heads, S, d], `block` keys/values [B, kv_heads, N*bs, d]. Each
-/// chunk of `plan.rows` consecutive query rows attends over [the context its call covers; its
-/// own rows' keys] with the call's mask; the chunks go through the plan's fused calls along the
-/// batch axis. Returns the attention output as rows [B, N*bs, heads * d] (before `o_proj`).
+/// Chunked block attention of one layer over the kept blocks. `q` [1, heads, M*bs, d] (their
+/// queries, rotated), `ctx` keys/values [B, kv_heads, S, d], `block` keys/values [1, kv_heads,
+/// M*bs, d]. Each chunk of `plan.rows` query rows attends over [the context its call covers;
+/// its own rows' keys] with the call's mask; the chunks go through the plan's fused calls along
+/// the batch axis. Returns the attention output as rows [1, M*bs, heads * d] (before `o_proj`).
 pub(super) fn chunked_attention(
     q: &Tensor,
     ctx: (&Tensor, &Tensor),
@@ -297,23 +377,17 @@ pub(super) fn chunked_attention(
     plan: &ChunkPlan,
     sliding: bool,
 ) -> Tensor {
-    let (b, heads, len, d) = q.size4().unwrap_or((0, 0, 0, 0));
+    let (_, heads, _, d) = q.size4().unwrap_or((0, 0, 0, 0));
     let kv_heads = ctx.0.size()[1];
-    let (chunks, rows) = (plan.chunks, plan.rows);
-    let pad = chunks * rows - len;
-    // [B, h, L, d] -> [K * B, rows, h, d]: chunk-major entries, token-major (the layout the
-    // fused kernels read best), cut into the calls' entries (one split: its backward pass is
-    // one concatenation, where a narrow per call would fill and add a whole-batch gradient)
+    let (entries, rows) = (plan.entries, plan.rows);
+    // [1, h, M*bs, d] -> the entries' rows [E, rows, h, d], token-major (the layout the fused
+    // kernels read best), the rows of no block zero; cut into the calls' entries (one split:
+    // its backward pass is one concatenation)
     let by_entry = |x: &Tensor, h: i64| {
-        let x = x.transpose(1, 2);
-        let x = if pad > 0 {
-            x.constant_pad_nd([0, 0, 0, 0, 0, pad])
-        } else {
-            x
-        };
-        x.reshape([b, chunks, rows, h, d])
-            .transpose(0, 1)
-            .reshape([chunks * b, rows, h, d])
+        let tokens = x.squeeze_dim(0).transpose(0, 1);
+        Tensor::zeros([entries * rows, h, d], (x.kind(), x.device()))
+            .index_copy(0, &plan.entry_rows, &tokens)
+            .view([entries, rows, h, d])
             .split(CHUNKS_PER_CALL, 0)
     };
     let (qs, kb, vb) = (
@@ -323,6 +397,7 @@ pub(super) fn chunked_attention(
     );
     // token-major context [B, S, kv_heads, d]
     let (ck, cv) = (ctx.0.transpose(1, 2), ctx.1.transpose(1, 2));
+    let width = heads * d;
     let parts: Vec<Tensor> = plan
         .calls
         .iter()
@@ -356,48 +431,16 @@ pub(super) fn chunked_attention(
             } else {
                 (k, v)
             };
+            // token-major rows [entries, rows, heads * d]: a view where the kernel wrote its
+            // output token-major, as the fused kernels do
             attention_with_bias(&q, &k, &v, bias)
+                .transpose(1, 2)
+                .reshape([CHUNKS_PER_CALL * rows, width])
         })
         .collect();
-    let o = sequence_major(&parts, b, chunks, rows, heads * d);
-    if pad > 0 {
-        o.narrow(1, 0, len)
-    } else {
-        o
-    }
-}
-
-/// The calls' outputs `parts` (each [CHUNKS_PER_CALL, heads, rows, d], entries chunk-major) as
-/// rows of the sequences [B, K * rows, width]. Where B divides a call's entries (each call then
-/// holds whole chunks of every sequence) one copy does it: each call's entries regrouped by
-/// sequence (views), concatenated along the chunks. Otherwise the chunk-major concatenation is
-/// reordered by a second copy. (Concatenating first and reordering after took three copies of
-/// the whole attention output, forward and backward.)
-fn sequence_major(parts: &[Tensor], b: i64, chunks: i64, rows: i64, width: i64) -> Tensor {
-    // token-major rows [entries, rows, heads * d]: a view where the kernel wrote its output
-    // token-major, as the fused kernels do
-    let token_major = |p: &Tensor| {
-        let entries = p.size()[0];
-        p.transpose(1, 2).reshape([entries, rows, width])
-    };
-    if b > 0 && CHUNKS_PER_CALL % b == 0 {
-        let per_call = CHUNKS_PER_CALL / b;
-        let by_sequence: Vec<Tensor> = parts
-            .iter()
-            .map(|p| {
-                token_major(p)
-                    .view([per_call, b, rows, width])
-                    .transpose(0, 1)
-            })
-            .collect();
-        Tensor::cat(&by_sequence, 1).view([b, chunks * rows, width])
-    } else {
-        let all: Vec<Tensor> = parts.iter().map(token_major).collect();
-        Tensor::cat(&all, 0)
-            .view([chunks, b, rows, width])
-            .transpose(0, 1)
-            .reshape([b, chunks * rows, width])
-    }
+    Tensor::cat(&parts, 0)
+        .index_select(0, &plan.entry_rows)
+        .unsqueeze(0)
 }
 
 /// Whether grouped-query heads have to be expanded for a fused kernel: libtorch picks its
@@ -427,77 +470,59 @@ fn must_expand_kv(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> bool {
     expanded != MATH
 }
 
-fn gcd(a: i64, b: i64) -> i64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The reordering of the calls' outputs gives what concatenating them and reordering the
-    /// whole did (the earlier formulation), in values and gradients, with B dividing a call's
-    /// entries or not, from outputs laid out head-major (the math kernel's) or token-major
-    /// (the fused kernels').
     #[test]
-    fn the_calls_outputs_reorder_as_before_in_values_and_gradients() {
-        let (heads, rows, d) = (3, 4, 2);
-        for (b, chunks) in [(1, 8), (2, 4), (2, 8), (3, 8), (8, 2), (5, 8)] {
-            for token_major in [false, true] {
-                let calls = chunks * b / CHUNKS_PER_CALL;
-                let shape = [calls * CHUNKS_PER_CALL, heads, rows, d];
-                let x = Tensor::randn(shape, (Kind::Float, Device::Cpu)).set_requires_grad(true);
-                let x_in = if token_major {
-                    x.transpose(1, 2).contiguous().transpose(1, 2)
-                } else {
-                    x.shallow_clone()
-                };
-                let parts = x_in.split(CHUNKS_PER_CALL, 0);
-                let before = Tensor::cat(&parts, 0)
-                    .transpose(1, 2)
-                    .reshape([chunks, b, rows, heads * d])
-                    .transpose(0, 1)
-                    .reshape([b, chunks * rows, heads * d]);
-                let now = sequence_major(&parts, b, chunks, rows, heads * d);
-                assert!(before.equal(&now), "b {b}, chunks {chunks}");
-                let probe = Tensor::randn(now.size(), (Kind::Float, Device::Cpu));
-                let grad = |y: &Tensor| {
-                    let g =
-                        Tensor::run_backward(&[(y * &probe).sum(Kind::Float)], &[&x], true, false);
-                    g[0].shallow_clone()
-                };
-                assert!(grad(&before).equal(&grad(&now)), "b {b}, chunks {chunks}");
-            }
-        }
+    fn kept_blocks_are_the_valid_ones_or_all_where_none_is() {
+        let anchors = [3, 9, 0, 5, 0, 0];
+        let valid = [true, true, false, true, false, false];
+        let kept = KeptBlocks::of(&anchors, &valid, 2, 3);
+        assert_eq!(kept.anchors, vec![vec![3, 9], vec![5]]);
+        assert_eq!(kept.index, vec![0, 1, 3]);
+        assert!(!kept.all);
+        assert_eq!(kept.rows_and_anchors(), (vec![0, 0, 1], vec![3, 9, 5]));
+        let none = KeptBlocks::of(&anchors, &[false; 6], 2, 3);
+        assert!(none.all);
+        assert_eq!(none.len(), 6);
+        assert!(KeptBlocks::of(&anchors, &[true; 6], 2, 3).all);
     }
 
     #[test]
     fn a_call_reads_the_context_up_to_its_last_anchor() {
-        // two sequences of 40 anchors 15 apart (0..=585), 4 blocks per chunk: 10 chunks, 12
-        // with the padding to whole calls of 8 entries (chunk-major: chunks 0-3 of both
-        // sequences, then 4-7, then 8-11)
-        let anchors: Vec<i64> = (0..2).flat_map(|_| (0..40).map(|j| j * 15)).collect();
-        let layout = call_layout(&anchors, 2, 40, 4, 12, 640);
-        let contexts: Vec<i64> = layout.iter().map(|(c, _)| *c).collect();
+        // two sequences of 40 anchors 15 apart (0..=585), 4 blocks per chunk: 10 chunks each,
+        // 20 entries chunk-major (chunks 0-3 of both sequences, then 4-7, then 8-9), filled to 24
+        let rows: Vec<Vec<i64>> = (0..2).map(|_| (0..40).map(|j| j * 15).collect()).collect();
+        let layout = entry_layout(&rows, 4, 640);
         // last anchors 225, 465, 585 -> buckets 256, 512, 640
-        assert_eq!(contexts, vec![256, 512, 640]);
-        assert!(layout
-            .iter()
-            .all(|(_, seqs)| seqs == &[0, 1, 0, 1, 0, 1, 0, 1]));
+        assert_eq!(layout.contexts, vec![256, 512, 640]);
+        let mut seqs = [0, 1].repeat(10);
+        seqs.extend([0; 4]);
+        assert_eq!(layout.seqs, seqs);
+        // block 5 of sequence 1 is the second block of chunk 1 of sequence 1: entry 3
+        assert_eq!(layout.block_slot[40 + 5], 3 * 4 + 1);
+        assert_eq!(layout.slot_anchor[3 * 4 + 1], 75);
         // one sequence whose anchors all lie early: every call reads little
         let early: Vec<i64> = (0..16).collect();
-        assert_eq!(
-            call_layout(&early, 1, 16, 2, 8, 2048),
-            vec![(128, vec![0; 8])]
-        );
-        // anchors not known on the host: the whole context
-        assert_eq!(
-            call_layout(&[], 1, 16, 2, 8, 2048),
-            vec![(2048, vec![0; 8])]
-        );
+        assert_eq!(entry_layout(&[early], 2, 2048).contexts, vec![128]);
+    }
+
+    #[test]
+    fn rows_of_unequal_block_counts_fill_only_their_own_chunks() {
+        // 5 and 2 blocks, 2 per chunk: chunks (0,0) (1,0) (0,1) (0,2), filled to 8 entries
+        let kept = vec![vec![10, 20, 30, 40, 50], vec![7, 8]];
+        let layout = entry_layout(&kept, 2, 4096);
+        assert_eq!(layout.seqs, vec![0, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(layout.block_slot, vec![0, 1, 4, 5, 6, 2, 3]);
+        let mut anchors = vec![10, 20, 7, 8, 30, 40, 50, 0];
+        anchors.extend([0; 8]);
+        assert_eq!(layout.slot_anchor, anchors);
+        assert_eq!(layout.contexts, vec![context_bucket(50)]);
+        // every kept block has a slot of its own
+        let mut slots = layout.block_slot.clone();
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(slots.len(), 7);
     }
 }

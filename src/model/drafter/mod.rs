@@ -9,7 +9,7 @@ mod init;
 
 pub use attention::{context_bucket, TrainAttention};
 
-use chunks::{chunked_attention, dense_block_mask, BlockAttention};
+use chunks::{chunked_attention, dense_block_mask, BlockAttention, KeptBlocks};
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -102,7 +102,8 @@ pub struct AnchorBatch {
     /// [B, N] int64 anchor positions, sorted ascending per row; padded entries may hold any
     /// position in 0..S.
     pub anchors: Tensor,
-    /// [B, N] bool: false for padding blocks (zero loss weight).
+    /// [B, N] bool: false for padding blocks (zero loss weight; the chunked training forward
+    /// leaves them out).
     pub valid: Tensor,
 }
 
@@ -453,7 +454,9 @@ impl Drafter {
     /// [`crate::model::drafter_layout`]). A padding block still sees its own block (a query at
     /// least its own slot), so no row of the attention is empty (no NaN).
     ///
-    /// The attention runs as [`Drafter::train_attention`] says. The host never waits for the
+    /// The attention runs as [`Drafter::train_attention`] says. The chunked formulation computes
+    /// the valid blocks only (padding blocks have no loss weight): their states are zeros
+    /// there; the dense one computes every block. The host never waits for the
     /// device here: host tensors of `batch` go up through pinned memory without blocking.
     pub fn forward_train(
         &self,
@@ -478,21 +481,53 @@ impl Drafter {
         let (b, s) = batch.input_ids.size2().unwrap_or((0, 0));
         let n = batch.anchors.size()[1];
         let ids = upload(&batch.input_ids, dev).to_kind(Kind::Int64);
-        let anchors = upload(&batch.anchors, dev).to_kind(Kind::Int64);
+        let chunked = matches!(attention, TrainAttention::Chunked { .. }) && n > 0;
+        // The chunked attention computes the valid blocks only, all rows' in one [1, M * bs]
+        // row; the dense one every block, [B, N * bs].
+        let kept = chunked.then(|| {
+            let host = |t: &Tensor, kind| t.to_device(Device::Cpu).to_kind(kind).reshape([-1]);
+            let anchors = Vec::<i64>::try_from(host(&batch.anchors, Kind::Int64));
+            let valid = Vec::<bool>::try_from(host(&batch.valid, Kind::Bool));
+            KeptBlocks::of(
+                &anchors.unwrap_or_default(),
+                &valid.unwrap_or_default(),
+                b,
+                n,
+            )
+        });
+        // each block's anchor [G, blocks] and its first token's index into ids [B * S]
+        let (anchors, first_at) = match &kept {
+            Some(kept) => {
+                let (rows, anchors) = kept.rows_and_anchors();
+                let at: Vec<i64> = rows.iter().zip(&anchors).map(|(r, a)| r * s + a).collect();
+                let both = upload(&Tensor::from_slice(&[anchors, at].concat()), dev);
+                let m = kept.len();
+                (both.narrow(0, 0, m).view([1, m]), both.narrow(0, m, m))
+            }
+            None => {
+                let anchors = upload(&batch.anchors, dev).to_kind(Kind::Int64);
+                let rows = Tensor::arange(b, (Kind::Int64, dev)).view([b, 1]) * s;
+                let at = (&anchors + rows).reshape([-1]);
+                (anchors, at)
+            }
+        };
+        let (g, blocks) = anchors.size2().unwrap_or((0, 0));
 
         // Block inputs: [x[a_j], MASK, ..., MASK]
-        let first = ids.gather(1, &anchors, false).unsqueeze(-1); // [B, N, 1]
-        let masks = Tensor::full([b, n, bs - 1], c.mask_token_id(), (Kind::Int64, dev));
-        let block_ids = Tensor::cat(&[first, masks], -1).view([b, n * bs]);
+        let first = ids
+            .reshape([-1])
+            .index_select(0, &first_at)
+            .view([g, blocks, 1]);
+        let masks = Tensor::full([g, blocks, bs - 1], c.mask_token_id(), (Kind::Int64, dev));
+        let block_ids = Tensor::cat(&[first, masks], -1).view([g, blocks * bs]);
         let mut h =
             Tensor::embedding(&head.embed_tokens, &block_ids, -1, false, false).to_kind(self.kind);
 
         // Positions: slot k of block j at a_j + k; context position p at p.
         let offsets = Tensor::arange(bs, (Kind::Int64, dev));
-        let block_pos = (anchors.unsqueeze(-1) + &offsets).view([b, n * bs]);
+        let block_pos = (anchors.unsqueeze(-1) + &offsets).view([g, blocks * bs]);
         // The chunked attention reads a context padded to a bucketed length (the padding
         // positions lie after every anchor, so no query sees them).
-        let chunked = matches!(attention, TrainAttention::Chunked { .. }) && n > 0;
         let s_ctx = if chunked { context_bucket(s) } else { s };
         let ctx_pos = Tensor::arange(s_ctx, (Kind::Int64, dev))
             .unsqueeze(0)
@@ -509,17 +544,9 @@ impl Drafter {
         let window = windows.iter().flatten().copied().next();
         let (dense_mask, sliding_mask);
         let plan;
-        let (full_attn, sliding_attn) = match per_chunk {
-            Some(cpc) if chunked => {
-                let host_anchors = Vec::<i64>::try_from(
-                    batch
-                        .anchors
-                        .to_device(Device::Cpu)
-                        .to_kind(Kind::Int64)
-                        .reshape([-1]),
-                )
-                .unwrap_or_default();
-                plan = self.chunk_plan(&anchors, &host_anchors, s_ctx, cpc, window);
+        let (full_attn, sliding_attn) = match (per_chunk, &kept) {
+            (Some(cpc), Some(kept)) => {
+                plan = self.chunk_plan(kept, s_ctx, cpc, window);
                 let attn = |sliding| BlockAttention::Chunked {
                     plan: &plan,
                     sliding,
@@ -552,7 +579,26 @@ impl Drafter {
             };
             h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn, kernels);
         }
-        rms_norm(&h, &self.norm, self.config.rms_norm_eps).view([b, n, bs, -1])
+        let out = rms_norm(&h, &self.norm, self.config.rms_norm_eps);
+        match kept.filter(|k| !k.all) {
+            // the padding blocks' states are zeros
+            Some(kept) => {
+                let width = out.size()[2];
+                let rows: Vec<i64> = kept
+                    .index
+                    .iter()
+                    .flat_map(|&i| (0..bs).map(move |t| i * bs + t))
+                    .collect();
+                Tensor::zeros([b * n * bs, width], (out.kind(), dev))
+                    .index_copy(
+                        0,
+                        &upload(&Tensor::from_slice(&rows), dev),
+                        &out.view([-1, width]),
+                    )
+                    .view([b, n, bs, width])
+            }
+            None => out.view([b, n, bs, -1]),
+        }
     }
 
     /// Logits through the target's frozen LM head, in float32.
