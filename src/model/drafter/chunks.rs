@@ -385,8 +385,10 @@ pub(super) fn chunked_attention(
     // its backward pass is one concatenation)
     let by_entry = |x: &Tensor, h: i64| {
         let tokens = x.squeeze_dim(0).transpose(0, 1);
-        Tensor::zeros([entries * rows, h, d], (x.kind(), x.device()))
-            .index_copy(0, &plan.entry_rows, &tokens)
+        // in place: the out-of-place form would copy the zeros once more
+        let mut rows_of = Tensor::zeros([entries * rows, h, d], (x.kind(), x.device()));
+        let _ = rows_of.index_copy_(0, &plan.entry_rows, &tokens);
+        rows_of
             .view([entries, rows, h, d])
             .split(CHUNKS_PER_CALL, 0)
     };

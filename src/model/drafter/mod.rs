@@ -589,13 +589,10 @@ impl Drafter {
                     .iter()
                     .flat_map(|&i| (0..bs).map(move |t| i * bs + t))
                     .collect();
-                Tensor::zeros([b * n * bs, width], (out.kind(), dev))
-                    .index_copy(
-                        0,
-                        &upload(&Tensor::from_slice(&rows), dev),
-                        &out.view([-1, width]),
-                    )
-                    .view([b, n, bs, width])
+                let mut all = Tensor::zeros([b * n * bs, width], (out.kind(), dev));
+                let rows = upload(&Tensor::from_slice(&rows), dev);
+                let _ = all.index_copy_(0, &rows, &out.view([-1, width]));
+                all.view([b, n, bs, width])
             }
             None => out.view([b, n, bs, -1]),
         }
