@@ -92,6 +92,9 @@ pub(super) struct ChunkPlan {
     /// The row among the entries' E * rows of each kept query row [M * block] (int64, on the
     /// device).
     pub(super) entry_rows: Tensor,
+    /// A permutation of the entries' E * rows rows that sends the kept query rows to their
+    /// places 0..M * block and the others after them ([`entry_order`]; int64, on the device).
+    pub(super) entry_order: Tensor,
     /// The fused calls, in entry order.
     pub(super) calls: Vec<ChunkCall>,
     /// Whether grouped-query heads must be expanded for a fused kernel to take the call.
@@ -243,8 +246,9 @@ impl Drafter {
             .iter()
             .flat_map(|&slot| (0..bs).map(move |t| slot * bs + t))
             .collect();
+        let order = entry_order(&entry_rows, entries * rows);
         // one upload (the step's only host-to-device copy here), the parts views of it
-        let host: Vec<i64> = [&layout.seqs, &layout.slot_anchor, &entry_rows]
+        let host: Vec<i64> = [&layout.seqs, &layout.slot_anchor, &entry_rows, &order]
             .into_iter()
             .flatten()
             .copied()
@@ -252,7 +256,9 @@ impl Drafter {
         let all = upload(&Tensor::from_slice(&host), dev);
         let all_seqs = all.narrow(0, 0, entries);
         let slot_anchor = all.narrow(0, entries, entries * cpc);
-        let entry_rows = all.narrow(0, entries * (1 + cpc), entry_rows.len() as i64);
+        let kept_rows = entry_rows.len() as i64;
+        let entry_rows = all.narrow(0, entries * (1 + cpc), kept_rows);
+        let entry_order = all.narrow(0, entries * (1 + cpc) + kept_rows, order.len() as i64);
         // [E, rows]: each entry row's anchor
         let entry_anchor = slot_anchor
             .view([entries, cpc, 1])
@@ -296,6 +302,7 @@ impl Drafter {
             entries,
             rows,
             entry_rows,
+            entry_order,
             calls,
             expand_kv: std::cell::Cell::new(None),
         }
@@ -440,9 +447,31 @@ pub(super) fn chunked_attention(
                 .reshape([CHUNKS_PER_CALL * rows, width])
         })
         .collect();
-    Tensor::cat(&parts, 0)
-        .index_select(0, &plan.entry_rows)
-        .unsqueeze(0)
+    // The kept rows gathered back, as a scatter by the permutation `entry_order` followed by
+    // a narrow: its backward pass is a gather of the gradient, where `index_select`'s would
+    // add into zeros with atomics (bf16 ones are slow); every row is written, so `empty`.
+    let all = Tensor::cat(&parts, 0);
+    let kept_rows = plan.entry_rows.size()[0];
+    let mut ordered = all.empty_like();
+    let _ = ordered.index_copy_(0, &plan.entry_order, &all);
+    ordered.narrow(0, 0, kept_rows).unsqueeze(0)
+}
+
+/// A permutation of `total` entry rows that sends `entry_rows[i]` to `i` and the rows not
+/// listed to `entry_rows.len()..`, in their order: `out.index_copy_(0, order, all)` puts the
+/// kept rows first. `entry_rows` are distinct and below `total`.
+fn entry_order(entry_rows: &[i64], total: i64) -> Vec<i64> {
+    let mut order = vec![-1; total.max(0) as usize];
+    for (i, &row) in entry_rows.iter().enumerate() {
+        if let Some(o) = order.get_mut(row as usize) {
+            *o = i as i64;
+        }
+    }
+    let rest = order.iter_mut().filter(|o| **o < 0);
+    for (next, o) in (entry_rows.len() as i64..).zip(rest) {
+        *o = next;
+    }
+    order
 }
 
 /// Whether grouped-query heads have to be expanded for a fused kernel: libtorch picks its
@@ -489,6 +518,21 @@ mod tests {
         assert!(none.all);
         assert_eq!(none.len(), 6);
         assert!(KeptBlocks::of(&anchors, &[true; 6], 2, 3).all);
+    }
+
+    #[test]
+    fn the_entry_order_puts_the_kept_rows_first_in_their_order() {
+        let order = entry_order(&[5, 1, 6], 8);
+        assert_eq!(order, vec![3, 1, 4, 5, 6, 0, 2, 7]);
+        // what the attention's gather does with it: kept rows 5, 1, 6 come out first
+        let all = Tensor::arange(8, (Kind::Int64, Device::Cpu)) * 10;
+        let mut out = all.empty_like();
+        let _ = out.index_copy_(0, &Tensor::from_slice(&order), &all);
+        assert_eq!(
+            Vec::<i64>::try_from(out.narrow(0, 0, 3)).ok(),
+            Some(vec![50, 10, 60])
+        );
+        assert_eq!(entry_order(&[], 3), vec![0, 1, 2]);
     }
 
     #[test]
