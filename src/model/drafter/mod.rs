@@ -495,20 +495,23 @@ impl Drafter {
                 n,
             )
         });
-        // each block's anchor [G, blocks] and its first token's index into ids [B * S]
-        let (anchors, first_at) = match &kept {
+        // each block's anchor [G, blocks], its first token's index into ids [B * S], and
+        // with the chunked attention the kept blocks' indices among the B * N (one upload)
+        let (anchors, first_at, kept_index) = match &kept {
             Some(kept) => {
                 let (rows, anchors) = kept.rows_and_anchors();
                 let at: Vec<i64> = rows.iter().zip(&anchors).map(|(r, a)| r * s + a).collect();
-                let both = upload(&Tensor::from_slice(&[anchors, at].concat()), dev);
+                let host = [anchors, at, kept.index.clone()].concat();
+                let all = upload(&Tensor::from_slice(&host), dev);
                 let m = kept.len();
-                (both.narrow(0, 0, m).view([1, m]), both.narrow(0, m, m))
+                let part = |i: i64| all.narrow(0, i * m, m);
+                (part(0).view([1, m]), part(1), Some(part(2)))
             }
             None => {
                 let anchors = upload(&batch.anchors, dev).to_kind(Kind::Int64);
                 let rows = Tensor::arange(b, (Kind::Int64, dev)).view([b, 1]) * s;
                 let at = (&anchors + rows).reshape([-1]);
-                (anchors, at)
+                (anchors, at, None)
             }
         };
         let (g, blocks) = anchors.size2().unwrap_or((0, 0));
@@ -580,17 +583,12 @@ impl Drafter {
             h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn, kernels);
         }
         let out = rms_norm(&h, &self.norm, self.config.rms_norm_eps);
-        match kept.filter(|k| !k.all) {
+        match kept_index.filter(|_| kept.as_ref().is_some_and(|k| !k.all)) {
             // the padding blocks' states are zeros
-            Some(kept) => {
+            Some(index) => {
                 let width = out.size()[2];
-                let rows: Vec<i64> = kept
-                    .index
-                    .iter()
-                    .flat_map(|&i| (0..bs).map(move |t| i * bs + t))
-                    .collect();
+                let rows = (index.unsqueeze(1) * bs + &offsets).reshape([-1]);
                 let mut all = Tensor::zeros([b * n * bs, width], (out.kind(), dev));
-                let rows = upload(&Tensor::from_slice(&rows), dev);
                 let _ = all.index_copy_(0, &rows, &out.view([-1, width]));
                 all.view([b, n, bs, width])
             }
