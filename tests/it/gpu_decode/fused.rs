@@ -413,3 +413,70 @@ fn gpu_drafter_training_with_fused_kernels_equals_the_plain_one() {
         }
     }
 }
+
+/// The flash form of the training attention (three flash attention calls merged by their
+/// log-sum-exp) gives the dense mask's hidden states and gradients: in bf16 on flash attention
+/// within bf16 rounding, with an anchor at 0 (a chunk with no prefix), chunks of one block (no
+/// staircase) and of several, and a padding block; in float32 (plain products) to float32
+/// rounding.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_flash_training_attention_equals_the_dense_one() {
+    use dflash_tui::model::drafter::{AnchorBatch, TrainAttention};
+    let (_rt, dev, _turn) = gpu();
+    let tmp = tempfile::tempdir().unwrap();
+    for (kind, tol) in [(Kind::BFloat16, 0.03), (Kind::Float, 1e-5)] {
+        let (_target, drafter, head) = models(&tmp.path().join(format!("{kind:?}")), dev, kind, 8);
+        tch::manual_seed(11);
+        let (b, s) = (2i64, 40i64);
+        let batch = AnchorBatch {
+            input_ids: Tensor::randint(50, [b, s], (Kind::Int64, Device::Cpu)),
+            anchors: Tensor::from_slice(&[0i64, 1, 3, 9, 20, 31, 2, 4, 5, 14, 16, 0]).view([b, 6]),
+            valid: Tensor::from_slice(&[
+                true, true, true, true, true, true, true, true, true, true, true, false,
+            ])
+            .view([b, 6]),
+        };
+        let features = Tensor::randn([b, s, 2 * 32], (Kind::Float, dev)).to_kind(kind);
+        let params: Vec<Tensor> = drafter
+            .named_parameters()
+            .into_iter()
+            .map(|(_, p)| p.shallow_clone())
+            .collect();
+        // the padding block's states are zero in the chunked and flash forms: not compared
+        let valid = batch
+            .valid
+            .to_device(dev)
+            .to_kind(Kind::Float)
+            .view([b, 6, 1, 1]);
+        let g = Tensor::randn([b, 6, 8, 32], (Kind::Float, dev)) * &valid;
+        let run = |attention: TrainAttention| {
+            let hidden = drafter.forward_train_with(&head, &features, &batch, attention);
+            let hidden = hidden.to_kind(Kind::Float) * &valid;
+            let loss = (&hidden * &g).sum(Kind::Float);
+            let grads = Tensor::run_backward(&[loss], &params, false, false);
+            (hidden, grads)
+        };
+        let (dense, dense_grads) = run(TrainAttention::Dense);
+        for attention in [
+            TrainAttention::Flash { span: 0 },
+            TrainAttention::Flash { span: 3 },
+            TrainAttention::Flash { span: 1 },
+            TrainAttention::Auto,
+        ] {
+            let (hidden, grads) = run(attention);
+            let close = |what: &str, got: &Tensor, want: &Tensor| {
+                let scale = want.abs().max().double_value(&[]);
+                let diff = max_diff(got, want);
+                assert!(
+                    diff <= tol * scale,
+                    "{kind:?} {attention} {what}: {diff} off a scale of {scale}"
+                );
+            };
+            close("hidden states", &hidden, &dense);
+            for (i, (got, want)) in grads.iter().zip(&dense_grads).enumerate() {
+                close(&format!("gradient {i}"), got, want);
+            }
+        }
+    }
+}
