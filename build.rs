@@ -2,7 +2,6 @@
 //    kernels, src/aten_ext/profiler.cpp, the one to its profiler, and src/aten_ext/c10d.cpp, the
 //    one to torch.distributed's store and Gloo process group, and src/aten_ext/autograd.cpp,
 //    autograd functions whose passes are the program's own kernels (tch binds none of them),
-//    and src/aten_ext/block_attention.cpp, the drafter's training attention on flash attention,
 //    against the libtorch headers with the flags torch-sys
 //    compiles its own C++ with: the same include folders and the same _GLIBCXX_USE_CXX11_ABI, found the same way
 //    (LIBTORCH_USE_PYTORCH asks Python's torch; else LIBTORCH_INCLUDE or LIBTORCH, or a system
@@ -27,7 +26,6 @@ const GRAPH_SHIM: &str = "src/aten_ext/cuda_graph.cpp";
 const PROFILER_SHIM: &str = "src/aten_ext/profiler.cpp";
 const C10D_SHIM: &str = "src/aten_ext/c10d.cpp";
 const AUTOGRAD_SHIM: &str = "src/aten_ext/autograd.cpp";
-const BLOCK_ATTENTION_SHIM: &str = "src/aten_ext/block_attention.cpp";
 /// Declarations of the few Gloo names c10d's ProcessGroupGloo.hpp mentions (see its README).
 const GLOO_DECLARATIONS: &str = "src/aten_ext/gloo_decl";
 
@@ -165,7 +163,6 @@ fn main() {
     println!("cargo:rerun-if-changed=src/aten_ext/guard.h");
     println!("cargo:rerun-if-changed={C10D_SHIM}");
     println!("cargo:rerun-if-changed={AUTOGRAD_SHIM}");
-    println!("cargo:rerun-if-changed={BLOCK_ATTENTION_SHIM}");
     println!("cargo:rerun-if-changed={GLOO_DECLARATIONS}");
     let (includes, abi) = libtorch_headers();
     if build_graph_library(&includes, &abi) {
@@ -182,7 +179,6 @@ fn main() {
         .file(PROFILER_SHIM)
         .file(C10D_SHIM)
         .file(AUTOGRAD_SHIM)
-        .file(BLOCK_ATTENTION_SHIM)
         .include(GLOO_DECLARATIONS);
     build.define("GLOG_USE_GLOG_EXPORT", None);
     // c10d's Gloo process group is declared only under this (libtorch_cpu is built with it)

@@ -329,7 +329,7 @@ fn main() -> Result<()> {
     }
     // The chunked attention of one layer alone, as the drafter calls it.
     let per_row = plan.per_row as i64;
-    let cpc = TrainAttention::CHUNKED
+    let cpc = TrainAttention::AUTO
         .blocks_per_chunk(
             16,
             dflash_tui::model::drafter::context_bucket(len),

@@ -83,19 +83,6 @@ pub(crate) mod ffi {
             window_left: i64,
             out: *mut *mut c_void,
         ) -> *mut c_char;
-        #[allow(clippy::too_many_arguments)]
-        pub(crate) fn dflash_block_attention(
-            q: *const c_void,
-            k1: *const c_void,
-            v1: *const c_void,
-            k2: *const c_void,
-            v2: *const c_void,
-            kb: *const c_void,
-            vb: *const c_void,
-            index: *const c_void,
-            sizes: *const i64,
-            out: *mut *mut c_void,
-        ) -> *mut c_char;
         pub(crate) fn dflash_clear_grad(tensor: *const c_void) -> *mut c_char;
         pub(crate) fn dflash_profiler_start(cuda: i32) -> *mut c_char;
         pub(crate) fn dflash_profiler_stop(path: *const c_char) -> *mut c_char;
@@ -337,54 +324,6 @@ pub(crate) fn flash_varlen(
         .map_err(|e| anyhow!("flash attention (at::_flash_attention_forward): {e}"))?;
         if out.is_null() {
             return Err(anyhow!("flash attention returned no tensor"));
-        }
-        Ok(Tensor::from_ptr(out.cast()))
-    }
-}
-
-/// The key/value tensors of [`block_attention`]: the chunks' prefixes, their staircases, the
-/// blocks' own (see `src/aten_ext/block_attention.cpp`).
-pub(crate) struct BlockAttentionKeys<'a> {
-    /// [K1, kv_heads, D] each: every chunk's context prefix, back to back.
-    pub prefix: (&'a Tensor, &'a Tensor),
-    /// [K2, kv_heads, D] each: every chunk's staircase, back to back (may be empty).
-    pub staircase: (&'a Tensor, &'a Tensor),
-    /// [T, kv_heads, D] each: the blocks' own keys and values, rows as the queries'.
-    pub own: (&'a Tensor, &'a Tensor),
-}
-
-/// The drafter's training attention over anchor blocks as three flash attention calls merged
-/// by their log-sum-exp, as one node of the autograd graph (`block_attention.cpp` says how the
-/// keys split). `q` [T, heads, D] the blocks' query rows; `index` int64 on q's device: cu_q1,
-/// cu_k1 (n1 + 1 each), cu_q2, cu_k2 (n2 + 1 each), then each block's staircase row (M);
-/// `sizes`: n1, n2, max_q1, max_k1, max_q2, max_k2, the staircase's query rows, block size.
-/// Flash attention on a GPU in bf16 / f16; elsewhere the same formulas on plain products.
-/// Returns [T, heads, D].
-pub(crate) fn block_attention(
-    q: &Tensor,
-    keys: &BlockAttentionKeys<'_>,
-    index: &Tensor,
-    sizes: [i64; 8],
-) -> Result<Tensor> {
-    let mut out: *mut c_void = std::ptr::null_mut();
-    // SAFETY: live tensors and an array of 8 sizes; the shim writes a new tensor into `out`
-    // on success only.
-    unsafe {
-        check(ffi::dflash_block_attention(
-            q.as_ptr().cast(),
-            keys.prefix.0.as_ptr().cast(),
-            keys.prefix.1.as_ptr().cast(),
-            keys.staircase.0.as_ptr().cast(),
-            keys.staircase.1.as_ptr().cast(),
-            keys.own.0.as_ptr().cast(),
-            keys.own.1.as_ptr().cast(),
-            index.as_ptr().cast(),
-            sizes.as_ptr(),
-            &mut out,
-        ))
-        .map_err(|e| anyhow!("block attention: {e}"))?;
-        if out.is_null() {
-            return Err(anyhow!("block attention returned no tensor"));
         }
         Ok(Tensor::from_ptr(out.cast()))
     }

@@ -273,13 +273,10 @@ pub struct TrainSection {
     /// about 1 / tau of the time), so the hard positions where decoding spends its steps count
     /// more. Default 0.
     pub streak_tau_power: f64,
-    /// Formulation of the training attention, every form exact: "auto" (flash on a GPU in bf16 /
-    /// f16, else chunked), "flash" (no masks: a chunk of blocks' context prefix, its staircase
-    /// and each block's own keys in three flash attention calls merged by their log-sum-exp;
-    /// chunks of anchors at most 96 apart), "flash:W" (at most W apart), "chunked" (blocks in
-    /// chunks of C, each chunk over the context and its own blocks, with masks; C chosen from
-    /// the sizes), "chunked:C", or "dense" (every block against all block keys, the
-    /// straightforward reference). Default "auto".
+    /// Formulation of the training attention, both exact: "chunked" (blocks in chunks of C, each
+    /// chunk over the context and its own blocks; C chosen from the sizes), "chunked:C", or
+    /// "dense" (every block against all block keys, the straightforward reference). Default
+    /// "chunked".
     pub attention: crate::model::drafter::TrainAttention,
     /// The drafter's training kernels compiled at run time, on a GPU where they load: the LM
     /// head's loss (cross-entropy, argmax check and gradient of each chunk of logits) in one
@@ -307,7 +304,7 @@ impl Default for TrainSection {
             loss_decay_gamma: 0.0,
             kl_weight: 0.0,
             kl_temperature: 1.0,
-            attention: crate::model::drafter::TrainAttention::CHUNKED,
+            attention: crate::model::drafter::TrainAttention::AUTO,
             streak_alpha: 0.0,
             streak_tau_power: 0.0,
             fused_loss: true,

@@ -83,17 +83,15 @@ fn features(seed: i64) -> Tensor {
 
 /// Every formulation of the training attention: the dense reference, one block per chunk,
 /// two blocks per chunk (3 blocks: the last chunk is padded), the automatic size.
-const FORMULATIONS: [TrainAttention; 6] = [
+const FORMULATIONS: [TrainAttention; 4] = [
     TrainAttention::Dense,
-    TrainAttention::Flash { span: 2 },
-    TrainAttention::Flash { span: 0 },
     TrainAttention::Chunked {
         blocks_per_chunk: 1,
     },
     TrainAttention::Chunked {
         blocks_per_chunk: 2,
     },
-    TrainAttention::CHUNKED,
+    TrainAttention::AUTO,
 ];
 
 fn run(f: &Fixture, tokens: &[i64], feats: &Tensor, attn: TrainAttention) -> Tensor {
@@ -428,7 +426,7 @@ fn added_layers_start_as_the_identity_and_learn() {
         let hidden = f.drafter.config.hidden_size;
         common::randn(&[1, 3, BLOCK, hidden], 4)
     };
-    for attn in [TrainAttention::Dense, TrainAttention::CHUNKED] {
+    for attn in [TrainAttention::Dense, TrainAttention::AUTO] {
         let want = run(&f, &tokens(), &feats, attn);
         let b = batch(&tokens(), &ANCHORS, &[true; 3]);
         zero_grads(&grown);

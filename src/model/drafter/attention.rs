@@ -8,7 +8,7 @@ use std::str::FromStr;
 use anyhow::{bail, Result};
 
 /// How [`Drafter::forward_train`] computes the attention of its N anchor blocks (spec §2.4).
-/// Every formulation is exact; they differ in cost only.
+/// Both formulations are exact; they differ in cost only.
 ///
 /// - `Dense`: one fused attention call per layer over all N*B block queries of a sequence
 ///   against [context (S); all N*B block keys] with one boolean mask. Only B of the N*B block
@@ -23,63 +23,30 @@ use anyhow::{bail, Result};
 ///   copies). `blocks_per_chunk` is C; 0 chooses it from S (see
 ///   [`TrainAttention::blocks_per_chunk`]). The context lengths are bucketed, so that the
 ///   calls' shapes repeat.
-/// - `Flash`: no mask at all: the blocks are cut into chunks of consecutive blocks whose
-///   anchors lie at most `span` positions apart (0: [`TrainAttention::FLASH_SPAN`]), and the
-///   keys a block sees split into the chunk's context prefix (before its first anchor, seen by
-///   all its queries), the chunk's staircase (from its first anchor up to the block's) and the
-///   block's own keys: three flash attention calls per layer merged by their log-sum-exp
-///   (`src/aten_ext/block_attention.cpp`). Every query reads exactly the keys it sees, plus
-///   the staircase's padding; nothing is planned per shape. Flash attention runs on a GPU in
-///   bf16 / f16; elsewhere the same formulas run on plain products (slow, for tests). The
-///   sliding-window layers of a drafter that has any keep the chunked form (their windows are
-///   masks).
-/// - `Auto` (the default): `Flash` where flash attention runs (CUDA, bf16 / f16), else
-///   `Chunked` of automatic size.
 ///
-/// Text form (for configs): `auto`, `flash`, `flash:W` (span W), `chunked` (automatic chunk
-/// size), `chunked:C`, `dense`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// Text form (for configs): `dense`, `chunked` (automatic chunk size), `chunked:C`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum TrainAttention {
     Dense,
-    Chunked {
-        blocks_per_chunk: usize,
-    },
-    Flash {
-        span: usize,
-    },
-    #[default]
-    Auto,
+    Chunked { blocks_per_chunk: usize },
+}
+
+impl Default for TrainAttention {
+    fn default() -> Self {
+        TrainAttention::AUTO
+    }
 }
 
 impl TrainAttention {
-    /// The chunked form of automatic chunk size.
-    pub const CHUNKED: TrainAttention = TrainAttention::Chunked {
+    /// The automatic chunk size with the default `Chunked { blocks_per_chunk: 0 }`.
+    pub const AUTO: TrainAttention = TrainAttention::Chunked {
         blocks_per_chunk: 0,
     };
 
-    /// The flash form's largest distance between the anchors of one chunk with `Flash { span:
-    /// 0 }`: the staircase call's sequences then hold at most 97 query positions, one tile of
-    /// flash attention's 128 rows. Larger spans mean fewer chunks (fewer copies of the context
-    /// prefixes) and longer staircases.
-    pub const FLASH_SPAN: usize = 96;
-
-    /// The span of the flash form's chunks (`Flash`, or `Auto` where it picks flash), `None`
-    /// for the others.
-    pub fn flash_span(&self) -> Option<i64> {
-        match *self {
-            TrainAttention::Flash { span: 0 } | TrainAttention::Auto => {
-                Some(Self::FLASH_SPAN as i64)
-            }
-            TrainAttention::Flash { span } => Some(span as i64),
-            _ => None,
-        }
-    }
-
     /// The number of blocks per chunk actually used for `n` blocks of `block` tokens per
     /// sequence, against `context` positions, with `heads` query heads and `kv_heads` key/value
-    /// heads; `None` for `Dense`. `Flash` and `Auto` answer for the layers they run chunked
-    /// (sliding windows, or `Auto` where flash attention does not run).
+    /// heads; `None` for `Dense`.
     ///
     /// Automatic choice: per query, the fused kernel's work grows with the keys it reads,
     /// S + C*B, while copying the context keys and values once per chunk costs about
@@ -100,10 +67,8 @@ impl TrainAttention {
         heads: i64,
         kv_heads: i64,
     ) -> Option<i64> {
-        let blocks_per_chunk = match *self {
-            TrainAttention::Dense => return None,
-            TrainAttention::Chunked { blocks_per_chunk } => blocks_per_chunk,
-            TrainAttention::Flash { .. } | TrainAttention::Auto => 0,
+        let TrainAttention::Chunked { blocks_per_chunk } = *self else {
+            return None;
         };
         let c = if blocks_per_chunk > 0 {
             blocks_per_chunk as i64
@@ -137,9 +102,6 @@ impl fmt::Display for TrainAttention {
                 blocks_per_chunk: 0,
             } => write!(f, "chunked"),
             TrainAttention::Chunked { blocks_per_chunk } => write!(f, "chunked:{blocks_per_chunk}"),
-            TrainAttention::Flash { span: 0 } => write!(f, "flash"),
-            TrainAttention::Flash { span } => write!(f, "flash:{span}"),
-            TrainAttention::Auto => write!(f, "auto"),
         }
     }
 }
@@ -151,18 +113,8 @@ impl FromStr for TrainAttention {
         let t = s.trim().to_ascii_lowercase();
         match t.as_str() {
             "dense" => Ok(TrainAttention::Dense),
-            "auto" => Ok(TrainAttention::Auto),
-            "chunked" | "chunked:auto" | "chunked:0" => Ok(TrainAttention::CHUNKED),
-            "flash" | "flash:auto" | "flash:0" => Ok(TrainAttention::Flash { span: 0 }),
+            "chunked" | "chunked:auto" | "chunked:0" => Ok(TrainAttention::AUTO),
             _ => {
-                if let Some(w) = t.strip_prefix("flash:") {
-                    return match w.trim().parse::<usize>().ok().filter(|&w| w <= 1 << 20) {
-                        Some(span) => Ok(TrainAttention::Flash { span }),
-                        None => bail!(
-                            "attention {s:?}: \"flash:W\" takes a span W, 0 <= W <= 1048576 (the most positions between the anchors of one chunk)"
-                        ),
-                    };
-                }
                 let c = t
                     .strip_prefix("chunked:")
                     .and_then(|c| c.trim().parse::<usize>().ok())
@@ -170,7 +122,7 @@ impl FromStr for TrainAttention {
                 match c {
                     Some(blocks_per_chunk) => Ok(TrainAttention::Chunked { blocks_per_chunk }),
                     None => bail!(
-                        "attention {s:?}: expected \"auto\", \"flash\", \"flash:W\" (span W), \"chunked\" (automatic chunk size), \"chunked:C\" with C blocks per chunk, 1 <= C <= 1048576, or \"dense\""
+                        "attention {s:?}: expected \"dense\", \"chunked\" (automatic chunk size) or \"chunked:C\" with C blocks per chunk, 1 <= C <= 1048576"
                     ),
                 }
             }

@@ -5,8 +5,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::attention::context_bucket;
-use super::flash::FlashPlan;
-use super::{AnchorBatch, Drafter, FrozenHead};
+use super::{AnchorBatch, Drafter, FrozenHead, TrainAttention};
 use crate::model::layers::{attention_with_bias, upload};
 
 /// Chunks per fused attention call of the chunked training attention: a fixed batch size, so
@@ -18,11 +17,9 @@ const CHUNKS_PER_CALL: i64 = 8;
 pub(super) enum BlockAttention<'a> {
     /// Against [context; all blocks], with an optional boolean mask [B, 1, Q, S + Q].
     Full(Option<&'a Tensor>),
-    /// Per chunk of blocks (see [`super::TrainAttention`]), with the plan's sliding-window masks
+    /// Per chunk of blocks (see [`TrainAttention`]), with the plan's sliding-window masks
     /// where `sliding`.
     Chunked { plan: &'a ChunkPlan, sliding: bool },
-    /// The flash form (see [`super::TrainAttention::Flash`]).
-    Flash(&'a FlashPlan),
 }
 
 /// The blocks a chunked training forward computes: the valid ones, in row order (all of them
@@ -188,7 +185,8 @@ impl Drafter {
     pub(crate) fn warm_up_attention(&self, head: &FrozenHead, max_len: usize) -> usize {
         let c = &self.config;
         let bs = c.block_size;
-        if !self.device.is_cuda() || !self.uses_chunk_plan(self.train_attention) {
+        let chunked = matches!(self.train_attention, TrainAttention::Chunked { .. });
+        if !self.device.is_cuda() || !chunked {
             return 0;
         }
         let dev = self.device;

@@ -5,13 +5,11 @@
 mod attention;
 mod chunks;
 mod decode;
-mod flash;
 mod init;
 
 pub use attention::{context_bucket, TrainAttention};
 
 use chunks::{chunked_attention, dense_block_mask, BlockAttention, KeptBlocks};
-use flash::{flash_attention, FlashPlan};
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -405,13 +403,6 @@ impl Drafter {
                 let rows = chunked_attention(&q, ctx_kv, (&k_block, &v_block), plan, sliding);
                 rows.linear::<&Tensor>(&layer.attn.o_proj, None)
             }
-            BlockAttention::Flash(plan) => {
-                // the inputs were checked when the flash form was chosen; what fails here is
-                // the device (as any libtorch call of the forward would)
-                let rows = flash_attention(&q, ctx_kv, (&k_block, &v_block), plan)
-                    .unwrap_or_else(|e| panic!("the drafter's flash training attention: {e:#}"));
-                rows.linear::<&Tensor>(&layer.attn.o_proj, None)
-            }
         };
         let h = h + a;
         let m = layer
@@ -438,43 +429,7 @@ impl Drafter {
         )
     }
 
-    /// Whether flash attention takes this drafter's training attention: on a GPU, in bf16 or
-    /// f16, heads of a multiple of 8 up to 256, key/value heads dividing the query heads.
-    fn flash_runs(&self) -> bool {
-        let c = &self.config;
-        self.device.is_cuda()
-            && matches!(self.kind, Kind::BFloat16 | Kind::Half)
-            && c.head_dim % 8 == 0
-            && c.head_dim <= 256
-            && c.num_key_value_heads > 0
-            && c.num_attention_heads % c.num_key_value_heads == 0
-    }
-
-    /// The span of the flash form's chunks where `attention` runs in the flash form here
-    /// (`Flash`, or `Auto` where flash attention runs), else `None`.
-    fn flash_span(&self, attention: TrainAttention) -> Option<i64> {
-        let chosen = match attention {
-            TrainAttention::Flash { .. } => true,
-            TrainAttention::Auto => self.flash_runs(),
-            _ => false,
-        };
-        attention.flash_span().filter(|_| chosen)
-    }
-
-    /// Whether `attention` runs some layer in the chunked form (the sliding-window layers
-    /// always do, but in the dense form).
-    fn uses_chunk_plan(&self, attention: TrainAttention) -> bool {
-        match attention {
-            TrainAttention::Dense => false,
-            TrainAttention::Chunked { .. } => true,
-            _ => {
-                self.flash_span(attention).is_none()
-                    || self.config.layer_windows().iter().any(Option::is_some)
-            }
-        }
-    }
-
-    /// The formulation [`Drafter::forward_train`] uses (default: auto).
+    /// The formulation [`Drafter::forward_train`] uses (default: chunked, automatic size).
     pub fn train_attention(&self) -> TrainAttention {
         self.train_attention
     }
@@ -526,8 +481,8 @@ impl Drafter {
         let (b, s) = batch.input_ids.size2().unwrap_or((0, 0));
         let n = batch.anchors.size()[1];
         let ids = upload(&batch.input_ids, dev).to_kind(Kind::Int64);
-        let chunked = !matches!(attention, TrainAttention::Dense) && n > 0;
-        // The chunked and flash forms compute the valid blocks only, all rows' in one [1, M * bs]
+        let chunked = matches!(attention, TrainAttention::Chunked { .. }) && n > 0;
+        // The chunked attention computes the valid blocks only, all rows' in one [1, M * bs]
         // row; the dense one every block, [B, N * bs].
         let kept = chunked.then(|| {
             let host = |t: &Tensor, kind| t.to_device(Device::Cpu).to_kind(kind).reshape([-1]);
@@ -590,38 +545,18 @@ impl Drafter {
         // the sliding layers' window (one for all of them), where the drafter has any
         let windows = c.layer_windows();
         let window = windows.iter().flatten().copied().next();
-        // the chunk plan where some layer runs chunked (its masks cost device work), the flash
-        // plan where the full-attention layers run in the flash form
-        let (plan, flash_plan) = match (per_chunk, &kept) {
-            (Some(cpc), Some(kept)) => (
-                self.uses_chunk_plan(attention)
-                    .then(|| self.chunk_plan(kept, s_ctx, cpc, window)),
-                self.flash_span(attention)
-                    .map(|w| FlashPlan::new(kept, bs, s_ctx, w, dev)),
-            ),
-            _ => (None, None),
-        };
         let (dense_mask, sliding_mask);
-        let (full_attn, sliding_attn) = match (&flash_plan, &plan) {
-            (Some(flash), Some(plan)) => (
-                BlockAttention::Flash(flash),
-                BlockAttention::Chunked {
-                    plan,
-                    sliding: true,
-                },
-            ),
-            (Some(flash), None) => (BlockAttention::Flash(flash), BlockAttention::Flash(flash)),
-            (None, Some(plan)) => (
-                BlockAttention::Chunked {
-                    plan,
-                    sliding: false,
-                },
-                BlockAttention::Chunked {
-                    plan,
-                    sliding: true,
-                },
-            ),
-            (None, None) => {
+        let plan;
+        let (full_attn, sliding_attn) = match (per_chunk, &kept) {
+            (Some(cpc), Some(kept)) => {
+                plan = self.chunk_plan(kept, s_ctx, cpc, window);
+                let attn = |sliding| BlockAttention::Chunked {
+                    plan: &plan,
+                    sliding,
+                };
+                (attn(false), attn(true))
+            }
+            _ => {
                 dense_mask = dense_block_mask(&anchors, s, bs, None);
                 sliding_mask = window.map(|w| dense_block_mask(&anchors, s, bs, Some(w)));
                 let sliding = sliding_mask.as_ref().unwrap_or(&dense_mask);

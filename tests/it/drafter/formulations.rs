@@ -85,13 +85,10 @@ fn chunked_attention_matches_dense_logits_and_gradients() {
             TrainAttention::Dense,
             &probe,
         ));
-        // the chunked form in chunks of each size, the flash form with chunks of each span
-        // (1: many chunks with short staircases, 0: the automatic span, one chunk a row here)
-        let flash = [1, 3, 0].map(|span| TrainAttention::Flash { span });
-        let chunked = sizes.iter().map(|&c| TrainAttention::Chunked {
-            blocks_per_chunk: c,
-        });
-        for attn in chunked.chain(flash) {
+        for &c in sizes {
+            let attn = TrainAttention::Chunked {
+                blocks_per_chunk: c,
+            };
             let (logits, grads) = logits_and_grads(&f, &feats, &b, attn, &probe);
             let padding = (&logits * valid.ones_like().g_sub(&valid))
                 .abs()
@@ -221,7 +218,7 @@ fn loss_and_gradients_are_the_same_with_both_formulations() {
     for (opts, soft) in [(&plain, false), (&soft_streak, true)] {
         let reference = case.pass(TrainAttention::Dense, soft, opts, 0.5);
         for attn in [
-            TrainAttention::CHUNKED,
+            TrainAttention::AUTO,
             TrainAttention::Chunked {
                 blocks_per_chunk: 3,
             },
@@ -247,7 +244,7 @@ fn loss_and_gradients_do_not_depend_on_the_loss_chunk_size() {
                 chunk_rows,
                 kernels: None,
             };
-            case.pass(TrainAttention::CHUNKED, soft, &opts, 1.0)
+            case.pass(TrainAttention::AUTO, soft, &opts, 1.0)
         };
         // everything in one chunk against one row per chunk and uneven chunks
         let reference = pass(100_000);
@@ -321,44 +318,21 @@ fn deferred_loss_gives_the_same_sums_and_gradients() {
 fn train_attention_text_form_and_chunk_size() {
     for (text, want) in [
         ("dense", TrainAttention::Dense),
-        ("chunked", TrainAttention::CHUNKED),
+        ("chunked", TrainAttention::AUTO),
         (
             " Chunked:16 ",
             TrainAttention::Chunked {
                 blocks_per_chunk: 16,
             },
         ),
-        ("auto", TrainAttention::Auto),
-        ("flash", TrainAttention::Flash { span: 0 }),
-        ("flash:40", TrainAttention::Flash { span: 40 }),
     ] {
         assert_eq!(text.parse::<TrainAttention>().unwrap(), want);
         assert_eq!(want.to_string().parse::<TrainAttention>().unwrap(), want);
     }
-    for bad in [
-        "",
-        "sparse",
-        "chunked:",
-        "chunked:-1",
-        "chunked:x",
-        "flash:",
-        "flash:-3",
-        "auto:4",
-    ] {
+    for bad in ["", "sparse", "chunked:", "chunked:-1", "chunked:x"] {
         assert!(bad.parse::<TrainAttention>().is_err(), "{bad}");
     }
-    assert_eq!(TrainAttention::default(), TrainAttention::Auto);
-    // the flash form's span; the chunked size it keeps for sliding-window layers
-    assert_eq!(
-        TrainAttention::Auto.flash_span(),
-        Some(TrainAttention::FLASH_SPAN as i64)
-    );
-    assert_eq!(TrainAttention::Flash { span: 7 }.flash_span(), Some(7));
-    assert_eq!(TrainAttention::CHUNKED.flash_span(), None);
-    assert_eq!(
-        TrainAttention::Auto.blocks_per_chunk(16, 1024, 32, 8),
-        Some(32)
-    );
+    assert_eq!(TrainAttention::default(), TrainAttention::AUTO);
     let json = serde_json::to_string(&TrainAttention::Chunked {
         blocks_per_chunk: 8,
     })
@@ -371,7 +345,7 @@ fn train_attention_text_form_and_chunk_size() {
     // automatic size: power of two near sqrt(640 * kv/heads * S) / B, GQA 32/8, B = 16;
     // it depends on the context only, never on the number of blocks (the calls' shapes
     // must repeat)
-    let auto = |s| TrainAttention::CHUNKED.blocks_per_chunk(16, s, 32, 8);
+    let auto = |s| TrainAttention::AUTO.blocks_per_chunk(16, s, 32, 8);
     assert_eq!(auto(256), Some(16));
     assert_eq!(auto(1024), Some(32));
     assert_eq!(auto(3072), Some(32));
@@ -401,7 +375,7 @@ fn train_attention_text_form_and_chunk_size() {
     assert_eq!(context_bucket(5000), 5120, "256 apart above 4096");
     // the drafter's own choice
     let mut f = fixture();
-    assert_eq!(f.drafter.train_attention(), TrainAttention::Auto);
+    assert_eq!(f.drafter.train_attention(), TrainAttention::AUTO);
     f.drafter.set_train_attention(TrainAttention::Dense);
     assert_eq!(f.drafter.train_attention(), TrainAttention::Dense);
 }

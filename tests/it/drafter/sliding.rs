@@ -199,12 +199,12 @@ fn a_sliding_layer_sees_its_window_and_its_block_causally() {
     let f = sliding_fixture(2, &[]);
     let toks = tokens();
     let base_feats = features(23);
-    let base = run(&f, &toks, &base_feats, TrainAttention::CHUNKED);
+    let base = run(&f, &toks, &base_feats, TrainAttention::AUTO);
     let (j, a) = (2, ANCHORS[2]);
     for p in 0..S {
         let feats = base_feats.copy();
         let _ = feats.narrow(1, p, 1).fill_(3.0);
-        let changed = run(&f, &toks, &feats, TrainAttention::CHUNKED);
+        let changed = run(&f, &toks, &feats, TrainAttention::AUTO);
         for slot in 0..BLOCK {
             let d = max_diff(
                 &block(&changed, j).select(0, slot),
@@ -221,7 +221,7 @@ fn a_sliding_layer_sees_its_window_and_its_block_causally() {
     // change the anchor token, then see the first slot only through slot 0
     let mut other = toks.clone();
     other[a as usize] = (other[a as usize] + 9) % 40;
-    let changed = run(&f, &other, &base_feats, TrainAttention::CHUNKED);
+    let changed = run(&f, &other, &base_feats, TrainAttention::AUTO);
     for slot in 0..BLOCK {
         let d = max_diff(
             &block(&changed, j).select(0, slot),
@@ -238,7 +238,7 @@ fn decoding_with_a_window_matches_the_training_forward() {
     let feats = features(24);
     for (window, full) in [(3, &[1usize][..]), (5, &[])] {
         let f = sliding_fixture(window, full);
-        let train = run(&f, &toks, &feats, TrainAttention::CHUNKED);
+        let train = run(&f, &toks, &feats, TrainAttention::AUTO);
         let copy = f.drafter.decode_copy().unwrap();
         for (j, &a) in ANCHORS.iter().enumerate() {
             let mut cache = copy.slot_cache(S + BLOCK + 1).unwrap();
