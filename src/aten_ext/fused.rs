@@ -75,6 +75,7 @@ pub struct FusedKernels {
     swiglu: [cu::CUfunction; 3],
     gated_attention_prep: [cu::CUfunction; 3],
     sigmoid_gate_mul: [cu::CUfunction; 3],
+    adamw_step: [cu::CUfunction; 3],
     /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
     moe_topk: [cu::CUfunction; 2],
     moe_group_count: cu::CUfunction,
@@ -105,7 +106,7 @@ impl FusedKernels {
         let (
             module,
             (
-                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul],
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul, adamw_step],
                 [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
             ),
         ) = KernelModule::load(
@@ -113,7 +114,7 @@ impl FusedKernels {
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<([Functions; 11], [cu::CUfunction; 5])> {
+            |module| -> Result<([Functions; 12], [cu::CUfunction; 5])> {
                 // SAFETY (both): the module was just loaded in the current context.
                 let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
@@ -136,6 +137,7 @@ impl FusedKernels {
                         set("swiglu")?,
                         set("gated_attention_prep")?,
                         set("sigmoid_gate_mul")?,
+                        set("adamw_step")?,
                     ],
                     [
                         one("moe_topk_256")?,
@@ -160,6 +162,7 @@ impl FusedKernels {
             swiglu,
             gated_attention_prep,
             sigmoid_gate_mul,
+            adamw_step,
             moe_topk: [moe_topk_256, moe_topk_1024],
             moe_group_count,
             moe_group_offsets,
@@ -464,8 +467,11 @@ mod moe;
 #[path = "fused_attention.rs"]
 mod attention;
 
+#[path = "fused_adamw.rs"]
+mod adamw;
 #[path = "fused_autograd.rs"]
 mod autograd;
+pub use adamw::{AdamWSlices, AdamWStepRates};
 pub use attention::GatedHeads;
 pub use autograd::{rotary_autograd, rotate_half, swiglu_autograd};
 pub use moe::{MoeGroups, MOE_MAX_EXPERTS};
@@ -496,6 +502,7 @@ mod tests {
             "swiglu",
             "gated_attention_prep",
             "sigmoid_gate_mul",
+            "adamw_step",
         ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
@@ -544,6 +551,14 @@ mod tests {
             assert_eq!(
                 sizes(&format!("swiglu_{kind}")),
                 [ptr, ptr, ptr, ptr, ptr, 8]
+            );
+        }
+        // adamw_step (fused_adamw.rs): grad, param, master, exp_avg, exp_avg_sq, the 64-bit
+        // count, the gradient scale, then the rates by value (six float32)
+        for kind in ["bf16", "f16", "f32"] {
+            assert_eq!(
+                sizes(&format!("adamw_step_{kind}")),
+                [ptr, ptr, ptr, ptr, ptr, 8, ptr, 24]
             );
         }
         // moe_topk: then whether to normalise, the weights' kind (32-bit each) and the weights

@@ -12,6 +12,10 @@
 //   autograd nodes, one kernel a pass.
 // cross_entropy_grad (training): the LM head's cross-entropy, argmax check and gradient of a
 //   chunk of logits in one kernel, in place, where libtorch runs about seven over the chunk.
+// adamw_step (training): one parameter's AdamW step from its gradient where the backward pass
+//   left it (in the storage type), the float32 master weight and moments updated and the new
+//   weight rounded into the parameter in the same pass, where libtorch's path copies every
+//   gradient into a float32 buffer first and the master weights into the parameters after.
 //
 // For the target's forward (the Qwen3.5 hybrids; a prefill or training forward of thousands of
 // tokens, where the cost is the passes over memory):
@@ -1112,6 +1116,106 @@ static __device__ void sigmoid_gate_mul(const typename P::T *__restrict__ attn,
     }
 }
 
+// N consecutive floats at `p` (1, or 16-byte vectors of 4).
+template <int N>
+static __device__ __forceinline__ void load_f32(const float *p, float *v) {
+    if (N == 1) {
+        v[0] = *p;
+        return;
+    }
+    for (int t = 0; t < N; t += 4) {
+        const float4 q = *reinterpret_cast<const float4 *>(p + t);
+        v[t] = q.x;
+        v[t + 1] = q.y;
+        v[t + 2] = q.z;
+        v[t + 3] = q.w;
+    }
+}
+
+template <int N>
+static __device__ __forceinline__ void store_f32(float *p, const float *v) {
+    if (N == 1) {
+        *p = v[0];
+        return;
+    }
+    for (int t = 0; t < N; t += 4) {
+        float4 q;
+        q.x = v[t];
+        q.y = v[t + 1];
+        q.z = v[t + 2];
+        q.w = v[t + 3];
+        *reinterpret_cast<float4 *>(p + t) = q;
+    }
+}
+
+// One step's rates, computed on the host: decay = lr * weight_decay (as float32 numbers,
+// multiplied in float32), step_size = lr / (1 - beta1^t), bias2_sqrt = sqrt(1 - beta2^t).
+struct AdamWRates {
+    float decay, beta1, beta2, step_size, bias2_sqrt, eps;
+};
+
+// adamw_step at N consecutive elements from e, as libtorch's fused AdamW computes each in
+// float32: g = grad / grad_scale, master -= decay * master, m = beta1 m + (1 - beta1) g,
+// v = beta2 v + (1 - beta2) g g, master -= step_size * m / (sqrt(v) / bias2_sqrt + eps); then
+// the parameter = master rounded to the storage type. A null gradient counts as zeros.
+template <class P, int N>
+static __device__ __forceinline__ void adamw_at(const typename P::T *grad,
+                                                typename P::T *param, float *master,
+                                                float *exp_avg, float *exp_avg_sq, long long e,
+                                                float scale, const AdamWRates &r) {
+    float g[N], w[N], m[N], v[N];
+    if (grad != nullptr) {
+        load_n<P, N>(grad + e, g);
+    } else {
+        for (int t = 0; t < N; ++t) {
+            g[t] = 0.0f;
+        }
+    }
+    load_f32<N>(master + e, w);
+    load_f32<N>(exp_avg + e, m);
+    load_f32<N>(exp_avg_sq + e, v);
+    for (int t = 0; t < N; ++t) {
+        const float gt = g[t] / scale;
+        w[t] -= r.decay * w[t];
+        m[t] = r.beta1 * m[t] + (1.0f - r.beta1) * gt;
+        v[t] = r.beta2 * v[t] + (1.0f - r.beta2) * gt * gt;
+        w[t] -= r.step_size * m[t] / (sqrtf(v[t]) / r.bias2_sqrt + r.eps);
+    }
+    store_f32<N>(master + e, w);
+    store_f32<N>(exp_avg + e, m);
+    store_f32<N>(exp_avg_sq + e, v);
+    store_n<P, N>(param + e, w);
+}
+
+// adamw_step over `n` elements, a grid-stride loop over 16-byte vectors of the storage type
+// where every pointer and the count allow (the float32 buffers then by 16-byte vectors too),
+// else element by element. `grad_scale` (one float32 on the device, or null): the gradients'
+// divisor (the clip's).
+template <class P>
+static __device__ void adamw_step(const typename P::T *__restrict__ grad,
+                                  typename P::T *__restrict__ param, float *__restrict__ master,
+                                  float *__restrict__ exp_avg, float *__restrict__ exp_avg_sq,
+                                  long long n, const float *__restrict__ grad_scale,
+                                  AdamWRates rates) {
+    const int VEC = 16 / sizeof(typename P::T);
+    const float scale = grad_scale != nullptr ? grad_scale[0] : 1.0f;
+    const bool vectors = n % VEC == 0 && (grad == nullptr || aligned16(grad)) &&
+                         aligned16(param) && aligned16(master) && aligned16(exp_avg) &&
+                         aligned16(exp_avg_sq);
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    if (vectors) {
+        for (long long e = first * VEC; e < n; e += stride * VEC) {
+            adamw_at<P, 16 / sizeof(typename P::T)>(grad, param, master, exp_avg, exp_avg_sq,
+                                                    e, scale, rates);
+        }
+    } else {
+        for (long long e = first; e < n; e += stride) {
+            adamw_at<P, 1>(grad, param, master, exp_avg, exp_avg_sq, e, scale, rates);
+        }
+    }
+}
+
 #define DFLASH_FUSED_KERNELS(SUFFIX, P)                                                      \
     extern "C" __global__ void rotate_write_##SUFFIX(                                        \
         const P::T *y, int layers, int heads, int kv, int d, const P::T *q_norm,             \
@@ -1173,6 +1277,11 @@ static __device__ void sigmoid_gate_mul(const typename P::T *__restrict__ attn,
                                                          long long row_stride, long long n,  \
                                                          int heads, int d, P::T *out) {      \
         sigmoid_gate_mul<P>(attn, y, row_stride, n, heads, d, out);                          \
+    }                                                                                        \
+    extern "C" __global__ void adamw_step_##SUFFIX(                                          \
+        const P::T *grad, P::T *param, float *master, float *exp_avg, float *exp_avg_sq,     \
+        long long n, const float *grad_scale, AdamWRates rates) {                            \
+        adamw_step<P>(grad, param, master, exp_avg, exp_avg_sq, n, grad_scale, rates);       \
     }
 
 DFLASH_FUSED_KERNELS(bf16, Bf16)

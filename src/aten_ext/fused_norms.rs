@@ -430,10 +430,11 @@ pub(super) mod tests {
     /// thread, barriers for __syncthreads and the warp shuffles) compute what double-precision
     /// loops rounding where libtorch's operations round compute: rows of 5,120 and of heads,
     /// strided and misaligned rows, bf16 and f32. The router's top k equals the host's reading
-    /// of libtorch's GPU selection and sort, ties included, and the grouping a stable sort.
+    /// of libtorch's GPU selection and sort, ties included, and the grouping a stable sort. The
+    /// optimizer's step equals AdamW in double precision to float32 rounding.
     /// Needs a C++20 compiler (`$CXX`, else `c++`).
     #[test]
     fn the_norm_kernels_run_on_the_cpu_match_the_libtorch_roundings() {
-        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 55);
+        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 60);
     }
 }

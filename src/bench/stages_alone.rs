@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use anyhow::{anyhow, Result};
-use tch::Device;
+use tch::{Device, Tensor};
 
 use super::drafter_steps::{step_range, DrafterStepMs, StageClock};
 use super::gpu_sampler::{PhaseMark, SampledPhase};
@@ -145,7 +145,15 @@ pub(crate) fn measure_stages_alone(
     let mut step = |clock: &StageClock, i: usize, item: &FeatureItem| -> Result<()> {
         let _range = step_range();
         train_on_item(clock, config, drafter, head, item, i as u64, 1.0);
-        let mut grad = clock.time(ProfileEvent::GradSync, || AdamW::flatten_grads(&params));
+        // as the trainer's one replica steps (coordinator.rs): on the fused kernels where they
+        // run, else through the flat gradient
+        let fused = head
+            .loss_kernels
+            .filter(|k| k.device() == drafter.device && k.device() == optimizer.device);
+        let mut grad = match fused {
+            Some(_) => Tensor::new(),
+            None => clock.time(ProfileEvent::GradSync, || AdamW::flatten_grads(&params)),
+        };
         let lr = lr_at(
             first_step + i as u64,
             total_steps,
@@ -153,14 +161,17 @@ pub(crate) fn measure_stages_alone(
             config.train.lr,
             config.train.min_lr_ratio,
         );
-        let _norm = clock.time(ProfileEvent::OptimStep, || {
-            apply_update(
+        let _norm = clock.time(ProfileEvent::OptimStep, || match &fused {
+            Some(kernels) => {
+                optimizer.fused_step(&params, kernels, lr, config.train.clip_grad_norm)
+            }
+            None => apply_update(
                 &mut optimizer,
                 &params,
                 &mut grad,
                 config.train.clip_grad_norm,
                 lr,
-            )
+            ),
         })?;
         Ok(())
     };

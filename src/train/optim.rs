@@ -3,13 +3,17 @@
 //! state, so this one is ours: its three buffers are saved and restored exactly.
 //!
 //! The update itself is libtorch's fused AdamW kernel (`at::_fused_adamw_`, one pass over
-//! the weights, gradient and moments), which tch does not bind (see [`crate::aten_ext`]).
+//! the weights, gradient and moments), which tch does not bind (see [`crate::aten_ext`]); or,
+//! where one replica trains on a GPU, [`AdamW::fused_step`]: the program's own kernel per
+//! parameter, reading each gradient where the backward pass left it and writing the new weights
+//! in the same pass (no flat gradient, no copy of the master weights after).
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use crate::aten_ext::fused::{AdamWSlices, AdamWStepRates, FusedKernels};
 use crate::aten_ext::{fused_adamw, AdamWRates, AdamWTensors};
 
 /// Hyper-parameters.
@@ -198,6 +202,96 @@ impl AdamW {
         })?;
         self.step = step;
         Ok(())
+    }
+
+    /// [`AdamW::update_clipped`] and [`AdamW::write_params`] on the parameters' own gradients,
+    /// on `kernels` (the optimizer's device, which must hold every parameter): the global norm
+    /// of the gradients as they are (float32 sums of each one's norm), the clip as the
+    /// kernel's gradient scale, then per parameter one kernel that updates its master weights
+    /// and moments and writes the new weights into it. The gradients are dropped after (as
+    /// [`AdamW::flatten_grads`] drops them); a parameter without one steps with zeros. The
+    /// same numbers as the flat path up to the order of the norm's float sums. Returns the
+    /// gradient norm before clipping, on the device.
+    pub fn fused_step(
+        &mut self,
+        params: &[(String, &Tensor)],
+        kernels: &FusedKernels,
+        lr: f64,
+        max_norm: f64,
+    ) -> Result<Tensor> {
+        if params.len() != self.names.len() {
+            bail!(
+                "the optimizer holds {} tensors, the model has {}",
+                self.names.len(),
+                params.len()
+            );
+        }
+        for (i, (name, p)) in params.iter().enumerate() {
+            if name != &self.names[i] || p.size() != self.shapes[i] {
+                bail!(
+                    "parameter {i} is {name} {:?}, the optimizer expected {} {:?}",
+                    p.size(),
+                    self.names[i],
+                    self.shapes[i]
+                );
+            }
+        }
+        let step = self.step + 1;
+        let norm = tch::no_grad(|| -> Result<Tensor> {
+            let grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).collect();
+            let norms = grads
+                .iter()
+                .filter(|g| g.defined())
+                .map(|g| g.f_norm_scalaropt_dtype(2, Kind::Float))
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .context("gradient norms")?;
+            let norm = if norms.is_empty() {
+                Tensor::zeros([], (Kind::Float, self.device))
+            } else {
+                Tensor::f_stack(&norms, 0)
+                    .and_then(|n| n.f_norm())
+                    .context("gradient norm")?
+            };
+            // the divisor of the clip, as update_clipped computes it
+            let scale = if max_norm > 0.0 {
+                let over = norm.f_gt(max_norm).context("gradient clip")?;
+                let s = (&norm + 1e-6)
+                    .f_div_scalar(max_norm)
+                    .and_then(|s| s.f_where_self(&over, &s.ones_like()))
+                    .and_then(|s| s.f_reshape([1]))
+                    .context("gradient clip scale")?;
+                Some(s)
+            } else {
+                None
+            };
+            let c = &self.config;
+            let rates = AdamWStepRates {
+                // libtorch's kernel multiplies the float32 lr and weight decay
+                decay: lr as f32 * c.weight_decay.max(0.0) as f32,
+                beta1: c.beta1 as f32,
+                beta2: c.beta2 as f32,
+                step_size: (lr / (1.0 - c.beta1.powf(step as f64))) as f32,
+                bias2_sqrt: (1.0 - c.beta2.powf(step as f64)).sqrt() as f32,
+                eps: c.eps as f32,
+            };
+            for (i, ((name, p), g)) in params.iter().zip(&grads).enumerate() {
+                let (at, n) = (self.offsets[i], self.offsets[i + 1] - self.offsets[i]);
+                let slices = AdamWSlices {
+                    master: &self.master.narrow(0, at, n),
+                    exp_avg: &self.exp_avg.narrow(0, at, n),
+                    exp_avg_sq: &self.exp_avg_sq.narrow(0, at, n),
+                };
+                kernels
+                    .adamw_step(p, g.defined().then_some(g), &slices, scale.as_ref(), rates)
+                    .with_context(|| format!("the optimizer step of {name}"))?;
+            }
+            Ok(norm)
+        })?;
+        for (_, p) in params {
+            crate::aten_ext::clear_grad(p);
+        }
+        self.step = step;
+        Ok(norm)
     }
 
     /// Copies the master weights into `params` (cast to their dtype, on their device).
@@ -646,5 +740,115 @@ mod tests {
             "{err}"
         );
         assert_eq!(host(&opt.master), vec![1.0, 2.0, 3.0]);
+    }
+
+    /// On a GPU: the optimizer step on the fused kernel gives the flat path's numbers: bf16
+    /// parameters (sizes the kernel takes by vectors and one element at a time), four steps
+    /// with weight decay, one of them clipped, one with a parameter that got no gradient; the
+    /// master weights and moments within float32 rounding, the parameters their rounding.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn gpu_fused_step_equals_the_flat_path() {
+        let runtime = crate::runtime::TorchRuntime::init();
+        assert!(
+            runtime.cuda_devices() > 0,
+            "no CUDA device: {:?}",
+            runtime.cuda
+        );
+        let dev = Device::Cuda(0);
+        let kernels = runtime
+            .fused_kernels(true, dev)
+            .expect("the fused kernels load");
+        tch::manual_seed(3);
+        let shapes: [&[i64]; 4] = [&[256, 64], &[64], &[333, 3], &[7]];
+        let start: Vec<Tensor> = shapes
+            .iter()
+            .map(|s| Tensor::randn(*s, (Kind::Float, dev)).to_kind(Kind::BFloat16))
+            .collect();
+        let copy = || -> Vec<Tensor> {
+            start
+                .iter()
+                .map(|t| t.copy().set_requires_grad(true))
+                .collect()
+        };
+        let (flat_params, fused_params) = (copy(), copy());
+        let named = |ps: &[Tensor]| -> Vec<(String, Tensor)> {
+            ps.iter()
+                .enumerate()
+                .map(|(i, p)| (format!("p{i}"), p.shallow_clone()))
+                .collect()
+        };
+        let (flat_named, fused_named) = (named(&flat_params), named(&fused_params));
+        fn refs(n: &[(String, Tensor)]) -> Vec<(String, &Tensor)> {
+            n.iter().map(|(k, t)| (k.clone(), t)).collect()
+        }
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let mut flat = AdamW::new(&refs(&flat_named), dev, cfg);
+        let mut fused = AdamW::new(&refs(&fused_named), dev, cfg);
+        for step in 0..4 {
+            // the same gradients into both (step 1 large: clipped; step 2: none for p1)
+            let size = if step == 1 { 30.0 } else { 0.05 };
+            let grads: Vec<Tensor> = shapes
+                .iter()
+                .map(|s| Tensor::randn(*s, (Kind::Float, dev)) * size)
+                .collect();
+            for ps in [&flat_params, &fused_params] {
+                let loss = ps
+                    .iter()
+                    .zip(&grads)
+                    .enumerate()
+                    .filter(|(i, _)| step != 2 || *i != 1)
+                    .map(|(_, (p, g))| (p.to_kind(Kind::Float) * g).sum(Kind::Float))
+                    .fold(Tensor::zeros([], (Kind::Float, dev)), |a, b| a + b);
+                loss.backward();
+            }
+            let mut g = AdamW::flatten_grads(&refs(&flat_named));
+            let want = flat
+                .update_clipped(&mut g, 1e-2, 1.0)
+                .unwrap()
+                .double_value(&[]);
+            flat.write_params(&refs(&flat_named)).unwrap();
+            let got = fused
+                .fused_step(&refs(&fused_named), &kernels, 1e-2, 1.0)
+                .unwrap()
+                .double_value(&[]);
+            assert!(
+                (got - want).abs() <= 1e-5 * want,
+                "step {step}: norm {got} against {want}"
+            );
+            assert!(
+                fused_params.iter().all(|p| !p.grad().defined()),
+                "gradients kept"
+            );
+            for (what, a, b) in [
+                ("master weights", &fused.master, &flat.master),
+                ("first moments", &fused.exp_avg, &flat.exp_avg),
+                ("second moments", &fused.exp_avg_sq, &flat.exp_avg_sq),
+            ] {
+                let scale = b.abs().max().double_value(&[]);
+                let diff = (a - b).abs().max().double_value(&[]);
+                assert!(
+                    diff <= 1e-5 * scale,
+                    "step {step}: {what} {diff} off of {scale}"
+                );
+            }
+            for (i, (p, q)) in fused_params.iter().zip(&flat_params).enumerate() {
+                let diff = (p.to_kind(Kind::Float) - q.to_kind(Kind::Float))
+                    .abs()
+                    .max()
+                    .double_value(&[]);
+                let scale = q.to_kind(Kind::Float).abs().max().double_value(&[]);
+                assert!(
+                    diff <= 1e-2 * scale,
+                    "step {step}: parameter {i} {diff} off of {scale}"
+                );
+            }
+        }
+        assert_eq!((fused.step, flat.step), (4, 4));
     }
 }

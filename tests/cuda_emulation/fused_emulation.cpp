@@ -1,6 +1,7 @@
 // Runs the target's norm kernels of src/aten_ext/fused_kernels.cu (scaled_rms_norm,
-// gated_rms_norm), the Gated DeltaNet's gdn_gates, SwiGLU's silu_mul and a mixture of experts'
-// moe_combine on the CPU (cuda_emu.h) against double-precision loops
+// gated_rms_norm), the Gated DeltaNet's gdn_gates, SwiGLU's silu_mul, a mixture of experts'
+// moe_combine, the training kernels and the optimizer's adamw_step on the CPU (cuda_emu.h)
+// against double-precision loops
 // that round to the storage type where the kernels must (where libtorch's operations round):
 // rows of 5120 (a block per row) and of 128 / 256 (a warp per row, a partial last block),
 // strided row layouts (a projection's views), rows the kernels read 16 bytes at a time and rows
@@ -690,6 +691,73 @@ static bool run_gate_mul(const char *name,
     return compare<P>(name, out, want, rel, exact);
 }
 
+// adamw_step over `n` elements (`blocks` blocks of 256 threads looping over them), the float32
+// state `offset` floats into its buffers (offset 1: not 16-byte aligned, element by element),
+// with a gradient or none (zeros), divided by `scale` or not: the master weights and moments
+// against AdamW in double precision, the parameter exactly the new master weight rounded, and
+// nothing written past the n elements.
+template <class P>
+static bool run_adamw(const char *name,
+                      void (*kernel)(const typename P::T *, typename P::T *, float *, float *,
+                                     float *, long long, const float *, AdamWRates),
+                      long long n, long long offset, bool with_grad, float scale,
+                      unsigned blocks) {
+    typedef typename P::T T;
+    std::mt19937 rng(23 + n + offset);
+    std::normal_distribution<float> normal;
+    std::vector<T> grad(n), param(n + 64, P::store(NAN));
+    for (T &g : grad) g = P::store(normal(rng));
+    const long long len = offset + n + 64;
+    std::vector<float> master(len, NAN), m(len, NAN), v(len, NAN);
+    for (long long i = 0; i < n; ++i) {
+        master[offset + i] = normal(rng);
+        m[offset + i] = 0.1f * normal(rng);
+        v[offset + i] = 0.01f * std::fabs(normal(rng));
+    }
+    const std::vector<float> master0 = master, m0 = m, v0 = v;
+    const double lr = 1e-3, wd = 0.1, b1 = 0.9, b2 = 0.999, eps = 1e-8;
+    const int t = 3;
+    const AdamWRates r{(float)lr * (float)wd,
+                       (float)b1,
+                       (float)b2,
+                       (float)(lr / (1.0 - std::pow(b1, t))),
+                       (float)std::sqrt(1.0 - std::pow(b2, t)),
+                       (float)eps};
+    const float s = scale;
+    emu::launch({blocks, 1, 1}, 256, [&] {
+        kernel(with_grad ? grad.data() : nullptr, param.data(), master.data() + offset,
+               m.data() + offset, v.data() + offset, n, scale == 1.0f ? nullptr : &s, r);
+    });
+    double worst = 0;
+    bool rounded = true, untouched = true;
+    for (long long i = 0; i < n; ++i) {
+        const long long k = offset + i;
+        const double g = with_grad ? P::load(grad[i]) / (double)scale : 0.0;
+        double w = master0[k];
+        w -= lr * wd * w;
+        const double mt = b1 * m0[k] + (1.0 - b1) * g;
+        const double vt = b2 * v0[k] + (1.0 - b2) * g * g;
+        w -= lr / (1.0 - std::pow(b1, t)) * mt / (std::sqrt(vt) / std::sqrt(1.0 - std::pow(b2, t)) + eps);
+        const double got[3] = {master[k], m[k], v[k]}, want[3] = {w, mt, vt};
+        for (int j = 0; j < 3; ++j) {
+            const double d = std::fabs(got[j] - want[j]);
+            worst = std::max(worst, std::isnan(d) ? INFINITY : d / (std::fabs(want[j]) + 1e-2));
+        }
+        rounded &= P::load(param[i]) == P::load(P::store(master[k]));
+    }
+    for (long long k = offset + n; k < len; ++k) {
+        untouched &= std::isnan(master[k]) && std::isnan(m[k]) && std::isnan(v[k]);
+    }
+    for (long long i = n; i < n + 64; ++i) {
+        untouched &= std::isnan(P::load(param[i]));
+    }
+    const bool ok = worst <= 1e-5 && rounded && untouched;
+    std::printf("%s %s: worst %.2e relative%s%s\n", ok ? "ok" : "FAILED", name, worst,
+                rounded ? "" : ", a parameter is not its master weight rounded",
+                untouched ? "" : ", wrote past the end");
+    return ok;
+}
+
 int main() {
     emu::deadline(120);
     bool ok = true;
@@ -807,5 +875,16 @@ int main() {
                              6, 4, 2, 256, 3, bf16_rel, bf16_exact);
     ok &= run_gate_mul<F32>("sigmoid_gate_mul f32: 5 tokens x 3 heads of 98", sigmoid_gate_mul_f32,
                             5, 3, 1, 98, 3, 1e-5, 0.0);
+    // the optimizer step: bf16 parameters by vectors of 8 (3 blocks looping over 10,000), with
+    // the clip's scale; without a gradient; float32 state misaligned (element by element); f32
+    // parameters by vectors of 4; a count that is no multiple of a vector
+    ok &= run_adamw<Bf16>("adamw_step bf16: 10000, scaled", adamw_step_bf16, 10000, 0, true,
+                          2.5f, 3);
+    ok &= run_adamw<Bf16>("adamw_step bf16: 4096, no gradient", adamw_step_bf16, 4096, 0, false,
+                          1.0f, 2);
+    ok &= run_adamw<Bf16>("adamw_step bf16: 1000, state misaligned", adamw_step_bf16, 1000, 1,
+                          true, 1.0f, 2);
+    ok &= run_adamw<F32>("adamw_step f32: 4000", adamw_step_f32, 4000, 0, true, 1.0f, 2);
+    ok &= run_adamw<F32>("adamw_step f32: 1001", adamw_step_f32, 1001, 0, true, 3.0f, 1);
     return ok ? 0 : 1;
 }

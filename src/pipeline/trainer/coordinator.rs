@@ -15,6 +15,7 @@ use tch::{Device, Tensor};
 
 use super::drafter_stage::{accumulate, warm_up_attention, GradMsg, MicroResult};
 use super::shared::{sync_device, Shared, HISTORY};
+use crate::aten_ext::fused::FusedKernels;
 use crate::config::TrainConfig;
 use crate::data::packer::PackerState;
 use crate::device_event::{DeviceEvent, DeviceEvents};
@@ -235,7 +236,13 @@ impl Coordinator {
         };
         let params = self.drafter.named_parameters();
         let t = Instant::now();
-        let mut grad = AdamW::flatten_grads(&params);
+        // one replica with the fused kernels: the optimizer reads the gradients where they
+        // are; else they go into one flat buffer, for the replicas' sum and the update
+        let fused = self.fused_optimizer();
+        let mut grad = match fused {
+            Some(_) => Tensor::new(),
+            None => AdamW::flatten_grads(&params),
+        };
         let Some(Gathered {
             sums,
             tokens,
@@ -271,15 +278,22 @@ impl Coordinator {
             cfg.train.lr,
             cfg.train.min_lr_ratio,
         );
-        let grad_norm = self.shared.profile.time(ProfileEvent::OptimStep, || {
-            apply_update(
-                &mut self.optimizer,
-                &params,
-                &mut grad,
-                cfg.train.clip_grad_norm,
-                lr,
-            )
-        })?;
+        let grad_norm = self
+            .shared
+            .profile
+            .time(ProfileEvent::OptimStep, || match &fused {
+                Some(kernels) => {
+                    self.optimizer
+                        .fused_step(&params, kernels, lr, cfg.train.clip_grad_norm)
+                }
+                None => apply_update(
+                    &mut self.optimizer,
+                    &params,
+                    &mut grad,
+                    cfg.train.clip_grad_norm,
+                    lr,
+                ),
+            })?;
         self.sync.hand_back(&params, &buffers, &self.param_txs)?;
         self.step += 1;
         if newest.is_some() {
@@ -289,6 +303,16 @@ impl Coordinator {
         self.samples_seen += samples;
         self.queue_step(sums, grad_norm, lr, tokens, samples, step_started)?;
         Ok(true)
+    }
+
+    /// The fused kernels the optimizer step runs on, where it can: one replica (no other
+    /// drafter device, no other process), the kernels loaded for the drafter's device
+    /// (`train.fused_loss`), the optimizer's state there too.
+    fn fused_optimizer(&self) -> Option<FusedKernels> {
+        let single = self.param_txs.is_empty() && self.shared.dist.is_none();
+        self.head.loss_kernels.filter(|k| {
+            single && k.device() == self.drafter.device && k.device() == self.optimizer.device
+        })
     }
 
     /// The replicas' contributions to this step, added to this worker's `own`; `None` once the
