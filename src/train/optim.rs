@@ -36,6 +36,22 @@ pub(crate) fn lr_at(step: u64, total: u64, warmup: u64, base: f64, min_ratio: f6
     base * (min_ratio + (1.0 - min_ratio) * cosine)
 }
 
+/// The divisor that clips gradients of global norm `norm` (a scalar on the device) to
+/// `max_norm`: `(norm + 1e-6) / max_norm` where the norm exceeds it, else 1, as a one-element
+/// tensor (the fused AdamW kernels' gradient scale); `None` without clipping (`max_norm` 0).
+fn clip_divisor(norm: &Tensor, max_norm: f64) -> Result<Option<Tensor>> {
+    if max_norm <= 0.0 {
+        return Ok(None);
+    }
+    let over = norm.f_gt(max_norm).context("gradient clip")?;
+    let scale = (norm + 1e-6)
+        .f_div_scalar(max_norm)
+        .and_then(|s| s.f_where_self(&over, &s.ones_like()))
+        .and_then(|s| s.f_reshape([1]))
+        .context("gradient clip scale")?;
+    Ok(Some(scale))
+}
+
 /// The optimizer.
 pub struct AdamW {
     pub config: AdamWConfig,
@@ -157,17 +173,8 @@ impl AdamW {
     pub fn update_clipped(&mut self, grad: &mut Tensor, lr: f64, max_norm: f64) -> Result<Tensor> {
         tch::no_grad(|| {
             let norm = grad.f_norm().context("gradient norm")?;
-            if max_norm > 0.0 {
-                let over = norm.f_gt(max_norm).context("gradient clip")?;
-                let scale = (&norm + 1e-6)
-                    .f_div_scalar(max_norm)
-                    .and_then(|s| s.f_where_self(&over, &s.ones_like()))
-                    .and_then(|s| s.f_reshape([1]))
-                    .context("gradient clip scale")?;
-                self.fused_update(grad, Some(&scale), lr)?;
-            } else {
-                self.fused_update(grad, None, lr)?;
-            }
+            let scale = clip_divisor(&norm, max_norm)?;
+            self.fused_update(grad, scale.as_ref(), lr)?;
             Ok(norm)
         })
     }
@@ -252,18 +259,7 @@ impl AdamW {
                     .and_then(|n| n.f_norm())
                     .context("gradient norm")?
             };
-            // the divisor of the clip, as update_clipped computes it
-            let scale = if max_norm > 0.0 {
-                let over = norm.f_gt(max_norm).context("gradient clip")?;
-                let s = (&norm + 1e-6)
-                    .f_div_scalar(max_norm)
-                    .and_then(|s| s.f_where_self(&over, &s.ones_like()))
-                    .and_then(|s| s.f_reshape([1]))
-                    .context("gradient clip scale")?;
-                Some(s)
-            } else {
-                None
-            };
+            let scale = clip_divisor(&norm, max_norm)?;
             let c = &self.config;
             let rates = AdamWStepRates {
                 // libtorch's kernel multiplies the float32 lr and weight decay
