@@ -27,6 +27,15 @@ typedef int (*dflash_swiglu_fn)(const void *state, const at::Tensor *gate, const
                                 const at::Tensor *grad, at::Tensor **out0, at::Tensor **out1,
                                 char *msg, size_t msg_len);
 
+// RMSNorm (fused_rms_norm.rs's `rms_norm_callback`): without `grad` (null), `*out0` =
+// x * rsqrt(mean(x^2) + eps) * weight over the last dimension; with it, the backward pass:
+// `*out0` = the gradient of x, `*out1` = that of the weight. Returns 0, or else writes a message
+// to `msg` as dflash_rotate_fn does.
+typedef int (*dflash_rms_norm_fn)(const void *state, const at::Tensor *x,
+                                  const at::Tensor *weight, const at::Tensor *grad, double eps,
+                                  at::Tensor **out0, at::Tensor **out1, char *msg,
+                                  size_t msg_len);
+
 namespace {
 
 // A tensor the Rust side returned through an out-pointer, taken over.
@@ -104,6 +113,42 @@ struct Rotary : public torch::autograd::Function<Rotary> {
     }
 };
 
+// y = rms_norm(x, weight): the backward pass needs x and the weight (libtorch's operations
+// also keep each row's rstd; the kernel computes it again from x, which it reads anyway).
+struct RmsNorm : public torch::autograd::Function<RmsNorm> {
+    static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &x,
+                              const at::Tensor &weight, double eps, int64_t fn,
+                              const std::string &state) {
+        ctx->save_for_backward({x, weight});
+        ctx->saved_data["eps"] = eps;
+        ctx->saved_data["fn"] = fn;
+        ctx->saved_data["state"] = state;
+        char msg[512] = {0};
+        at::Tensor *out = nullptr;
+        const int status = reinterpret_cast<dflash_rms_norm_fn>(fn)(
+            state.data(), &x, &weight, nullptr, eps, &out, nullptr, msg, sizeof msg);
+        TORCH_CHECK(status == 0 && out != nullptr, "RMSNorm: ", msg);
+        return take(out);
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        if (!grads[0].defined()) {
+            return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        }
+        const auto saved = ctx->get_saved_variables();
+        const auto fn = reinterpret_cast<dflash_rms_norm_fn>(ctx->saved_data["fn"].toInt());
+        const std::string &state = ctx->saved_data["state"].toStringRef();
+        const double eps = ctx->saved_data["eps"].toDouble();
+        char msg[512] = {0};
+        at::Tensor *dx = nullptr, *dw = nullptr;
+        const int status = fn(state.data(), &saved[0], &saved[1], &grads[0], eps, &dx, &dw, msg,
+                              sizeof msg);
+        TORCH_CHECK(status == 0 && dx != nullptr && dw != nullptr, "RMSNorm backward: ", msg);
+        return {take(dx), take(dw), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
 }  // namespace
 
 extern "C" {
@@ -136,6 +181,22 @@ char *dflash_swiglu_autograd(const at::Tensor *gate, const at::Tensor *up, dflas
         }
         const std::string bytes(static_cast<const char *>(state), state_len);
         at::Tensor y = SwiGlu::apply(*gate, *up, reinterpret_cast<int64_t>(fn), bytes);
+        *out = new at::Tensor(std::move(y));
+        return nullptr;
+    });
+}
+
+// RMSNorm of `x` over its last dimension with `weight` as a node of the autograd graph,
+// computed by `fn` with `state` as dflash_rotary_autograd's. The result goes to `*out`.
+char *dflash_rms_norm_autograd(const at::Tensor *x, const at::Tensor *weight, double eps,
+                               dflash_rms_norm_fn fn, const void *state, size_t state_len,
+                               at::Tensor **out) {
+    return dflash_guard::guarded([&]() -> char * {
+        if (x == nullptr || weight == nullptr || fn == nullptr || out == nullptr) {
+            return dflash_guard::copy_message("a null argument was passed");
+        }
+        const std::string bytes(static_cast<const char *>(state), state_len);
+        at::Tensor y = RmsNorm::apply(*x, *weight, eps, reinterpret_cast<int64_t>(fn), bytes);
         *out = new at::Tensor(std::move(y));
         return nullptr;
     });

@@ -76,6 +76,7 @@ pub struct FusedKernels {
     gated_attention_prep: [cu::CUfunction; 3],
     sigmoid_gate_mul: [cu::CUfunction; 3],
     adamw_step: [cu::CUfunction; 3],
+    rms_norm_backward: [cu::CUfunction; 3],
     /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
     moe_topk: [cu::CUfunction; 2],
     moe_group_count: cu::CUfunction,
@@ -106,7 +107,7 @@ impl FusedKernels {
         let (
             module,
             (
-                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul, adamw_step],
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul, adamw_step, rms_norm_backward],
                 [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
             ),
         ) = KernelModule::load(
@@ -114,7 +115,7 @@ impl FusedKernels {
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<([Functions; 12], [cu::CUfunction; 5])> {
+            |module| -> Result<([Functions; 13], [cu::CUfunction; 5])> {
                 // SAFETY (both): the module was just loaded in the current context.
                 let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
@@ -138,6 +139,7 @@ impl FusedKernels {
                         set("gated_attention_prep")?,
                         set("sigmoid_gate_mul")?,
                         set("adamw_step")?,
+                        set("rms_norm_backward")?,
                     ],
                     [
                         one("moe_topk_256")?,
@@ -163,6 +165,7 @@ impl FusedKernels {
             gated_attention_prep,
             sigmoid_gate_mul,
             adamw_step,
+            rms_norm_backward,
             moe_topk: [moe_topk_256, moe_topk_1024],
             moe_group_count,
             moe_group_offsets,
@@ -471,10 +474,13 @@ mod attention;
 mod adamw;
 #[path = "fused_autograd.rs"]
 mod autograd;
+#[path = "fused_rms_norm.rs"]
+mod rms_norm;
 pub use adamw::{AdamWSlices, AdamWStepRates};
 pub use attention::GatedHeads;
 pub use autograd::{rotary_autograd, rotate_half, swiglu_autograd};
 pub use moe::{MoeGroups, MOE_MAX_EXPERTS};
+pub use rms_norm::rms_norm_autograd;
 
 #[cfg(test)]
 mod tests {
@@ -503,6 +509,7 @@ mod tests {
             "gated_attention_prep",
             "sigmoid_gate_mul",
             "adamw_step",
+            "rms_norm_backward",
         ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
@@ -559,6 +566,14 @@ mod tests {
             assert_eq!(
                 sizes(&format!("adamw_step_{kind}")),
                 [ptr, ptr, ptr, ptr, ptr, 8, ptr, 24]
+            );
+        }
+        // rms_norm_backward (fused_rms_norm.rs): x, weight, grad, dx, the partial sums, the
+        // 64-bit rows, width, eps, row_threads
+        for kind in ["bf16", "f16", "f32"] {
+            assert_eq!(
+                sizes(&format!("rms_norm_backward_{kind}")),
+                [ptr, ptr, ptr, ptr, ptr, 8, 4, 4, 4]
             );
         }
         // moe_topk: then whether to normalise, the weights' kind (32-bit each) and the weights

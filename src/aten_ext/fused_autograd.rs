@@ -146,7 +146,7 @@ pub fn rotary_autograd(
 /// Records a node through the shim: `call` passes it the bytes of `kernels` (an
 /// `Option<FusedKernels>`, which the shim copies and hands back to the node's passes, read
 /// there as the same type) and the out-pointer it writes the node's output to on success.
-fn apply_node(
+pub(super) fn apply_node(
     what: &str,
     kernels: Option<&FusedKernels>,
     call: impl FnOnce(*const c_void, usize, *mut *mut c_void) -> *mut c_char,
@@ -255,14 +255,14 @@ unsafe extern "C" fn rotate_callback(
 }
 
 /// A live `at::Tensor` of the C++ side as a tch tensor (a shallow copy).
-unsafe fn borrowed(t: *const c_void) -> Tensor {
+pub(super) unsafe fn borrowed(t: *const c_void) -> Tensor {
     Tensor::clone_from_ptr(t.cast_mut().cast())
 }
 
 /// Runs one pass of a node for the C++ side: the tensors `pass` returns go to `outs` (taken over
 /// by the C++ side); a panic becomes status 1 and its message in `msg` (at most `msg.1` bytes
 /// with the terminating zero), so that nothing unwinds into C++.
-unsafe fn guarded_pass(
+pub(super) unsafe fn guarded_pass(
     outs: &[*mut *mut c_void],
     msg: (*mut c_char, usize),
     pass: impl FnOnce() -> Vec<Tensor>,

@@ -12,6 +12,9 @@
 //   autograd nodes, one kernel a pass.
 // cross_entropy_grad (training): the LM head's cross-entropy, argmax check and gradient of a
 //   chunk of logits in one kernel, in place, where libtorch runs about seven over the chunk.
+// rms_norm_backward (training): RMSNorm's backward pass as an autograd node's (the forward is
+//   scaled_rms_norm): the input's gradient and partial sums of the weight's in one pass over
+//   the input and the output's gradient, where libtorch's two kernels read both twice.
 // adamw_step (training): one parameter's AdamW step from its gradient where the backward pass
 //   left it (in the storage type), the float32 master weight and moments updated and the new
 //   weight rounded into the parameter in the same pass, where libtorch's path copies every
@@ -381,6 +384,124 @@ static __device__ void gated_rms_norm(const typename P::T *__restrict__ x, RowLa
     }
 }
 
+// rms_norm_backward (training): the backward pass of y = x * rstd * w (libtorch's rms_norm:
+// rstd = rsqrt(mean(x^2) + eps) over each row in float32, one rounding) over dense rows `x`
+// [rows, width] with the output's gradient `g` (dense, the same shape) and `w` [width] of the
+// storage type: `dx` = rstd * (g w - x rstd^2 mean(g w x)), in float32, rounded once; and the
+// weight's gradient sum over rows of g * (x rstd) in float32, per (block, row group) into
+// `dw_part` [gridDim.x * groups, width] (the caller sums it). One pass over x and g: each
+// thread holds its RMS_BWD_VECTORS 16-byte vectors of the row (columns lane * VEC + k *
+// row_threads * VEC) from the sums to the writes, and the weight's gradient of its columns over
+// every row it takes. `row_threads`: a power of two up to 32 (rows of a warp's lanes), or the
+// whole block (a multiple of 32). Rows must be 16-byte aligned and the width a multiple of VEC
+// (the caller checks); the blocks loop over the rows, all of them the same number of rounds.
+#define RMS_BWD_VECTORS 4
+
+// The sums of `a` and `b` over the row's threads (`row_threads` as rms_norm_backward's),
+// returned to each of them; safe to call again at once (the block's partials are read before
+// the next call writes them).
+static __device__ __forceinline__ void row_sum2(float &a, float &b, int row_threads) {
+    __shared__ float partial_a[32], partial_b[32];
+    const int lanes = row_threads < 32 ? row_threads : 32;
+    for (int offset = lanes >> 1; offset > 0; offset >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, offset);
+        b += __shfl_xor_sync(0xffffffffu, b, offset);
+    }
+    if (row_threads <= 32) {
+        return;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        partial_a[warp] = a;
+        partial_b[warp] = b;
+    }
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    a = lane < warps ? partial_a[lane] : 0.0f;
+    b = lane < warps ? partial_b[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, offset);
+        b += __shfl_xor_sync(0xffffffffu, b, offset);
+    }
+    __syncthreads();
+}
+
+template <class P>
+static __device__ void rms_norm_backward(const typename P::T *__restrict__ x,
+                                         const typename P::T *__restrict__ w,
+                                         const typename P::T *__restrict__ g,
+                                         typename P::T *__restrict__ dx,
+                                         float *__restrict__ dw_part, long long rows, int width,
+                                         float eps, int row_threads) {
+    typedef typename P::T T;
+    const int VEC = 16 / sizeof(T);
+    const int groups = blockDim.x / row_threads;
+    const int group = threadIdx.x / row_threads, lane = threadIdx.x % row_threads;
+    const int step = row_threads * VEC;
+    uint4 wv[RMS_BWD_VECTORS];
+    float acc[RMS_BWD_VECTORS][16 / sizeof(T)];
+    for (int k = 0; k < RMS_BWD_VECTORS; ++k) {
+        const int j = lane * VEC + k * step;
+        if (j < width) {
+            wv[k] = *reinterpret_cast<const uint4 *>(w + j);
+        }
+        for (int t = 0; t < VEC; ++t) {
+            acc[k][t] = 0.0f;
+        }
+    }
+    const long long round_rows = (long long)gridDim.x * groups;
+    for (long long first = (long long)blockIdx.x * groups; first < rows; first += round_rows) {
+        const long long row = first + group;
+        const bool active = row < rows;
+        uint4 xv[RMS_BWD_VECTORS], gv[RMS_BWD_VECTORS];
+        float squares = 0.0f, gwx = 0.0f;
+        for (int k = 0; k < RMS_BWD_VECTORS; ++k) {
+            const int j = lane * VEC + k * step;
+            if (active && j < width) {
+                xv[k] = *reinterpret_cast<const uint4 *>(x + row * width + j);
+                gv[k] = *reinterpret_cast<const uint4 *>(g + row * width + j);
+                const T *xe = reinterpret_cast<const T *>(&xv[k]);
+                const T *ge = reinterpret_cast<const T *>(&gv[k]);
+                const T *we = reinterpret_cast<const T *>(&wv[k]);
+                for (int t = 0; t < VEC; ++t) {
+                    const float xf = P::load(xe[t]);
+                    squares += xf * xf;
+                    gwx += P::load(ge[t]) * P::load(we[t]) * xf;
+                }
+            }
+        }
+        row_sum2(squares, gwx, row_threads);
+        const float rstd = rsqrtf(squares / (float)width + eps);
+        // mean(g w x_hat) with x_hat = x rstd
+        const float mean_gwxh = gwx * rstd / (float)width;
+        for (int k = 0; k < RMS_BWD_VECTORS; ++k) {
+            const int j = lane * VEC + k * step;
+            if (active && j < width) {
+                const T *xe = reinterpret_cast<const T *>(&xv[k]);
+                const T *ge = reinterpret_cast<const T *>(&gv[k]);
+                const T *we = reinterpret_cast<const T *>(&wv[k]);
+                float out[16 / sizeof(T)];
+                for (int t = 0; t < VEC; ++t) {
+                    const float xh = P::load(xe[t]) * rstd;
+                    const float gf = P::load(ge[t]);
+                    out[t] = rstd * (gf * P::load(we[t]) - xh * mean_gwxh);
+                    acc[k][t] += gf * xh;
+                }
+                store_n<P, 16 / sizeof(T)>(dx + row * width + j, out);
+            }
+        }
+    }
+    float *part = dw_part + ((long long)blockIdx.x * groups + group) * width;
+    for (int k = 0; k < RMS_BWD_VECTORS; ++k) {
+        const int j = lane * VEC + k * step;
+        if (j < width) {
+            for (int t = 0; t < VEC; ++t) {
+                part[j + t] = acc[k][t];
+            }
+        }
+    }
+}
+
 // One thread's (then a block's) view of a row of logits: the running maximum `m` and the sum
 // `s` of exp(x - m) (the online softmax), and the first index `bi` of the largest value `bv`.
 #define NEG_INF __int_as_float(0xff800000)
@@ -412,6 +533,41 @@ static __device__ __forceinline__ void row_take(RowStat &a, float v, long long i
         a.m = v;
     } else if (v != NEG_INF) {
         a.s += expf(v - a.m);
+    }
+}
+
+// Takes N consecutive elements of one thread `v` (indices i0.., above every index it took
+// before) into its RowStat: their first largest against the running argmax, then the online
+// softmax rescaled once to their maximum (row_take rescales at every new maximum and compares
+// every element with the running argmax: the same numbers up to the order of the float sum, at
+// about half the instructions per element).
+template <int N>
+static __device__ __forceinline__ void row_take_n(RowStat &a, const float *v, long long i0) {
+    float vm = v[0];
+    int vi = 0;
+    for (int t = 1; t < N; ++t) {
+        // a later index wins only when larger, or a NaN over a number (torch.argmax's first NaN)
+        if (v[t] > vm || (v[t] != v[t] && vm == vm)) {
+            vm = v[t];
+            vi = t;
+        }
+    }
+    if (argmax_beats(vm, i0 + vi, a.bv, a.bi)) {
+        a.bv = vm;
+        a.bi = i0 + vi;
+    }
+    if (vm != vm) {
+        a.s = __int_as_float(0x7fffffff);   // a NaN logit: the sum is NaN, as row_take's
+        return;
+    }
+    if (vm > a.m) {
+        a.s = a.s * expf(a.m - vm);   // a.m = -inf: s was 0 and stays 0
+        a.m = vm;
+    }
+    if (a.m != NEG_INF) {
+        for (int t = 0; t < N; ++t) {
+            a.s += expf(v[t] - a.m);
+        }
     }
 }
 
@@ -462,6 +618,8 @@ static __device__ RowStat block_row_stat(RowStat a) {
     return a;
 }
 
+#define CE_UNROLL 4   // 16-byte vectors each thread of cross_entropy_grad loads at once
+
 // The training loss of the LM head, one block per row of `logits` [rows, vocab] (dense):
 // cross-entropy against `labels` [rows] (int64; outside 0..vocab: ignored, loss and gradient 0),
 // computed in float32 as libtorch's log_softmax(dtype=float32) and nll_loss compute it, into
@@ -486,13 +644,26 @@ static __device__ void cross_entropy_grad(typename P::T *__restrict__ logits, lo
     st.s = 0.0f;
     st.bv = NEG_INF;
     st.bi = 0x7fffffffffffffffLL;
+    // 16-byte vectors, CE_UNROLL of them loaded at once per thread (the loads in flight)
+    const long long nvec = vocab / VEC, stride = blockDim.x;
     if (vectors) {
         const uint4 *xv = reinterpret_cast<const uint4 *>(x);
-        for (long long k = threadIdx.x; k < vocab / VEC; k += blockDim.x) {
-            uint4 u = xv[k];
-            const T *e = reinterpret_cast<const T *>(&u);
-            for (int t = 0; t < VEC; ++t) {
-                row_take(st, P::load(e[t]), k * VEC + t);
+        for (long long k = threadIdx.x; k < nvec; k += CE_UNROLL * stride) {
+            uint4 u[CE_UNROLL];
+            for (int q = 0; q < CE_UNROLL; ++q) {
+                if (k + q * stride < nvec) {
+                    u[q] = xv[k + q * stride];
+                }
+            }
+            for (int q = 0; q < CE_UNROLL; ++q) {
+                if (k + q * stride < nvec) {
+                    const T *e = reinterpret_cast<const T *>(&u[q]);
+                    float v[16 / sizeof(T)];
+                    for (int t = 0; t < VEC; ++t) {
+                        v[t] = P::load(e[t]);
+                    }
+                    row_take_n<16 / sizeof(T)>(st, v, (k + q * stride) * VEC);
+                }
             }
         }
     } else {
@@ -517,15 +688,25 @@ static __device__ void cross_entropy_grad(typename P::T *__restrict__ logits, lo
     const float g_sum = g_label;
     if (vectors) {
         uint4 *xv = reinterpret_cast<uint4 *>(x);
-        for (long long k = threadIdx.x; k < vocab / VEC; k += blockDim.x) {
-            uint4 u = xv[k];
-            T *e = reinterpret_cast<T *>(&u);
-            for (int t = 0; t < VEC; ++t) {
-                const float lsm = (P::load(e[t]) - st.m) - logsum;
-                const float go = k * VEC + t == label ? g_label : 0.0f;
-                e[t] = P::store(go - expf(lsm) * g_sum);
+        for (long long k = threadIdx.x; k < nvec; k += CE_UNROLL * stride) {
+            uint4 u[CE_UNROLL];
+            for (int q = 0; q < CE_UNROLL; ++q) {
+                if (k + q * stride < nvec) {
+                    u[q] = xv[k + q * stride];
+                }
             }
-            xv[k] = u;
+            for (int q = 0; q < CE_UNROLL; ++q) {
+                if (k + q * stride < nvec) {
+                    T *e = reinterpret_cast<T *>(&u[q]);
+                    const long long first = (k + q * stride) * VEC;
+                    for (int t = 0; t < VEC; ++t) {
+                        const float lsm = (P::load(e[t]) - st.m) - logsum;
+                        const float go = first + t == label ? g_label : 0.0f;
+                        e[t] = P::store(go - expf(lsm) * g_sum);
+                    }
+                    xv[k + q * stride] = u[q];
+                }
+            }
         }
     } else {
         for (long long j = threadIdx.x; j < vocab; j += blockDim.x) {
@@ -1238,6 +1419,11 @@ static __device__ void adamw_step(const typename P::T *__restrict__ grad,
         const P::T *x, RowLayout xl, const P::T *z, RowLayout zl, const P::T *w, P::T *out,  \
         long long rows, int width, float eps, int row_threads) {                             \
         gated_rms_norm<P>(x, xl, z, zl, w, out, rows, width, eps, row_threads);              \
+    }                                                                                        \
+    extern "C" __global__ void rms_norm_backward_##SUFFIX(                                   \
+        const P::T *x, const P::T *w, const P::T *g, P::T *dx, float *dw_part, long long rows, \
+        int width, float eps, int row_threads) {                                             \
+        rms_norm_backward<P>(x, w, g, dx, dw_part, rows, width, eps, row_threads);           \
     }                                                                                        \
     extern "C" __global__ void gdn_gates_##SUFFIX(                                           \
         const P::T *a, const P::T *b, long long row_stride, int heads, long long rows,       \

@@ -46,6 +46,20 @@ pub(crate) mod ffi {
         usize,
     ) -> i32;
 
+    /// autograd.cpp's `dflash_rms_norm_fn`: (state, x, weight, grad or null, eps, out0, out1,
+    /// msg, msg_len).
+    pub(crate) type RmsNormPass = unsafe extern "C" fn(
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        f64,
+        *mut *mut c_void,
+        *mut *mut c_void,
+        *mut c_char,
+        usize,
+    ) -> i32;
+
     extern "C" {
         // The tensors are `at::Tensor *` (tch's `as_ptr`); `grad_scale` may be null. Each
         // returns null, or an error message to free with `dflash_free_error`.
@@ -105,6 +119,16 @@ pub(crate) mod ffi {
             gate: *const c_void,
             up: *const c_void,
             swiglu: SwiGluPass,
+            state: *const c_void,
+            state_len: usize,
+            out: *mut *mut c_void,
+        ) -> *mut c_char;
+        // autograd.cpp: RMSNorm as an autograd node whose passes call `rms_norm`
+        pub(crate) fn dflash_rms_norm_autograd(
+            x: *const c_void,
+            weight: *const c_void,
+            eps: f64,
+            rms_norm: RmsNormPass,
             state: *const c_void,
             state_len: usize,
             out: *mut *mut c_void,

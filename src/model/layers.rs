@@ -6,7 +6,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
 use super::slots::{SlotBatch, SlotCache};
-use crate::aten_ext::fused::{rotate_half, swiglu_autograd, FusedKernels};
+use crate::aten_ext::fused::{rms_norm_autograd, rotate_half, swiglu_autograd, FusedKernels};
 
 /// `weight * x / sqrt(mean(x^2) + eps)` over the last dimension, through libtorch's
 /// `rms_norm`: on a GPU one fused kernel each way (forward and backward) that accumulates in
@@ -17,6 +17,24 @@ use crate::aten_ext::fused::{rotate_half, swiglu_autograd, FusedKernels};
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
     let last = x.size().last().copied().unwrap_or(0);
     x.rms_norm([last], Some(weight), eps)
+}
+
+/// [`rms_norm`] as the drafter's training forward runs it: with `kernels`, one autograd node
+/// whose passes are one kernel each ([`rms_norm_autograd`]: libtorch's backward pass reads the
+/// activations twice); without, libtorch's operations.
+pub fn rms_norm_with(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    kernels: Option<&FusedKernels>,
+) -> Tensor {
+    let Some(k) = kernels else {
+        return rms_norm(x, weight, eps);
+    };
+    rms_norm_autograd(x, weight, eps, Some(k)).unwrap_or_else(|e| {
+        log::warn!("the RMSNorm node failed ({e:#}); libtorch's operations instead");
+        rms_norm(x, weight, eps)
+    })
 }
 
 /// Rotary position embedding (the rotate-half layout of Hugging Face Llama / Qwen).
@@ -162,8 +180,8 @@ impl AttentionWeights {
         let has_norms = self.q_norm.is_some() || self.k_norm.is_some();
         let (Some((w, b)), true) = (&self.fused, !has_norms || self.fused_qk_norm.is_some()) else {
             // unfused weights (or a q norm without a k norm): one product each
-            let q = Rope::apply(&self.queries(x, heads, d, eps), cos, sin);
-            let k = Rope::apply(&self.keys(x, kv_heads, d, eps), cos, sin);
+            let q = Rope::apply(&self.queries(x, heads, d, eps, None), cos, sin);
+            let k = Rope::apply(&self.keys(x, kv_heads, d, eps, None), cos, sin);
             return (q, k, self.values(x, kv_heads, d));
         };
         let (batch, len) = (x.size()[0], x.size()[1]);
@@ -266,7 +284,9 @@ impl AttentionWeights {
         ))
     }
 
-    /// `x` [B, L, H] -> [B, heads, L, head_dim], with the per-head norm when present.
+    /// `x` [B, L, H] -> [B, heads, L, head_dim], with the per-head norm when present
+    /// ([`rms_norm_with`] `kernels`).
+    #[allow(clippy::too_many_arguments)]
     fn project(
         x: &Tensor,
         w: &Tensor,
@@ -275,17 +295,27 @@ impl AttentionWeights {
         heads: i64,
         d: i64,
         eps: f64,
+        kernels: Option<&FusedKernels>,
     ) -> Tensor {
         let (batch, len) = (x.size()[0], x.size()[1]);
         let y = x.linear(w, b).view([batch, len, heads, d]);
         let y = match norm {
-            Some(n) => rms_norm(&y, n, eps),
+            Some(n) => rms_norm_with(&y, n, eps, kernels),
             None => y,
         };
         y.transpose(1, 2)
     }
 
-    pub(crate) fn queries(&self, x: &Tensor, heads: i64, d: i64, eps: f64) -> Tensor {
+    /// The queries [B, heads, L, d], normed (the norm on `kernels` where given: a training
+    /// forward's autograd node), not rotated.
+    pub(crate) fn queries(
+        &self,
+        x: &Tensor,
+        heads: i64,
+        d: i64,
+        eps: f64,
+        kernels: Option<&FusedKernels>,
+    ) -> Tensor {
         Self::project(
             x,
             &self.q_proj,
@@ -294,10 +324,19 @@ impl AttentionWeights {
             heads,
             d,
             eps,
+            kernels,
         )
     }
 
-    pub(crate) fn keys(&self, x: &Tensor, kv_heads: i64, d: i64, eps: f64) -> Tensor {
+    /// The keys [B, kv_heads, L, d], as [`AttentionWeights::queries`].
+    pub(crate) fn keys(
+        &self,
+        x: &Tensor,
+        kv_heads: i64,
+        d: i64,
+        eps: f64,
+        kernels: Option<&FusedKernels>,
+    ) -> Tensor {
         Self::project(
             x,
             &self.k_proj,
@@ -306,6 +345,7 @@ impl AttentionWeights {
             kv_heads,
             d,
             eps,
+            kernels,
         )
     }
 
@@ -318,6 +358,7 @@ impl AttentionWeights {
             kv_heads,
             d,
             0.0,
+            None,
         )
     }
 

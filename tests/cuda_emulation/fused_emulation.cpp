@@ -1,6 +1,7 @@
 // Runs the target's norm kernels of src/aten_ext/fused_kernels.cu (scaled_rms_norm,
 // gated_rms_norm), the Gated DeltaNet's gdn_gates, SwiGLU's silu_mul, a mixture of experts'
-// moe_combine, the training kernels and the optimizer's adamw_step on the CPU (cuda_emu.h)
+// moe_combine, the training kernels (RMSNorm's backward pass among them) and the optimizer's
+// adamw_step on the CPU (cuda_emu.h)
 // against double-precision loops
 // that round to the storage type where the kernels must (where libtorch's operations round):
 // rows of 5120 (a block per row) and of 128 / 256 (a warp per row, a partial last block),
@@ -758,6 +759,158 @@ static bool run_adamw(const char *name,
     return ok;
 }
 
+// rms_norm_backward over `rows` dense rows of `width`, launched as fused_rms_norm.rs's
+// rms_backward_launch does on a device of `sms` multiprocessors (so that small cases loop over
+// their rows in several rounds). The reference in double: rstd = 1 / sqrt(mean(x^2) + eps),
+// dx = rstd (g w - x_hat mean(g w x_hat)) rounded to the storage type, and the weight's
+// gradient sum(g x_hat) over the rows (the kernel's float32 partial sums, added here), within
+// `rel` of the sum of |g x_hat|.
+template <class P>
+static bool run_rms_backward(const char *name,
+                             void (*kernel)(const typename P::T *, const typename P::T *,
+                                            const typename P::T *, typename P::T *, float *,
+                                            long long, int, float, int),
+                             long long rows, int width, int sms, double rel, double exact) {
+    typedef typename P::T T;
+    const int vec = 16 / sizeof(T), vectors = width / vec;
+    int threads, row_threads;
+    if (vectors <= 32) {
+        threads = 256;
+        row_threads = 1;
+        while (row_threads < vectors) {
+            row_threads *= 2;
+        }
+    } else {
+        threads = row_threads = ((vectors + 3) / 4 + 31) / 32 * 32;
+    }
+    const int groups = threads / row_threads;
+    const long long blocks =
+        std::max(1LL, std::min((rows + groups - 1) / groups, (long long)sms * std::max(1, 1024 / threads)));
+    std::mt19937 rng(29 + rows + width);
+    std::normal_distribution<float> normal;
+    const long long n = rows * width;
+    std::vector<T> x(n), g(n), w(width);
+    for (long long i = 0; i < n; ++i) {
+        x[i] = P::store(2.0f * normal(rng));
+        g[i] = P::store(normal(rng));
+    }
+    for (int j = 0; j < width; ++j) {
+        w[j] = P::store(1.0f + 0.3f * normal(rng));
+    }
+    const float eps = 1e-6f;
+    std::vector<T> dx(n + 64, P::store(NAN));
+    std::vector<float> part(blocks * groups * width, NAN);
+    emu::launch({(unsigned)blocks, 1, 1}, threads, [&] {
+        kernel(x.data(), w.data(), g.data(), dx.data(), part.data(), rows, width, eps, row_threads);
+    });
+    std::vector<double> want(n), dw(width, 0.0), dw_abs(width, 0.0);
+    for (long long r = 0; r < rows; ++r) {
+        const T *xr = x.data() + r * width, *gr = g.data() + r * width;
+        const double rstd = row_rstd_reference<P>(xr, width, eps);
+        double mean = 0;
+        for (int j = 0; j < width; ++j) {
+            mean += P::load(gr[j]) * P::load(w[j]) * P::load(xr[j]) * rstd;
+        }
+        mean /= width;
+        for (int j = 0; j < width; ++j) {
+            const double xh = P::load(xr[j]) * rstd, gj = P::load(gr[j]);
+            want[r * width + j] = round_to<P>(rstd * (gj * P::load(w[j]) - xh * mean));
+            dw[j] += gj * xh;
+            dw_abs[j] += std::fabs(gj * xh);
+        }
+    }
+    bool ok = compare<P>(name, dx, want, rel, exact);
+    double worst = 0;
+    for (int j = 0; j < width; ++j) {
+        double got = 0;
+        for (long long p = 0; p < blocks * groups; ++p) {
+            got += part[p * width + j];
+        }
+        worst = std::max(worst, std::fabs(got - dw[j]) / (dw_abs[j] + 1e-12));
+    }
+    const bool dw_ok = worst <= 1e-5;
+    std::printf("%s %s, weight's gradient: worst %.2e of the sum of |terms|\n",
+                dw_ok ? "ok" : "FAILED", name, worst);
+    return ok && dw_ok;
+}
+
+// cross_entropy_grad over `rows` rows of `vocab` logits, a block of 512 threads per row as
+// fused.rs launches it (in place: the logits become their gradient); at least 4 rows. Rows 0
+// and 1 hold their largest value twice in one vector (at 100 and 101): row 0's label is the
+// second (not the first argmax: 0 correct), row 1's the first (1 correct); row 3 holds it at 100
+// and at vocab - 7 (other threads), its label the second (0 correct); row 2's label is ignored
+// (-100: loss and gradient 0); the others' labels are random. The reference in double: loss = lse - x[label],
+// the gradient scale * (softmax - onehot) rounded to the storage type.
+template <class P>
+static bool run_cross_entropy(const char *name,
+                              void (*kernel)(typename P::T *, long long, const long long *,
+                                             const float *, float *, float *),
+                              long long rows, long long vocab, double rel, double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(31 + vocab);
+    std::normal_distribution<float> normal;
+    std::vector<T> x(rows * vocab + 64, P::store(NAN));
+    std::vector<long long> labels(rows);
+    std::vector<float> scale(rows);
+    for (long long r = 0; r < rows; ++r) {
+        for (long long j = 0; j < vocab; ++j) {
+            x[r * vocab + j] = P::store(3.0f * normal(rng));
+        }
+        labels[r] = (long long)(rng() % vocab);
+        scale[r] = 0.5f + (float)r;
+    }
+    for (long long r = 0; r < 2; ++r) {
+        x[r * vocab + 100] = x[r * vocab + 101] = P::store(20.0f);
+    }
+    x[3 * vocab + 100] = x[3 * vocab + vocab - 7] = P::store(20.0f);
+    labels[0] = 101;
+    labels[1] = 100;
+    labels[2] = -100;
+    labels[3] = vocab - 7;
+    const std::vector<T> logits(x.begin(), x.begin() + rows * vocab);
+    std::vector<float> loss(rows, NAN), correct(rows, NAN);
+    emu::launch({(unsigned)rows, 1, 1}, 512, [&] {
+        kernel(x.data(), vocab, labels.data(), scale.data(), loss.data(), correct.data());
+    });
+    std::vector<double> want(rows * vocab);
+    bool metrics_ok = true;
+    double worst_loss = 0;
+    for (long long r = 0; r < rows; ++r) {
+        const T *row = logits.data() + r * vocab;
+        double m = -INFINITY;
+        long long first = 0;
+        for (long long j = 0; j < vocab; ++j) {
+            if (P::load(row[j]) > m) {
+                m = P::load(row[j]);
+                first = j;
+            }
+        }
+        double sum = 0;
+        for (long long j = 0; j < vocab; ++j) {
+            sum += std::exp(P::load(row[j]) - m);
+        }
+        const double lse = m + std::log(sum);
+        const long long label = labels[r];
+        const bool counted = label >= 0 && label < vocab;
+        const double want_loss = counted ? lse - P::load(row[label]) : 0.0;
+        worst_loss = std::max(worst_loss, std::fabs(loss[r] - want_loss) / (std::fabs(want_loss) + 1e-6));
+        metrics_ok &= correct[r] == (counted && first == label ? 1.0f : 0.0f);
+        for (long long j = 0; j < vocab; ++j) {
+            const double p = std::exp(P::load(row[j]) - lse);
+            want[r * vocab + j] =
+                counted ? round_to<P>(scale[r] * (p - (j == label ? 1.0 : 0.0))) : 0.0;
+        }
+    }
+    metrics_ok &= correct[0] == 0.0f && correct[1] == 1.0f && loss[2] == 0.0f && correct[3] == 0.0f;
+    const bool loss_ok = worst_loss <= 1e-5;
+    std::printf("%s %s: loss worst %.2e relative, argmax checks %s\n",
+                loss_ok && metrics_ok ? "ok" : "FAILED", name, worst_loss,
+                metrics_ok ? "right" : "WRONG");
+    char label[200];
+    std::snprintf(label, sizeof label, "%s, gradient", name);
+    return compare<P>(label, x, want, rel, exact) && loss_ok && metrics_ok;
+}
+
 int main() {
     emu::deadline(120);
     bool ok = true;
@@ -886,5 +1039,29 @@ int main() {
                           true, 1.0f, 2);
     ok &= run_adamw<F32>("adamw_step f32: 4000", adamw_step_f32, 4000, 0, true, 1.0f, 2);
     ok &= run_adamw<F32>("adamw_step f32: 1001", adamw_step_f32, 1001, 0, true, 3.0f, 1);
+    // RMSNorm's backward pass: heads of 128 (16 lanes a row, 16 rows a block; two rounds, the
+    // second partial), rows of 4096 (a block of 128 threads, four vectors each; two rounds),
+    // of 5120 (160 threads), f32 rows of 256 (a warp), bf16 rows of 8 (a lane a row)
+    ok &= run_rms_backward<Bf16>("rms_norm_backward bf16: 100 rows of 128", rms_norm_backward_bf16,
+                                 100, 128, 1, bf16_rel, bf16_exact);
+    ok &= run_rms_backward<Bf16>("rms_norm_backward bf16: 10 rows of 4096", rms_norm_backward_bf16,
+                                 10, 4096, 1, bf16_rel, bf16_exact);
+    ok &= run_rms_backward<Bf16>("rms_norm_backward bf16: 3 rows of 5120", rms_norm_backward_bf16,
+                                 3, 5120, 2, bf16_rel, bf16_exact);
+    // (dx is a difference that cancels in places: 1e-4 relative to a small result; a wrong
+    // row, column or sum is O(1) off)
+    ok &= run_rms_backward<F32>("rms_norm_backward f32: 7 rows of 256", rms_norm_backward_f32, 7,
+                                256, 1, 1e-4, 0.0);
+    ok &= run_rms_backward<Bf16>("rms_norm_backward bf16: 300 rows of 8", rms_norm_backward_bf16,
+                                 300, 8, 1, bf16_rel, bf16_exact);
+    // the LM head's cross-entropy: bf16 rows of 40,000 (16-byte vectors, several rounds of
+    // four per thread, the last partial), f32 rows of 4,100, bf16 rows of 1,001 (element by
+    // element)
+    ok &= run_cross_entropy<Bf16>("cross_entropy_grad bf16: 5 rows of 40000",
+                                  cross_entropy_grad_bf16, 5, 40000, bf16_rel, 0.99);
+    ok &= run_cross_entropy<F32>("cross_entropy_grad f32: 4 rows of 4100", cross_entropy_grad_f32,
+                                 4, 4100, 1e-4, 0.0);
+    ok &= run_cross_entropy<Bf16>("cross_entropy_grad bf16: 4 rows of 1001",
+                                  cross_entropy_grad_bf16, 4, 1001, bf16_rel, 0.99);
     return ok ? 0 : 1;
 }

@@ -56,7 +56,7 @@ impl Drafter {
         cache: &mut SlotCache,
     ) -> Result<()> {
         tch::no_grad(|| {
-            let ctx = self.fuse_context(&features.unsqueeze(0));
+            let ctx = self.fuse_context(&features.unsqueeze(0), None);
             let (cos, sin) = self.rotary(cache, &batch.positions);
             if let Some(stacked) = &self.context_kv {
                 let c = &self.config;

@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::drafter_config::DrafterConfig;
-use super::layers::{attention, rms_norm, upload, AttentionWeights, DecoderLayer, Mlp, Rope};
+use super::layers::{attention, rms_norm_with, upload, AttentionWeights, DecoderLayer, Mlp, Rope};
 use super::target::TargetModel;
 use super::weights::WeightFiles;
 use crate::aten_ext::fused::{rotary_autograd, FusedKernels};
@@ -361,13 +361,15 @@ impl Drafter {
         staged.commit()
     }
 
-    /// `ctx = hidden_norm(fc(features))`: [B, S, K*H] -> [B, S, H].
-    fn fuse_context(&self, features: &Tensor) -> Tensor {
+    /// `ctx = hidden_norm(fc(features))`: [B, S, K*H] -> [B, S, H] (the norm on `kernels`
+    /// where given).
+    fn fuse_context(&self, features: &Tensor, kernels: Option<&FusedKernels>) -> Tensor {
         let f = features.to_device(self.device).to_kind(self.kind);
-        rms_norm(
+        rms_norm_with(
             &f.linear::<&Tensor>(&self.fc, None),
             &self.hidden_norm,
             self.config.rms_norm_eps,
+            kernels,
         )
     }
 
@@ -387,11 +389,21 @@ impl Drafter {
             c.head_dim,
             c.rms_norm_eps,
         );
-        let x = rms_norm(h, &layer.input_norm, eps);
+        let x = rms_norm_with(h, &layer.input_norm, eps, kernels);
         // Queries and the block's keys share the block positions.
         let (cos, sin) = block_rope;
-        let q = rotate(&layer.attn.queries(&x, heads, d, eps), cos, sin, kernels);
-        let k_block = rotate(&layer.attn.keys(&x, kv_heads, d, eps), cos, sin, kernels);
+        let q = rotate(
+            &layer.attn.queries(&x, heads, d, eps, kernels),
+            cos,
+            sin,
+            kernels,
+        );
+        let k_block = rotate(
+            &layer.attn.keys(&x, kv_heads, d, eps, kernels),
+            cos,
+            sin,
+            kernels,
+        );
         let v_block = layer.attn.values(&x, kv_heads, d);
         let a = match attn {
             BlockAttention::Full(mask) => {
@@ -407,7 +419,7 @@ impl Drafter {
         let h = h + a;
         let m = layer
             .mlp
-            .forward_train(&rms_norm(&h, &layer.post_norm, eps), kernels);
+            .forward_train(&rms_norm_with(&h, &layer.post_norm, eps, kernels), kernels);
         h + m
     }
 
@@ -422,7 +434,7 @@ impl Drafter {
     ) -> (Tensor, Tensor) {
         let c = &self.config;
         let (kv_heads, d) = (c.num_key_value_heads, c.head_dim);
-        let k = layer.attn.keys(ctx, kv_heads, d, c.rms_norm_eps);
+        let k = layer.attn.keys(ctx, kv_heads, d, c.rms_norm_eps, kernels);
         (
             rotate(&k, cos, sin, kernels),
             layer.attn.values(ctx, kv_heads, d),
@@ -567,13 +579,13 @@ impl Drafter {
             }
         };
 
-        let ctx = self.fuse_context(features);
+        let kernels = head.loss_kernels.as_ref();
+        let ctx = self.fuse_context(features, kernels);
         let ctx = if s_ctx > s {
             ctx.constant_pad_nd([0, 0, 0, s_ctx - s])
         } else {
             ctx
         };
-        let kernels = head.loss_kernels.as_ref();
         for (layer, window) in self.layers.iter().zip(&windows) {
             let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin, kernels);
             let attn = match window {
@@ -582,7 +594,7 @@ impl Drafter {
             };
             h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn, kernels);
         }
-        let out = rms_norm(&h, &self.norm, self.config.rms_norm_eps);
+        let out = rms_norm_with(&h, &self.norm, self.config.rms_norm_eps, kernels);
         match kept_index.filter(|_| kept.as_ref().is_some_and(|k| !k.all)) {
             // the padding blocks' states are zeros
             Some(index) => {

@@ -413,3 +413,56 @@ fn gpu_drafter_training_with_fused_kernels_equals_the_plain_one() {
         }
     }
 }
+
+/// The RMSNorm node on its kernels (`scaled_rms_norm` forward, `rms_norm_backward`) against
+/// libtorch's `rms_norm` and its autograd, at the drafter's shapes: rows of 4,096 (the hidden
+/// states) and heads of 128 (the q/k norms), bf16 and f32, an output gradient in another layout.
+/// Values and the input's gradient within a rounding of the type; the weight's gradient (a sum
+/// over every row, in float32 in both) within float32 summation order, then a rounding.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_rms_norm_node_equals_libtorch() {
+    use dflash_tui::aten_ext::fused::rms_norm_autograd;
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    tch::manual_seed(5);
+    for (kind, rel, exact) in [(Kind::BFloat16, 1e-2, 0.97), (Kind::Float, 1e-4, 0.0)] {
+        for (rows, width) in [(3001, 4096), (40_000, 128), (7, 5120)] {
+            let what = format!("{kind:?} {rows} rows of {width}");
+            let x = (Tensor::randn([rows, width], (Kind::Float, dev)) * 2.0)
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let w = (Tensor::randn([width], (Kind::Float, dev)) * 0.3 + 1.0)
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let g = Tensor::randn([width, rows], (Kind::Float, dev))
+                .to_kind(kind)
+                .tr();
+            let grads = |y: &Tensor| {
+                let gs =
+                    Tensor::run_backward(&[(y * &g).sum(Kind::Float)], &[&x, &w], false, false);
+                (gs[0].copy(), gs[1].copy())
+            };
+            let got = rms_norm_autograd(&x, &w, 1e-6, Some(&kernels)).unwrap();
+            let want = x.rms_norm([width], Some(&w), 1e-6);
+            assert_close(&format!("{what}: values"), &got, &want, rel, exact);
+            let (dx, dw) = grads(&got);
+            let (want_dx, want_dw) = grads(&want);
+            assert_close(
+                &format!("{what}: x's gradient"),
+                &dx,
+                &want_dx,
+                rel,
+                exact * 0.9,
+            );
+            // the weight's gradient: float32 sums over every row in another order
+            let scale = want_dw.to_kind(Kind::Float).abs().max().double_value(&[]);
+            let off = max_diff(&dw.to_kind(Kind::Float), &want_dw.to_kind(Kind::Float));
+            let bound = if kind == Kind::Float { 1e-4 } else { 1e-2 } * scale;
+            assert!(
+                off <= bound,
+                "{what}: the weight's gradient {off} off (scale {scale})"
+            );
+        }
+    }
+}
