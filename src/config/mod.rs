@@ -280,10 +280,10 @@ pub struct TrainSection {
     pub attention: crate::model::drafter::TrainAttention,
     /// The drafter's training kernels compiled at run time, on a GPU where they load: the LM
     /// head's loss (cross-entropy, argmax check and gradient of each chunk of logits) in one
-    /// kernel, the rotary embedding's and SwiGLU's forward and backward passes in one each,
-    /// and with one drafter replica the optimizer step (AdamW reading each gradient in place
-    /// and writing the new weights in its pass); false: libtorch's operations (the same
-    /// numbers up to the rounding of float sums). Default true.
+    /// kernel, the rotary embedding's, SwiGLU's and RMSNorm's forward and backward passes in
+    /// one each, and with one drafter replica the optimizer step (AdamW reading each gradient
+    /// in place and writing the new weights in its pass); false: libtorch's operations (the
+    /// same numbers up to the rounding of float sums). Default true.
     pub fused_loss: bool,
 }
 
