@@ -255,14 +255,14 @@ unsafe extern "C" fn rotate_callback(
 }
 
 /// A live `at::Tensor` of the C++ side as a tch tensor (a shallow copy).
-pub(super) unsafe fn borrowed(t: *const c_void) -> Tensor {
+unsafe fn borrowed(t: *const c_void) -> Tensor {
     Tensor::clone_from_ptr(t.cast_mut().cast())
 }
 
 /// Runs one pass of a node for the C++ side: the tensors `pass` returns go to `outs` (taken over
 /// by the C++ side); a panic becomes status 1 and its message in `msg` (at most `msg.1` bytes
 /// with the terminating zero), so that nothing unwinds into C++.
-pub(super) unsafe fn guarded_pass(
+unsafe fn guarded_pass(
     outs: &[*mut *mut c_void],
     msg: (*mut c_char, usize),
     pass: impl FnOnce() -> Vec<Tensor>,
@@ -425,17 +425,40 @@ unsafe extern "C" fn swiglu_callback(
     msg: *mut c_char,
     msg_len: usize,
 ) -> c_int {
-    let outs: &[*mut *mut c_void] = if grad.is_null() {
-        &[out0]
+    two_input_pass(
+        state,
+        (gate, up),
+        grad,
+        (out0, out1),
+        (msg, msg_len),
+        swiglu_pass,
+    )
+}
+
+/// Runs one pass of a node of two inputs for the C++ side: the forward where `grad` is null (one
+/// tensor, to `outs.0`), else the backward (two, to `outs.0` and `outs.1`). `pass` gets the
+/// node's kernels (the bytes of `state`), the inputs and the gradient; see [`guarded_pass`].
+pub(super) unsafe fn two_input_pass(
+    state: *const c_void,
+    inputs: (*const c_void, *const c_void),
+    grad: *const c_void,
+    outs: (*mut *mut c_void, *mut *mut c_void),
+    msg: (*mut c_char, usize),
+    pass: impl FnOnce(Option<&FusedKernels>, &Tensor, &Tensor, Option<&Tensor>) -> Vec<Tensor>,
+) -> c_int {
+    let both = [outs.0, outs.1];
+    let outs = if grad.is_null() {
+        &both[..1]
     } else {
-        &[out0, out1]
+        &both[..]
     };
-    guarded_pass(outs, (msg, msg_len), || {
-        // SAFETY: as rotate_callback's.
+    guarded_pass(outs, msg, || {
+        // SAFETY: `state` holds the bytes of an Option<FusedKernels> (apply_node); the tensors
+        // are live `at::Tensor`s, shallow-copied here.
         let kernels: Option<FusedKernels> = std::ptr::read_unaligned(state.cast());
-        let (gate, up) = (borrowed(gate), borrowed(up));
+        let (a, b) = (borrowed(inputs.0), borrowed(inputs.1));
         let grad = (!grad.is_null()).then(|| borrowed(grad));
-        swiglu_pass(kernels.as_ref(), &gate, &up, grad.as_ref())
+        pass(kernels.as_ref(), &a, &b, grad.as_ref())
     })
 }
 

@@ -620,6 +620,17 @@ static __device__ RowStat block_row_stat(RowStat a) {
 
 #define CE_UNROLL 4   // 16-byte vectors each thread of cross_entropy_grad loads at once
 
+// This thread's vectors k, k + stride, ... (CE_UNROLL of them, those below `nvec`) of a row
+// `xv`, loaded at once.
+static __device__ __forceinline__ void load_unrolled(const uint4 *xv, long long k, long long stride,
+                                                     long long nvec, uint4 *u) {
+    for (int q = 0; q < CE_UNROLL; ++q) {
+        if (k + q * stride < nvec) {
+            u[q] = xv[k + q * stride];
+        }
+    }
+}
+
 // The training loss of the LM head, one block per row of `logits` [rows, vocab] (dense):
 // cross-entropy against `labels` [rows] (int64; outside 0..vocab: ignored, loss and gradient 0),
 // computed in float32 as libtorch's log_softmax(dtype=float32) and nll_loss compute it, into
@@ -650,11 +661,7 @@ static __device__ void cross_entropy_grad(typename P::T *__restrict__ logits, lo
         const uint4 *xv = reinterpret_cast<const uint4 *>(x);
         for (long long k = threadIdx.x; k < nvec; k += CE_UNROLL * stride) {
             uint4 u[CE_UNROLL];
-            for (int q = 0; q < CE_UNROLL; ++q) {
-                if (k + q * stride < nvec) {
-                    u[q] = xv[k + q * stride];
-                }
-            }
+            load_unrolled(xv, k, stride, nvec, u);
             for (int q = 0; q < CE_UNROLL; ++q) {
                 if (k + q * stride < nvec) {
                     const T *e = reinterpret_cast<const T *>(&u[q]);
@@ -690,11 +697,7 @@ static __device__ void cross_entropy_grad(typename P::T *__restrict__ logits, lo
         uint4 *xv = reinterpret_cast<uint4 *>(x);
         for (long long k = threadIdx.x; k < nvec; k += CE_UNROLL * stride) {
             uint4 u[CE_UNROLL];
-            for (int q = 0; q < CE_UNROLL; ++q) {
-                if (k + q * stride < nvec) {
-                    u[q] = xv[k + q * stride];
-                }
-            }
+            load_unrolled(xv, k, stride, nvec, u);
             for (int q = 0; q < CE_UNROLL; ++q) {
                 if (k + q * stride < nvec) {
                     T *e = reinterpret_cast<T *>(&u[q]);

@@ -14,7 +14,7 @@ use tch::{Kind, Tensor};
 
 use super::super::ffi;
 use super::super::nvrtc::{arg, kind_index};
-use super::autograd::{apply_node, borrowed, guarded_pass};
+use super::autograd::{apply_node, two_input_pass};
 use super::FusedKernels;
 
 /// The 16-byte vectors of a row each thread of `rms_norm_backward` holds (the kernel's
@@ -244,18 +244,14 @@ unsafe extern "C" fn rms_norm_callback(
     msg: *mut c_char,
     msg_len: usize,
 ) -> c_int {
-    let outs: &[*mut *mut c_void] = if grad.is_null() {
-        &[out0]
-    } else {
-        &[out0, out1]
-    };
-    guarded_pass(outs, (msg, msg_len), || {
-        // SAFETY: as rotate_callback's (fused_autograd.rs).
-        let kernels: Option<FusedKernels> = std::ptr::read_unaligned(state.cast());
-        let (x, weight) = (borrowed(x), borrowed(weight));
-        let grad = (!grad.is_null()).then(|| borrowed(grad));
-        rms_norm_pass(kernels.as_ref(), &x, &weight, grad.as_ref(), eps)
-    })
+    two_input_pass(
+        state,
+        (x, weight),
+        grad,
+        (out0, out1),
+        (msg, msg_len),
+        |kernels, x, weight, grad| rms_norm_pass(kernels, x, weight, grad, eps),
+    )
 }
 
 #[cfg(test)]
