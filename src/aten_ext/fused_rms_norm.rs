@@ -28,7 +28,7 @@ const VECTORS_PER_THREAD: i64 = 4;
 /// about once, each looping over its share of the rows (the weight's gradient is summed per
 /// thread across them). `None` where the width is not whole vectors or needs more than 1,024
 /// threads. tests/cuda_emulation/fused_emulation.cpp launches as this does.
-pub(crate) fn rms_backward_launch(
+fn rms_backward_launch(
     rows: i64,
     width: i64,
     bytes: i64,
