@@ -302,8 +302,7 @@ impl FusedKernels {
             v_cache: v_cache.data_ptr(),
             layer_stride,
         };
-        let block = ((d / 2 + 31) / 32 * 32) as u32;
-        let grid = (n as u32, (layers * (heads + 2 * kv)) as u32);
+        let (grid, block) = rotate_write_launch(n, layers * (heads + 2 * kv), d);
         self.module
             .launch(self.rotate_write[which], grid, block, &mut args.pointers())?;
         Ok(q_out)
@@ -416,6 +415,23 @@ impl FusedKernels {
             &mut params,
         )?;
         Ok((loss, correct))
+    }
+}
+
+/// The launch of `rotate_write_*` over `n` tokens of `slots` (layer, head) pairs of head size
+/// `d`, as the kernel reads it (its `rotate_write_warps`): where d / 2 is a multiple of 32 up to
+/// 256, a warp per pair and four a block; else a block per pair of d / 2 threads rounded up to
+/// a warp. Returns the grid and the threads per block.
+fn rotate_write_launch(n: i64, slots: i64, d: i64) -> ((u32, u32), u32) {
+    let half = d / 2;
+    if half % 32 == 0 && half <= 256 {
+        const WARPS: i64 = 4;
+        (
+            (n as u32, ((slots + WARPS - 1) / WARPS) as u32),
+            (WARPS * 32) as u32,
+        )
+    } else {
+        ((n as u32, slots as u32), ((half + 31) / 32 * 32) as u32)
     }
 }
 

@@ -82,14 +82,50 @@ static __device__ __forceinline__ float block_sum(float v) {
 }
 
 // `y` [n, layers, heads + 2 * kv, d]: each token's projected queries, keys and values, per
-// layer. One block per (token, layer, head), d / 2 threads rounded up to a whole warp; thread
-// i < d / 2 holds elements i and i + d / 2 (the pair the rotation mixes), the others only join
-// the norm's sum.
+// layer. Queries (head < heads) go to `q_out` [n, layers, heads, d]; keys to `k_cache` and values
+// to `v_cache` at row `rows[token]` of the layer's cache [rows, kv, d] (layer l's starts
+// `layer_stride` elements after layer l - 1's). `q_norm`, `k_norm` [layers, d], or null for no
+// norm; `cos`, `sin` [n, d] with the sin's first half negated (rotate_half folded into the sign).
 //
-// Queries (head < heads) go to `q_out` [n, layers, heads, d]; keys to `k_cache` and values to
-// `v_cache` at row `rows[token]` of the layer's cache [rows, kv, d] (layer l's starts `layer_stride`
-// elements after layer l - 1's). `q_norm`, `k_norm` [layers, d], or null for no norm; `cos`,
-// `sin` [n, d] with the sin's first half negated (rotate_half folded into the sign).
+// Two launch forms (rotate_write_warps says which; src/aten_ext/fused.rs launches the same):
+// - where d / 2 is a multiple of 32 up to 256, a warp per (token, layer, head), four a block
+//   (blockIdx.y * 4 + warp = layer * groups + head): lane l holds elements l + 32 j and their
+//   partners l + 32 j + d / 2 (j < d / 64), so that each load of the warp reads 32 neighbouring
+//   elements and the norm's sum is one warp reduction, without shared memory and a barrier (a
+//   prefill of thousands of tokens: the 8B target's 3,072 tokens x 48 heads took 104 us a layer
+//   in blocks of two warps on an H100, 89 us in this form);
+// - else a block per (token, layer, head) of d / 2 threads rounded up to a whole warp; thread
+//   i < d / 2 holds elements i and i + d / 2, the others only join the norm's sum.
+static __device__ __forceinline__ bool rotate_write_warps(int d) {
+    return (d / 2) % 32 == 0 && d / 2 <= 256;
+}
+
+// One head's `e` element pairs (a0[j], a1[j]) = (x[i_j], x[i_j + d / 2]) normed, rotated and
+// written to `dst`; element index i_j = first + j * step. `sum` is the head's sum of squares.
+template <class P, int MAX>
+static __device__ __forceinline__ void rotate_pairs(const float *a0, const float *a1, int e,
+                                                    int first, int step, int half, float sum,
+                                                    float eps, int d, const typename P::T *norm,
+                                                    const typename P::T *c,
+                                                    const typename P::T *s, typename P::T *dst) {
+    const float inv = norm != nullptr ? rsqrtf(sum / (float)d + eps) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < MAX; ++j) {
+        if (j >= e) {
+            break;
+        }
+        const int i = first + j * step;
+        float x0 = a0[j], x1 = a1[j];
+        if (norm != nullptr) {
+            x0 = P::load(P::store(P::load(P::store(x0 * inv)) * P::load(norm[i])));
+            x1 = P::load(P::store(P::load(P::store(x1 * inv)) * P::load(norm[i + half])));
+        }
+        dst[i] = P::store(fmaf(x1, P::load(s[i]), P::load(P::store(x0 * P::load(c[i])))));
+        dst[i + half] =
+            P::store(fmaf(x0, P::load(s[i + half]), P::load(P::store(x1 * P::load(c[i + half])))));
+    }
+}
+
 template <class P>
 static __device__ void rotate_write(const typename P::T *__restrict__ y, int layers, int heads,
                                     int kv, int d, const typename P::T *__restrict__ q_norm,
@@ -103,46 +139,64 @@ static __device__ void rotate_write(const typename P::T *__restrict__ y, int lay
     typedef typename P::T T;
     const int groups = heads + 2 * kv;
     const long long token = blockIdx.x;
-    const int layer = blockIdx.y / groups, head = blockIdx.y % groups;
-    const int half = d / 2, i = threadIdx.x;
-    const bool active = i < half;
+    const bool warps = rotate_write_warps(d);
+    const int slot = warps ? (int)(blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32)
+                           : (int)blockIdx.y;
+    if (slot >= layers * groups) {
+        return;
+    }
+    const int layer = slot / groups, head = slot % groups;
+    const int half = d / 2;
+    // this thread's element pairs: i = first + j * step, j < e
+    const int first = warps ? (int)(threadIdx.x % 32) : (int)threadIdx.x;
+    const int step = 32;
+    const int e = warps ? half / 32 : (first < half ? 1 : 0);
     const T *src = y + ((token * layers + layer) * groups + head) * (long long)d;
     const long long row = rows[token];
     if (head >= heads + kv) {
         // a value: copied as it is
-        if (active) {
-            T *dst = v_cache + layer * layer_stride + (row * kv + (head - heads - kv)) * d;
+        T *dst = v_cache + layer * layer_stride + (row * kv + (head - heads - kv)) * d;
+        for (int j = 0; j < e; ++j) {
+            const int i = first + j * step;
             dst[i] = src[i];
             dst[i + half] = src[i + half];
         }
         return;
     }
-    float a0 = active ? P::load(src[i]) : 0.0f, a1 = active ? P::load(src[i + half]) : 0.0f;
+    // at most 8 pairs a thread (d <= 512 in the warp form, 1 in the block form): indices
+    // known when unrolled, so that the pairs stay in registers
+    const int MAX = 8;
+    float a0[MAX], a1[MAX];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MAX; ++j) {
+        if (j >= e) {
+            break;
+        }
+        const int i = first + j * step;
+        a0[j] = P::load(src[i]);
+        a1[j] = P::load(src[i + half]);
+        sum += a0[j] * a0[j] + a1[j] * a1[j];
+    }
     const T *norm = head < heads ? q_norm : k_norm;
     if (norm != nullptr) {
-        const float inv = rsqrtf(block_sum(a0 * a0 + a1 * a1) / (float)d + eps);
-        if (!active) {
-            return;
+        if (warps) {
+            for (int offset = 16; offset > 0; offset >>= 1) {
+                sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+            }
+        } else {
+            sum = block_sum(sum);
         }
-        const T *w = norm + (long long)layer * d;
-        a0 = P::load(P::store(P::load(P::store(a0 * inv)) * P::load(w[i])));
-        a1 = P::load(P::store(P::load(P::store(a1 * inv)) * P::load(w[i + half])));
+        norm += (long long)layer * d;
     }
-    if (!active) {
-        return;
-    }
-    const T *c = cos + token * d, *s = sin + token * d;
-    const T out0 = P::store(fmaf(a1, P::load(s[i]), P::load(P::store(a0 * P::load(c[i])))));
-    const T out1 =
-        P::store(fmaf(a0, P::load(s[i + half]), P::load(P::store(a1 * P::load(c[i + half])))));
     T *dst;
     if (head < heads) {
         dst = q_out + ((token * layers + layer) * heads + head) * (long long)d;
     } else {
         dst = k_cache + layer * layer_stride + (row * kv + (head - heads)) * d;
     }
-    dst[i] = out0;
-    dst[i + half] = out1;
+    rotate_pairs<P, MAX>(a0, a1, e, first, step, half, sum, eps, d, norm, cos + token * d,
+                         sin + token * d, dst);
 }
 
 // The gates of `rows` tokens of `heads` value heads: a and b [rows, heads] with rows

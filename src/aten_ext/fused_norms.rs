@@ -432,11 +432,12 @@ pub(super) mod tests {
     /// strided and misaligned rows, bf16 and f32. The router's top k equals the host's reading
     /// of libtorch's GPU selection and sort, ties included, and the grouping a stable sort. The
     /// optimizer's step equals AdamW in double precision to float32 rounding; RMSNorm's
-    /// backward pass and the LM head's cross-entropy (loss, first-argmax check with ties,
-    /// gradient) equal their double-precision formulas to a rounding.
+    /// backward pass, the LM head's cross-entropy (loss, first-argmax check with ties,
+    /// gradient) and the q/k norms, rotation and cache writes of `rotate_write` (both launch
+    /// forms) equal their double-precision formulas to a rounding.
     /// Needs a C++20 compiler (`$CXX`, else `c++`).
     #[test]
     fn the_norm_kernels_run_on_the_cpu_match_the_libtorch_roundings() {
-        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 76);
+        crate::aten_ext::nvrtc::run_cuda_emulation("fused_emulation", 88);
     }
 }

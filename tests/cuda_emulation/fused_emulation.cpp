@@ -1,7 +1,7 @@
 // Runs the target's norm kernels of src/aten_ext/fused_kernels.cu (scaled_rms_norm,
 // gated_rms_norm), the Gated DeltaNet's gdn_gates, SwiGLU's silu_mul, a mixture of experts'
-// moe_combine, the training kernels (RMSNorm's backward pass among them) and the optimizer's
-// adamw_step on the CPU (cuda_emu.h)
+// moe_combine, the training kernels (RMSNorm's backward pass among them), the optimizer's
+// adamw_step and the attention's rotate_write on the CPU (cuda_emu.h)
 // against double-precision loops
 // that round to the storage type where the kernels must (where libtorch's operations round):
 // rows of 5120 (a block per row) and of 128 / 256 (a warp per row, a partial last block),
@@ -256,6 +256,115 @@ static bool run_rotary(const char *name,
     std::printf("%s %s: %lld off%s\n", ok ? "ok" : "FAILED", name, off,
                 untouched ? "" : ", wrote past the end");
     return ok;
+}
+
+// rotate_write over `n` tokens of `layers` layers of `heads` query and `kv` key/value heads of
+// `d`, launched as fused.rs's rotate_write_launch does (a warp per head where d / 2 is a
+// multiple of 32 up to 256, else a block per head), with or without the q/k norms; tokens go to
+// cache rows in reverse order. The reference in double, rounded where the kernel must (the
+// normalised value, its product with the weight, x * cos); the rotation's sum once.
+template <class P>
+static bool run_rotate_write(const char *name,
+                             void (*kernel)(const typename P::T *, int, int, int, int,
+                                            const typename P::T *, const typename P::T *, float,
+                                            const typename P::T *, const typename P::T *,
+                                            const long long *, typename P::T *, typename P::T *,
+                                            typename P::T *, long long),
+                             long long n, int layers, int heads, int kv, int d, bool norms,
+                             double rel, double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(5 + n + layers + heads + d);
+    std::normal_distribution<float> normal;
+    std::uniform_real_distribution<float> angle(0.0f, 10.0f);
+    const int groups = heads + 2 * kv, half = d / 2;
+    const float eps = 1e-6f;
+    std::vector<T> y(n * layers * groups * d), qn(layers * d), kn(layers * d), cos(n * d),
+        sin(n * d);
+    for (T &e : y) e = P::store(2.0f * normal(rng));
+    for (T &e : qn) e = P::store(1.0f + 0.3f * normal(rng));
+    for (T &e : kn) e = P::store(1.0f + 0.3f * normal(rng));
+    for (long long t = 0; t < n; ++t) {
+        for (int i = 0; i < half; ++i) {
+            const float a = angle(rng) / (1.0f + i);
+            cos[t * d + i] = cos[t * d + i + half] = P::store(std::cos(a));
+            sin[t * d + i] = P::store(-std::sin(a));
+            sin[t * d + i + half] = P::store(std::sin(a));
+        }
+    }
+    // cache rows: n + 2 rows a layer, token t at row n - t
+    const long long cache_rows = n + 2, layer_stride = cache_rows * kv * d;
+    std::vector<long long> rows(n);
+    for (long long t = 0; t < n; ++t) rows[t] = n - t;
+    std::vector<T> q_out(n * layers * heads * d + 64, P::store(NAN)),
+        k_cache(layers * layer_stride + 64, P::store(NAN)),
+        v_cache(layers * layer_stride + 64, P::store(NAN));
+    const long long slots = (long long)layers * groups;
+    const bool warps = half % 32 == 0 && half <= 256;
+    const unsigned threads = warps ? 128 : (unsigned)((half + 31) / 32 * 32);
+    const unsigned gy = (unsigned)(warps ? (slots + 3) / 4 : slots);
+    emu::launch({(unsigned)n, gy, 1}, threads, [&] {
+        kernel(y.data(), layers, heads, kv, d, norms ? qn.data() : nullptr,
+               norms ? kn.data() : nullptr, eps, cos.data(), sin.data(), rows.data(),
+               q_out.data(), k_cache.data(), v_cache.data(), layer_stride);
+    });
+    std::vector<double> want_q(n * layers * heads * d), want_k, want_v;
+    std::vector<T> got_k, got_v;
+    for (long long t = 0; t < n; ++t) {
+        for (int l = 0; l < layers; ++l) {
+            for (int h = 0; h < groups; ++h) {
+                const T *src = &y[((t * layers + l) * groups + h) * d];
+                if (h >= heads + kv) {
+                    const T *cached = &v_cache[l * layer_stride + (rows[t] * kv + h - heads - kv) * d];
+                    for (int i = 0; i < d; ++i) {
+                        want_v.push_back(P::load(src[i]));
+                        got_v.push_back(cached[i]);
+                    }
+                    continue;
+                }
+                double sum = 0;
+                for (int i = 0; i < d; ++i) sum += (double)P::load(src[i]) * P::load(src[i]);
+                const double inv = 1.0 / std::sqrt(sum / d + eps);
+                const T *w = (h < heads ? qn.data() : kn.data()) + l * d;
+                std::vector<double> x(d);
+                for (int i = 0; i < d; ++i) {
+                    x[i] = P::load(src[i]);
+                    if (norms) x[i] = round_to<P>(round_to<P>(x[i] * inv) * P::load(w[i]));
+                }
+                for (int i = 0; i < d; ++i) {
+                    const int partner = i < half ? i + half : i - half;
+                    const double r = round_to<P>(
+                        round_to<P>(x[i] * P::load(cos[t * d + i])) +
+                        x[partner] * P::load(sin[t * d + i]));
+                    if (h < heads) {
+                        want_q[((t * layers + l) * heads + h) * d + i] = r;
+                    } else {
+                        want_k.push_back(r);
+                        got_k.push_back(k_cache[l * layer_stride + (rows[t] * kv + h - heads) * d + i]);
+                    }
+                }
+            }
+        }
+    }
+    // rows 0 and n + 1 of every layer's caches are no token's: untouched
+    bool untouched = true;
+    for (int l = 0; l < layers; ++l) {
+        for (long long r : {0LL, cache_rows - 1}) {
+            for (long long i = 0; i < kv * d; ++i) {
+                untouched &= std::isnan(P::load(k_cache[l * layer_stride + r * kv * d + i]));
+                untouched &= std::isnan(P::load(v_cache[l * layer_stride + r * kv * d + i]));
+            }
+        }
+    }
+    for (int i = 0; i < 64; ++i) {
+        got_k.push_back(P::store(NAN));
+        got_v.push_back(P::store(NAN));
+    }
+    std::string base(name);
+    bool ok = compare<P>((base + ", queries").c_str(), q_out, want_q, rel, exact);
+    ok &= compare<P>((base + ", keys").c_str(), got_k, want_k, rel, exact);
+    ok &= compare<P>((base + ", values").c_str(), got_v, want_v, 0.0, 1.0);
+    if (!untouched) std::printf("FAILED %s: wrote a cache row of no token\n", name);
+    return ok && untouched;
 }
 
 // swiglu over `n` elements, forward and backward, launched as fused_autograd.rs does (256
@@ -1004,6 +1113,19 @@ int main() {
                           1, 1e-6);
     ok &= run_rotary<F32>("rotary f32 inverse: 3 x 2 of 96, vectors", rotary_f32, 3, 2, 96, 1,
                           4, 1e-6);
+    // the q/k norms, rotation and cache writes after a fused projection: heads of 128 (a warp
+    // a head, two pairs a lane; 3 layers x 7 heads, the last block partial), of 256 with no
+    // norms (four pairs a lane), f32 heads of 64 (one pair a lane), bf16 heads of 96 (a block a
+    // head: 48 pairs). (The rotation's float32 sum cancels in places: 1e-3 relative to a small
+    // result; a wrong partner, angle or norm is O(1) off.)
+    ok &= run_rotate_write<Bf16>("rotate_write bf16: 5 tokens, 3 layers, 4 + 2 x 1 heads of 128",
+                                 rotate_write_bf16, 5, 3, 4, 1, 128, true, bf16_rel, 0.99);
+    ok &= run_rotate_write<Bf16>("rotate_write bf16: 3 tokens, 1 layer, 2 + 2 x 2 heads of 256, no norms",
+                                 rotate_write_bf16, 3, 1, 2, 2, 256, false, bf16_rel, 0.99);
+    ok &= run_rotate_write<F32>("rotate_write f32: 4 tokens, 2 layers, 3 + 2 x 1 heads of 64",
+                                rotate_write_f32, 4, 2, 3, 1, 64, true, 1e-3, 0.0);
+    ok &= run_rotate_write<Bf16>("rotate_write bf16: 3 tokens, 2 layers, 2 + 2 x 1 heads of 96",
+                                 rotate_write_bf16, 3, 2, 2, 1, 96, true, bf16_rel, 0.99);
     // SwiGLU's node: forward and backward, 3 blocks of 256 threads looping over 2000 elements
     ok &= run_swiglu<Bf16>("swiglu bf16: 2000 (vectors)", swiglu_bf16, 2000, bf16_rel, bf16_exact);
     ok &= run_swiglu<Bf16>("swiglu bf16: 1999 (elements)", swiglu_bf16, 1999, bf16_rel,
