@@ -466,3 +466,117 @@ fn gpu_rms_norm_node_equals_libtorch() {
         }
     }
 }
+
+/// One fused call of the split block attention (`block_attention_autograd`: cuDNN's fused
+/// attention over the context, the own-block kernel and the merge) against the attention written
+/// out in float32: 8 chunk entries of 4 blocks of 16 rows, 32 query heads over 8 of 128 (the 8B
+/// drafter's heads), 200 context keys; the blocks anchored at 0 see no context (their context
+/// part is all masked: cuDNN's output there must not be read), the last two entries are padding
+/// (every slot anchored at 0, zero queries and keys). Output and the gradients of the queries,
+/// the context keys and values and the blocks' own keys and values, within bf16 rounding of
+/// each tensor's scale.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_split_block_attention_equals_the_attention_written_out() {
+    use dflash_tui::aten_ext::fused::block_attention_autograd;
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    tch::manual_seed(21);
+    let (e, blocks, bs, heads, kv, d, ctx) = (8i64, 4i64, 16i64, 32i64, 8i64, 128i64, 200i64);
+    let rows = blocks * bs;
+    let kind = Kind::BFloat16;
+    let leaf = |shape: &[i64], zero_from: Option<i64>| {
+        let t = Tensor::randn(shape, (Kind::Float, dev));
+        if let Some(z) = zero_from {
+            let _ = t.narrow(0, z, shape[0] - z).zero_();
+        }
+        t.to_kind(kind).set_requires_grad(true)
+    };
+    // entries 6 and 7: padding (zero rows, every slot at anchor 0)
+    let q = leaf(&[e, rows, heads, d], Some(6));
+    let kc = leaf(&[e, ctx, kv, d], None);
+    let vc = leaf(&[e, ctx, kv, d], None);
+    let kb = leaf(&[e, rows, kv, d], Some(6));
+    let vb = leaf(&[e, rows, kv, d], Some(6));
+    let mut anchors: Vec<i64> = Vec::new();
+    for entry in 0..e {
+        for b in 0..blocks {
+            anchors.push(match entry {
+                0 if b == 0 => 0,
+                6 | 7 => 0,
+                _ => (entry * 23 + b * 11 + 1).min(ctx),
+            });
+        }
+    }
+    let anchors = Tensor::from_slice(&anchors).to_device(dev);
+    // the context mask [E, 1, rows, ctx]: query rows of the block anchored at a see p < a
+    let row_anchor = anchors
+        .view([e, blocks, 1])
+        .expand([e, blocks, bs], false)
+        .reshape([e, rows, 1]);
+    let sees = Tensor::arange(ctx, (Kind::Int64, dev))
+        .view([1, 1, ctx])
+        .lt_tensor(&row_anchor);
+    let bias = Tensor::zeros([e, 1, rows, ctx], (kind, dev))
+        .masked_fill(&sees.logical_not().unsqueeze(1), f64::NEG_INFINITY);
+    let got = block_attention_autograd(
+        &q,
+        &kc.transpose(1, 2),
+        &vc.transpose(1, 2),
+        &kb,
+        &vb,
+        &bias,
+        &anchors,
+        &kernels,
+    )
+    .expect("the split attention takes the call");
+    // written out in float32: keys [context; own block], visible as above and within the block
+    let f = |t: &Tensor| t.to_kind(Kind::Float);
+    let g = heads / kv;
+    let keys = Tensor::cat(&[f(&kc), f(&kb)], 1).repeat_interleave_self_int(g, 2, None);
+    let values = Tensor::cat(&[f(&vc), f(&vb)], 1).repeat_interleave_self_int(g, 2, None);
+    let block_of = Tensor::arange(rows, (Kind::Int64, dev)).divide_scalar_mode(bs, "floor");
+    let own = block_of.unsqueeze(1).eq_tensor(&block_of.unsqueeze(0));
+    let visible = Tensor::cat(&[sees, own.unsqueeze(0).expand([e, rows, rows], false)], -1);
+    let scores = Tensor::einsum(
+        "erhd,ekhd->ehrk",
+        &[f(&q), keys.shallow_clone()],
+        None::<i64>,
+    ) / (d as f64).sqrt();
+    let p = scores
+        .masked_fill(&visible.logical_not().unsqueeze(1), f64::NEG_INFINITY)
+        .softmax(-1, Kind::Float);
+    let want = Tensor::einsum("ehrk,ekhd->erhd", &[p, values], None::<i64>);
+    let close = |what: &str, got: &Tensor, want: &Tensor| {
+        let scale = want.abs().max().double_value(&[]);
+        let diff = max_diff(&got.to_kind(Kind::Float), want);
+        assert!(
+            diff <= 0.02 * scale,
+            "{what}: {diff} off a scale of {scale}"
+        );
+        assert!(
+            got.isfinite().all().int64_value(&[]) == 1,
+            "{what}: not finite"
+        );
+    };
+    close("output", &got, &want);
+    let dout = Tensor::randn([e, rows, heads, d], (Kind::Float, dev));
+    let inputs = [&q, &kc, &vc, &kb, &vb];
+    let grads = |y: &Tensor| {
+        Tensor::run_backward(&[(f(y) * &dout).sum(Kind::Float)], &inputs, false, false)
+    };
+    let got_grads = grads(&got);
+    let want_grads = grads(&want);
+    for (name, (g, w)) in [
+        "q",
+        "context keys",
+        "context values",
+        "own keys",
+        "own values",
+    ]
+    .iter()
+    .zip(got_grads.iter().zip(&want_grads))
+    {
+        close(&format!("the gradient of the {name}"), g, &f(w));
+    }
+}
