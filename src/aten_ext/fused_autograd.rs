@@ -255,14 +255,14 @@ unsafe extern "C" fn rotate_callback(
 }
 
 /// A live `at::Tensor` of the C++ side as a tch tensor (a shallow copy).
-pub(super) unsafe fn borrowed(t: *const c_void) -> Tensor {
+unsafe fn borrowed(t: *const c_void) -> Tensor {
     Tensor::clone_from_ptr(t.cast_mut().cast())
 }
 
 /// Runs one pass of a node for the C++ side: the tensors `pass` returns go to `outs` (taken over
 /// by the C++ side); a panic becomes status 1 and its message in `msg` (at most `msg.1` bytes
 /// with the terminating zero), so that nothing unwinds into C++.
-pub(super) unsafe fn guarded_pass(
+unsafe fn guarded_pass(
     outs: &[*mut *mut c_void],
     msg: (*mut c_char, usize),
     pass: impl FnOnce() -> Vec<Tensor>,

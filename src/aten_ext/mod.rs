@@ -59,23 +59,6 @@ pub(crate) mod ffi {
         *mut c_char,
         usize,
     ) -> i32;
-    /// autograd.cpp's `dflash_block_attention_fn`: (state, q, kb, vb, anchors, o, lse, dout or
-    /// null, dq or null, out0, out1, msg, msg_len).
-    pub(crate) type BlockAttentionPass = unsafe extern "C" fn(
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *const c_void,
-        *mut c_void,
-        *mut *mut c_void,
-        *mut *mut c_void,
-        *mut c_char,
-        usize,
-    ) -> i32;
 
     extern "C" {
         // The tensors are `at::Tensor *` (tch's `as_ptr`); `grad_scale` may be null. Each
@@ -146,22 +129,6 @@ pub(crate) mod ffi {
             weight: *const c_void,
             eps: f64,
             rms_norm: RmsNormPass,
-            state: *const c_void,
-            state_len: usize,
-            out: *mut *mut c_void,
-        ) -> *mut c_char;
-        // autograd.cpp: one fused call of the drafter's block attention as an autograd node
-        // (cuDNN's fused attention over the context, `pass` for the own blocks and the merge)
-        #[allow(clippy::too_many_arguments)]
-        pub(crate) fn dflash_block_attention_autograd(
-            q: *const c_void,
-            k: *const c_void,
-            v: *const c_void,
-            kb: *const c_void,
-            vb: *const c_void,
-            bias: *const c_void,
-            anchors: *const c_void,
-            pass: BlockAttentionPass,
             state: *const c_void,
             state_len: usize,
             out: *mut *mut c_void,

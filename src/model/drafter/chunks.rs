@@ -6,7 +6,6 @@ use tch::{Device, Kind, Tensor};
 
 use super::attention::context_bucket;
 use super::{AnchorBatch, Drafter, FrozenHead, TrainAttention};
-use crate::aten_ext::fused::{block_attention_autograd, FusedKernels, BLOCK_ATTENTION_MAX_BLOCK};
 use crate::model::layers::{attention_with_bias, upload};
 
 /// Chunks per fused attention call of the chunked training attention: a fixed batch size, so
@@ -100,12 +99,6 @@ pub(super) struct ChunkPlan {
     pub(super) calls: Vec<ChunkCall>,
     /// Whether grouped-query heads must be expanded for a fused kernel to take the call.
     pub(super) expand_kv: std::cell::Cell<Option<bool>>,
-    /// Where each call of a layer without a sliding window runs in two parts (cuDNN's fused
-    /// attention over the context, the blocks over their own keys on these kernels, merged by
-    /// their log-sum-exp: [`block_attention_autograd`]): the kernels of the queries' device,
-    /// for bf16 / f16 and blocks of at most [`BLOCK_ATTENTION_MAX_BLOCK`] rows; `None`: one
-    /// masked call over [context; own keys]. Cleared (with a warning) where the split fails.
-    pub(super) split: std::cell::Cell<Option<FusedKernels>>,
 }
 
 /// Where the kept blocks of a chunked forward go (host values, see [`ChunkPlan`]).
@@ -181,9 +174,6 @@ pub(super) struct ChunkCall {
     pub(super) bias: Tensor,
     /// The same for the sliding-window layers, where the drafter has any.
     pub(super) sliding_bias: Option<Tensor>,
-    /// The anchor of each block slot of its entries [CHUNKS_PER_CALL * C] (int64, on the
-    /// device; 0 for empty slots).
-    pub(super) anchors: Tensor,
 }
 
 impl Drafter {
@@ -235,16 +225,14 @@ impl Drafter {
 
     /// The chunk layout and the additive masks of a chunked training forward over the `kept`
     /// blocks: `s` context positions, `per_chunk` blocks per chunk, `window` the sliding
-    /// layers' window where the drafter has any, `kernels` the fused kernels of the drafter's
-    /// device (see [`ChunkPlan::split`]). The entries are filled up to whole fused calls of
-    /// [`CHUNKS_PER_CALL`].
+    /// layers' window where the drafter has any. The entries are filled up to whole fused
+    /// calls of [`CHUNKS_PER_CALL`].
     pub(super) fn chunk_plan(
         &self,
         kept: &KeptBlocks,
         s: i64,
         per_chunk: i64,
         window: Option<i64>,
-        kernels: Option<&FusedKernels>,
     ) -> ChunkPlan {
         let bs = self.config.block_size;
         let dev = self.device;
@@ -307,15 +295,9 @@ impl Drafter {
                     seqs: all_seqs.narrow(0, first, CHUNKS_PER_CALL),
                     bias,
                     sliding_bias,
-                    anchors: slot_anchor.narrow(0, first * cpc, CHUNKS_PER_CALL * cpc),
                 }
             })
             .collect();
-        let split = kernels.copied().filter(|k| {
-            k.device() == dev
-                && matches!(self.kind, Kind::BFloat16 | Kind::Half)
-                && bs <= BLOCK_ATTENTION_MAX_BLOCK
-        });
         ChunkPlan {
             entries,
             rows,
@@ -323,7 +305,6 @@ impl Drafter {
             entry_order,
             calls,
             expand_kv: std::cell::Cell::new(None),
-            split: std::cell::Cell::new(split),
         }
     }
 
@@ -436,33 +417,6 @@ pub(super) fn chunked_attention(
                 (true, Some(sliding)) => sliding,
                 _ => &call.bias,
             };
-            if let Some(kernels) = plan.split.get().filter(|_| !sliding) {
-                // the context keys alone, [calls, kv_heads, context, d]
-                let context = |c: &Tensor| {
-                    c.narrow(1, 0, call.context)
-                        .index_select(0, &call.seqs)
-                        .transpose(1, 2)
-                };
-                let done = block_attention_autograd(
-                    &qs[i],
-                    &context(&ck),
-                    &context(&cv),
-                    &kb[i],
-                    &vb[i],
-                    &call.bias.narrow(3, 0, call.context),
-                    &call.anchors,
-                    &kernels,
-                );
-                match done {
-                    Ok(out) => return out.reshape([CHUNKS_PER_CALL * rows, width]),
-                    Err(e) => {
-                        log::warn!(
-                            "the split block attention failed ({e:#}); one masked call per chunk instead"
-                        );
-                        plan.split.set(None);
-                    }
-                }
-            }
             // [the call's context; its chunks' own keys], [calls, kv_heads, context + rows, d]
             let keys = |c: &Tensor, own: &Tensor| {
                 let c = c.narrow(1, 0, call.context).index_select(0, &call.seqs);

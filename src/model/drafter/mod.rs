@@ -561,7 +561,7 @@ impl Drafter {
         let plan;
         let (full_attn, sliding_attn) = match (per_chunk, &kept) {
             (Some(cpc), Some(kept)) => {
-                plan = self.chunk_plan(kept, s_ctx, cpc, window, head.loss_kernels.as_ref());
+                plan = self.chunk_plan(kept, s_ctx, cpc, window);
                 let attn = |sliding| BlockAttention::Chunked {
                     plan: &plan,
                     sliding,
