@@ -132,27 +132,33 @@ fn records_cut_before_tokenising_get_the_ids_and_masks_of_the_whole() {
     }
 }
 
-/// The peak resident memory (kB) of `dflash-tui ARGS`, from the kernel's accounting of the
-/// child when it is reaped.
-#[allow(clippy::zombie_processes, reason = "wait4 reaps the child")]
+/// The peak resident memory (kB) of `dflash-tui ARGS`. A child started by exec from this
+/// test process is charged this process's own peak (Linux keeps the larger of the two across
+/// exec), which grows with the tests running beside it; so a small Python process starts the
+/// command and reports its reaped child's peak alone.
 fn peak_rss_kb(args: &[&str]) -> i64 {
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-tui"))
+    const MEASURE: &str = "import resource, subprocess, sys\n\
+        r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n\
+        print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)";
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(MEASURE)
+        .arg(env!("CARGO_BIN_EXE_dflash-tui"))
         .args(args)
         .env("DFLASH_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut status = 0;
-    // SAFETY: rusage is plain data that wait4 fills; the pid is our unreaped child.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-    assert_eq!(pid, child.id() as i32);
+        .output()
+        .expect("python3 (make setup needs it too)");
+    let report = String::from_utf8_lossy(&out.stdout);
+    let fields: Vec<i64> = report
+        .split_whitespace()
+        .filter_map(|f| f.parse().ok())
+        .collect();
     assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "{args:?}"
+        out.status.success() && fields.len() == 2 && fields[0] == 0,
+        "{args:?}: {report} {}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    usage.ru_maxrss
+    fields[1]
 }
 
 #[test]
