@@ -3,12 +3,14 @@
 //! every layer, the target's frozen embedding and LM head, its own final norm.
 
 mod attention;
+mod block_inputs;
 mod chunks;
 mod decode;
 mod init;
 
 pub use attention::{context_bucket, TrainAttention};
 
+use block_inputs::BlockInputs;
 use chunks::{chunked_attention, dense_block_mask, BlockAttention, KeptBlocks};
 
 use std::collections::BTreeSet;
@@ -373,10 +375,18 @@ impl Drafter {
         )
     }
 
+    /// One layer of the training forward. `inputs`: for the first layer, its input rows
+    /// `h` as their distinct rows ([`BlockInputs`]), which its input norm and projections
+    /// read instead of `h`.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one layer's inputs, each distinct"
+    )]
     fn layer_forward(
         &self,
         layer: &DecoderLayer,
         h: &Tensor,
+        inputs: Option<&BlockInputs>,
         ctx_kv: (&Tensor, &Tensor),
         block_rope: (&Tensor, &Tensor),
         attn: BlockAttention<'_>,
@@ -389,22 +399,31 @@ impl Drafter {
             c.head_dim,
             c.rms_norm_eps,
         );
-        let x = rms_norm_with(h, &layer.input_norm, eps, kernels);
+        let x = rms_norm_with(
+            inputs.map_or(h, |i| &i.rows),
+            &layer.input_norm,
+            eps,
+            kernels,
+        );
+        let spread = |t: Tensor| match inputs {
+            Some(i) => i.spread_heads(&t),
+            None => t,
+        };
         // Queries and the block's keys share the block positions.
         let (cos, sin) = block_rope;
         let q = rotate(
-            &layer.attn.queries(&x, heads, d, eps, kernels),
+            &spread(layer.attn.queries(&x, heads, d, eps, kernels)),
             cos,
             sin,
             kernels,
         );
         let k_block = rotate(
-            &layer.attn.keys(&x, kv_heads, d, eps, kernels),
+            &spread(layer.attn.keys(&x, kv_heads, d, eps, kernels)),
             cos,
             sin,
             kernels,
         );
-        let v_block = layer.attn.values(&x, kv_heads, d);
+        let v_block = spread(layer.attn.values(&x, kv_heads, d));
         let a = match attn {
             BlockAttention::Full(mask) => {
                 let k = Tensor::cat(&[ctx_kv.0, &k_block], 2);
@@ -529,14 +548,15 @@ impl Drafter {
         let (g, blocks) = anchors.size2().unwrap_or((0, 0));
 
         // Block inputs: [x[a_j], MASK, ..., MASK]
-        let first = ids
-            .reshape([-1])
-            .index_select(0, &first_at)
-            .view([g, blocks, 1]);
-        let masks = Tensor::full([g, blocks, bs - 1], c.mask_token_id(), (Kind::Int64, dev));
-        let block_ids = Tensor::cat(&[first, masks], -1).view([g, blocks * bs]);
-        let mut h =
-            Tensor::embedding(&head.embed_tokens, &block_ids, -1, false, false).to_kind(self.kind);
+        let first = ids.reshape([-1]).index_select(0, &first_at);
+        let inputs = BlockInputs::embed(
+            &head.embed_tokens,
+            &first,
+            c.mask_token_id(),
+            (g, blocks, bs),
+            self.kind,
+        );
+        let mut h = inputs.spread(&inputs.rows);
 
         // Positions: slot k of block j at a_j + k; context position p at p.
         let offsets = Tensor::arange(bs, (Kind::Int64, dev));
@@ -586,13 +606,22 @@ impl Drafter {
         } else {
             ctx
         };
-        for (layer, window) in self.layers.iter().zip(&windows) {
+        for (i, (layer, window)) in self.layers.iter().zip(&windows).enumerate() {
             let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin, kernels);
             let attn = match window {
                 Some(_) => sliding_attn,
                 None => full_attn,
             };
-            h = self.layer_forward(layer, &h, (&ck, &cv), (&q_cos, &q_sin), attn, kernels);
+            let first_inputs = (i == 0).then_some(&inputs);
+            h = self.layer_forward(
+                layer,
+                &h,
+                first_inputs,
+                (&ck, &cv),
+                (&q_cos, &q_sin),
+                attn,
+                kernels,
+            );
         }
         let out = rms_norm_with(&h, &self.norm, self.config.rms_norm_eps, kernels);
         match kept_index.filter(|_| kept.as_ref().is_some_and(|k| !k.all)) {
