@@ -4,7 +4,7 @@
 # anchors/ (copies of ../shared/anchors), bins.tar.xz (the stripped release binary, the library's and the integration tests' (it) test binaries),
 # benchdata.tar.xz (assets/bench), whl/ (FLA 0.6.0 for the anchors), debs/ (tmux), mt-bench.jsonl.
 # Every stage unpacks them into $W once, so a stage runs on a fresh machine as on a warm one.
-#   OUT=/tmp/out bash lab/gpu-targets.sh check|anchors|bench|room
+#   OUT=/tmp/out bash lab/gpu-targets.sh check|anchors|bench|ab|room
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = pack ]; then
@@ -69,6 +69,34 @@ bench)
       --trace "/tmp/trace-$p.json"
     python3 -c "import json,sys;r=json.load(open(sys.argv[1]));print('drafter_step_ms', r.get('drafter_step_ms'))" "$OUT/bench-$p.json"
     [ -f "/tmp/trace-$p.json" ] && python3 tools/trace_summary.py "/tmp/trace-$p.json" > "$OUT/trace-$p.txt" 2>&1 && head -40 "$OUT/trace-$p.txt"
+  done
+  ;;
+ab)
+  # The binary against a base one (.carry/dflash-tui-base.xz, an xz of a stripped release
+  # binary), alternating on this machine, after the GPU tests of the drafter's fused training
+  # path: PROFILE (qwen3-8b-shape), ROUNDS pairs (2), STEPS (20). One row per run.
+  [ -x "$W/base" ] || { xz -dc .carry/dflash-tui-base.xz > "$W/base" && chmod +x "$W/base"; }
+  nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+  t gpu-tests
+  timeout 240 "$W/tests/it" --ignored gpu_drafter_training_with_fused gpu_decode::fused \
+    --test-threads 1 2>&1 | grep -E "^test |test result"
+  for i in $(seq "${ROUNDS:-2}"); do
+    for which in new base; do
+      bin=$B; [ "$which" = base ] && bin=$W/base
+      run_json "ab-$which-$i" "${BENCH_S:-200}" "$bin" bench --profile "${PROFILE:-qwen3-8b-shape}" \
+        --warmup-steps 3 --steps "${STEPS:-20}" > /dev/null
+      python3 - "$OUT/ab-$which-$i.json" "$which" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    sys.exit(print(sys.argv[2], "no result"))
+d = r.get("drafter_step_ms") or {}
+ms = " / ".join(f"{d.get(k, 0):.1f}" for k in ["forward", "loss", "backward", "optimizer", "total"])
+print(f"{sys.argv[2]}: {r['samples_per_s']:.3f} samples/s, MFU {r['mfu']:.3f}, efficiency "
+      f"{r['pipeline_efficiency']:.3f}, drafter {ms} ms, alone {r.get('stage_alone_tokens_per_s')}")
+PY
+    done
   done
   ;;
 room)
