@@ -11,6 +11,7 @@
 #include "guard.h"
 
 #include <string>
+#include <vector>
 
 // The rotation of rotary position embeddings (fused_autograd.rs's `rotate_callback`): `*out` =
 // x * cos + roll(x, half) * sin, or with `inverse` the transposed rotation (its backward
@@ -149,6 +150,65 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
     }
 };
 
+// x W_i^T for several weights W_i [out_i, in] of one input x [..., in] (no biases): the
+// products of a layer's projections that read the same activations (queries, keys and values;
+// SwiGLU's gate and up). The backward pass sums the input's gradient inside the matrix
+// products (`addmm_` with beta 1 adds each product into the first's result), where autograd
+// would write every product's gradient and add them in separate passes over the activations.
+struct SharedInputLinear : public torch::autograd::Function<SharedInputLinear> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx,
+                                                  const at::Tensor &x, at::TensorList weights) {
+        torch::autograd::variable_list to_save{x};
+        torch::autograd::variable_list out;
+        // which inputs take a gradient (bit i: input i, x first)
+        int64_t wanted = x.requires_grad() ? 1 : 0;
+        for (size_t i = 0; i < weights.size(); ++i) {
+            to_save.push_back(weights[i]);
+            out.push_back(at::linear(x, weights[i]));
+            if (weights[i].requires_grad()) {
+                wanted |= int64_t{1} << (i + 1);
+            }
+        }
+        ctx->save_for_backward(to_save);
+        ctx->saved_data["wanted"] = wanted;
+        // an output without gradient costs no product in the backward pass
+        ctx->set_materialize_grads(false);
+        return out;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const at::Tensor &x = saved[0];
+        const int64_t in = x.size(-1);
+        const at::Tensor x2 = x.reshape({-1, in});
+        const int64_t wanted = ctx->saved_data["wanted"].toInt();
+        torch::autograd::variable_list result(saved.size());
+        at::Tensor dx;
+        for (size_t i = 0; i < grads.size(); ++i) {
+            if (!grads[i].defined()) {
+                continue;
+            }
+            const at::Tensor &w = saved[i + 1];
+            const at::Tensor g = grads[i].reshape({-1, w.size(0)});
+            if (wanted & 1) {
+                if (dx.defined()) {
+                    dx.addmm_(g, w);
+                } else {
+                    dx = at::mm(g, w);
+                }
+            }
+            if (wanted & (int64_t{1} << (i + 1))) {
+                result[i + 1] = at::mm(g.t(), x2);
+            }
+        }
+        if (dx.defined()) {
+            result[0] = dx.view(x.sizes());
+        }
+        return result;
+    }
+};
+
 }  // namespace
 
 extern "C" {
@@ -198,6 +258,32 @@ char *dflash_rms_norm_autograd(const at::Tensor *x, const at::Tensor *weight, do
         const std::string bytes(static_cast<const char *>(state), state_len);
         at::Tensor y = RmsNorm::apply(*x, *weight, eps, reinterpret_cast<int64_t>(fn), bytes);
         *out = new at::Tensor(std::move(y));
+        return nullptr;
+    });
+}
+
+// x W_i^T for the `n` weights `weights[i]` of one input `x`, as one node of the autograd graph
+// (SharedInputLinear). The products go to `out[0..n]`.
+char *dflash_shared_input_linear(const at::Tensor *x, const at::Tensor *const *weights, size_t n,
+                                 at::Tensor **out) {
+    return dflash_guard::guarded([&]() -> char * {
+        if (x == nullptr || weights == nullptr || out == nullptr || n == 0 || n > 62) {
+            return dflash_guard::copy_message("a null argument, or not 1 to 62 weights, was passed");
+        }
+        std::vector<at::Tensor> ws;
+        for (size_t i = 0; i < n; ++i) {
+            if (weights[i] == nullptr) {
+                return dflash_guard::copy_message("a null weight was passed");
+            }
+            if (weights[i]->dim() != 2 || weights[i]->size(1) != x->size(-1)) {
+                return dflash_guard::copy_message("a weight's shape does not fit the input's width");
+            }
+            ws.push_back(*weights[i]);
+        }
+        auto ys = SharedInputLinear::apply(*x, at::TensorList(ws));
+        for (size_t i = 0; i < n; ++i) {
+            out[i] = new at::Tensor(std::move(ys[i]));
+        }
         return nullptr;
     });
 }

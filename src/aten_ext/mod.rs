@@ -10,8 +10,11 @@
 pub mod fused;
 pub mod gdn;
 pub(crate) mod graph;
+mod linear;
 mod nvrtc;
 pub(crate) mod streams;
+
+pub use linear::shared_input_linear;
 
 use std::ffi::{c_char, c_void};
 
@@ -121,6 +124,14 @@ pub(crate) mod ffi {
             swiglu: SwiGluPass,
             state: *const c_void,
             state_len: usize,
+            out: *mut *mut c_void,
+        ) -> *mut c_char;
+        // autograd.cpp: the products of one input with `n` weights as one autograd node,
+        // into `out[0..n]`
+        pub(crate) fn dflash_shared_input_linear(
+            x: *const c_void,
+            weights: *const *const c_void,
+            n: usize,
             out: *mut *mut c_void,
         ) -> *mut c_char;
         // autograd.cpp: RMSNorm as an autograd node whose passes call `rms_norm`

@@ -7,6 +7,7 @@ use tch::{Device, Kind, Tensor};
 use super::config::TargetConfig;
 use super::slots::{SlotBatch, SlotCache};
 use crate::aten_ext::fused::{rms_norm_autograd, rotate_half, swiglu_autograd, FusedKernels};
+use crate::aten_ext::shared_input_linear;
 
 /// `weight * x / sqrt(mean(x^2) + eps)` over the last dimension, through libtorch's
 /// `rms_norm`: on a GPU one fused kernel each way (forward and backward) that accumulates in
@@ -297,13 +298,76 @@ impl AttentionWeights {
         eps: f64,
         kernels: Option<&FusedKernels>,
     ) -> Tensor {
-        let (batch, len) = (x.size()[0], x.size()[1]);
-        let y = x.linear(w, b).view([batch, len, heads, d]);
+        Self::heads_of(x.linear(w, b), norm, heads, d, eps, kernels)
+    }
+
+    /// `y` [B, L, heads * d] as heads [B, heads, L, d], each normed where `norm` is given.
+    fn heads_of(
+        y: Tensor,
+        norm: Option<&Tensor>,
+        heads: i64,
+        d: i64,
+        eps: f64,
+        kernels: Option<&FusedKernels>,
+    ) -> Tensor {
+        let (batch, len) = (y.size()[0], y.size()[1]);
+        let y = y.view([batch, len, heads, d]);
         let y = match norm {
             Some(n) => rms_norm_with(&y, n, eps, kernels),
             None => y,
         };
         y.transpose(1, 2)
+    }
+
+    /// The training forward's projections of `x` with the weights `which` picks (queries,
+    /// keys, values), normed where the layer norms them, not rotated, as
+    /// [`AttentionWeights::queries`], `keys` and `values` give them. Without biases the
+    /// products are one autograd node ([`shared_input_linear`]), whose backward pass sums x's
+    /// gradient inside the products.
+    pub(crate) fn projections_train(
+        &self,
+        x: &Tensor,
+        which: [bool; 3],
+        shape: (i64, i64, i64, f64),
+        kernels: Option<&FusedKernels>,
+    ) -> Vec<Tensor> {
+        let (heads, kv_heads, d, eps) = shape;
+        let all = [
+            (
+                &self.q_proj,
+                self.q_bias.as_ref(),
+                self.q_norm.as_ref(),
+                heads,
+            ),
+            (
+                &self.k_proj,
+                self.k_bias.as_ref(),
+                self.k_norm.as_ref(),
+                kv_heads,
+            ),
+            (&self.v_proj, self.v_bias.as_ref(), None, kv_heads),
+        ];
+        let picked: Vec<_> = all
+            .iter()
+            .zip(which)
+            .filter_map(|(p, on)| on.then_some(*p))
+            .collect();
+        let weights: Vec<&Tensor> = picked.iter().map(|p| p.0).collect();
+        let shared = picked
+            .iter()
+            .all(|p| p.1.is_none())
+            .then(|| shared_input_linear(x, &weights))
+            .and_then(|r| {
+                r.map_err(|e| log::warn!("shared-input projections failed ({e:#}); linear's"))
+                    .ok()
+            });
+        let products =
+            shared.unwrap_or_else(|| picked.iter().map(|(w, b, _, _)| x.linear(w, *b)).collect());
+        products
+            .into_iter()
+            .zip(&picked)
+            .map(|(y, (_, _, norm, h))| Self::heads_of(y, *norm, *h, d, eps, kernels))
+            .collect()
     }
 
     /// The queries [B, heads, L, d], normed (the norm on `kernels` where given: a training
@@ -568,19 +632,32 @@ impl Mlp {
         Ok(gated.linear::<&Tensor>(&self.down_proj, None))
     }
 
-    /// [`Mlp::forward`] of a training forward: with `kernels` on x's device (and gate and up
-    /// separate weights, as a drafter's are), SwiGLU's product is one autograd node whose
-    /// passes are one kernel each ([`swiglu_autograd`]); else libtorch's operations.
+    /// [`Mlp::forward`] of a training forward (gate and up separate weights, as a drafter's
+    /// are): gate and up as one autograd node ([`shared_input_linear`], whose backward pass sums
+    /// x's gradient inside the products), and with `kernels` on x's device SwiGLU's product as
+    /// one node whose passes are one kernel each ([`swiglu_autograd`]); else libtorch's
+    /// operations.
     pub(crate) fn forward_train(&self, x: &Tensor, kernels: Option<&FusedKernels>) -> Tensor {
-        let Some(k) = kernels.filter(|k| k.device() == x.device() && self.fused.is_none()) else {
+        if self.fused.is_some() {
             return self.forward(x);
-        };
-        let gate = x.linear::<&Tensor>(&self.gate_proj, None);
-        let up = x.linear::<&Tensor>(&self.up_proj, None);
-        let gated = swiglu_autograd(&gate, &up, Some(k)).unwrap_or_else(|e| {
-            log::warn!("the fused SwiGLU failed ({e:#}); libtorch's operations");
-            gate.silu() * &up
+        }
+        let both = shared_input_linear(x, &[&self.gate_proj, &self.up_proj])
+            .map_err(|e| log::warn!("the shared-input gate and up failed ({e:#}); linear's"))
+            .ok()
+            .and_then(|v| <[Tensor; 2]>::try_from(v).ok());
+        let [gate, up] = both.unwrap_or_else(|| {
+            [
+                x.linear::<&Tensor>(&self.gate_proj, None),
+                x.linear::<&Tensor>(&self.up_proj, None),
+            ]
         });
+        let gated = match kernels.filter(|k| k.device() == x.device()) {
+            Some(k) => swiglu_autograd(&gate, &up, Some(k)).unwrap_or_else(|e| {
+                log::warn!("the fused SwiGLU failed ({e:#}); libtorch's operations");
+                gate.silu() * &up
+            }),
+            None => gate.silu() * &up,
+        };
         gated.linear::<&Tensor>(&self.down_proj, None)
     }
 

@@ -411,19 +411,17 @@ impl Drafter {
         };
         // Queries and the block's keys share the block positions.
         let (cos, sin) = block_rope;
-        let q = rotate(
-            &spread(layer.attn.queries(&x, heads, d, eps, kernels)),
-            cos,
-            sin,
+        let Ok([q, k_block, v_block]) = <[Tensor; 3]>::try_from(layer.attn.projections_train(
+            &x,
+            [true, true, true],
+            (heads, kv_heads, d, eps),
             kernels,
-        );
-        let k_block = rotate(
-            &spread(layer.attn.keys(&x, kv_heads, d, eps, kernels)),
-            cos,
-            sin,
-            kernels,
-        );
-        let v_block = spread(layer.attn.values(&x, kv_heads, d));
+        )) else {
+            unreachable!("three projections asked for, three made")
+        };
+        let q = rotate(&spread(q), cos, sin, kernels);
+        let k_block = rotate(&spread(k_block), cos, sin, kernels);
+        let v_block = spread(v_block);
         let a = match attn {
             BlockAttention::Full(mask) => {
                 let k = Tensor::cat(&[ctx_kv.0, &k_block], 2);
@@ -452,12 +450,21 @@ impl Drafter {
         kernels: Option<&FusedKernels>,
     ) -> (Tensor, Tensor) {
         let c = &self.config;
-        let (kv_heads, d) = (c.num_key_value_heads, c.head_dim);
-        let k = layer.attn.keys(ctx, kv_heads, d, c.rms_norm_eps, kernels);
-        (
-            rotate(&k, cos, sin, kernels),
-            layer.attn.values(ctx, kv_heads, d),
-        )
+        let shape = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+        );
+        let Ok([k, v]) = <[Tensor; 2]>::try_from(layer.attn.projections_train(
+            ctx,
+            [false, true, true],
+            shape,
+            kernels,
+        )) else {
+            unreachable!("two projections asked for, two made")
+        };
+        (rotate(&k, cos, sin, kernels), v)
     }
 
     /// The formulation [`Drafter::forward_train`] uses (default: chunked, automatic size).
