@@ -72,17 +72,20 @@ bench)
   done
   ;;
 ab)
-  # The binary against a base one (.carry/dflash-tui-base.xz, an xz of a stripped release
-  # binary), alternating on this machine, after the GPU tests of the drafter's fused training
-  # path: PROFILE (qwen3-8b-shape), ROUNDS pairs (2), STEPS (20). One row per run.
-  [ -x "$W/base" ] || { xz -dc .carry/dflash-tui-base.xz > "$W/base" && chmod +x "$W/base"; }
+  # The binary against other ones (VARIANTS, default "base": .carry/dflash-tui-NAME.xz, xz of
+  # stripped release binaries), alternating on this machine, after the GPU tests of the
+  # drafter's fused training path: PROFILE (qwen3-8b-shape), ROUNDS rounds (2), STEPS (20). One
+  # row per run.
+  for v in ${VARIANTS:-base}; do
+    [ -x "$W/$v" ] || { xz -dc ".carry/dflash-tui-$v.xz" > "$W/$v" && chmod +x "$W/$v"; }
+  done
   nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
   t gpu-tests
   timeout 240 "$W/tests/it" --ignored gpu_drafter_training_with_fused gpu_decode::fused \
     --test-threads 1 2>&1 | grep -E "^test |test result"
   for i in $(seq "${ROUNDS:-2}"); do
-    for which in new base; do
-      bin=$B; [ "$which" = base ] && bin=$W/base
+    for which in new ${VARIANTS:-base}; do
+      bin=$B; [ "$which" = new ] || bin=$W/$which
       run_json "ab-$which-$i" "${BENCH_S:-200}" "$bin" bench --profile "${PROFILE:-qwen3-8b-shape}" \
         --warmup-steps 3 --steps "${STEPS:-20}" > /dev/null
       python3 - "$OUT/ab-$which-$i.json" "$which" <<'PY'

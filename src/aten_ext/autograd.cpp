@@ -37,6 +37,17 @@ typedef int (*dflash_rms_norm_fn)(const void *state, const at::Tensor *x,
                                   at::Tensor **out0, at::Tensor **out1, char *msg,
                                   size_t msg_len);
 
+// A layer's residual sum and its RMSNorm (fused_rms_norm.rs's `add_rms_norm_callback`):
+// forward (`grad` null), `*out0` = s = h + a and `*out1` = rms_norm(s) * weight from `x0` = h
+// and `x1` = a; backward, from `x0` = s, `x1` = the gradient of s (or null where s has none)
+// and `grad` = that of the norm's output: `*out0` = the gradient of s's inputs (the norm's
+// backward pass plus s's own gradient), `*out1` = that of the weight. Returns 0, or else writes
+// a message to `msg` as dflash_rotate_fn does.
+typedef int (*dflash_add_rms_norm_fn)(const void *state, const at::Tensor *x0,
+                                      const at::Tensor *x1, const at::Tensor *weight,
+                                      const at::Tensor *grad, double eps, at::Tensor **out0,
+                                      at::Tensor **out1, char *msg, size_t msg_len);
+
 namespace {
 
 // A tensor the Rust side returned through an out-pointer, taken over.
@@ -150,6 +161,50 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
     }
 };
 
+// (s, y) = (h + a, rms_norm(h + a, weight)): the backward pass needs s (an output, saved as
+// such) and the weight; both inputs take the same gradient, the norm's input gradient plus s's
+// own, summed in the norm's backward kernel where autograd would add them in a pass of its own.
+struct AddRmsNorm : public torch::autograd::Function<AddRmsNorm> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx,
+                                                  const at::Tensor &h, const at::Tensor &a,
+                                                  const at::Tensor &weight, double eps,
+                                                  int64_t fn, const std::string &state) {
+        char msg[512] = {0};
+        at::Tensor *sum = nullptr, *y = nullptr;
+        const int status = reinterpret_cast<dflash_add_rms_norm_fn>(fn)(
+            state.data(), &h, &a, &weight, nullptr, eps, &sum, &y, msg, sizeof msg);
+        TORCH_CHECK(status == 0 && sum != nullptr && y != nullptr, "residual RMSNorm: ", msg);
+        at::Tensor s = take(sum);
+        ctx->save_for_backward({s, weight});
+        ctx->saved_data["eps"] = eps;
+        ctx->saved_data["fn"] = fn;
+        ctx->saved_data["state"] = state;
+        ctx->set_materialize_grads(false);
+        return {s, take(y)};
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const at::Tensor &ds = grads[0];
+        const at::Tensor &dy = grads[1];
+        if (!dy.defined()) {
+            return {ds, ds, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        }
+        const auto saved = ctx->get_saved_variables();
+        const auto fn = reinterpret_cast<dflash_add_rms_norm_fn>(ctx->saved_data["fn"].toInt());
+        const std::string &state = ctx->saved_data["state"].toStringRef();
+        const double eps = ctx->saved_data["eps"].toDouble();
+        char msg[512] = {0};
+        at::Tensor *dx = nullptr, *dw = nullptr;
+        const int status = fn(state.data(), &saved[0], ds.defined() ? &ds : nullptr, &saved[1],
+                              &dy, eps, &dx, &dw, msg, sizeof msg);
+        TORCH_CHECK(status == 0 && dx != nullptr && dw != nullptr,
+                    "residual RMSNorm backward: ", msg);
+        at::Tensor d = take(dx);
+        return {d, d, take(dw), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
 // x W_i^T for several weights W_i [out_i, in] of one input x [..., in] (no biases): the
 // products of a layer's projections that read the same activations (queries, keys and values;
 // SwiGLU's gate and up). The backward pass sums the input's gradient inside the matrix
@@ -258,6 +313,26 @@ char *dflash_rms_norm_autograd(const at::Tensor *x, const at::Tensor *weight, do
         const std::string bytes(static_cast<const char *>(state), state_len);
         at::Tensor y = RmsNorm::apply(*x, *weight, eps, reinterpret_cast<int64_t>(fn), bytes);
         *out = new at::Tensor(std::move(y));
+        return nullptr;
+    });
+}
+
+// (h + a, rms_norm(h + a) * weight) over the last dimension as one node of the autograd graph,
+// computed by `fn` with `state` as dflash_rotary_autograd's. The sum goes to `out[0]`, the
+// norm's output to `out[1]`.
+char *dflash_add_rms_norm_autograd(const at::Tensor *h, const at::Tensor *a,
+                                   const at::Tensor *weight, double eps,
+                                   dflash_add_rms_norm_fn fn, const void *state,
+                                   size_t state_len, at::Tensor **out) {
+    return dflash_guard::guarded([&]() -> char * {
+        if (h == nullptr || a == nullptr || weight == nullptr || fn == nullptr ||
+            out == nullptr) {
+            return dflash_guard::copy_message("a null argument was passed");
+        }
+        const std::string bytes(static_cast<const char *>(state), state_len);
+        auto ys = AddRmsNorm::apply(*h, *a, *weight, eps, reinterpret_cast<int64_t>(fn), bytes);
+        out[0] = new at::Tensor(std::move(ys[0]));
+        out[1] = new at::Tensor(std::move(ys[1]));
         return nullptr;
     });
 }

@@ -77,6 +77,7 @@ pub struct FusedKernels {
     sigmoid_gate_mul: [cu::CUfunction; 3],
     adamw_step: [cu::CUfunction; 3],
     rms_norm_backward: [cu::CUfunction; 3],
+    add_rms_norm: [cu::CUfunction; 3],
     /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
     moe_topk: [cu::CUfunction; 2],
     moe_group_count: cu::CUfunction,
@@ -107,7 +108,7 @@ impl FusedKernels {
         let (
             module,
             (
-                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul, adamw_step, rms_norm_backward],
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul, adamw_step, rms_norm_backward, add_rms_norm],
                 [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
             ),
         ) = KernelModule::load(
@@ -115,7 +116,7 @@ impl FusedKernels {
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<([Functions; 13], [cu::CUfunction; 5])> {
+            |module| -> Result<([Functions; 14], [cu::CUfunction; 5])> {
                 // SAFETY (both): the module was just loaded in the current context.
                 let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
@@ -140,6 +141,7 @@ impl FusedKernels {
                         set("sigmoid_gate_mul")?,
                         set("adamw_step")?,
                         set("rms_norm_backward")?,
+                        set("add_rms_norm")?,
                     ],
                     [
                         one("moe_topk_256")?,
@@ -166,6 +168,7 @@ impl FusedKernels {
             sigmoid_gate_mul,
             adamw_step,
             rms_norm_backward,
+            add_rms_norm,
             moe_topk: [moe_topk_256, moe_topk_1024],
             moe_group_count,
             moe_group_offsets,
@@ -496,7 +499,7 @@ pub use adamw::{AdamWSlices, AdamWStepRates};
 pub use attention::GatedHeads;
 pub use autograd::{rotary_autograd, rotate_half, swiglu_autograd};
 pub use moe::{MoeGroups, MOE_MAX_EXPERTS};
-pub use rms_norm::rms_norm_autograd;
+pub use rms_norm::{add_rms_norm_autograd, rms_norm_autograd};
 
 #[cfg(test)]
 mod tests {
@@ -526,6 +529,7 @@ mod tests {
             "sigmoid_gate_mul",
             "adamw_step",
             "rms_norm_backward",
+            "add_rms_norm",
         ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
@@ -584,11 +588,16 @@ mod tests {
                 [ptr, ptr, ptr, ptr, ptr, 8, ptr, 24]
             );
         }
-        // rms_norm_backward (fused_rms_norm.rs): x, weight, grad, dx, the partial sums, the
-        // 64-bit rows, width, eps, row_threads
+        // rms_norm_backward (fused_rms_norm.rs): x, weight, grad, the residual's gradient, dx,
+        // the partial sums, the 64-bit rows, width, eps, row_threads; add_rms_norm: h, a, the
+        // scale, s, y, the 64-bit rows, width, eps, row_threads
         for kind in ["bf16", "f16", "f32"] {
             assert_eq!(
                 sizes(&format!("rms_norm_backward_{kind}")),
+                [ptr, ptr, ptr, ptr, ptr, ptr, 8, 4, 4, 4]
+            );
+            assert_eq!(
+                sizes(&format!("add_rms_norm_{kind}")),
                 [ptr, ptr, ptr, ptr, ptr, 8, 4, 4, 4]
             );
         }

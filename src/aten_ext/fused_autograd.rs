@@ -151,20 +151,32 @@ pub(super) fn apply_node(
     kernels: Option<&FusedKernels>,
     call: impl FnOnce(*const c_void, usize, *mut *mut c_void) -> *mut c_char,
 ) -> Result<Tensor> {
+    let [out] = apply_node_outputs(what, kernels, call)?;
+    Ok(out)
+}
+
+/// [`apply_node`] for a node of `N` outputs: `call` writes them to the `N` slots its last
+/// argument points to.
+pub(super) fn apply_node_outputs<const N: usize>(
+    what: &str,
+    kernels: Option<&FusedKernels>,
+    call: impl FnOnce(*const c_void, usize, *mut *mut c_void) -> *mut c_char,
+) -> Result<[Tensor; N]> {
     let state: Option<FusedKernels> = kernels.copied();
-    let mut out: *mut c_void = std::ptr::null_mut();
+    let mut out: [*mut c_void; N] = [std::ptr::null_mut(); N];
     let err = call(
         (&state as *const Option<FusedKernels>).cast(),
         std::mem::size_of::<Option<FusedKernels>>(),
-        &mut out,
+        out.as_mut_ptr(),
     );
-    // SAFETY: `err` is the shim's message or null; `out` a new tensor where it is not null.
+    // SAFETY: `err` is the shim's message or null; each slot of `out` a new tensor where it is
+    // not null, taken over once.
     unsafe {
         check(err)?;
-        if out.is_null() {
+        if out.iter().any(|p| p.is_null()) {
             bail!("{what} returned no tensor");
         }
-        Ok(Tensor::from_ptr(out.cast()))
+        Ok(out.map(|p| Tensor::from_ptr(p.cast())))
     }
 }
 
@@ -255,14 +267,14 @@ unsafe extern "C" fn rotate_callback(
 }
 
 /// A live `at::Tensor` of the C++ side as a tch tensor (a shallow copy).
-unsafe fn borrowed(t: *const c_void) -> Tensor {
+pub(super) unsafe fn borrowed(t: *const c_void) -> Tensor {
     Tensor::clone_from_ptr(t.cast_mut().cast())
 }
 
 /// Runs one pass of a node for the C++ side: the tensors `pass` returns go to `outs` (taken over
 /// by the C++ side); a panic becomes status 1 and its message in `msg` (at most `msg.1` bytes
 /// with the terminating zero), so that nothing unwinds into C++.
-unsafe fn guarded_pass(
+pub(super) unsafe fn guarded_pass(
     outs: &[*mut *mut c_void],
     msg: (*mut c_char, usize),
     pass: impl FnOnce() -> Vec<Tensor>,

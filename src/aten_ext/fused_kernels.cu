@@ -14,7 +14,11 @@
 //   chunk of logits in one kernel, in place, where libtorch runs about seven over the chunk.
 // rms_norm_backward (training): RMSNorm's backward pass as an autograd node's (the forward is
 //   scaled_rms_norm): the input's gradient and partial sums of the weight's in one pass over
-//   the input and the output's gradient, where libtorch's two kernels read both twice.
+//   the input and the output's gradient, where libtorch's two kernels read both twice;
+//   optionally with the residual stream's gradient added in the same pass.
+// add_rms_norm (training): a layer's residual sum and the RMSNorm of it in one pass, s = h + a
+//   and y = rms_norm(s) * w, where libtorch runs an addition and the norm (and its backward
+//   pass then sums the residual's two gradients in a third).
 // adamw_step (training): one parameter's AdamW step from its gradient where the backward pass
 //   left it (in the storage type), the float32 master weight and moments updated and the new
 //   weight rounded into the parameter in the same pass, where libtorch's path copies every
@@ -391,6 +395,59 @@ static __device__ void scaled_rms_norm(const typename P::T *__restrict__ x, RowL
     }
 }
 
+// s = round(h + a) over a row, N elements at a time, into `s`; this thread's part of the sum
+// of squares of the rounded sums.
+template <class P, int N>
+static __device__ __forceinline__ float add_row(const typename P::T *h, const typename P::T *a,
+                                                typename P::T *s, int width, int lane,
+                                                int row_threads) {
+    float squares = 0.0f;
+    for (int j = lane * N; j < width; j += row_threads * N) {
+        float v[N], b[N];
+        load_n<P, N>(h + j, v);
+        load_n<P, N>(a + j, b);
+        for (int t = 0; t < N; ++t) {
+            v[t] = P::load(P::store(v[t] + b[t]));
+            squares += v[t] * v[t];
+        }
+        store_n<P, N>(s + j, v);
+    }
+    return squares;
+}
+
+// The residual sum and its RMSNorm: dense `h`, `a` [rows, width] -> dense `s` = round(h + a)
+// and `y` = s * rsqrt(mean(s^2) + eps) * scale in float32, rounded once (`scale` float32
+// [width]): libtorch's addition, then its rms_norm. Launched as scaled_rms_norm; each thread
+// reads back only the elements of `s` it wrote.
+template <class P>
+static __device__ void add_rms_norm(const typename P::T *__restrict__ h,
+                                    const typename P::T *__restrict__ a,
+                                    const float *__restrict__ scale, typename P::T *s,
+                                    typename P::T *__restrict__ y, long long rows, int width,
+                                    float eps, int row_threads) {
+    typedef typename P::T T;
+    const int VEC = 16 / sizeof(T);
+    const long long row = norm_row(row_threads);
+    const int lane = threadIdx.x % row_threads;
+    if (row >= rows) {
+        return;   // a whole warp (a block per row has no row past the end)
+    }
+    const T *hr = h + row * width;
+    const T *ar = a + row * width;
+    T *sr = s + row * width;
+    T *yr = y + row * width;
+    const bool vectors = width % VEC == 0 && aligned16(hr) && aligned16(ar) && aligned16(sr) &&
+                         aligned16(yr);
+    const float squares = vectors ? add_row<P, VEC>(hr, ar, sr, width, lane, row_threads)
+                                  : add_row<P, 1>(hr, ar, sr, width, lane, row_threads);
+    const float rstd = rsqrtf(row_sum(squares, row_threads) / (float)width + eps);
+    if (vectors) {
+        scaled_rms_norm_row<P, VEC>(sr, scale, yr, width, rstd, lane, row_threads);
+    } else {
+        scaled_rms_norm_row<P, 1>(sr, scale, yr, width, rstd, lane, row_threads);
+    }
+}
+
 template <class P, int N>
 static __device__ __forceinline__ void gated_rms_norm_row(const typename P::T *x,
                                                           const typename P::T *z,
@@ -443,7 +500,9 @@ static __device__ void gated_rms_norm(const typename P::T *__restrict__ x, RowLa
 // [rows, width] with the output's gradient `g` (dense, the same shape) and `w` [width] of the
 // storage type: `dx` = rstd * (g w - x rstd^2 mean(g w x)), in float32, rounded once; and the
 // weight's gradient sum over rows of g * (x rstd) in float32, per (block, row group) into
-// `dw_part` [gridDim.x * groups, width] (the caller sums it). One pass over x and g: each
+// `dw_part` [gridDim.x * groups, width] (the caller sums it). Where `r` (dense, x's shape) is
+// not null, dx also adds it before its rounding: the gradient of a residual stream that x
+// continues (add_rms_norm's s). One pass over x and g: each
 // thread holds its RMS_BWD_VECTORS 16-byte vectors of the row (columns lane * VEC + k *
 // row_threads * VEC) from the sums to the writes, and the weight's gradient of its columns over
 // every row it takes. `row_threads`: a power of two up to 32 (rows of a warp's lanes), or the
@@ -484,6 +543,7 @@ template <class P>
 static __device__ void rms_norm_backward(const typename P::T *__restrict__ x,
                                          const typename P::T *__restrict__ w,
                                          const typename P::T *__restrict__ g,
+                                         const typename P::T *__restrict__ r,
                                          typename P::T *__restrict__ dx,
                                          float *__restrict__ dw_part, long long rows, int width,
                                          float eps, int row_threads) {
@@ -540,6 +600,13 @@ static __device__ void rms_norm_backward(const typename P::T *__restrict__ x,
                     const float gf = P::load(ge[t]);
                     out[t] = rstd * (gf * P::load(we[t]) - xh * mean_gwxh);
                     acc[k][t] += gf * xh;
+                }
+                if (r != nullptr) {
+                    float res[16 / sizeof(T)];
+                    load_n<P, 16 / sizeof(T)>(r + row * width + j, res);
+                    for (int t = 0; t < VEC; ++t) {
+                        out[t] += res[t];
+                    }
                 }
                 store_n<P, 16 / sizeof(T)>(dx + row * width + j, out);
             }
@@ -1478,9 +1545,14 @@ static __device__ void adamw_step(const typename P::T *__restrict__ grad,
         gated_rms_norm<P>(x, xl, z, zl, w, out, rows, width, eps, row_threads);              \
     }                                                                                        \
     extern "C" __global__ void rms_norm_backward_##SUFFIX(                                   \
-        const P::T *x, const P::T *w, const P::T *g, P::T *dx, float *dw_part, long long rows, \
+        const P::T *x, const P::T *w, const P::T *g, const P::T *r, P::T *dx, float *dw_part, \
+        long long rows, int width, float eps, int row_threads) {                             \
+        rms_norm_backward<P>(x, w, g, r, dx, dw_part, rows, width, eps, row_threads);        \
+    }                                                                                        \
+    extern "C" __global__ void add_rms_norm_##SUFFIX(                                        \
+        const P::T *h, const P::T *a, const float *scale, P::T *s, P::T *y, long long rows,  \
         int width, float eps, int row_threads) {                                             \
-        rms_norm_backward<P>(x, w, g, dx, dw_part, rows, width, eps, row_threads);           \
+        add_rms_norm<P>(h, a, scale, s, y, rows, width, eps, row_threads);                   \
     }                                                                                        \
     extern "C" __global__ void gdn_gates_##SUFFIX(                                           \
         const P::T *a, const P::T *b, long long row_stride, int heads, long long rows,       \

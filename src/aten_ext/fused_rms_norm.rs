@@ -14,7 +14,7 @@ use tch::{Kind, Tensor};
 
 use super::super::ffi;
 use super::super::nvrtc::{arg, kind_index};
-use super::autograd::{apply_node, two_input_pass};
+use super::autograd::{apply_node, apply_node_outputs, borrowed, guarded_pass, two_input_pass};
 use super::FusedKernels;
 
 /// The 16-byte vectors of a row each thread of `rms_norm_backward` holds (the kernel's
@@ -62,11 +62,15 @@ impl FusedKernels {
     /// type on this device: the gradients of x (x's shape) and of the weight ([width], summed
     /// over rows in float32, then rounded). What libtorch's two backward kernels compute, up to
     /// the order of the float sums, in one pass over x and the gradient.
+    ///
+    /// With `residual` (dense, x's shape and type), x's gradient also adds it, in the same pass:
+    /// the gradient of a residual stream that x continues ([`add_rms_norm_autograd`]).
     pub fn rms_norm_backward(
         &self,
         x: &Tensor,
         weight: &Tensor,
         grad: &Tensor,
+        residual: Option<&Tensor>,
         eps: f64,
     ) -> Result<(Tensor, Tensor)> {
         let (which, rows, width) = self.norm_rows("the norm's input", x)?;
@@ -81,8 +85,18 @@ impl FusedKernels {
             grad.size(),
             weight.size()
         );
+        if let Some(r) = residual {
+            self.check("the residual's gradient", r, kind)?;
+            ensure!(
+                r.size() == x.size(),
+                "fused kernels: a residual gradient {:?} for x {:?}",
+                r.size(),
+                x.size()
+            );
+        }
         let aligned = [x, weight, grad]
-            .iter()
+            .into_iter()
+            .chain(residual)
             .all(|t| (t.data_ptr() as usize).is_multiple_of(16));
         let multiprocessors = i64::from(self.module.multiprocessors());
         let launch = rms_backward_launch(
@@ -102,10 +116,11 @@ impl FusedKernels {
         let (blocks, threads, mut row_threads) = launch;
         let partial_rows = i64::from(blocks) * i64::from(threads / row_threads as u32);
         let partial = Tensor::empty([partial_rows, width], (Kind::Float, x.device()));
-        let (mut xp, mut wp, mut gp, mut dp, mut pp) = (
+        let (mut xp, mut wp, mut gp, mut rp, mut dp, mut pp) = (
             x.data_ptr(),
             weight.data_ptr(),
             grad.data_ptr(),
+            residual.map_or(std::ptr::null_mut(), |r| r.data_ptr()),
             dx.data_ptr(),
             partial.data_ptr(),
         );
@@ -118,6 +133,7 @@ impl FusedKernels {
                 arg(&mut xp),
                 arg(&mut wp),
                 arg(&mut gp),
+                arg(&mut rp),
                 arg(&mut dp),
                 arg(&mut pp),
                 arg(&mut r),
@@ -130,6 +146,65 @@ impl FusedKernels {
             .sum_dim_intlist([0i64].as_slice(), false, Kind::Float)
             .to_kind(weight.kind());
         Ok((dx, dw))
+    }
+
+    /// `s = h + a` and `y = s.rms_norm([width], weight, eps)` of dense `h`, `a` [..., width]
+    /// (one storage type, on this device) with `scale` the weight as float32 [width]: what
+    /// libtorch's addition and rms_norm compute (s rounded, the norm in float32 and rounded once),
+    /// up to the order of the float sum, in one pass.
+    pub fn add_rms_norm(
+        &self,
+        h: &Tensor,
+        a: &Tensor,
+        scale: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let (which, rows, width) = self.norm_rows("the residual norm's input", h)?;
+        let kind = h.kind();
+        self.check("the residual", h, kind)?;
+        self.check("the residual's addend", a, kind)?;
+        self.check("the norm's scale", scale, Kind::Float)?;
+        ensure!(
+            a.size() == h.size()
+                && h.is_contiguous()
+                && a.is_contiguous()
+                && scale.numel() as i64 == width,
+            "fused kernels: a residual norm of dense h {:?} and a {:?} with a scale of {}",
+            h.size(),
+            a.size(),
+            scale.numel()
+        );
+        let (s, y) = (h.empty_like(), h.empty_like());
+        if rows == 0 {
+            return Ok((s, y));
+        }
+        let (blocks, threads, mut row_threads) =
+            super::norms::norm_launch(rows, width, kind.elt_size_in_bytes() as i64);
+        let (mut hp, mut ap, mut cp, mut sp, mut yp) = (
+            h.data_ptr(),
+            a.data_ptr(),
+            scale.data_ptr(),
+            s.data_ptr(),
+            y.data_ptr(),
+        );
+        let (mut r, mut w, mut e) = (rows, width as c_int, eps as f32);
+        self.module.launch(
+            self.add_rms_norm[which],
+            (blocks, 1),
+            threads,
+            &mut [
+                arg(&mut hp),
+                arg(&mut ap),
+                arg(&mut cp),
+                arg(&mut sp),
+                arg(&mut yp),
+                arg(&mut r),
+                arg(&mut w),
+                arg(&mut e),
+                arg(&mut row_threads),
+            ],
+        )?;
+        Ok((s, y))
     }
 }
 
@@ -155,6 +230,124 @@ pub fn rms_norm_autograd(
                 out,
             )
         }
+    })
+}
+
+/// `(s, y) = (h + a, s.rms_norm([width], weight, eps))` over the last dimension (h, a the same
+/// shape, `weight` [width]) as one autograd node: on `kernels`' device one kernel each way (the
+/// backward pass adds s's own gradient to the norm's input gradient in the same pass, where
+/// autograd would sum them in a pass of its own); elsewhere (or where they refuse the tensors)
+/// libtorch's operations. A layer's residual stream: s goes on to the next residual sum, y
+/// into the layer's next block.
+pub fn add_rms_norm_autograd(
+    h: &Tensor,
+    a: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    kernels: Option<&FusedKernels>,
+) -> Result<(Tensor, Tensor)> {
+    let [s, y] = apply_node_outputs("the residual RMSNorm", kernels, |state, len, out| {
+        // SAFETY: live tensors (see apply_node_outputs)
+        unsafe {
+            ffi::dflash_add_rms_norm_autograd(
+                h.as_ptr().cast(),
+                a.as_ptr().cast(),
+                weight.as_ptr().cast(),
+                eps,
+                add_rms_norm_callback,
+                state,
+                len,
+                out,
+            )
+        }
+    })?;
+    Ok((s, y))
+}
+
+/// One pass of the residual norm node: forward `[s, y]` from h and a; backward `[dx, dw]`
+/// from s, s's own gradient (where it has one) and y's; the kernels where they take the
+/// tensors, else libtorch's operations.
+fn add_rms_norm_pass(
+    kernels: Option<&FusedKernels>,
+    x0: &Tensor,
+    x1: Option<&Tensor>,
+    weight: &Tensor,
+    grad: Option<&Tensor>,
+    eps: f64,
+) -> Vec<Tensor> {
+    let on_kernels =
+        kernels.filter(|k| k.device() == x0.device() && kind_index(x0.kind()).is_some());
+    if let Some(k) = on_kernels {
+        let done = match (grad, x1) {
+            (None, Some(a)) => k
+                .add_rms_norm(&dense(x0), &dense(a), &weight.to_kind(Kind::Float), eps)
+                .map(|(s, y)| vec![s, y]),
+            (None, None) => Err(anyhow!("a residual norm's forward pass without its addend")),
+            (Some(g), r) => {
+                let r = r.map(dense);
+                k.rms_norm_backward(&dense(x0), &dense(weight), &dense(g), r.as_ref(), eps)
+                    .map(|(dx, dw)| vec![dx, dw])
+            }
+        };
+        match done {
+            Ok(out) => return out,
+            Err(e) => {
+                log::debug!("residual RMSNorm kernels refused ({e:#}); libtorch's operations")
+            }
+        }
+    }
+    let width = x0.size().last().copied().unwrap_or(0);
+    match grad {
+        None => {
+            let s = match x1 {
+                Some(a) => x0 + a,
+                None => x0.shallow_clone(),
+            };
+            let y = s.rms_norm([width], Some(weight), eps);
+            vec![s, y]
+        }
+        Some(g) => {
+            let (dx, dw) = rms_norm_backward_reference(x0, weight, g, eps);
+            let dx = match x1 {
+                Some(r) => dx + r,
+                None => dx,
+            };
+            vec![dx, dw]
+        }
+    }
+}
+
+/// The residual norm node's passes (autograd.cpp's `dflash_add_rms_norm_fn`); `grad` null for
+/// the forward.
+#[allow(clippy::too_many_arguments)]
+unsafe extern "C" fn add_rms_norm_callback(
+    state: *const c_void,
+    x0: *const c_void,
+    x1: *const c_void,
+    weight: *const c_void,
+    grad: *const c_void,
+    eps: f64,
+    out0: *mut *mut c_void,
+    out1: *mut *mut c_void,
+    msg: *mut c_char,
+    msg_len: usize,
+) -> c_int {
+    guarded_pass(&[out0, out1], (msg, msg_len), || {
+        // SAFETY: `state` holds the bytes of an Option<FusedKernels> (apply_node_outputs); the
+        // tensors are live `at::Tensor`s (x1 and grad may be null), shallow-copied here.
+        let kernels: Option<FusedKernels> = std::ptr::read_unaligned(state.cast());
+        let x0 = borrowed(x0);
+        let x1 = (!x1.is_null()).then(|| borrowed(x1));
+        let weight = borrowed(weight);
+        let grad = (!grad.is_null()).then(|| borrowed(grad));
+        add_rms_norm_pass(
+            kernels.as_ref(),
+            &x0,
+            x1.as_ref(),
+            &weight,
+            grad.as_ref(),
+            eps,
+        )
     })
 }
 
@@ -184,7 +377,7 @@ fn rms_norm_pass(
                 .scaled_rms_norm(&x, &weight.to_kind(Kind::Float), eps)
                 .map(|y| vec![y]),
             Some(g) => k
-                .rms_norm_backward(&x, &dense(weight), &dense(g), eps)
+                .rms_norm_backward(&x, &dense(weight), &dense(g), None, eps)
                 .map(|(dx, dw)| vec![dx, dw]),
         };
         match done {
@@ -295,6 +488,44 @@ mod tests {
         assert!(dw32
             .to_kind(Kind::Double)
             .allclose(&want_dw, 1e-5, 1e-5, false));
+    }
+
+    /// On the CPU (libtorch's operations in the node's passes): the residual norm node's
+    /// outputs are `h + a` and its `rms_norm`, and the gradients of h, a and the weight are
+    /// what autograd takes through them (float64), with s's own gradient and without it.
+    #[test]
+    fn the_residual_node_computes_the_sum_its_norm_and_their_gradients() {
+        tch::manual_seed(12);
+        let opts = (Kind::Double, Device::Cpu);
+        let leaf = |shape: &[i64]| Tensor::randn(shape, opts).set_requires_grad(true);
+        let (h, a) = (leaf(&[2, 5, 16]), leaf(&[2, 5, 16]));
+        let w = (Tensor::randn([16], opts) * 0.3 + 1.0).set_requires_grad(true);
+        let (gs, gy) = (
+            Tensor::randn([2, 5, 16], opts),
+            Tensor::randn([2, 5, 16], opts),
+        );
+        let (s, y) = add_rms_norm_autograd(&h, &a, &w, 1e-6, None).unwrap();
+        let want_s = &h + &a;
+        let want_y = want_s.rms_norm([16], Some(&w), 1e-6);
+        assert!(s.allclose(&want_s, 0.0, 0.0, false), "the sum");
+        assert!(y.allclose(&want_y, 0.0, 0.0, false), "the norm");
+        for with_sum in [true, false] {
+            let grads = |s: &Tensor, y: &Tensor| {
+                let mut loss = (y * &gy).sum(Kind::Double);
+                if with_sum {
+                    loss += (s * &gs).sum(Kind::Double);
+                }
+                Tensor::run_backward(&[loss], &[&h, &a, &w], true, false)
+            };
+            let got = grads(&s, &y);
+            let want = grads(&want_s, &want_y);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g.allclose(w, 1e-12, 1e-12, false),
+                    "gradient {i}, sum used {with_sum}"
+                );
+            }
+        }
     }
 
     /// The launch: heads of 128 bf16 take 16 lanes a row (16 rows a block), rows of 4,096 a

@@ -63,6 +63,21 @@ pub(crate) mod ffi {
         usize,
     ) -> i32;
 
+    /// autograd.cpp's `dflash_add_rms_norm_fn`: (state, x0, x1 or null, weight, grad or null,
+    /// eps, out0, out1, msg, msg_len).
+    pub(crate) type AddRmsNormPass = unsafe extern "C" fn(
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        f64,
+        *mut *mut c_void,
+        *mut *mut c_void,
+        *mut c_char,
+        usize,
+    ) -> i32;
+
     extern "C" {
         // The tensors are `at::Tensor *` (tch's `as_ptr`); `grad_scale` may be null. Each
         // returns null, or an error message to free with `dflash_free_error`.
@@ -122,6 +137,18 @@ pub(crate) mod ffi {
             gate: *const c_void,
             up: *const c_void,
             swiglu: SwiGluPass,
+            state: *const c_void,
+            state_len: usize,
+            out: *mut *mut c_void,
+        ) -> *mut c_char;
+        // autograd.cpp: a residual sum and its RMSNorm as an autograd node whose passes call
+        // `add_rms_norm`; the sum to `out[0]`, the norm's output to `out[1]`
+        pub(crate) fn dflash_add_rms_norm_autograd(
+            h: *const c_void,
+            a: *const c_void,
+            weight: *const c_void,
+            eps: f64,
+            add_rms_norm: AddRmsNormPass,
             state: *const c_void,
             state_len: usize,
             out: *mut *mut c_void,

@@ -6,7 +6,9 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::TargetConfig;
 use super::slots::{SlotBatch, SlotCache};
-use crate::aten_ext::fused::{rms_norm_autograd, rotate_half, swiglu_autograd, FusedKernels};
+use crate::aten_ext::fused::{
+    add_rms_norm_autograd, rms_norm_autograd, rotate_half, swiglu_autograd, FusedKernels,
+};
 use crate::aten_ext::shared_input_linear;
 
 /// `weight * x / sqrt(mean(x^2) + eps)` over the last dimension, through libtorch's
@@ -35,6 +37,25 @@ pub fn rms_norm_with(
     rms_norm_autograd(x, weight, eps, Some(k)).unwrap_or_else(|e| {
         log::warn!("the RMSNorm node failed ({e:#}); libtorch's operations instead");
         rms_norm(x, weight, eps)
+    })
+}
+
+/// `(h + a, rms_norm(h + a))`: a residual sum and the norm of it, as the drafter's training
+/// forward runs them: one autograd node ([`add_rms_norm_autograd`]) whose passes are one kernel
+/// each with `kernels` (its backward pass adds the residual stream's own gradient in the norm's
+/// kernel, where autograd would add it in a pass of its own), libtorch's operations without.
+pub fn add_rms_norm_with(
+    h: &Tensor,
+    a: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    kernels: Option<&FusedKernels>,
+) -> (Tensor, Tensor) {
+    add_rms_norm_autograd(h, a, weight, eps, kernels).unwrap_or_else(|e| {
+        log::warn!("the residual RMSNorm node failed ({e:#}); libtorch's operations instead");
+        let s = h + a;
+        let y = rms_norm(&s, weight, eps);
+        (s, y)
     })
 }
 

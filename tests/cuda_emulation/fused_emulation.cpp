@@ -141,6 +141,53 @@ static bool run_scaled(const char *name, void (*kernel)(const typename P::T *, R
     return compare<P>(name, y, want, rel, exact);
 }
 
+// add_rms_norm over `rows` dense rows of `width` (h, a, s and y dense; `offset` elements into
+// their buffers, an odd offset makes the kernel read element by element), launched as
+// scaled_rms_norm. The reference in double: s = round(h + a), y = round(s rstd scale) with
+// rstd from the rounded s.
+template <class P>
+static bool run_add_norm(const char *name,
+                         void (*kernel)(const typename P::T *, const typename P::T *,
+                                        const float *, typename P::T *, typename P::T *,
+                                        long long, int, float, int),
+                         long long rows, int width, int offset, double rel, double exact) {
+    typedef typename P::T T;
+    std::mt19937 rng(17 + rows + width);
+    std::normal_distribution<float> normal;
+    const long long n = rows * width;
+    std::vector<T> h(n + offset), a(n + offset);
+    for (long long i = 0; i < n + offset; ++i) {
+        h[i] = P::store(3.0f * normal(rng));
+        a[i] = P::store(normal(rng));
+    }
+    std::vector<float> scale(width);
+    for (float &v : scale) v = 1.0f + 0.2f * normal(rng);
+    const float eps = 1e-6f;
+    std::vector<T> sum(n + offset + 64, P::store(NAN)), y(n + offset + 64, P::store(NAN));
+    const Launch l = launch_for(rows, width, sizeof(T));
+    emu::launch({l.blocks, 1, 1}, l.threads, [&] {
+        kernel(h.data() + offset, a.data() + offset, scale.data(), sum.data() + offset,
+               y.data() + offset, rows, width, eps, l.row_threads);
+    });
+    std::vector<double> want_s(n), want_y(n);
+    for (long long i = 0; i < rows; ++i) {
+        double squares = 0;
+        for (int j = 0; j < width; ++j) {
+            const long long e = offset + i * width + j;
+            want_s[i * width + j] = round_to<P>(P::load(h[e]) + P::load(a[e]));
+            squares += want_s[i * width + j] * want_s[i * width + j];
+        }
+        const double rstd = 1.0 / std::sqrt(squares / width + eps);
+        for (int j = 0; j < width; ++j) {
+            want_y[i * width + j] = round_to<P>(want_s[i * width + j] * rstd * scale[j]);
+        }
+    }
+    const std::vector<T> got_s(sum.begin() + offset, sum.end());
+    const std::vector<T> got_y(y.begin() + offset, y.end());
+    const bool s_ok = compare<P>((std::string(name) + ", the sum").c_str(), got_s, want_s, 0.0, 1.0);
+    return compare<P>((std::string(name) + ", the norm").c_str(), got_y, want_y, rel, exact) && s_ok;
+}
+
 // gated_rms_norm over `rows` rows of `width`, x laid out as `xr`, z as `zr`.
 template <class P>
 static bool run_gated(const char *name,
@@ -871,15 +918,16 @@ static bool run_adamw(const char *name,
 // rms_norm_backward over `rows` dense rows of `width`, launched as fused_rms_norm.rs's
 // rms_backward_launch does on a device of `sms` multiprocessors (so that small cases loop over
 // their rows in several rounds). The reference in double: rstd = 1 / sqrt(mean(x^2) + eps),
-// dx = rstd (g w - x_hat mean(g w x_hat)) rounded to the storage type, and the weight's
-// gradient sum(g x_hat) over the rows (the kernel's float32 partial sums, added here), within
-// `rel` of the sum of |g x_hat|.
+// dx = rstd (g w - x_hat mean(g w x_hat)) (plus the residual stream's gradient r, with
+// `residual`) rounded to the storage type, and the weight's gradient sum(g x_hat) over the rows
+// (the kernel's float32 partial sums, added here), within `rel` of the sum of |g x_hat|.
 template <class P>
 static bool run_rms_backward(const char *name,
                              void (*kernel)(const typename P::T *, const typename P::T *,
-                                            const typename P::T *, typename P::T *, float *,
-                                            long long, int, float, int),
-                             long long rows, int width, int sms, double rel, double exact) {
+                                            const typename P::T *, const typename P::T *,
+                                            typename P::T *, float *, long long, int, float, int),
+                             long long rows, int width, int sms, double rel, double exact,
+                             bool residual = false) {
     typedef typename P::T T;
     const int vec = 16 / sizeof(T), vectors = width / vec;
     int threads, row_threads;
@@ -898,10 +946,11 @@ static bool run_rms_backward(const char *name,
     std::mt19937 rng(29 + rows + width);
     std::normal_distribution<float> normal;
     const long long n = rows * width;
-    std::vector<T> x(n), g(n), w(width);
+    std::vector<T> x(n), g(n), w(width), r(n);
     for (long long i = 0; i < n; ++i) {
         x[i] = P::store(2.0f * normal(rng));
         g[i] = P::store(normal(rng));
+        r[i] = P::store(0.5f * normal(rng));
     }
     for (int j = 0; j < width; ++j) {
         w[j] = P::store(1.0f + 0.3f * normal(rng));
@@ -910,11 +959,12 @@ static bool run_rms_backward(const char *name,
     std::vector<T> dx(n + 64, P::store(NAN));
     std::vector<float> part(blocks * groups * width, NAN);
     emu::launch({(unsigned)blocks, 1, 1}, threads, [&] {
-        kernel(x.data(), w.data(), g.data(), dx.data(), part.data(), rows, width, eps, row_threads);
+        kernel(x.data(), w.data(), g.data(), residual ? r.data() : nullptr, dx.data(), part.data(),
+               rows, width, eps, row_threads);
     });
     std::vector<double> want(n), dw(width, 0.0), dw_abs(width, 0.0);
-    for (long long r = 0; r < rows; ++r) {
-        const T *xr = x.data() + r * width, *gr = g.data() + r * width;
+    for (long long row = 0; row < rows; ++row) {
+        const T *xr = x.data() + row * width, *gr = g.data() + row * width;
         const double rstd = row_rstd_reference<P>(xr, width, eps);
         double mean = 0;
         for (int j = 0; j < width; ++j) {
@@ -923,7 +973,8 @@ static bool run_rms_backward(const char *name,
         mean /= width;
         for (int j = 0; j < width; ++j) {
             const double xh = P::load(xr[j]) * rstd, gj = P::load(gr[j]);
-            want[r * width + j] = round_to<P>(rstd * (gj * P::load(w[j]) - xh * mean));
+            const double res = residual ? P::load(r[row * width + j]) : 0.0;
+            want[row * width + j] = round_to<P>(rstd * (gj * P::load(w[j]) - xh * mean) + res);
             dw[j] += gj * xh;
             dw_abs[j] += std::fabs(gj * xh);
         }
@@ -1176,6 +1227,21 @@ int main() {
                                 256, 1, 1e-4, 0.0);
     ok &= run_rms_backward<Bf16>("rms_norm_backward bf16: 300 rows of 8", rms_norm_backward_bf16,
                                  300, 8, 1, bf16_rel, bf16_exact);
+    // with the residual stream's gradient added (add_rms_norm's backward pass)
+    ok &= run_rms_backward<Bf16>("rms_norm_backward bf16 + residual: 10 rows of 4096",
+                                 rms_norm_backward_bf16, 10, 4096, 1, bf16_rel, bf16_exact, true);
+    ok &= run_rms_backward<F32>("rms_norm_backward f32 + residual: 7 rows of 256",
+                                rms_norm_backward_f32, 7, 256, 1, 1e-4, 0.0, true);
+    // the residual sum and its norm: rows of 4096 (a block a row, 16-byte vectors), bf16 rows
+    // of 128 (a warp a row, a partial block) and misaligned ones (element by element), f32
+    ok &= run_add_norm<Bf16>("add_rms_norm bf16: 5 rows of 4096", add_rms_norm_bf16, 5, 4096, 0,
+                             bf16_rel, bf16_exact);
+    ok &= run_add_norm<Bf16>("add_rms_norm bf16: 11 rows of 128", add_rms_norm_bf16, 11, 128, 0,
+                             bf16_rel, bf16_exact);
+    ok &= run_add_norm<Bf16>("add_rms_norm bf16: 11 rows of 128, misaligned", add_rms_norm_bf16,
+                             11, 128, 1, bf16_rel, bf16_exact);
+    ok &= run_add_norm<F32>("add_rms_norm f32: 3 rows of 5120", add_rms_norm_f32, 3, 5120, 0,
+                            1e-5, 0.0);
     // the LM head's cross-entropy: bf16 rows of 40,000 (16-byte vectors, several rounds of
     // four per thread, the last partial), f32 rows of 4,100, bf16 rows of 1,001 (element by
     // element)

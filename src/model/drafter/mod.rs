@@ -20,7 +20,9 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::drafter_config::DrafterConfig;
-use super::layers::{attention, rms_norm_with, upload, AttentionWeights, DecoderLayer, Mlp, Rope};
+use super::layers::{
+    add_rms_norm_with, attention, rms_norm_with, upload, AttentionWeights, DecoderLayer, Mlp, Rope,
+};
 use super::target::TargetModel;
 use super::weights::WeightFiles;
 use crate::aten_ext::fused::{rotary_autograd, FusedKernels};
@@ -375,9 +377,11 @@ impl Drafter {
         )
     }
 
-    /// One layer of the training forward. `inputs`: for the first layer, its input rows
-    /// `h` as their distinct rows ([`BlockInputs`]), which its input norm and projections
-    /// read instead of `h`.
+    /// One layer of the training forward up to its MLP's output: returns `(h1, m)`, the
+    /// residual stream after the attention and the MLP's output, whose sum (the layer's output)
+    /// the caller takes with the next norm ([`add_rms_norm_with`]). `x`: the layer's normed
+    /// input; `None` for the first layer, whose input rows `h` come as their distinct rows
+    /// (`inputs`, [`BlockInputs`]), which its input norm and projections read instead of `h`.
     #[allow(
         clippy::too_many_arguments,
         reason = "one layer's inputs, each distinct"
@@ -386,12 +390,13 @@ impl Drafter {
         &self,
         layer: &DecoderLayer,
         h: &Tensor,
+        x: Option<Tensor>,
         inputs: Option<&BlockInputs>,
         ctx_kv: (&Tensor, &Tensor),
         block_rope: (&Tensor, &Tensor),
         attn: BlockAttention<'_>,
         kernels: Option<&FusedKernels>,
-    ) -> Tensor {
+    ) -> (Tensor, Tensor) {
         let c = &self.config;
         let (heads, kv_heads, d, eps) = (
             c.num_attention_heads,
@@ -399,12 +404,14 @@ impl Drafter {
             c.head_dim,
             c.rms_norm_eps,
         );
-        let x = rms_norm_with(
-            inputs.map_or(h, |i| &i.rows),
-            &layer.input_norm,
-            eps,
-            kernels,
-        );
+        let x = x.unwrap_or_else(|| {
+            rms_norm_with(
+                inputs.map_or(h, |i| &i.rows),
+                &layer.input_norm,
+                eps,
+                kernels,
+            )
+        });
         let spread = |t: Tensor| match inputs {
             Some(i) => i.spread_heads(&t),
             None => t,
@@ -433,11 +440,9 @@ impl Drafter {
                 rows.linear::<&Tensor>(&layer.attn.o_proj, None)
             }
         };
-        let h = h + a;
-        let m = layer
-            .mlp
-            .forward_train(&rms_norm_with(&h, &layer.post_norm, eps, kernels), kernels);
-        h + m
+        let (h, y) = add_rms_norm_with(h, &a, &layer.post_norm, eps, kernels);
+        let m = layer.mlp.forward_train(&y, kernels);
+        (h, m)
     }
 
     /// Keys (normed, rotated) and values of the context for one layer: [B, kv_heads, S, d].
@@ -613,6 +618,10 @@ impl Drafter {
         } else {
             ctx
         };
+        let eps = self.config.rms_norm_eps;
+        // the next layer's normed input (the final norm's output after the last layer): each
+        // layer's output is its residual sum, taken with the norm that reads it
+        let mut x: Option<Tensor> = None;
         for (i, (layer, window)) in self.layers.iter().zip(&windows).enumerate() {
             let (ck, cv) = self.context_kv(layer, &ctx, &c_cos, &c_sin, kernels);
             let attn = match window {
@@ -620,17 +629,28 @@ impl Drafter {
                 None => full_attn,
             };
             let first_inputs = (i == 0).then_some(&inputs);
-            h = self.layer_forward(
+            let (h1, m) = self.layer_forward(
                 layer,
                 &h,
+                x.take(),
                 first_inputs,
                 (&ck, &cv),
                 (&q_cos, &q_sin),
                 attn,
                 kernels,
             );
+            let next_norm = self
+                .layers
+                .get(i + 1)
+                .map_or(&self.norm, |next| &next.input_norm);
+            let (sum, normed) = add_rms_norm_with(&h1, &m, next_norm, eps, kernels);
+            h = sum;
+            x = Some(normed);
         }
-        let out = rms_norm_with(&h, &self.norm, self.config.rms_norm_eps, kernels);
+        let out = match x {
+            Some(out) => out,
+            None => rms_norm_with(&h, &self.norm, eps, kernels),
+        };
         match kept_index.filter(|_| kept.as_ref().is_some_and(|k| !k.all)) {
             // the padding blocks' states are zeros
             Some(index) => {

@@ -466,3 +466,75 @@ fn gpu_rms_norm_node_equals_libtorch() {
         }
     }
 }
+
+/// The residual norm node on its kernels (`add_rms_norm` forward, `rms_norm_backward` with the
+/// residual's gradient) against libtorch's addition, `rms_norm` and their autograd, at the
+/// drafter's shapes (rows of 4,096 and 5,120), bf16 and f32: the sum bit for bit (libtorch's
+/// addition in the type); the norm's output and the inputs' gradient against the same
+/// operations in float32 on the same values, within a rounding of the type (the kernels round
+/// once where libtorch's bf16 operations round the norm's gradient before adding s's); the
+/// weight's gradient within float32 summation order; also with s's own gradient absent (the last
+/// layer's).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_residual_norm_node_equals_libtorch() {
+    use dflash_tui::aten_ext::fused::add_rms_norm_autograd;
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    tch::manual_seed(6);
+    for (kind, rel) in [(Kind::BFloat16, 1e-2), (Kind::Float, 1e-4)] {
+        for (rows, width, with_sum) in [(3001, 4096, true), (7, 5120, true), (300, 4096, false)] {
+            let what = format!("{kind:?} {rows} rows of {width}, sum used {with_sum}");
+            let randn = |shape: &[i64], scale: f64, shift: f64| {
+                (Tensor::randn(shape, (Kind::Float, dev)) * scale + shift).to_kind(kind)
+            };
+            let (h0, a0) = (
+                randn(&[rows, width], 2.0, 0.0),
+                randn(&[rows, width], 1.0, 0.0),
+            );
+            let w0 = randn(&[width], 0.3, 1.0);
+            let gy = randn(&[rows, width], 1.0, 0.0).to_kind(Kind::Float);
+            let gs = randn(&[rows, width], 1.0, 0.0).to_kind(Kind::Float);
+            // the leaves, in the type under test and in float32 (the same values)
+            let leaves = |k: Kind| [&h0, &a0, &w0].map(|t| t.to_kind(k).set_requires_grad(true));
+            let grads = |s: &Tensor, y: &Tensor, at: &[Tensor; 3]| {
+                let mut loss = (y.to_kind(Kind::Float) * &gy).sum(Kind::Float);
+                if with_sum {
+                    loss += (s.to_kind(Kind::Float) * &gs).sum(Kind::Float);
+                }
+                let at: Vec<&Tensor> = at.iter().collect();
+                Tensor::run_backward(&[loss], &at, false, false)
+            };
+            let got_at = leaves(kind);
+            let (s, y) =
+                add_rms_norm_autograd(&got_at[0], &got_at[1], &got_at[2], 1e-6, Some(&kernels))
+                    .unwrap();
+            assert_close(&format!("{what}: the sum"), &s, &(&h0 + &a0), 0.0, 1.0);
+            let ref_at = leaves(Kind::Float);
+            // s in float32 with the rounded sum's value (as the kernels and libtorch normalise
+            // it) and the sum's gradient: x + (round(x) - x), the difference exact
+            let sum = &ref_at[0] + &ref_at[1];
+            let s32 = &sum + (sum.to_kind(kind).to_kind(Kind::Float) - &sum).detach();
+            let y32 = s32.rms_norm([width], Some(&ref_at[2]), 1e-6);
+            assert_close(&format!("{what}: the norm"), &y, &y32, rel, 0.0);
+            let got = grads(&s, &y, &got_at);
+            let want = grads(&s32, &y32, &ref_at);
+            for (i, name) in ["h", "a"].iter().enumerate() {
+                assert_close(
+                    &format!("{what}: {name}'s gradient"),
+                    &got[i],
+                    &want[i],
+                    rel,
+                    0.0,
+                );
+            }
+            let scale = want[2].abs().max().double_value(&[]);
+            let off = max_diff(&got[2].to_kind(Kind::Float), &want[2]);
+            let bound = if kind == Kind::Float { 1e-4 } else { 1e-2 } * scale;
+            assert!(
+                off <= bound,
+                "{what}: the weight's gradient {off} off (scale {scale})"
+            );
+        }
+    }
+}
