@@ -538,3 +538,47 @@ fn gpu_residual_norm_node_equals_libtorch() {
         }
     }
 }
+
+/// The target's causal attention of a forward without cache (cuDNN's kernel through
+/// `scaled_dot_product_attention`, the length padded to a multiple of 64) against the same
+/// attention in float32, and beside the flash kernel `attention` calls: 32 query heads over 8
+/// key/value heads of 128, bf16, lengths on and off the padding step.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_forward_causal_attention_equals_float32() {
+    use dflash_tui::model::layers::{attention, forward_causal_attention};
+    let (_rt, dev, _turn) = gpu();
+    tch::manual_seed(8);
+    for len in [100, 1536, 1537] {
+        let randn = |heads: i64| Tensor::randn([2, heads, len, 128], (Kind::Float, dev));
+        let (q, k, v) = (randn(32), randn(8), randn(8));
+        let bf = |t: &Tensor| t.to_kind(Kind::BFloat16);
+        let got = forward_causal_attention(&bf(&q), &bf(&k), &bf(&v)).to_kind(Kind::Float);
+        let flash = attention(&bf(&q), &bf(&k), &bf(&v), None, true).to_kind(Kind::Float);
+        // float32 from the bf16 values, keys and values expanded to the query heads
+        let up = |t: &Tensor| {
+            bf(t)
+                .to_kind(Kind::Float)
+                .repeat_interleave_self_int(4, 1, None)
+        };
+        let want = Tensor::scaled_dot_product_attention(
+            &bf(&q).to_kind(Kind::Float),
+            &up(&k),
+            &up(&v),
+            None::<Tensor>,
+            0.0,
+            true,
+            None,
+            false,
+        );
+        let scale = want.abs().max().double_value(&[]);
+        for (what, t) in [("forward_causal_attention", &got), ("flash", &flash)] {
+            assert_eq!(t.size(), want.size(), "{what} {len}");
+            let off = max_diff(t, &want);
+            assert!(
+                off <= 1e-2 * scale,
+                "{what}, length {len}: {off} off (scale {scale})"
+            );
+        }
+    }
+}
