@@ -93,8 +93,6 @@ pub(crate) fn measure_stages_alone(
     }
 
     let target = &p.targets[0];
-    // this thread's attention plans, as the pipeline's target worker makes its own
-    target.prepare_forward_attention(config.data.max_batch, config.data.max_len);
     let req = ForwardRequest {
         tap_layers: p.drafters[0].config.target_layer_ids().to_vec(),
         final_hidden: config.train.kl_weight > 0.0,

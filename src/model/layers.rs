@@ -744,49 +744,15 @@ pub fn forward_causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
     padded_causal_attention(q, k, v, CUDNN_LENGTH_STEP)
 }
 
-/// Plans cuDNN's attention of [`forward_causal_attention`] on this thread for every shape that
-/// forwards of 1 to `max_batch` sequences of at most `max_len` tokens take (one per batch size
-/// and padded length), by running it once on zeros of each, so that no training step waits
-/// for a plan (about 40 ms each; libtorch keeps them per thread). `shape`: query heads,
-/// key/value heads, head size. Returns how many shapes it ran (0 off a GPU, or where the heads
-/// are larger than cuDNN's path takes).
-pub fn prepare_forward_causal_attention(
-    device: Device,
-    kind: Kind,
-    shape: (i64, i64, i64),
-    max_batch: i64,
-    max_len: i64,
-) -> usize {
-    let (heads, kv_heads, d) = shape;
-    if !device.is_cuda() || d > 128 || max_len <= 1 {
-        return 0;
-    }
-    let mut shapes = 0;
-    tch::no_grad(|| {
-        for batch in 1..=max_batch.max(1) {
-            let mut len = CUDNN_LENGTH_STEP;
-            while len < max_len + CUDNN_LENGTH_STEP {
-                let q = Tensor::zeros([batch, heads, len, d], (kind, device));
-                let kv = Tensor::zeros([batch, kv_heads, len, d], (kind, device));
-                let _ = forward_causal_attention(&q, &kv, &kv);
-                shapes += 1;
-                len += CUDNN_LENGTH_STEP;
-            }
-        }
-    });
-    shapes
-}
-
 /// Causal `scaled_dot_product_attention` with the length padded to a multiple of `step`.
 fn padded_causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, step: i64) -> Tensor {
     let len = q.size()[2];
     let padded = (len + step - 1) / step * step;
-    // dense either way: cuDNN's plans are per strides too, and the padding makes dense tensors
     let pad = |t: &Tensor| {
         if padded == len {
-            t.contiguous()
+            t.shallow_clone()
         } else {
-            t.constant_pad_nd([0, 0, 0, padded - len]).contiguous()
+            t.constant_pad_nd([0, 0, 0, padded - len])
         }
     };
     let gqa = q.size()[1] != k.size()[1];

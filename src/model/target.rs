@@ -16,8 +16,8 @@ use super::hybrid::{GatedDeltaNet, HybridLayer, Mixer, ZeroCentredNorm};
 use super::hybrid_slots::MixerOrdinals;
 pub use super::kv_cache::KvCache;
 use super::layers::{
-    attention, forward_causal_attention, prepare_forward_causal_attention, rms_norm, rows,
-    AttentionShape, AttentionWeights, DecoderLayer, Rope,
+    attention, forward_causal_attention, rms_norm, rows, AttentionShape, AttentionWeights,
+    DecoderLayer, Rope,
 };
 use super::slots::{SlotBatch, SlotCache};
 use super::weights::{RandomWeights, WeightFiles, WeightSource};
@@ -102,27 +102,6 @@ pub struct TargetModel {
 }
 
 impl TargetModel {
-    /// Plans the attention of training forwards (no cache) of up to `max_batch` sequences of
-    /// `max_len` tokens on this thread ([`prepare_forward_causal_attention`]), where this
-    /// target's attention layers take cuDNN's path; logs what it did.
-    pub fn prepare_forward_attention(&self, max_batch: usize, max_len: usize) {
-        let c = &self.config;
-        let started = std::time::Instant::now();
-        let shapes = prepare_forward_causal_attention(
-            self.device,
-            self.kind,
-            (c.num_attention_heads, c.kv_heads(), c.head_dim()),
-            max_batch as i64,
-            max_len as i64,
-        );
-        if shapes > 0 {
-            log::info!(
-                "target attention: {shapes} shapes planned in {:.1} s (cuDNN, lengths in steps of 64)",
-                started.elapsed().as_secs_f64()
-            );
-        }
-    }
-
     /// Whether a hybrid target's long gated delta rule calls (prefills, training forwards) take
     /// the chunked form of the CUDA kernels (`chunked`) or their recurrent kernel; by default
     /// the chunked form where it runs on tensor cores ([`crate::aten_ext::gdn::GdnKernels::takes_chunked`]). With

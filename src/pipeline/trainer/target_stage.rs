@@ -76,8 +76,6 @@ pub(super) fn target_worker(
         final_hidden: soft,
         logits: false,
     };
-    // on this thread, where the forwards run (and on its stream)
-    target.prepare_forward_attention(cfg.data.max_batch, cfg.data.max_len);
     let mut count = 0u64;
     loop {
         if !shared.wait_if_paused() {
