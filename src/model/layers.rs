@@ -723,56 +723,6 @@ pub fn attention(
     Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, None, gqa)
 }
 
-/// Lengths of a forward without cache go to cuDNN's attention in multiples of this
-/// ([`forward_causal_attention`]).
-const CUDNN_LENGTH_STEP: i64 = 64;
-
-/// Causal attention of a forward without a cache (the target's forward in training: no mask,
-/// queries and keys at the same positions), [B, heads, L, d] over [B, kv_heads, L, d]. On a GPU
-/// libtorch's `scaled_dot_product_attention`, which takes cuDNN's kernel on Hopper GPUs: about
-/// half the time of the flash kernel [`attention`] calls at training lengths (8B shape, 2 x
-/// 1,536 tokens on an H100: 92 against 172 us a layer; `lab/target_attn_probe.py`). cuDNN plans
-/// every new shape (about 40 ms of host time), so the length is padded to a multiple of
-/// [`CUDNN_LENGTH_STEP`]: a run plans at most one shape per step of lengths and batch size. The
-/// padding is exact: padded keys come after every real query, which causality hides from it,
-/// and the padded queries' rows are dropped. Elsewhere [`attention`].
-pub fn forward_causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
-    // head sizes up to 128 (the shape measured; cuDNN's limits vary with its version)
-    if !q.device().is_cuda() || q.size()[3] > 128 {
-        return attention(q, k, v, None, true);
-    }
-    padded_causal_attention(q, k, v, CUDNN_LENGTH_STEP)
-}
-
-/// Causal `scaled_dot_product_attention` with the length padded to a multiple of `step`.
-fn padded_causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, step: i64) -> Tensor {
-    let len = q.size()[2];
-    let padded = (len + step - 1) / step * step;
-    let pad = |t: &Tensor| {
-        if padded == len {
-            t.shallow_clone()
-        } else {
-            t.constant_pad_nd([0, 0, 0, padded - len])
-        }
-    };
-    let gqa = q.size()[1] != k.size()[1];
-    let out = Tensor::scaled_dot_product_attention(
-        &pad(q),
-        &pad(k),
-        &pad(v),
-        None::<Tensor>,
-        0.0,
-        true,
-        None,
-        gqa,
-    );
-    if padded == len {
-        out
-    } else {
-        out.narrow(2, 0, len)
-    }
-}
-
 /// Fused attention with an additive float mask `bias` (0 = visible, -inf = hidden) of the
 /// compute kind, broadcast over heads ([B, 1, Q, K]); grouped-query heads when `k` has fewer
 /// heads than `q`. Every row must see at least one key.
@@ -802,23 +752,6 @@ pub(crate) fn upload(t: &Tensor, device: Device) -> Tensor {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Causal attention padded to a multiple of the step equals it unpadded (the padded keys
-    /// come after every real query), with grouped-query heads, for lengths on and off the step.
-    #[test]
-    fn padded_causal_attention_equals_the_unpadded() {
-        tch::manual_seed(4);
-        let opts = (Kind::Double, Device::Cpu);
-        for len in [1, 7, 16, 17, 40] {
-            let q = Tensor::randn([2, 4, len, 8], opts);
-            let k = Tensor::randn([2, 2, len, 8], opts);
-            let v = Tensor::randn([2, 2, len, 8], opts);
-            let want = attention(&q, &k, &v, None, true);
-            let got = padded_causal_attention(&q, &k, &v, 16);
-            assert_eq!(got.size(), want.size());
-            assert!(got.allclose(&want, 1e-12, 1e-12, false), "length {len}");
-        }
-    }
 
     /// `add_product` leaves the residual holding residual + x W^T, in its own storage: dense
     /// (the product adds into it) and strided (the product, then the addition).

@@ -16,8 +16,7 @@ use super::hybrid::{GatedDeltaNet, HybridLayer, Mixer, ZeroCentredNorm};
 use super::hybrid_slots::MixerOrdinals;
 pub use super::kv_cache::KvCache;
 use super::layers::{
-    attention, forward_causal_attention, rms_norm, rows, AttentionShape, AttentionWeights,
-    DecoderLayer, Rope,
+    attention, rms_norm, rows, AttentionShape, AttentionWeights, DecoderLayer, Rope,
 };
 use super::slots::{SlotBatch, SlotCache};
 use super::weights::{RandomWeights, WeightFiles, WeightSource};
@@ -543,7 +542,6 @@ impl Mixing<'_> {
         };
         match (&self.mask, self.padded_step) {
             (Some(m), true) => masked_attention(q, &k, &v, m),
-            (None, _) if self.causal && self.cache.is_none() => forward_causal_attention(q, &k, &v),
             _ => attention(q, &k, &v, self.mask.as_ref(), self.causal),
         }
     }
