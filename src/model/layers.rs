@@ -306,22 +306,6 @@ impl AttentionWeights {
         ))
     }
 
-    /// `x` [B, L, H] -> [B, heads, L, head_dim], with the per-head norm when present
-    /// ([`rms_norm_with`] `kernels`).
-    #[allow(clippy::too_many_arguments)]
-    fn project(
-        x: &Tensor,
-        w: &Tensor,
-        b: Option<&Tensor>,
-        norm: Option<&Tensor>,
-        heads: i64,
-        d: i64,
-        eps: f64,
-        kernels: Option<&FusedKernels>,
-    ) -> Tensor {
-        Self::heads_of(x.linear(w, b), norm, heads, d, eps, kernels)
-    }
-
     /// `y` [B, L, heads * d] as heads [B, heads, L, d], each normed where `norm` is given.
     fn heads_of(
         y: Tensor,
@@ -401,10 +385,8 @@ impl AttentionWeights {
         eps: f64,
         kernels: Option<&FusedKernels>,
     ) -> Tensor {
-        Self::project(
-            x,
-            &self.q_proj,
-            self.q_bias.as_ref(),
+        Self::heads_of(
+            x.linear(&self.q_proj, self.q_bias.as_ref()),
             self.q_norm.as_ref(),
             heads,
             d,
@@ -422,10 +404,8 @@ impl AttentionWeights {
         eps: f64,
         kernels: Option<&FusedKernels>,
     ) -> Tensor {
-        Self::project(
-            x,
-            &self.k_proj,
-            self.k_bias.as_ref(),
+        Self::heads_of(
+            x.linear(&self.k_proj, self.k_bias.as_ref()),
             self.k_norm.as_ref(),
             kv_heads,
             d,
@@ -435,10 +415,8 @@ impl AttentionWeights {
     }
 
     pub(crate) fn values(&self, x: &Tensor, kv_heads: i64, d: i64) -> Tensor {
-        Self::project(
-            x,
-            &self.v_proj,
-            self.v_bias.as_ref(),
+        Self::heads_of(
+            x.linear(&self.v_proj, self.v_bias.as_ref()),
             None,
             kv_heads,
             d,
