@@ -34,7 +34,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
 use tch::{Device, Kind, Tensor};
 
-use super::layers::Mlp;
+use super::feed_forward::Mlp;
 use crate::aten_ext::fused::{FusedKernels, MOE_MAX_EXPERTS, MOE_MAX_TOP_K};
 
 /// The MoE fields of a text config (`qwen3_moe`, `qwen3_5_moe` text settings).

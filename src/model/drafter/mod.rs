@@ -20,8 +20,9 @@ use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use super::drafter_config::DrafterConfig;
+use super::feed_forward::Mlp;
 use super::layers::{
-    add_rms_norm_with, attention, rms_norm_with, upload, AttentionWeights, DecoderLayer, Mlp, Rope,
+    add_rms_norm_with, attention, rms_norm_with, upload, AttentionWeights, DecoderLayer, Rope,
 };
 use super::target::TargetModel;
 use super::weights::WeightFiles;
