@@ -132,6 +132,9 @@ pub(crate) fn rows(table: &Tensor, index: &Tensor) -> Tensor {
     table.index(&[Some(index)])
 }
 
+/// One attention projection: its weight, bias and per-head norm.
+type Projection<'a> = (&'a Tensor, Option<&'a Tensor>, Option<&'a Tensor>);
+
 /// The weights of one attention layer. Biases exist for Qwen2; q/k norms for Qwen3 and the
 /// drafter.
 #[derive(Debug)]
@@ -324,55 +327,71 @@ impl AttentionWeights {
         y.transpose(1, 2)
     }
 
-    /// The training forward's projections of `x` with the weights `which` picks (queries,
-    /// keys, values), normed where the layer norms them, not rotated, as
-    /// [`AttentionWeights::queries`], `keys` and `values` give them. Without biases the
-    /// products are one autograd node ([`shared_input_linear`]), whose backward pass sums x's
-    /// gradient inside the products.
-    pub(crate) fn projections_train(
+    /// The training forward's queries, keys and values of `x` (the block's own), normed where
+    /// the layer norms them, not rotated, as [`AttentionWeights::queries`], `keys` and `values`
+    /// give them. `shape`: query heads, key/value heads, head size, the norms' epsilon.
+    pub(crate) fn qkv_train(
         &self,
         x: &Tensor,
-        which: [bool; 3],
         shape: (i64, i64, i64, f64),
         kernels: Option<&FusedKernels>,
-    ) -> Vec<Tensor> {
+    ) -> [Tensor; 3] {
         let (heads, kv_heads, d, eps) = shape;
-        let all = [
-            (
-                &self.q_proj,
-                self.q_bias.as_ref(),
-                self.q_norm.as_ref(),
-                heads,
-            ),
-            (
-                &self.k_proj,
-                self.k_bias.as_ref(),
-                self.k_norm.as_ref(),
-                kv_heads,
-            ),
-            (&self.v_proj, self.v_bias.as_ref(), None, kv_heads),
-        ];
-        let picked: Vec<_> = all
-            .iter()
-            .zip(which)
-            .filter_map(|(p, on)| on.then_some(*p))
-            .collect();
-        let weights: Vec<&Tensor> = picked.iter().map(|p| p.0).collect();
+        let [q, k, v] = self.projections();
+        self.projections_train(
+            x,
+            [(q, heads), (k, kv_heads), (v, kv_heads)],
+            (d, eps),
+            kernels,
+        )
+    }
+
+    /// [`AttentionWeights::qkv_train`]'s keys and values alone (the context's).
+    pub(crate) fn kv_train(
+        &self,
+        x: &Tensor,
+        shape: (i64, i64, i64, f64),
+        kernels: Option<&FusedKernels>,
+    ) -> [Tensor; 2] {
+        let (_, kv_heads, d, eps) = shape;
+        let [_, k, v] = self.projections();
+        self.projections_train(x, [(k, kv_heads), (v, kv_heads)], (d, eps), kernels)
+    }
+
+    /// Each projection's weight, bias and per-head norm: queries, keys, values.
+    fn projections(&self) -> [Projection<'_>; 3] {
+        [
+            (&self.q_proj, self.q_bias.as_ref(), self.q_norm.as_ref()),
+            (&self.k_proj, self.k_bias.as_ref(), self.k_norm.as_ref()),
+            (&self.v_proj, self.v_bias.as_ref(), None),
+        ]
+    }
+
+    /// The projections `picked` (with their head counts) of `x` as heads. Without biases the
+    /// products are one autograd node ([`shared_input_linear`]), whose backward pass sums x's
+    /// gradient inside the products.
+    fn projections_train<const N: usize>(
+        &self,
+        x: &Tensor,
+        picked: [(Projection<'_>, i64); N],
+        (d, eps): (i64, f64),
+        kernels: Option<&FusedKernels>,
+    ) -> [Tensor; N] {
+        let weights = picked.map(|((w, _, _), _)| w);
         let shared = picked
             .iter()
-            .all(|p| p.1.is_none())
+            .all(|((_, b, _), _)| b.is_none())
             .then(|| shared_input_linear(x, &weights))
             .and_then(|r| {
                 r.map_err(|e| log::warn!("shared-input projections failed ({e:#}); linear's"))
                     .ok()
-            });
-        let products =
-            shared.unwrap_or_else(|| picked.iter().map(|(w, b, _, _)| x.linear(w, *b)).collect());
-        products
-            .into_iter()
-            .zip(&picked)
-            .map(|(y, (_, _, norm, h))| Self::heads_of(y, *norm, *h, d, eps, kernels))
-            .collect()
+            })
+            .and_then(|v| <[Tensor; N]>::try_from(v).ok());
+        let products = shared.unwrap_or_else(|| picked.map(|((w, b, _), _)| x.linear(w, b)));
+        std::array::from_fn(|i| {
+            let ((_, _, norm), heads) = picked[i];
+            Self::heads_of(products[i].shallow_clone(), norm, heads, d, eps, kernels)
+        })
     }
 
     /// The queries [B, heads, L, d], normed (the norm on `kernels` where given: a training

@@ -419,14 +419,7 @@ impl Drafter {
         };
         // Queries and the block's keys share the block positions.
         let (cos, sin) = block_rope;
-        let Ok([q, k_block, v_block]) = <[Tensor; 3]>::try_from(layer.attn.projections_train(
-            &x,
-            [true, true, true],
-            (heads, kv_heads, d, eps),
-            kernels,
-        )) else {
-            unreachable!("three projections asked for, three made")
-        };
+        let [q, k_block, v_block] = layer.attn.qkv_train(&x, (heads, kv_heads, d, eps), kernels);
         let q = rotate(&spread(q), cos, sin, kernels);
         let k_block = rotate(&spread(k_block), cos, sin, kernels);
         let v_block = spread(v_block);
@@ -462,14 +455,7 @@ impl Drafter {
             c.head_dim,
             c.rms_norm_eps,
         );
-        let Ok([k, v]) = <[Tensor; 2]>::try_from(layer.attn.projections_train(
-            ctx,
-            [false, true, true],
-            shape,
-            kernels,
-        )) else {
-            unreachable!("two projections asked for, two made")
-        };
+        let [k, v] = layer.attn.kv_train(ctx, shape, kernels);
         (rotate(&k, cos, sin, kernels), v)
     }
 
