@@ -76,7 +76,9 @@ ab)
   # stripped release binaries), alternating on this machine, after the GPU tests of the
   # drafter's fused training path: PROFILE (qwen3-8b-shape), ROUNDS rounds (2), STEPS (20). One
   # row per run.
+  # a variant "set:KEY=VALUE" is this binary with `--set KEY=VALUE`
   for v in ${VARIANTS:-base}; do
+    case "$v" in set:*) continue ;; esac
     [ -x "$W/$v" ] || { xz -dc ".carry/dflash-tui-$v.xz" > "$W/$v" && chmod +x "$W/$v"; }
   done
   nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
@@ -85,10 +87,15 @@ ab)
     --test-threads 1 2>&1 | grep -E "^test |test result"
   for i in $(seq "${ROUNDS:-2}"); do
     for which in new ${VARIANTS:-base}; do
-      bin=$B; [ "$which" = new ] || bin=$W/$which
-      run_json "ab-$which-$i" "${BENCH_S:-200}" "$bin" bench --profile "${PROFILE:-qwen3-8b-shape}" \
-        --warmup-steps 3 --steps "${STEPS:-20}" > /dev/null
-      python3 - "$OUT/ab-$which-$i.json" "$which" <<'PY'
+      bin=$B; extra=(); name=$which
+      case "$which" in
+        new) ;;
+        set:*) extra=(--set "${which#set:}"); name=${which#set:}; name=${name//[^A-Za-z0-9._-]/_} ;;
+        *) bin=$W/$which ;;
+      esac
+      run_json "ab-$name-$i" "${BENCH_S:-200}" "$bin" bench --profile "${PROFILE:-qwen3-8b-shape}" \
+        --warmup-steps 3 --steps "${STEPS:-20}" "${extra[@]}" > /dev/null
+      python3 - "$OUT/ab-$name-$i.json" "$which" <<'PY'
 import json, sys
 try:
     r = json.load(open(sys.argv[1]))

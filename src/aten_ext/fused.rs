@@ -78,6 +78,8 @@ pub struct FusedKernels {
     adamw_step: [cu::CUfunction; 3],
     rms_norm_backward: [cu::CUfunction; 3],
     add_rms_norm: [cu::CUfunction; 3],
+    block_attention_fwd: [cu::CUfunction; 3],
+    block_attention_bwd: [cu::CUfunction; 3],
     /// The router's top k and the grouping of pairs by expert (float32 and int64 only).
     moe_topk: [cu::CUfunction; 2],
     moe_group_count: cu::CUfunction,
@@ -108,7 +110,7 @@ impl FusedKernels {
         let (
             module,
             (
-                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul, adamw_step, rms_norm_backward, add_rms_norm],
+                [rotate_write, silu_mul, cross_entropy_grad, scaled_rms_norm, gated_rms_norm, gdn_gates, moe_combine, rotary, swiglu, gated_attention_prep, sigmoid_gate_mul, adamw_step, rms_norm_backward, add_rms_norm, block_attention_fwd, block_attention_bwd],
                 [moe_topk_256, moe_topk_1024, moe_group_count, moe_group_offsets, moe_group_place],
             ),
         ) = KernelModule::load(
@@ -116,7 +118,7 @@ impl FusedKernels {
             libtorch_dir,
             index,
             (SOURCE, "fused_kernels.cu"),
-            |module| -> Result<([Functions; 14], [cu::CUfunction; 5])> {
+            |module| -> Result<([Functions; 16], [cu::CUfunction; 5])> {
                 // SAFETY (both): the module was just loaded in the current context.
                 let one = |name: &str| unsafe { function(module, name) };
                 let set = |stem: &str| -> Result<Functions> {
@@ -142,6 +144,8 @@ impl FusedKernels {
                         set("adamw_step")?,
                         set("rms_norm_backward")?,
                         set("add_rms_norm")?,
+                        set("block_attention_fwd")?,
+                        set("block_attention_bwd")?,
                     ],
                     [
                         one("moe_topk_256")?,
@@ -169,6 +173,8 @@ impl FusedKernels {
             adamw_step,
             rms_norm_backward,
             add_rms_norm,
+            block_attention_fwd,
+            block_attention_bwd,
             moe_topk: [moe_topk_256, moe_topk_1024],
             moe_group_count,
             moe_group_offsets,
@@ -493,11 +499,16 @@ mod attention;
 mod adamw;
 #[path = "fused_autograd.rs"]
 mod autograd;
+#[path = "fused_block_attention.rs"]
+mod block_attention;
 #[path = "fused_rms_norm.rs"]
 mod rms_norm;
 pub use adamw::{AdamWSlices, AdamWStepRates};
 pub use attention::GatedHeads;
 pub use autograd::{rotary_autograd, rotate_half, swiglu_autograd};
+pub use block_attention::{
+    block_attention_takes, grouped_block_attention_autograd, BlockGroup, BLOCK_ATTENTION_MAX_BLOCK,
+};
 pub use moe::{MoeGroups, MOE_MAX_EXPERTS};
 pub use rms_norm::{add_rms_norm_autograd, rms_norm_autograd};
 
@@ -530,6 +541,8 @@ mod tests {
             "adamw_step",
             "rms_norm_backward",
             "add_rms_norm",
+            "block_attention_fwd",
+            "block_attention_bwd",
         ] {
             for kind in ["bf16", "f16", "f32"] {
                 let entry = format!(".entry {stem}_{kind}(");
@@ -600,6 +613,16 @@ mod tests {
                 sizes(&format!("add_rms_norm_{kind}")),
                 [ptr, ptr, ptr, ptr, ptr, 8, 4, 4, 4]
             );
+        }
+        // block_attention_fwd / _bwd (fused_block_attention.rs): eight / ten pointers, then
+        // heads, kv, d, bs, rows (32-bit each), the scale and the lanes a row
+        for kind in ["bf16", "f16", "f32"] {
+            let mut fwd = vec![ptr; 8];
+            fwd.extend([4, 4, 4, 4, 4, 4, 4]);
+            assert_eq!(sizes(&format!("block_attention_fwd_{kind}")), fwd);
+            let mut bwd = vec![ptr; 10];
+            bwd.extend([4, 4, 4, 4, 4, 4, 4]);
+            assert_eq!(sizes(&format!("block_attention_bwd_{kind}")), bwd);
         }
         // moe_topk: then whether to normalise, the weights' kind (32-bit each) and the weights
         assert_eq!(sizes("moe_topk_256"), [ptr, 8, 4, 4, ptr, ptr, 4, 4, ptr]);

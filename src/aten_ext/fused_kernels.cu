@@ -23,6 +23,10 @@
 //   left it (in the storage type), the float32 master weight and moments updated and the new
 //   weight rounded into the parameter in the same pass, where libtorch's path copies every
 //   gradient into a float32 buffer first and the master weights into the parameters after.
+// block_attention_fwd / _bwd (training): each anchor block's attention over its own keys and
+//   the merge with cuDNN's attention over the context by their log-sum-exp, forward and
+//   backward (see the section below), where one masked call per chunk of 32 blocks read every
+//   block's keys of the chunk.
 //
 // For the target's forward (the Qwen3.5 hybrids; a prefill or training forward of thousands of
 // tokens, where the cost is the passes over memory):
@@ -1521,6 +1525,636 @@ static __device__ void adamw_step(const typename P::T *__restrict__ grad,
     }
 }
 
+// block_attention_fwd / block_attention_bwd (training): the drafter's block attention split in
+// two parts merged by their log-sum-exp (src/model/drafter/groups.rs): cuDNN's fused attention
+// over the context with the staircase mask, per group of blocks, and each block's attention over
+// its own keys here. Layout: R = E * rows query rows (the grouped node passes E = 1 and every row
+// of the layer), a block of `bs` consecutive rows attending to its own rows' keys; q, o1, out,
+// dout, dq [R, heads, d]; kb, vb, dkb, dvb [R, kv, d]; lse1, lse [E, heads, rows] float32
+// (natural log of the sum of exp(scale * q.k) over the keys); `anchors` [R / bs]: each block's
+// anchor (0: it sees no context, and the context part's output and log-sum-exp for its rows
+// are not read).
+//
+// One CUDA block per (block, kv head) (g = heads / kv query heads on it): in the general form
+// g * bs threads, thread t the query row of head kv_head * g + t / bs, slot t % bs, the block's
+// keys and values waiting in shared memory as float32 (2 * bs * d); the warp-cooperative form
+// (below: heads of 8 or 16 16-byte vectors) takes a row per 8 or 16 lanes. Forward: the row's scores against its block's bs keys, their
+// softmax, the output over the values, then the merge with the context part: lse = log(exp(lse1)
+// + exp(lse2)), out = exp(lse1 - lse) o1 + exp(lse2 - lse) o2, rounded once. Backward (given the
+// merged out and lse, as flash attention's backward pass takes them, so that each part's
+// gradient is its share of the exact one): p = exp(s - lse), ds = p (dout.v - dout.out); dq +=
+// scale ds k (added to the context part's dq, in place); dk = scale ds^T q and dv = p^T dout
+// summed over the block's g * bs rows, through shared memory (2 * g * bs * bs more floats).
+#define BLOCK_ATTN_MAX 16   // most rows a block (the drafter's block size)
+#ifndef FUSED_DYNAMIC_SHARED
+#define FUSED_DYNAMIC_SHARED(name) extern __shared__ float4 name[]
+#endif
+
+// The row's scores against the block's keys `ks` [bs, d] (shared), times `scale`.
+template <class P, int N>
+static __device__ __forceinline__ void block_scores(const typename P::T *qr, const float *ks,
+                                                    int d, int bs, float scale, float *s) {
+#pragma unroll
+    for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+        s[j] = 0.0f;
+    }
+    for (int c = 0; c < d; c += N) {
+        float x[N];
+        load_n<P, N>(qr + c, x);
+#pragma unroll
+        for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+            if (j < bs) {
+                const float *kr = ks + j * d + c;
+                float acc = s[j];
+                for (int u = 0; u < N; ++u) {
+                    acc = fmaf(x[u], kr[u], acc);
+                }
+                s[j] = acc;
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+        s[j] *= scale;
+    }
+}
+
+// The block's keys and values of kv head `kvh` into shared memory (float32, [bs, d] each).
+template <class P>
+static __device__ __forceinline__ void block_kv_to_shared(const typename P::T *kb,
+                                                          const typename P::T *vb, long long blk,
+                                                          int kvh, int kv, int d, int bs,
+                                                          float *ks, float *vs) {
+    for (int i = threadIdx.x; i < bs * d; i += blockDim.x) {
+        const int j = i / d, c = i - j * d;
+        const long long at = ((blk * bs + j) * kv + kvh) * (long long)d + c;
+        ks[i] = P::load(kb[at]);
+        vs[i] = P::load(vb[at]);
+    }
+    __syncthreads();
+}
+
+// Whether a log-sum-exp is a number (a row that saw keys).
+static __device__ __forceinline__ bool finite_lse(float v) {
+    return v == v && v > -3.0e38f && v < 3.0e38f;
+}
+
+template <class P, int N>
+static __device__ __forceinline__ void block_attention_fwd_row(
+    const typename P::T *q, const typename P::T *o1, const float *lse1,
+    const long long *anchors, typename P::T *out, float *lse, const float *ks, const float *vs,
+    long long blk, int head, int slot, int heads, int d, int bs, int rows, float scale) {
+    const long long row = blk * bs + slot;
+    const long long at = (row * heads + head) * (long long)d;
+    float s[BLOCK_ATTN_MAX];
+    block_scores<P, N>(q + at, ks, d, bs, scale, s);
+    float m = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+        if (j < bs) {
+            m = fmaxf(m, s[j]);
+        }
+    }
+    float l = 0.0f;
+#pragma unroll
+    for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+        s[j] = j < bs ? expf(s[j] - m) : 0.0f;
+        l += s[j];
+    }
+    const float own = m + logf(l);
+    const long long e = row / rows, r = row - e * rows;
+    const long long li = (e * heads + head) * rows + r;
+    const float ctx = lse1[li];
+    float merged = own, w1 = 0.0f;
+    if (anchors[blk] > 0 && finite_lse(ctx)) {
+        const float top = fmaxf(ctx, own);
+        merged = top + logf(expf(ctx - top) + expf(own - top));
+        w1 = expf(ctx - merged);
+    }
+    // the own part's weights, normalised and scaled by its share: exp(own - merged) / l
+    const float w2 = expf(own - merged) / l;
+    for (int c = 0; c < d; c += N) {
+        float o[N], prev[N];
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            o[u] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+            if (j < bs) {
+                const float *vr = vs + j * d + c;
+                for (int u = 0; u < N; ++u) {
+                    o[u] = fmaf(s[j], vr[u], o[u]);
+                }
+            }
+        }
+        if (w1 > 0.0f) {
+            load_n<P, N>(o1 + at + c, prev);
+            for (int u = 0; u < N; ++u) {
+                o[u] = fmaf(w1, prev[u], w2 * o[u]);
+            }
+        } else {
+            for (int u = 0; u < N; ++u) {
+                o[u] *= w2;
+            }
+        }
+        store_n<P, N>(out + at + c, o);
+    }
+    lse[li] = merged;
+}
+
+// The warp-cooperative form: where a head is 8 or 16 vectors of 16 bytes (d = 64 or 128 in bf16
+// or f16: block_attention_lanes), a row is handled by LANES lanes, a vector each, so that every
+// load and store is of whole rows; BLOCK_ATTN_THREADS threads a block loop over its g * bs rows.
+// A row's partial dot products with the bs keys are summed across its lanes by halving
+// exchanges (transpose_sum: 15 shuffles for 16 sums), each lane ending with COUNT = 16 / LANES
+// of them, keys COUNT * lane ...; a key's probability reaches every lane by one shuffle.
+#define BLOCK_ATTN_THREADS 128
+
+// Sums the partial sums s[0..16) over the row's LANES lanes: lane l ends with s[0..16 / LANES)
+// complete, those of keys (16 / LANES) * l onwards.
+template <int LANES>
+static __device__ __forceinline__ void transpose_sum(float *s, int lane) {
+    int count = BLOCK_ATTN_MAX;
+#pragma unroll
+    for (int w = LANES / 2; w >= 1; w >>= 1) {
+        count /= 2;
+        const bool upper = (lane & w) != 0;
+#pragma unroll
+        for (int i = 0; i < BLOCK_ATTN_MAX / 2; ++i) {
+            if (i < count) {
+                const float send = upper ? s[i] : s[i + count];
+                const float keep = upper ? s[i + count] : s[i];
+                s[i] = keep + __shfl_xor_sync(0xffffffffu, send, w);
+            }
+        }
+    }
+}
+
+template <int LANES>
+static __device__ __forceinline__ float lanes_max(float v) {
+#pragma unroll
+    for (int w = LANES / 2; w >= 1; w >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, w));
+    }
+    return v;
+}
+
+template <int LANES>
+static __device__ __forceinline__ float lanes_sum(float v) {
+#pragma unroll
+    for (int w = LANES / 2; w >= 1; w >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, w);
+    }
+    return v;
+}
+
+// A row's partial dot products of its vector `x` (elements c0 .. c0 + VEC) with the block's
+// keys or values `kv` [bs, d] (shared), summed over its lanes (transpose_sum).
+template <class P, int LANES>
+static __device__ __forceinline__ void lanes_dots(const float *x, const typename P::T *kv, int c0,
+                                                  int d, int bs, int lane, float *s) {
+    const int VEC = 16 / sizeof(typename P::T);
+#pragma unroll
+    for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+        float acc = 0.0f;
+        if (j < bs) {
+            float kr[VEC];
+            load_n<P, VEC>(kv + j * d + c0, kr);
+#pragma unroll
+            for (int u = 0; u < VEC; ++u) {
+                acc = fmaf(x[u], kr[u], acc);
+            }
+        }
+        s[j] = acc;
+    }
+    transpose_sum<LANES>(s, lane);
+}
+
+// sum over keys j of w_j * rows[j][c0 ..] where w_j is held as s[j % COUNT] by lane j / COUNT.
+template <class P, int LANES>
+static __device__ __forceinline__ void lanes_combine(const float *s, const typename P::T *rows,
+                                                     int c0, int d, int bs, float *o) {
+    const int VEC = 16 / sizeof(typename P::T), COUNT = BLOCK_ATTN_MAX / LANES;
+#pragma unroll
+    for (int u = 0; u < VEC; ++u) {
+        o[u] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+        if (j < bs) {
+            const float w = __shfl_sync(0xffffffffu, s[j % COUNT], j / COUNT, LANES);
+            float r[VEC];
+            load_n<P, VEC>(rows + j * d + c0, r);
+#pragma unroll
+            for (int u = 0; u < VEC; ++u) {
+                o[u] = fmaf(w, r[u], o[u]);
+            }
+        }
+    }
+}
+
+// The block's keys and values of kv head `kvh` into shared memory as they are stored ([bs, d]
+// each, 16-byte vectors): a row's lanes then read 16 consecutive bytes each, 8 lanes one
+// 128-byte line, without bank conflicts.
+template <class P>
+static __device__ __forceinline__ void block_kv_raw(const typename P::T *kb,
+                                                    const typename P::T *vb, long long blk,
+                                                    int kvh, int kv, int d, int bs,
+                                                    typename P::T *ks, typename P::T *vs) {
+    const int VEC = 16 / sizeof(typename P::T), per = d / VEC;
+    for (int i = threadIdx.x; i < bs * per; i += blockDim.x) {
+        const int j = i / per, c = (i - j * per) * VEC;
+        const long long at = ((blk * bs + j) * kv + kvh) * (long long)d + c;
+        *reinterpret_cast<uint4 *>(ks + j * d + c) = *reinterpret_cast<const uint4 *>(kb + at);
+        *reinterpret_cast<uint4 *>(vs + j * d + c) = *reinterpret_cast<const uint4 *>(vb + at);
+    }
+    __syncthreads();
+}
+
+template <class P, int LANES>
+static __device__ void block_attention_fwd_lanes(
+    const typename P::T *q, const typename P::T *o1, const float *lse1, const long long *anchors,
+    typename P::T *out, float *lse, const typename P::T *ks, const typename P::T *vs,
+    long long blk, int kvh, int heads, int kv, int d, int bs, int rows, float scale) {
+    const int VEC = 16 / sizeof(typename P::T), COUNT = BLOCK_ATTN_MAX / LANES;
+    const int g = heads / kv, lane = threadIdx.x % LANES, c0 = lane * VEC;
+    const int groups = blockDim.x / LANES;
+    const bool sees_context = anchors[blk] > 0;
+    // every lane of a warp runs the same rounds (the shuffles): rows past the end are computed
+    // on the last row and not written
+    for (int first = 0; first < g * bs; first += groups) {
+        const int want = first + (int)threadIdx.x / LANES;
+        const int ri = want < g * bs ? want : g * bs - 1;
+        const int head = kvh * g + ri / bs;
+        const long long row = blk * bs + ri % bs;
+        const long long at = (row * heads + head) * (long long)d + c0;
+        // the row's loads first, so that they are in flight together
+        float x[VEC], s[BLOCK_ATTN_MAX], prev[VEC];
+        load_n<P, VEC>(q + at, x);
+        if (sees_context) {
+            load_n<P, VEC>(o1 + at, prev);
+        }
+        lanes_dots<P, LANES>(x, ks, c0, d, bs, lane, s);
+        float m = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < COUNT; ++i) {
+            s[i] = COUNT * lane + i < bs ? s[i] * scale : NEG_INF;
+            m = fmaxf(m, s[i]);
+        }
+        m = lanes_max<LANES>(m);
+        float l = 0.0f;
+#pragma unroll
+        for (int i = 0; i < COUNT; ++i) {
+            s[i] = expf(s[i] - m);
+            l += s[i];
+        }
+        l = lanes_sum<LANES>(l);
+        const float own = m + logf(l);
+        const long long e = row / rows, r = row - e * rows;
+        const long long li = (e * heads + head) * rows + r;
+        const float ctx = lse1[li];
+        float merged = own, w1 = 0.0f;
+        if (sees_context && finite_lse(ctx)) {
+            const float top = fmaxf(ctx, own);
+            merged = top + logf(expf(ctx - top) + expf(own - top));
+            w1 = expf(ctx - merged);
+        }
+        const float w2 = expf(own - merged) / l;
+        float o[VEC];
+        lanes_combine<P, LANES>(s, vs, c0, d, bs, o);
+        if (w1 > 0.0f) {
+            for (int u = 0; u < VEC; ++u) {
+                o[u] = fmaf(w1, prev[u], w2 * o[u]);
+            }
+        } else {
+            for (int u = 0; u < VEC; ++u) {
+                o[u] *= w2;
+            }
+        }
+        if (want < g * bs) {
+            store_n<P, VEC>(out + at, o);
+            if (lane == 0) {
+                lse[li] = merged;
+            }
+        }
+    }
+}
+
+// The rows' part of the backward pass in the warp-cooperative form: probabilities and score
+// gradients into `ps`, `dss` ([g * bs, BLOCK_ATTN_MAX], shared), the query gradients added.
+template <class P, int LANES>
+static __device__ void block_attention_bwd_lanes(
+    const typename P::T *q, const typename P::T *out, const typename P::T *dout,
+    const float *lse, const long long *anchors, typename P::T *dq, const typename P::T *ks,
+    const typename P::T *vs, float *ps, float *dss, long long blk, int kvh, int heads, int kv,
+    int d, int bs, int rows, float scale) {
+    const int VEC = 16 / sizeof(typename P::T), COUNT = BLOCK_ATTN_MAX / LANES;
+    const int g = heads / kv, lane = threadIdx.x % LANES, c0 = lane * VEC;
+    const int groups = blockDim.x / LANES;
+    const bool add = anchors[blk] > 0;
+    for (int first = 0; first < g * bs; first += groups) {
+        const int want = first + (int)threadIdx.x / LANES;
+        const int ri = want < g * bs ? want : g * bs - 1;
+        const int head = kvh * g + ri / bs;
+        const long long row = blk * bs + ri % bs;
+        const long long at = (row * heads + head) * (long long)d + c0;
+        // the row's loads first, so that they are in flight together
+        float x[VEC], s[BLOCK_ATTN_MAX], dp[BLOCK_ATTN_MAX], gr[VEC], o[VEC], prev[VEC];
+        load_n<P, VEC>(q + at, x);
+        load_n<P, VEC>(dout + at, gr);
+        load_n<P, VEC>(out + at, o);
+        if (add) {
+            load_n<P, VEC>(dq + at, prev);
+        }
+        const long long e = row / rows, r = row - e * rows;
+        const float total = lse[(e * heads + head) * rows + r];
+        lanes_dots<P, LANES>(x, ks, c0, d, bs, lane, s);
+        float dot = 0.0f;
+        for (int u = 0; u < VEC; ++u) {
+            dot = fmaf(gr[u], o[u], dot);
+        }
+        dot = lanes_sum<LANES>(dot);
+        lanes_dots<P, LANES>(gr, vs, c0, d, bs, lane, dp);
+#pragma unroll
+        for (int i = 0; i < COUNT; ++i) {
+            const int key = COUNT * lane + i;
+            s[i] = key < bs ? expf(s[i] * scale - total) : 0.0f;
+            dp[i] = s[i] * (dp[i] - dot);
+            if (want < g * bs) {
+                // (zeros for keys past the block: block_attention_bwd_kv4 reads four at a time)
+                ps[ri * BLOCK_ATTN_MAX + key] = s[i];
+                dss[ri * BLOCK_ATTN_MAX + key] = dp[i];
+            }
+        }
+        float acc[VEC];
+        lanes_combine<P, LANES>(dp, ks, c0, d, bs, acc);
+        if (want < g * bs) {
+            for (int u = 0; u < VEC; ++u) {
+                acc[u] = fmaf(scale, acc[u], add ? prev[u] : 0.0f);
+            }
+            store_n<P, VEC>(dq + at, acc);
+        }
+    }
+}
+
+// dk = scale ds^T q and dv = p^T dout of the block's keys in the warp-cooperative form: a task
+// per (dk or dv, four keys, one 16-byte vector of columns) sums over the block's g * bs rows,
+// so that each row's vector is read once for four keys.
+template <class P>
+static __device__ __forceinline__ void block_attention_bwd_kv4(
+    const typename P::T *q, const typename P::T *dout, const float *ps, const float *dss,
+    typename P::T *dkb, typename P::T *dvb, long long blk, int kvh, int heads, int kv, int d,
+    int bs, float scale) {
+    const int VEC = 16 / sizeof(typename P::T), chunks = d / VEC, quads = (bs + 3) / 4;
+    const int g = heads / kv, per = quads * chunks;
+    for (int task = threadIdx.x; task < 2 * per; task += blockDim.x) {
+        const bool values = task >= per;
+        const int rest = values ? task - per : task;
+        const int quad = rest / chunks, c = (rest - quad * chunks) * VEC;
+        const typename P::T *src = values ? dout : q;
+        const float *coef = (values ? ps : dss) + quad * 4;
+        float acc[4][VEC];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#pragma unroll
+            for (int u = 0; u < VEC; ++u) {
+                acc[k][u] = 0.0f;
+            }
+        }
+#pragma unroll 4
+        for (int i = 0; i < g * bs; ++i) {
+            const int head = kvh * g + i / bs;
+            const long long row = blk * bs + i % bs;
+            float x[VEC];
+            load_n<P, VEC>(src + (row * heads + head) * (long long)d + c, x);
+            const float4 w = *reinterpret_cast<const float4 *>(coef + i * BLOCK_ATTN_MAX);
+            const float ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+#pragma unroll
+                for (int u = 0; u < VEC; ++u) {
+                    acc[k][u] = fmaf(ws[k], x[u], acc[k][u]);
+                }
+            }
+        }
+        const float f = values ? 1.0f : scale;
+        typename P::T *dst = values ? dvb : dkb;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int j = quad * 4 + k;
+            if (j < bs) {
+                for (int u = 0; u < VEC; ++u) {
+                    acc[k][u] *= f;
+                }
+                store_n<P, VEC>(dst + ((blk * bs + j) * kv + kvh) * (long long)d + c, acc[k]);
+            }
+        }
+    }
+}
+
+template <class P>
+static __device__ void block_attention_fwd(
+    const typename P::T *__restrict__ q, const typename P::T *__restrict__ kb,
+    const typename P::T *__restrict__ vb, const typename P::T *__restrict__ o1,
+    const float *__restrict__ lse1, const long long *__restrict__ anchors,
+    typename P::T *__restrict__ out, float *__restrict__ lse, int heads, int kv, int d, int bs,
+    int rows, float scale, int lanes) {
+    FUSED_DYNAMIC_SHARED(block_attn_shared);
+    float *ks = reinterpret_cast<float *>(block_attn_shared), *vs = ks + bs * d;
+    const long long blk = blockIdx.x;
+    const int kvh = blockIdx.y, g = heads / kv;
+    if (lanes == 8 || lanes == 16) {
+        typedef typename P::T T;
+        T *kr = reinterpret_cast<T *>(block_attn_shared), *vr = kr + bs * d;
+        block_kv_raw<P>(kb, vb, blk, kvh, kv, d, bs, kr, vr);
+        if (lanes == 16) {
+            block_attention_fwd_lanes<P, 16>(q, o1, lse1, anchors, out, lse, kr, vr, blk, kvh,
+                                             heads, kv, d, bs, rows, scale);
+        } else {
+            block_attention_fwd_lanes<P, 8>(q, o1, lse1, anchors, out, lse, kr, vr, blk, kvh,
+                                            heads, kv, d, bs, rows, scale);
+        }
+        return;
+    }
+    block_kv_to_shared<P>(kb, vb, blk, kvh, kv, d, bs, ks, vs);
+    const int t = threadIdx.x;
+    if (t >= g * bs) {
+        return;
+    }
+    const int head = kvh * g + t / bs, slot = t % bs;
+    const int VEC = 16 / sizeof(typename P::T);
+    if (d % VEC == 0 && aligned16(q) && aligned16(o1) && aligned16(out)) {
+        block_attention_fwd_row<P, 16 / sizeof(typename P::T)>(
+            q, o1, lse1, anchors, out, lse, ks, vs, blk, head, slot, heads, d, bs, rows, scale);
+    } else {
+        block_attention_fwd_row<P, 1>(q, o1, lse1, anchors, out, lse, ks, vs, blk, head, slot,
+                                      heads, d, bs, rows, scale);
+    }
+}
+
+// The row's part of the backward pass: its probabilities and score gradients into `ps`, `dss`
+// (shared, [threads, BLOCK_ATTN_MAX]) and its query gradient added into dq.
+template <class P, int N>
+static __device__ __forceinline__ void block_attention_bwd_row(
+    const typename P::T *q, const typename P::T *out, const typename P::T *dout,
+    const float *lse, const long long *anchors, typename P::T *dq, const float *ks,
+    const float *vs, float *ps, float *dss, long long blk, int head, int slot, int heads, int d,
+    int bs, int rows, float scale) {
+    const long long row = blk * bs + slot;
+    const long long at = (row * heads + head) * (long long)d;
+    float s[BLOCK_ATTN_MAX], dp[BLOCK_ATTN_MAX];
+    block_scores<P, N>(q + at, ks, d, bs, scale, s);
+    const long long e = row / rows, r = row - e * rows;
+    const float total = lse[(e * heads + head) * rows + r];
+#pragma unroll
+    for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+        s[j] = j < bs ? expf(s[j] - total) : 0.0f;
+        dp[j] = 0.0f;
+    }
+    float dot = 0.0f;
+    for (int c = 0; c < d; c += N) {
+        float g[N], o[N];
+        load_n<P, N>(dout + at + c, g);
+        load_n<P, N>(out + at + c, o);
+        for (int u = 0; u < N; ++u) {
+            dot = fmaf(g[u], o[u], dot);
+        }
+#pragma unroll
+        for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+            if (j < bs) {
+                const float *vr = vs + j * d + c;
+                float acc = dp[j];
+                for (int u = 0; u < N; ++u) {
+                    acc = fmaf(g[u], vr[u], acc);
+                }
+                dp[j] = acc;
+            }
+        }
+    }
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+        dp[j] = s[j] * (dp[j] - dot);   // ds
+        if (j < bs) {
+            ps[t * BLOCK_ATTN_MAX + j] = s[j];
+            dss[t * BLOCK_ATTN_MAX + j] = dp[j];
+        }
+    }
+    // a block that sees no context: the context part wrote nothing meaningful to its dq
+    const bool add = anchors[blk] > 0;
+    for (int c = 0; c < d; c += N) {
+        float acc[N], prev[N];
+#pragma unroll
+        for (int u = 0; u < N; ++u) {
+            acc[u] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+            if (j < bs) {
+                const float *kr = ks + j * d + c;
+                for (int u = 0; u < N; ++u) {
+                    acc[u] = fmaf(dp[j], kr[u], acc[u]);
+                }
+            }
+        }
+        if (add) {
+            load_n<P, N>(dq + at + c, prev);
+        }
+        for (int u = 0; u < N; ++u) {
+            acc[u] = fmaf(scale, acc[u], add ? prev[u] : 0.0f);
+        }
+        store_n<P, N>(dq + at + c, acc);
+    }
+}
+
+// dk (of `src` = q, `coef` = the score gradients, times scale) or dv (of `src` = dout, `coef` =
+// the probabilities) of the block's keys: task (j, c) sums over the block's g * bs rows.
+template <class P, int N>
+static __device__ __forceinline__ void block_attention_bwd_kv(
+    const typename P::T *src, const float *coef, typename P::T *dst, long long blk, int kvh,
+    int heads, int kv, int d, int bs, int g, float scale) {
+    const int chunks = d / N, tasks = bs * chunks;
+    for (int task = threadIdx.x; task < tasks; task += blockDim.x) {
+        const int j = task / chunks, c = (task - j * chunks) * N;
+        float acc[N];
+        for (int u = 0; u < N; ++u) {
+            acc[u] = 0.0f;
+        }
+#pragma unroll 4
+        for (int i = 0; i < g * bs; ++i) {
+            const int head = kvh * g + i / bs;
+            const long long row = blk * bs + i % bs;
+            float x[N];
+            load_n<P, N>(src + (row * heads + head) * (long long)d + c, x);
+            const float w = coef[i * BLOCK_ATTN_MAX + j];
+            for (int u = 0; u < N; ++u) {
+                acc[u] = fmaf(w, x[u], acc[u]);
+            }
+        }
+        for (int u = 0; u < N; ++u) {
+            acc[u] *= scale;
+        }
+        store_n<P, N>(dst + ((blk * bs + j) * kv + kvh) * (long long)d + c, acc);
+    }
+}
+
+template <class P>
+static __device__ void block_attention_bwd(
+    const typename P::T *__restrict__ q, const typename P::T *__restrict__ kb,
+    const typename P::T *__restrict__ vb, const typename P::T *__restrict__ out,
+    const typename P::T *__restrict__ dout, const float *__restrict__ lse,
+    const long long *__restrict__ anchors, typename P::T *__restrict__ dq,
+    typename P::T *__restrict__ dkb, typename P::T *__restrict__ dvb, int heads, int kv, int d,
+    int bs, int rows, float scale, int lanes) {
+    FUSED_DYNAMIC_SHARED(block_attn_shared);
+    const int g = heads / kv;
+    float *ks = reinterpret_cast<float *>(block_attn_shared), *vs = ks + bs * d;
+    float *ps = vs + bs * d, *dss = ps + g * bs * BLOCK_ATTN_MAX;
+    const long long blk = blockIdx.x;
+    const int kvh = blockIdx.y;
+    typedef typename P::T T;
+    // the warp-cooperative form's keys and values as stored, in the same space
+    T *kr = reinterpret_cast<T *>(block_attn_shared), *vr = kr + bs * d;
+    if (lanes == 8 || lanes == 16) {
+        block_kv_raw<P>(kb, vb, blk, kvh, kv, d, bs, kr, vr);
+    } else {
+        block_kv_to_shared<P>(kb, vb, blk, kvh, kv, d, bs, ks, vs);
+    }
+    const int t = threadIdx.x;
+    const int head = kvh * g + t / bs, slot = t % bs;
+    const int VEC = 16 / sizeof(typename P::T);
+    const bool vectors = d % VEC == 0 && aligned16(q) && aligned16(out) && aligned16(dout) &&
+                         aligned16(dq) && aligned16(dkb) && aligned16(dvb);
+    if (lanes == 16) {
+        block_attention_bwd_lanes<P, 16>(q, out, dout, lse, anchors, dq, kr, vr, ps, dss, blk,
+                                         kvh, heads, kv, d, bs, rows, scale);
+    } else if (lanes == 8) {
+        block_attention_bwd_lanes<P, 8>(q, out, dout, lse, anchors, dq, kr, vr, ps, dss, blk, kvh,
+                                        heads, kv, d, bs, rows, scale);
+    } else if (vectors) {
+        // blockDim.x == g * bs: every thread is a row (the launch makes it so)
+        block_attention_bwd_row<P, 16 / sizeof(typename P::T)>(q, out, dout, lse, anchors, dq,
+                                                               ks, vs, ps, dss, blk, head, slot,
+                                                               heads, d, bs, rows, scale);
+    } else {
+        block_attention_bwd_row<P, 1>(q, out, dout, lse, anchors, dq, ks, vs, ps, dss, blk, head,
+                                      slot, heads, d, bs, rows, scale);
+    }
+    __syncthreads();
+    if (lanes == 8 || lanes == 16) {
+        block_attention_bwd_kv4<P>(q, dout, ps, dss, dkb, dvb, blk, kvh, heads, kv, d, bs, scale);
+    } else if (vectors) {
+        block_attention_bwd_kv<P, 16 / sizeof(typename P::T)>(q, dss, dkb, blk, kvh, heads, kv,
+                                                              d, bs, g, scale);
+        block_attention_bwd_kv<P, 16 / sizeof(typename P::T)>(dout, ps, dvb, blk, kvh, heads, kv,
+                                                              d, bs, g, 1.0f);
+    } else {
+        block_attention_bwd_kv<P, 1>(q, dss, dkb, blk, kvh, heads, kv, d, bs, g, scale);
+        block_attention_bwd_kv<P, 1>(dout, ps, dvb, blk, kvh, heads, kv, d, bs, g, 1.0f);
+    }
+}
+
 #define DFLASH_FUSED_KERNELS(SUFFIX, P)                                                      \
     extern "C" __global__ void rotate_write_##SUFFIX(                                        \
         const P::T *y, int layers, int heads, int kv, int d, const P::T *q_norm,             \
@@ -1529,6 +2163,20 @@ static __device__ void adamw_step(const typename P::T *__restrict__ grad,
         long long layer_stride) {                                                            \
         rotate_write<P>(y, layers, heads, kv, d, q_norm, k_norm, eps, cos, sin, rows, q_out, \
                         k_cache, v_cache, layer_stride);                                     \
+    }                                                                                        \
+    extern "C" __global__ void block_attention_fwd_##SUFFIX(                                 \
+        const P::T *q, const P::T *kb, const P::T *vb, const P::T *o1, const float *lse1,   \
+        const long long *anchors, P::T *out, float *lse, int heads, int kv, int d, int bs,   \
+        int rows, float scale, int lanes) {                                                  \
+        block_attention_fwd<P>(q, kb, vb, o1, lse1, anchors, out, lse, heads, kv, d, bs,     \
+                               rows, scale, lanes);                                          \
+    }                                                                                        \
+    extern "C" __global__ void block_attention_bwd_##SUFFIX(                                 \
+        const P::T *q, const P::T *kb, const P::T *vb, const P::T *out, const P::T *dout,    \
+        const float *lse, const long long *anchors, P::T *dq, P::T *dkb, P::T *dvb,          \
+        int heads, int kv, int d, int bs, int rows, float scale, int lanes) {                \
+        block_attention_bwd<P>(q, kb, vb, out, dout, lse, anchors, dq, dkb, dvb, heads, kv,  \
+                               d, bs, rows, scale, lanes);                                   \
     }                                                                                        \
     extern "C" __global__ void silu_mul_##SUFFIX(const P::T *both, P::T *out, long long n,  \
                                                  long long width) {                          \

@@ -62,6 +62,23 @@ pub(crate) mod ffi {
         *mut c_char,
         usize,
     ) -> i32;
+    /// autograd.cpp's `dflash_block_attention_fn`: (state, q, kb, vb, anchors, o, lse, dout or
+    /// null, dq or null, out0, out1, msg, msg_len).
+    pub(crate) type BlockAttentionPass = unsafe extern "C" fn(
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *const c_void,
+        *mut c_void,
+        *mut *mut c_void,
+        *mut *mut c_void,
+        *mut c_char,
+        usize,
+    ) -> i32;
 
     /// autograd.cpp's `dflash_add_rms_norm_fn`: (state, x0, x1 or null, weight, grad or null,
     /// eps, out0, out1, msg, msg_len).
@@ -167,6 +184,26 @@ pub(crate) mod ffi {
             weight: *const c_void,
             eps: f64,
             rms_norm: RmsNormPass,
+            state: *const c_void,
+            state_len: usize,
+            out: *mut *mut c_void,
+        ) -> *mut c_char;
+        // autograd.cpp: one layer of the drafter's block attention in groups of consecutive
+        // blocks as an autograd node (`n` groups: `biases` their masks, `groups` their
+        // (sequence, first row, rows) triples)
+        #[allow(clippy::too_many_arguments)]
+        pub(crate) fn dflash_grouped_block_attention_autograd(
+            q: *const c_void,
+            ck: *const c_void,
+            cv: *const c_void,
+            kb: *const c_void,
+            vb: *const c_void,
+            anchors: *const c_void,
+            biases: *const *const c_void,
+            groups: *const i64,
+            n: usize,
+            bs: i64,
+            pass: BlockAttentionPass,
             state: *const c_void,
             state_len: usize,
             out: *mut *mut c_void,

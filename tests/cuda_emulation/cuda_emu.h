@@ -164,6 +164,18 @@ inline float __shfl_up_sync(unsigned, float v, int offset) {
     return other;
 }
 
+// The value of lane `src` of the `width`-lane segment of the calling lane (all lanes take part).
+inline float __shfl_sync(unsigned, float v, int src, int width = 32) {
+    const unsigned t = threadIdx.x, lane = t % 32, base = t - lane;
+    auto &barrier = *emu::warp_barriers[t / 32];
+    emu::warp_values[t] = v;
+    barrier.arrive_and_wait();
+    const unsigned segment = lane - lane % (unsigned)width;
+    const float other = emu::warp_values[base + segment + (unsigned)src % (unsigned)width];
+    barrier.arrive_and_wait();
+    return other;
+}
+
 inline float __uint_as_float(unsigned u) {
     float f;
     std::memcpy(&f, &u, 4);

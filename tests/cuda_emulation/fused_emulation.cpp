@@ -13,12 +13,47 @@
 //   c++ -std=c++20 -O1 -pthread -w -Isrc/aten_ext tests/cuda_emulation/fused_emulation.cpp
 #include "cuda_emu.h"
 
+#define FUSED_DYNAMIC_SHARED(name) float4 *name = emu::dynamic_shared.data()
+
 #include "fused_kernels.cu"
 
 #include <chrono>
 #include <cstdio>
 #include <random>
 #include <string>
+#include <type_traits>
+
+// The kernels of storage type P (the test is a template over it).
+template <class P>
+static void block_attention_fwd_bf16_or(const typename P::T *q, const typename P::T *kb,
+                                        const typename P::T *vb, const typename P::T *o1,
+                                        const float *lse1, const long long *anchors,
+                                        typename P::T *out, float *lse, int heads, int kv, int d,
+                                        int bs, int rows, float scale, int lanes) {
+    if constexpr (std::is_same_v<P, Bf16>) {
+        block_attention_fwd_bf16(q, kb, vb, o1, lse1, anchors, out, lse, heads, kv, d, bs, rows,
+                                 scale, lanes);
+    } else {
+        block_attention_fwd_f32(q, kb, vb, o1, lse1, anchors, out, lse, heads, kv, d, bs, rows,
+                                scale, lanes);
+    }
+}
+
+template <class P>
+static void block_attention_bwd_bf16_or(const typename P::T *q, const typename P::T *kb,
+                                        const typename P::T *vb, const typename P::T *out,
+                                        const typename P::T *dout, const float *lse,
+                                        const long long *anchors, typename P::T *dq,
+                                        typename P::T *dkb, typename P::T *dvb, int heads, int kv,
+                                        int d, int bs, int rows, float scale, int lanes) {
+    if constexpr (std::is_same_v<P, Bf16>) {
+        block_attention_bwd_bf16(q, kb, vb, out, dout, lse, anchors, dq, dkb, dvb, heads, kv, d,
+                                 bs, rows, scale, lanes);
+    } else {
+        block_attention_bwd_f32(q, kb, vb, out, dout, lse, anchors, dq, dkb, dvb, heads, kv, d,
+                                bs, rows, scale, lanes);
+    }
+}
 
 // The launch of a norm over rows of `width` elements of `bytes` each, as fused_norms.rs picks
 // it: a warp per row, 8 rows a block, up to 1024; else a block per row of a warp per four
@@ -99,6 +134,27 @@ static bool compare(const char *name, const std::vector<typename P::T> &got,
     const bool ok = untouched && worst <= rel && share >= exact;
     std::printf("%s %s: worst %.2e relative, %.4f exact%s\n", ok ? "ok" : "FAILED", name, worst,
                 share, untouched ? "" : ", wrote past the end");
+    return ok;
+}
+
+// As `compare`, each element within `rel` of |want| plus the mean |want| (for sums that cancel:
+// an error the size of a rounding of their terms, not of their result).
+template <class P>
+static bool compare_scaled(const char *name, const std::vector<typename P::T> &got,
+                           const std::vector<double> &want, double rel) {
+    double mean = 0;
+    for (double w : want) mean += std::fabs(w);
+    mean /= std::max<size_t>(want.size(), 1);
+    double worst = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        const double d = std::fabs(P::load(got[i]) - want[i]);
+        worst = std::max(worst, std::isnan(d) ? INFINITY : d / (std::fabs(want[i]) + mean));
+    }
+    bool untouched = true;
+    for (size_t i = want.size(); i < got.size(); ++i) untouched &= std::isnan(P::load(got[i]));
+    const bool ok = untouched && worst <= rel;
+    std::printf("%s %s: worst %.2e of |value| + mean |value|%s\n", ok ? "ok" : "FAILED", name,
+                worst, untouched ? "" : ", wrote past the end");
     return ok;
 }
 
@@ -412,6 +468,157 @@ static bool run_rotate_write(const char *name,
     ok &= compare<P>((base + ", values").c_str(), got_v, want_v, 0.0, 1.0);
     if (!untouched) std::printf("FAILED %s: wrote a cache row of no token\n", name);
     return ok && untouched;
+}
+
+// block_attention_fwd and _bwd over `entries` chunk entries of `blocks` blocks of `bs` rows,
+// `heads` query heads over `kv` key/value heads of `d`, launched as fused_block_attention.rs
+// does (a block per (block, kv head) of g * bs threads; shared memory sized as it sizes it).
+// Each entry has `context` context keys; block b of an entry sees the first anchor(b) of them
+// (the first block of each entry none: its context part's output, log-sum-exp and query
+// gradient hold NaN, which the kernels must not read) and its own rows' keys. The reference:
+// the whole attention in double ([visible context; own block], softmax, its gradients for a
+// random output gradient); the context part's output, log-sum-exp and query gradient given to
+// the kernels as the fused kernel would compute them (rounded to the storage type). The merge
+// rounds the context part once more than one pass over all keys would: errors are measured
+// against the values' mean magnitude (compare_scaled).
+template <class P>
+static bool run_block_attention(const char *name, int entries, int blocks, int bs, int heads,
+                                int kv, int d, int context, double rel) {
+    typedef typename P::T T;
+    std::mt19937 rng(17 + entries + blocks + bs + heads + d);
+    std::normal_distribution<float> normal;
+    const int g = heads / kv, rows = blocks * bs;
+    const long long R = (long long)entries * rows;
+    const double scale = 1.0 / std::sqrt((double)d);
+    auto fill = [&](long long n, float spread) {
+        std::vector<T> v(n);
+        for (T &e : v) e = P::store(spread * normal(rng));
+        return v;
+    };
+    std::vector<T> q = fill(R * heads * d, 1.0f), kb = fill(R * kv * d, 1.0f),
+                   vb = fill(R * kv * d, 1.0f), kc = fill((long long)entries * context * kv * d, 1.0f),
+                   vc = fill((long long)entries * context * kv * d, 1.0f),
+                   dout = fill(R * heads * d, 1.0f);
+    std::vector<long long> anchors(R / bs);
+    for (long long b = 0; b < R / bs; ++b) {
+        anchors[b] = b % blocks == 0 ? 0 : 1 + (b * 7) % context;
+    }
+    // per row and head: the reference in double over its visible keys
+    std::vector<T> o1(R * heads * d), out_ref(R * heads * d), dq(R * heads * d);
+    std::vector<float> lse1(R * heads), lse(R * heads);
+    std::vector<double> want_out(R * heads * d), want_dq(R * heads * d), want_dk(R * kv * d, 0.0),
+        want_dv(R * kv * d, 0.0);
+    for (long long row = 0; row < R; ++row) {
+        const long long e = row / rows, r = row % rows, blk = row / bs, a = anchors[blk];
+        for (int h = 0; h < heads; ++h) {
+            const int kh = h / g;
+            const long long li = (e * heads + h) * rows + r;
+            const T *qr = &q[(row * heads + h) * d];
+            // keys: context 0..a, then the block's bs rows
+            const int n = (int)a + bs;
+            std::vector<const T *> ks(n), vs(n);
+            for (int j = 0; j < n; ++j) {
+                if (j < a) {
+                    ks[j] = &kc[((e * context + j) * kv + kh) * d];
+                    vs[j] = &vc[((e * context + j) * kv + kh) * d];
+                } else {
+                    const long long kr = blk * bs + (j - a);
+                    ks[j] = &kb[(kr * kv + kh) * d];
+                    vs[j] = &vb[(kr * kv + kh) * d];
+                }
+            }
+            std::vector<double> sc(n);
+            double m = -INFINITY;
+            for (int j = 0; j < n; ++j) {
+                double acc = 0;
+                for (int c = 0; c < d; ++c) acc += (double)P::load(qr[c]) * P::load(ks[j][c]);
+                sc[j] = acc * scale;
+                m = std::max(m, sc[j]);
+            }
+            double l = 0, lc = 0;
+            for (int j = 0; j < n; ++j) {
+                l += std::exp(sc[j] - m);
+                if (j < a) lc += std::exp(sc[j] - m);
+            }
+            const double total = m + std::log(l);
+            lse[li] = (float)total;
+            lse1[li] = a > 0 ? (float)(m + std::log(lc)) : NAN;
+            const T *gr = &dout[(row * heads + h) * d];
+            std::vector<double> o(d, 0.0), oc(d, 0.0);
+            for (int j = 0; j < n; ++j) {
+                const double p = std::exp(sc[j] - total);
+                for (int c = 0; c < d; ++c) {
+                    o[c] += p * P::load(vs[j][c]);
+                    if (j < a) oc[c] += std::exp(sc[j] - m) / lc * P::load(vs[j][c]);
+                }
+            }
+            double dot = 0;
+            for (int c = 0; c < d; ++c) {
+                want_out[(row * heads + h) * d + c] = round_to<P>(o[c]);
+                out_ref[(row * heads + h) * d + c] = P::store((float)o[c]);
+                o1[(row * heads + h) * d + c] = a > 0 ? P::store((float)oc[c]) : P::store(NAN);
+                dot += (double)P::load(gr[c]) * P::load(out_ref[(row * heads + h) * d + c]);
+            }
+            std::vector<double> dqc(d, 0.0), dqa(d, 0.0);
+            for (int j = 0; j < n; ++j) {
+                const double p = std::exp(sc[j] - total);
+                double dp = 0;
+                for (int c = 0; c < d; ++c) dp += (double)P::load(gr[c]) * P::load(vs[j][c]);
+                const double ds = p * (dp - dot);
+                for (int c = 0; c < d; ++c) {
+                    dqa[c] += scale * ds * P::load(ks[j][c]);
+                    if (j < a) dqc[c] += scale * ds * P::load(ks[j][c]);
+                }
+                if (j >= a) {
+                    const long long kr = blk * bs + (j - a);
+                    for (int c = 0; c < d; ++c) {
+                        want_dk[(kr * kv + kh) * d + c] += scale * ds * P::load(qr[c]);
+                        want_dv[(kr * kv + kh) * d + c] += p * P::load(gr[c]);
+                    }
+                }
+            }
+            for (int c = 0; c < d; ++c) {
+                want_dq[(row * heads + h) * d + c] = dqa[c];
+                dq[(row * heads + h) * d + c] = a > 0 ? P::store((float)dqc[c]) : P::store(NAN);
+            }
+        }
+    }
+    for (double &v : want_dk) v = round_to<P>(v);
+    for (double &v : want_dv) v = round_to<P>(v);
+    for (double &v : want_dq) v = round_to<P>(v);
+    std::vector<T> out(R * heads * d + 64, P::store(NAN));
+    std::vector<float> lse_got(R * heads, NAN);
+    // the warp-cooperative form where a head is 8 or 16 vectors of 16 bytes, as the Rust side
+    // launches it
+    const int vec = 16 / (int)sizeof(T);
+    const int lanes = d == 8 * vec ? 8 : d == 16 * vec ? 16 : 0;
+    const unsigned threads = lanes > 0 ? 128u : (unsigned)(g * bs);
+    emu::dynamic_shared.assign((2 * bs * d + 2 * g * bs * 16) / 4 + 1, float4{});
+    emu::launch({(unsigned)(R / bs), (unsigned)kv, 1}, threads, [&] {
+        block_attention_fwd_bf16_or<P>(q.data(), kb.data(), vb.data(), o1.data(), lse1.data(),
+                                       anchors.data(), out.data(), lse_got.data(), heads, kv, d,
+                                       bs, rows, (float)scale, lanes);
+    });
+    std::string base(name);
+    bool ok = compare_scaled<P>((base + ", forward").c_str(), out, want_out, rel);
+    double worst_lse = 0;
+    for (long long i = 0; i < R * heads; ++i) {
+        worst_lse = std::max(worst_lse, std::fabs((double)lse_got[i] - lse[i]));
+    }
+    const bool lse_ok = worst_lse < 1e-4;
+    std::printf("%s %s, log-sum-exp: worst %.2e\n", lse_ok ? "ok" : "FAILED", name, worst_lse);
+    ok &= lse_ok;
+    std::vector<T> dkb(R * kv * d + 64, P::store(NAN)), dvb(R * kv * d + 64, P::store(NAN));
+    dq.resize(R * heads * d + 64, P::store(NAN));
+    emu::launch({(unsigned)(R / bs), (unsigned)kv, 1}, threads, [&] {
+        block_attention_bwd_bf16_or<P>(q.data(), kb.data(), vb.data(), out_ref.data(), dout.data(),
+                                       lse.data(), anchors.data(), dq.data(), dkb.data(),
+                                       dvb.data(), heads, kv, d, bs, rows, (float)scale, lanes);
+    });
+    ok &= compare_scaled<P>((base + ", dq").c_str(), dq, want_dq, rel);
+    ok &= compare_scaled<P>((base + ", dk").c_str(), dkb, want_dk, rel);
+    ok &= compare_scaled<P>((base + ", dv").c_str(), dvb, want_dv, rel);
+    return ok;
 }
 
 // swiglu over `n` elements, forward and backward, launched as fused_autograd.rs does (256
@@ -1177,6 +1384,22 @@ int main() {
                                 rotate_write_f32, 4, 2, 3, 1, 64, true, 1e-3, 0.0);
     ok &= run_rotate_write<Bf16>("rotate_write bf16: 3 tokens, 2 layers, 2 + 2 x 1 heads of 96",
                                  rotate_write_bf16, 3, 2, 2, 1, 96, true, bf16_rel, 0.99);
+    // the block attention's own-block part and merge, forward and backward: bf16 heads of 16
+    // (16-byte vectors), 3 entries of 3 blocks of 4 rows, 4 query heads over 2; f32 heads of 6
+    // (element by element), blocks of 5 rows, 3 heads over 1. Errors relative to |value| plus
+    // the values' mean magnitude (sums that cancel); a wrong row, head or share is O(1) off.
+    ok &= run_block_attention<Bf16>("block_attention bf16: 3 x 3 blocks of 4, 4/2 heads of 16",
+                                    3, 3, 4, 4, 2, 16, 9, 1e-2);
+    // the warp-cooperative form: bf16 heads of 128 (16 lanes a row), 2 x 2 blocks of 16 rows,
+    // 4 heads over 2 (32 rows a block: rounds of 8 rows); heads of 64 (8 lanes a row, two keys
+    // a lane), blocks of 5 rows (keys past the block masked), 3 heads over 1 (15 rows: the last
+    // round partial)
+    ok &= run_block_attention<Bf16>("block_attention bf16: 2 x 2 blocks of 16, 4/2 heads of 128",
+                                    2, 2, 16, 4, 2, 128, 20, 1e-2);
+    ok &= run_block_attention<Bf16>("block_attention bf16: 2 x 3 blocks of 5, 3/1 heads of 64", 2,
+                                    3, 5, 3, 1, 64, 12, 1e-2);
+    ok &= run_block_attention<F32>("block_attention f32: 2 x 2 blocks of 5, 3/1 heads of 6", 2,
+                                   2, 5, 3, 1, 6, 7, 1e-5);
     // SwiGLU's node: forward and backward, 3 blocks of 256 threads looping over 2000 elements
     ok &= run_swiglu<Bf16>("swiglu bf16: 2000 (vectors)", swiglu_bf16, 2000, bf16_rel, bf16_exact);
     ok &= run_swiglu<Bf16>("swiglu bf16: 1999 (elements)", swiglu_bf16, 1999, bf16_rel,

@@ -1,4 +1,4 @@
-//! The formulation of the drafter's training attention ([`TrainAttention`]: dense or chunked,
+//! The formulation of the drafter's training attention ([`TrainAttention`]: dense, chunked or grouped,
 //! with its automatic chunk size and text form) and the bucketed context length of the chunked
 //! one.
 
@@ -23,19 +23,22 @@ use anyhow::{bail, Result};
 ///   copies). `blocks_per_chunk` is C; 0 chooses it from S (see
 ///   [`TrainAttention::blocks_per_chunk`]). The context lengths are bucketed, so that the
 ///   calls' shapes repeat.
+/// - `Grouped`: the blocks of a sequence in groups of consecutive blocks, each group's queries
+///   over a view of its sequence's context (no copies) and each block over its own keys apart,
+///   the two parts merged by their log-sum-exp (one autograd node a layer, see
+///   `src/model/drafter/groups.rs`). Where it does not apply (no fused kernels on the device,
+///   float32, sliding-window layers) the automatic chunked form runs instead.
 ///
-/// Text form (for configs): `dense`, `chunked` (automatic chunk size), `chunked:C`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// Text form (for configs): `dense`, `chunked` (automatic chunk size), `chunked:C`, `grouped`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum TrainAttention {
     Dense,
-    Chunked { blocks_per_chunk: usize },
-}
-
-impl Default for TrainAttention {
-    fn default() -> Self {
-        TrainAttention::AUTO
-    }
+    Chunked {
+        blocks_per_chunk: usize,
+    },
+    #[default]
+    Grouped,
 }
 
 impl TrainAttention {
@@ -46,7 +49,8 @@ impl TrainAttention {
 
     /// The number of blocks per chunk actually used for `n` blocks of `block` tokens per
     /// sequence, against `context` positions, with `heads` query heads and `kv_heads` key/value
-    /// heads; `None` for `Dense`.
+    /// heads; `None` for `Dense`. `Grouped` gives the automatic size of the chunked form it
+    /// falls back to.
     ///
     /// Automatic choice: per query, the fused kernel's work grows with the keys it reads,
     /// S + C*B, while copying the context keys and values once per chunk costs about
@@ -67,8 +71,10 @@ impl TrainAttention {
         heads: i64,
         kv_heads: i64,
     ) -> Option<i64> {
-        let TrainAttention::Chunked { blocks_per_chunk } = *self else {
-            return None;
+        let blocks_per_chunk = match *self {
+            TrainAttention::Dense => return None,
+            TrainAttention::Chunked { blocks_per_chunk } => blocks_per_chunk,
+            TrainAttention::Grouped => 0,
         };
         let c = if blocks_per_chunk > 0 {
             blocks_per_chunk as i64
@@ -102,6 +108,7 @@ impl fmt::Display for TrainAttention {
                 blocks_per_chunk: 0,
             } => write!(f, "chunked"),
             TrainAttention::Chunked { blocks_per_chunk } => write!(f, "chunked:{blocks_per_chunk}"),
+            TrainAttention::Grouped => write!(f, "grouped"),
         }
     }
 }
@@ -113,6 +120,7 @@ impl FromStr for TrainAttention {
         let t = s.trim().to_ascii_lowercase();
         match t.as_str() {
             "dense" => Ok(TrainAttention::Dense),
+            "grouped" => Ok(TrainAttention::Grouped),
             "chunked" | "chunked:auto" | "chunked:0" => Ok(TrainAttention::AUTO),
             _ => {
                 let c = t
@@ -122,7 +130,7 @@ impl FromStr for TrainAttention {
                 match c {
                     Some(blocks_per_chunk) => Ok(TrainAttention::Chunked { blocks_per_chunk }),
                     None => bail!(
-                        "attention {s:?}: expected \"dense\", \"chunked\" (automatic chunk size) or \"chunked:C\" with C blocks per chunk, 1 <= C <= 1048576"
+                        "attention {s:?}: expected \"grouped\", \"dense\", \"chunked\" (automatic chunk size) or \"chunked:C\" with C blocks per chunk, 1 <= C <= 1048576"
                     ),
                 }
             }

@@ -5,6 +5,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::attention::context_bucket;
+use super::groups::{GroupPlan, GROUP_BLOCKS};
 use super::{AnchorBatch, Drafter, FrozenHead, TrainAttention};
 use crate::model::layers::{attention_with_bias, upload};
 
@@ -20,6 +21,8 @@ pub(super) enum BlockAttention<'a> {
     /// Per chunk of blocks (see [`TrainAttention`]), with the plan's sliding-window masks
     /// where `sliding`.
     Chunked { plan: &'a ChunkPlan, sliding: bool },
+    /// In groups of blocks, the context and the own keys apart ([`super::groups`]).
+    Grouped(&'a GroupPlan<'a>),
 }
 
 /// The blocks a chunked training forward computes: the valid ones, in row order (all of them
@@ -185,7 +188,7 @@ impl Drafter {
     pub(crate) fn warm_up_attention(&self, head: &FrozenHead, max_len: usize) -> usize {
         let c = &self.config;
         let bs = c.block_size;
-        let chunked = matches!(self.train_attention, TrainAttention::Chunked { .. });
+        let chunked = !matches!(self.train_attention, TrainAttention::Dense);
         if !self.device.is_cuda() || !chunked {
             return 0;
         }
@@ -200,8 +203,12 @@ impl Drafter {
                 .blocks_per_chunk(bs, len, c.num_attention_heads, c.num_key_value_heads)
                 .unwrap_or(1);
             // one sequence, one call's worth of chunks, every block at the last position (so
-            // that the call reads the whole context: the shape of the calls that read `len`)
-            let n = cpc * CHUNKS_PER_CALL;
+            // that the call reads the whole context: the shape of the calls that read `len`);
+            // in the grouped form a group of each size
+            let n = match self.train_attention {
+                TrainAttention::Grouped => 2 * GROUP_BLOCKS - 1,
+                _ => cpc * CHUNKS_PER_CALL,
+            };
             let features = Tensor::zeros([1, len, self.fc.size()[1]], (self.kind, dev));
             let batch = AnchorBatch {
                 input_ids: Tensor::zeros([1, len], (Kind::Int64, Device::Cpu)),
@@ -312,7 +319,7 @@ impl Drafter {
     /// `sees` [CHUNKS_PER_CALL, rows, keys] (0 where visible, -inf elsewhere), its rows padded
     /// in memory to a multiple of 16 elements so that the memory-efficient kernel takes it
     /// without a copy.
-    fn additive_mask(&self, sees: &Tensor) -> Tensor {
+    pub(super) fn additive_mask(&self, sees: &Tensor) -> Tensor {
         let (calls, rows, keys) = sees.size3().unwrap_or((0, 0, 0));
         let padded = (keys + 15) / 16 * 16;
         let mut bias =

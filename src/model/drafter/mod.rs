@@ -6,12 +6,14 @@ mod attention;
 mod block_inputs;
 mod chunks;
 mod decode;
+mod groups;
 mod init;
 
 pub use attention::{context_bucket, TrainAttention};
 
 use block_inputs::BlockInputs;
 use chunks::{chunked_attention, dense_block_mask, BlockAttention, KeptBlocks};
+use groups::grouped_attention;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -433,6 +435,15 @@ impl Drafter {
                 let rows = chunked_attention(&q, ctx_kv, (&k_block, &v_block), plan, sliding);
                 rows.linear::<&Tensor>(&layer.attn.o_proj, None)
             }
+            BlockAttention::Grouped(plan) => {
+                let block = (&k_block, &v_block);
+                let rows =
+                    grouped_attention(&q, ctx_kv, block, plan, c.block_size).unwrap_or_else(|e| {
+                        log::warn!("the grouped block attention failed ({e:#}); the chunked one");
+                        chunked_attention(&q, ctx_kv, block, self.group_fallback(plan), false)
+                    });
+                rows.linear::<&Tensor>(&layer.attn.o_proj, None)
+            }
         };
         let (h, y) = add_rms_norm_with(h, &a, &layer.post_norm, eps, kernels);
         let m = layer.mlp.forward_train(&y, kernels);
@@ -511,7 +522,7 @@ impl Drafter {
         let (b, s) = batch.input_ids.size2().unwrap_or((0, 0));
         let n = batch.anchors.size()[1];
         let ids = upload(&batch.input_ids, dev).to_kind(Kind::Int64);
-        let chunked = matches!(attention, TrainAttention::Chunked { .. }) && n > 0;
+        let chunked = !matches!(attention, TrainAttention::Dense) && n > 0;
         // The chunked attention computes the valid blocks only, all rows' in one [1, M * bs]
         // row; the dense one every block, [B, N * bs].
         let kept = chunked.then(|| {
@@ -577,15 +588,24 @@ impl Drafter {
         let windows = c.layer_windows();
         let window = windows.iter().flatten().copied().next();
         let (dense_mask, sliding_mask);
-        let plan;
+        let (plan, grouped);
         let (full_attn, sliding_attn) = match (per_chunk, &kept) {
             (Some(cpc), Some(kept)) => {
-                plan = self.chunk_plan(kept, s_ctx, cpc, window);
-                let attn = |sliding| BlockAttention::Chunked {
-                    plan: &plan,
-                    sliding,
-                };
-                (attn(false), attn(true))
+                let kernels = head.loss_kernels.as_ref();
+                grouped = (attention == TrainAttention::Grouped)
+                    .then(|| self.group_plan(kept, &anchors, s_ctx, cpc, kernels))
+                    .flatten();
+                match &grouped {
+                    Some(g) => (BlockAttention::Grouped(g), BlockAttention::Grouped(g)),
+                    None => {
+                        plan = self.chunk_plan(kept, s_ctx, cpc, window);
+                        let attn = |sliding| BlockAttention::Chunked {
+                            plan: &plan,
+                            sliding,
+                        };
+                        (attn(false), attn(true))
+                    }
+                }
             }
             _ => {
                 dense_mask = dense_block_mask(&anchors, s, bs, None);

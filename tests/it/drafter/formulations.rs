@@ -318,6 +318,7 @@ fn deferred_loss_gives_the_same_sums_and_gradients() {
 fn train_attention_text_form_and_chunk_size() {
     for (text, want) in [
         ("dense", TrainAttention::Dense),
+        ("grouped", TrainAttention::Grouped),
         ("chunked", TrainAttention::AUTO),
         (
             " Chunked:16 ",
@@ -332,7 +333,12 @@ fn train_attention_text_form_and_chunk_size() {
     for bad in ["", "sparse", "chunked:", "chunked:-1", "chunked:x"] {
         assert!(bad.parse::<TrainAttention>().is_err(), "{bad}");
     }
-    assert_eq!(TrainAttention::default(), TrainAttention::AUTO);
+    assert_eq!(TrainAttention::default(), TrainAttention::Grouped);
+    // the grouped form falls back to the automatic chunked one: its chunk size
+    assert_eq!(
+        TrainAttention::Grouped.blocks_per_chunk(16, 1522, 32, 8),
+        TrainAttention::AUTO.blocks_per_chunk(16, 1522, 32, 8)
+    );
     let json = serde_json::to_string(&TrainAttention::Chunked {
         blocks_per_chunk: 8,
     })
@@ -375,7 +381,7 @@ fn train_attention_text_form_and_chunk_size() {
     assert_eq!(context_bucket(5000), 5120, "256 apart above 4096");
     // the drafter's own choice
     let mut f = fixture();
-    assert_eq!(f.drafter.train_attention(), TrainAttention::AUTO);
+    assert_eq!(f.drafter.train_attention(), TrainAttention::Grouped);
     f.drafter.set_train_attention(TrainAttention::Dense);
     assert_eq!(f.drafter.train_attention(), TrainAttention::Dense);
 }

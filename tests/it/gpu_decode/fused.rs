@@ -538,3 +538,136 @@ fn gpu_residual_norm_node_equals_libtorch() {
         }
     }
 }
+
+/// One layer of the grouped block attention (`grouped_block_attention_autograd`: per group,
+/// cuDNN's fused attention over a view of its sequence's context, the own-block kernel and the
+/// merge) against the attention written out in float32: two sequences of 200 context positions,
+/// blocks of 16 rows, 32 query heads over 8 of 128 (the 8B drafter's heads), in three groups of
+/// 4, 2 and 3 blocks whose contexts end at their last anchor; a block anchored at 0 sees no
+/// context (its context part is all masked: cuDNN's output there must not be read). Output and
+/// the gradients of the queries, the context keys and values and the blocks' own keys and
+/// values, within bf16 rounding of each tensor's scale.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_grouped_block_attention_equals_the_attention_written_out() {
+    use dflash_tui::aten_ext::fused::{grouped_block_attention_autograd, BlockGroup};
+    let (rt, dev, _turn) = gpu();
+    let kernels = rt.fused_kernels(true, dev).expect("the fused kernels load");
+    tch::manual_seed(21);
+    let (b, s, bs, heads, kv, d) = (2i64, 200i64, 16i64, 32i64, 8i64, 128i64);
+    let kind = Kind::BFloat16;
+    // (sequence, anchors) of each group
+    let spans: [(i64, &[i64]); 3] = [(0, &[0, 9, 40, 77]), (0, &[90, 151]), (1, &[5, 6, 199])];
+    let anchors: Vec<i64> = spans.iter().flat_map(|(_, a)| a.iter().copied()).collect();
+    let blocks = anchors.len() as i64;
+    let t = blocks * bs;
+    let leaf = |shape: &[i64]| {
+        Tensor::randn(shape, (Kind::Float, dev))
+            .to_kind(kind)
+            .set_requires_grad(true)
+    };
+    let q = leaf(&[t, heads, d]);
+    let kc = leaf(&[b, s, kv, d]);
+    let vc = leaf(&[b, s, kv, d]);
+    let kb = leaf(&[t, kv, d]);
+    let vb = leaf(&[t, kv, d]);
+    let anchors_dev = Tensor::from_slice(&anchors).to_device(dev);
+    // each query row's sequence and anchor; it sees the context positions p < its anchor
+    let row_seq: Vec<i64> = spans
+        .iter()
+        .flat_map(|(seq, a)| std::iter::repeat_n(*seq, a.len() * bs as usize))
+        .collect();
+    let row_seq = Tensor::from_slice(&row_seq).to_device(dev);
+    let row_anchor = anchors_dev.repeat_interleave_self_int(bs, None, None);
+    let sees = Tensor::arange(s, (Kind::Int64, dev))
+        .view([1, s])
+        .lt_tensor(&row_anchor.view([t, 1]));
+    let mut masks = Vec::new();
+    let mut first = 0;
+    for (_, a) in &spans {
+        let rows = a.len() as i64 * bs;
+        let len = (*a.iter().max().unwrap()).max(1);
+        let part = sees.narrow(0, first, rows).narrow(1, 0, len);
+        // rows padded in memory to 16 elements, as the product's masks (cuDNN's alignment)
+        let mut mask =
+            Tensor::zeros([1, 1, rows, (len + 15) / 16 * 16], (kind, dev)).narrow(3, 0, len);
+        let _ = mask.masked_fill_(
+            &part.logical_not().view([1, 1, rows, len]),
+            f64::NEG_INFINITY,
+        );
+        masks.push(mask);
+        first += rows;
+    }
+    let mut groups = Vec::new();
+    let mut first = 0;
+    for ((seq, a), mask) in spans.iter().zip(&masks) {
+        let rows = a.len() as i64 * bs;
+        groups.push(BlockGroup {
+            seq: *seq,
+            first_row: first,
+            rows,
+            mask,
+        });
+        first += rows;
+    }
+    let got = grouped_block_attention_autograd(
+        &q,
+        (&kc, &vc),
+        (&kb, &vb),
+        &anchors_dev,
+        &groups,
+        bs,
+        &kernels,
+    )
+    .expect("the grouped attention takes the layer");
+    // written out in float32: per row, keys [its sequence's context; the blocks' own keys]
+    let f = |x: &Tensor| x.to_kind(Kind::Float);
+    let g = heads / kv;
+    let ctx_keys = f(&kc).index_select(0, &row_seq); // [t, s, kv, d]
+    let ctx_values = f(&vc).index_select(0, &row_seq);
+    let own_keys = f(&kb).view([blocks, bs, kv, d]);
+    let own_values = f(&vb).view([blocks, bs, kv, d]);
+    let block_of = Tensor::arange(t, (Kind::Int64, dev)).divide_scalar_mode(bs, "floor");
+    let keys = Tensor::cat(&[ctx_keys, own_keys.index_select(0, &block_of)], 1)
+        .repeat_interleave_self_int(g, 2, None);
+    let values = Tensor::cat(&[ctx_values, own_values.index_select(0, &block_of)], 1)
+        .repeat_interleave_self_int(g, 2, None);
+    let visible = Tensor::cat(&[sees, Tensor::ones([t, bs], (Kind::Bool, dev))], 1);
+    let scores = Tensor::einsum("thd,tkhd->thk", &[f(&q), keys], None::<i64>) / (d as f64).sqrt();
+    let p = scores
+        .masked_fill(&visible.logical_not().unsqueeze(1), f64::NEG_INFINITY)
+        .softmax(-1, Kind::Float);
+    let want = Tensor::einsum("thk,tkhd->thd", &[p, values], None::<i64>);
+    let close = |what: &str, got: &Tensor, want: &Tensor| {
+        let scale = want.abs().max().double_value(&[]);
+        let diff = max_diff(&got.to_kind(Kind::Float), want);
+        assert!(
+            diff <= 0.02 * scale,
+            "{what}: {diff} off a scale of {scale}"
+        );
+        assert!(
+            got.isfinite().all().int64_value(&[]) == 1,
+            "{what}: not finite"
+        );
+    };
+    close("output", &got, &want);
+    let dout = Tensor::randn([t, heads, d], (Kind::Float, dev));
+    let inputs = [&q, &kc, &vc, &kb, &vb];
+    let grads = |y: &Tensor| {
+        Tensor::run_backward(&[(f(y) * &dout).sum(Kind::Float)], &inputs, false, false)
+    };
+    let got_grads = grads(&got);
+    let want_grads = grads(&want);
+    for (name, (g, w)) in [
+        "q",
+        "context keys",
+        "context values",
+        "own keys",
+        "own values",
+    ]
+    .iter()
+    .zip(got_grads.iter().zip(&want_grads))
+    {
+        close(&format!("the gradient of the {name}"), g, &f(w));
+    }
+}
