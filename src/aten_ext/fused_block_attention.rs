@@ -159,6 +159,36 @@ impl FusedKernels {
         Ok(())
     }
 
+    /// Checks the tensors of a call of `shape`: the queries, the blocks' keys and values, the
+    /// anchors and the log-sum-exp (`[q, kb, vb, anchors, lse]`), and `like_q`, dense tensors of
+    /// the queries' type and size. Returns the kernels' index of that type.
+    fn check_call(
+        &self,
+        shape: &CallShape,
+        [q, kb, vb, anchors, lse]: [&Tensor; 5],
+        like_q: &[(&str, &Tensor)],
+    ) -> Result<usize> {
+        let kind = q.kind();
+        let which =
+            kind_index(kind).ok_or_else(|| anyhow!("block attention: no kernel for {kind:?}"))?;
+        self.check("the queries", q, kind)?;
+        self.check("the blocks' keys", kb, kind)?;
+        self.check_len("the blocks' values", vb, kind, kb.numel() as i64)?;
+        for &(what, t) in like_q {
+            self.check_len(what, t, kind, q.numel() as i64)?;
+        }
+        let CallShape {
+            entries,
+            rows,
+            heads,
+            bs,
+            ..
+        } = *shape;
+        self.check_len("the log-sum-exp", lse, Kind::Float, entries * heads * rows)?;
+        self.check_len("the anchors", anchors, Kind::Int64, entries * rows / bs)?;
+        Ok(which)
+    }
+
     /// The own-block part of the forward pass and the merge with the context part's output `o1`
     /// [E, rows, heads, d] and log-sum-exp `lse1` (E * heads * rows floats, [E, heads, rows]
     /// order): the merged output [E, rows, heads, d] and log-sum-exp (lse1's shape). `q`
@@ -175,26 +205,12 @@ impl FusedKernels {
         lse1: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let shape = CallShape::of(q, kb, anchors)?.vectors_if_aligned(&[vb, o1]);
-        let kind = q.kind();
-        let which =
-            kind_index(kind).ok_or_else(|| anyhow!("block attention: no kernel for {kind:?}"))?;
-        self.check("the queries", q, kind)?;
-        self.check("the blocks' keys", kb, kind)?;
-        self.check_len("the blocks' values", vb, kind, kb.numel() as i64)?;
-        self.check_len("the context part", o1, kind, q.numel() as i64)?;
-        let CallShape {
-            entries,
-            rows,
-            heads,
-            ..
-        } = shape;
-        self.check_len("its log-sum-exp", lse1, Kind::Float, entries * heads * rows)?;
-        self.check_len(
-            "the anchors",
-            anchors,
-            Kind::Int64,
-            entries * rows / shape.bs,
+        let which = self.check_call(
+            &shape,
+            [q, kb, vb, anchors, lse1],
+            &[("the context part", o1)],
         )?;
+        let CallShape { rows, heads, .. } = shape;
         let out = q.empty_like();
         let lse = lse1.empty_like();
         let (mut qp, mut kp, mut vp, mut op, mut lp, mut ap, mut outp, mut lsep) = (
@@ -255,28 +271,12 @@ impl FusedKernels {
         dq: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let shape = CallShape::of(q, kb, anchors)?.vectors_if_aligned(&[vb, out, dout, dq]);
-        let kind = q.kind();
-        let which =
-            kind_index(kind).ok_or_else(|| anyhow!("block attention: no kernel for {kind:?}"))?;
-        self.check("the queries", q, kind)?;
-        self.check("the blocks' keys", kb, kind)?;
-        self.check_len("the blocks' values", vb, kind, kb.numel() as i64)?;
-        for (what, t) in [("the output", out), ("its gradient", dout), ("dq", dq)] {
-            self.check_len(what, t, kind, q.numel() as i64)?;
-        }
-        let CallShape {
-            entries,
-            rows,
-            heads,
-            ..
-        } = shape;
-        self.check_len("the log-sum-exp", lse, Kind::Float, entries * heads * rows)?;
-        self.check_len(
-            "the anchors",
-            anchors,
-            Kind::Int64,
-            entries * rows / shape.bs,
+        let which = self.check_call(
+            &shape,
+            [q, kb, vb, anchors, lse],
+            &[("the output", out), ("its gradient", dout), ("dq", dq)],
         )?;
+        let CallShape { rows, heads, .. } = shape;
         let dkb = kb.empty_like();
         let dvb = vb.empty_like();
         let (mut qp, mut kp, mut vp, mut op, mut gp, mut lp, mut ap) = (

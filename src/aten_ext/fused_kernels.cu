@@ -1599,6 +1599,25 @@ static __device__ __forceinline__ bool finite_lse(float v) {
     return v == v && v > -3.0e38f && v < 3.0e38f;
 }
 
+// sum over the block's keys j of w[j] * rows[j][c .. c + N) (rows: [bs, d], shared, float32).
+template <int N>
+static __device__ __forceinline__ void weighted_rows(const float *w, const float *rows, int c,
+                                                     int d, int bs, float *acc) {
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+        acc[u] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
+        if (j < bs) {
+            const float *r = rows + j * d + c;
+            for (int u = 0; u < N; ++u) {
+                acc[u] = fmaf(w[j], r[u], acc[u]);
+            }
+        }
+    }
+}
+
 template <class P, int N>
 static __device__ __forceinline__ void block_attention_fwd_row(
     const typename P::T *q, const typename P::T *o1, const float *lse1,
@@ -1635,19 +1654,7 @@ static __device__ __forceinline__ void block_attention_fwd_row(
     const float w2 = expf(own - merged) / l;
     for (int c = 0; c < d; c += N) {
         float o[N], prev[N];
-#pragma unroll
-        for (int u = 0; u < N; ++u) {
-            o[u] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
-            if (j < bs) {
-                const float *vr = vs + j * d + c;
-                for (int u = 0; u < N; ++u) {
-                    o[u] = fmaf(s[j], vr[u], o[u]);
-                }
-            }
-        }
+        weighted_rows<N>(s, vs, c, d, bs, o);
         if (w1 > 0.0f) {
             load_n<P, N>(o1 + at + c, prev);
             for (int u = 0; u < N; ++u) {
@@ -2045,19 +2052,7 @@ static __device__ __forceinline__ void block_attention_bwd_row(
     const bool add = anchors[blk] > 0;
     for (int c = 0; c < d; c += N) {
         float acc[N], prev[N];
-#pragma unroll
-        for (int u = 0; u < N; ++u) {
-            acc[u] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < BLOCK_ATTN_MAX; ++j) {
-            if (j < bs) {
-                const float *kr = ks + j * d + c;
-                for (int u = 0; u < N; ++u) {
-                    acc[u] = fmaf(dp[j], kr[u], acc[u]);
-                }
-            }
-        }
+        weighted_rows<N>(dp, ks, c, d, bs, acc);
         if (add) {
             load_n<P, N>(dq + at + c, prev);
         }
