@@ -273,9 +273,10 @@ pub struct TrainSection {
     /// about 1 / tau of the time), so the hard positions where decoding spends its steps count
     /// more. Default 0.
     pub streak_tau_power: f64,
-    /// Formulation of the training attention, all exact: "grouped" (groups of consecutive
+    /// Formulation of the training attention, all exact: "grouped" (groups of 64 consecutive
     /// blocks over their context in place, each block over its own keys apart; where the fused
-    /// kernels run, in bf16 / f16 without sliding-window layers, else "chunked"), "chunked"
+    /// kernels run, in bf16 / f16 without sliding-window layers, else "chunked"), "grouped:G"
+    /// (G blocks a group, a power of two up to 1024), "chunked"
     /// (blocks in chunks of C, each chunk over the context and its own blocks; C chosen from the
     /// sizes), "chunked:C", or "dense" (every block against all block keys, the straightforward
     /// reference). Default "grouped".
@@ -307,7 +308,7 @@ impl Default for TrainSection {
             loss_decay_gamma: 0.0,
             kl_weight: 0.0,
             kl_temperature: 1.0,
-            attention: crate::model::drafter::TrainAttention::Grouped,
+            attention: crate::model::drafter::TrainAttention::GROUPED,
             streak_alpha: 0.0,
             streak_tau_power: 0.0,
             fused_loss: true,

@@ -8,7 +8,9 @@ mod sliding;
 use std::collections::BTreeSet;
 
 use common::tiny_target_dir;
-use dflash_tui::model::drafter::{context_bucket, tensor_names, TrainAttention};
+use dflash_tui::model::drafter::{
+    context_bucket, tensor_names, TrainAttention, DEFAULT_GROUP_BLOCKS,
+};
 use dflash_tui::model::{
     AnchorBatch, Drafter, DrafterConfig, DrafterShape, FrozenHead, SlotAttention, SlotBatch,
     TargetModel,

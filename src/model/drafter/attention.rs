@@ -7,6 +7,12 @@ use std::str::FromStr;
 
 use anyhow::{bail, Result};
 
+/// Blocks a group of the grouped form by default (1,024 query rows with blocks of 16).
+pub const DEFAULT_GROUP_BLOCKS: i64 = 64;
+
+/// The largest group the text form takes (cuDNN plans a shape per group size up to it).
+const MAX_GROUP_BLOCKS: usize = 1024;
+
 /// How [`Drafter::forward_train`] computes the attention of its N anchor blocks (spec §2.4).
 /// Both formulations are exact; they differ in cost only.
 ///
@@ -23,22 +29,27 @@ use anyhow::{bail, Result};
 ///   copies). `blocks_per_chunk` is C; 0 chooses it from S (see
 ///   [`TrainAttention::blocks_per_chunk`]). The context lengths are bucketed, so that the
 ///   calls' shapes repeat.
-/// - `Grouped`: the blocks of a sequence in groups of consecutive blocks, each group's queries
+/// - `Grouped`: the blocks of a sequence in groups of `blocks_per_group` consecutive blocks (a
+///   power of two; 0: [`DEFAULT_GROUP_BLOCKS`]), each group's queries
 ///   over a view of its sequence's context (no copies) and each block over its own keys apart,
 ///   the two parts merged by their log-sum-exp (one autograd node a layer, see
 ///   `src/model/drafter/groups.rs`). Where it does not apply (no fused kernels on the device,
 ///   float32, sliding-window layers) the automatic chunked form runs instead.
 ///
-/// Text form (for configs): `dense`, `chunked` (automatic chunk size), `chunked:C`, `grouped`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+/// Text form (for configs): `dense`, `chunked` (automatic chunk size), `chunked:C`, `grouped`
+/// (groups of [`DEFAULT_GROUP_BLOCKS`]), `grouped:G` (G blocks a group, a power of two).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum TrainAttention {
     Dense,
-    Chunked {
-        blocks_per_chunk: usize,
-    },
-    #[default]
-    Grouped,
+    Chunked { blocks_per_chunk: usize },
+    Grouped { blocks_per_group: usize },
+}
+
+impl Default for TrainAttention {
+    fn default() -> Self {
+        TrainAttention::GROUPED
+    }
 }
 
 impl TrainAttention {
@@ -46,6 +57,22 @@ impl TrainAttention {
     pub const AUTO: TrainAttention = TrainAttention::Chunked {
         blocks_per_chunk: 0,
     };
+
+    /// The grouped form with the default group size, [`DEFAULT_GROUP_BLOCKS`] (`grouped`).
+    pub const GROUPED: TrainAttention = TrainAttention::Grouped {
+        blocks_per_group: 0,
+    };
+
+    /// The blocks per group of the grouped form (a power of two; `None` for the others).
+    pub fn blocks_per_group(&self) -> Option<i64> {
+        match *self {
+            TrainAttention::Grouped { blocks_per_group } => Some(match blocks_per_group {
+                0 => DEFAULT_GROUP_BLOCKS,
+                g => g as i64,
+            }),
+            _ => None,
+        }
+    }
 
     /// The number of blocks per chunk actually used for `n` blocks of `block` tokens per
     /// sequence, against `context` positions, with `heads` query heads and `kv_heads` key/value
@@ -74,7 +101,7 @@ impl TrainAttention {
         let blocks_per_chunk = match *self {
             TrainAttention::Dense => return None,
             TrainAttention::Chunked { blocks_per_chunk } => blocks_per_chunk,
-            TrainAttention::Grouped => 0,
+            TrainAttention::Grouped { .. } => 0,
         };
         let c = if blocks_per_chunk > 0 {
             blocks_per_chunk as i64
@@ -108,7 +135,10 @@ impl fmt::Display for TrainAttention {
                 blocks_per_chunk: 0,
             } => write!(f, "chunked"),
             TrainAttention::Chunked { blocks_per_chunk } => write!(f, "chunked:{blocks_per_chunk}"),
-            TrainAttention::Grouped => write!(f, "grouped"),
+            TrainAttention::Grouped {
+                blocks_per_group: 0,
+            } => write!(f, "grouped"),
+            TrainAttention::Grouped { blocks_per_group } => write!(f, "grouped:{blocks_per_group}"),
         }
     }
 }
@@ -120,8 +150,21 @@ impl FromStr for TrainAttention {
         let t = s.trim().to_ascii_lowercase();
         match t.as_str() {
             "dense" => Ok(TrainAttention::Dense),
-            "grouped" => Ok(TrainAttention::Grouped),
+            "grouped" | "grouped:auto" | "grouped:0" => Ok(TrainAttention::GROUPED),
             "chunked" | "chunked:auto" | "chunked:0" => Ok(TrainAttention::AUTO),
+            _ if t.starts_with("grouped:") => {
+                let g = t["grouped:".len()..]
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|g| g.is_power_of_two() && *g <= MAX_GROUP_BLOCKS);
+                match g {
+                    Some(blocks_per_group) => Ok(TrainAttention::Grouped { blocks_per_group }),
+                    None => bail!(
+                        "attention {s:?}: expected \"grouped:G\" with G blocks per group, a power of two from 1 to {MAX_GROUP_BLOCKS}"
+                    ),
+                }
+            }
             _ => {
                 let c = t
                     .strip_prefix("chunked:")
@@ -130,7 +173,7 @@ impl FromStr for TrainAttention {
                 match c {
                     Some(blocks_per_chunk) => Ok(TrainAttention::Chunked { blocks_per_chunk }),
                     None => bail!(
-                        "attention {s:?}: expected \"grouped\", \"dense\", \"chunked\" (automatic chunk size) or \"chunked:C\" with C blocks per chunk, 1 <= C <= 1048576"
+                        "attention {s:?}: expected \"grouped\" (automatic group size), \"grouped:G\", \"dense\", \"chunked\" (automatic chunk size) or \"chunked:C\" with C blocks per chunk, 1 <= C <= 1048576"
                     ),
                 }
             }

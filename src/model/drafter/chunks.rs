@@ -5,7 +5,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::attention::context_bucket;
-use super::groups::{GroupPlan, GROUP_BLOCKS};
+use super::groups::GroupPlan;
 use super::{AnchorBatch, Drafter, FrozenHead, TrainAttention};
 use crate::model::layers::{attention_with_bias, upload};
 
@@ -205,9 +205,9 @@ impl Drafter {
             // one sequence, one call's worth of chunks, every block at the last position (so
             // that the call reads the whole context: the shape of the calls that read `len`);
             // in the grouped form a group of each size
-            let n = match self.train_attention {
-                TrainAttention::Grouped => 2 * GROUP_BLOCKS - 1,
-                _ => cpc * CHUNKS_PER_CALL,
+            let n = match self.train_attention.blocks_per_group() {
+                Some(g) => 2 * g - 1,
+                None => cpc * CHUNKS_PER_CALL,
             };
             let features = Tensor::zeros([1, len, self.fc.size()[1]], (self.kind, dev));
             let batch = AnchorBatch {

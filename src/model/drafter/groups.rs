@@ -14,8 +14,9 @@
 //! group's last anchor and its block's own keys only.
 //!
 //! The groups' shapes repeat (cuDNN builds a plan per shape, tens of milliseconds of host time
-//! each): [`GROUP_BLOCKS`] blocks, and a sequence's remaining blocks in groups of the powers of
-//! two of their count; contexts bucketed by [`context_bucket`].
+//! each): groups of the configured size (`grouped:G`, a power of two; 64 blocks by default), and
+//! a sequence's remaining blocks in groups of the powers of two of their count; contexts
+//! bucketed by [`context_bucket`].
 
 use std::cell::OnceCell;
 
@@ -28,9 +29,6 @@ use super::Drafter;
 use crate::aten_ext::fused::{
     block_attention_takes, grouped_block_attention_autograd, BlockGroup, FusedKernels,
 };
-
-/// Blocks a group (a power of two): 1,024 query rows with blocks of 16.
-pub(super) const GROUP_BLOCKS: i64 = 64;
 
 /// Each group's (sequence, first kept block, blocks), from each sequence's kept anchors: groups
 /// of `most` blocks (a power of two), the rest of a sequence in groups of the powers of two of
@@ -78,10 +76,12 @@ impl Drafter {
     /// The grouped layout of a training forward over the `kept` blocks (their anchors on the
     /// device, `anchors` [M]) against `s` context positions, where it applies: the fused kernels
     /// on the drafter's device, bf16 or f16, no sliding-window layer, heads and blocks the
-    /// kernels take. `per_chunk`: the chunked form's chunk size, should the node fail.
+    /// kernels take. `group_blocks`: blocks a group (a power of two); `per_chunk`: the chunked
+    /// form's chunk size, should the node fail.
     pub(super) fn group_plan<'a>(
         &self,
         kept: &'a KeptBlocks,
+        group_blocks: i64,
         anchors: &Tensor,
         s: i64,
         per_chunk: i64,
@@ -101,7 +101,7 @@ impl Drafter {
         let anchors = anchors.reshape([-1]);
         // every kept block's anchor, in kept order
         let (_, host_anchors) = kept.rows_and_anchors();
-        let groups = group_spans(&kept.anchors, GROUP_BLOCKS)
+        let groups = group_spans(&kept.anchors, group_blocks)
             .into_iter()
             .map(|(seq, first, blocks)| {
                 let last = host_anchors[(first + blocks - 1) as usize];

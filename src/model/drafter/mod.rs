@@ -9,7 +9,7 @@ mod decode;
 mod groups;
 mod init;
 
-pub use attention::{context_bucket, TrainAttention};
+pub use attention::{context_bucket, TrainAttention, DEFAULT_GROUP_BLOCKS};
 
 use block_inputs::BlockInputs;
 use chunks::{chunked_attention, dense_block_mask, BlockAttention, KeptBlocks};
@@ -592,9 +592,9 @@ impl Drafter {
         let (full_attn, sliding_attn) = match (per_chunk, &kept) {
             (Some(cpc), Some(kept)) => {
                 let kernels = head.loss_kernels.as_ref();
-                grouped = (attention == TrainAttention::Grouped)
-                    .then(|| self.group_plan(kept, &anchors, s_ctx, cpc, kernels))
-                    .flatten();
+                grouped = attention
+                    .blocks_per_group()
+                    .and_then(|g| self.group_plan(kept, g, &anchors, s_ctx, cpc, kernels));
                 match &grouped {
                     Some(g) => (BlockAttention::Grouped(g), BlockAttention::Grouped(g)),
                     None => {

@@ -318,7 +318,13 @@ fn deferred_loss_gives_the_same_sums_and_gradients() {
 fn train_attention_text_form_and_chunk_size() {
     for (text, want) in [
         ("dense", TrainAttention::Dense),
-        ("grouped", TrainAttention::Grouped),
+        ("grouped", TrainAttention::GROUPED),
+        (
+            "grouped:128",
+            TrainAttention::Grouped {
+                blocks_per_group: 128,
+            },
+        ),
         ("chunked", TrainAttention::AUTO),
         (
             " Chunked:16 ",
@@ -330,13 +336,40 @@ fn train_attention_text_form_and_chunk_size() {
         assert_eq!(text.parse::<TrainAttention>().unwrap(), want);
         assert_eq!(want.to_string().parse::<TrainAttention>().unwrap(), want);
     }
-    for bad in ["", "sparse", "chunked:", "chunked:-1", "chunked:x"] {
+    for bad in [
+        "",
+        "sparse",
+        "chunked:",
+        "chunked:-1",
+        "chunked:x",
+        "grouped:",
+        "grouped:48",
+        "grouped:2048",
+        "grouped:-2",
+    ] {
         assert!(bad.parse::<TrainAttention>().is_err(), "{bad}");
     }
-    assert_eq!(TrainAttention::default(), TrainAttention::Grouped);
+    assert_eq!(TrainAttention::default(), TrainAttention::GROUPED);
+    assert_eq!(
+        "grouped:0".parse::<TrainAttention>().unwrap(),
+        TrainAttention::GROUPED
+    );
+    // the group size: the default where none is given, none for the other forms
+    assert_eq!(
+        TrainAttention::GROUPED.blocks_per_group(),
+        Some(DEFAULT_GROUP_BLOCKS)
+    );
+    assert_eq!(
+        "grouped:32"
+            .parse::<TrainAttention>()
+            .unwrap()
+            .blocks_per_group(),
+        Some(32)
+    );
+    assert_eq!(TrainAttention::AUTO.blocks_per_group(), None);
     // the grouped form falls back to the automatic chunked one: its chunk size
     assert_eq!(
-        TrainAttention::Grouped.blocks_per_chunk(16, 1522, 32, 8),
+        TrainAttention::GROUPED.blocks_per_chunk(16, 1522, 32, 8),
         TrainAttention::AUTO.blocks_per_chunk(16, 1522, 32, 8)
     );
     let json = serde_json::to_string(&TrainAttention::Chunked {
@@ -381,7 +414,7 @@ fn train_attention_text_form_and_chunk_size() {
     assert_eq!(context_bucket(5000), 5120, "256 apart above 4096");
     // the drafter's own choice
     let mut f = fixture();
-    assert_eq!(f.drafter.train_attention(), TrainAttention::Grouped);
+    assert_eq!(f.drafter.train_attention(), TrainAttention::GROUPED);
     f.drafter.set_train_attention(TrainAttention::Dense);
     assert_eq!(f.drafter.train_attention(), TrainAttention::Dense);
 }
