@@ -75,16 +75,18 @@ ab)
   # The binary against other ones (VARIANTS, default "base": .carry/dflash-tui-NAME.xz, xz of
   # stripped release binaries), alternating on this machine, after the GPU tests of the
   # drafter's fused training path: PROFILE (qwen3-8b-shape), ROUNDS rounds (2), STEPS (20). One
-  # row per run.
+  # row per run. TESTS=0 skips the tests (a second A/B on the same machine).
   # a variant "set:KEY=VALUE" is this binary with `--set KEY=VALUE`
   for v in ${VARIANTS:-base}; do
     case "$v" in set:*) continue ;; esac
     [ -x "$W/$v" ] || { xz -dc ".carry/dflash-tui-$v.xz" > "$W/$v" && chmod +x "$W/$v"; }
   done
   nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
-  t gpu-tests
-  timeout 240 "$W/tests/it" --ignored gpu_drafter_training_with_fused gpu_decode::fused \
-    --test-threads 1 2>&1 | grep -E "^test |test result"
+  if [ "${TESTS:-1}" = 1 ]; then
+    t gpu-tests
+    timeout 240 "$W/tests/it" --ignored gpu_drafter_training_with_fused gpu_decode::fused \
+      --test-threads 1 2>&1 | grep -E "^test |test result"
+  fi
   for i in $(seq "${ROUNDS:-2}"); do
     for which in new ${VARIANTS:-base}; do
       bin=$B; extra=(); name=$which

@@ -561,6 +561,15 @@ mod tests {
                 "no {entry} in the PTX"
             );
         }
+        // the block attention's tensor-core form: mma.sync m16n8k16 of bf16 and of f16 from
+        // compute capability 8.0 on; for a Turing GPU the source compiles without it (the form
+        // is not chosen there, fused_block_attention.rs)
+        for ty in ["bf16.bf16", "f16.f16"] {
+            let mma = format!("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.f32");
+            assert!(text.contains(&mma), "no {mma} in the PTX");
+        }
+        let turing = nvrtc.compile_named(SOURCE, "fused_kernels.cu", 75).unwrap();
+        assert!(!turing.to_str().unwrap().contains("m16n8k16"));
         // what their launches pass (fused_moe.rs): moe_combine six pointers, the 64-bit width,
         // k, whether to read 16-byte vectors and whether to add into the output (32-bit each)
         let ptr = std::mem::size_of::<*mut std::ffi::c_void>();

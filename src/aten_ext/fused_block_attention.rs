@@ -35,10 +35,20 @@ const SHARED_LIMIT: i64 = 48 * 1024;
 /// Threads a block of the warp-cooperative form (the kernels' `BLOCK_ATTN_THREADS`).
 const LANES_THREADS: i64 = 128;
 
+/// The `lanes` value of the tensor-core form (the kernels' `BLOCK_ATTN_MMA`): a warp per query
+/// head of a CUDA block.
+const MMA_FORM: i64 = 32;
+
+/// Padding of a key row and of a transposed row in the tensor-core form's shared memory (the
+/// kernels' `BLOCK_ATTN_KPAD`, `BLOCK_ATTN_RPAD`).
+const MMA_KEY_PAD: i64 = 32;
+const MMA_ROW_PAD: i64 = 8;
+
 /// The shape of one fused call: `entries` chunk entries of `rows` query rows (blocks of `bs`
-/// rows), `heads` query heads over `kv` key/value heads of `d`; `lanes` the lanes a row of the
-/// warp-cooperative form (a 16-byte vector each: where a head is 8 or 16 of them), 0 for a
-/// thread a row.
+/// rows), `heads` query heads over `kv` key/value heads of `d`; `lanes` the form: the lanes a
+/// row of the warp-cooperative form (a 16-byte vector each: where a head is 8 or 16 of them),
+/// [`MMA_FORM`] for the tensor-core form (bf16 or f16, blocks of 16 rows, heads of 64 or 128,
+/// compute capability 8.0 on, where its shared memory fits), 0 for a thread a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct CallShape {
     entries: i64,
@@ -105,8 +115,8 @@ impl CallShape {
         Ok(shape)
     }
 
-    /// The shape with the warp-cooperative form kept only where `more` tensors also start on
-    /// 16 bytes (its loads and stores are 16-byte vectors).
+    /// The shape with the warp-cooperative and tensor-core forms kept only where `more` tensors
+    /// also start on 16 bytes (their loads and stores are 16-byte vectors).
     fn vectors_if_aligned(mut self, more: &[&Tensor]) -> CallShape {
         if !more
             .iter()
@@ -117,17 +127,38 @@ impl CallShape {
         self
     }
 
+    /// The shape in the tensor-core form where it applies to a 16-byte-vector shape of 2-byte
+    /// elements on a device of compute capability `arch` (its mma.sync needs 8.0).
+    fn on_tensor_cores(mut self, arch: i32, elt_bytes: usize) -> CallShape {
+        let tc = CallShape {
+            lanes: MMA_FORM,
+            ..self
+        };
+        if self.lanes > 0
+            && arch >= 80
+            && elt_bytes == 2
+            && self.bs == BLOCK_ATTENTION_MAX_BLOCK
+            && self.d % 32 == 0
+            && tc.threads() <= 1024
+            && tc.backward_shared() <= SHARED_LIMIT
+        {
+            self = tc;
+        }
+        self
+    }
+
     /// Query rows a CUDA block: the heads of a key/value head x a block's rows.
     fn block_rows(&self) -> i64 {
         self.heads / self.kv * self.bs
     }
 
-    /// Threads a CUDA block: a row each, or in the warp-cooperative form a fixed 128.
+    /// Threads a CUDA block: a row each, in the warp-cooperative form a fixed 128, in the
+    /// tensor-core form a warp per query head.
     fn threads(&self) -> i64 {
-        if self.lanes > 0 {
-            LANES_THREADS
-        } else {
-            self.block_rows()
+        match self.lanes {
+            MMA_FORM => self.heads / self.kv * 32,
+            0 => self.block_rows(),
+            _ => LANES_THREADS,
         }
     }
 
@@ -136,14 +167,27 @@ impl CallShape {
         ((self.entries * self.rows / self.bs) as u32, self.kv as u32)
     }
 
-    /// Shared memory of the forward kernel: the block's keys and values in float32.
+    /// Shared memory of the forward kernel: the block's keys and values in float32; in the
+    /// tensor-core form as stored, the keys' rows padded and the values transposed.
     fn forward_shared(&self) -> i64 {
-        2 * self.bs * self.d * 4
+        match self.lanes {
+            MMA_FORM => 2 * (self.bs * (self.d + MMA_KEY_PAD) + self.bs * self.d),
+            _ => 2 * self.bs * self.d * 4,
+        }
     }
 
-    /// ... of the backward kernel: also each row's probabilities and score gradients.
+    /// ... of the backward kernel: also each row's probabilities and score gradients; in the
+    /// tensor-core form those transposed, then the keys and values (the keys also transposed)
+    /// or, in the same space, the queries and output gradients transposed.
     fn backward_shared(&self) -> i64 {
-        self.forward_shared() + 2 * self.block_rows() * BLOCK_ATTENTION_MAX_BLOCK * 4
+        match self.lanes {
+            MMA_FORM => {
+                let width = self.block_rows() + MMA_ROW_PAD;
+                let keys = self.bs * (self.d + MMA_KEY_PAD);
+                2 * (2 * self.bs * width + (2 * keys + self.bs * self.d).max(2 * self.d * width))
+            }
+            _ => self.forward_shared() + 2 * self.block_rows() * BLOCK_ATTENTION_MAX_BLOCK * 4,
+        }
     }
 }
 
@@ -204,7 +248,12 @@ impl FusedKernels {
         o1: &Tensor,
         lse1: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let shape = CallShape::of(q, kb, anchors)?.vectors_if_aligned(&[vb, o1]);
+        let shape = CallShape::of(q, kb, anchors)?
+            .vectors_if_aligned(&[vb, o1])
+            .on_tensor_cores(
+                self.module.compute_capability(),
+                q.kind().elt_size_in_bytes(),
+            );
         let which = self.check_call(
             &shape,
             [q, kb, vb, anchors, lse1],
@@ -270,7 +319,12 @@ impl FusedKernels {
         dout: &Tensor,
         dq: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let shape = CallShape::of(q, kb, anchors)?.vectors_if_aligned(&[vb, out, dout, dq]);
+        let shape = CallShape::of(q, kb, anchors)?
+            .vectors_if_aligned(&[vb, out, dout, dq])
+            .on_tensor_cores(
+                self.module.compute_capability(),
+                q.kind().elt_size_in_bytes(),
+            );
         let which = self.check_call(
             &shape,
             [q, kb, vb, anchors, lse],
@@ -510,8 +564,9 @@ mod tests {
 
     /// The launch geometry at the 8B shape (32 query heads over 8, heads of 128, blocks of 16):
     /// 64 rows a block, in the warp-cooperative form (16 lanes a row) 128 threads, 16 KB of
-    /// shared memory forward and 24 KB backward; heads of 96 take a thread a row; shapes the
-    /// kernels do not take are refused.
+    /// shared memory forward and 24 KB backward, in the tensor-core form where it applies a
+    /// warp per head; heads of 96 take a thread a row; shapes the kernels do not take are
+    /// refused.
     #[test]
     fn the_call_shape_is_checked_and_sized() {
         let q = Tensor::zeros([8, 512, 32, 128], (Kind::BFloat16, Device::Cpu));
@@ -530,6 +585,26 @@ mod tests {
         assert_eq!(shape.grid(), (256, 8));
         assert_eq!(shape.forward_shared(), 16 * 1024);
         assert_eq!(shape.backward_shared(), 24 * 1024);
+        // the tensor-core form on compute capability 8.0 on, for 2-byte elements: a warp per
+        // query head; 5 KB of padded keys + 4 KB of transposed values forward; backward 2 x 2.25
+        // KB of transposed probabilities and score gradients + 2 x 18 KB of transposed queries
+        // and output gradients (more than the 14 KB of keys and values)
+        let tc = shape.on_tensor_cores(90, 2);
+        assert_eq!((tc.lanes, tc.threads()), (MMA_FORM, 128));
+        assert_eq!(tc.forward_shared(), 2 * (16 * 160 + 16 * 128));
+        assert_eq!(tc.backward_shared(), 2 * (2 * 16 * 72 + 2 * 128 * 72));
+        assert!(tc.backward_shared() <= SHARED_LIMIT);
+        // not before 8.0, not for float32, not without 16-byte vectors, not for blocks of 8
+        assert_eq!(shape.on_tensor_cores(75, 2).lanes, 16);
+        assert_eq!(shape.on_tensor_cores(90, 4).lanes, 16);
+        assert_eq!(shape96.on_tensor_cores(90, 2).lanes, 0);
+        let a8 = Tensor::zeros([8 * 64], (Kind::Int64, Device::Cpu));
+        let shape8 = CallShape::of(&q, &kb, &a8).unwrap();
+        assert_eq!((shape8.bs, shape8.on_tensor_cores(90, 2).lanes), (8, 16));
+        // 64 query heads over 8 (g = 8): the transposed rows need 72 KB, so the warp form stays
+        let q64 = Tensor::zeros([8, 512, 64, 128], (Kind::BFloat16, Device::Cpu));
+        let shape64 = CallShape::of(&q64, &kb, &anchors).unwrap();
+        assert_eq!(shape64.on_tensor_cores(90, 2).lanes, 16);
         // blocks of 32 rows: more than the kernels hold
         let wide = Tensor::zeros([8 * 16], (Kind::Int64, Device::Cpu));
         assert!(CallShape::of(&q, &kb, &wide).is_err());

@@ -1960,6 +1960,386 @@ static __device__ __forceinline__ void block_attention_bwd_kv4(
     }
 }
 
+// The tensor-core form (lanes == BLOCK_ATTN_MMA: bf16 or f16, blocks of 16 rows, heads a
+// multiple of 32 wide, compute capability 8.0 or later). The forms above spend their time on
+// instructions (a row's 16 scores and the weighted sum of 16 values, element by element, with
+// shuffles; the backward pass's key and value gradients one row at a time), three to four times
+// what their memory traffic takes. Here each product is an mma.sync m16n8k16 of the warp,
+// float32 sums (P in the storage type, as flash attention's): a warp per (block, query head),
+// g warps a CUDA block (its key/value head's query heads), the block's 16 keys and values in
+// shared memory. Fragment layouts are the PTX ISA's (lane = 4 * group + quad): A (16 x 16, row)
+// a[0] = (row group, k 2 quad .. +1), a[1] = (row group + 8, same k), a[2] = (row group,
+// k 8 + 2 quad .. +1), a[3] = (row group + 8, k 8 + 2 quad ..); B (16 x 8, col) b0 = (k 2 quad ..
+// +1, n group), b1 = (k 8 + 2 quad .., n group); C (16 x 8) c[0], c[1] = (row group, n 2 quad,
+// 2 quad + 1), c[2], c[3] = (row group + 8, same n).
+//
+// The k order of a product is free as long as A and B share it: over a head's columns, lane
+// quad holds the 8 consecutive columns 32 c + 8 quad .. of its rows (one 16-byte load each), the
+// first four as k step 2c's (k 2 quad, 2 quad + 1 | 8 + 2 quad, 8 + 2 quad + 1), the last four
+// as step 2c + 1's; the keys' B fragments are then one 16-byte load too. The n order of the
+// products over the values is chosen likewise: of four n tiles 32 c + s (s < 4), n = 2 i + u of
+// tile s is column 32 c + 8 i + 2 s + u, so that a lane's results are its 8 consecutive columns
+// 32 c + 8 quad .. of both rows: 16-byte loads and stores again. A probability's k (a key) is
+// where the scores' C layout put it: keys 2 quad, 2 quad + 1 (tile 0), 8 + 2 quad, 8 + 2 quad + 1
+// (tile 1): the transposed values in shared memory hold them in that order, slot 4 quad + (0, 1,
+// 2, 3), so that both B registers are one 8-byte load.
+#define BLOCK_ATTN_MMA 32     // the `lanes` value that selects this form
+#define BLOCK_ATTN_KPAD 32    // padding of a key row in shared memory (no bank conflicts)
+#define BLOCK_ATTN_RPAD 8     // padding of a transposed row (rows of a key, columns of a row)
+
+#ifndef DFLASH_EMULATED_ASM   // (tests/cuda_emulation/cuda_emu.h defines these on the CPU)
+// d += a b, m16n8k16, float32 sums of bf16 / f16 operands (compute capability 8.0 on).
+static __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4],
+                                                      unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+static __device__ __forceinline__ void mma_f16_16816(float (&d)[4], const unsigned (&a)[4],
+                                                     unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+#endif
+
+static __device__ __forceinline__ void mma_16816(Bf16, float (&d)[4], const unsigned (&a)[4],
+                                                  unsigned b0, unsigned b1) {
+    mma_bf16_16816(d, a, b0, b1);
+}
+static __device__ __forceinline__ void mma_16816(F16, float (&d)[4], const unsigned (&a)[4],
+                                                 unsigned b0, unsigned b1) {
+    mma_f16_16816(d, a, b0, b1);
+}
+
+// Two floats rounded to the storage type, packed as an operand register (the first low).
+template <class P>
+static __device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
+    return (unsigned)P::store(lo) | ((unsigned)P::store(hi) << 16);
+}
+
+// Eight elements of a 16-byte vector as floats.
+template <class P>
+static __device__ __forceinline__ void unpack8(const uint4 &u, float *v) {
+    const typename P::T *e = reinterpret_cast<const typename P::T *>(&u);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+        v[t] = P::load(e[t]);
+    }
+}
+
+// The transposed slot of key j (see above): keys 2 quad + u at 4 quad + u, keys 8 + 2 quad + u
+// at 4 quad + 2 + u.
+static __device__ __forceinline__ int mma_key_slot(int j) {
+    return ((j & 7) >> 1) * 4 + (j >= 8 ? 2 : 0) + (j & 1);
+}
+
+// The block's 16 keys of kv head `kvh` as stored into `ks` [16, d + KPAD], and (where `kt` is
+// not null) transposed into `kt` [d, 16] by mma_key_slot; the values likewise into `vs`, `vt`.
+template <class P>
+static __device__ __forceinline__ void block_kv_mma(const typename P::T *kb,
+                                                    const typename P::T *vb, long long blk,
+                                                    int kvh, int kv, int d, typename P::T *ks,
+                                                    typename P::T *kt, typename P::T *vs,
+                                                    typename P::T *vt) {
+    typedef typename P::T T;
+    // consecutive threads take consecutive keys: the transposed stores of a warp then fall in
+    // distinct banks (a key's 16-byte vectors to consecutive threads would all hit one)
+    const int per = d / 8, stride = d + BLOCK_ATTN_KPAD;
+    for (int i = threadIdx.x; i < 16 * per; i += blockDim.x) {
+        const int j = i % 16, c = (i / 16) * 8, slot = mma_key_slot(j);
+        const long long at = ((blk * 16 + j) * kv + kvh) * (long long)d + c;
+        const uint4 k = *reinterpret_cast<const uint4 *>(kb + at);
+        const uint4 v = *reinterpret_cast<const uint4 *>(vb + at);
+        if (ks != nullptr) {
+            *reinterpret_cast<uint4 *>(ks + j * stride + c) = k;
+        }
+        if (vs != nullptr) {
+            *reinterpret_cast<uint4 *>(vs + j * stride + c) = v;
+        }
+        const T *ke = reinterpret_cast<const T *>(&k), *ve = reinterpret_cast<const T *>(&v);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            if (kt != nullptr) {
+                kt[(c + u) * 16 + slot] = ke[u];
+            }
+            if (vt != nullptr) {
+                vt[(c + u) * 16 + slot] = ve[u];
+            }
+        }
+    }
+}
+
+// s[t][i] += the warp's 16 rows (`r0`: row group's elements, `r1`: row group + 8's; 16-byte
+// aligned) times the 16 keys in `ks` ([16, d + KPAD]): the C fragments of key tiles t = 0, 1.
+template <class P>
+static __device__ __forceinline__ void mma_rows_by_keys(const typename P::T *r0,
+                                                        const typename P::T *r1,
+                                                        const typename P::T *ks, int d,
+                                                        int group, int quad, float (&s)[2][4]) {
+    const int stride = d + BLOCK_ATTN_KPAD;
+    for (int c = 0; c < d; c += 32) {
+        const uint4 a0 = *reinterpret_cast<const uint4 *>(r0 + c + 8 * quad);
+        const uint4 a1 = *reinterpret_cast<const uint4 *>(r1 + c + 8 * quad);
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const uint4 b =
+                *reinterpret_cast<const uint4 *>(ks + (8 * t + group) * stride + c + 8 * quad);
+            const unsigned lo[4] = {a0.x, a1.x, a0.y, a1.y}, hi[4] = {a0.z, a1.z, a0.w, a1.w};
+            mma_16816(P{}, s[t], lo, b.x, b.y);
+            mma_16816(P{}, s[t], hi, b.z, b.w);
+        }
+    }
+}
+
+// o[s][i] = the A fragments `a` (16 rows x the 16 keys) times the transposed rows `xt` ([d, 16]
+// by mma_key_slot) for columns 32 c .. 32 c + 31: row group's columns 32 c + 8 quad + 2 s + u in
+// o[s][u], row group + 8's in o[s][2 + u].
+template <class P>
+static __device__ __forceinline__ void mma_weights_by_rows(const unsigned (&a)[4],
+                                                           const typename P::T *xt, int c,
+                                                           int group, int quad,
+                                                           float (&o)[4][4]) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        o[s][0] = o[s][1] = o[s][2] = o[s][3] = 0.0f;
+        const int col = c + 8 * (group >> 1) + 2 * s + (group & 1);
+        const uint2 b = *reinterpret_cast<const uint2 *>(xt + col * 16 + 4 * quad);
+        mma_16816(P{}, o[s], a, b.x, b.y);
+    }
+}
+
+// The largest of a row's values over its quad (the row's four lanes).
+static __device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+static __device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+template <class P>
+static __device__ void block_attention_fwd_mma(
+    const typename P::T *q, const typename P::T *kb, const typename P::T *vb,
+    const typename P::T *o1, const float *lse1, const long long *anchors, typename P::T *out,
+    float *lse, int heads, int kv, int d, int rows, float scale) {
+    typedef typename P::T T;
+    FUSED_DYNAMIC_SHARED(block_attn_shared);
+    T *ks = reinterpret_cast<T *>(block_attn_shared), *vt = ks + 16 * (d + BLOCK_ATTN_KPAD);
+    const long long blk = blockIdx.x;
+    const int kvh = blockIdx.y, g = heads / kv;
+    block_kv_mma<P>(kb, vb, blk, kvh, kv, d, ks, nullptr, nullptr, vt);
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane >> 2, quad = lane & 3;
+    const int head = kvh * g + warp;
+    const bool sees_context = anchors[blk] > 0;
+    long long row[2], at[2], li[2];
+    for (int h = 0; h < 2; ++h) {
+        row[h] = blk * 16 + group + 8 * h;
+        at[h] = (row[h] * heads + head) * (long long)d;
+        const long long e = row[h] / rows, r = row[h] - e * rows;
+        li[h] = (e * heads + head) * rows + r;
+    }
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    mma_rows_by_keys<P>(q + at[0], q + at[1], ks, d, group, quad, s);
+    // each row's softmax over its 16 keys (four a lane, the row's quad together), the own
+    // part's log-sum-exp and its merge with the context part's
+    float w1[2], w2[2];
+    for (int h = 0; h < 2; ++h) {
+        float m = NEG_INF;
+        for (int t = 0; t < 2; ++t) {
+            for (int u = 0; u < 2; ++u) {
+                s[t][2 * h + u] *= scale;
+                m = fmaxf(m, s[t][2 * h + u]);
+            }
+        }
+        m = quad_max(m);
+        float l = 0.0f;
+        for (int t = 0; t < 2; ++t) {
+            for (int u = 0; u < 2; ++u) {
+                s[t][2 * h + u] = expf(s[t][2 * h + u] - m);
+                l += s[t][2 * h + u];
+            }
+        }
+        l = quad_sum(l);
+        const float own = m + logf(l);
+        float merged = own;
+        w1[h] = 0.0f;
+        if (sees_context) {
+            const float ctx = lse1[li[h]];
+            if (finite_lse(ctx)) {
+                const float top = fmaxf(ctx, own);
+                merged = top + logf(expf(ctx - top) + expf(own - top));
+                w1[h] = expf(ctx - merged);
+            }
+        }
+        w2[h] = expf(own - merged) / l;
+        if (quad == 0) {
+            lse[li[h]] = merged;
+        }
+    }
+    const unsigned a[4] = {pack_pair<P>(s[0][0], s[0][1]), pack_pair<P>(s[0][2], s[0][3]),
+                           pack_pair<P>(s[1][0], s[1][1]), pack_pair<P>(s[1][2], s[1][3])};
+    for (int c = 0; c < d; c += 32) {
+        float o[4][4];
+        mma_weights_by_rows<P>(a, vt, c, group, quad, o);
+        for (int h = 0; h < 2; ++h) {
+            const long long el = at[h] + c + 8 * quad;
+            float v[8], prev[8];
+            for (int s2 = 0; s2 < 4; ++s2) {
+                v[2 * s2] = o[s2][2 * h] * w2[h];
+                v[2 * s2 + 1] = o[s2][2 * h + 1] * w2[h];
+            }
+            if (w1[h] > 0.0f) {
+                unpack8<P>(*reinterpret_cast<const uint4 *>(o1 + el), prev);
+                for (int u = 0; u < 8; ++u) {
+                    v[u] = fmaf(w1[h], prev[u], v[u]);
+                }
+            }
+            store_n<P, 8>(out + el, v);
+        }
+    }
+}
+
+// The backward pass in the tensor-core form. Shared memory: the probabilities and score
+// gradients of the g * 16 rows, transposed ([16 keys, g * 16 + RPAD] each, storage type), then
+// for the rows' part the keys and values as stored and the keys transposed, for the keys' part
+// (after a barrier, in the same space) the queries and output gradients transposed ([d,
+// g * 16 + RPAD] each). Row i of the CUDA block is slot i % 16 of head kvh * g + i / 16.
+template <class P>
+static __device__ void block_attention_bwd_mma(
+    const typename P::T *q, const typename P::T *kb, const typename P::T *vb,
+    const typename P::T *out, const typename P::T *dout, const float *lse,
+    const long long *anchors, typename P::T *dq, typename P::T *dkb, typename P::T *dvb,
+    int heads, int kv, int d, int rows, float scale) {
+    typedef typename P::T T;
+    FUSED_DYNAMIC_SHARED(block_attn_shared);
+    const int g = heads / kv, width = g * 16 + BLOCK_ATTN_RPAD;
+    T *pt = reinterpret_cast<T *>(block_attn_shared), *dst = pt + 16 * width;
+    T *ks = dst + 16 * width, *vs = ks + 16 * (d + BLOCK_ATTN_KPAD),
+      *kt = vs + 16 * (d + BLOCK_ATTN_KPAD);
+    T *qt = ks, *gt = qt + d * width;   // the keys' part
+    const long long blk = blockIdx.x;
+    const int kvh = blockIdx.y;
+    block_kv_mma<P>(kb, vb, blk, kvh, kv, d, ks, kt, vs, nullptr);
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane >> 2, quad = lane & 3;
+    const int head = kvh * g + warp;
+    const bool add = anchors[blk] > 0;
+    long long at[2];
+    float total[2];
+    for (int h = 0; h < 2; ++h) {
+        const long long row = blk * 16 + group + 8 * h;
+        at[h] = (row * heads + head) * (long long)d;
+        const long long e = row / rows, r = row - e * rows;
+        total[h] = lse[(e * heads + head) * rows + r];
+    }
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    float dp[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    mma_rows_by_keys<P>(q + at[0], q + at[1], ks, d, group, quad, s);
+    mma_rows_by_keys<P>(dout + at[0], dout + at[1], vs, d, group, quad, dp);
+    // each row's dout . out over its quad's columns
+    float dot[2] = {0.0f, 0.0f};
+    for (int h = 0; h < 2; ++h) {
+        for (int c = 0; c < d; c += 32) {
+            float gr[8], o[8];
+            unpack8<P>(*reinterpret_cast<const uint4 *>(dout + at[h] + c + 8 * quad), gr);
+            unpack8<P>(*reinterpret_cast<const uint4 *>(out + at[h] + c + 8 * quad), o);
+            for (int u = 0; u < 8; ++u) {
+                dot[h] = fmaf(gr[u], o[u], dot[h]);
+            }
+        }
+        dot[h] = quad_sum(dot[h]);
+    }
+    // p = exp(scale s - lse), ds = p (dp - dot); both transposed into shared memory
+    for (int t = 0; t < 2; ++t) {
+        for (int i = 0; i < 4; ++i) {
+            const int h = i >> 1;
+            s[t][i] = expf(s[t][i] * scale - total[h]);
+            dp[t][i] = s[t][i] * (dp[t][i] - dot[h]);
+            const int key = 8 * t + 2 * quad + (i & 1), r = warp * 16 + group + 8 * h;
+            pt[key * width + r] = P::store(s[t][i]);
+            dst[key * width + r] = P::store(dp[t][i]);
+        }
+    }
+    // dq (+)= scale ds k
+    const unsigned a[4] = {pack_pair<P>(dp[0][0], dp[0][1]), pack_pair<P>(dp[0][2], dp[0][3]),
+                           pack_pair<P>(dp[1][0], dp[1][1]), pack_pair<P>(dp[1][2], dp[1][3])};
+    for (int c = 0; c < d; c += 32) {
+        float o[4][4];
+        mma_weights_by_rows<P>(a, kt, c, group, quad, o);
+        for (int h = 0; h < 2; ++h) {
+            const long long el = at[h] + c + 8 * quad;
+            float v[8], prev[8];
+            if (add) {
+                unpack8<P>(*reinterpret_cast<const uint4 *>(dq + el), prev);
+            }
+            for (int s2 = 0; s2 < 4; ++s2) {
+                for (int u = 0; u < 2; ++u) {
+                    const float x = scale * o[s2][2 * h + u];
+                    v[2 * s2 + u] = add ? x + prev[2 * s2 + u] : x;
+                }
+            }
+            store_n<P, 8>(dq + el, v);
+        }
+    }
+    __syncthreads();
+    // the keys' part: the rows' queries and output gradients transposed into shared memory
+    // (consecutive threads take consecutive rows, as block_kv_mma the keys)
+    const int per = d / 8;
+    for (int i = threadIdx.x; i < g * 16 * per; i += blockDim.x) {
+        const int r = i % (g * 16), c = (i / (g * 16)) * 8;
+        const long long el =
+            ((blk * 16 + r % 16) * heads + kvh * g + r / 16) * (long long)d + c;
+        const uint4 x = *reinterpret_cast<const uint4 *>(q + el);
+        const uint4 y = *reinterpret_cast<const uint4 *>(dout + el);
+        const T *xe = reinterpret_cast<const T *>(&x), *ye = reinterpret_cast<const T *>(&y);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            qt[(c + u) * width + r] = xe[u];
+            gt[(c + u) * width + r] = ye[u];
+        }
+    }
+    __syncthreads();
+    // dv = p^T dout and dk = scale ds^T q: 16 keys x 8 columns a tile, k over the g * 16 rows;
+    // the warps take the column tiles in turn
+    for (int tile = warp; tile < d / 8; tile += g) {
+        float dv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const int col = tile * 8 + group;
+        for (int k0 = 0; k0 < g * 16; k0 += 16) {
+            const int kk = k0 + 2 * quad;
+            const unsigned ap[4] = {
+                *reinterpret_cast<const unsigned *>(pt + group * width + kk),
+                *reinterpret_cast<const unsigned *>(pt + (group + 8) * width + kk),
+                *reinterpret_cast<const unsigned *>(pt + group * width + kk + 8),
+                *reinterpret_cast<const unsigned *>(pt + (group + 8) * width + kk + 8)};
+            const unsigned ad[4] = {
+                *reinterpret_cast<const unsigned *>(dst + group * width + kk),
+                *reinterpret_cast<const unsigned *>(dst + (group + 8) * width + kk),
+                *reinterpret_cast<const unsigned *>(dst + group * width + kk + 8),
+                *reinterpret_cast<const unsigned *>(dst + (group + 8) * width + kk + 8)};
+            mma_16816(P{}, dv, ap, *reinterpret_cast<const unsigned *>(gt + col * width + kk),
+                      *reinterpret_cast<const unsigned *>(gt + col * width + kk + 8));
+            mma_16816(P{}, dk, ad, *reinterpret_cast<const unsigned *>(qt + col * width + kk),
+                      *reinterpret_cast<const unsigned *>(qt + col * width + kk + 8));
+        }
+        for (int h = 0; h < 2; ++h) {
+            const long long el =
+                ((blk * 16 + group + 8 * h) * kv + kvh) * (long long)d + tile * 8 + 2 * quad;
+            *reinterpret_cast<unsigned *>(dvb + el) = pack_pair<P>(dv[2 * h], dv[2 * h + 1]);
+            *reinterpret_cast<unsigned *>(dkb + el) =
+                pack_pair<P>(scale * dk[2 * h], scale * dk[2 * h + 1]);
+        }
+    }
+}
+
 template <class P>
 static __device__ void block_attention_fwd(
     const typename P::T *__restrict__ q, const typename P::T *__restrict__ kb,
@@ -1967,6 +2347,13 @@ static __device__ void block_attention_fwd(
     const float *__restrict__ lse1, const long long *__restrict__ anchors,
     typename P::T *__restrict__ out, float *__restrict__ lse, int heads, int kv, int d, int bs,
     int rows, float scale, int lanes) {
+    if constexpr (sizeof(typename P::T) == 2) {
+        if (lanes == BLOCK_ATTN_MMA) {
+            block_attention_fwd_mma<P>(q, kb, vb, o1, lse1, anchors, out, lse, heads, kv, d, rows,
+                                       scale);
+            return;
+        }
+    }
     FUSED_DYNAMIC_SHARED(block_attn_shared);
     float *ks = reinterpret_cast<float *>(block_attn_shared), *vs = ks + bs * d;
     const long long blk = blockIdx.x;
@@ -2102,6 +2489,13 @@ static __device__ void block_attention_bwd(
     const long long *__restrict__ anchors, typename P::T *__restrict__ dq,
     typename P::T *__restrict__ dkb, typename P::T *__restrict__ dvb, int heads, int kv, int d,
     int bs, int rows, float scale, int lanes) {
+    if constexpr (sizeof(typename P::T) == 2) {
+        if (lanes == BLOCK_ATTN_MMA) {
+            block_attention_bwd_mma<P>(q, kb, vb, out, dout, lse, anchors, dq, dkb, dvb, heads, kv,
+                                       d, rows, scale);
+            return;
+        }
+    }
     FUSED_DYNAMIC_SHARED(block_attn_shared);
     const int g = heads / kv;
     float *ks = reinterpret_cast<float *>(block_attn_shared), *vs = ks + bs * d;

@@ -6,7 +6,8 @@
 // Dynamic shared memory is emu::dynamic_shared, which the caller sizes before a launch.
 // Inline assembly is dropped: kernels that need it (f16 conversions) compute garbage here; the
 // few helpers that are inline assembly on the GPU and that the kernels' sources leave to the
-// emulation where DFLASH_EMULATED_ASM is defined (TF32 rounding, mma.sync m16n8k8 TF32, cp.async)
+// emulation where DFLASH_EMULATED_ASM is defined (TF32 rounding, mma.sync m16n8k8 TF32 and
+// m16n8k16 bf16 / f16, cp.async)
 // are defined below with the same meaning.
 #pragma once
 
@@ -40,6 +41,9 @@ struct alignas(8) float2 {
 };
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
 };
 
 namespace emu {
@@ -248,6 +252,75 @@ inline void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigne
     for (int r = 0; r < 4; ++r) {
         d[r] = result[r];
     }
+}
+
+// IEEE half bits as a float (normals, subnormals, infinities, NaN).
+inline float half_bits_to_float(unsigned h) {
+    const unsigned sign = (h >> 15) & 1u, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    float v;
+    if (exp == 0) {
+        v = std::ldexp((float)man, -24);
+    } else if (exp == 31) {
+        v = man != 0 ? NAN : INFINITY;
+    } else {
+        v = std::ldexp((float)(man | 0x400u), (int)exp - 25);
+    }
+    return sign != 0 ? -v : v;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.f32, d += a b, over the warp, as mma_tf32:
+// A 16 x 16 (a[0] = row g, k 2 t4 .. +1; a[1] = row g + 8; a[2] = row g, k 8 + 2 t4 ..; a[3] =
+// row g + 8, k 8 + 2 t4 ..), B 16 x 8 (b0 = k 2 t4 .. +1, n g; b1 = k 8 + 2 t4 ..), each
+// register two elements, the first in its low half; products exact, sums in double.
+inline void mma_16816_emulated(bool bf16, float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                               unsigned b1) {
+    const unsigned t = threadIdx.x, lane = t % 32, base = t - lane;
+    auto &barrier = *emu::warp_barriers[t / 32];
+    emu::MmaOperands &mine = emu::mma_operands[t];
+    for (int i = 0; i < 4; ++i) {
+        mine.a[i] = a[i];
+        mine.c[i] = d[i];
+    }
+    mine.b[0] = b0;
+    mine.b[1] = b1;
+    barrier.arrive_and_wait();
+    const auto half = [bf16](unsigned x, int which) {
+        const unsigned h = which == 0 ? x & 0xffffu : x >> 16;
+        return bf16 ? (double)__uint_as_float(h << 16) : (double)half_bits_to_float(h);
+    };
+    double A[16][16], B[16][8];
+    for (unsigned l = 0; l < 32; ++l) {
+        const emu::MmaOperands &o = emu::mma_operands[base + l];
+        const unsigned g = l >> 2, t4 = l & 3;
+        for (int u = 0; u < 2; ++u) {
+            A[g][2 * t4 + u] = half(o.a[0], u);
+            A[g + 8][2 * t4 + u] = half(o.a[1], u);
+            A[g][8 + 2 * t4 + u] = half(o.a[2], u);
+            A[g + 8][8 + 2 * t4 + u] = half(o.a[3], u);
+            B[2 * t4 + u][g] = half(o.b[0], u);
+            B[8 + 2 * t4 + u][g] = half(o.b[1], u);
+        }
+    }
+    const unsigned g = lane >> 2, t4 = lane & 3;
+    float result[4];
+    for (int r = 0; r < 4; ++r) {
+        const unsigned row = g + 8 * (r >> 1), col = 2 * t4 + (r & 1);
+        double acc = mine.c[r];
+        for (int k = 0; k < 16; ++k) {
+            acc += A[row][k] * B[k][col];
+        }
+        result[r] = (float)acc;
+    }
+    barrier.arrive_and_wait();   // every lane has read the others' fragments
+    for (int r = 0; r < 4; ++r) {
+        d[r] = result[r];
+    }
+}
+inline void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    mma_16816_emulated(true, d, a, b0, b1);
+}
+inline void mma_f16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    mma_16816_emulated(false, d, a, b0, b1);
 }
 
 // cp.async of 16 bytes (zeros where !valid), done at once; waiting for it is then nothing.

@@ -483,7 +483,7 @@ static bool run_rotate_write(const char *name,
 // against the values' mean magnitude (compare_scaled).
 template <class P>
 static bool run_block_attention(const char *name, int entries, int blocks, int bs, int heads,
-                                int kv, int d, int context, double rel) {
+                                int kv, int d, int context, double rel, bool mma = false) {
     typedef typename P::T T;
     std::mt19937 rng(17 + entries + blocks + bs + heads + d);
     std::normal_distribution<float> normal;
@@ -590,10 +590,16 @@ static bool run_block_attention(const char *name, int entries, int blocks, int b
     std::vector<float> lse_got(R * heads, NAN);
     // the warp-cooperative form where a head is 8 or 16 vectors of 16 bytes, as the Rust side
     // launches it
+    // (or the tensor-core form: a warp per head of the block's kv head, shared memory as
+    // fused_block_attention.rs sizes it)
     const int vec = 16 / (int)sizeof(T);
-    const int lanes = d == 8 * vec ? 8 : d == 16 * vec ? 16 : 0;
-    const unsigned threads = lanes > 0 ? 128u : (unsigned)(g * bs);
-    emu::dynamic_shared.assign((2 * bs * d + 2 * g * bs * 16) / 4 + 1, float4{});
+    const int lanes = mma ? BLOCK_ATTN_MMA : d == 8 * vec ? 8 : d == 16 * vec ? 16 : 0;
+    const unsigned threads = mma ? 32u * g : lanes > 0 ? 128u : (unsigned)(g * bs);
+    const int width = g * 16 + BLOCK_ATTN_RPAD, keys = 16 * (d + BLOCK_ATTN_KPAD);
+    const long long mma_bytes =
+        2 * (2 * 16 * width + std::max(2 * keys + 16 * d, 2 * d * width));
+    emu::dynamic_shared.assign(
+        std::max<long long>((2 * bs * d + 2 * g * bs * 16) / 4, mma_bytes / 16) + 1, float4{});
     emu::launch({(unsigned)(R / bs), (unsigned)kv, 1}, threads, [&] {
         block_attention_fwd_bf16_or<P>(q.data(), kb.data(), vb.data(), o1.data(), lse1.data(),
                                        anchors.data(), out.data(), lse_got.data(), heads, kv, d,
@@ -1400,6 +1406,18 @@ int main() {
                                     3, 5, 3, 1, 64, 12, 1e-2);
     ok &= run_block_attention<F32>("block_attention f32: 2 x 2 blocks of 5, 3/1 heads of 6", 2,
                                    2, 5, 3, 1, 6, 7, 1e-5);
+    // the tensor-core form (blocks of 16, bf16): 4 heads over 2 of 128 (four warps a block, the
+    // column tiles of the keys' gradients two a warp); 3 heads over 1 of 64 (8 tiles over 3
+    // warps); 2 heads over 2 of 32 (one warp, one column chunk). Its products read the
+    // probabilities and score gradients rounded to bf16, as flash attention's do (the context
+    // part's cuDNN kernels too): up to about 1.2e-2 here where the forms above are within 7e-3;
+    // a wrong row, head, key or column is O(1) off.
+    ok &= run_block_attention<Bf16>("block_attention mma bf16: 2 x 2 blocks of 16, 4/2 heads of 128",
+                                    2, 2, 16, 4, 2, 128, 20, 2e-2, true);
+    ok &= run_block_attention<Bf16>("block_attention mma bf16: 2 x 3 blocks of 16, 3/1 heads of 64",
+                                    2, 3, 16, 3, 1, 64, 40, 2e-2, true);
+    ok &= run_block_attention<Bf16>("block_attention mma bf16: 3 x 1 blocks of 16, 2/2 heads of 32",
+                                    3, 1, 16, 2, 2, 32, 9, 2e-2, true);
     // SwiGLU's node: forward and backward, 3 blocks of 256 threads looping over 2000 elements
     ok &= run_swiglu<Bf16>("swiglu bf16: 2000 (vectors)", swiglu_bf16, 2000, bf16_rel, bf16_exact);
     ok &= run_swiglu<Bf16>("swiglu bf16: 1999 (elements)", swiglu_bf16, 1999, bf16_rel,
