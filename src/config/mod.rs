@@ -273,7 +273,7 @@ pub struct TrainSection {
     /// about 1 / tau of the time), so the hard positions where decoding spends its steps count
     /// more. Default 0.
     pub streak_tau_power: f64,
-    /// Formulation of the training attention, all exact: "grouped" (groups of 64 consecutive
+    /// Formulation of the training attention, all exact: "grouped" (groups of 128 consecutive
     /// blocks over their context in place, each block over its own keys apart; where the fused
     /// kernels run, in bf16 / f16 without sliding-window layers, else "chunked"), "grouped:G"
     /// (G blocks a group, a power of two up to 1024), "chunked"

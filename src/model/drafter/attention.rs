@@ -7,8 +7,12 @@ use std::str::FromStr;
 
 use anyhow::{bail, Result};
 
-/// Blocks a group of the grouped form by default (1,024 query rows with blocks of 16).
-pub const DEFAULT_GROUP_BLOCKS: i64 = 64;
+/// Blocks a group of the grouped form by default (2,048 query rows with blocks of 16). At the
+/// 8B shape on an H100 (docs/benchmarks.md, 2026-12-06, eighteenth session) groups of 128 ran
+/// 6.75 to 6.77 samples/s against 6.61 to 6.65 for 64 and 6.51 for 32. The drafter's step
+/// alone was the same for 128 and 64 (half the cuDNN calls, more masked keys each); the whole
+/// pipeline, target and drafter on one GPU, ran 2 % faster.
+pub const DEFAULT_GROUP_BLOCKS: i64 = 128;
 
 /// The largest group the text form takes (cuDNN plans a shape per group size up to it).
 const MAX_GROUP_BLOCKS: usize = 1024;

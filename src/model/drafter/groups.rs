@@ -14,7 +14,7 @@
 //! group's last anchor and its block's own keys only.
 //!
 //! The groups' shapes repeat (cuDNN builds a plan per shape, tens of milliseconds of host time
-//! each): groups of the configured size (`grouped:G`, a power of two; 64 blocks by default), and
+//! each): groups of the configured size (`grouped:G`, a power of two; 128 blocks by default), and
 //! a sequence's remaining blocks in groups of the powers of two of their count; contexts
 //! bucketed by [`context_bucket`].
 
