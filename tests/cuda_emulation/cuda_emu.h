@@ -212,12 +212,12 @@ inline unsigned tf32_bits(float x) {
     return u & 0xffffe000u;
 }
 
-// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, d += a b, over the warp: every lane puts
-// its fragments down, each computes its four results from the whole tiles (fragment layouts of
-// the PTX ISA; the tensor cores read only the TF32 bits of an operand), then all move on.
-inline void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    const unsigned t = threadIdx.x, lane = t % 32, base = t - lane;
-    auto &barrier = *emu::warp_barriers[t / 32];
+// An emulated mma.sync of the warp, in two steps: every lane puts its fragments down (a, b and
+// its accumulators), then (mma_result) each computes its four results from the whole tiles,
+// rebuilt by the caller from every lane's operands, and all move on together.
+inline void mma_operands_down(const float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                              unsigned b1) {
+    const unsigned t = threadIdx.x;
     emu::MmaOperands &mine = emu::mma_operands[t];
     for (int i = 0; i < 4; ++i) {
         mine.a[i] = a[i];
@@ -225,7 +225,34 @@ inline void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigne
     }
     mine.b[0] = b0;
     mine.b[1] = b1;
-    barrier.arrive_and_wait();
+    emu::warp_barriers[t / 32]->arrive_and_wait();
+}
+
+// d = c + A B for the lane's C elements (row g or g + 8, column 2 t4 or 2 t4 + 1), in double.
+template <int K>
+inline void mma_result(float (&d)[4], const double (&A)[16][K], const double (&B)[K][8]) {
+    const unsigned t = threadIdx.x, lane = t % 32;
+    const unsigned g = lane >> 2, t4 = lane & 3;
+    float result[4];
+    for (int r = 0; r < 4; ++r) {
+        const unsigned row = g + 8 * (r >> 1), col = 2 * t4 + (r & 1);
+        double acc = emu::mma_operands[t].c[r];
+        for (int k = 0; k < K; ++k) {
+            acc += A[row][k] * B[k][col];
+        }
+        result[r] = (float)acc;
+    }
+    emu::warp_barriers[t / 32]->arrive_and_wait();   // every lane has read the others' fragments
+    for (int r = 0; r < 4; ++r) {
+        d[r] = result[r];
+    }
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, d += a b, over the warp (fragment layouts
+// of the PTX ISA; the tensor cores read only the TF32 bits of an operand).
+inline void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    mma_operands_down(d, a, b0, b1);
+    const unsigned base = threadIdx.x - threadIdx.x % 32;
     const auto operand = [](unsigned x) { return (double)__uint_as_float(x & 0xffffe000u); };
     double A[16][8], B[8][8];
     for (unsigned l = 0; l < 32; ++l) {
@@ -238,20 +265,7 @@ inline void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigne
         B[t4][g] = operand(o.b[0]);
         B[t4 + 4][g] = operand(o.b[1]);
     }
-    const unsigned g = lane >> 2, t4 = lane & 3;
-    float result[4];
-    for (int r = 0; r < 4; ++r) {
-        const unsigned row = g + 8 * (r >> 1), col = 2 * t4 + (r & 1);
-        double acc = mine.c[r];
-        for (int k = 0; k < 8; ++k) {
-            acc += A[row][k] * B[k][col];
-        }
-        result[r] = (float)acc;
-    }
-    barrier.arrive_and_wait();   // every lane has read the others' fragments
-    for (int r = 0; r < 4; ++r) {
-        d[r] = result[r];
-    }
+    mma_result<8>(d, A, B);
 }
 
 // IEEE half bits as a float (normals, subnormals, infinities, NaN).
@@ -274,16 +288,8 @@ inline float half_bits_to_float(unsigned h) {
 // register two elements, the first in its low half; products exact, sums in double.
 inline void mma_16816_emulated(bool bf16, float (&d)[4], const unsigned (&a)[4], unsigned b0,
                                unsigned b1) {
-    const unsigned t = threadIdx.x, lane = t % 32, base = t - lane;
-    auto &barrier = *emu::warp_barriers[t / 32];
-    emu::MmaOperands &mine = emu::mma_operands[t];
-    for (int i = 0; i < 4; ++i) {
-        mine.a[i] = a[i];
-        mine.c[i] = d[i];
-    }
-    mine.b[0] = b0;
-    mine.b[1] = b1;
-    barrier.arrive_and_wait();
+    mma_operands_down(d, a, b0, b1);
+    const unsigned base = threadIdx.x - threadIdx.x % 32;
     const auto half = [bf16](unsigned x, int which) {
         const unsigned h = which == 0 ? x & 0xffffu : x >> 16;
         return bf16 ? (double)__uint_as_float(h << 16) : (double)half_bits_to_float(h);
@@ -301,20 +307,7 @@ inline void mma_16816_emulated(bool bf16, float (&d)[4], const unsigned (&a)[4],
             B[8 + 2 * t4 + u][g] = half(o.b[1], u);
         }
     }
-    const unsigned g = lane >> 2, t4 = lane & 3;
-    float result[4];
-    for (int r = 0; r < 4; ++r) {
-        const unsigned row = g + 8 * (r >> 1), col = 2 * t4 + (r & 1);
-        double acc = mine.c[r];
-        for (int k = 0; k < 16; ++k) {
-            acc += A[row][k] * B[k][col];
-        }
-        result[r] = (float)acc;
-    }
-    barrier.arrive_and_wait();   // every lane has read the others' fragments
-    for (int r = 0; r < 4; ++r) {
-        d[r] = result[r];
-    }
+    mma_result<16>(d, A, B);
 }
 inline void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     mma_16816_emulated(true, d, a, b0, b1);
