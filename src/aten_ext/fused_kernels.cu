@@ -1779,6 +1779,23 @@ static __device__ __forceinline__ void block_kv_raw(const typename P::T *kb,
     __syncthreads();
 }
 
+// A round's row of the calling thread's lanes in the warp-cooperative form: its index among the
+// CUDA block's g * bs rows as wanted (`want`, maybe past the end) and as computed (`ri`, the last
+// row there), its query head, its row and the offset of the lane's vector in q-shaped tensors.
+struct LaneRow {
+    int want, ri, head;
+    long long row, at;
+};
+template <int LANES>
+static __device__ __forceinline__ LaneRow lane_row(int first, long long blk, int kvh, int g,
+                                                   int bs, int heads, int d, int c0) {
+    const int want = first + (int)threadIdx.x / LANES;
+    const int ri = want < g * bs ? want : g * bs - 1;
+    const int head = kvh * g + ri / bs;
+    const long long row = blk * bs + ri % bs;
+    return {want, ri, head, row, (row * heads + head) * (long long)d + c0};
+}
+
 template <class P, int LANES>
 static __device__ void block_attention_fwd_lanes(
     const typename P::T *q, const typename P::T *o1, const float *lse1, const long long *anchors,
@@ -1791,11 +1808,8 @@ static __device__ void block_attention_fwd_lanes(
     // every lane of a warp runs the same rounds (the shuffles): rows past the end are computed
     // on the last row and not written
     for (int first = 0; first < g * bs; first += groups) {
-        const int want = first + (int)threadIdx.x / LANES;
-        const int ri = want < g * bs ? want : g * bs - 1;
-        const int head = kvh * g + ri / bs;
-        const long long row = blk * bs + ri % bs;
-        const long long at = (row * heads + head) * (long long)d + c0;
+        const auto [want, ri, head, row, at] =
+            lane_row<LANES>(first, blk, kvh, g, bs, heads, d, c0);
         // the row's loads first, so that they are in flight together
         float x[VEC], s[BLOCK_ATTN_MAX], prev[VEC];
         load_n<P, VEC>(q + at, x);
@@ -1861,11 +1875,8 @@ static __device__ void block_attention_bwd_lanes(
     const int groups = blockDim.x / LANES;
     const bool add = anchors[blk] > 0;
     for (int first = 0; first < g * bs; first += groups) {
-        const int want = first + (int)threadIdx.x / LANES;
-        const int ri = want < g * bs ? want : g * bs - 1;
-        const int head = kvh * g + ri / bs;
-        const long long row = blk * bs + ri % bs;
-        const long long at = (row * heads + head) * (long long)d + c0;
+        const auto [want, ri, head, row, at] =
+            lane_row<LANES>(first, blk, kvh, g, bs, heads, d, c0);
         // the row's loads first, so that they are in flight together
         float x[VEC], s[BLOCK_ATTN_MAX], dp[BLOCK_ATTN_MAX], gr[VEC], o[VEC], prev[VEC];
         load_n<P, VEC>(q + at, x);
